@@ -1,0 +1,116 @@
+"""Configuration of ViT data-parallel balancing.
+
+One frozen dataclass, :class:`ViTBalanceConfig`, serves three front ends: Python keyword
+arguments, LightningCLI YAML (it is a plain typed dataclass) and the seed trainer's argparse
+flags (see :mod:`lightning_vit_balance.lightning.flags`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["EMPTY_RANK_POLICIES", "SOLVERS", "ViTBalanceConfig"]
+
+SOLVERS: tuple[str, ...] = ("locality", "seed")
+EMPTY_RANK_POLICIES: tuple[str, ...] = ("attached", "no_grad")
+
+
+def _fail(name: str, value: object, expected: str) -> None:
+    raise ValueError(f"ViTBalanceConfig.{name}={value!r} is invalid: expected {expected}.")
+
+
+def _check_number(name: str, value: object, expected: str, accept: Callable[[float], bool]) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not accept(float(value))
+    ):
+        _fail(name, value, f"a finite number {expected}")
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _fail(name, value, f"an int >= {minimum}")
+
+
+@dataclass(frozen=True)
+class ViTBalanceConfig:
+    """How (and whether) ViT work is balanced across data-parallel ranks.
+
+    Args:
+        enabled: Balance at all. The seed's ``--use-vit-dp-balance`` flag defaults to off; a config
+            built in Python (or an absent one on a module using the mixin) means balancing is wanted,
+            so the dataclass default is on. Set ``False`` to call the ViT directly.
+        max_len_ratio: The seed's ``--dp-balance-max-len-ratio-vit``: no rank receives more than
+            ``mean_patches_per_rank * max_len_ratio`` patches when that is achievable. ``None``
+            (default) means no cap. Must be at least 1.
+        trigger_threshold: The seed's ``--dp-balance-trigger-threshold-vit``: skip balancing when
+            the imbalance ratio ``max_load / mean_load - 1`` is below this value. Default 0.2.
+        verbose: The seed's ``--dp-balance-verbose``: DP rank 0 prints a report per call
+            (decision, reason, imbalance, load per rank, cumulative applied/total).
+        solver: ``"locality"`` (default): fast, keeps images at home unless moving them helps and
+            balances around a dominating image. ``"seed"``: the seed's LPT plus move/swap refinement
+            and skip rules, for comparison.
+        cost_quadratic: ``a`` in the image cost
+            ``a*l**2 + w*l*min(l, window) + b*l + c`` of an image with ``l`` patches. The defaults
+            (``a=1``, the rest 0) are the seed's ``l**2``. :class:`~lightning_vit_balance.CostModel`
+            derives all five from a ViT's shape or fits them to timings; ``CostModel.to_config``
+            puts them here.
+        cost_linear: ``b``, the per-patch term (MLP and projections).
+        cost_constant: ``c``, the fixed cost per image.
+        cost_windowed: ``w``, the windowed-attention term.
+        cost_window_patches: ``window``, patches per attention window (0: no windowed layers).
+        refine_tolerance: Seed solver: stop refining once ``(max - min) / min`` is below this.
+        refine_iterations: Seed solver: at most this many move/swap refinements.
+        min_gain: Locality solver: skip (reason ``"no-gain"``) when the plan lowers the makespan
+            by less than this fraction of the unbalanced makespan, since the exchange would cost
+            more than it saves.
+        empty_rank_forward: What a rank left with no images does so that every rank runs the
+            same forward: ``"attached"`` (default) runs the ViT on one tiny dummy image and returns
+            zero-row outputs still attached to the ViT's parameters (DDP without
+            ``find_unused_parameters`` and FSDP keep working); ``"no_grad"`` runs the dummy forward
+            without autograd (cheaper, for setups that tolerate unused parameters).
+        gather_capacity: Images per rank that fit in the single metadata all_gather. A step where
+            some rank has more images needs one extra all_gather sized to the largest count.
+    """
+
+    enabled: bool = True
+    max_len_ratio: float | None = None
+    trigger_threshold: float = 0.2
+    verbose: bool = False
+    solver: Literal["locality", "seed"] = "locality"
+    cost_quadratic: float = 1.0
+    cost_linear: float = 0.0
+    cost_constant: float = 0.0
+    cost_windowed: float = 0.0
+    cost_window_patches: int = 0
+    refine_tolerance: float = 0.05
+    refine_iterations: int = 20
+    min_gain: float = 0.02
+    empty_rank_forward: Literal["attached", "no_grad"] = "attached"
+    gather_capacity: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("enabled", "verbose"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "a bool")
+        if self.max_len_ratio is not None:
+            _check_number("max_len_ratio", self.max_len_ratio, ">= 1.0", lambda v: v >= 1.0)
+        _check_number("trigger_threshold", self.trigger_threshold, ">= 0", lambda v: v >= 0)
+        _check_number("refine_tolerance", self.refine_tolerance, ">= 0", lambda v: v >= 0)
+        _check_number("min_gain", self.min_gain, "in [0, 1)", lambda v: 0 <= v < 1)
+        _check_int("refine_iterations", self.refine_iterations, 0)
+        _check_int("gather_capacity", self.gather_capacity, 1)
+        if self.solver not in SOLVERS:
+            _fail("solver", self.solver, f"one of {SOLVERS}")
+        if self.empty_rank_forward not in EMPTY_RANK_POLICIES:
+            _fail("empty_rank_forward", self.empty_rank_forward, f"one of {EMPTY_RANK_POLICIES}")
+        for name in ("cost_quadratic", "cost_linear", "cost_constant", "cost_windowed"):
+            _check_number(name, getattr(self, name), ">= 0", lambda v: v >= 0)
+        _check_int("cost_window_patches", self.cost_window_patches, 0)
+        if self.cost_quadratic + self.cost_linear + self.cost_constant + self.cost_windowed <= 0:
+            _fail("cost_quadratic", self.cost_quadratic, "at least one cost coefficient > 0")

@@ -1,7 +1,31 @@
 """Balance vision-encoder (ViT) work across data-parallel ranks in VLM training."""
 
+from lightning_vit_balance.balancer import BalanceStats, ViTBalancer, balanced_encode
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
+from lightning_vit_balance.lightning import (
+    ViTBalanceCallback,
+    ViTBalanceMixin,
+    add_vit_balance_args,
+    dp_group_from_strategy,
+    vit_balance_config_from_args,
+)
+from lightning_vit_balance.outputs import OutputLayout
 from lightning_vit_balance.planning import REASONS, RebalancePlan, plan_rebalance
 
-__all__ = ["REASONS", "CostModel", "RebalancePlan", "ViTBalanceConfig", "plan_rebalance"]
+__all__ = [
+    "REASONS",
+    "BalanceStats",
+    "CostModel",
+    "OutputLayout",
+    "RebalancePlan",
+    "ViTBalanceCallback",
+    "ViTBalanceConfig",
+    "ViTBalanceMixin",
+    "ViTBalancer",
+    "add_vit_balance_args",
+    "balanced_encode",
+    "dp_group_from_strategy",
+    "plan_rebalance",
+    "vit_balance_config_from_args",
+]

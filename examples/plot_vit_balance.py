@@ -1,0 +1,265 @@
+"""Draw a ViT-balance dashboard from the metrics that ``ViTBalanceCallback`` logged.
+
+Works on any CSV (Lightning's ``CSVLogger`` ``metrics.csv``) or TensorBoard event file (no
+TensorBoard install needed) that holds the ``vit_balance/...`` keys::
+
+    python examples/plot_vit_balance.py lightning_logs/version_0 -o vit_balance.png
+
+The picture has three panels: the imbalance ``max/mean - 1`` before and after balancing per step
+(applied steps marked), and the ViT load of every data-parallel rank without and with balancing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["find_metric_files", "load_metrics", "main", "plot_dashboard", "read_csv", "read_tensorboard"]
+
+PREFIX = "vit_balance/"
+
+#: ``metrics[key]`` is a list of ``(step, value)`` pairs sorted by step.
+Metrics = dict[str, list[tuple[int, float]]]
+
+
+def read_csv(path: str | Path) -> Metrics:
+    """Read a Lightning ``CSVLogger`` ``metrics.csv``: one column per key, empty cells skipped."""
+    metrics: Metrics = {}
+    with open(path, newline="") as handle:
+        for row in csv.DictReader(handle):
+            step_text = row.get("step") or ""
+            if not step_text:
+                continue
+            step = int(float(step_text))
+            for key, text in row.items():
+                if key in ("step", "epoch") or key is None or text in (None, ""):
+                    continue
+                value = float(text)
+                if math.isfinite(value):
+                    metrics.setdefault(key, []).append((step, value))
+    return {key: sorted(pairs) for key, pairs in metrics.items()}
+
+
+def _varints(data: bytes) -> Iterator[tuple[int, int, int | bytes]]:
+    """Yield ``(field_number, wire_type, value)`` of a protobuf message (varint/len/fixed)."""
+    pos = 0
+
+    def varint() -> int:
+        nonlocal pos
+        result = shift = 0
+        while True:
+            byte = data[pos]
+            pos += 1
+            result |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                return result
+
+    while pos < len(data):
+        key = varint()
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            yield field, wire, varint()
+        elif wire == 1:
+            yield field, wire, data[pos : pos + 8]
+            pos += 8
+        elif wire == 2:
+            size = varint()
+            yield field, wire, data[pos : pos + size]
+            pos += size
+        elif wire == 5:
+            yield field, wire, data[pos : pos + 4]
+            pos += 4
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire} in a TensorBoard event")
+
+
+def _scalar_of_tensor(tensor: bytes) -> float | None:
+    """A float scalar stored as a ``TensorProto`` (TF2-style summaries)."""
+    for field, _, value in _varints(tensor):
+        if field == 4 and isinstance(value, bytes) and len(value) in (4, 8):  # tensor_content
+            return struct.unpack("<f" if len(value) == 4 else "<d", value)[0]
+        elif field == 5 and isinstance(value, bytes):  # float_val (packed or single)
+            return struct.unpack("<f", value[:4])[0]
+        elif field == 6 and isinstance(value, bytes):  # double_val
+            return struct.unpack("<d", value[:8])[0]
+    return None
+
+
+def read_tensorboard(path: str | Path) -> Metrics:
+    """Read the scalars of a TensorBoard event file (TFRecord of ``Event`` protobufs)."""
+    metrics: Metrics = {}
+    data = Path(path).read_bytes()
+    pos = 0
+    while pos + 12 <= len(data):
+        (length,) = struct.unpack("<Q", data[pos : pos + 8])
+        record = data[pos + 12 : pos + 12 + length]  # skip length and its CRC
+        pos += 12 + length + 4  # and the record's CRC
+        step, summary = 0, None
+        for field, _, value in _varints(record):
+            if field == 2:
+                step = int(value)  # type: ignore[arg-type]
+            elif field == 5:
+                summary = value
+        if not isinstance(summary, bytes):
+            continue
+        for field, _, entry in _varints(summary):
+            if field != 1 or not isinstance(entry, bytes):
+                continue
+            tag, scalar = None, None
+            for vfield, _, vvalue in _varints(entry):
+                if vfield == 1 and isinstance(vvalue, bytes):
+                    tag = vvalue.decode()
+                elif vfield == 2 and isinstance(vvalue, bytes):  # simple_value
+                    scalar = struct.unpack("<f", vvalue)[0]
+                elif vfield == 8 and isinstance(vvalue, bytes):
+                    scalar = _scalar_of_tensor(vvalue)
+            if tag is not None and scalar is not None and math.isfinite(scalar):
+                metrics.setdefault(tag, []).append((step, float(scalar)))
+    return {key: sorted(pairs) for key, pairs in metrics.items()}
+
+
+def find_metric_files(path: str | Path) -> list[Path]:
+    """The ``metrics.csv`` and ``events.out.tfevents.*`` files at or under ``path``."""
+    root = Path(path)
+    if root.is_file():
+        return [root]
+    if not root.is_dir():
+        raise FileNotFoundError(f"path={str(root)!r} is neither a metrics file nor a log directory.")
+    found = sorted(root.rglob("metrics.csv")) + sorted(root.rglob("events.out.tfevents.*"))
+    if not found:
+        raise FileNotFoundError(
+            f"path={str(root)!r} holds no metrics.csv or events.out.tfevents.* file; pass the log "
+            "directory of a Trainer that ran with ViTBalanceCallback."
+        )
+    return found
+
+
+def load_metrics(path: str | Path) -> Metrics:
+    """All ``vit_balance/...`` series found at or under ``path`` (CSV or TensorBoard)."""
+    metrics: Metrics = {}
+    for file in find_metric_files(path):
+        part = read_csv(file) if file.suffix == ".csv" else read_tensorboard(file)
+        for key, pairs in part.items():
+            if key.startswith(PREFIX):
+                metrics.setdefault(key, []).extend(pairs)
+    if not metrics:
+        raise ValueError(f"no '{PREFIX}...' metrics under path={str(path)!r}; was ViTBalanceCallback used?")
+    return {key: sorted(pairs) for key, pairs in metrics.items()}
+
+
+def _rank_series(metrics: Mapping[str, Sequence[tuple[int, float]]], kind: str) -> dict[int, list]:
+    """``{rank: [(step, load), ...]}`` for ``vit_balance/load_{kind}/rank_{r}``."""
+    prefix = f"{PREFIX}load_{kind}/rank_"
+    series = {}
+    for key, pairs in metrics.items():
+        if key.startswith(prefix) and key[len(prefix) :].isdigit():
+            series[int(key[len(prefix) :])] = list(pairs)
+    return dict(sorted(series.items()))
+
+
+def plot_dashboard(
+    metrics: Mapping[str, Sequence[tuple[int, float]]],
+    output: str | Path,
+    *,
+    title: str = "ViT data-parallel balance",
+    timings: Mapping[str, Sequence[tuple[int, float]]] | None = None,
+) -> Path:
+    """Write the dashboard PNG.
+
+    Args:
+        metrics: ``{key: [(step, value), ...]}`` as :func:`load_metrics` returns.
+        output: PNG path (parent directories are created).
+        title: Figure title.
+        timings: Optional ``{label: [(step, seconds), ...]}`` (e.g. the slowest rank's ViT time
+            with and without balancing) drawn as a fourth panel.
+
+    Returns:
+        The written path.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    before = metrics.get(f"{PREFIX}imbalance_before", [])
+    after = metrics.get(f"{PREFIX}imbalance_after", [])
+    applied = dict(metrics.get(f"{PREFIX}applied", []))
+    loads = {"before": _rank_series(metrics, "before"), "after": _rank_series(metrics, "after")}
+    panels = 3 + (1 if timings else 0)
+    fig, axes = plt.subplots(panels, 1, figsize=(10, 2.6 * panels + 0.6), sharex=False)
+    fig.suptitle(title, fontsize=13)
+
+    ax = axes[0]
+    if before:
+        ax.plot(*zip(*before), color="tab:red", marker="o", ms=3, label="before (as the data came)")
+    if after:
+        ax.plot(*zip(*after), color="tab:green", marker="o", ms=3, label="after balancing")
+    applied_steps = [step for step, value in applied.items() if value > 0.5]
+    if applied_steps and before:
+        lookup = dict(before)
+        marks = [(s, lookup[s]) for s in applied_steps if s in lookup]
+        if marks:
+            ax.scatter(*zip(*marks), s=60, facecolors="none", edgecolors="black", label="applied", zorder=3)
+    ax.set_ylabel("max/mean - 1")
+    ax.set_title("Imbalance of ViT load across ranks, per step")
+    ax.legend(loc="upper right", fontsize=8)
+    ax.grid(alpha=0.3)
+
+    peak = max(
+        (value for series in loads.values() for pairs in series.values() for _, value in pairs), default=1.0
+    )
+    for ax, kind, label in (
+        (axes[1], "before", "without balancing"),
+        (axes[2], "after", "with balancing"),
+    ):
+        series = loads[kind]
+        for rank, pairs in series.items():
+            if pairs:
+                ax.plot(*zip(*pairs), marker=".", lw=1.2, label=f"rank {rank}")
+        ax.set_ylim(0, peak * 1.08)
+        ax.set_ylabel("ViT load (cost units)")
+        ax.set_title(f"ViT load per rank, {label}")
+        ax.grid(alpha=0.3)
+        if series:
+            ax.legend(loc="upper right", fontsize=8, ncol=min(len(series), 8))
+    if timings:
+        ax = axes[3]
+        for label, pairs in timings.items():
+            if pairs:
+                steps, seconds = zip(*pairs)
+                ax.plot(steps, [1000 * s for s in seconds], marker=".", label=label)
+        ax.set_ylabel("ms")
+        ax.set_title("Slowest rank's ViT time per step (forward, incl. exchange)")
+        ax.legend(loc="upper right", fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in axes:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> Path:
+    """Command line: ``plot_vit_balance.py LOG_PATH [-o out.png] [--title T]``."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("path", help="metrics.csv, a TensorBoard event file, or a log directory")
+    parser.add_argument("-o", "--output", default="vit_balance_dashboard.png", help="PNG to write")
+    parser.add_argument("--title", default="ViT data-parallel balance")
+    args = parser.parse_args(argv)
+    out = plot_dashboard(load_metrics(args.path), args.output, title=args.title)
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

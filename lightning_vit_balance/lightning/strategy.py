@@ -1,0 +1,122 @@
+"""Find the data-parallel process group of a Lightning (Trainer or Fabric) strategy.
+
+Images may only move between ranks that hold the same ViT weights and see different data: the
+data-parallel (DP) ranks. Tensor-parallel peers hold the same images and must never be balanced
+against each other, so the group depends on the strategy, not just on the world.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.strategies import DataParallelStrategy as FabricDataParallelStrategy
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeedStrategy
+from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
+from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
+from lightning.fabric.strategies import XLAFSDPStrategy as FabricXLAFSDPStrategy
+from lightning.fabric.strategies import XLAStrategy as FabricXLAStrategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    XLAStrategy,
+)
+
+__all__ = ["dp_group_from_strategy"]
+
+_HOW_TO_PASS_A_GROUP = (
+    "Pass the data-parallel process group explicitly: set the attribute `vit_balance_group` on your "
+    "LightningModule, override `ViTBalanceMixin.configure_vit_balance_group()`, or call "
+    "`ViTBalancer(config, group=...)` / `balanced_encode(..., group=...)` yourself."
+)
+
+
+def _user_group(kwargs: dict[str, Any]) -> dist.ProcessGroup:
+    """The single process group a user handed to DDP or FSDP, if any.
+
+    DDP reduces gradients only inside ``process_group``, so only there are the ViT weights
+    identical. FSDP's hybrid sharding takes a ``(shard, replicate)`` pair (or a device mesh) that
+    together span every rank: the default group, which is also the answer when none was given.
+    """
+    group = kwargs.get("process_group")
+    return group if isinstance(group, dist.ProcessGroup) else dist.group.WORLD
+
+
+def _deepspeed_group(engine: Any) -> dist.ProcessGroup:
+    # Duck-typed so that deepspeed need not be installed: the engine records its DP group.
+    group = getattr(engine, "data_parallel_group", None)
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    try:
+        from deepspeed.utils import groups as deepspeed_groups  # type: ignore[import-not-found]
+    except ImportError:
+        deepspeed_groups = None
+    if deepspeed_groups is not None:
+        group = deepspeed_groups._get_data_parallel_group()
+        if isinstance(group, dist.ProcessGroup):
+            return group
+    # Lightning configures DeepSpeed without model parallelism: every rank is data parallel.
+    return dist.group.WORLD
+
+
+def dp_group_from_strategy(strategy: Any) -> dist.ProcessGroup | None:
+    """The process group whose ranks take part in ViT balancing under ``strategy``.
+
+    Args:
+        strategy: A Trainer strategy (``trainer.strategy``) or a Fabric one (``fabric.strategy``).
+
+    Returns:
+        - DDP (and ``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``) and FSDP: the ``process_group``
+          passed to DDP or FSDP if there is one, else the default group.
+        - DeepSpeed: the engine's data-parallel group (deepspeed need not be installed).
+        - ``ModelParallelStrategy``: the group of ``device_mesh["data_parallel"]``; tensor-parallel
+          peers are excluded.
+        - Single device, Fabric's single-process ``DataParallelStrategy``, or a parallel strategy
+          whose processes are not initialised yet: ``None``, meaning there is nothing to balance
+          over and the ViT is called directly.
+
+    Raises:
+        TypeError: For any other strategy (e.g. XLA or a custom one), naming it and saying how to
+            pass a group explicitly.
+    """
+    if isinstance(strategy, (SingleDeviceStrategy, FabricSingleDeviceStrategy, FabricDataParallelStrategy)):
+        return None
+    if isinstance(strategy, (XLAStrategy, FabricXLAStrategy, FabricXLAFSDPStrategy)):
+        raise TypeError(
+            f"dp_group_from_strategy got {type(strategy).__name__}: XLA strategies are not supported "
+            f"(torch.distributed all_to_all on XLA devices is untested). {_HOW_TO_PASS_A_GROUP}"
+        )
+    known = (
+        DDPStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+        FabricDDPStrategy,
+        FabricFSDPStrategy,
+        FabricModelParallelStrategy,
+    )
+    if not isinstance(strategy, known):
+        raise TypeError(
+            f"dp_group_from_strategy got strategy={strategy!r} of type "
+            f"{type(strategy).__module__}.{type(strategy).__qualname__}, "
+            f"expected a DDP, FSDP, DeepSpeed, ModelParallel or single-device strategy of Lightning "
+            f"or Fabric. {_HOW_TO_PASS_A_GROUP}"
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    # DeepSpeed strategies subclass the DDP ones, so they are recognised first.
+    if isinstance(strategy, DeepSpeedStrategy):
+        return _deepspeed_group(strategy.model)
+    if isinstance(strategy, FabricDeepSpeedStrategy):
+        return _deepspeed_group(strategy._deepspeed_engine)
+    if isinstance(strategy, (ModelParallelStrategy, FabricModelParallelStrategy)):
+        return strategy.device_mesh["data_parallel"].get_group()
+    if isinstance(strategy, (DDPStrategy, FabricDDPStrategy)):
+        return _user_group(strategy._ddp_kwargs)
+    if isinstance(strategy, FSDPStrategy):
+        return _user_group(strategy.kwargs)
+    return _user_group(strategy._fsdp_kwargs)

@@ -1,0 +1,262 @@
+"""ViT output structures: flatten, classify each tensor by its rows, rebuild the same structure.
+
+A ViT returns a tensor, a tuple/list (the seed's ``(pixel_embeds, window_index, deepstack_list)``),
+a dict, or a Hugging Face ``ModelOutput`` (``last_hidden_state``, ``pooler_output``,
+``deepstack_features``), nested arbitrarily. Flattening gives every leaf a dotted path (``"0"``,
+``"2.1"``, ``"last_hidden_state"``, ``"deepstack_features.0"``) and a :class:`Structure` that rebuilds
+the same type from new leaves.
+
+Each tensor leaf is one of the :data:`OUTPUT_KINDS`, worked out from its rows over a batch of
+``S`` patches (``sum(T*H*W)``) and merge size ``m``: ``S`` rows per patch; ``S / m**2`` rows per
+merged token; an integer tensor of a ViT with ``get_window_index`` is a window index (regenerated
+from the original grid, never exchanged). A tensor matching none of them cannot be routed back to
+its images; :class:`OutputLayout` names the kind of any output explicitly (and the merge size) for
+towers where the rows are ambiguous or the merge size cannot be looked up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "OUTPUT_KINDS",
+    "Classification",
+    "OutputLayout",
+    "Structure",
+    "classify_output",
+    "describe_output_problem",
+    "flatten_output",
+    "merge_size_of",
+    "rebuild_output",
+    "rows_per_image",
+    "window_index_fn",
+]
+
+#: Kinds of ViT output leaves. ``"patch"``: one row per patch; ``"merged"``: one row per merged
+#: token (``merge**2`` patches); ``"window_index"``: regenerated with ``vit.get_window_index``;
+#: ``"passthrough"``: returned as computed (non-tensors, 0-d tensors).
+OUTPUT_KINDS: tuple[str, ...] = ("patch", "merged", "window_index", "passthrough")
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """Explicit description of a custom ViT's outputs, where the rows do not tell.
+
+    Args:
+        kinds: Output path (``"0"``, ``"last_hidden_state"``, ``"deepstack_features.1"``) to one of
+            :data:`OUTPUT_KINDS`. A path also covers everything below it (``"2"`` names every
+            layer of a deepstack list at index 2). Paths not listed are worked out from their rows.
+        merge_size: Spatial merge size; default: ``vit.spatial_merge_size`` or
+            ``vit.config.spatial_merge_size``, else 1.
+    """
+
+    kinds: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    merge_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kinds, Mapping):
+            raise ValueError(
+                f"OutputLayout.kinds={self.kinds!r} is invalid: expected a mapping from output path to kind."
+            )
+        for path, kind in self.kinds.items():
+            if not isinstance(path, str) or kind not in OUTPUT_KINDS:
+                raise ValueError(
+                    f"OutputLayout.kinds[{path!r}]={kind!r} is invalid: expected a str path mapped to "
+                    f"one of {OUTPUT_KINDS}."
+                )
+        if self.merge_size is not None and (
+            isinstance(self.merge_size, bool) or not isinstance(self.merge_size, int) or self.merge_size < 1
+        ):
+            raise ValueError(f"OutputLayout.merge_size={self.merge_size!r} is invalid: expected an int >= 1.")
+        object.__setattr__(self, "kinds", dict(sorted(self.kinds.items())))
+
+    def kind_of(self, path: str) -> str | None:
+        """The kind named for ``path`` or its nearest listed ancestor, or None."""
+        parts = path.split(".") if path else []
+        for cut in range(len(parts), -1, -1):
+            kind = self.kinds.get(".".join(parts[:cut]))
+            if kind is not None:
+                return kind
+        return None
+
+
+def _unwrap(vit: Any) -> Any:
+    """The module inside DDP/FSDP-style wrappers (``.module``), for attribute lookups."""
+    seen = 0
+    while hasattr(vit, "module") and isinstance(vit.module, torch.nn.Module) and seen < 4:
+        vit = vit.module
+        seen += 1
+    return vit
+
+
+def merge_size_of(vit: Any, layout: OutputLayout | None = None) -> int:
+    """Spatial merge size: the layout's, else ``vit.spatial_merge_size``, ``vit.config.spatial_merge_size``, else 1."""
+    if layout is not None and layout.merge_size is not None:
+        return layout.merge_size
+    inner = _unwrap(vit)
+    for holder in (inner, getattr(inner, "config", None)):
+        value = getattr(holder, "spatial_merge_size", None) if holder is not None else None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return 1
+
+
+def window_index_fn(vit: Any) -> Any:
+    """``vit.get_window_index`` (looked up through wrappers), or None."""
+    fn = getattr(_unwrap(vit), "get_window_index", None)
+    return fn if callable(fn) else None
+
+
+@dataclass(frozen=True)
+class Structure:
+    """How to rebuild a ViT output from its flattened leaves (see :func:`flatten_output`)."""
+
+    node: str  # "leaf", "list", "tuple", "namedtuple", "dict", "model_output"
+    container: type | None = None
+    keys: tuple[Any, ...] = ()
+    children: tuple[Structure, ...] = ()
+
+
+def _is_model_output(value: Any) -> bool:
+    # Hugging Face ModelOutput: an OrderedDict dataclass with to_tuple; detected without importing transformers.
+    return isinstance(value, Mapping) and dataclasses.is_dataclass(value) and hasattr(value, "to_tuple")
+
+
+def flatten_output(output: Any) -> tuple[list[tuple[str, Any]], Structure]:
+    """Flatten a ViT output into ``(path, leaf)`` pairs (depth first, in order) and its structure.
+
+    Tensors, ``None`` and any other non-container values are leaves.
+    """
+    leaves: list[tuple[str, Any]] = []
+
+    def visit(value: Any, path: str) -> Structure:
+        def child(key: Any) -> str:
+            return f"{path}.{key}" if path else str(key)
+
+        if _is_model_output(value):
+            keys = tuple(value.keys())
+            return Structure("model_output", type(value), keys, tuple(visit(value[k], child(k)) for k in keys))
+        if isinstance(value, Mapping):
+            keys = tuple(value.keys())
+            return Structure("dict", type(value), keys, tuple(visit(value[k], child(k)) for k in keys))
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return Structure(
+                "namedtuple", type(value), (), tuple(visit(v, child(i)) for i, v in enumerate(value))
+            )
+        if isinstance(value, (tuple, list)):
+            node = "tuple" if isinstance(value, tuple) else "list"
+            return Structure(node, type(value), (), tuple(visit(v, child(i)) for i, v in enumerate(value)))
+        leaves.append((path, value))
+        return Structure("leaf")
+
+    structure = visit(output, "")
+    return leaves, structure
+
+
+def rebuild_output(structure: Structure, leaves: Sequence[Any]) -> Any:
+    """The inverse of :func:`flatten_output`: the same containers around new leaves."""
+    remaining = iter(leaves)
+
+    def build(node: Structure) -> Any:
+        if node.node == "leaf":
+            return next(remaining)
+        values = [build(c) for c in node.children]
+        container = node.container
+        assert container is not None
+        if node.node == "model_output":
+            return container(**dict(zip(node.keys, values)))
+        if node.node == "dict":
+            try:
+                return container(zip(node.keys, values))
+            except TypeError:
+                return dict(zip(node.keys, values))
+        if node.node == "namedtuple":
+            return container(*values)
+        try:
+            return container(values)
+        except TypeError:
+            return tuple(values) if node.node == "tuple" else list(values)
+
+    return build(structure)
+
+
+@dataclass(frozen=True)
+class Classification:
+    """The kind of one output leaf, or why it cannot be routed.
+
+    Attributes:
+        kind: One of :data:`OUTPUT_KINDS`.
+        problem: 0 when the leaf fits ``kind``; 1: its rows fit no kind (``kind`` is then the
+            nearest guess, used to keep the exchange sizes consistent); 2: the layout names a kind
+            its rows do not fit.
+        rows: Rows of the leaf.
+        expected: Rows the kind requires for this batch.
+    """
+
+    kind: str
+    problem: int = 0
+    rows: int = 0
+    expected: int = 0
+
+
+def classify_output(
+    path: str,
+    leaf: Any,
+    *,
+    total_patches: int,
+    merge_size: int,
+    has_window_index: bool,
+    layout: OutputLayout | None,
+) -> Classification:
+    """Work out the kind of one leaf of a ViT output over a batch of ``total_patches`` patches.
+
+    Explicit kinds from ``layout`` win; otherwise: non-tensors and 0-d tensors pass through; an
+    integer tensor of a ViT with ``get_window_index`` is a window index; a tensor with
+    ``total_patches`` rows is per patch, with ``total_patches / merge_size**2`` rows per merged
+    token (per patch when ``merge_size`` is 1). Anything else is reported as a problem.
+    """
+    merged_rows = total_patches // (merge_size * merge_size)
+    named = layout.kind_of(path) if layout is not None else None
+    if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+        return Classification("passthrough")
+    rows = int(leaf.shape[0])
+    if named is not None:
+        if named in ("passthrough", "window_index"):
+            return Classification(named)
+        expected = total_patches if named == "patch" else merged_rows
+        return Classification(named, 0 if rows == expected else 2, rows, expected)
+    is_integer = not (leaf.is_floating_point() or leaf.is_complex())
+    if has_window_index and is_integer:
+        return Classification("window_index")
+    if rows == total_patches:
+        return Classification("patch", 0, rows, rows)
+    if rows == merged_rows:
+        return Classification("merged", 0, rows, rows)
+    # Guess the nearest kind so the exchange stays consistent with ranks that did classify it.
+    guess = "patch" if abs(rows - total_patches) <= abs(rows - merged_rows) else "merged"
+    return Classification(guess, 1, rows, total_patches if guess == "patch" else merged_rows)
+
+
+def rows_per_image(kind: str, patch_count: int, merge_size: int) -> int:
+    """Rows an image of ``patch_count`` patches has in an output of ``kind`` ("patch" or "merged")."""
+    return patch_count if kind == "patch" else patch_count // (merge_size * merge_size)
+
+
+def describe_output_problem(path: str, problem: int, rows: int, expected: int, merge_size: int) -> str:
+    """Text of an output problem reported by :func:`classify_output`; the same on every rank."""
+    name = f"output {path!r}" if path else "the output tensor"
+    if problem == 2:
+        return (
+            f"ViT {name} has {rows} rows: the output layout names it per-patch/per-merged-token, "
+            f"which needs {expected} rows for this batch"
+        )
+    return (
+        f"ViT {name} has {rows} rows, which is neither one row per patch nor one row per merged "
+        f"token (merge size {merge_size}) of its batch (nearest: {expected} rows); pass "
+        "output_layout=OutputLayout(kinds={...}, merge_size=...) to name its kind"
+    )

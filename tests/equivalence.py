@@ -1,0 +1,242 @@
+"""Balanced-vs-direct equivalence checks, run inside multi-rank workers (see multirank.py).
+
+:func:`run_cases` builds a tower (same seed on every rank, so the same weights), then for each
+case: each rank encodes its own images directly (the reference) and through
+:class:`~lightning_vit_balance.ViTBalancer`, backpropagates the same probe loss through both, and
+compares outputs on its own rank and parameter gradients summed over all ranks (what DDP's
+all-reduce sees). It raises AssertionError naming the case on a mismatch and returns each case's
+stats for further checks by the calling test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import towers
+
+from lightning_vit_balance import ViTBalanceConfig, ViTBalancer
+from lightning_vit_balance.outputs import flatten_output
+
+__all__ = ["TOWERS", "CollectiveCounter", "probe_loss", "run_cases", "tolerances"]
+
+TOWERS: dict[str, Callable[[], torch.nn.Module]] = {
+    "tensor": towers.TensorTower,
+    "window": towers.WindowTower,
+    "dict": towers.DictTower,
+    "global": towers.GlobalTokenTower,
+    "qwen2_vl": towers.qwen2_vl_tower,
+    "qwen2_5_vl": towers.qwen2_5_vl_tower,
+    "qwen3_vl": towers.qwen3_vl_tower,
+}
+
+_MODELS: dict[tuple[str, str], torch.nn.Module] = {}
+
+_COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
+
+
+class CollectiveCounter:
+    """Counts calls to torch.distributed collectives while active (independent of BalanceStats)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[CollectiveCounter]:
+        originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+        def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                self.calls.append(name)
+                return fn(*args, **kwargs)
+
+            return counted
+
+        for name, fn in originals.items():
+            setattr(dist, name, wrap(name, fn))
+        try:
+            yield self
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+
+
+def tolerances(dtype: torch.dtype) -> dict[str, float]:
+    """Tolerances of balanced vs direct results.
+
+    An image's rows are computed by the same ops in both runs, but inside batches of different
+    sizes, so matmul blocking and the order of the gradient sums over images differ: fp32 results
+    agree to a few float32 ulps (scaled by the magnitudes summed), bf16 ones to a couple of bf16
+    ulps (2**-8 relative).
+    """
+    if dtype == torch.bfloat16:
+        return {"rtol": 2e-2, "atol": 2e-2}
+    return {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _model(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    key = (name, str(dtype))
+    if key not in _MODELS:
+        torch.manual_seed(0)
+        _MODELS[key] = TOWERS[name]().to(dtype)
+    return _MODELS[key]
+
+
+def probe_loss(output: Any, seed: int) -> torch.Tensor:
+    """A fixed random linear function of every floating output (zero-row outputs included)."""
+    leaves, _ = flatten_output(output)
+    loss = torch.zeros(())
+    for k, (_, leaf) in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            generator = torch.Generator().manual_seed(seed * 1000 + k)
+            weights = torch.randn(leaf.shape, generator=generator)
+            loss = loss + (leaf.float() * weights).sum()
+    return loss
+
+
+def _grads(model: torch.nn.Module) -> tuple[torch.Tensor, list[bool]]:
+    flat = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1) for p in model.parameters()]
+    )
+    dist.all_reduce(flat)
+    return flat, [p.grad is not None for p in model.parameters()]
+
+
+def _compare(reference: Any, balanced: Any, where: str, tol: dict[str, float]) -> None:
+    ref_leaves, ref_structure = flatten_output(reference)
+    bal_leaves, bal_structure = flatten_output(balanced)
+    assert type(balanced) is type(reference), f"{where}: type {type(balanced)} != {type(reference)}"
+    assert ref_structure == bal_structure, f"{where}: structure differs"
+    for (path, ref), (_, bal) in zip(ref_leaves, bal_leaves):
+        if isinstance(ref, torch.Tensor):
+            assert isinstance(bal, torch.Tensor), f"{where}: {path} is not a tensor"
+            assert bal.dtype == ref.dtype and bal.shape == ref.shape, (
+                f"{where}: {path} is {bal.dtype}{tuple(bal.shape)}, expected {ref.dtype}{tuple(ref.shape)}"
+            )
+            if ref.is_floating_point():
+                torch.testing.assert_close(bal, ref, **tol, msg=lambda m, p=path: f"{where}: {p}: {m}")
+            else:
+                assert torch.equal(bal, ref), f"{where}: {path} differs"
+        else:
+            assert bal == ref, f"{where}: {path} is {bal!r}, expected {ref!r}"
+
+
+def _check_empty(
+    tower: torch.nn.Module, balanced: Any, pixels: torch.Tensor, where: str, layout: dict[str, str] | None
+) -> None:
+    """A rank without images gets the tower's structure with zero rows (passthrough outputs as is)."""
+    merge = getattr(tower, "spatial_merge_size", None) or tower.config.spatial_merge_size
+    grid = torch.tensor([[1, merge, merge]])
+    with torch.no_grad():
+        dummy = tower(torch.zeros(merge * merge, pixels.shape[1], dtype=pixels.dtype), grid)
+    dummy_leaves, dummy_structure = flatten_output(dummy)
+    leaves, structure = flatten_output(balanced)
+    assert type(balanced) is type(dummy) and structure == dummy_structure, f"{where}: structure differs"
+    for (path, ref), (_, got) in zip(dummy_leaves, leaves):
+        if (layout or {}).get(path) == "passthrough":
+            assert got.shape == ref.shape, f"{where}: passthrough {path} has shape {tuple(got.shape)}"
+        elif isinstance(ref, torch.Tensor) and ref.dim() > 0:
+            assert got.shape == (0, *ref.shape[1:]) and got.dtype == ref.dtype, (
+                f"{where}: {path} is {got.dtype}{tuple(got.shape)}, expected zero rows of {ref.dtype}"
+            )
+
+
+def run_cases(
+    tower_name: str,
+    cases: list[dict[str, Any]],
+    dtype: str = "float32",
+    config: dict[str, Any] | None = None,
+    output_layout: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Check balanced == direct for each case on this rank (call on every rank).
+
+    Args:
+        tower_name: A key of :data:`TOWERS`.
+        cases: Each a dict with ``grids`` (per rank, a list of ``(T, H, W)``) and optionally
+            ``pixel_grad`` (pixels require grad too), ``grid_dtype`` ("int32"/"int64").
+        dtype: Tower and pixel dtype name.
+        config: ``ViTBalanceConfig`` keyword arguments.
+        output_layout: Passed to the balancer.
+
+    Returns:
+        Per case: ``applied``, ``reason``, ``collectives`` (BalanceStats) and ``counted`` (calls
+        seen by :class:`CollectiveCounter` during the balanced forward), ``all_grads`` (every
+        parameter got a gradient on this rank).
+    """
+    rank = dist.get_rank()
+    torch_dtype = getattr(torch, dtype)
+    tol = tolerances(torch_dtype)
+    model = _model(tower_name, torch_dtype)
+    balancer = ViTBalancer(ViTBalanceConfig(**(config or {})), output_layout=output_layout)
+    results = []
+    for index, case in enumerate(cases):
+        where = f"{tower_name}/{dtype} case {index} rank {rank} grids={case['grids']}"
+        grids = [tuple(g) for g in case["grids"][rank]]
+        pixels, grid = towers.make_batch(
+            grids, seed=7919 * index + rank, dtype=torch_dtype, grid_dtype=getattr(torch, case.get("grid_dtype", "int64"))
+        )
+        pixel_grad = bool(case.get("pixel_grad", False))
+        seed = 31 * index + rank
+
+        model.zero_grad(set_to_none=True)
+        reference = None
+        ref_pixel_grad = None
+        if grids:
+            ref_pixels = pixels.clone().requires_grad_(pixel_grad)
+            reference = model(ref_pixels, grid)
+            probe_loss(reference, seed).backward()
+            ref_pixel_grad = ref_pixels.grad
+        ref_grads, _ = _grads(model)
+
+        model.zero_grad(set_to_none=True)
+        bal_pixels = pixels.clone().requires_grad_(pixel_grad)
+        counter = CollectiveCounter()
+        with counter.active():
+            balanced = balancer(model, bal_pixels, grid)
+        probe_loss(balanced, seed).backward()
+        bal_grads, got_grads = _grads(model)
+
+        if reference is not None:
+            _compare(reference, balanced, where, tol)
+        else:
+            _check_empty(model, balanced, pixels, where, output_layout)
+        grad_tol = dict(tol)
+        grad_tol["atol"] = tol["atol"] * max(1.0, float(ref_grads.abs().max()))
+        torch.testing.assert_close(bal_grads, ref_grads, **grad_tol, msg=lambda m, w=where: f"{w}: grads: {m}")
+        if pixel_grad and ref_pixel_grad is not None:
+            torch.testing.assert_close(bal_pixels.grad, ref_pixel_grad, **tol, msg=lambda m, w=where: f"{w}: {m}")
+        stats = balancer.last_stats
+        assert stats is not None
+        results.append(
+            {
+                "applied": stats.applied,
+                "reason": stats.reason,
+                "collectives": stats.collectives,
+                "counted": len(counter.calls),
+                "all_grads": all(got_grads),
+                "moved_images": stats.moved_images,
+            }
+        )
+    return results

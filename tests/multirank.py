@@ -1,0 +1,203 @@
+"""Run test code on several real gloo ranks: a reusable pool of spawned worker processes.
+
+Usage::
+
+    from multirank import world
+
+    def check(x):                       # module-level, so it pickles by reference
+        import torch.distributed as dist
+        return dist.get_rank() * x
+
+    def test_something():
+        with world(3) as w:              # or the ``multirank`` fixture from conftest.py
+            assert w.run(check, 10) == [0, 10, 20]
+
+* :func:`world` hands out a persistent :class:`World` of ``n`` ranks (spawned processes, each
+  in a gloo process group initialised through a file store in a temporary directory: no ports).
+  Pools are reused across tests and closed at interpreter exit; at most :data:`MAX_POOLS` stay
+  alive at a time (least recently used closed first) to bound memory.
+* :meth:`World.run` calls a picklable function with the same arguments on every rank and returns
+  the per-rank results in rank order. The function reads its rank from ``torch.distributed``.
+* Failures never hang: if a rank raises, :meth:`World.run` waits a short grace period for the
+  others, then raises :class:`MultiRankError` with every rank's traceback (or "no answer" for a
+  rank stuck in a collective). A parent watchdog (``timeout``) does the same for hangs. In both
+  cases the pool is killed and the next :func:`world` call starts a fresh one. Process groups use
+  a short collective timeout, so a rank waiting on a failed peer gives up on its own as well.
+* Workers run with one intra-op thread (the test machine's cores are shared).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["MAX_POOLS", "MultiRankError", "World", "close_all", "world"]
+
+#: Pools kept alive at once.
+MAX_POOLS = 3
+#: Seconds a collective may wait inside a worker before gloo raises.
+COLLECTIVE_TIMEOUT_S = 30.0
+#: Seconds to wait for the other ranks once one rank has raised.
+GRACE_S = 3.0
+
+
+class MultiRankError(AssertionError):
+    """A multi-rank call failed or hung; the message holds every rank's outcome."""
+
+
+def _worker_main(rank: int, size: int, store: str, tasks: Any, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+    except BaseException:  # report and stop: the parent turns it into a MultiRankError
+        results.put((-1, rank, False, traceback.format_exc()))
+        return
+    results.put((-1, rank, True, None))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, fn, args, kwargs = task
+        try:
+            value = fn(*args, **kwargs)
+            results.put((task_id, rank, True, value))
+        except BaseException:
+            results.put((task_id, rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class World:
+    """``size`` spawned ranks in one gloo process group, reused for many calls.
+
+    Args:
+        size: Number of ranks.
+        start_timeout: Seconds to wait for every rank to join the process group.
+    """
+
+    def __init__(self, size: int, start_timeout: float = 120.0) -> None:
+        self.size = size
+        self.alive = False
+        self._tmp = tempfile.mkdtemp(prefix="multirank-")
+        context = mp.get_context("spawn")
+        self._results = context.Queue()
+        self._tasks = [context.Queue() for _ in range(size)]
+        self._next_task = 0
+        self._procs = [
+            context.Process(
+                target=_worker_main,
+                args=(rank, size, os.path.join(self._tmp, "store"), self._tasks[rank], self._results),
+                daemon=True,
+            )
+            for rank in range(size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self.alive = True
+        self._collect(-1, start_timeout, "start")
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+        """``fn(*args, **kwargs)`` on every rank; the results in rank order.
+
+        Raises:
+            MultiRankError: Some rank raised, died or did not answer within ``timeout`` seconds.
+        """
+        if not self.alive:
+            raise MultiRankError(f"the {self.size}-rank pool is closed")
+        task_id = self._next_task = self._next_task + 1
+        for q in self._tasks:
+            q.put((task_id, fn, args, kwargs))
+        return self._collect(task_id, timeout, getattr(fn, "__name__", repr(fn)))
+
+    def _collect(self, task_id: int, timeout: float, what: str) -> list[Any]:
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(outcomes) < self.size:
+            if any(not ok for ok, _ in outcomes.values()):
+                deadline = min(deadline, time.monotonic() + GRACE_S)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                got_id, rank, ok, value = self._results.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in outcomes]
+                for r in dead:
+                    outcomes[r] = (False, f"process died (exit code {self._procs[r].exitcode})")
+                continue
+            if got_id == task_id:
+                outcomes[rank] = (ok, value)
+        if len(outcomes) == self.size and all(ok for ok, _ in outcomes.values()):
+            return [outcomes[r][1] for r in range(self.size)]
+        self.close(kill=True)
+        lines = [f"{what} failed on the {self.size}-rank pool (pool killed):"]
+        for r in range(self.size):
+            ok, value = outcomes.get(r, (False, f"no answer within the time limit ({timeout:.0f}s)"))
+            lines.append(f"--- rank {r}: {'ok' if ok else 'FAILED'}")
+            if not ok:
+                lines.append(str(value).rstrip())
+        raise MultiRankError("\n".join(lines))
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the workers (politely, or at once with ``kill``) and remove the store."""
+        if not self.alive:
+            return
+        self.alive = False
+        if not kill:
+            for q in self._tasks:
+                with contextlib.suppress(Exception):
+                    q.put(None)
+            for proc in self._procs:
+                proc.join(timeout=5)
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+_POOLS: OrderedDict[int, World] = OrderedDict()
+
+
+@contextlib.contextmanager
+def world(size: int) -> Iterator[World]:
+    """The persistent pool of ``size`` ranks (started on first use, restarted after a failure)."""
+    pool = _POOLS.get(size)
+    if pool is None or not pool.alive:
+        while len(_POOLS) >= MAX_POOLS:
+            _, oldest = _POOLS.popitem(last=False)
+            oldest.close()
+        _POOLS.pop(size, None)
+        pool = World(size)
+        _POOLS[size] = pool
+    _POOLS.move_to_end(size)
+    yield pool
+
+
+def close_all() -> None:
+    """Close every pool (registered to run at interpreter exit)."""
+    while _POOLS:
+        _, pool = _POOLS.popitem()
+        pool.close()
+
+
+atexit.register(close_all)

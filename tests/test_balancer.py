@@ -1,0 +1,325 @@
+"""Balanced encode on real gloo ranks: equivalence, plan decisions, collectives, error handling.
+
+Each test runs many cases inside one call on a persistent worker pool (see multirank.py), so the
+processes start once per world size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import towers
+from equivalence import CollectiveCounter, run_cases
+
+from lightning_vit_balance import BalanceStats, ViTBalanceConfig, ViTBalancer, balanced_encode
+
+THRESHOLD_0 = {"trigger_threshold": 0.0}
+
+
+def standard_cases(n: int) -> list[dict[str, Any]]:
+    """Uneven batches on ``n`` ranks: empty ranks, videos, fewer images than ranks, a huge image."""
+    rest = lambda grids: [list(grids) for _ in range(n - 2)]  # noqa: E731
+    return [
+        # Rank 0 heavy, rank 1 empty, the rest light: images move, rank 1 encodes some.
+        {"grids": [[(1, 8, 8), (1, 8, 8), (1, 4, 4), (2, 4, 4)], [], *rest([(1, 2, 2)])]},
+        # Videos (T>1) and images on every rank, uneven; int32 grid rows.
+        {
+            "grids": [[(2, 4, 4), (1, 4, 8)], [(3, 6, 6)], *rest([(1, 2, 4), (2, 2, 2)])],
+            "grid_dtype": "int32",
+        },
+        # All ranks without images.
+        {"grids": [[] for _ in range(n)]},
+        # Fewer images than ranks: two images, both on the last rank.
+        {"grids": [*[[] for _ in range(n - 1)], [(1, 8, 8), (1, 6, 6)]]},
+        # One huge image and small ones elsewhere.
+        {"grids": [[(1, 16, 16)], [(1, 2, 2), (1, 2, 2), (1, 4, 2)], *rest([(1, 2, 2)])]},
+        # Same work everywhere.
+        {"grids": [[(1, 4, 4), (1, 2, 2)] for _ in range(n)]},
+        # Pixels that require grad (gradients flow back through the forward trip too).
+        {"grids": [[(1, 6, 6), (1, 6, 6), (2, 2, 2)], [], *rest([(1, 4, 4)])], "pixel_grad": True},
+    ]
+
+
+def _equivalence_suite(n: int) -> dict[str, list[dict[str, Any]]]:
+    cases = standard_cases(n)
+    return {name: run_cases(name, cases, "float32", THRESHOLD_0) for name in ("tensor", "window", "dict")}
+
+
+def _check_collectives(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        expected = 3 if r["applied"] else 1
+        assert r["collectives"] == expected and r["counted"] == expected, r
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_equivalence_tiny_towers(multirank: Any, n: int) -> None:
+    """Outputs and summed gradients equal the direct call: tensor, tuple+window index+deepstack, dict."""
+    with multirank(n) as w:
+        per_rank = w.run(_equivalence_suite, n)
+    for results in per_rank[0].values():
+        assert results[0]["applied"], "the heavily unbalanced case must move images"
+        assert results[2]["reason"] == "no-images"
+    for rank_results in per_rank:
+        for name, results in rank_results.items():
+            _check_collectives(results)
+            # Default policy: ranks that encode nothing still touch every parameter (DDP/FSDP).
+            assert all(r["all_grads"] for r in results), name
+
+
+def _bf16_suite(n: int) -> dict[str, list[dict[str, Any]]]:
+    cases = standard_cases(n)[:2] + standard_cases(n)[3:5]
+    return {name: run_cases(name, cases, "bfloat16", THRESHOLD_0) for name in ("window", "dict")}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_equivalence_bf16(multirank: Any, n: int) -> None:
+    """bf16 towers (the dict tower mixes bf16 and int64 outputs in one return buffer)."""
+    with multirank(n) as w:
+        per_rank = w.run(_bf16_suite, n)
+    for rank_results in per_rank:
+        for results in rank_results.values():
+            assert results[0]["applied"]
+            _check_collectives(results)
+
+
+def _decisions(n: int) -> list[dict[str, Any]]:
+    heavy = {"grids": [[(1, 8, 8)] * 4, *[[(1, 2, 2)] for _ in range(n - 1)]]}
+    even = {"grids": [[(1, 4, 4), (1, 4, 4)] for _ in range(n)]}
+    empty = {"grids": [[] for _ in range(n)]}
+    return run_cases("window", [heavy, even, empty], "float32", {})
+
+
+def test_plan_applied_and_skipped(multirank: Any) -> None:
+    """Default config: an unbalanced step is applied (3 collectives), a balanced one skipped (1)."""
+    with multirank(3) as w:
+        per_rank = w.run(_decisions, 3)
+    for results in per_rank:
+        assert [r["applied"] for r in results] == [True, False, False]
+        assert [r["reason"] for r in results] == ["applied", "below-threshold", "no-images"]
+        assert results[0]["moved_images"] > 0
+        _check_collectives(results)
+
+
+def _no_grad_policy(n: int) -> list[dict[str, Any]]:
+    cases = [
+        {"grids": [[(1, 8, 8), (1, 2, 2)], *[[] for _ in range(n - 1)]]},  # fewer images than ranks
+        {"grids": [[] for _ in range(n)]},
+    ]
+    return run_cases("dict", cases, "float32", {**THRESHOLD_0, "empty_rank_forward": "no_grad"})
+
+
+def test_empty_rank_no_grad_policy(multirank: Any) -> None:
+    """``empty_rank_forward="no_grad"``: still equivalent; ranks that encode nothing get no grads."""
+    with multirank(4) as w:
+        per_rank = w.run(_no_grad_policy, 4)
+    # 2 images on 4 ranks: at least two ranks encode nothing, and with no images anywhere all do.
+    assert sum(not results[0]["all_grads"] for results in per_rank) >= 2
+    assert not any(results[1]["all_grads"] for results in per_rank)
+
+
+def _profiled(n: int) -> list[tuple[int, int, int]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    tower = towers.WindowTower()
+    balancer = ViTBalancer(ViTBalanceConfig())
+    counts = []
+    batches = [
+        [[(1, 8, 8)] * 3, *[[(1, 2, 2)] for _ in range(n - 1)]],  # applied
+        [[(1, 4, 4)] for _ in range(n)],  # skipped
+    ]
+    for pixel_grad in (False, True):
+        for grids in batches:
+            pixels, grid = towers.make_batch(grids[rank], seed=rank)
+            pixels.requires_grad_(pixel_grad)
+            with profile(activities=[ProfilerActivity.CPU]) as forward:
+                out = balancer(tower, pixels, grid)
+            with profile(activities=[ProfilerActivity.CPU]) as backward:
+                (out[0].sum() + sum(d.sum() for d in out[2])).backward()
+            gloo_forward = sum(e.name.startswith("gloo:") for e in forward.events())
+            gloo_backward = sum(e.name.startswith("gloo:") for e in backward.events())
+            stats = balancer.last_stats
+            assert stats is not None
+            counts.append((gloo_forward, gloo_backward, stats.collectives))
+    return counts
+
+
+def test_collectives_measured_with_profiler(multirank: Any) -> None:
+    """gloo events per call: applied = gather + 2 all_to_all; skipped = gather; backward = the trips."""
+    with multirank(2) as w:
+        per_rank = w.run(_profiled, 2)
+    for counts in per_rank:
+        assert counts == [(3, 1, 3), (1, 0, 1), (3, 2, 3), (1, 0, 1)], counts
+
+
+def _overflow() -> list[dict[str, Any]]:
+    cases = [{"grids": [[(1, 2, 2)] * 7, [(1, 4, 4)]]}, {"grids": [[(1, 2, 2)] * 2, [(1, 4, 4)]]}]
+    return run_cases("tensor", cases, "float32", {**THRESHOLD_0, "gather_capacity": 3})
+
+
+def test_gather_capacity_overflow(multirank: Any) -> None:
+    """More images than gather_capacity on a rank costs exactly one extra all_gather."""
+    with multirank(2) as w:
+        per_rank = w.run(_overflow)
+    for results in per_rank:
+        assert [r["collectives"] for r in results] == [4, 3 if results[1]["applied"] else 1]
+        assert [r["counted"] for r in results] == [r["collectives"] for r in results]
+
+
+def _layout_cases(n: int) -> list[dict[str, Any]]:
+    cases = [
+        {"grids": [[(1, 8, 8), (1, 4, 4)], *[[(1, 2, 2)] for _ in range(n - 1)]]},
+        {"grids": [[(1, 6, 6)], *[[] for _ in range(n - 1)]]},
+    ]
+    with_layout = run_cases("global", cases, "float32", THRESHOLD_0, output_layout={"global": "passthrough"})
+    try:
+        run_cases("global", cases[:1], "float32", THRESHOLD_0)
+    except ValueError as error:
+        return [with_layout, str(error)]  # type: ignore[list-item]
+    raise AssertionError("a [1, D] output on a multi-token batch must not be routed silently")
+
+
+def test_output_layout_override(multirank: Any) -> None:
+    """A per-batch output needs output_layout; without it every rank raises the same clear error."""
+    with multirank(2) as w:
+        per_rank = w.run(_layout_cases, 2)
+    messages = {r[1] for r in per_rank}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert "'global'" in message and "output_layout" in message
+
+
+def _bad_output() -> list[str]:
+    torch.manual_seed(0)
+    tower = towers.BadRowsTower(bad_rank=1)
+    rank = dist.get_rank()
+    grids = [[(1, 8, 8), (1, 8, 8), (1, 4, 4)], [(1, 2, 2)], [(1, 2, 2)]][rank]
+    pixels, grid = towers.make_batch(grids, seed=rank)
+    messages = []
+    try:
+        ViTBalancer(ViTBalanceConfig(**THRESHOLD_0))(tower, pixels, grid)
+    except ValueError as error:
+        messages.append(str(error))
+    # The group is still in step: a good call afterwards works on every rank.
+    good = towers.TensorTower()
+    out = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0))(good, pixels, grid)
+    torch.testing.assert_close(out, good(pixels, grid), rtol=1e-4, atol=1e-5)
+    return messages
+
+
+def test_unexpected_output_rows_raise_on_all_ranks(multirank: Any) -> None:
+    """A ViT output with a missing row on one rank fails on every rank with the same message."""
+    with multirank(3) as w:
+        per_rank = w.run(_bad_output)
+    assert all(len(m) == 1 for m in per_rank), per_rank
+    assert len({m[0] for m in per_rank}) == 1, per_rank
+    assert "rank 1" in per_rank[0][0] and "rows" in per_rank[0][0]
+
+
+def _bad_inputs(bad_rank: int) -> list[str]:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    tower = towers.WindowTower()
+    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0))
+    pixels, grid = towers.make_batch([(1, 4, 4), (2, 4, 4)], seed=rank)
+    bad: list[tuple[Any, Any]] = [
+        (pixels, grid.float()),  # grid dtype
+        (pixels, grid[:, :2]),  # grid shape
+        (pixels, grid.reshape(-1)),  # grid dims
+        (pixels, torch.tensor([[1, 4, 4], [0, 4, 4]])),  # non-positive
+        (pixels, torch.tensor([[1, 4, 4], [-2, 4, 4]])),  # negative
+        (pixels[:-1], grid),  # pixel rows
+        (pixels.unsqueeze(0), grid),  # pixel dims
+        (pixels.to(torch.int32), grid),  # pixel dtype
+        ("pixels", grid),  # not a tensor
+        (pixels, [[1, 4, 4]]),  # grid not a tensor
+        towers.make_batch([(1, 4, 4), (1, 4, 9)], seed=rank),  # W not divisible by the merge size
+        (pixels.to("meta"), grid),  # wrong device for gloo
+        (pixels[:, :6], grid),  # C differs from the other ranks
+        (pixels.double(), grid),  # dtype differs from the other ranks
+    ]
+    messages = []
+    for bad_pixels, bad_grid in bad:
+        args = (bad_pixels, bad_grid) if rank == bad_rank else (pixels, grid)
+        try:
+            balancer(tower, *args)
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    # Still in step afterwards.
+    out = balancer(tower, pixels, grid)
+    torch.testing.assert_close(out[0], tower(pixels, grid)[0], rtol=1e-4, atol=1e-5)
+    return messages
+
+
+def test_bad_inputs_raise_on_all_ranks(multirank: Any) -> None:
+    """Every invalid input on one rank raises the same ValueError, naming that rank, everywhere."""
+    with multirank(3) as w:
+        per_rank = w.run(_bad_inputs, 2)
+    expected = [
+        "dtype torch.float32",
+        "shape (2, 2)",
+        "shape (6,)",
+        "grid_thw[1] = [0, 4, 4]",
+        "grid_thw[1] = [-2, 4, 4]",
+        "pixel_values has 47 rows: expected sum(T*H*W) over grid_thw = 48",
+        "pixel_values has 3 dims",
+        "pixel_values has dtype torch.int32",
+        "pixel_values is not a torch.Tensor",
+        "grid_thw is not a torch.Tensor",
+        "W=9",
+        "meta device",
+        "C=6 channels while rank 0 has C=12",
+        "dtype torch.float64 while rank 0 has torch.float32",
+    ]
+    for rank_messages in per_rank:
+        assert rank_messages == per_rank[0]
+    for message, fragment in zip(per_rank[0], expected):
+        assert "rank 2" in message and fragment in message, (fragment, message)
+    assert len(per_rank[0]) == len(expected)
+
+
+def test_single_process_calls_the_vit_directly() -> None:
+    """No process group: the ViT is called directly (an empty batch through a dummy forward)."""
+    assert not dist.is_initialized()
+    torch.manual_seed(0)
+    tower = towers.WindowTower()
+    pixels, grid = towers.make_batch([(1, 4, 4), (2, 2, 4)], seed=0)
+    balancer = ViTBalancer()
+    out = balancer(tower, pixels, grid)
+    ref = tower(pixels, grid)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    stats = balancer.last_stats
+    assert isinstance(stats, BalanceStats)
+    assert (stats.reason, stats.applied, stats.num_images, stats.total_patches) == ("single-rank", False, 2, 32)
+    assert stats.loads_before == (16.0**2 + 16.0**2,)
+    empty = balanced_encode(tower, pixels[:0], grid[:0])
+    assert empty[0].shape == (0, 24) and empty[1].shape == (0,) and [d.shape for d in empty[2]] == [(0, 24)] * 3
+    disabled = ViTBalancer(ViTBalanceConfig(enabled=False))
+    assert torch.equal(disabled(tower, pixels, grid)[0], ref[0])
+    assert disabled.last_stats is not None and disabled.last_stats.reason == "disabled"
+
+
+def test_verbose_report(capsys: pytest.CaptureFixture[str]) -> None:
+    """config.verbose prints the decision, imbalance, loads and the applied/total count."""
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    pixels, grid = towers.make_batch([(1, 4, 4)], seed=0)
+    balancer = ViTBalancer(ViTBalanceConfig(verbose=True))
+    balancer(tower, pixels, grid)
+    balancer(tower, pixels, grid)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 2 and "SKIP (single-rank)" in lines[1] and "applied 0/2" in lines[1]
+
+
+def test_invalid_arguments() -> None:
+    with pytest.raises(ValueError, match="config="):
+        ViTBalancer(config={"enabled": True})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="output_layout="):
+        ViTBalancer(output_layout=["0"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="kinds"):
+        ViTBalancer(output_layout={"0": "pixels"})

@@ -1,0 +1,355 @@
+"""The examples: the demo's tiny VLM and dataset, the dashboard script, the Hugging Face towers.
+
+Multi-rank checks run on the reusable gloo pool of :mod:`multirank`: balanced outputs (deepstack
+features included), the regenerated window index and every gradient must equal an unbalanced call.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import plot_vit_balance  # noqa: E402
+from multirank import world  # noqa: E402
+from tiny_vlm import SyntheticVLMDataset, TinyTextDecoder, TinyVisionTower, collate_vlm  # noqa: E402
+
+# Balanced and unbalanced calls run the same per-image math; only the rows sharing a matrix
+# product (and so GEMM blocking) and the order of DDP-style gradient sums change. float32
+# rounding of ~1e-7 per operation, accumulated over the ~1e3-term dot products of these towers,
+# stays below 1e-5 relative; 1e-4 leaves a margin while any misrouted row (an O(1) difference)
+# still fails.
+RTOL, ATOL = 1e-4, 1e-5
+
+SMALL_TOWER = {"patch_dim": 48, "embed_dim": 16, "depth": 3, "num_heads": 2, "out_dim": 16}
+
+
+def _tensor_leaves(output: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in a tensor / tuple / list / dict / ModelOutput, with a path."""
+    if isinstance(output, torch.Tensor):
+        return [(prefix, output)]
+    if isinstance(output, dict):  # ModelOutput is an OrderedDict
+        items = list(output.items())
+    elif isinstance(output, (tuple, list)):
+        items = list(enumerate(output))
+    else:
+        return []
+    leaves = []
+    for key, value in items:
+        leaves.extend(_tensor_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+    return leaves
+
+
+# --------------------------------------------------------------------------- single process
+
+
+def test_tiny_tower_encodes_each_image_independently() -> None:
+    """Outputs of an image do not depend on its batch neighbours (windowed layers included)."""
+    torch.manual_seed(0)
+    tower = TinyVisionTower(**SMALL_TOWER, window_layers=(1,), window_size=2, deepstack_layers=(0, 2))
+    grid = torch.tensor([[1, 6, 8], [2, 4, 4], [1, 2, 2]])
+    lengths = grid.prod(-1).tolist()
+    pixels = torch.randn(sum(lengths), SMALL_TOWER["patch_dim"])
+    embeds, window_index, deepstack = tower(pixels, grid)
+    assert embeds.shape == (sum(lengths) // 4, SMALL_TOWER["out_dim"])
+    assert len(deepstack) == 2 and all(d.shape == embeds.shape for d in deepstack)
+    assert sorted(window_index.tolist()) == list(range(sum(lengths) // 4))
+    start_patch = start_token = 0
+    for i, length in enumerate(lengths):
+        alone, _, alone_deep = tower(pixels[start_patch : start_patch + length], grid[i : i + 1])
+        rows = slice(start_token, start_token + length // 4)
+        torch.testing.assert_close(embeds[rows], alone, rtol=RTOL, atol=ATOL)
+        for together, single in zip(deepstack, alone_deep):
+            torch.testing.assert_close(together[rows], single, rtol=RTOL, atol=ATOL)
+        start_patch += length
+        start_token += length // 4
+
+
+def test_tiny_tower_rejects_pixel_rows_that_do_not_match_the_grid() -> None:
+    tower = TinyVisionTower(**SMALL_TOWER)
+    with pytest.raises(ValueError, match=r"pixel_values has shape \(10, 48\)"):
+        tower(torch.zeros(10, 48), torch.tensor([[1, 2, 2]]))
+
+
+def test_decoder_uses_image_tokens_and_trains() -> None:
+    torch.manual_seed(0)
+    decoder = TinyTextDecoder(vocab_size=32, dim=16, depth=2, num_heads=2)
+    ids = torch.randint(0, 32, (2, 6))
+    image_tokens = torch.randn(5, 16)
+    loss = decoder(image_tokens, [3, 2], ids, [torch.randn(5, 16)])
+    other = decoder(image_tokens + 1.0, [3, 2], ids, [torch.randn(5, 16)])
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert not torch.allclose(loss, other)  # the image prefix reaches the text predictions
+    loss.backward()
+    assert decoder.token_embed.weight.grad is not None
+
+
+def test_dataset_is_deterministic_uneven_and_collates() -> None:
+    dataset = SyntheticVLMDataset(64, patch_dim=48, seed=3)
+    first, again = dataset[5], SyntheticVLMDataset(64, patch_dim=48, seed=3)[5]
+    for key in first:
+        assert torch.equal(first[key], again[key])
+    patches = [int(dataset[i]["image_grid_thw"].prod(-1).sum()) for i in range(64)]
+    # Very uneven: the heaviest samples carry an order of magnitude more patches than the lightest.
+    assert max(patches) >= 10 * min(patches)
+    kinds = {dataset.grids(i)[0] for i in range(64)}
+    assert kinds == {"thumbnails", "photo", "document", "video"}
+    grid = dataset[0]["image_grid_thw"]
+    assert (grid[:, 1:] % 2 == 0).all()  # even sides: the 2x2 merge applies
+    batch = collate_vlm([dataset[0], dataset[1]])
+    assert batch["pixel_values"].shape[0] == int(batch["image_grid_thw"].prod(-1).sum())
+    assert batch["images_per_sample"].tolist() == [
+        len(dataset[0]["image_grid_thw"]),
+        len(dataset[1]["image_grid_thw"]),
+    ]
+    assert batch["input_ids"].shape == (2, dataset.text_len)
+
+
+# --------------------------------------------------------------------------- dashboard
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    keys = sorted({k for row in rows for k in row})
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _metric_rows(steps: int) -> list[dict[str, Any]]:
+    rows = []
+    for step in range(steps):
+        rows.append(
+            {
+                "step": step,
+                "epoch": 0,
+                "vit_balance/imbalance_before": 0.5 + 0.1 * step,
+                "vit_balance/imbalance_after": 0.05,
+                "vit_balance/applied": float(step % 2),
+                "vit_balance/load_before/rank_0": 10.0 + step,
+                "vit_balance/load_before/rank_1": 2.0,
+                "vit_balance/load_after/rank_0": 6.0,
+                "vit_balance/load_after/rank_1": 6.0 + step,
+            }
+        )
+        rows.append({"step": step, "epoch": 0, "train_loss": 1.0})  # another logger call, other columns
+    return rows
+
+
+def test_dashboard_reads_csv_and_writes_png(tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs" / "version_0"
+    log_dir.mkdir(parents=True)
+    _write_csv(log_dir / "metrics.csv", _metric_rows(4))
+    metrics = plot_vit_balance.load_metrics(tmp_path / "logs")
+    assert "train_loss" not in metrics
+    assert metrics["vit_balance/imbalance_before"] == [(s, pytest.approx(0.5 + 0.1 * s)) for s in range(4)]
+    assert metrics["vit_balance/load_after/rank_1"][-1] == (3, 9.0)
+    out = plot_vit_balance.main([str(log_dir / "metrics.csv"), "-o", str(tmp_path / "dash.png")])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _field(number: int, wire: int, payload: bytes) -> bytes:
+    """One protobuf field; ``payload`` is the raw value (length-prefixed here for wire type 2)."""
+    key = _varint(number << 3 | wire)
+    return key + (_varint(len(payload)) + payload if wire == 2 else payload)
+
+
+def _event(step: int, tag: str, value: float, as_tensor: bool) -> bytes:
+    """A TensorBoard ``Event`` record with one scalar, as ``simple_value`` or a float ``TensorProto``."""
+    if as_tensor:
+        tensor = _field(1, 0, _varint(1)) + _field(5, 2, struct.pack("<f", value))  # DT_FLOAT, float_val
+        summary_value = _field(1, 2, tag.encode()) + _field(8, 2, tensor)
+    else:
+        summary_value = _field(1, 2, tag.encode()) + _field(2, 5, struct.pack("<f", value))
+    event = _field(1, 1, struct.pack("<d", 1.0)) + _field(2, 0, _varint(step))
+    event += _field(5, 2, _field(1, 2, summary_value))
+    # TFRecord framing: length, its CRC, data, data CRC (the reader does not check CRCs).
+    return struct.pack("<Q", len(event)) + b"\0" * 4 + event + b"\0" * 4
+
+
+def test_dashboard_reads_tensorboard_events(tmp_path: Path) -> None:
+    records = b"".join(
+        _event(step, key, float(value), as_tensor=step % 2 == 1)
+        for row in _metric_rows(3)
+        for key, value in row.items()
+        if key.startswith("vit_balance/")
+        for step in [row["step"]]
+    )
+    (tmp_path / "events.out.tfevents.123.host").write_bytes(records)
+    metrics = plot_vit_balance.load_metrics(tmp_path)
+    assert [s for s, _ in metrics["vit_balance/imbalance_before"]] == [0, 1, 2]
+    assert metrics["vit_balance/load_before/rank_0"][2][1] == pytest.approx(12.0)
+    assert metrics["vit_balance/imbalance_after"][1][1] == pytest.approx(0.05)  # the tensor form
+    out = plot_vit_balance.plot_dashboard(metrics, tmp_path / "tb.png")
+    assert out.stat().st_size > 1000
+
+
+def test_dashboard_errors_name_the_path(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no metrics\.csv"):
+        plot_vit_balance.load_metrics(tmp_path)
+    _write_csv(tmp_path / "metrics.csv", [{"step": 0, "train_loss": 1.0}])
+    with pytest.raises(ValueError, match="ViTBalanceCallback"):
+        plot_vit_balance.load_metrics(tmp_path)
+
+
+# --------------------------------------------------------------------------- multi-rank equivalence
+
+
+def _build_tower(kind: str) -> torch.nn.Module:
+    if kind == "tiny":
+        torch.manual_seed(0)
+        return TinyVisionTower(**SMALL_TOWER, window_layers=(1,), window_size=2, deepstack_layers=(0, 2))
+    import hf_qwen_vit_balance
+
+    return (
+        hf_qwen_vit_balance.tiny_qwen2_vl_tower()
+        if kind == "qwen2_vl"
+        else hf_qwen_vit_balance.tiny_qwen3_vl_tower()
+    )
+
+
+def _patch_dim(kind: str) -> int:
+    if kind == "tiny":
+        return SMALL_TOWER["patch_dim"]
+    import hf_qwen_vit_balance
+
+    return hf_qwen_vit_balance.tower_patch_dim()
+
+
+# Rank 0 holds a document and a video, rank 1 a thumbnail: far from balanced.
+GRIDS = {0: [[1, 12, 8], [2, 6, 4], [1, 2, 2]], 1: [[1, 4, 2]]}
+
+
+def _equivalence_worker(kind: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from lightning_vit_balance import ViTBalanceConfig, balanced_encode
+
+    rank = dist.get_rank()
+    tower = _build_tower(kind)
+    grid = torch.tensor(GRIDS[rank])
+    gen = torch.Generator().manual_seed(100 + rank)
+    pixels = torch.randn(int(grid.prod(-1).sum()), _patch_dim(kind), generator=gen)
+
+    def run(balanced: bool) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor], torch.Tensor]:
+        tower.zero_grad(set_to_none=True)
+        pixel_input = pixels.clone().requires_grad_(True)
+        if balanced:
+            output = balanced_encode(tower, pixel_input, grid, config=ViTBalanceConfig(trigger_threshold=0.0))
+        else:
+            output = tower(pixel_input, grid)
+        leaves = _tensor_leaves(output)
+        loss = pixel_input.new_zeros(())
+        for index, (_, leaf) in enumerate(leaves):
+            if leaf.is_floating_point():
+                weights = torch.randn(leaf.shape, generator=torch.Generator().manual_seed(7 * index + rank))
+                loss = loss + (leaf * weights).sum()
+        loss.backward()
+        grads = []
+        for param in tower.parameters():
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            dist.all_reduce(grad)  # what DDP does: the sum over ranks is what training sees
+            grads.append(grad.clone())
+        return [(p, t.detach().clone()) for p, t in leaves], grads, pixel_input.grad.clone()
+
+    plain_leaves, plain_grads, plain_pixel_grad = run(balanced=False)
+    balanced_leaves, balanced_grads, balanced_pixel_grad = run(balanced=True)
+    assert [p for p, _ in plain_leaves] == [p for p, _ in balanced_leaves]
+    for (path, expected), (_, actual) in zip(plain_leaves, balanced_leaves):
+        assert actual.shape == expected.shape, path
+        torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m, p=path: f"{p}: {m}")
+    for expected, actual in zip(plain_grads, balanced_grads):
+        torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(balanced_pixel_grad, plain_pixel_grad, rtol=RTOL, atol=ATOL)
+    return {"paths": [p for p, _ in plain_leaves]}
+
+
+@pytest.mark.parametrize("kind", ["tiny", "qwen2_vl", "qwen3_vl"])
+def test_balanced_towers_match_unbalanced_across_ranks(kind: str) -> None:
+    """Outputs, deepstack features, window index and all gradients equal the unbalanced call."""
+    if kind != "tiny":
+        pytest.importorskip("transformers")
+    with world(2) as pool:
+        results = pool.run(_equivalence_worker, kind, timeout=180)
+    paths = results[0]["paths"]
+    expected = {
+        "tiny": ["0", "1", "2.0", "2.1"],
+        "qwen2_vl": ["last_hidden_state", "pooler_output"],
+        "qwen3_vl": ["last_hidden_state", "pooler_output", "deepstack_features.0", "deepstack_features.1"],
+    }[kind]
+    assert paths == expected
+
+
+def _stats_worker() -> dict[str, Any]:
+    """The balancer really moves images for the equivalence inputs (else the test proves nothing)."""
+    import torch.distributed as dist
+
+    from lightning_vit_balance import ViTBalanceConfig, ViTBalancer
+
+    rank = dist.get_rank()
+    tower = _build_tower("tiny")
+    grid = torch.tensor(GRIDS[rank])
+    pixels = torch.randn(int(grid.prod(-1).sum()), SMALL_TOWER["patch_dim"])
+    balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0))
+    balancer(tower, pixels, grid)
+    stats = balancer.last_stats
+    return {
+        "applied": stats.applied,
+        "moved": stats.moved_patches,
+        "after": stats.imbalance_after,
+        "before": stats.imbalance_before,
+    }
+
+
+def test_equivalence_inputs_are_rebalanced() -> None:
+    with world(2) as pool:
+        results = pool.run(_stats_worker, timeout=120)
+    assert all(r["applied"] for r in results)
+    assert results[0]["moved"] > 0
+    assert results[0]["after"] < results[0]["before"]
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_demo_short_run_matches_losses_and_writes_dashboard(tmp_path: Path) -> None:
+    """``examples/demo.py --steps 3``: two real 2-rank fits, same losses, summary and PNG."""
+    import demo
+
+    summary = demo.main(["--steps", "3", "--scale", "0.5", "--output", str(tmp_path), "--accelerator", "cpu"])
+    assert summary["loss_max_abs_diff"] <= demo.LOSS_TOLERANCE
+    assert summary["applied_steps"] >= 1  # the seed-0 data is imbalanced from the first step
+    assert summary["imbalance_after"] < summary["imbalance_before"]
+    assert summary["moved_bytes_total"] > 0
+    assert (tmp_path / "vit_balance_dashboard.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "summary.json").read_text())["applied_steps"] == summary["applied_steps"]
+    metrics = plot_vit_balance.load_metrics(tmp_path / "with_balancing")
+    assert {"vit_balance/imbalance_before", "vit_balance/load_after/rank_1"} <= set(metrics)
+
+
+def test_hf_example_trains_qwen3_vl_with_the_mixin(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    import hf_qwen_vit_balance
+
+    results = hf_qwen_vit_balance.main(["--steps", "2", "--family", "qwen3_vl", "--output", str(tmp_path)])
+    metrics = results["qwen3_vl"]
+    assert metrics["vit_balance/calls_total"] == 2
+    assert metrics["train_loss"] > 0

@@ -1,0 +1,273 @@
+"""ViTBalanceCallback on a real single-process Trainer, fed scripted BalanceStats records."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import Logger
+
+from lightning_vit_balance.balancer import BalanceStats
+from lightning_vit_balance.lightning.callback import ViTBalanceCallback
+from lightning_vit_balance.planning import REASONS
+
+SKIP_REASONS = [r for r in REASONS if r != "applied"]
+
+
+def _stats(
+    applied: bool, reason: str, before: tuple[float, ...], after: tuple[float, ...], **kw: Any
+) -> BalanceStats:
+    def imbalance(loads: tuple[float, ...]) -> float:
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean - 1.0
+
+    fields: dict[str, Any] = dict(
+        applied=applied,
+        reason=reason,
+        rank=0,
+        num_ranks=len(before),
+        loads_before=before,
+        loads_after=after,
+        imbalance_before=imbalance(before),
+        imbalance_after=imbalance(after),
+        num_images=4,
+        moved_images=0,
+        moved_patches=0,
+        total_patches=100,
+        bytes_sent=0,
+        bytes_received=0,
+        plan_seconds=0.001,
+        exchange_seconds=0.002,
+        collectives=1,
+    )
+    fields.update(kw)
+    return BalanceStats(**fields)
+
+
+APPLIED_A = _stats(
+    True,
+    "applied",
+    (900.0, 100.0),
+    (500.0, 500.0),
+    moved_images=2,
+    moved_patches=30,
+    bytes_sent=4000,
+    bytes_received=1200,
+    plan_seconds=0.004,
+    exchange_seconds=0.010,
+    collectives=3,
+)
+SKIPPED = _stats(False, "below-threshold", (520.0, 480.0), (520.0, 480.0))
+APPLIED_B = _stats(
+    True,
+    "applied",
+    (300.0, 100.0),
+    (200.0, 200.0),
+    moved_images=1,
+    moved_patches=10,
+    total_patches=20,
+    bytes_sent=0,
+    bytes_received=800,
+    collectives=3,
+)
+NO_GAIN = _stats(False, "no-gain", (400.0, 100.0), (400.0, 100.0))
+
+
+class RecordingLogger(Logger):
+    """Keeps every ``log_metrics`` call, as a real logger would receive it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[dict[str, float], int | None]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.calls.append((dict(metrics), step))
+
+    def vit_balance_calls(self) -> list[tuple[dict[str, float], int | None]]:
+        out = []
+        for metrics, step in self.calls:
+            ours = {k: v for k, v in metrics.items() if k.startswith("vit_balance/")}
+            if ours:
+                assert ours == metrics, "the callback logs its own records, nothing else mixed in"
+                out.append((ours, step))
+        return out
+
+
+class ScriptedModule(L.LightningModule):
+    """Reports the scripted records of each batch as ViTBalanceMixin would queue them."""
+
+    def __init__(self, script: list[list[BalanceStats]]) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+        self.script = script
+        self.queue: list[BalanceStats] = []
+
+    def pop_vit_balance_stats(self) -> list[BalanceStats]:
+        out, self.queue = self.queue, []
+        return out
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.queue.extend(self.script[batch_idx])
+        return self.layer(batch[0]).sum()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        # Calls made while validating must never reach the training metrics.
+        self.queue.append(NO_GAIN)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(len(self.script), 2)))
+
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(1, 2)))
+
+
+def _fit(script: list[list[BalanceStats]], callback: ViTBalanceCallback, **trainer_kwargs: Any) -> Any:
+    logger = RecordingLogger()
+    module = ScriptedModule(script)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=logger,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **{"log_every_n_steps": 1, "num_sanity_val_steps": 0, "limit_val_batches": 0, **trainer_kwargs},
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module)
+    return trainer, logger
+
+
+def _expected(
+    records: list[BalanceStats], applied_total: int, calls_total: int, skipped: dict[str, int]
+) -> dict:
+    n = len(records)
+    expected = {
+        "vit_balance/calls": float(n),
+        "vit_balance/applied": sum(s.applied for s in records) / n,
+        "vit_balance/imbalance_before": sum(s.imbalance_before for s in records) / n,
+        "vit_balance/imbalance_after": sum(s.imbalance_after for s in records) / n,
+    }
+    for side in ("before", "after"):
+        for r in range(2):
+            expected[f"vit_balance/load_{side}/rank_{r}"] = (
+                sum(getattr(s, f"loads_{side}")[r] for s in records) / n
+            )
+    moved = sum(s.moved_patches for s in records)
+    expected.update(
+        {
+            "vit_balance/moved_images": float(sum(s.moved_images for s in records)),
+            "vit_balance/moved_patches": float(moved),
+            "vit_balance/moved_patch_fraction": moved / sum(s.total_patches for s in records),
+            "vit_balance/bytes_sent": float(sum(s.bytes_sent for s in records)),
+            "vit_balance/bytes_received": float(sum(s.bytes_received for s in records)),
+            "vit_balance/plan_ms": 1000.0 * sum(s.plan_seconds for s in records),
+            "vit_balance/exchange_ms": 1000.0 * sum(s.exchange_seconds for s in records),
+            "vit_balance/collectives": float(sum(s.collectives for s in records)),
+            "vit_balance/applied_total": float(applied_total),
+            "vit_balance/calls_total": float(calls_total),
+        }
+    )
+    for reason in sorted(SKIP_REASONS):
+        expected[f"vit_balance/skipped/{reason}"] = float(skipped.get(reason, 0))
+    return expected
+
+
+def _assert_logged(actual: dict[str, float], expected: dict[str, float]) -> None:
+    assert list(actual) == list(expected)
+    for key, value in expected.items():
+        # float64 sums of a handful of values: equal up to rounding of the last bit.
+        assert actual[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+
+
+def test_exact_dicts_per_optimizer_step_with_several_calls() -> None:
+    script = [[APPLIED_A, SKIPPED], [], [APPLIED_B]]
+    trainer, logger = _fit(script, ViTBalanceCallback(), limit_val_batches=1, val_check_interval=1)
+    logged = logger.vit_balance_calls()
+    # A batch without ViT calls logs nothing; the validation-time records are dropped.
+    assert [step for _, step in logged] == [0, 2]
+    _assert_logged(logged[0][0], _expected([APPLIED_A, SKIPPED], 1, 2, {"below-threshold": 1}))
+    _assert_logged(logged[1][0], _expected([APPLIED_B], 2, 3, {"below-threshold": 1}))
+    assert "vit_balance/imbalance_before" not in trainer.progress_bar_metrics
+
+
+def test_gradient_accumulation_aggregates_the_micro_batches_of_a_step() -> None:
+    script = [[APPLIED_A], [SKIPPED], [APPLIED_B], [NO_GAIN]]
+    _, logger = _fit(script, ViTBalanceCallback(), accumulate_grad_batches=2)
+    logged = logger.vit_balance_calls()
+    assert [step for _, step in logged] == [0, 1]
+    _assert_logged(logged[0][0], _expected([APPLIED_A, SKIPPED], 1, 2, {"below-threshold": 1}))
+    _assert_logged(logged[1][0], _expected([APPLIED_B, NO_GAIN], 2, 4, {"below-threshold": 1, "no-gain": 1}))
+
+
+def test_log_every_n_steps_aggregates_the_window_and_can_drop_rank_series() -> None:
+    script = [[APPLIED_A], [SKIPPED], [APPLIED_B], [NO_GAIN]]
+    callback = ViTBalanceCallback(log_every_n_steps=2, log_per_rank_loads=False, prog_bar=True)
+    trainer, logger = _fit(script, callback)
+    logged = logger.vit_balance_calls()
+    assert [step for _, step in logged] == [1, 3]
+    expected = _expected([APPLIED_B, NO_GAIN], 2, 4, {"below-threshold": 1, "no-gain": 1})
+    expected = {k: v for k, v in expected.items() if "/rank_" not in k}
+    _assert_logged(logged[1][0], expected)
+    # The progress bar shows the last step's imbalance.
+    assert trainer.progress_bar_metrics["vit_balance/imbalance_before"] == pytest.approx(
+        NO_GAIN.imbalance_before
+    )
+    assert trainer.progress_bar_metrics["vit_balance/imbalance_after"] == pytest.approx(
+        NO_GAIN.imbalance_after
+    )
+    assert callback.state_dict() == {
+        "applied_total": 2,
+        "calls_total": 4,
+        "skipped_total": {r: int(r in ("below-threshold", "no-gain")) for r in sorted(SKIP_REASONS)},
+    }
+    # Totals resume from a checkpoint.
+    resumed = ViTBalanceCallback()
+    resumed.load_state_dict(callback.state_dict())
+    assert resumed.state_dict() == callback.state_dict()
+
+
+def test_zero_means_never_log_and_bad_options_are_named() -> None:
+    _, logger = _fit([[APPLIED_A]], ViTBalanceCallback(log_every_n_steps=0))
+    assert logger.vit_balance_calls() == []
+    with pytest.raises(ValueError, match=r"log_every_n_steps=-1"):
+        ViTBalanceCallback(log_every_n_steps=-1)
+
+
+def test_a_module_without_the_mixin_gets_a_warning() -> None:
+    class Plain(ScriptedModule):
+        pop_vit_balance_stats = None  # type: ignore[assignment]
+
+    callback = ViTBalanceCallback()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        callbacks=[callback],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.warns(UserWarning, match="does not use ViTBalanceMixin"):
+        trainer.fit(Plain([[]]))

@@ -1,0 +1,169 @@
+"""dp_group_from_strategy for every strategy of Lightning and Fabric."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from lightning.fabric.strategies import DataParallelStrategy as FabricDataParallelStrategy
+from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+from lightning.fabric.strategies import DeepSpeedStrategy as FabricDeepSpeedStrategy
+from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
+from lightning.fabric.strategies import SingleDeviceStrategy as FabricSingleDeviceStrategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    XLAStrategy,
+)
+
+from lightning_vit_balance.lightning.strategy import dp_group_from_strategy
+
+
+@pytest.fixture
+def one_rank_world(tmp_path: Path) -> Iterator[None]:
+    """A real one-rank gloo default group (file-store rendezvous, no ports)."""
+    assert not dist.is_initialized()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=20))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_single_device_means_no_balancing() -> None:
+    assert dp_group_from_strategy(SingleDeviceStrategy("cpu")) is None
+    assert dp_group_from_strategy(FabricSingleDeviceStrategy("cpu")) is None
+    # Fabric's DataParallel runs in one process: nothing to exchange with.
+    assert dp_group_from_strategy(FabricDataParallelStrategy()) is None
+
+
+def test_parallel_strategy_before_processes_start_means_no_balancing() -> None:
+    assert not dist.is_initialized()
+    assert dp_group_from_strategy(DDPStrategy()) is None
+    assert dp_group_from_strategy(ModelParallelStrategy()) is None
+
+
+@pytest.mark.usefixtures("one_rank_world")
+def test_ddp_and_fsdp_variants_use_the_default_group_unless_given_one() -> None:
+    world = dist.group.WORLD
+    for strategy in (
+        DDPStrategy(),
+        DDPStrategy(start_method="spawn"),
+        DDPStrategy(start_method="fork"),
+        FSDPStrategy(),
+        FabricDDPStrategy(),
+        FabricDDPStrategy(start_method="spawn"),
+        FabricFSDPStrategy(),
+    ):
+        assert dp_group_from_strategy(strategy) is world, type(strategy)
+
+    own = dist.new_group([0])
+    assert own is not world
+    for strategy in (
+        DDPStrategy(process_group=own),
+        FSDPStrategy(process_group=own),
+        FabricDDPStrategy(process_group=own),
+        FabricFSDPStrategy(process_group=own),
+    ):
+        assert dp_group_from_strategy(strategy) is own, type(strategy)
+    # Hybrid sharding's (shard, replicate) pair spans every rank: the default group.
+    assert dp_group_from_strategy(FSDPStrategy(process_group=(own, own))) is world
+
+
+class _FakeEngine:
+    def __init__(self, group: Any) -> None:
+        self.data_parallel_group = group
+
+
+@pytest.mark.usefixtures("one_rank_world")
+def test_deepspeed_without_deepspeed_installed() -> None:
+    own = dist.new_group([0])
+    # Built without __init__: the real one refuses to construct without deepspeed installed.
+    trainer_strategy = object.__new__(DeepSpeedStrategy)
+    trainer_strategy._model = _FakeEngine(own)
+    trainer_strategy._lightning_module = None
+    assert dp_group_from_strategy(trainer_strategy) is own
+    fabric_strategy = object.__new__(FabricDeepSpeedStrategy)
+    fabric_strategy._deepspeed_engine = _FakeEngine(own)
+    assert dp_group_from_strategy(fabric_strategy) is own
+    # An engine that does not say: Lightning's DeepSpeed has no model parallelism, all ranks are DP.
+    fabric_strategy._deepspeed_engine = object()
+    assert dp_group_from_strategy(fabric_strategy) is dist.group.WORLD
+
+
+
+def test_unknown_strategy_names_itself_and_the_way_out() -> None:
+    class MyStrategy:  # e.g. a third-party strategy the adapter cannot know
+        pass
+
+    with pytest.raises(TypeError, match=r"MyStrategy.*vit_balance_group.*configure_vit_balance_group"):
+        dp_group_from_strategy(MyStrategy())
+    # XLA subclasses DDP in Lightning but is not supported: refused, not guessed.
+    with pytest.raises(TypeError, match=r"XLAStrategy.*vit_balance_group"):
+        dp_group_from_strategy(object.__new__(XLAStrategy))
+    with pytest.raises(TypeError, match=r"got strategy='ddp' of type builtins.str"):
+        dp_group_from_strategy("ddp")
+
+
+# ---------------------------------------------------------------------------- ModelParallelStrategy
+
+
+def _mesh_worker(rank: int, store_path: str, results: Any) -> None:
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        store = dist.FileStore(store_path, 2)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=20))
+        found = {}
+        for shape in ((2, 1), (1, 2)):
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("data_parallel", "tensor_parallel"))
+            for cls in (ModelParallelStrategy, FabricModelParallelStrategy):
+                strategy = cls() if cls is ModelParallelStrategy else cls(parallelize_fn=lambda m, _: m)
+                strategy._device_mesh = mesh
+                group = dp_group_from_strategy(strategy)
+                found[(shape, cls.__module__)] = dist.get_process_group_ranks(group)
+        dist.destroy_process_group()
+        results.put((rank, found, None))
+    except BaseException:
+        results.put((rank, None, traceback.format_exc()))
+
+
+def test_model_parallel_uses_the_data_parallel_mesh_dimension(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_mesh_worker, args=(r, str(tmp_path / "store"), results), daemon=True)
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    outcome: dict[int, Any] = {}
+    try:
+        for _ in procs:
+            rank, found, error = results.get(timeout=90)
+            outcome[rank] = (found, error)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    errors = {r: e for r, (_, e) in outcome.items() if e}
+    assert not errors, errors
+    for rank, (found, _) in outcome.items():
+        for (shape, _module), ranks in found.items():
+            # (2, 1): both ranks are data parallel. (1, 2): the two ranks are tensor-parallel
+            # peers holding the same images, so each balances with itself only.
+            assert ranks == ([0, 1] if shape == (2, 1) else [rank]), (rank, shape)

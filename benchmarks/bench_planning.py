@@ -112,9 +112,22 @@ def quality(points: list[tuple[int, int, bool]], quick: bool) -> None:
         scenario_ratio: list[float] = []
         for num_ranks, draws, with_seed in points:
             rng = np.random.default_rng(1000 * index + num_ranks)
-            rows: dict[str, list[float]] = {k: [] for k in (
-                "none", "seed", "seed_moved", "seed_xlb", "dflt", "dflt_moved", "dflt_xlb",
-                "ratio", "applied", "t_seed", "t_dflt")}
+            rows: dict[str, list[float]] = {
+                k: []
+                for k in (
+                    "none",
+                    "seed",
+                    "seed_moved",
+                    "seed_xlb",
+                    "dflt",
+                    "dflt_moved",
+                    "dflt_xlb",
+                    "ratio",
+                    "applied",
+                    "t_seed",
+                    "t_dflt",
+                )
+            }
             for _ in range(draws):
                 batch = draw_batch(scenario, rng, num_ranks)
                 plan, seconds = timed(lambda b=batch: plan_rebalance(b, default_cfg))

@@ -146,7 +146,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     parser.add_argument("--devices", type=int, default=2, help="data-parallel ranks (>= 2)")
     parser.add_argument("--batch-size", type=int, default=2, help="samples per rank per step")
     parser.add_argument("--scale", type=float, default=1.3, help="multiplies every image side")

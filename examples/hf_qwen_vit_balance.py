@@ -27,6 +27,7 @@ from torch import nn
 from lightning_vit_balance import ViTBalanceCallback, ViTBalanceConfig, ViTBalanceMixin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plot_vit_balance import read_csv
 from tiny_vlm import SyntheticVLMDataset, TinyTextDecoder, collate_vlm
 
 __all__ = ["FAMILIES", "HFQwenVLM", "main", "tiny_qwen2_vl_tower", "tiny_qwen3_vl_tower", "tower_patch_dim"]
@@ -53,7 +54,7 @@ def tiny_qwen2_vl_tower(seed: int = 0) -> nn.Module:
         embed_dim=32,
         hidden_size=OUT_DIM,
         num_heads=2,
-        mlp_ratio=2.0,
+        mlp_ratio=2,
         patch_size=PATCH_SIZE,
         temporal_patch_size=TEMPORAL_PATCH_SIZE,
         in_channels=IN_CHANNELS,
@@ -160,12 +161,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             enable_checkpointing=False,
         )
         trainer.fit(model, loader)
-        results[family] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        # Each ddp_spawn worker logs on its own; read the last value of every series back from the CSV.
+        metrics = read_csv(Path(args.output) / family / "metrics.csv")
+        results[family] = {key: pairs[-1][1] for key, pairs in metrics.items()}
         applied = results[family].get("vit_balance/applied_total", float("nan"))
         calls = results[family].get("vit_balance/calls_total", float("nan"))
         print(
-            f"{family}: balancing applied on {applied:.0f} of {calls:.0f} ViT calls; "
-            f"logs in {args.output}/{family}"
+            f"{family}: balancing applied on {applied:.0f} of {calls:.0f} ViT calls, final loss "
+            f"{results[family].get('train_loss', float('nan')):.4f}; logs in {args.output}/{family}"
         )
     return results
 

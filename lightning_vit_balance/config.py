@@ -18,23 +18,31 @@ SOLVERS: tuple[str, ...] = ("locality", "seed")
 EMPTY_RANK_POLICIES: tuple[str, ...] = ("attached", "no_grad")
 
 
-def _fail(name: str, value: object, expected: str) -> None:
-    raise ValueError(f"ViTBalanceConfig.{name}={value!r} is invalid: expected {expected}.")
+def _fail(name: str, value: object, expected: str, owner: str = "ViTBalanceConfig") -> None:
+    raise ValueError(f"{owner}.{name}={value!r} is invalid: expected {expected}.")
 
 
-def _check_number(name: str, value: object, expected: str, accept: Callable[[float], bool]) -> None:
+def _check_number(
+    name: str,
+    value: object,
+    expected: str,
+    accept: Callable[[float], bool],
+    owner: str = "ViTBalanceConfig",
+) -> None:
+    """Raise unless ``value`` is a finite real number (not a bool) that ``accept`` takes."""
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not math.isfinite(value)
         or not accept(float(value))
     ):
-        _fail(name, value, f"a finite number {expected}")
+        _fail(name, value, f"a finite number {expected}", owner)
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
+def _check_int(name: str, value: object, minimum: int, owner: str = "ViTBalanceConfig") -> None:
+    """Raise unless ``value`` is an int (not a bool) of at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        _fail(name, value, f"an int >= {minimum}")
+        _fail(name, value, f"an int >= {minimum}", owner)
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from lightning_vit_balance.config import ViTBalanceConfig
+from lightning_vit_balance.config import ViTBalanceConfig, _check_int, _check_number
 
 __all__ = ["CostModel"]
 
@@ -50,19 +49,8 @@ class CostModel:
 
     def __post_init__(self) -> None:
         for name in ("quadratic", "linear", "constant", "windowed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"CostModel.{name}={value!r} is invalid: expected a finite number >= 0.")
-            if value < 0:
-                raise ValueError(f"CostModel.{name}={value!r} is invalid: expected a finite number >= 0.")
-        if isinstance(self.window_patches, bool) or not isinstance(self.window_patches, int):
-            raise ValueError(
-                f"CostModel.window_patches={self.window_patches!r} is invalid: expected an int >= 0."
-            )
-        if self.window_patches < 0:
-            raise ValueError(
-                f"CostModel.window_patches={self.window_patches!r} is invalid: expected an int >= 0."
-            )
+            _check_number(name, getattr(self, name), ">= 0", lambda v: v >= 0, owner="CostModel")
+        _check_int("window_patches", self.window_patches, 0, owner="CostModel")
 
     def __call__(self, patch_counts: Any) -> Any:
         """Cost of images with ``patch_counts`` patches (a number or an array-like, float64)."""

@@ -239,9 +239,7 @@ def _validate_patch_counts(patch_counts: Sequence[Sequence[int]]) -> tuple[tuple
     rows: list[tuple[int, ...]] = []
     for r, row in enumerate(patch_counts):
         if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
-            raise ValueError(
-                f"patch_counts[{r}]={row!r} is invalid: expected a sequence of positive ints."
-            )
+            raise ValueError(f"patch_counts[{r}]={row!r} is invalid: expected a sequence of positive ints.")
         rows.append(tuple(row))
     flat = list(chain.from_iterable(rows))
     # Fast path: plain positive Python ints (what the exchange layer hands over).
@@ -250,15 +248,11 @@ def _validate_patch_counts(patch_counts: Sequence[Sequence[int]]) -> tuple[tuple
     for r, row in enumerate(rows):
         for i, n in enumerate(row):
             if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0:
-                raise ValueError(
-                    f"patch_counts[{r}][{i}]={n!r} is invalid: expected a positive int (T*H*W)."
-                )
+                raise ValueError(f"patch_counts[{r}][{i}]={n!r} is invalid: expected a positive int (T*H*W).")
     return tuple(tuple(int(n) for n in row) for row in rows)
 
 
-def _build_batch(
-    patch_counts: Sequence[Sequence[int]], model: Callable[[Any], Any]
-) -> _Batch:
+def _build_batch(patch_counts: Sequence[Sequence[int]], model: Callable[[Any], Any]) -> _Batch:
     counts = _validate_patch_counts(patch_counts)
     lengths = [len(row) for row in counts]
     starts = (0, *accumulate(lengths))
@@ -338,7 +332,8 @@ def plan_rebalance(
     if config.solver != "seed":
         before = float(batch.loads.max())
         gain = (before - float(new_loads.max())) / before if before > 0 else 0.0
-        if gain < config.min_gain or (gain <= 0.0 and not np.any(dest != batch.home)):
+        # A plan that does not lower the makespan is never worth an exchange, whatever min_gain.
+        if gain < config.min_gain or gain <= 0.0:
             return skip("no-gain")
     return RebalancePlan(
         applied=True,
@@ -487,6 +482,21 @@ class _LocalitySolver:
         moved = int(batch.patches[dest != batch.home].sum())
         return _Candidate(dest, float(loads.max()), moved)
 
+    def cap_excess(self, dest: np.ndarray) -> float:
+        """Patches above the cap on ranks that receive images and hold more than one.
+
+        A rank holding a single image is exempt: the image may be larger than the cap, and giving
+        an otherwise idle rank one image comes first.
+        """
+        if self.cap is None:
+            return 0.0
+        batch = self.batch
+        away = dest != batch.home
+        rank_patches = np.bincount(dest, weights=batch.patches, minlength=self.num_ranks)
+        receiving = np.bincount(dest[away], minlength=self.num_ranks) > 0
+        counted = receiving & (np.bincount(dest, minlength=self.num_ranks) > 1)
+        return float(np.maximum(rank_patches[counted] - self.cap * (1.0 + _EPS), 0.0).sum())
+
     def shed_and_place(self, target: float) -> _Candidate:
         """Shed every rank down to ``target`` (and the cap), place the shed images, finish.
 
@@ -551,22 +561,24 @@ class _LocalitySolver:
         load = [0.0] * self.num_ranks
         # Pinned images (over the cap) are at home from the start.
         dest = batch.home.copy()
-        room = [cap if cap is not None else float("inf")] * self.num_ranks
+        # Each rank's room under the cap starts with all of its own images reserved; an image
+        # that leaves frees its rows. So a rank that receives never ends above the cap.
+        unlimited = [float("inf")] * self.num_ranks
+        room = (cap - self.rank_patches).tolist() if cap is not None else unlimited
         for k in np.flatnonzero(self.pinned).tolist():
             load[home[k]] += cost[k]
-            room[home[k]] -= patches[k]
         heap = [(load[r], r) for r in range(self.num_ranks)]
         heapq.heapify(heap)
         for k in self.cost_order.tolist():
             if self.pinned[k]:
                 continue
             c, h = cost[k], home[k]
-            if load[h] + c <= limit and room[h] >= patches[k]:
+            if load[h] + c <= limit:
                 # Loads only grow, so the heap entry of ``h`` is now too low; it is refreshed
                 # when it reaches the top.
                 load[h] += c
-                room[h] -= patches[k]
                 continue
+            room[h] += patches[k]
             popped = []
             while heap:
                 top_load, top = heap[0]
@@ -685,7 +697,7 @@ class _LocalitySolver:
         for load, r in heap:
             rank_load[r] = load
         rank_patches_arr = np.asarray(rank_patches, dtype=np.float64)
-        self.refine(dest, rank_load, rank_patches_arr, members, self.config.refine_tolerance)
+        self.refine(dest, rank_load, rank_patches_arr, members, self.config.refine_tolerance, False)
         dest = self.relabel(dest)
         self.fill_empty_ranks(dest)
         loads = np.bincount(dest, weights=batch.cost, minlength=self.num_ranks)
@@ -699,11 +711,13 @@ class _LocalitySolver:
         rank_patches: np.ndarray,
         members: list[list[int] | None] | None,
         tolerance: float,
+        both_sides: bool = True,
     ) -> None:
         """The seed's move/swap refinement, vectorised per step; updates its arguments in place.
 
         ``members[r]`` lists rank ``r``'s images in the seed's order; ``None`` (or no list) builds
-        it from ``dest`` in image order when first needed.
+        it from ``dest`` in image order when first needed. ``both_sides=False`` checks the cap on
+        the lightest rank only, as the seed does.
         """
         batch, cap = self.batch, self.cap
         if members is None:
@@ -739,6 +753,9 @@ class _LocalitySolver:
                 valid = cb[None, :] < ca[:, None]
                 if cap is not None:
                     valid &= rank_patches[light] + (la[:, None] - lb[None, :]) <= cap
+                    if both_sides:
+                        # The heaviest rank receives too: it must end within the cap.
+                        valid &= rank_patches[heavy] - (la[:, None] - lb[None, :]) <= cap
                 peaks[:, 1:] = np.where(valid, swap, np.inf)
             flat = peaks.reshape(-1)
             # The seed keeps the first candidate, in scan order, that beats the best by > 1e-12.
@@ -787,9 +804,10 @@ class _LocalitySolver:
     def fill_empty_ranks(self, dest: np.ndarray) -> None:
         """Give every rank that must encode an image one, taken where it costs the least.
 
-        Preferred donors: the empty rank's own images (they go back home), then images already
-        away from home (no extra bytes), then the cheapest; never a rank's last image unless that
-        rank need not hold one.
+        Preferred donors: images within the cap, then the empty rank's own images (they go back
+        home), then images already away from home (no extra bytes), then the cheapest; never a
+        rank's last image unless that rank need not hold one. This rule wins over the cap: an
+        empty rank may receive one image larger than the cap when no other image is left.
         """
         batch = self.batch
         held = np.bincount(dest, minlength=self.num_ranks)
@@ -803,6 +821,7 @@ class _LocalitySolver:
                 batch.cost[candidates],
                 dest[candidates] == batch.home[candidates],
                 batch.home[candidates] != r,
+                self.pinned[candidates],
             )
             k = int(candidates[np.lexsort(keys)[0]])
             held[dest[k]] -= 1
@@ -815,17 +834,19 @@ def _solve_locality(batch: _Batch, config: ViTBalanceConfig) -> np.ndarray:
     solver = _LocalitySolver(batch, config)
     lower = max(float(batch.loads.sum()) / batch.num_ranks, float(batch.cost.max()))
     candidates = [solver.shed_and_place(lower), solver.home_first_lpt(lower * (1.0 + 0.5 * _SLACK))]
-    best = min(c.makespan for c in candidates)
     accept = lower * (1.0 + _SLACK)
-    if best > accept * (1.0 + _EPS):
+    if min(c.makespan for c in candidates) > accept * (1.0 + _EPS):
         # The lower bound is out of reach: measure against the seed's algorithm instead.
         reference = solver.seed_equivalent()
-        best = min(best, reference.makespan)
+        best = min(reference.makespan, *(c.makespan for c in candidates))
         accept = best * (1.0 + _SLACK)
         candidates += [reference, solver.home_first_lpt(best * (1.0 + 0.5 * _SLACK))]
-    limit = accept * (1.0 + _EPS)
+    # Plans that honour the cap best come first; among them, the fewest rows moved within the limit.
+    excess = [solver.cap_excess(c.dest) for c in candidates]
+    pool = [c for c, e in zip(candidates, excess) if e == min(excess)]
+    limit = max(accept, min(c.makespan for c in pool)) * (1.0 + _EPS)
     chosen = min(
-        (c for c in candidates if c.makespan <= limit),
+        (c for c in pool if c.makespan <= limit),
         key=lambda c: (c.moved_patches, c.makespan),
     )
     return chosen.dest

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import towers
+from multirank import subgroup
 
 from lightning_vit_balance import ViTBalanceConfig, ViTBalancer
 from lightning_vit_balance.outputs import flatten_output
@@ -104,23 +105,23 @@ def _model(name: str, dtype: torch.dtype) -> torch.nn.Module:
     return _MODELS[key]
 
 
-def probe_loss(output: Any, seed: int) -> torch.Tensor:
+def probe_loss(output: Any, seed: int, skip: tuple[str, ...] = ()) -> torch.Tensor:
     """A fixed random linear function of every floating output (zero-row outputs included)."""
     leaves, _ = flatten_output(output)
     loss = torch.zeros(())
-    for k, (_, leaf) in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+    for k, (path, leaf) in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and path not in skip:
             generator = torch.Generator().manual_seed(seed * 1000 + k)
             weights = torch.randn(leaf.shape, generator=generator)
             loss = loss + (leaf.float() * weights).sum()
     return loss
 
 
-def _grads(model: torch.nn.Module) -> tuple[torch.Tensor, list[bool]]:
+def _grads(model: torch.nn.Module, group: Any) -> tuple[torch.Tensor, list[bool]]:
     flat = torch.cat(
         [(p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1) for p in model.parameters()]
     )
-    dist.all_reduce(flat)
+    dist.all_reduce(flat, group=group)
     return flat, [p.grad is not None for p in model.parameters()]
 
 
@@ -164,15 +165,17 @@ def _check_empty(
 
 
 def run_cases(
+    n: int,
     tower_name: str,
     cases: list[dict[str, Any]],
     dtype: str = "float32",
     config: dict[str, Any] | None = None,
     output_layout: dict[str, str] | None = None,
-) -> list[dict[str, Any]]:
-    """Check balanced == direct for each case on this rank (call on every rank).
+) -> list[dict[str, Any]] | None:
+    """Check balanced == direct for each case on this rank (call on every rank of the pool).
 
     Args:
+        n: Balance over the first ``n`` ranks of the pool (see :func:`multirank.subgroup`).
         tower_name: A key of :data:`TOWERS`.
         cases: Each a dict with ``grids`` (per rank, a list of ``(T, H, W)``) and optionally
             ``pixel_grad`` (pixels require grad too), ``grid_dtype`` ("int32"/"int64").
@@ -181,15 +184,18 @@ def run_cases(
         output_layout: Passed to the balancer.
 
     Returns:
-        Per case: ``applied``, ``reason``, ``collectives`` (BalanceStats) and ``counted`` (calls
+        None on ranks outside the first ``n``; else per case: ``applied``, ``reason``, ``collectives`` (BalanceStats) and ``counted`` (calls
         seen by :class:`CollectiveCounter` during the balanced forward), ``all_grads`` (every
         parameter got a gradient on this rank).
     """
+    group = subgroup(n)
     rank = dist.get_rank()
+    if rank >= n:
+        return None
     torch_dtype = getattr(torch, dtype)
     tol = tolerances(torch_dtype)
     model = _model(tower_name, torch_dtype)
-    balancer = ViTBalancer(ViTBalanceConfig(**(config or {})), output_layout=output_layout)
+    balancer = ViTBalancer(ViTBalanceConfig(**(config or {})), group, output_layout=output_layout)
     results = []
     for index, case in enumerate(cases):
         where = f"{tower_name}/{dtype} case {index} rank {rank} grids={case['grids']}"
@@ -208,15 +214,20 @@ def run_cases(
             reference = model(ref_pixels, grid)
             probe_loss(reference, seed).backward()
             ref_pixel_grad = ref_pixels.grad
-        ref_grads, _ = _grads(model)
+        ref_grads, _ = _grads(model, group)
 
         model.zero_grad(set_to_none=True)
         bal_pixels = pixels.clone().requires_grad_(pixel_grad)
         counter = CollectiveCounter()
         with counter.active():
             balanced = balancer(model, bal_pixels, grid)
-        probe_loss(balanced, seed).backward()
-        bal_grads, got_grads = _grads(model)
+        # A rank without images has no reference; its passthrough outputs come from the dummy
+        # forward and feed no loss in the reference run, so leave them out of the loss.
+        skip = () if grids else tuple(p for p, k in (output_layout or {}).items() if k == "passthrough")
+        loss = probe_loss(balanced, seed, skip)
+        if loss.requires_grad:  # not with empty_rank_forward="no_grad" on a rank that encoded nothing
+            loss.backward()
+        bal_grads, got_grads = _grads(model, group)
 
         if reference is not None:
             _compare(reference, balanced, where, tol)

@@ -3,7 +3,7 @@
 Imported by ``test_lightning_fit.py`` (``ddp_spawn`` fits) and run as a script for the ``ddp``
 strategy, whose launcher starts the other rank by running this same script again::
 
-    python tests/lightning_fit_script.py OUT_DIR VERSION ENABLED
+    python tests/lightning_fit_script.py OUT_DIR
 """
 
 from __future__ import annotations
@@ -103,7 +103,9 @@ def fit(out_dir: str, version: str, enabled: bool, strategy: str, verbose: bool 
 
 
 if __name__ == "__main__":
-    out, run_version, run_enabled = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-    trained = fit(out, run_version, run_enabled, "ddp", verbose=True)
-    if trained.global_rank == 0:
-        torch.save(trained.state_dict(), Path(out) / run_version / "weights.pt")
+    # Both fits run in the same two processes: the launcher starts rank 1 once, at the first fit.
+    out = sys.argv[1]
+    for run_version, run_enabled in (("ddp_disabled", False), ("ddp", True)):
+        trained = fit(out, run_version, run_enabled, "ddp", verbose=True)
+        if trained.global_rank == 0:
+            torch.save(trained.state_dict(), Path(out) / run_version / "weights.pt")

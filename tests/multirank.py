@@ -24,6 +24,9 @@ Usage::
   cases the pool is killed and the next :func:`world` call starts a fresh one. Process groups use
   a short collective timeout, so a rank waiting on a failed peer gives up on its own as well.
 * Workers run with one intra-op thread (the test machine's cores are shared).
+* Inside a worker, :func:`subgroup` gives the process group of the first ``k`` ranks, so one pool
+  of 4 serves 2-, 3- and 4-rank tests (process start-up, not the tests, dominates the run time).
+  Ranks outside it just return.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["MAX_POOLS", "MultiRankError", "World", "close_all", "world"]
+__all__ = ["MAX_POOLS", "MultiRankError", "World", "close_all", "subgroup", "world"]
 
 #: Pools kept alive at once.
 MAX_POOLS = 3
@@ -83,7 +86,7 @@ def _worker_main(rank: int, size: int, store: str, tasks: Any, results: Any) -> 
             results.put((task_id, rank, True, value))
         except BaseException:
             results.put((task_id, rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    # No destroy_process_group(): its shutdown can wait on peers that already left; exiting is enough.
 
 
 class World:
@@ -167,12 +170,31 @@ class World:
                 with contextlib.suppress(Exception):
                     q.put(None)
             for proc in self._procs:
-                proc.join(timeout=5)
+                proc.join(timeout=2)
         for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+_SUBGROUPS: dict[int, Any] = {}
+
+
+def subgroup(size: int) -> Any:
+    """In a worker: the process group of ranks ``0 .. size-1`` of the pool, or None (the default
+    group) when ``size`` is the pool's size; members are those with ``dist.get_rank() < size``.
+
+    Created on first use; call it on every rank of the pool with the same ``size`` (as
+    :meth:`World.run` does), because creating a group is collective.
+    """
+    import torch.distributed as dist
+
+    if size == dist.get_world_size():
+        return None
+    if size not in _SUBGROUPS:
+        _SUBGROUPS[size] = dist.new_group(list(range(size)))
+    return _SUBGROUPS[size]
 
 
 _POOLS: OrderedDict[int, World] = OrderedDict()

@@ -1,7 +1,8 @@
 """Balanced encode on real gloo ranks: equivalence, plan decisions, collectives, error handling.
 
-Each test runs many cases inside one call on a persistent worker pool (see multirank.py), so the
-processes start once per world size.
+Each test runs many cases inside one call on one persistent pool of 4 worker processes (see
+multirank.py); 2- and 3-rank cases balance over a subgroup of it (which also exercises an explicit
+``group``), 4-rank cases over the default group.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import towers
-from equivalence import CollectiveCounter, run_cases
+from equivalence import run_cases
+from multirank import subgroup
 
 from lightning_vit_balance import BalanceStats, ViTBalanceConfig, ViTBalancer, balanced_encode
 
 THRESHOLD_0 = {"trigger_threshold": 0.0}
+POOL = 4
 
 
 def standard_cases(n: int) -> list[dict[str, Any]]:
@@ -43,9 +46,9 @@ def standard_cases(n: int) -> list[dict[str, Any]]:
     ]
 
 
-def _equivalence_suite(n: int) -> dict[str, list[dict[str, Any]]]:
+def _equivalence_suite(n: int) -> dict[str, Any]:
     cases = standard_cases(n)
-    return {name: run_cases(name, cases, "float32", THRESHOLD_0) for name in ("tensor", "window", "dict")}
+    return {name: run_cases(n, name, cases, "float32", THRESHOLD_0) for name in ("tensor", "window", "dict")}
 
 
 def _check_collectives(results: list[dict[str, Any]]) -> None:
@@ -57,8 +60,8 @@ def _check_collectives(results: list[dict[str, Any]]) -> None:
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_equivalence_tiny_towers(multirank: Any, n: int) -> None:
     """Outputs and summed gradients equal the direct call: tensor, tuple+window index+deepstack, dict."""
-    with multirank(n) as w:
-        per_rank = w.run(_equivalence_suite, n)
+    with multirank(POOL) as w:
+        per_rank = w.run(_equivalence_suite, n)[:n]
     for results in per_rank[0].values():
         assert results[0]["applied"], "the heavily unbalanced case must move images"
         assert results[2]["reason"] == "no-images"
@@ -69,33 +72,33 @@ def test_equivalence_tiny_towers(multirank: Any, n: int) -> None:
             assert all(r["all_grads"] for r in results), name
 
 
-def _bf16_suite(n: int) -> dict[str, list[dict[str, Any]]]:
+def _bf16_suite(n: int) -> dict[str, Any]:
     cases = standard_cases(n)[:2] + standard_cases(n)[3:5]
-    return {name: run_cases(name, cases, "bfloat16", THRESHOLD_0) for name in ("window", "dict")}
+    return {name: run_cases(n, name, cases, "bfloat16", THRESHOLD_0) for name in ("window", "dict")}
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_equivalence_bf16(multirank: Any, n: int) -> None:
     """bf16 towers (the dict tower mixes bf16 and int64 outputs in one return buffer)."""
-    with multirank(n) as w:
-        per_rank = w.run(_bf16_suite, n)
+    with multirank(POOL) as w:
+        per_rank = w.run(_bf16_suite, n)[:n]
     for rank_results in per_rank:
         for results in rank_results.values():
             assert results[0]["applied"]
             _check_collectives(results)
 
 
-def _decisions(n: int) -> list[dict[str, Any]]:
+def _decisions(n: int) -> list[dict[str, Any]] | None:
     heavy = {"grids": [[(1, 8, 8)] * 4, *[[(1, 2, 2)] for _ in range(n - 1)]]}
     even = {"grids": [[(1, 4, 4), (1, 4, 4)] for _ in range(n)]}
     empty = {"grids": [[] for _ in range(n)]}
-    return run_cases("window", [heavy, even, empty], "float32", {})
+    return run_cases(n, "window", [heavy, even, empty], "float32", {})
 
 
 def test_plan_applied_and_skipped(multirank: Any) -> None:
     """Default config: an unbalanced step is applied (3 collectives), a balanced one skipped (1)."""
-    with multirank(3) as w:
-        per_rank = w.run(_decisions, 3)
+    with multirank(POOL) as w:
+        per_rank = w.run(_decisions, 3)[:3]
     for results in per_rank:
         assert [r["applied"] for r in results] == [True, False, False]
         assert [r["reason"] for r in results] == ["applied", "below-threshold", "no-images"]
@@ -103,30 +106,33 @@ def test_plan_applied_and_skipped(multirank: Any) -> None:
         _check_collectives(results)
 
 
-def _no_grad_policy(n: int) -> list[dict[str, Any]]:
+def _no_grad_policy(n: int) -> list[dict[str, Any]] | None:
     cases = [
         {"grids": [[(1, 8, 8), (1, 2, 2)], *[[] for _ in range(n - 1)]]},  # fewer images than ranks
         {"grids": [[] for _ in range(n)]},
     ]
-    return run_cases("dict", cases, "float32", {**THRESHOLD_0, "empty_rank_forward": "no_grad"})
+    return run_cases(n, "dict", cases, "float32", {**THRESHOLD_0, "empty_rank_forward": "no_grad"})
 
 
 def test_empty_rank_no_grad_policy(multirank: Any) -> None:
     """``empty_rank_forward="no_grad"``: still equivalent; ranks that encode nothing get no grads."""
-    with multirank(4) as w:
+    with multirank(POOL) as w:
         per_rank = w.run(_no_grad_policy, 4)
     # 2 images on 4 ranks: at least two ranks encode nothing, and with no images anywhere all do.
     assert sum(not results[0]["all_grads"] for results in per_rank) >= 2
     assert not any(results[1]["all_grads"] for results in per_rank)
 
 
-def _profiled(n: int) -> list[tuple[int, int, int]]:
+def _profiled(n: int) -> list[tuple[int, int, int]] | None:
     from torch.profiler import ProfilerActivity, profile
 
+    group = subgroup(n)
     rank = dist.get_rank()
+    if rank >= n:
+        return None
     torch.manual_seed(0)
     tower = towers.WindowTower()
-    balancer = ViTBalancer(ViTBalanceConfig())
+    balancer = ViTBalancer(ViTBalanceConfig(), group)
     counts = []
     batches = [
         [[(1, 8, 8)] * 3, *[[(1, 2, 2)] for _ in range(n - 1)]],  # applied
@@ -150,71 +156,76 @@ def _profiled(n: int) -> list[tuple[int, int, int]]:
 
 def test_collectives_measured_with_profiler(multirank: Any) -> None:
     """gloo events per call: applied = gather + 2 all_to_all; skipped = gather; backward = the trips."""
-    with multirank(2) as w:
-        per_rank = w.run(_profiled, 2)
+    with multirank(POOL) as w:
+        per_rank = w.run(_profiled, 2)[:2]
     for counts in per_rank:
         assert counts == [(3, 1, 3), (1, 0, 1), (3, 2, 3), (1, 0, 1)], counts
 
 
-def _overflow() -> list[dict[str, Any]]:
-    cases = [{"grids": [[(1, 2, 2)] * 7, [(1, 4, 4)]]}, {"grids": [[(1, 2, 2)] * 2, [(1, 4, 4)]]}]
-    return run_cases("tensor", cases, "float32", {**THRESHOLD_0, "gather_capacity": 3})
+def _overflow() -> list[dict[str, Any]] | None:
+    cases = [{"grids": [[(1, 4, 4)] * 7, [(1, 2, 2)]]}, {"grids": [[(1, 2, 2)] * 2, [(1, 4, 4)]]}]
+    return run_cases(2, "tensor", cases, "float32", {**THRESHOLD_0, "gather_capacity": 3})
 
 
 def test_gather_capacity_overflow(multirank: Any) -> None:
     """More images than gather_capacity on a rank costs exactly one extra all_gather."""
-    with multirank(2) as w:
-        per_rank = w.run(_overflow)
+    with multirank(POOL) as w:
+        per_rank = w.run(_overflow)[:2]
     for results in per_rank:
         assert [r["collectives"] for r in results] == [4, 3 if results[1]["applied"] else 1]
         assert [r["counted"] for r in results] == [r["collectives"] for r in results]
 
 
-def _layout_cases(n: int) -> list[dict[str, Any]]:
+def _layout_cases(n: int) -> list[Any] | None:
     cases = [
         {"grids": [[(1, 8, 8), (1, 4, 4)], *[[(1, 2, 2)] for _ in range(n - 1)]]},
         {"grids": [[(1, 6, 6)], *[[] for _ in range(n - 1)]]},
     ]
-    with_layout = run_cases("global", cases, "float32", THRESHOLD_0, output_layout={"global": "passthrough"})
+    with_layout = run_cases(n, "global", cases, "float32", THRESHOLD_0, output_layout={"global": "passthrough"})
+    if with_layout is None:
+        return None
     try:
-        run_cases("global", cases[:1], "float32", THRESHOLD_0)
+        run_cases(n, "global", cases[:1], "float32", THRESHOLD_0)
     except ValueError as error:
-        return [with_layout, str(error)]  # type: ignore[list-item]
+        return [with_layout, str(error)]
     raise AssertionError("a [1, D] output on a multi-token batch must not be routed silently")
 
 
 def test_output_layout_override(multirank: Any) -> None:
     """A per-batch output needs output_layout; without it every rank raises the same clear error."""
-    with multirank(2) as w:
-        per_rank = w.run(_layout_cases, 2)
+    with multirank(POOL) as w:
+        per_rank = w.run(_layout_cases, 2)[:2]
     messages = {r[1] for r in per_rank}
     assert len(messages) == 1, messages
     message = messages.pop()
     assert "'global'" in message and "output_layout" in message
 
 
-def _bad_output() -> list[str]:
+def _bad_output() -> list[str] | None:
+    group = subgroup(3)
+    rank = dist.get_rank()
+    if rank >= 3:
+        return None
     torch.manual_seed(0)
     tower = towers.BadRowsTower(bad_rank=1)
-    rank = dist.get_rank()
     grids = [[(1, 8, 8), (1, 8, 8), (1, 4, 4)], [(1, 2, 2)], [(1, 2, 2)]][rank]
     pixels, grid = towers.make_batch(grids, seed=rank)
     messages = []
     try:
-        ViTBalancer(ViTBalanceConfig(**THRESHOLD_0))(tower, pixels, grid)
+        ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group)(tower, pixels, grid)
     except ValueError as error:
         messages.append(str(error))
     # The group is still in step: a good call afterwards works on every rank.
     good = towers.TensorTower()
-    out = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0))(good, pixels, grid)
+    out = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group)(good, pixels, grid)
     torch.testing.assert_close(out, good(pixels, grid), rtol=1e-4, atol=1e-5)
     return messages
 
 
 def test_unexpected_output_rows_raise_on_all_ranks(multirank: Any) -> None:
     """A ViT output with a missing row on one rank fails on every rank with the same message."""
-    with multirank(3) as w:
-        per_rank = w.run(_bad_output)
+    with multirank(POOL) as w:
+        per_rank = w.run(_bad_output)[:3]
     assert all(len(m) == 1 for m in per_rank), per_rank
     assert len({m[0] for m in per_rank}) == 1, per_rank
     assert "rank 1" in per_rank[0][0] and "rows" in per_rank[0][0]
@@ -224,7 +235,7 @@ def _bad_inputs(bad_rank: int) -> list[str]:
     rank = dist.get_rank()
     torch.manual_seed(0)
     tower = towers.WindowTower()
-    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0))
+    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0))  # the default group: all 4 ranks
     pixels, grid = towers.make_batch([(1, 4, 4), (2, 4, 4)], seed=rank)
     bad: list[tuple[Any, Any]] = [
         (pixels, grid.float()),  # grid dtype
@@ -258,7 +269,7 @@ def _bad_inputs(bad_rank: int) -> list[str]:
 
 def test_bad_inputs_raise_on_all_ranks(multirank: Any) -> None:
     """Every invalid input on one rank raises the same ValueError, naming that rank, everywhere."""
-    with multirank(3) as w:
+    with multirank(POOL) as w:
         per_rank = w.run(_bad_inputs, 2)
     expected = [
         "dtype torch.float32",

@@ -69,7 +69,7 @@ def test_invalid_values_name_the_field() -> None:
 
 
 def test_missing_flags_are_named() -> None:
-    with pytest.raises(ValueError, match="use_vit_dp_balance.*add_vit_balance_args"):
+    with pytest.raises(ValueError, match=r"use_vit_dp_balance.*add_vit_balance_args"):
         vit_balance_config_from_args(argparse.Namespace(dp_balance_verbose=True))
     with pytest.raises(TypeError, match="ArgumentParser"):
         add_vit_balance_args("--use-vit-dp-balance")  # type: ignore[arg-type]

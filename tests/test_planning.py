@@ -19,9 +19,7 @@ from lightning_vit_balance.planning import _build_batch, _LocalitySolver, _solve
 FORCED = ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0)
 SEED_FORCED = replace(FORCED, solver="seed")
 
-batches = st.lists(
-    st.lists(st.integers(min_value=1, max_value=400), max_size=8), min_size=1, max_size=12
-)
+batches = st.lists(st.lists(st.integers(min_value=1, max_value=400), max_size=8), min_size=1, max_size=12)
 configs = st.builds(
     ViTBalanceConfig,
     solver=st.sampled_from(["locality", "seed"]),
@@ -30,7 +28,7 @@ configs = st.builds(
     max_len_ratio=st.sampled_from([None, 1.0, 1.3, 2.0]),
     cost_linear=st.sampled_from([0.0, 50.0]),
 )
-property_settings = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+property_settings = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def recomputed_loads(plan: RebalancePlan) -> tuple[float, ...]:
@@ -90,8 +88,9 @@ def test_patch_cap_respected_when_images_fit(counts: list[list[int]], ratio: flo
     cap = plan.total_patches / plan.num_ranks * ratio
     for rank in range(plan.num_ranks):
         received = sum(plan.receive_patches(rank)) - plan.receive_patches(rank)[rank]
-        if received:
-            # A rank that receives any image stays within the cap.
+        if received and len(plan.arrivals(rank)) > 1:
+            # A rank that receives any image stays within the cap (a rank given a single image so
+            # that it is not idle may exceed it: that rule comes first).
             assert sum(plan.receive_patches(rank)) <= cap + 1e-9
 
 
@@ -121,7 +120,12 @@ def test_skip_reasons() -> None:
     # Balancing cannot help at all: no gain.
     assert plan_rebalance([[100], [1]], FORCED).reason == "no-gain"
     # Gain of 1/3 is below a min_gain of 0.5.
-    assert plan_rebalance([[3, 3, 3], []], replace(FORCED, min_gain=0.5, cost_quadratic=0.0, cost_linear=1.0)).reason == "no-gain"
+    assert (
+        plan_rebalance(
+            [[3, 3, 3], []], replace(FORCED, min_gain=0.5, cost_quadratic=0.0, cost_linear=1.0)
+        ).reason
+        == "no-gain"
+    )
 
 
 def test_all_ranks_empty_and_some_empty() -> None:
@@ -147,40 +151,44 @@ def test_single_rank() -> None:
     assert plan.arrivals(0) == ((0, 0), (0, 1), (0, 2))
 
 
-@pytest.mark.parametrize(
-    ("counts", "expected"),
-    [
-        # LPT on l^2 costs 36, 25, 16, 9, 4 over two ranks: 36 -> r0, 25 -> r1, 16 -> r1 (41),
-        # 9 -> r0 (45), 4 -> r1 (45). (max - min) / min = 0: no refinement.
-        ([[6, 5, 4, 3, 2], []], ((0, 1, 1, 0, 1), ())),
-        # Costs 16 (r0), 9, 9, 9 (r1) and nothing on r2: LPT gives 16 -> r0, 9 -> r1, 9 -> r2,
-        # 9 -> r1 (ties go to the lowest rank): loads 16, 18, 9; one move of a 9 from r1 to r2
-        # (peak max(9, 18) = 18: no gain) and swaps (none cheaper on r2) do not help.
-        ([[4], [3, 3, 3], []], ((0,), (1, 2, 1), ())),
-    ],
-)
-def test_seed_solver_hand_computed(counts: list[list[int]], expected: tuple[tuple[int, ...], ...]) -> None:
-    plan = plan_rebalance(counts, SEED_FORCED)
-    assert plan.applied
-    assert plan.destinations == expected
+LINEAR = {"cost_quadratic": 0.0, "cost_linear": 1.0}  # cost = l: easy to follow by hand
 
 
-def test_seed_refinement_swaps() -> None:
-    # l^2 costs: r0 = [100, 1, 1] (102), r1 = [64, 36] (100), r2 = [81, 4] ... LPT decides, then the
-    # refinement only ever lowers the larger of the heaviest and lightest loads.
-    counts = [[10, 1, 1], [8, 6], [9, 2], [3]]
-    lpt_only = plan_rebalance(counts, replace(SEED_FORCED, refine_iterations=0))
-    refined = plan_rebalance(counts, SEED_FORCED)
-    assert refined.makespan_after <= lpt_only.makespan_after
-    # LPT by hand: costs 100, 81, 64, 36, 9, 4, 1, 1 over 4 ranks:
-    # 100 -> r0, 81 -> r1, 64 -> r2, 36 -> r3, 9 -> r3 (45), 4 -> r3 (49), 1 -> r3 (50), 1 -> r3 (51).
-    assert lpt_only.loads_after == (100.0, 81.0, 64.0, 51.0)
+def test_seed_solver_hand_computed_lpt() -> None:
+    # l^2 costs 36, 25, 16, 9, 4 over two ranks: 36 -> r0, 25 -> r1, 16 -> r1 (41), 9 -> r0 (45),
+    # 4 -> r1 (45). (max - min) / min = 0: no refinement.
+    plan = plan_rebalance([[6, 5, 4, 3, 2], [1]], SEED_FORCED)
+    assert plan.destinations == ((0, 1, 1, 0, 1), (0,))
+    assert plan.loads_after == (46.0, 45.0)
+
+
+def test_seed_solver_hand_computed_refinement_stuck() -> None:
+    # cost = l: 7 -> r0, 5 -> r1, 4 -> r2, 3 -> r2 (7), 2 (r2's first) -> r1 (7), 2 -> r0 (all 7,
+    # lowest rank): loads 9, 7, 7. Heaviest r0 [7, 2], lightest r1 [5, 2]: no move or swap lowers
+    # max(9, 7), so the seed stops at 9 although 8, 8, 7 exists.
+    plan = plan_rebalance([[7, 5, 4], [3], [2, 2]], replace(SEED_FORCED, **LINEAR))
+    assert plan.destinations == ((0, 1, 2), (2,), (1, 0))
+    assert plan.loads_after == (9.0, 7.0, 7.0)
+
+
+def test_seed_solver_hand_computed_swap() -> None:
+    # cost = l: LPT gives r0 = [5, 3 (r1's first)] = 8 and r1 = [4, 3, 3] = 10; the refinement
+    # swaps the 4 with r0's 3 (both sides 9) and stops at (max - min) / min = 0.
+    config = replace(SEED_FORCED, **LINEAR)
+    lpt_only = plan_rebalance([[5, 4, 3], [3, 3]], replace(config, refine_iterations=0))
+    assert lpt_only.destinations == ((0, 1, 1), (0, 1))
+    assert lpt_only.loads_after == (8.0, 10.0)
+    plan = plan_rebalance([[5, 4, 3], [3, 3]], config)
+    assert plan.destinations == ((0, 0, 1), (1, 1))
+    assert plan.loads_after == (9.0, 9.0)
 
 
 def _reference_seed(counts: list[list[int]]) -> float:
     """LPT then refinement, written from the description alone (no cap), on l^2; the makespan."""
-    items = sorted(((n * n, r, i) for r, row in enumerate(counts) for i, n in enumerate(row)),
-                   key=lambda t: (-t[0], t[1], t[2]))
+    items = sorted(
+        ((n * n, r, i) for r, row in enumerate(counts) for i, n in enumerate(row)),
+        key=lambda t: (-t[0], t[1], t[2]),
+    )
     loads = [0.0] * len(counts)
     bins: list[list[float]] = [[] for _ in counts]
     for c, _, _ in items:
@@ -214,7 +222,7 @@ def _reference_seed(counts: list[list[int]]) -> float:
     return max(loads)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(counts=batches)
 def test_seed_solver_matches_its_description(counts: list[list[int]]) -> None:
     plan = plan_rebalance(counts, SEED_FORCED)
@@ -222,7 +230,7 @@ def test_seed_solver_matches_its_description(counts: list[list[int]]) -> None:
         assert plan.makespan_after == _reference_seed(counts)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(counts=batches, ratio=st.sampled_from([None, 1.1, 2.0]))
 def test_fast_seed_equivalent_equals_seed_solver(counts: list[list[int]], ratio: float | None) -> None:
     # The locality solver's internal reference is the seed's algorithm made fast: same plan up to a
@@ -254,7 +262,7 @@ def test_locality_beats_seed_on_dominating_image() -> None:
     assert seed.reason == "single-image-dominates"
     assert default.applied
     assert default.makespan_after <= 1.02 * default.lower_bound
-    assert default.makespan_after < seed.makespan_after / 1.5
+    assert default.makespan_after == default.lower_bound < seed.makespan_after
 
 
 def test_locality_quality_and_locality_on_mixed_batches() -> None:
@@ -300,7 +308,9 @@ def test_determinism_across_processes() -> None:
     results = []
     for hash_seed in ("0", "1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
-        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
         results.append(json.loads(proc.stdout))
     assert results[0] == results[1] == results[2]
     assert plan_rebalance([[5, 4, 3], [1]], FORCED) == plan_rebalance([[5, 4, 3], [1]], FORCED)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import traceback
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +23,7 @@ from lightning.pytorch.strategies import (
     SingleDeviceStrategy,
     XLAStrategy,
 )
+from multirank import world
 
 from lightning_vit_balance.lightning.strategy import dp_group_from_strategy
 
@@ -120,49 +118,24 @@ def test_unknown_strategy_names_itself_and_the_way_out() -> None:
 # ---------------------------------------------------------------------------- ModelParallelStrategy
 
 
-def _mesh_worker(rank: int, store_path: str, results: Any) -> None:
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+def _mesh_groups() -> dict[tuple[tuple[int, int], str], list[int]]:
+    from torch.distributed.device_mesh import init_device_mesh
 
-        os.environ["OMP_NUM_THREADS"] = "1"
-        store = dist.FileStore(store_path, 2)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=20))
-        found = {}
-        for shape in ((2, 1), (1, 2)):
-            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("data_parallel", "tensor_parallel"))
-            for cls in (ModelParallelStrategy, FabricModelParallelStrategy):
-                strategy = cls() if cls is ModelParallelStrategy else cls(parallelize_fn=lambda m, _: m)
-                strategy._device_mesh = mesh
-                group = dp_group_from_strategy(strategy)
-                found[(shape, cls.__module__)] = dist.get_process_group_ranks(group)
-        dist.destroy_process_group()
-        results.put((rank, found, None))
-    except BaseException:
-        results.put((rank, None, traceback.format_exc()))
+    found = {}
+    for shape in ((2, 1), (1, 2)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("data_parallel", "tensor_parallel"))
+        for cls in (ModelParallelStrategy, FabricModelParallelStrategy):
+            strategy = cls() if cls is ModelParallelStrategy else cls(parallelize_fn=lambda m, _: m)
+            strategy._device_mesh = mesh
+            found[(shape, cls.__module__)] = dist.get_process_group_ranks(dp_group_from_strategy(strategy))
+    return found
 
 
-def test_model_parallel_uses_the_data_parallel_mesh_dimension(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_mesh_worker, args=(r, str(tmp_path / "store"), results), daemon=True)
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    outcome: dict[int, Any] = {}
-    try:
-        for _ in procs:
-            rank, found, error = results.get(timeout=90)
-            outcome[rank] = (found, error)
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    errors = {r: e for r, (_, e) in outcome.items() if e}
-    assert not errors, errors
-    for rank, (found, _) in outcome.items():
+def test_model_parallel_uses_the_data_parallel_mesh_dimension() -> None:
+    with world(2) as w:
+        outcome = w.run(_mesh_groups)
+    for rank, found in enumerate(outcome):
+        assert len(found) == 4
         for (shape, _module), ranks in found.items():
             # (2, 1): both ranks are data parallel. (1, 2): the two ranks are tensor-parallel
             # peers holding the same images, so each balances with itself only.

@@ -115,7 +115,8 @@ class ViTBalanceMixin:
         Called once per fit. The default returns the attribute ``vit_balance_group`` when it is set,
         else :func:`~lightning_vit_balance.dp_group_from_strategy` of the Trainer's (or Fabric's)
         strategy, else ``None`` (not attached to either). Override it, or set
-        ``vit_balance_group``, for strategies the adapter does not know.
+        ``vit_balance_group``, for strategies the adapter does not know. Prefer the override
+        when the module is copied or pickled (``ddp_spawn``): a process group does not pickle.
         """
         group = getattr(self, "vit_balance_group", None)
         if group is not None:

@@ -1,0 +1,165 @@
+"""ViT output handling (single process): flatten/rebuild, classification, merge size, transit packing."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, namedtuple
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_vit_balance.balancer import (
+    _from_hex_digits,
+    _hex_digits,
+    _pack,
+    _transit_dtype,
+    _unpack,
+    _elements_per_row,
+)
+from lightning_vit_balance.outputs import (
+    OutputLayout,
+    classify_output,
+    flatten_output,
+    merge_size_of,
+    rebuild_output,
+)
+
+Pair = namedtuple("Pair", ["embeds", "extra"])
+
+
+def _roundtrip(output: Any) -> Any:
+    leaves, structure = flatten_output(output)
+    return leaves, rebuild_output(structure, [leaf for _, leaf in leaves])
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        torch.ones(3, 2),
+        (torch.ones(3, 2), torch.arange(3), [torch.zeros(1, 2), torch.zeros(1, 2)]),
+        [torch.ones(2), None],
+        {"a": torch.ones(2), "b": {"c": [torch.ones(1)], "d": 3}},
+        OrderedDict(x=torch.ones(1), y=None),
+        Pair(torch.ones(2, 2), "note"),
+    ],
+    ids=["tensor", "tuple", "list", "dict", "ordereddict", "namedtuple"],
+)
+def test_flatten_rebuild_roundtrip(output: Any) -> None:
+    leaves, rebuilt = _roundtrip(output)
+    assert type(rebuilt) is type(output)
+    again, _ = flatten_output(rebuilt)
+    assert [p for p, _ in again] == [p for p, _ in leaves]
+    for (_, a), (_, b) in zip(again, leaves):
+        assert a is b
+
+
+def test_flatten_paths() -> None:
+    leaves, _ = flatten_output((torch.ones(1), None, [torch.ones(1), torch.ones(1)]))
+    assert [p for p, _ in leaves] == ["0", "1", "2.0", "2.1"]
+    leaves, _ = flatten_output({"last_hidden_state": 1, "deepstack_features": [2, 3]})
+    assert [p for p, _ in leaves] == ["last_hidden_state", "deepstack_features.0", "deepstack_features.1"]
+    leaves, _ = flatten_output(torch.ones(1))
+    assert [p for p, _ in leaves] == [""]
+
+
+def test_flatten_rebuild_hf_model_output() -> None:
+    outputs = pytest.importorskip("transformers.modeling_outputs")
+    out = outputs.BaseModelOutputWithPooling(last_hidden_state=torch.ones(8, 2), pooler_output=torch.ones(2, 3))
+    leaves, rebuilt = _roundtrip(out)
+    assert type(rebuilt) is type(out) and [p for p, _ in leaves] == ["last_hidden_state", "pooler_output"]
+    assert rebuilt.hidden_states is None and rebuilt.pooler_output is out.pooler_output
+
+
+def _kind(leaf: Any, layout: OutputLayout | None = None, window: bool = False, path: str = "x") -> tuple[Any, ...]:
+    c = classify_output(path, leaf, total_patches=32, merge_size=2, has_window_index=window, layout=layout)
+    return (c.kind, c.problem, c.rows, c.expected)
+
+
+def test_classify_by_rows() -> None:
+    assert _kind(torch.ones(32, 4))[:2] == ("patch", 0)
+    assert _kind(torch.ones(8, 4))[:2] == ("merged", 0)
+    assert _kind(torch.ones(8, 4, 2))[:2] == ("merged", 0)
+    assert _kind(torch.arange(8), window=True)[:2] == ("window_index", 0)
+    assert _kind(torch.arange(8))[:2] == ("merged", 0)  # integer, but the ViT has no get_window_index
+    for value in (None, 3, "s", torch.tensor(1.0)):
+        assert _kind(value)[:2] == ("passthrough", 0)
+    # Rows that fit nothing: the nearest kind is guessed (so the exchange stays consistent), with a problem.
+    assert _kind(torch.ones(31, 4)) == ("patch", 1, 31, 32)
+    assert _kind(torch.ones(7, 4)) == ("merged", 1, 7, 8)
+    # Merge size 1: per patch.
+    c = classify_output("x", torch.ones(32, 1), total_patches=32, merge_size=1, has_window_index=False, layout=None)
+    assert c.kind == "patch" and c.problem == 0
+
+
+def test_classify_with_layout() -> None:
+    layout = OutputLayout(kinds={"global": "passthrough", "deep": "merged", "emb": "patch"})
+    assert _kind(torch.ones(1, 4), layout, path="global")[:2] == ("passthrough", 0)
+    assert _kind(torch.ones(8, 4), layout, path="deep.1")[:2] == ("merged", 0)  # prefix covers children
+    assert _kind(torch.ones(32, 4), layout, path="deep.1") == ("merged", 2, 32, 8)
+    assert _kind(torch.ones(8, 4), layout, path="emb") == ("patch", 2, 8, 32)
+    assert layout.kind_of("deep") == "merged" and layout.kind_of("deeper") is None
+    assert OutputLayout(kinds={"": "patch"}).kind_of("any.path") == "patch"
+
+
+def test_output_layout_validation() -> None:
+    with pytest.raises(ValueError, match=r"kinds\['x'\]='rows'"):
+        OutputLayout(kinds={"x": "rows"})
+    with pytest.raises(ValueError, match="merge_size=0"):
+        OutputLayout(merge_size=0)
+    with pytest.raises(ValueError, match="mapping"):
+        OutputLayout(kinds=["x"])  # type: ignore[arg-type]
+
+
+def test_merge_size_lookup() -> None:
+    class Direct(torch.nn.Module):
+        spatial_merge_size = 3
+
+    class FromConfig(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = type("C", (), {"spatial_merge_size": 4})()
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+
+    assert merge_size_of(Direct()) == 3
+    assert merge_size_of(FromConfig()) == 4
+    assert merge_size_of(Wrapper(FromConfig())) == 4
+    assert merge_size_of(torch.nn.Linear(1, 1)) == 1
+    assert merge_size_of(Direct(), OutputLayout(merge_size=2)) == 2
+
+
+@pytest.mark.parametrize("transit", [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.uint8])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool])
+def test_integer_outputs_travel_bit_exact(dtype: torch.dtype, transit: torch.dtype) -> None:
+    """Integers share the floating buffer bit for bit (values far beyond bf16's exact range)."""
+    if dtype == torch.bool:
+        values = torch.tensor([[True, False, True], [False, False, True]])
+    else:
+        info = torch.iinfo(dtype)
+        values = torch.tensor([[info.max, info.min, 1], [0, info.max - 1, 7]], dtype=dtype)
+    packed = _pack(values, transit)
+    assert packed.dtype == transit and packed.numel() == 2 * _elements_per_row(values, transit)
+    # Misalign the chunk inside a larger buffer, as in the real return trip.
+    buffer = torch.cat([torch.zeros(1, dtype=transit), packed])
+    unpacked = _unpack(buffer[1:], 2, values)
+    assert unpacked.dtype == dtype and torch.equal(unpacked, values)
+
+
+def test_transit_dtype_only_widens() -> None:
+    assert _transit_dtype([torch.bfloat16, torch.bfloat16, torch.int64]) == torch.bfloat16
+    assert _transit_dtype([torch.bfloat16, torch.float32]) == torch.float32
+    assert _transit_dtype([torch.float16, torch.bfloat16]) == torch.float32
+    assert _transit_dtype([torch.int32, torch.int64]) == torch.int64
+    assert _transit_dtype([torch.bool]) == torch.uint8
+    floats = torch.randn(5, 3).to(torch.bfloat16)
+    assert torch.equal(_unpack(_pack(floats, torch.float32), 5, floats), floats)
+
+
+@pytest.mark.parametrize("transit", [torch.bfloat16, torch.float16, torch.float32, torch.uint8])
+def test_status_digits_exact_in_transit(transit: torch.dtype) -> None:
+    for value in (0, 1, 255, 4097, 123_456_789, 16**8 - 1):
+        digits = torch.tensor(_hex_digits(value), dtype=transit).tolist()
+        assert _from_hex_digits(digits) == value

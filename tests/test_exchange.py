@@ -1,0 +1,180 @@
+"""The communication layer: autograd all_to_all, metadata gather, routes, problem messages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from multirank import subgroup
+
+from lightning_vit_balance.exchange import (
+    DTYPES,
+    ExchangeRoute,
+    InputProblem,
+    all_to_all,
+    collective_device,
+    describe_problem,
+    gather_metadata,
+)
+from lightning_vit_balance.planning import RebalancePlan
+
+POOL = 4
+
+
+def _splits(n: int) -> list[list[int]]:
+    """rows[src][dst] sent from src to dst, zeros included."""
+    return [[(2 * src + 3 * dst) % 4 for dst in range(n)] for src in range(n)]
+
+
+def _all_to_all_checks(n: int) -> bool | None:
+    group = subgroup(n)
+    rank = dist.get_rank()
+    if rank >= n:
+        return None
+    rows = _splits(n)
+    send = rows[rank]
+    receive = [rows[src][rank] for src in range(n)]
+    # Row j sent to dst is [rank, dst, j, 0.5]; trailing dims exercise non-1-D exchanges.
+    pieces = [torch.tensor([[rank, dst, j, 0.5]] * 1) for dst in range(n) for j in range(send[dst])]
+    data = torch.cat(pieces).reshape(-1, 2, 2) if pieces else torch.zeros(0, 2, 2)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        x = data.to(dtype).clone().requires_grad_(True)
+        y = all_to_all(x, send, receive, group, differentiable=True)
+        expected = [[src, rank, j, 0.5] for src in range(n) for j in range(receive[src])]
+        assert y.dtype == dtype and y.shape == (sum(receive), 2, 2)
+        assert y.reshape(-1, 4).tolist() == expected
+        # Backward is the inverse exchange: the gradient of each row comes back to its sender.
+        weights = torch.arange(y.numel(), dtype=torch.float32).reshape(y.shape).to(dtype) + rank * 100
+        (y * weights).sum().backward()
+        grad_rows = weights.reshape(-1, 4)
+        back = all_to_all(grad_rows, receive, send, group, differentiable=False)
+        assert x.grad is not None and torch.equal(x.grad.reshape(-1, 4), back)
+    # Not differentiable: no graph. A tensor that does not require grad made differentiable: the
+    # result requires grad and its backward still runs the inverse exchange on every rank.
+    ints = (data.reshape(-1, 4)[:, :3] * 1000 + 3).to(torch.int64)
+    plain = all_to_all(ints, send, receive, group, differentiable=False)
+    assert plain.grad_fn is None and plain.dtype == torch.int64
+    assert plain.tolist() == [[src * 1000 + 3, rank * 1000 + 3, j * 1000 + 3] for src in range(n) for j in range(receive[src])]
+    forced = all_to_all(data.clone(), send, receive, group, differentiable=True)
+    assert forced.requires_grad
+    forced.sum().backward()
+    return True
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_all_to_all_forward_and_backward(multirank: Any, n: int) -> None:
+    with multirank(POOL) as w:
+        assert w.run(_all_to_all_checks, n)[:n] == [True] * n
+
+
+def _gather_checks(n: int) -> list[Any] | None:
+    group = subgroup(n)
+    rank = dist.get_rank()
+    if rank >= n:
+        return None
+    grids = [(1 + rank, 2 * (i + 1), 4) for i in range(rank + 1)]  # rank r has r+1 images
+    out = []
+    for capacity in (64, 2):
+        metadata, collectives = gather_metadata(
+            InputProblem.PIXEL_ROWS if rank == 1 else InputProblem.OK,
+            (7, 9) if rank == 1 else (),
+            12 + rank,
+            DTYPES.index(torch.bfloat16),
+            rank == 0,
+            [] if rank == 1 else grids,
+            capacity=capacity,
+            device=collective_device(group, torch.device("cpu")),
+            group=group,
+        )
+        out.append((collectives, metadata))
+    return out
+
+
+def test_gather_metadata(multirank: Any) -> None:
+    """One all_gather carries headers and grid rows; an extra one only when a rank overflows."""
+    n = 4
+    with multirank(POOL) as w:
+        per_rank = w.run(_gather_checks, n)
+    assert all(r == per_rank[0] for r in per_rank)
+    (small_collectives, metadata), (big_collectives, metadata_overflow) = per_rank[0]
+    assert small_collectives == 1 and big_collectives == 2  # rank 3 has 4 images > capacity 2
+    assert metadata == metadata_overflow
+    for rank, m in enumerate(metadata):
+        assert m.channels == 12 + rank and DTYPES[m.dtype_code] == torch.bfloat16
+        assert m.requires_grad == (rank == 0)
+        if rank == 1:
+            assert (m.status, m.details, m.grids) == (InputProblem.PIXEL_ROWS, (7, 9, 0, 0), ())
+        else:
+            assert m.status == 0 and m.grids == tuple((1 + rank, 2 * (i + 1), 4) for i in range(rank + 1))
+            assert m.patch_counts == tuple((1 + rank) * 2 * (i + 1) * 4 for i in range(rank + 1))
+
+
+def _device_checks() -> list[str]:
+    return [
+        str(collective_device(None, torch.device("cpu"))),
+        str(collective_device(None, torch.device("meta"))),
+        str(collective_device(None, None)),
+    ]
+
+
+def test_collective_device_for_gloo(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        assert w.run(_device_checks)[0] == ["cpu", "cpu", "cpu"]
+
+
+def test_describe_problem_messages_are_distinct_and_specific() -> None:
+    details = {
+        InputProblem.GRID_SHAPE: (2, 5, 2),
+        InputProblem.GRID_DTYPE: (DTYPES.index(torch.float32),),
+        InputProblem.GRID_VALUE: (3, 1, 0, 4),
+        InputProblem.PIXELS_SHAPE: (3,),
+        InputProblem.PIXELS_DTYPE: (DTYPES.index(torch.int64),),
+        InputProblem.PIXEL_ROWS: (10, 12),
+        InputProblem.NOT_DIVISIBLE: (1, 4, 6, 4),
+        InputProblem.DEVICE: (2, 0),
+        InputProblem.CHANNELS_MISMATCH: (6, 0, 12),
+        InputProblem.DTYPE_MISMATCH: (DTYPES.index(torch.float64), 0, DTYPES.index(torch.float32)),
+    }
+    fragments = {
+        InputProblem.GRID_NOT_TENSOR: "grid_thw is not a torch.Tensor",
+        InputProblem.GRID_SHAPE: "shape (5, 2)",
+        InputProblem.GRID_DTYPE: "torch.float32",
+        InputProblem.GRID_VALUE: "grid_thw[3] = [1, 0, 4]",
+        InputProblem.PIXELS_NOT_TENSOR: "pixel_values is not a torch.Tensor",
+        InputProblem.PIXELS_SHAPE: "3 dims",
+        InputProblem.PIXELS_DTYPE: "torch.int64",
+        InputProblem.PIXEL_ROWS: "10 rows: expected sum(T*H*W) over grid_thw = 12",
+        InputProblem.NOT_DIVISIBLE: "H=4, W=6: expected both divisible by the ViT's spatial merge size 4",
+        InputProblem.DEVICE: "meta device: the process group's backend carries cpu tensors",
+        InputProblem.CHANNELS_MISMATCH: "C=6 channels while rank 0 has C=12",
+        InputProblem.DTYPE_MISMATCH: "torch.float64 while rank 0 has torch.float32",
+    }
+    messages = {code: describe_problem(code, details.get(code, ())) for code in InputProblem if code}
+    assert len(set(messages.values())) == len(messages)
+    for code, fragment in fragments.items():
+        assert fragment in messages[code], (code, messages[code])
+
+
+def test_route_from_plan() -> None:
+    counts = ((4, 16, 9), (), (1, 1))
+    destinations = ((2, 0, 2), (), (0, 2))
+    plan = RebalancePlan(
+        applied=True,
+        reason="applied",
+        solver="seed",
+        patch_counts=counts,
+        destinations=destinations,
+        image_costs=tuple(tuple(float(n * n) for n in row) for row in counts),
+        loads_before=(353.0, 0.0, 2.0),
+        loads_after=(257.0, 0.0, 98.0),
+    )
+    route = ExchangeRoute.from_plan(plan, 0)
+    assert route.send_order == (1, 0, 2)  # by destination, then index
+    assert route.send_patches == (16, 0, 13) and route.receive_patches == (16, 0, 1)
+    assert route.arrivals == ((0, 1), (2, 0))
+    empty = ExchangeRoute.from_plan(plan, 1)
+    assert empty.send_order == () and empty.arrivals == () and empty.send_patches == (0, 0, 0)
+    last = ExchangeRoute.from_plan(plan, 2)
+    assert last.arrivals == ((0, 0), (0, 2), (2, 1)) and last.receive_patches == (13, 0, 1)

@@ -1,0 +1,45 @@
+"""Hugging Face Qwen2-VL, Qwen2.5-VL and Qwen3-VL vision towers, unchanged, through the balancer.
+
+Tiny random configs (no downloads). The towers return ``ModelOutput`` objects:
+``last_hidden_state`` per patch, ``pooler_output`` per merged token and, for Qwen3-VL,
+``deepstack_features``, a list per merged token; Qwen2.5-VL's ``last_hidden_state`` is in window
+order within each image. All run on one pool of 4 workers (2 and 3 ranks on subgroups).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from equivalence import run_cases
+from test_balancer import THRESHOLD_0, standard_cases
+
+pytest.importorskip("transformers")
+
+POOL = 4
+
+
+def _hf_suite(n: int, towers: tuple[str, ...]) -> dict[str, Any]:
+    cases = standard_cases(n)
+    results: dict[str, Any] = {}
+    for name in towers:
+        results[name] = run_cases(n, name, cases, "float32", THRESHOLD_0)
+        results[f"{name}/bf16"] = run_cases(n, name, cases[:2], "bfloat16", THRESHOLD_0)
+    return results
+
+
+@pytest.mark.parametrize(
+    ("n", "towers"),
+    [(2, ("qwen2_vl", "qwen3_vl", "qwen2_5_vl")), (3, ("qwen2_vl", "qwen3_vl")), (4, ("qwen2_vl", "qwen3_vl"))],
+)
+def test_hf_vision_towers_equivalence(multirank: Any, n: int, towers: tuple[str, ...]) -> None:
+    """Balanced == direct (outputs and summed gradients), 3 collectives when applied, 1 when not."""
+    with multirank(POOL) as w:
+        per_rank = w.run(_hf_suite, n, towers, timeout=240)[:n]
+    for rank_results in per_rank:
+        assert set(rank_results) == {*towers, *(f"{t}/bf16" for t in towers)}
+        for name, results in rank_results.items():
+            assert results[0]["applied"], name
+            for r in results:
+                expected = 3 if r["applied"] else 1
+                assert r["collectives"] == r["counted"] == expected, (name, r)

@@ -1,0 +1,209 @@
+"""ViTBalanceMixin: when it balances, where its group and config come from, what it records."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from multirank import world
+from towers import CHANNELS, TensorTower
+
+from lightning_vit_balance import ViTBalanceCallback, ViTBalanceConfig, ViTBalanceMixin
+
+
+class CountingTower(TensorTower):
+    """Counts its calls and the images it saw, to tell direct calls from balanced ones."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__()
+        self.seen: list[int] = []
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        self.seen.append(int(grid_thw.shape[0]))
+        return super().forward(pixel_values, grid_thw)
+
+
+class MixinFirst(ViTBalanceMixin, L.LightningModule):
+    def __init__(self, config: ViTBalanceConfig | dict | None = None) -> None:
+        super().__init__()
+        if config is not None:
+            self.vit_balance_config = config
+        self.visual = CountingTower()
+        self.group_lookups = 0
+
+    def configure_vit_balance_group(self) -> Any:
+        self.group_lookups += 1
+        return super().configure_vit_balance_group()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        pixel_values, grid_thw = _images(batch_idx % 3 + 1)
+        loss = self.encode_images(self.visual, pixel_values, grid_thw).pow(2).mean()
+        loss = loss + self.encode_images(self.visual, *_images(1)).pow(2).mean()
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(3, 1)))
+
+
+class LightningFirst(L.LightningModule, ViTBalanceMixin):
+    def __init__(self) -> None:
+        super().__init__()
+        self.visual = CountingTower()
+
+
+def _images(count: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    grid = torch.tensor([(1, 2 * (i % 2 + 1), 2) for i in range(count)]).reshape(count, 3)
+    rows = int(grid.prod(dim=1).sum())
+    return torch.randn(rows, CHANNELS, generator=torch.Generator().manual_seed(seed)), grid
+
+
+def test_without_a_trainer_it_calls_the_vit_directly_in_either_base_order() -> None:
+    for module in (MixinFirst(), LightningFirst()):
+        pixel_values, grid = _images(3)
+        out = module.encode_images(module.visual, pixel_values, grid)
+        torch.testing.assert_close(out, module.visual(pixel_values, grid), rtol=0, atol=0)
+        assert module.visual.seen == [3, 3]
+        assert module.resolved_vit_balance_config() == ViTBalanceConfig()
+        assert module.last_vit_balance_stats is None
+        assert module.pop_vit_balance_stats() == []
+
+
+def test_config_attribute_forms() -> None:
+    assert MixinFirst({"trigger_threshold": 0.5}).resolved_vit_balance_config() == ViTBalanceConfig(
+        trigger_threshold=0.5
+    )
+    config = ViTBalanceConfig(solver="seed")
+    assert MixinFirst(config).resolved_vit_balance_config() is config
+    with pytest.raises(TypeError, match=r"MixinFirst.vit_balance_config='seed' is invalid"):
+        MixinFirst("seed").resolved_vit_balance_config()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"solver='magic'"):
+        MixinFirst({"solver": "magic"}).resolved_vit_balance_config()
+
+
+def test_single_device_fit_looks_the_group_up_once_per_fit_and_calls_directly() -> None:
+    module = MixinFirst()
+    callback = ViTBalanceCallback()
+
+    def run() -> None:
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=1,
+            logger=False,
+            callbacks=[callback],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(module)
+
+    run()
+    assert module.group_lookups == 1  # 6 calls, one lookup
+    assert len(module.visual.seen) == 6
+    run()
+    assert module.group_lookups == 2  # a new fit looks again
+    assert callback.calls_total == 0  # one device: nothing balanced, nothing recorded
+
+
+@pytest.fixture
+def one_rank_world(tmp_path: Path) -> Any:
+    assert not dist.is_initialized()
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=20))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class WorldGroup(MixinFirst):
+    def configure_vit_balance_group(self) -> Any:
+        return dist.group.WORLD
+
+
+@pytest.mark.usefixtures("one_rank_world")
+def test_cached_group_never_travels_with_copies_or_pickles() -> None:
+    module = WorldGroup()
+    module.encode_images(module.visual, *_images(2))
+    assert module._vit_balance_state.group is dist.group.WORLD
+    with pytest.raises(Exception):  # noqa: B017 - what a cached group would do to a pickle
+        pickle.dumps(dist.group.WORLD)
+    for clone in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+        assert clone._vit_balance_state.group is None
+        torch.testing.assert_close(
+            clone.encode_images(clone.visual, *_images(2)), module.visual(*_images(2)), rtol=0, atol=0
+        )
+
+
+# ---------------------------------------------------------------------------- two ranks, no Trainer
+
+
+def _two_rank_encode(enabled: bool) -> dict[str, Any]:
+    rank = dist.get_rank()
+    module = MixinFirst(ViTBalanceConfig(enabled=enabled))
+    module.vit_balance_group = dist.group.WORLD  # explicit group: no Trainer needed
+    # Rank 0 holds four images, rank 1 one: the plan moves images.
+    pixel_values, grid = _images(4 if rank == 0 else 1, seed=rank)
+    pixel_values.requires_grad_(True)
+    out = module.encode_images(module.visual, pixel_values, grid)
+    out.pow(2).sum().backward()
+    direct = module.visual(pixel_values.detach(), grid)
+    stats = module.last_vit_balance_stats
+    return {
+        "equal": bool(torch.allclose(out, direct, rtol=1e-5, atol=1e-6)),
+        "seen": module.visual.seen[:-1],
+        "stats": None if stats is None else (stats.applied, stats.reason, stats.num_ranks),
+        "queued": len(module.pop_vit_balance_stats()),
+        "lookups": module.group_lookups,
+        "grad": [p.grad.clone() for p in module.visual.parameters()],
+    }
+
+
+def test_explicit_group_balances_across_two_ranks() -> None:
+    with world(2) as w:
+        balanced = w.run(_two_rank_encode, True)
+        direct = w.run(_two_rank_encode, False)
+    for rank in range(2):
+        assert balanced[rank]["equal"] and direct[rank]["equal"]
+        assert balanced[rank]["stats"] == (True, "applied", 2)
+        assert direct[rank]["stats"] is None  # disabled: the ViT is called directly
+        # Without a Trainer (so without the callback) nothing is queued: no unbounded growth.
+        assert balanced[rank]["queued"] == 0
+        assert balanced[rank]["lookups"] == 1
+    # Balancing moved images: the ranks encoded other batches than their own ...
+    assert [b["seen"] for b in balanced] != [d["seen"] for d in direct]
+    assert sum(sum(b["seen"]) for b in balanced) == 5
+    # ... with the same gradients, summed over ranks as DDP would (per-image maths is identical;
+    # only the batch composition differs, so fp32 rounding may differ in the last bits).
+    for p_balanced, p_direct in zip(
+        [sum(g) for g in zip(*(b["grad"] for b in balanced))],
+        [sum(g) for g in zip(*(d["grad"] for d in direct))],
+    ):
+        torch.testing.assert_close(p_balanced, p_direct, rtol=1e-5, atol=1e-6)
+
+
+def test_fabric_module_asks_fabrics_strategy_once() -> None:
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    module = MixinFirst()
+    fabric.setup(module)
+    for count in (1, 2):
+        module.encode_images(module.visual, *_images(count))
+    assert module.group_lookups == 1
+    # The lookup is keyed on the Fabric object it ran under (single device: no group).
+    assert module._vit_balance_state.fit_key[0]() is fabric
+    assert module._vit_balance_state.group is None
+    assert module.visual.seen == [1, 2]

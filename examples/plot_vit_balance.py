@@ -168,6 +168,7 @@ def plot_dashboard(
     *,
     title: str = "ViT data-parallel balance",
     timings: Mapping[str, Sequence[tuple[int, float]]] | None = None,
+    timings_title: str = "Slowest rank's ViT time per step",
 ) -> Path:
     """Write the dashboard PNG.
 
@@ -177,6 +178,7 @@ def plot_dashboard(
         title: Figure title.
         timings: Optional ``{label: [(step, seconds), ...]}`` (e.g. the slowest rank's ViT time
             with and without balancing) drawn as a fourth panel.
+        timings_title: Title of that panel.
 
     Returns:
         The written path.
@@ -207,7 +209,9 @@ def plot_dashboard(
             ax.scatter(*zip(*marks), s=60, facecolors="none", edgecolors="black", label="applied", zorder=3)
     ax.set_ylabel("max/mean - 1")
     ax.set_title("Imbalance of ViT load across ranks, per step")
-    ax.legend(loc="upper right", fontsize=8)
+    top = max((v for _, v in [*before, *after]), default=1.0)
+    ax.set_ylim(0, top * 1.35 + 1e-9)  # headroom for the legend
+    ax.legend(loc="upper center", fontsize=8, ncol=3)
     ax.grid(alpha=0.3)
 
     peak = max(
@@ -221,7 +225,7 @@ def plot_dashboard(
         for rank, pairs in series.items():
             if pairs:
                 ax.plot(*zip(*pairs), marker=".", lw=1.2, label=f"rank {rank}")
-        ax.set_ylim(0, peak * 1.08)
+        ax.set_ylim(0, peak * 1.25)
         ax.set_ylabel("ViT load (cost units)")
         ax.set_title(f"ViT load per rank, {label}")
         ax.grid(alpha=0.3)
@@ -234,7 +238,7 @@ def plot_dashboard(
                 steps, seconds = zip(*pairs)
                 ax.plot(steps, [1000 * s for s in seconds], marker=".", label=label)
         ax.set_ylabel("ms")
-        ax.set_title("Slowest rank's ViT time per step (forward, incl. exchange)")
+        ax.set_title(timings_title)
         ax.legend(loc="upper right", fontsize=8)
         ax.grid(alpha=0.3)
     for ax in axes:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "SAMPLE_KINDS",
     "SyntheticVLMDataset",
     "TinyTextDecoder",
     "TinyVisionTower",

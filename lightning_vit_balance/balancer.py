@@ -78,7 +78,10 @@ class BalanceStats:
         bytes_sent: Bytes this rank sent to other ranks in both trips (its own rows excluded).
         bytes_received: Bytes this rank received from other ranks in both trips.
         plan_seconds: Wall time computing the plan.
-        exchange_seconds: Wall time in the metadata gather and both trips (host side).
+        exchange_seconds: Host wall time in the metadata gather and both trips, packing and
+            unpacking included, the ViT forward excluded (the return trip includes waiting for the
+            slowest rank's ViT). With NCCL the trips are timed up to the status check that ends
+            the return trip, which waits for the data.
         collectives: Collectives this call issued in the forward pass (the backward pass repeats
             the trips that carry gradients).
     """
@@ -209,7 +212,7 @@ def _hex_digits(value: int) -> list[int]:
 
 
 def _from_hex_digits(digits: Sequence[float]) -> int:
-    return sum(int(round(d)) << (4 * k) for k, d in enumerate(digits))
+    return sum(round(d) << (4 * k) for k, d in enumerate(digits))
 
 
 def _transit_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
@@ -356,7 +359,6 @@ class ViTBalancer:
     def _balanced(self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
         group = self.group
         rank = dist.get_rank(group)
-        world = dist.get_world_size(group)
         merge = merge_size_of(vit, self.output_layout)
         local = _validate(pixel_values, grid_thw, merge, group)
         preferred = pixel_values.device if isinstance(pixel_values, torch.Tensor) else None
@@ -396,12 +398,11 @@ class ViTBalancer:
                 output = self._empty_output(vit, pixel_values, grid_thw, merge, ref_dtype, ref_channels)
         else:
             started = time.perf_counter()
-            output, trip_collectives, bytes_sent, bytes_received = self._exchange_and_encode(
+            output, trip_collectives, bytes_sent, bytes_received, encode_seconds = self._exchange_and_encode(
                 vit, pixel_values, grid_thw, plan, metadata, merge, ref_dtype, ref_channels
             )
             collectives += trip_collectives
-            # Encoding time is part of this span; subtract nothing: ranks wait on each other here.
-            exchange_seconds += time.perf_counter() - started
+            exchange_seconds += time.perf_counter() - started - encode_seconds
 
         self._record(plan, rank, bytes_sent, bytes_received, plan_seconds, exchange_seconds, collectives)
         return output
@@ -451,7 +452,9 @@ class ViTBalancer:
                 layout=self.output_layout,
             )
             if found.problem:
-                raise ValueError(describe_output_problem(path, found.problem, found.rows, found.expected, merge))
+                raise ValueError(
+                    describe_output_problem(path, found.problem, found.rows, found.expected, merge)
+                )
             result.append(leaf if found.kind == "passthrough" else leaf[:0])
         return rebuild_output(structure, result)
 
@@ -465,8 +468,12 @@ class ViTBalancer:
         merge: int,
         ref_dtype: torch.dtype,
         ref_channels: int,
-    ) -> tuple[Any, int, int, int]:
-        """Forward trip, encode, return trip. Returns (output, collectives, bytes sent, received)."""
+    ) -> tuple[Any, int, int, int, float]:
+        """Forward trip, encode, return trip.
+
+        Returns:
+            The output, collectives issued, bytes sent and received, seconds spent in the ViT.
+        """
         group = self.group
         rank = dist.get_rank(group)
         world = plan.num_ranks
@@ -494,9 +501,13 @@ class ViTBalancer:
 
         # Encode the balanced batch; the grid rows come from the gather, not from the wire.
         balanced_grid = torch.tensor(
-            [metadata[src].grids[i] for src, i in route.arrivals], dtype=grid_thw.dtype, device=grid_thw.device
+            [metadata[src].grids[i] for src, i in route.arrivals],
+            dtype=grid_thw.dtype,
+            device=grid_thw.device,
         ).reshape(-1, 3)
+        encode_started = time.perf_counter()
         output, is_dummy = self._run_vit(vit, received_pixels, balanced_grid, merge, ref_dtype, ref_channels)
+        encode_seconds = time.perf_counter() - encode_started
         arrival_counts = [metadata[src].patch_counts[i] for src, i in route.arrivals]
         batch_patches = merge * merge if is_dummy else sum(arrival_counts)
 
@@ -544,32 +555,42 @@ class ViTBalancer:
                 for positions in arrivals_by_home
             ]
 
+        # Segments of home ranks that encoded none of their images here are the status block
+        # alone; runs of them become one piece, so the work grows with the images, not the ranks.
+        status_block = torch.tensor(status, dtype=transit, device=device)
         pieces: list[torch.Tensor] = []
         send_splits: list[int] = []
+        status_run = 0
         for home in range(world):
-            pieces.append(torch.tensor(status, dtype=transit, device=device))
-            size = _STATUS_LEN
+            send_splits.append(_STATUS_LEN)
+            if not arrivals_by_home[home]:
+                status_run += 1
+                continue
+            pieces.append(status_block.expand(status_run + 1, _STATUS_LEN).reshape(-1))
+            status_run = 0
             for k in token_leaves:
-                leaf = leaves[k][1]
                 a, b = home_rows[k][home]
                 if kinds[k].problem:
                     # Zeros of the size the home rank expects keep the exchange consistent; the
                     # status block tells it (and every rank) to raise.
                     pieces.append(torch.zeros((b - a) * per_row[k], dtype=transit, device=device))
                 else:
-                    pieces.append(_pack(leaf[a:b], transit))
-                size += (b - a) * per_row[k]
-            send_splits.append(size)
+                    pieces.append(_pack(leaves[k][1][a:b], transit))
+                send_splits[home] += (b - a) * per_row[k]
+        if status_run:
+            pieces.append(status_block.expand(status_run, _STATUS_LEN).reshape(-1))
+        # The dummy outputs of a rank that encodes nothing join through zero-row slices: they keep
+        # the buffer attached to the ViT's parameters ("attached" policy).
+        pieces.extend(_pack(leaves[k][1][:0], transit) for k in token_leaves if not kinds[k].problem)
         if pixels_differentiable:
             # Ties the forward trip into this buffer's graph, so its backward exchange runs on every
             # rank, also where the received pixels fed no ViT (dummy forward).
             pieces.append(received_pixels[:0].reshape(-1).to(transit))
+        my_rows = {
+            k: [rows_per_image(kinds[k].kind, n, merge) for n in my_counts] for k in token_leaves
+        }  # rows of each of my images in each token output
         receive_splits = [
-            _STATUS_LEN
-            + sum(
-                per_row[k] * sum(rows_per_image(kinds[k].kind, my_counts[i], merge) for i in mine)
-                for k in token_leaves
-            )
+            _STATUS_LEN + sum(per_row[k] * sum(my_rows[k][i] for i in mine) for k in token_leaves)
             for mine in mine_by_worker
         ]
         coming_back = all_to_all(
@@ -578,27 +599,28 @@ class ViTBalancer:
             receive_splits,
             group,
             differentiable=outputs_differentiable and (transit.is_floating_point or transit.is_complex),
-        )
+        )  # [sum(receive_splits)]
         collectives = 2
         bytes_sent += transit.itemsize * sum(n for d, n in enumerate(send_splits) if d != rank)
         bytes_received += transit.itemsize * sum(n for s, n in enumerate(receive_splits) if s != rank)
 
-        # Unpack: from each worker rank, the rows of my images it encoded, in index order.
-        statuses: list[torch.Tensor] = []
+        # Unpack: from each worker rank, its status block, then the rows of my images it encoded.
+        status_starts: list[int] = []
         received: dict[int, list[torch.Tensor]] = {k: [] for k in token_leaves}
         start = 0
         for mine in mine_by_worker:
-            statuses.append(coming_back[start : start + _STATUS_LEN])
+            status_starts.append(start)
             start += _STATUS_LEN
-            for k in token_leaves:
-                leaf = leaves[k][1]
-                rows = sum(rows_per_image(kinds[k].kind, my_counts[i], merge) for i in mine)
-                chunk = coming_back[start : start + rows * per_row[k]]
+            for k in token_leaves if mine else ():
+                rows = sum(my_rows[k][i] for i in mine)
+                received[k].append(
+                    _unpack(coming_back[start : start + rows * per_row[k]], rows, leaves[k][1])
+                )
                 start += rows * per_row[k]
-                received[k].append(_unpack(chunk, rows, leaf))
-
         if token_leaves:
-            self._raise_for_outputs(torch.stack(statuses).tolist(), leaves, merge)
+            index = torch.tensor(status_starts).unsqueeze(1) + torch.arange(_STATUS_LEN)
+            statuses = coming_back.detach()[index.reshape(-1).to(coming_back.device)]
+            self._raise_for_outputs(statuses.reshape(world, _STATUS_LEN).tolist(), leaves, merge)
 
         # Back to the original image order: received rows are ordered by (worker rank, index),
         # which is this rank's send order.
@@ -627,20 +649,24 @@ class ViTBalancer:
                     result.append(window_index)
             else:
                 result.append(leaf)
-        return rebuild_output(structure, result), collectives, bytes_sent, bytes_received
+        return rebuild_output(structure, result), collectives, bytes_sent, bytes_received, encode_seconds
 
     @staticmethod
-    def _raise_for_outputs(statuses: list[list[float]], leaves: Sequence[tuple[str, Any]], merge: int) -> None:
+    def _raise_for_outputs(
+        statuses: list[list[float]], leaves: Sequence[tuple[str, Any]], merge: int
+    ) -> None:
         """Raise the same ValueError on every rank when some rank's ViT output had bad rows."""
         problems = []
         for worker, block in enumerate(statuses):
-            code = int(round(block[0]))
+            code = round(block[0])
             if code:
-                k = int(round(block[1]))
+                k = round(block[1])
                 rows = _from_hex_digits(block[2 : 2 + _STATUS_DIGITS])
                 expected = _from_hex_digits(block[2 + _STATUS_DIGITS :])
                 path = leaves[k][0] if 0 <= k < len(leaves) else str(k)
-                problems.append(f"rank {worker}: {describe_output_problem(path, code, rows, expected, merge)}")
+                problems.append(
+                    f"rank {worker}: {describe_output_problem(path, code, rows, expected, merge)}"
+                )
         if problems:
             raise ValueError("Unexpected ViT output in the balanced call: " + "; ".join(problems) + ".")
 

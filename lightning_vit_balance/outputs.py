@@ -95,7 +95,10 @@ def _unwrap(vit: Any) -> Any:
 
 
 def merge_size_of(vit: Any, layout: OutputLayout | None = None) -> int:
-    """Spatial merge size: the layout's, else ``vit.spatial_merge_size``, ``vit.config.spatial_merge_size``, else 1."""
+    """Spatial merge size: the layout's, ``vit.spatial_merge_size``, ``vit.config.spatial_merge_size``, or 1.
+
+    Looked up through ``.module`` wrappers (DDP, FSDP).
+    """
     if layout is not None and layout.merge_size is not None:
         return layout.merge_size
     inner = _unwrap(vit)
@@ -123,7 +126,7 @@ class Structure:
 
 
 def _is_model_output(value: Any) -> bool:
-    # Hugging Face ModelOutput: an OrderedDict dataclass with to_tuple; detected without importing transformers.
+    # Hugging Face ModelOutput: an OrderedDict dataclass with to_tuple (no transformers import needed).
     return isinstance(value, Mapping) and dataclasses.is_dataclass(value) and hasattr(value, "to_tuple")
 
 
@@ -140,7 +143,9 @@ def flatten_output(output: Any) -> tuple[list[tuple[str, Any]], Structure]:
 
         if _is_model_output(value):
             keys = tuple(value.keys())
-            return Structure("model_output", type(value), keys, tuple(visit(value[k], child(k)) for k in keys))
+            return Structure(
+                "model_output", type(value), keys, tuple(visit(value[k], child(k)) for k in keys)
+            )
         if isinstance(value, Mapping):
             keys = tuple(value.keys())
             return Structure("dict", type(value), keys, tuple(visit(value[k], child(k)) for k in keys))

@@ -9,16 +9,27 @@ Two solvers:
 * ``"seed"``: the seed's algorithm, straightforwardly (LPT, then move/swap refinement between the
   heaviest and the lightest rank; skips when one image outweighs the mean load). Slow at large
   ``P`` on purpose: it re-sorts every rank for every image, as the seed does; kept for comparison.
-* ``"locality"`` (default): *shed and place*. Every rank above a target makespan ``T`` sheds
-  images, largest first (cost per patch grows with ``l``, so large images shed the most cost per
-  byte) but finishing with the smallest image that covers the rest of its excess; the shed images
-  then go, largest first, to the currently lightest rank; a few move/swap refinements follow. It
-  tries ``T`` at the lower bound and at the acceptance limit (below) and keeps the plan that moves
-  the fewest pixel rows among those whose makespan is within ``_SLACK`` (0.4%) of the best found.
-  When shedding at the lower bound does not come within ``_SLACK`` of the lower bound, it also runs
-  a fast equivalent of the seed's solver (heap LPT plus the same refinement), relabels its bins to
-  the home ranks they overlap most, and compares against it, so its makespan never exceeds the
-  seed's by more than ``_SLACK``.
+* ``"locality"`` (default): builds a few candidate plans and keeps the one that moves the fewest
+  pixel rows among those whose makespan is within ``_SLACK`` (0.4%) of the lower bound
+  ``max(total / P, largest image)`` or, when that is out of reach, of the best makespan found
+  (including the seed's own algorithm), so it does not exceed the seed's makespan by more than
+  0.4% (empty-rank fix-ups aside).
+  The candidates:
+
+  - *home-first LPT*: images largest first; an image stays on its own rank while that rank stays
+    within the target, otherwise it goes to the currently lightest rank. Small images come last
+    and fill the gaps, so the makespan stays close to LPT's while most images never move. Exact
+    (a heap) up to ``_VECTORISE_ABOVE`` images, in numpy blocks of images above, plus coarser
+    blocks for small batches (fewer rows, coarser balance);
+  - *shed and place*: every rank above the target sheds its largest images (cost per row grows
+    with ``l``, so they shed the most cost per byte), finishing with the smallest image that
+    covers the rest of its excess; shed images go, largest first, to the lightest rank;
+  - when none of those reaches the lower bound within the slack: the seed's algorithm made fast
+    (the same LPT, in numpy blocks, and the same refinement), its bins renamed to the home ranks
+    they overlap most, and home-first retried against its makespan.
+
+  Every candidate gets a few move/swap refinements between the heaviest and the lightest rank,
+  and then every rank that must hold an image gets one (see :class:`RebalancePlan`).
 
 Patch cap (``config.max_len_ratio``): both solvers give an image to a rank only if the rank's
 patches stay within ``cap = mean_patches_per_rank * max_len_ratio``; the locality solver also
@@ -26,7 +37,9 @@ sheds from a rank above the cap. When no rank has room the seed gives the image 
 rank and the locality solver keeps it at home. An image larger than the cap on its own never
 fits anywhere: the locality solver keeps it at home (moving it would only move the overflow), so
 its rank exceeds the cap by that image alone, and sheds every other image of that rank that fits
-elsewhere.
+elsewhere. One exception: a rank that must hold an image and would otherwise be idle may be given a
+single image larger than the cap when no other image is left. With a cap the locality solver
+always takes its exact (Python) paths.
 """
 
 from __future__ import annotations
@@ -62,8 +75,12 @@ REASONS: dict[str, str] = {
 _SLACK = 0.004
 # Relative tolerance for "a rank is above the target": loads are sums of floats.
 _EPS = 1e-9
-# Shed-and-place rounds of the locality solver (later rounds fix ranks a placement overfilled).
-_ROUNDS = 1
+# Above this many images (and without a patch cap) the locality solver uses its numpy variants.
+_VECTORISE_ABOVE = 1024
+# Home-first is retried against the seed-level target only when it came this close to it.
+_RELAX_WITHIN = 0.01
+# Proposal rounds when relabelling LPT bins to home ranks.
+_RELABEL_ROUNDS = 8
 
 
 @dataclass(frozen=True)
@@ -225,7 +242,11 @@ class _Batch:
 
     def rows(self, flat: list[Any]) -> tuple[tuple[Any, ...], ...]:
         """Split a flat per-image list back into one tuple per rank."""
-        return tuple(tuple(flat[s:e]) for s, e in zip(self.starts, self.starts[1:]))
+        return tuple(map(tuple, map(flat.__getitem__, map(slice, self.starts, self.starts[1:]))))
+
+
+def _bad_row(rank: int, row: object) -> None:
+    raise ValueError(f"patch_counts[{rank}]={row!r} is invalid: expected a sequence of positive ints.")
 
 
 def _validate_patch_counts(patch_counts: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
@@ -236,11 +257,14 @@ def _validate_patch_counts(patch_counts: Sequence[Sequence[int]]) -> tuple[tuple
         )
     if len(patch_counts) == 0:
         raise ValueError("patch_counts must have one entry per rank, got an empty sequence (0 ranks).")
-    rows: list[tuple[int, ...]] = []
-    for r, row in enumerate(patch_counts):
-        if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
-            raise ValueError(f"patch_counts[{r}]={row!r} is invalid: expected a sequence of positive ints.")
-        rows.append(tuple(row))
+    if set(map(type, patch_counts)) & {str, bytes}:
+        bad = next(r for r, row in enumerate(patch_counts) if isinstance(row, (str, bytes)))
+        _bad_row(bad, patch_counts[bad])
+    try:
+        rows = list(map(tuple, patch_counts))
+    except TypeError:
+        bad = next(r for r, row in enumerate(patch_counts) if not hasattr(row, "__iter__"))
+        _bad_row(bad, patch_counts[bad])
     flat = list(chain.from_iterable(rows))
     # Fast path: plain positive Python ints (what the exchange layer hands over).
     if set(map(type, flat)) <= {int} and min(flat, default=1) > 0:
@@ -441,6 +465,31 @@ def _fits(cap: float | None, patches: float) -> bool:
     return cap is None or patches <= cap
 
 
+def _block_lpt(items: np.ndarray, cost: np.ndarray, load: np.ndarray, dest: np.ndarray) -> None:
+    """LPT (each image, largest first, to the lightest rank; ties: lowest rank) in numpy blocks.
+
+    ``items`` (sorted largest first) go onto ranks with ``load``; ``dest`` and ``load`` are
+    updated in place. A block gives its ``i``-th image to the ``i``-th lightest rank, which is
+    what LPT does for as long as every rank that received an image in the block stays heavier
+    than the next rank in line; the block ends before the first image for which that fails. Same
+    assignment as the heap, at a few numpy calls per block.
+    """
+    start = 0
+    while start < items.size:
+        width = min(items.size - start, load.size)
+        ranks = np.argsort(load, kind="stable")[:width]
+        block = items[start : start + width]
+        after = load[ranks] + cost[block]
+        # Image i may follow the images before it in the block only if all of their ranks are
+        # now strictly heavier than rank i was.
+        lowest_after = np.minimum.accumulate(after)
+        fails = np.flatnonzero(load[ranks][1:] >= lowest_after[:-1])
+        take = int(fails[0]) + 1 if fails.size else width
+        dest[block[:take]] = ranks[:take]
+        load[ranks[:take]] = after[:take]
+        start += take
+
+
 @dataclass
 class _Candidate:
     dest: np.ndarray  # [n] destination rank of each image
@@ -455,9 +504,11 @@ class _LocalitySolver:
         self.batch = batch
         self.config = config
         self.num_ranks = batch.num_ranks
-        self.cap = _patch_cap(batch.counts, config)
-        self.cost_list: list[float] = batch.cost.tolist()
-        self.patch_list: list[int] = batch.patches.tolist()
+        self.cap = (
+            None
+            if config.max_len_ratio is None
+            else float(batch.patches.sum()) / self.num_ranks * config.max_len_ratio
+        )
         self.rank_patches = np.bincount(batch.home, weights=batch.patches, minlength=self.num_ranks)
         # Images larger than the cap fit nowhere: they stay at home.
         self.pinned = (
@@ -470,6 +521,16 @@ class _LocalitySolver:
         self.must_hold = (
             np.ones(self.num_ranks, dtype=bool) if batch.cost.size >= self.num_ranks else has_images
         )
+
+    @cached_property
+    def cost_list(self) -> list[float]:
+        """Image costs as Python floats, for the loops."""
+        return self.batch.cost.tolist()
+
+    @cached_property
+    def patch_list(self) -> list[int]:
+        """Image patch counts as Python ints, for the loops."""
+        return self.batch.patches.tolist()
 
     def finish(self, dest: np.ndarray, members: list[list[int] | None] | None = None) -> _Candidate:
         """Refine ``dest`` in place, give empty ranks an image, and measure it."""
@@ -500,52 +561,39 @@ class _LocalitySolver:
     def shed_and_place(self, target: float) -> _Candidate:
         """Shed every rank down to ``target`` (and the cap), place the shed images, finish.
 
-        Runs up to ``_ROUNDS`` rounds: a rank that a placement pushed above the target sheds
-        again, now preferring images that already left home (moving them again costs no extra
-        bytes) and the small images that cover a small excess exactly. Keeps the best round.
+        Each rank above the target sheds by :meth:`_shed_rank` (largest images first: the fewest
+        rows for the cost); the shed images then go, largest first, to the lightest rank with
+        room (see :meth:`_place`).
         """
         batch = self.batch
         cost, patches, cap = self.cost_list, self.patch_list, self.cap
         limit = target * (1.0 + _EPS)
         dest = batch.home.copy()
-        rank_load = batch.loads.copy()
-        rank_patches = self.rank_patches.copy()
-        best_dest, best_peak = dest.copy(), float(rank_load.max())
-        for _ in range(_ROUNDS):
-            over = rank_load > limit
+        over = batch.loads > limit
+        if cap is not None:
+            over |= self.rank_patches > cap
+        # Each rank's images, largest first (ties by index), as slices of one flat list.
+        held = self.cost_order[np.argsort(batch.home[self.cost_order], kind="stable")].tolist()
+        shed: list[int] = []
+        for r in np.flatnonzero(over).tolist():
+            ids = held[batch.starts[r] : batch.starts[r + 1]]
             if cap is not None:
-                over |= rank_patches > cap
-            over_ranks = np.flatnonzero(over).tolist()
-            if not over_ranks:
-                break
-            # Images grouped by the rank holding them, largest first within a rank.
-            by_rank = self.cost_order[np.argsort(dest[self.cost_order], kind="stable")]
-            bounds = np.concatenate(([0], np.cumsum(np.bincount(dest, minlength=self.num_ranks))))
-            rows = np.where(dest == batch.home, batch.patches, 0).tolist()
-            held = by_rank.tolist()
-            bounds_list = bounds.tolist()
-            shed: list[int] = []
-            for r in over_ranks:
-                ids = held[bounds_list[r] : bounds_list[r + 1]]
-                if cap is not None:
-                    ids = [k for k in ids if not self.pinned[k]]
-                dropped = self._shed_rank(ids, float(rank_load[r]) - limit, cost, rows)
-                if cap is not None:
-                    excess = float(rank_patches[r]) - sum(patches[k] for k in dropped) - cap
-                    rest = sorted((k for k in ids if k not in dropped), key=lambda k: (-patches[k], k))
-                    dropped |= self._shed_rank(rest, excess, patches, rows)
-                shed.extend(dropped)
-            if not shed:
-                break
+                ids = [k for k in ids if not self.pinned[k]]
+            dropped = self._shed_rank(ids, float(batch.loads[r]) - limit, cost, patches)
+            if cap is not None:
+                excess = float(self.rank_patches[r]) - sum(patches[k] for k in dropped) - cap
+                rest = sorted((k for k in ids if k not in dropped), key=lambda k: (-patches[k], k))
+                dropped |= self._shed_rank(rest, excess, patches, patches)
+            shed.extend(dropped)
+        if shed:
             shed_arr = np.asarray(shed, dtype=np.int64)
             shed_arr = shed_arr[np.lexsort((shed_arr, -batch.cost[shed_arr]))]
-            np.subtract.at(rank_load, dest[shed_arr], batch.cost[shed_arr])
-            np.subtract.at(rank_patches, dest[shed_arr], batch.patches[shed_arr])
+            rank_load = batch.loads.copy()
+            rank_patches = self.rank_patches.copy()
+            np.subtract.at(rank_load, batch.home[shed_arr], batch.cost[shed_arr])
+            np.subtract.at(rank_patches, batch.home[shed_arr], batch.patches[shed_arr])
             self._place(shed_arr.tolist(), dest, rank_load, rank_patches)
-            peak = float(rank_load.max())
-            if peak < best_peak:
-                best_dest, best_peak = dest.copy(), peak
-        return self.finish(best_dest)
+        return self.finish(dest)
 
     def home_first_lpt(self, target: float) -> _Candidate:
         """LPT that keeps an image at home while its home rank stays within ``target``.
@@ -601,7 +649,11 @@ class _LocalitySolver:
     def _place(
         self, shed: list[int], dest: np.ndarray, rank_load: np.ndarray, rank_patches: np.ndarray
     ) -> None:
-        """Give each of ``shed`` (largest first), in turn, to the lightest rank with room for it."""
+        """Give each of ``shed`` (largest first), in turn, to the lightest rank with room for it.
+
+        ``rank_load`` and ``rank_patches`` are the loads without the shed images; ``dest`` is
+        updated in place.
+        """
         cost, patches, cap = self.cost_list, self.patch_list, self.cap
         heap = list(zip(rank_load.tolist(), range(self.num_ranks)))
         heapq.heapify(heap)
@@ -626,12 +678,6 @@ class _LocalitySolver:
             room[r] -= patches[k]
             for item in popped:
                 heapq.heappush(heap, item)
-        for load, r in heap:
-            rank_load[r] = load
-        if room is not None:
-            rank_patches[:] = cap - np.asarray(room)
-        else:
-            rank_patches[:] = np.bincount(dest, weights=self.batch.patches, minlength=self.num_ranks)
 
     @staticmethod
     def _shed_rank(ids: list[int], excess: float, size: list[Any], rows: list[int]) -> set[int]:
@@ -666,43 +712,85 @@ class _LocalitySolver:
             pool = pool[1:]
         return set(best[1]) if best is not None else set(ids)
 
-    def seed_equivalent(self) -> _Candidate:
-        """The seed's solver, fast: heap LPT and the same refinement, bins relabelled to homes."""
+    def home_first_blocks(self, target: float, block_size: int = 0) -> _Candidate:
+        """:meth:`home_first_lpt` vectorised in blocks of ``P`` images (no cap; many images).
+
+        Within a block (images largest first) an image stays home when its home rank's load plus
+        the block's earlier images bound for the same home stays within ``target``; the rest of
+        the block goes to the lightest ranks by :func:`_block_lpt`.
+        """
         batch = self.batch
+        cost, home = batch.cost, batch.home
+        limit = target * (1.0 + _EPS)
+        load = np.zeros(self.num_ranks)
+        dest = home.copy()
+        order = self.cost_order
+        size = block_size or self.num_ranks
+        for start in range(0, order.size, size):
+            block = order[start : start + size]
+            by_home = np.argsort(home[block], kind="stable")
+            homes = home[block][by_home]
+            running = np.cumsum(cost[block][by_home])
+            first = np.ones(homes.size, dtype=bool)
+            first[1:] = homes[1:] != homes[:-1]
+            group_start = np.maximum.accumulate(np.where(first, np.arange(homes.size), 0))
+            before = np.where(group_start > 0, running[group_start - 1], 0.0)
+            stays = np.empty(block.size, dtype=bool)
+            stays[by_home] = load[homes] + (running - before) <= limit
+            np.add.at(load, home[block][stays], cost[block][stays])
+            leaving = block[~stays]
+            if leaving.size:
+                _block_lpt(leaving, cost, load, dest)
+        return self.finish(dest)
+
+    def seed_equivalent(self) -> _Candidate:
+        """The seed's solver, fast: the same LPT and refinement, bins relabelled to homes.
+
+        Without a cap the LPT runs in numpy blocks (:func:`_block_lpt`), with one a heap that skips
+        full ranks; both assign exactly as the seed does and sum each rank's load in the same order,
+        so the refinement sees the seed's floats and the seed's member order.
+        """
+        batch = self.batch
+        num_ranks, order = self.num_ranks, self.cost_order
+        dest = np.empty(batch.cost.size, dtype=np.int64)
+        rank_load = np.zeros(num_ranks)
+        if self.cap is None:
+            _block_lpt(order, batch.cost, rank_load, dest)
+            # Members in the order they were assigned: cost order, grouped by rank.
+            grouped = order[np.argsort(dest[order], kind="stable")].tolist()
+            bounds = [0, *accumulate(np.bincount(dest, minlength=num_ranks).tolist())]
+            members: list[list[int] | None] = [grouped[s:e] for s, e in zip(bounds, bounds[1:])]
+        else:
+            members = self._capped_lpt(dest, rank_load)
+        rank_patches = np.bincount(dest, weights=batch.patches, minlength=num_ranks)
+        self.refine(dest, rank_load, rank_patches, members, self.config.refine_tolerance, False, False)
+        dest = self.relabel(dest)
+        self.fill_empty_ranks(dest)
+        loads = np.bincount(dest, weights=batch.cost, minlength=num_ranks)
+        moved = int(batch.patches[dest != batch.home].sum())
+        return _Candidate(dest, float(loads.max()), moved)
+
+    def _capped_lpt(self, dest: np.ndarray, rank_load: np.ndarray) -> list[list[int] | None]:
+        """The seed's LPT under the cap (lightest rank with room, else lightest), by a heap."""
         cost, patches, cap = self.cost_list, self.patch_list, self.cap
-        n = batch.cost.size
-        order = np.lexsort((np.arange(n), -batch.cost)).tolist()
+        assert cap is not None
         heap = [(0.0, r) for r in range(self.num_ranks)]
         rank_patches = [0] * self.num_ranks
         members: list[list[int] | None] = [[] for _ in range(self.num_ranks)]
-        dest = np.empty(n, dtype=np.int64)
-        for k in order:
-            if cap is None:
-                load, r = heap[0]
-                heapq.heapreplace(heap, (load + cost[k], r))
-            else:
-                popped = []
-                while heap and rank_patches[heap[0][1]] + patches[k] > cap:
-                    popped.append(heapq.heappop(heap))
-                load, r = heapq.heappop(heap) if heap else popped.pop(0)
-                heapq.heappush(heap, (load + cost[k], r))
-                for item in popped:
-                    heapq.heappush(heap, item)
+        for k in self.cost_order.tolist():
+            popped = []
+            while heap and rank_patches[heap[0][1]] + patches[k] > cap:
+                popped.append(heapq.heappop(heap))
+            load, r = heapq.heappop(heap) if heap else popped.pop(0)
+            heapq.heappush(heap, (load + cost[k], r))
+            for item in popped:
+                heapq.heappush(heap, item)
             rank_patches[r] += patches[k]
             members[r].append(k)  # type: ignore[union-attr]
             dest[k] = r
-        rank_load = np.bincount(dest, weights=batch.cost, minlength=self.num_ranks)
-        # Recompute loads in LPT order so the refinement sees the seed's exact floats.
-        rank_load[:] = 0.0
         for load, r in heap:
             rank_load[r] = load
-        rank_patches_arr = np.asarray(rank_patches, dtype=np.float64)
-        self.refine(dest, rank_load, rank_patches_arr, members, self.config.refine_tolerance, False)
-        dest = self.relabel(dest)
-        self.fill_empty_ranks(dest)
-        loads = np.bincount(dest, weights=batch.cost, minlength=self.num_ranks)
-        moved = int(batch.patches[dest != batch.home].sum())
-        return _Candidate(dest, float(loads.max()), moved)
+        return members
 
     def refine(
         self,
@@ -712,12 +800,15 @@ class _LocalitySolver:
         members: list[list[int] | None] | None,
         tolerance: float,
         both_sides: bool = True,
+        until_flat: bool = True,
     ) -> None:
         """The seed's move/swap refinement, vectorised per step; updates its arguments in place.
 
         ``members[r]`` lists rank ``r``'s images in the seed's order; ``None`` (or no list) builds
         it from ``dest`` in image order when first needed. ``both_sides=False`` checks the cap on
-        the lightest rank only, as the seed does.
+        the lightest rank only, as the seed does. ``until_flat`` also stops once a step leaves
+        the makespan where it was (many ranks near the top: the pairwise steps move bytes for
+        nothing); the seed does not stop there.
         """
         batch, cap = self.batch, self.cap
         if members is None:
@@ -765,6 +856,9 @@ class _LocalitySolver:
                     best_peak, best_at = float(flat[at]), at
             if best_at < 0:
                 break
+            if until_flat and float(np.partition(rank_load, -2)[-2]) >= high:
+                # Another rank is as heavy: this step would not lower the makespan.
+                break
             a, b = divmod(best_at, 1 + len(light_ids))
             b -= 1
             ka = heavy_ids.pop(a)
@@ -784,22 +878,32 @@ class _LocalitySolver:
                 rank_patches[heavy] += self.patch_list[kb]
 
     def relabel(self, dest: np.ndarray) -> np.ndarray:
-        """Rename bins so each lands on the home rank it shares the most patches with (greedy)."""
+        """Rename bins so each lands on a home rank it shares many patches with.
+
+        Rounds of a greedy matching on (bin, home) overlaps: every unmatched bin proposes to its
+        best free home, each home takes its best proposal; bins left over get the free ranks in
+        order. A few numpy calls per round, for the LPT-based candidates.
+        """
         batch, num_ranks = self.batch, self.num_ranks
         keys, inverse = np.unique(dest * num_ranks + batch.home, return_inverse=True)
         overlap = np.bincount(inverse, weights=batch.patches)
-        order = np.lexsort((keys, -overlap)).tolist()
-        keys_list = keys.tolist()
-        rank_of_bin = [-1] * num_ranks
-        taken = [False] * num_ranks
-        for at in order:
-            bin_, rank = divmod(keys_list[at], num_ranks)
-            if rank_of_bin[bin_] < 0 and not taken[rank]:
-                rank_of_bin[bin_] = rank
-                taken[rank] = True
-        free = iter(r for r in range(num_ranks) if not taken[r])
-        mapping = np.asarray([r if r >= 0 else next(free) for r in rank_of_bin], dtype=np.int64)
-        return mapping[dest]
+        order = np.lexsort((keys, -overlap))
+        bins, homes = np.divmod(keys[order], num_ranks)
+        rank_of_bin = np.full(num_ranks, -1, dtype=np.int64)
+        taken = np.zeros(num_ranks, dtype=bool)
+        for _ in range(_RELABEL_ROUNDS):
+            free = np.flatnonzero((rank_of_bin[bins] < 0) & ~taken[homes])
+            if free.size == 0:
+                break
+            _, first = np.unique(bins[free], return_index=True)
+            proposals = np.sort(free[first])  # the best free pair of each bin, best first
+            _, first = np.unique(homes[proposals], return_index=True)
+            won = proposals[first]
+            rank_of_bin[bins[won]] = homes[won]
+            taken[homes[won]] = True
+        unmatched = rank_of_bin < 0
+        rank_of_bin[unmatched] = np.flatnonzero(~taken)[: int(unmatched.sum())]
+        return rank_of_bin[dest]
 
     def fill_empty_ranks(self, dest: np.ndarray) -> None:
         """Give every rank that must encode an image one, taken where it costs the least.
@@ -833,14 +937,31 @@ def _solve_locality(batch: _Batch, config: ViTBalanceConfig) -> np.ndarray:
     """The default solver (see the module docstring): destinations of the flat images."""
     solver = _LocalitySolver(batch, config)
     lower = max(float(batch.loads.sum()) / batch.num_ranks, float(batch.cost.max()))
-    candidates = [solver.shed_and_place(lower), solver.home_first_lpt(lower * (1.0 + 0.5 * _SLACK))]
+    # Python loops below this many images, numpy blocks above (the cap needs the loops).
+    vectorised = batch.cost.size > _VECTORISE_ABOVE and solver.cap is None
+    # Home-first in coarser blocks moves fewer rows and balances less finely: try a few sizes.
+    num_ranks = batch.num_ranks
+    if vectorised:
+        candidates = [solver.home_first_blocks(lower)]
+    else:
+        candidates = [solver.shed_and_place(lower), solver.home_first_lpt(lower * (1.0 + 0.5 * _SLACK))]
+        if solver.cap is None:
+            sizes = sorted({num_ranks, max(1, num_ranks // 2), max(1, num_ranks // 4)}, reverse=True)
+            candidates += [solver.home_first_blocks(lower, size) for size in sizes]
     accept = lower * (1.0 + _SLACK)
     if min(c.makespan for c in candidates) > accept * (1.0 + _EPS):
-        # The lower bound is out of reach: measure against the seed's algorithm instead.
+        # The lower bound is out of reach: measure against the seed's algorithm (LPT) instead.
         reference = solver.seed_equivalent()
-        best = min(reference.makespan, *(c.makespan for c in candidates))
+        closest = min(c.makespan for c in candidates)
+        best = min(reference.makespan, closest)
         accept = best * (1.0 + _SLACK)
-        candidates += [reference, solver.home_first_lpt(best * (1.0 + 0.5 * _SLACK))]
+        candidates.append(reference)
+        if closest <= accept * (1.0 + _RELAX_WITHIN):
+            # Home-first came close: retry it against the reachable target.
+            relaxed = best * (1.0 + 0.5 * _SLACK)
+            candidates.append(
+                solver.home_first_blocks(relaxed) if vectorised else solver.home_first_lpt(relaxed)
+            )
     # Plans that honour the cap best come first; among them, the fewest rows moved within the limit.
     excess = [solver.cap_excess(c.dest) for c in candidates]
     pool = [c for c, e in zip(candidates, excess) if e == min(excess)]

@@ -119,7 +119,10 @@ def probe_loss(output: Any, seed: int, skip: tuple[str, ...] = ()) -> torch.Tens
 
 def _grads(model: torch.nn.Module, group: Any) -> tuple[torch.Tensor, list[bool]]:
     flat = torch.cat(
-        [(p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1) for p in model.parameters()]
+        [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1)
+            for p in model.parameters()
+        ]
     )
     dist.all_reduce(flat, group=group)
     return flat, [p.grad is not None for p in model.parameters()]
@@ -184,9 +187,10 @@ def run_cases(
         output_layout: Passed to the balancer.
 
     Returns:
-        None on ranks outside the first ``n``; else per case: ``applied``, ``reason``, ``collectives`` (BalanceStats) and ``counted`` (calls
-        seen by :class:`CollectiveCounter` during the balanced forward), ``all_grads`` (every
-        parameter got a gradient on this rank).
+        None on ranks outside the first ``n``; else per case: ``applied``, ``reason``,
+        ``collectives`` (from BalanceStats), ``counted`` (calls seen by :class:`CollectiveCounter`
+        during the balanced forward), ``all_grads`` (every parameter got a gradient on this rank),
+        ``moved_images``.
     """
     group = subgroup(n)
     rank = dist.get_rank()
@@ -201,7 +205,10 @@ def run_cases(
         where = f"{tower_name}/{dtype} case {index} rank {rank} grids={case['grids']}"
         grids = [tuple(g) for g in case["grids"][rank]]
         pixels, grid = towers.make_batch(
-            grids, seed=7919 * index + rank, dtype=torch_dtype, grid_dtype=getattr(torch, case.get("grid_dtype", "int64"))
+            grids,
+            seed=7919 * index + rank,
+            dtype=torch_dtype,
+            grid_dtype=getattr(torch, case.get("grid_dtype", "int64")),
         )
         pixel_grad = bool(case.get("pixel_grad", False))
         seed = 31 * index + rank
@@ -235,9 +242,13 @@ def run_cases(
             _check_empty(model, balanced, pixels, where, output_layout)
         grad_tol = dict(tol)
         grad_tol["atol"] = tol["atol"] * max(1.0, float(ref_grads.abs().max()))
-        torch.testing.assert_close(bal_grads, ref_grads, **grad_tol, msg=lambda m, w=where: f"{w}: grads: {m}")
+        torch.testing.assert_close(
+            bal_grads, ref_grads, **grad_tol, msg=lambda m, w=where: f"{w}: grads: {m}"
+        )
         if pixel_grad and ref_pixel_grad is not None:
-            torch.testing.assert_close(bal_pixels.grad, ref_pixel_grad, **tol, msg=lambda m, w=where: f"{w}: {m}")
+            torch.testing.assert_close(
+                bal_pixels.grad, ref_pixel_grad, **tol, msg=lambda m, w=where: f"{w}: {m}"
+            )
         stats = balancer.last_stats
         assert stats is not None
         results.append(

@@ -169,8 +169,9 @@ class World:
             for q in self._tasks:
                 with contextlib.suppress(Exception):
                     q.put(None)
+            deadline = time.monotonic() + 1.0  # shared: exiting gloo workers may linger on teardown
             for proc in self._procs:
-                proc.join(timeout=2)
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for proc in self._procs:
             if proc.is_alive():
                 proc.kill()

@@ -181,7 +181,9 @@ def _layout_cases(n: int) -> list[Any] | None:
         {"grids": [[(1, 8, 8), (1, 4, 4)], *[[(1, 2, 2)] for _ in range(n - 1)]]},
         {"grids": [[(1, 6, 6)], *[[] for _ in range(n - 1)]]},
     ]
-    with_layout = run_cases(n, "global", cases, "float32", THRESHOLD_0, output_layout={"global": "passthrough"})
+    with_layout = run_cases(
+        n, "global", cases, "float32", THRESHOLD_0, output_layout={"global": "passthrough"}
+    )
     if with_layout is None:
         return None
     try:
@@ -306,10 +308,17 @@ def test_single_process_calls_the_vit_directly() -> None:
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
     stats = balancer.last_stats
     assert isinstance(stats, BalanceStats)
-    assert (stats.reason, stats.applied, stats.num_images, stats.total_patches) == ("single-rank", False, 2, 32)
+    assert (stats.reason, stats.applied, stats.num_images, stats.total_patches) == (
+        "single-rank",
+        False,
+        2,
+        32,
+    )
     assert stats.loads_before == (16.0**2 + 16.0**2,)
     empty = balanced_encode(tower, pixels[:0], grid[:0])
-    assert empty[0].shape == (0, 24) and empty[1].shape == (0,) and [d.shape for d in empty[2]] == [(0, 24)] * 3
+    assert (
+        empty[0].shape == (0, 24) and empty[1].shape == (0,) and [d.shape for d in empty[2]] == [(0, 24)] * 3
+    )
     disabled = ViTBalancer(ViTBalanceConfig(enabled=False))
     assert torch.equal(disabled(tower, pixels, grid)[0], ref[0])
     assert disabled.last_stats is not None and disabled.last_stats.reason == "disabled"

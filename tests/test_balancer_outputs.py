@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from lightning_vit_balance.balancer import (
+    _elements_per_row,
     _from_hex_digits,
     _hex_digits,
     _pack,
     _transit_dtype,
     _unpack,
-    _elements_per_row,
 )
 from lightning_vit_balance.outputs import (
     OutputLayout,
@@ -64,13 +64,17 @@ def test_flatten_paths() -> None:
 
 def test_flatten_rebuild_hf_model_output() -> None:
     outputs = pytest.importorskip("transformers.modeling_outputs")
-    out = outputs.BaseModelOutputWithPooling(last_hidden_state=torch.ones(8, 2), pooler_output=torch.ones(2, 3))
+    out = outputs.BaseModelOutputWithPooling(
+        last_hidden_state=torch.ones(8, 2), pooler_output=torch.ones(2, 3)
+    )
     leaves, rebuilt = _roundtrip(out)
     assert type(rebuilt) is type(out) and [p for p, _ in leaves] == ["last_hidden_state", "pooler_output"]
     assert rebuilt.hidden_states is None and rebuilt.pooler_output is out.pooler_output
 
 
-def _kind(leaf: Any, layout: OutputLayout | None = None, window: bool = False, path: str = "x") -> tuple[Any, ...]:
+def _kind(
+    leaf: Any, layout: OutputLayout | None = None, window: bool = False, path: str = "x"
+) -> tuple[Any, ...]:
     c = classify_output(path, leaf, total_patches=32, merge_size=2, has_window_index=window, layout=layout)
     return (c.kind, c.problem, c.rows, c.expected)
 
@@ -87,7 +91,9 @@ def test_classify_by_rows() -> None:
     assert _kind(torch.ones(31, 4)) == ("patch", 1, 31, 32)
     assert _kind(torch.ones(7, 4)) == ("merged", 1, 7, 8)
     # Merge size 1: per patch.
-    c = classify_output("x", torch.ones(32, 1), total_patches=32, merge_size=1, has_window_index=False, layout=None)
+    c = classify_output(
+        "x", torch.ones(32, 1), total_patches=32, merge_size=1, has_window_index=False, layout=None
+    )
     assert c.kind == "patch" and c.problem == 0
 
 

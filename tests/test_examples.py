@@ -334,9 +334,13 @@ def test_demo_short_run_matches_losses_and_writes_dashboard(tmp_path: Path) -> N
     """``examples/demo.py --steps 2``: two real 2-rank fits, same losses, summary and PNG."""
     import demo
 
-    summary = demo.main(["--steps", "2", "--scale", "0.5", "--output", str(tmp_path), "--accelerator", "cpu"])
+    summary = demo.main(
+        ["--steps", "2", "--scale", "0.4", "--seed", "1", "--output", str(tmp_path), "--accelerator", "cpu"]
+    )
     assert summary["loss_max_abs_diff"] <= demo.LOSS_TOLERANCE
-    assert summary["applied_steps"] >= 1  # the seed-0 data is imbalanced from the first step
+    # Seed 1's first batches (in the order of Lightning's distributed sampler) are far from
+    # balanced, so images move on both steps.
+    assert summary["applied_steps"] == 2
     assert summary["imbalance_after"] < summary["imbalance_before"]
     assert summary["moved_bytes_total"] > 0
     assert (tmp_path / "vit_balance_dashboard.png").read_bytes()[:4] == b"\x89PNG"

@@ -56,7 +56,9 @@ def _all_to_all_checks(n: int) -> bool | None:
     ints = (data.reshape(-1, 4)[:, :3] * 1000 + 3).to(torch.int64)
     plain = all_to_all(ints, send, receive, group, differentiable=False)
     assert plain.grad_fn is None and plain.dtype == torch.int64
-    assert plain.tolist() == [[src * 1000 + 3, rank * 1000 + 3, j * 1000 + 3] for src in range(n) for j in range(receive[src])]
+    assert plain.tolist() == [
+        [src * 1000 + 3, rank * 1000 + 3, j * 1000 + 3] for src in range(n) for j in range(receive[src])
+    ]
     forced = all_to_all(data.clone(), send, receive, group, differentiable=True)
     assert forced.requires_grad
     forced.sum().backward()

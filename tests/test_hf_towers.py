@@ -30,7 +30,11 @@ def _hf_suite(n: int, towers: tuple[str, ...]) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     ("n", "towers"),
-    [(2, ("qwen2_vl", "qwen3_vl", "qwen2_5_vl")), (3, ("qwen2_vl", "qwen3_vl")), (4, ("qwen2_vl", "qwen3_vl"))],
+    [
+        (2, ("qwen2_vl", "qwen3_vl", "qwen2_5_vl")),
+        (3, ("qwen2_vl", "qwen3_vl")),
+        (4, ("qwen2_vl", "qwen3_vl")),
+    ],
 )
 def test_hf_vision_towers_equivalence(multirank: Any, n: int, towers: tuple[str, ...]) -> None:
     """Balanced == direct (outputs and summed gradients), 3 collectives when applied, 1 when not."""

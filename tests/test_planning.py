@@ -351,3 +351,25 @@ def test_moved_patches_lower_bound_by_hand() -> None:
     assert plan.makespan_after == 100.0
     assert plan.moved_patches_lower_bound == pytest.approx(3.6)
     assert plan.moved_patches == 6
+
+
+def test_vectorised_path_on_many_images() -> None:
+    # Above 1024 images (no cap) the locality solver runs its numpy block variants: same
+    # invariants, same quality targets.
+    rng = np.random.default_rng(21)
+    for scenario in ("mixed", "uniform"):
+        if scenario == "mixed":
+            sides = rng.integers(4, 41, 160 * 8)
+            flat = (np.round(sides) ** 2).astype(int).tolist()
+        else:
+            flat = rng.integers(800, 1300, 160 * 8).tolist()
+        counts = [flat[r * 8 : (r + 1) * 8] for r in range(160)]
+        counts[7] = []  # an empty rank must still receive an image
+        default = plan_rebalance(counts, FORCED)
+        seed = plan_rebalance(counts, SEED_FORCED)
+        assert default.applied
+        assert recomputed_loads(default) == default.loads_after
+        assert min(len(default.arrivals(r)) for r in range(160)) >= 1
+        assert seed.applied  # no image outweighs the mean here
+        assert default.makespan_after <= 1.005 * seed.makespan_after
+        assert default.moved_patches < seed.moved_patches

@@ -116,10 +116,16 @@ class WindowTower(nn.Module):
 
 
 class DictTower(nn.Module):
-    """``{"patch_embeds", "merged", "deepstack", "patch_ids" (int64, optional), "extra": None, "merge": int}``."""
+    """A dict: ``patch_embeds``, ``merged``, ``deepstack`` (list), ``patch_ids`` (int64, optional),
+    ``extra`` (None) and ``merge`` (an int)."""
 
     def __init__(
-        self, channels: int = CHANNELS, dim: int = 16, out_dim: int = 24, merge: int = 2, int_output: bool = True
+        self,
+        channels: int = CHANNELS,
+        dim: int = 16,
+        out_dim: int = 24,
+        merge: int = 2,
+        int_output: bool = True,
     ) -> None:
         super().__init__()
         self.core = _Core(channels, dim, merge)

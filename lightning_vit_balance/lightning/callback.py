@@ -96,8 +96,8 @@ class ViTBalanceCallback(Callback):
                                                     ``applied``
         ==========================================  ==================================================
 
-        ``applied_total + sum(skipped/*) == calls_total``. The cumulative counts are saved in
-        checkpoints and resume with them.
+        ``applied_total + sum(skipped/*) == calls_total``. A step without ViT calls logs nothing.
+        The cumulative counts are saved in checkpoints and resume with them.
 
     Args:
         log_every_n_steps: Log every this many optimizer steps; ``None`` follows the Trainer's

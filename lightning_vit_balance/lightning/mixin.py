@@ -53,7 +53,7 @@ class ViTBalanceMixin:
     Example::
 
         class MyVLM(ViTBalanceMixin, L.LightningModule):
-            def __init__(self, vit_balance_config: ViTBalanceConfig = ViTBalanceConfig()):
+            def __init__(self, vit_balance_config: ViTBalanceConfig | None = None):
                 super().__init__()
                 self.save_hyperparameters()
                 self.vit_balance_config = vit_balance_config
@@ -65,7 +65,8 @@ class ViTBalanceMixin:
 
     The configuration is the attribute ``vit_balance_config`` (absent means
     ``ViTBalanceConfig()``), so it can be a typed ``__init__`` argument that LightningCLI fills from
-    YAML. The mixin has no ``__init__`` and works whichever order the bases are listed in.
+    YAML (LightningCLI records it in ``hparams`` as a dict of fields, which is accepted too). The
+    mixin has no ``__init__`` and works whichever order the bases are listed in.
 
     The data-parallel group is looked up once per fit (or once per Fabric setup) with
     :meth:`configure_vit_balance_group`. Every balanced call's
@@ -99,15 +100,12 @@ class ViTBalanceMixin:
             f"ViTBalanceConfig, a dict of its fields, or None."
         )
 
-    def _vit_balance_runner(self) -> tuple[Any, Any, tuple[Any, ...]]:
-        """(trainer, fabric, callbacks) this module is attached to; ``None`` for what it is not."""
+    def _vit_balance_runner(self) -> tuple[Any, Any]:
+        """(trainer, fabric) this module is attached to; ``None`` for what it is not."""
         fabric = self.__dict__.get("_fabric")
         if fabric is not None:
-            return None, fabric, ()
-        trainer = self.__dict__.get("_trainer")
-        if trainer is not None:
-            return trainer, None, tuple(trainer.callbacks)
-        return None, None, ()
+            return None, fabric
+        return self.__dict__.get("_trainer"), None
 
     def configure_vit_balance_group(self) -> dist.ProcessGroup | None:
         """The process group to balance over; ``None`` calls the ViT directly.
@@ -121,14 +119,14 @@ class ViTBalanceMixin:
         group = getattr(self, "vit_balance_group", None)
         if group is not None:
             return group
-        trainer, fabric, _ = self._vit_balance_runner()
+        trainer, fabric = self._vit_balance_runner()
         runner = fabric if fabric is not None else trainer
         if runner is None:
             return None
         return dp_group_from_strategy(runner.strategy)
 
     def _vit_balance_refresh(self, state: _State) -> None:
-        trainer, fabric, callbacks = self._vit_balance_runner()
+        trainer, fabric = self._vit_balance_runner()
         runner = fabric if fabric is not None else trainer
         strategy = None if runner is None else runner.strategy
         # Lightning wraps the module anew (DDP, FSDP, DeepSpeed engine) at every fit, so the
@@ -147,6 +145,8 @@ class ViTBalanceMixin:
         state.fit_key = key
         state.group = group
         state.group_size = size
+        # Queue records only for a callback that drains them, so they never pile up.
+        callbacks = trainer.callbacks if trainer is not None else ()
         state.record = any(isinstance(cb, ViTBalanceCallback) for cb in callbacks)
         state.records = []
         state.balancer = None

@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -134,9 +135,15 @@ class DemoVLM(ViTBalanceMixin, L.LightningModule):
         step = len(self.records["loss"])
         every = max(1, self.total_steps // 6)
         if self.global_rank == 0 and (step % every == 0 or step == self.total_steps):
+            balance = ""
+            if self.records["applied"]:
+                balance = (
+                    f"  imbalance {self.records['imbalance_before'][-1]:.2f} -> "
+                    f"{self.records['imbalance_after'][-1]:.2f}"
+                )
             print(
                 f"  [{self.label}] step {step:3d}/{self.total_steps}  loss {self.records['loss'][-1]:.4f}  "
-                f"rank-0 ViT {1000 * self.records['vit_seconds'][-1]:7.1f} ms",
+                f"rank-0 ViT {1000 * self.records['vit_seconds'][-1]:7.1f} ms{balance}",
                 flush=True,
             )
 
@@ -206,6 +213,7 @@ def run_training(label: str, config: ViTBalanceConfig, args: argparse.Namespace)
     """One multi-rank fit; returns the per-rank records and the metrics the callback logged."""
     out = Path(args.output)
     record_dir = out / label / "records"
+    shutil.rmtree(out / label, ignore_errors=True)  # never read a previous run's records or logs
     L.seed_everything(args.seed, verbose=False)
     model = DemoVLM(config, str(record_dir), label=label, total_steps=args.steps, tower_kwargs=TOWER_KWARGS)
     samples = args.steps * args.batch_size * args.devices

@@ -79,6 +79,10 @@ _EPS = 1e-9
 _VECTORISE_ABOVE = 1024
 # Home-first is retried against the seed-level target only when it came this close to it.
 _RELAX_WITHIN = 0.01
+# Up to this many images (no cap) the chosen plan gets a pass that sends moved images home.
+_BRING_HOME_UP_TO = 1024
+_BRING_HOME_PASSES = 3
+_BRING_HOME_CANDIDATES = 5
 # Proposal rounds when relabelling LPT bins to home ranks.
 _RELABEL_ROUNDS = 8
 
@@ -516,6 +520,8 @@ class _LocalitySolver:
         )
         # Images largest first, ties by image index.
         self.cost_order = np.lexsort((np.arange(batch.cost.size), -batch.cost))
+        self.cost_rank = np.empty_like(self.cost_order)
+        self.cost_rank[self.cost_order] = np.arange(batch.cost.size)
         # Ranks that must encode at least one image in an applied plan.
         has_images = np.diff(np.asarray(batch.starts)) > 0
         self.must_hold = (
@@ -532,12 +538,12 @@ class _LocalitySolver:
         """Image patch counts as Python ints, for the loops."""
         return self.batch.patches.tolist()
 
-    def finish(self, dest: np.ndarray, members: list[list[int] | None] | None = None) -> _Candidate:
+    def finish(self, dest: np.ndarray) -> _Candidate:
         """Refine ``dest`` in place, give empty ranks an image, and measure it."""
         batch = self.batch
         rank_load = np.bincount(dest, weights=batch.cost, minlength=self.num_ranks)
         rank_patches = np.bincount(dest, weights=batch.patches, minlength=self.num_ranks)
-        self.refine(dest, rank_load, rank_patches, members, self.config.refine_tolerance)
+        self.refine(dest, rank_load, rank_patches, self.config.refine_tolerance)
         self.fill_empty_ranks(dest)
         loads = np.bincount(dest, weights=batch.cost, minlength=self.num_ranks)
         moved = int(batch.patches[dest != batch.home].sum())
@@ -557,6 +563,65 @@ class _LocalitySolver:
         receiving = np.bincount(dest[away], minlength=self.num_ranks) > 0
         counted = receiving & (np.bincount(dest, minlength=self.num_ranks) > 1)
         return float(np.maximum(rank_patches[counted] - self.cap * (1.0 + _EPS), 0.0).sum())
+
+    def bring_home(self, candidate: _Candidate, limit: float) -> _Candidate:
+        """Fewer rows at the same quality: send moved images home, alone or in a swap.
+
+        Up to ``_BRING_HOME_PASSES`` passes over the images away from home, largest first: move
+        one home if its home stays within ``limit``; else swap it with the image on its home rank
+        that saves the most rows and keeps both ranks within ``limit``. No cap.
+        """
+        batch = self.batch
+        home, cost, patches = batch.home.tolist(), self.cost_list, self.patch_list
+        dest = candidate.dest.tolist()
+        load = np.bincount(candidate.dest, weights=batch.cost, minlength=self.num_ranks).tolist()
+        members: list[list[int]] = [[] for _ in range(self.num_ranks)]
+        for k, d in enumerate(dest):
+            members[d].append(k)
+        must_hold = self.must_hold.tolist()
+        changed = False
+        for _ in range(_BRING_HOME_PASSES):
+            away = sorted((k for k, d in enumerate(dest) if d != home[k]), key=lambda k: (-patches[k], k))
+            changed_now = False
+            for k in away:
+                h, d = home[k], dest[k]
+                if d == h:
+                    continue
+                if load[h] + cost[k] <= limit and (len(members[d]) > 1 or not must_hold[d]):
+                    partner = -1
+                else:
+                    best_saving, partner = 0, -2
+                    for j in members[h]:
+                        saving = patches[k] - (patches[j] if home[j] == h else 0)
+                        saving += patches[j] if home[j] == d else 0
+                        if (
+                            saving > best_saving
+                            and load[h] + cost[k] - cost[j] <= limit
+                            and load[d] - cost[k] + cost[j] <= limit
+                        ):
+                            best_saving, partner = saving, j
+                    if partner == -2:
+                        continue
+                members[d].remove(k)
+                members[h].append(k)
+                dest[k] = h
+                load[h] += cost[k]
+                load[d] -= cost[k]
+                if partner >= 0:
+                    members[h].remove(partner)
+                    members[d].append(partner)
+                    dest[partner] = d
+                    load[h] -= cost[partner]
+                    load[d] += cost[partner]
+                changed_now = True
+            changed |= changed_now
+            if not changed_now:
+                break
+        if not changed:
+            return candidate
+        out = np.asarray(dest, dtype=np.int64)
+        loads = np.bincount(out, weights=batch.cost, minlength=self.num_ranks)
+        return _Candidate(out, float(loads.max()), int(batch.patches[out != batch.home].sum()))
 
     def shed_and_place(self, target: float) -> _Candidate:
         """Shed every rank down to ``target`` (and the cap), place the shed images, finish.
@@ -756,27 +821,22 @@ class _LocalitySolver:
         rank_load = np.zeros(num_ranks)
         if self.cap is None:
             _block_lpt(order, batch.cost, rank_load, dest)
-            # Members in the order they were assigned: cost order, grouped by rank.
-            grouped = order[np.argsort(dest[order], kind="stable")].tolist()
-            bounds = [0, *accumulate(np.bincount(dest, minlength=num_ranks).tolist())]
-            members: list[list[int] | None] = [grouped[s:e] for s, e in zip(bounds, bounds[1:])]
         else:
-            members = self._capped_lpt(dest, rank_load)
+            self._capped_lpt(dest, rank_load)
         rank_patches = np.bincount(dest, weights=batch.patches, minlength=num_ranks)
-        self.refine(dest, rank_load, rank_patches, members, self.config.refine_tolerance, False, False)
+        self.refine(dest, rank_load, rank_patches, self.config.refine_tolerance, False, False)
         dest = self.relabel(dest)
         self.fill_empty_ranks(dest)
         loads = np.bincount(dest, weights=batch.cost, minlength=num_ranks)
         moved = int(batch.patches[dest != batch.home].sum())
         return _Candidate(dest, float(loads.max()), moved)
 
-    def _capped_lpt(self, dest: np.ndarray, rank_load: np.ndarray) -> list[list[int] | None]:
+    def _capped_lpt(self, dest: np.ndarray, rank_load: np.ndarray) -> None:
         """The seed's LPT under the cap (lightest rank with room, else lightest), by a heap."""
         cost, patches, cap = self.cost_list, self.patch_list, self.cap
         assert cap is not None
         heap = [(0.0, r) for r in range(self.num_ranks)]
         rank_patches = [0] * self.num_ranks
-        members: list[list[int] | None] = [[] for _ in range(self.num_ranks)]
         for k in self.cost_order.tolist():
             popped = []
             while heap and rank_patches[heap[0][1]] + patches[k] > cap:
@@ -786,38 +846,35 @@ class _LocalitySolver:
             for item in popped:
                 heapq.heappush(heap, item)
             rank_patches[r] += patches[k]
-            members[r].append(k)  # type: ignore[union-attr]
             dest[k] = r
         for load, r in heap:
             rank_load[r] = load
-        return members
 
     def refine(
         self,
         dest: np.ndarray,
         rank_load: np.ndarray,
         rank_patches: np.ndarray,
-        members: list[list[int] | None] | None,
         tolerance: float,
         both_sides: bool = True,
         until_flat: bool = True,
     ) -> None:
         """The seed's move/swap refinement, vectorised per step; updates its arguments in place.
 
-        ``members[r]`` lists rank ``r``'s images in the seed's order; ``None`` (or no list) builds
-        it from ``dest`` in image order when first needed. ``both_sides=False`` checks the cap on
+        A rank's images are scanned in the seed's order: the order LPT assigned them (largest
+        first), then those moved in by earlier steps. ``both_sides=False`` checks the cap on
         the lightest rank only, as the seed does. ``until_flat`` also stops once a step leaves
         the makespan where it was (many ranks near the top: the pairwise steps move bytes for
         nothing); the seed does not stop there.
         """
         batch, cap = self.batch, self.cap
-        if members is None:
-            members = [None] * self.num_ranks
+        members: list[list[int] | None] = [None] * self.num_ranks
 
         def of(rank: int) -> list[int]:
             found = members[rank]
             if found is None:
-                found = np.flatnonzero(dest == rank).tolist()
+                on_rank = np.flatnonzero(dest == rank)
+                found = on_rank[np.argsort(self.cost_rank[on_rank])].tolist()
                 members[rank] = found
             return found
 
@@ -966,8 +1023,8 @@ def _solve_locality(batch: _Batch, config: ViTBalanceConfig) -> np.ndarray:
     excess = [solver.cap_excess(c.dest) for c in candidates]
     pool = [c for c, e in zip(candidates, excess) if e == min(excess)]
     limit = max(accept, min(c.makespan for c in pool)) * (1.0 + _EPS)
-    chosen = min(
-        (c for c in pool if c.makespan <= limit),
-        key=lambda c: (c.moved_patches, c.makespan),
-    )
-    return chosen.dest
+    feasible = [c for c in pool if c.makespan <= limit]
+    if solver.cap is None and batch.cost.size <= _BRING_HOME_UP_TO:
+        feasible.sort(key=lambda c: (c.moved_patches, c.makespan))
+        feasible = [solver.bring_home(c, limit) for c in feasible[:_BRING_HOME_CANDIDATES]]
+    return min(feasible, key=lambda c: (c.moved_patches, c.makespan)).dest

@@ -194,7 +194,7 @@ def subgroup(size: int) -> Any:
     if size == dist.get_world_size():
         return None
     if size not in _SUBGROUPS:
-        _SUBGROUPS[size] = dist.new_group(list(range(size)))
+        _SUBGROUPS[size] = dist.new_group(list(range(size)), timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     return _SUBGROUPS[size]
 
 

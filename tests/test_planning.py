@@ -262,7 +262,8 @@ def test_locality_beats_seed_on_dominating_image() -> None:
     assert seed.reason == "single-image-dominates"
     assert default.applied
     assert default.makespan_after <= 1.02 * default.lower_bound
-    assert default.makespan_after == default.lower_bound < seed.makespan_after
+    # Within the solver's 0.4% slack of the lower bound (it trades that slack for fewer rows).
+    assert default.makespan_after <= 1.004 * default.lower_bound < seed.makespan_after
 
 
 def test_locality_quality_and_locality_on_mixed_batches() -> None:

@@ -1,14 +1,12 @@
 """Balance vision-encoder (ViT) work across data-parallel ranks in VLM training."""
 
 from lightning_vit_balance.balancer import BalanceStats, ViTBalancer, balanced_encode
-from lightning_vit_balance.config import ViTBalanceConfig
+from lightning_vit_balance.config import ViTBalanceConfig, add_vit_balance_args
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.lightning import (
     ViTBalanceCallback,
     ViTBalanceMixin,
-    add_vit_balance_args,
     dp_group_from_strategy,
-    vit_balance_config_from_args,
 )
 from lightning_vit_balance.outputs import OutputLayout
 from lightning_vit_balance.planning import REASONS, RebalancePlan, plan_rebalance
@@ -27,5 +25,4 @@ __all__ = [
     "balanced_encode",
     "dp_group_from_strategy",
     "plan_rebalance",
-    "vit_balance_config_from_args",
 ]

@@ -302,6 +302,21 @@ class ViTBalancer:
     gradients flowing back to the ViT exactly as in the direct call. Every rank of the group
     must make the call, also ranks with no images (``grid_thw`` of shape ``[0, 3]``).
 
+    What comes back: outputs with a row per patch or per merged token are exchanged back to
+    their images' ranks; a window index (an integer output of a ViT with ``get_window_index``) is
+    regenerated from this rank's ``grid_thw`` (element 0 when ``get_window_index`` returns a
+    tuple); other values (``None``, numbers, 0-d tensors, outputs named ``"passthrough"``) are
+    those of the batch this rank encoded. The ViT is never called on an empty batch: a rank that
+    encodes nothing runs it on one dummy ``(1, m, m)`` image and returns zero-row slices of the
+    result (see ``ViTBalanceConfig.empty_rank_forward``).
+
+    Errors: invalid input on any rank (grid shape, dtype or values, pixel rows, merge
+    divisibility, device, ``C`` or dtype differing between ranks) raises the same ``ValueError``
+    on every rank before anything moves. An output whose rows fit no kind raises the same
+    ``ValueError`` on every rank after the return trip (the rank carries a status block in it),
+    provided its nearest kind is what the other ranks made of that output, as for a few missing
+    or extra rows; otherwise the trip's sizes disagree and the backend reports it.
+
     Args:
         config: Balancing options; default ``ViTBalanceConfig()``.
         group: The data-parallel process group; ``None`` is the default group. Without an
@@ -349,7 +364,7 @@ class ViTBalancer:
             if isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 and grid_thw.shape[0] == 0:
                 output = self._empty_output(vit, pixel_values, grid_thw, merge, None, None)
             else:
-                output = vit(pixel_values, grid_thw)
+                output = self._direct(vit, pixel_values, grid_thw)
             self._record_local("single-rank", 0, 1, grid_thw)
             return output
         return self._balanced(vit, pixel_values, grid_thw)
@@ -393,7 +408,7 @@ class ViTBalancer:
         bytes_sent = bytes_received = 0
         if not plan.applied:
             if metadata[rank].grids:
-                output = vit(pixel_values, grid_thw)
+                output = self._direct(vit, pixel_values, grid_thw)
             else:
                 output = self._empty_output(vit, pixel_values, grid_thw, merge, ref_dtype, ref_channels)
         else:
@@ -455,8 +470,20 @@ class ViTBalancer:
                 raise ValueError(
                     describe_output_problem(path, found.problem, found.rows, found.expected, merge)
                 )
-            result.append(leaf if found.kind == "passthrough" else leaf[:0])
+            if found.kind == "drop":
+                result.append(None)
+            else:
+                result.append(leaf if found.kind == "passthrough" else leaf[:0])
         return rebuild_output(structure, result)
+
+    def _direct(self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+        """``vit(pixel_values, grid_thw)``, with outputs the layout names ``"drop"`` set to None."""
+        output = vit(pixel_values, grid_thw)
+        layout = self.output_layout
+        if layout is None or "drop" not in layout.kinds.values():
+            return output
+        leaves, structure = flatten_output(output)
+        return rebuild_output(structure, [None if layout.kind_of(p) == "drop" else v for p, v in leaves])
 
     def _exchange_and_encode(
         self,
@@ -631,7 +658,9 @@ class ViTBalancer:
         for k, (_, leaf) in enumerate(leaves):
             kind = kinds[k].kind
             if kind in ("patch", "merged"):
-                rows = torch.cat(received[k]) if received[k] else leaf[:0]
+                # Zero rows still come from the received buffer: the rank's loss then reaches the
+                # return exchange, whose backward is a collective every rank must join.
+                rows = torch.cat(received[k]) if received[k] else _unpack(coming_back[:0], 0, leaf)
                 if not identity:
                     counts = [rows_per_image(kind, my_counts[i], merge) for i in route.send_order]
                     rows = _gather_rows(rows, _row_slices(counts, inverse))
@@ -647,6 +676,8 @@ class ViTBalancer:
                         if isinstance(window_index, (tuple, list)):
                             window_index = window_index[0]
                     result.append(window_index)
+            elif kind == "drop":
+                result.append(None)
             else:
                 result.append(leaf)
         return rebuild_output(structure, result), collectives, bytes_sent, bytes_received, encode_seconds

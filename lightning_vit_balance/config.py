@@ -2,17 +2,21 @@
 
 One frozen dataclass, :class:`ViTBalanceConfig`, serves three front ends: Python keyword
 arguments, LightningCLI YAML (it is a plain typed dataclass) and the seed trainer's argparse
-flags (see :mod:`lightning_vit_balance.lightning.flags`).
+flags (:func:`add_vit_balance_args` adds them with the seed's names and defaults,
+:meth:`ViTBalanceConfig.from_args` reads them back).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["EMPTY_RANK_POLICIES", "SOLVERS", "ViTBalanceConfig"]
+__all__ = ["EMPTY_RANK_POLICIES", "SOLVERS", "ViTBalanceConfig", "add_vit_balance_args"]
 
 SOLVERS: tuple[str, ...] = ("locality", "seed")
 EMPTY_RANK_POLICIES: tuple[str, ...] = ("attached", "no_grad")
@@ -122,3 +126,91 @@ class ViTBalanceConfig:
         _check_int("cost_window_patches", self.cost_window_patches, 0)
         if self.cost_quadratic + self.cost_linear + self.cost_constant + self.cost_windowed <= 0:
             _fail("cost_quadratic", self.cost_quadratic, "at least one cost coefficient > 0")
+
+    @classmethod
+    def from_args(
+        cls, namespace: argparse.Namespace, base: ViTBalanceConfig | None = None
+    ) -> ViTBalanceConfig:
+        """Build the configuration from the seed's flags (see :func:`add_vit_balance_args`).
+
+        Args:
+            namespace: ``parser.parse_args()`` of a parser given to :func:`add_vit_balance_args`.
+            base: Supplies every field the seed has no flag for (solver, cost model...); default
+                ``ViTBalanceConfig()``.
+
+        Returns:
+            ``base`` with ``enabled``, ``max_len_ratio``, ``trigger_threshold`` and ``verbose`` taken
+            from the flags. Invalid values raise ``ValueError``, naming the field.
+        """
+        if base is None:
+            base = cls()
+        elif not isinstance(base, ViTBalanceConfig):
+            raise TypeError(f"ViTBalanceConfig.from_args(base={base!r}) expected a ViTBalanceConfig or None.")
+        missing = [dest for dest in _DEST_TO_FIELD if not hasattr(namespace, dest)]
+        if missing:
+            raise ValueError(
+                f"ViTBalanceConfig.from_args(namespace) lacks {', '.join(missing)}: expected a namespace "
+                f"parsed by a parser given to add_vit_balance_args(parser)."
+            )
+        values = {field: getattr(namespace, dest) for dest, field in _DEST_TO_FIELD.items()}
+        return dataclasses.replace(base, **values)
+
+
+#: namespace attribute (argparse ``dest``) -> ViTBalanceConfig field.
+_DEST_TO_FIELD: dict[str, str] = {
+    "use_vit_dp_balance": "enabled",
+    "dp_balance_max_len_ratio_vit": "max_len_ratio",
+    "dp_balance_trigger_threshold_vit": "trigger_threshold",
+    "dp_balance_verbose": "verbose",
+}
+
+
+def add_vit_balance_args(
+    parser: argparse.ArgumentParser,
+) -> argparse.ArgumentParser:
+    """Add the seed's four ViT-balance flags to ``parser`` and return it.
+
+    ``--use-vit-dp-balance`` (off), ``--dp-balance-max-len-ratio-vit`` (``None``),
+    ``--dp-balance-trigger-threshold-vit`` (``0.2``) and ``--dp-balance-verbose`` (off). In the
+    seed ``--dp-balance-verbose`` is shared with the VLM-level balance, so a parser that already
+    defines it keeps its own definition.
+
+    Args:
+        parser: The training script's parser.
+
+    Returns:
+        The same parser, so calls can be chained.
+    """
+    if not isinstance(parser, argparse.ArgumentParser):
+        raise TypeError(
+            f"add_vit_balance_args(parser={parser!r}) expected an argparse.ArgumentParser, "
+            f"got {type(parser).__name__}."
+        )
+    group = parser.add_argument_group("ViT data-parallel balance")
+    group.add_argument(
+        "--use-vit-dp-balance",
+        action="store_true",
+        default=False,
+        help="Balance ViT encoder work across data-parallel ranks.",
+    )
+    group.add_argument(
+        "--dp-balance-max-len-ratio-vit",
+        type=float,
+        default=None,
+        help="Cap on patches per rank after balancing: avg_patches * ratio. Default: no cap.",
+    )
+    group.add_argument(
+        "--dp-balance-trigger-threshold-vit",
+        type=float,
+        default=0.2,
+        help="Skip balancing while the imbalance max_load/mean_load - 1 is below this. Default: 0.2.",
+    )
+    # Already defined when the script also has the seed's VLM-level balance, which shares it.
+    with contextlib.suppress(argparse.ArgumentError):
+        group.add_argument(
+            "--dp-balance-verbose",
+            action="store_true",
+            default=False,
+            help="Print per step: imbalance, load per rank, decision and applied/total count.",
+        )
+    return parser

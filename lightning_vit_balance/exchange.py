@@ -123,6 +123,11 @@ def describe_problem(code: int, details: Sequence[int]) -> str:
             f"spatial merge size {d[3]}"
         )
     if problem is InputProblem.DEVICE:
+        if d[0] == d[1]:
+            return (
+                f"pixel_values is on {_device_name(d[0])}:{d[2]}: expected the current device "
+                f"{_device_name(d[0])}:{d[3]}, which the process group's backend communicates on"
+            )
         return (
             f"pixel_values is on a {_device_name(d[0])} device: the process group's backend "
             f"carries {_device_name(d[1])} tensors"
@@ -178,24 +183,27 @@ def _backend_device_type(group: Any) -> str | None:
 def collective_device(group: Any, preferred: torch.device | None) -> torch.device:
     """Device for this group's collective buffers: ``preferred`` when the backend carries it.
 
-    NCCL needs CUDA tensors and gloo's all_to_all CPU tensors; other backends take the
-    preferred device (the device of ``pixel_values``).
+    NCCL communicates CUDA tensors of the current device and gloo's all_to_all CPU tensors; other
+    backends take the preferred device (the device of ``pixel_values``).
     """
     wanted = _backend_device_type(group)
+    if wanted == "cuda":
+        # Pixels on another device are reported by device_problem; the gather must still work.
+        return torch.device("cuda", torch.cuda.current_device())
     if preferred is not None and preferred.type != "meta" and (wanted is None or preferred.type == wanted):
         return preferred
-    if wanted == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def device_problem(group: Any, device: torch.device) -> tuple[int, ...] | None:
     """Details for :attr:`InputProblem.DEVICE` when ``device`` cannot be exchanged, else None."""
     wanted = _backend_device_type(group)
+    code = _DEVICE_TYPES.index(device.type) if device.type in _DEVICE_TYPES else 3
     if device.type == "meta" or (wanted is not None and device.type != wanted):
-        code = _DEVICE_TYPES.index(device.type) if device.type in _DEVICE_TYPES else 3
         wanted_code = _DEVICE_TYPES.index(wanted) if wanted in _DEVICE_TYPES else 3
         return (code, wanted_code)
+    if wanted == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return (code, code, device.index, torch.cuda.current_device())
     return None
 
 

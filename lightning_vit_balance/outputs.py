@@ -39,8 +39,11 @@ __all__ = [
 
 #: Kinds of ViT output leaves. ``"patch"``: one row per patch; ``"merged"``: one row per merged
 #: token (``merge**2`` patches); ``"window_index"``: regenerated with ``vit.get_window_index``;
-#: ``"passthrough"``: returned as computed (non-tensors, 0-d tensors).
-OUTPUT_KINDS: tuple[str, ...] = ("patch", "merged", "window_index", "passthrough")
+#: ``"passthrough"``: returned as computed (non-tensors, 0-d tensors); ``"drop"`` (only when named
+#: in an :class:`OutputLayout`): returned as ``None`` and never exchanged, for outputs the caller
+#: ignores (e.g. a Hugging Face tower's per-patch ``last_hidden_state`` when only
+#: ``pooler_output`` is used), so their bytes do not travel.
+OUTPUT_KINDS: tuple[str, ...] = ("patch", "merged", "window_index", "passthrough", "drop")
 
 
 @dataclass(frozen=True)
@@ -227,6 +230,8 @@ def classify_output(
     """
     merged_rows = total_patches // (merge_size * merge_size)
     named = layout.kind_of(path) if layout is not None else None
+    if named == "drop":
+        return Classification("drop")
     if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
         return Classification("passthrough")
     rows = int(leaf.shape[0])

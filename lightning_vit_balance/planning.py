@@ -76,11 +76,11 @@ _SLACK = 0.004
 # Relative tolerance for "a rank is above the target": loads are sums of floats.
 _EPS = 1e-9
 # Above this many images (and without a patch cap) the locality solver uses its numpy variants.
-_VECTORISE_ABOVE = 1024
+_VECTORISE_ABOVE = 512
 # Home-first is retried against the seed-level target only when it came this close to it.
 _RELAX_WITHIN = 0.01
 # Up to this many images (no cap) the chosen plan gets a pass that sends moved images home.
-_BRING_HOME_UP_TO = 1024
+_BRING_HOME_UP_TO = 512
 _BRING_HOME_PASSES = 3
 _BRING_HOME_CANDIDATES = 5
 # Proposal rounds when relabelling LPT bins to home ranks.
@@ -335,7 +335,7 @@ def plan_rebalance(
             reason=reason,
             solver=config.solver,
             patch_counts=batch.counts,
-            destinations=tuple((r,) * len(c) for r, c in enumerate(batch.counts)),
+            destinations=batch.rows(batch.home.tolist()),
             image_costs=costs,
             loads_before=loads,
             loads_after=loads,
@@ -655,8 +655,9 @@ class _LocalitySolver:
             shed_arr = shed_arr[np.lexsort((shed_arr, -batch.cost[shed_arr]))]
             rank_load = batch.loads.copy()
             rank_patches = self.rank_patches.copy()
-            np.subtract.at(rank_load, batch.home[shed_arr], batch.cost[shed_arr])
-            np.subtract.at(rank_patches, batch.home[shed_arr], batch.patches[shed_arr])
+            shed_home = batch.home[shed_arr]
+            rank_load -= np.bincount(shed_home, weights=batch.cost[shed_arr], minlength=self.num_ranks)
+            rank_patches -= np.bincount(shed_home, weights=batch.patches[shed_arr], minlength=self.num_ranks)
             self._place(shed_arr.tolist(), dest, rank_load, rank_patches)
         return self.finish(dest)
 
@@ -802,7 +803,7 @@ class _LocalitySolver:
             before = np.where(group_start > 0, running[group_start - 1], 0.0)
             stays = np.empty(block.size, dtype=bool)
             stays[by_home] = load[homes] + (running - before) <= limit
-            np.add.at(load, home[block][stays], cost[block][stays])
+            load += np.bincount(home[block][stays], weights=cost[block][stays], minlength=self.num_ranks)
             leaving = block[~stays]
             if leaving.size:
                 _block_lpt(leaving, cost, load, dest)
@@ -996,13 +997,13 @@ def _solve_locality(batch: _Batch, config: ViTBalanceConfig) -> np.ndarray:
     lower = max(float(batch.loads.sum()) / batch.num_ranks, float(batch.cost.max()))
     # Python loops below this many images, numpy blocks above (the cap needs the loops).
     vectorised = batch.cost.size > _VECTORISE_ABOVE and solver.cap is None
-    # Home-first in coarser blocks moves fewer rows and balances less finely: try a few sizes.
     num_ranks = batch.num_ranks
     if vectorised:
         candidates = [solver.home_first_blocks(lower)]
     else:
         candidates = [solver.shed_and_place(lower), solver.home_first_lpt(lower * (1.0 + 0.5 * _SLACK))]
         if solver.cap is None:
+            # Home-first in coarser blocks moves fewer rows and balances less finely: try a few.
             sizes = sorted({num_ranks, max(1, num_ranks // 2), max(1, num_ranks // 4)}, reverse=True)
             candidates += [solver.home_first_blocks(lower, size) for size in sizes]
     accept = lower * (1.0 + _SLACK)

@@ -343,3 +343,84 @@ def test_invalid_arguments() -> None:
         ViTBalancer(output_layout=["0"])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="kinds"):
         ViTBalancer(output_layout={"0": "pixels"})
+
+
+def _ddp_steps(n: int) -> bool | None:
+    from equivalence import probe_loss, tolerances
+    from torch.nn.parallel import DistributedDataParallel
+
+    group = subgroup(n)
+    rank = dist.get_rank()
+    if rank >= n:
+        return None
+
+    class Encoder(torch.nn.Module):
+        def __init__(self, vit: torch.nn.Module, balancer: ViTBalancer | None) -> None:
+            super().__init__()
+            self.vit = vit
+            self.balancer = balancer
+
+        def forward(self, pixels: torch.Tensor, grid: torch.Tensor) -> Any:
+            return self.balancer(self.vit, pixels, grid) if self.balancer else self.vit(pixels, grid)
+
+    torch.manual_seed(0)
+    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group)
+    # Default DDP: find_unused_parameters=False, so every rank must use every parameter each step.
+    model = DistributedDataParallel(Encoder(towers.WindowTower(), balancer), process_group=group)
+    torch.manual_seed(0)
+    reference = Encoder(towers.WindowTower(), None)
+    steps = [
+        [[(1, 8, 8)], *[[] for _ in range(n - 1)]],  # one image: the other ranks encode nothing
+        [[(1, 4, 4), (1, 6, 6)], *[[] for _ in range(n - 2)], [(1, 2, 2)]],
+        [[] for _ in range(n)],  # no images anywhere
+    ]
+    for step, grids in enumerate(steps):
+        pixels, grid = towers.make_batch(grids[rank], seed=step * 10 + rank)
+        probe_loss(model(pixels, grid), step * 10 + rank).backward()
+        reference.zero_grad(set_to_none=True)
+        if grids[rank]:
+            probe_loss(reference(pixels, grid), step * 10 + rank).backward()
+        for p, q in zip(model.module.parameters(), reference.parameters()):
+            expected = q.grad if q.grad is not None else torch.zeros_like(q)
+            dist.all_reduce(expected, group=group)
+            assert p.grad is not None, f"step {step}: a parameter got no gradient under DDP"
+            torch.testing.assert_close(p.grad, expected / n, **tolerances(torch.float32))
+        model.zero_grad(set_to_none=True)
+    return True
+
+
+def test_ddp_without_find_unused_parameters(multirank: Any) -> None:
+    """Ranks that encode no image keep every parameter in use: plain DDP trains through them."""
+    with multirank(POOL) as w:
+        assert w.run(_ddp_steps, 3)[:3] == [True] * 3
+
+
+def _drop_checks(n: int) -> list[int] | None:
+    group = subgroup(n)
+    rank = dist.get_rank()
+    if rank >= n:
+        return None
+    torch.manual_seed(0)
+    tower = towers.DictTower()
+    grids = [[(1, 8, 8), (2, 4, 4)], *[[(1, 2, 2)] for _ in range(n - 1)]]
+    pixels, grid = towers.make_batch(grids[rank], seed=rank)
+    full = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group)
+    dropping = ViTBalancer(
+        ViTBalanceConfig(**THRESHOLD_0), group, output_layout={"patch_embeds": "drop", "deepstack": "drop"}
+    )
+    expected = full(tower, pixels, grid)
+    got = dropping(tower, pixels, grid)
+    assert got["patch_embeds"] is None and got["deepstack"] == [None, None]
+    torch.testing.assert_close(got["merged"], expected["merged"], rtol=0, atol=0)
+    assert torch.equal(got["patch_ids"], expected["patch_ids"])
+    assert full.last_stats is not None and dropping.last_stats is not None
+    assert full.last_stats.applied and dropping.last_stats.applied
+    return [full.last_stats.bytes_sent + full.last_stats.bytes_received,
+            dropping.last_stats.bytes_sent + dropping.last_stats.bytes_received]  # fmt: skip
+
+
+def test_dropped_outputs_do_not_travel(multirank: Any) -> None:
+    """Outputs named "drop" come back as None and their bytes stay home."""
+    with multirank(POOL) as w:
+        per_rank = w.run(_drop_checks, 2)[:2]
+    assert all(dropped < full for full, dropped in per_rank), per_rank

@@ -155,6 +155,8 @@ def test_describe_problem_messages_are_distinct_and_specific() -> None:
     }
     messages = {code: describe_problem(code, details.get(code, ())) for code in InputProblem if code}
     assert len(set(messages.values())) == len(messages)
+    wrong_gpu = describe_problem(InputProblem.DEVICE, (1, 1, 1, 0))
+    assert "pixel_values is on cuda:1: expected the current device cuda:0" in wrong_gpu
     for code, fragment in fragments.items():
         assert fragment in messages[code], (code, messages[code])
 

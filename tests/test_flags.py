@@ -6,8 +6,7 @@ import argparse
 
 import pytest
 
-from lightning_vit_balance import ViTBalanceConfig
-from lightning_vit_balance.lightning.flags import add_vit_balance_args, vit_balance_config_from_args
+from lightning_vit_balance import ViTBalanceConfig, add_vit_balance_args
 
 
 def test_defaults_are_the_seeds() -> None:
@@ -18,7 +17,7 @@ def test_defaults_are_the_seeds() -> None:
         "dp_balance_trigger_threshold_vit": 0.2,
         "dp_balance_verbose": False,
     }
-    config = vit_balance_config_from_args(args)
+    config = ViTBalanceConfig.from_args(args)
     # The seed's flag defaults to off, the dataclass to on: the flag wins.
     assert config == ViTBalanceConfig(enabled=False)
 
@@ -35,7 +34,7 @@ def test_every_flag_reaches_its_field() -> None:
             "--dp-balance-verbose",
         ]
     )
-    config = vit_balance_config_from_args(args)
+    config = ViTBalanceConfig.from_args(args)
     assert (config.enabled, config.max_len_ratio, config.trigger_threshold, config.verbose) == (
         True,
         1.5,
@@ -47,7 +46,7 @@ def test_every_flag_reaches_its_field() -> None:
 def test_base_supplies_the_fields_without_flags() -> None:
     args = add_vit_balance_args(argparse.ArgumentParser()).parse_args(["--use-vit-dp-balance"])
     base = ViTBalanceConfig(solver="seed", cost_linear=3.0, trigger_threshold=0.9)
-    config = vit_balance_config_from_args(args, base=base)
+    config = ViTBalanceConfig.from_args(args, base=base)
     assert config == ViTBalanceConfig(solver="seed", cost_linear=3.0, enabled=True, trigger_threshold=0.2)
 
 
@@ -57,7 +56,7 @@ def test_shared_verbose_flag_is_kept() -> None:
     parser.add_argument("--dp-balance-verbose", action="store_true")
     add_vit_balance_args(parser)
     args = parser.parse_args(["--dp-balance-verbose", "--use-vit-dp-balance"])
-    assert vit_balance_config_from_args(args).verbose is True
+    assert ViTBalanceConfig.from_args(args).verbose is True
 
 
 def test_invalid_values_name_the_field() -> None:
@@ -65,11 +64,11 @@ def test_invalid_values_name_the_field() -> None:
         ["--dp-balance-max-len-ratio-vit", "0.5"]
     )
     with pytest.raises(ValueError, match=r"max_len_ratio=0\.5"):
-        vit_balance_config_from_args(args)
+        ViTBalanceConfig.from_args(args)
 
 
 def test_missing_flags_are_named() -> None:
     with pytest.raises(ValueError, match=r"use_vit_dp_balance.*add_vit_balance_args"):
-        vit_balance_config_from_args(argparse.Namespace(dp_balance_verbose=True))
+        ViTBalanceConfig.from_args(argparse.Namespace(dp_balance_verbose=True))
     with pytest.raises(TypeError, match="ArgumentParser"):
         add_vit_balance_args("--use-vit-dp-balance")  # type: ignore[arg-type]

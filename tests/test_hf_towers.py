@@ -47,3 +47,35 @@ def test_hf_vision_towers_equivalence(multirank: Any, n: int, towers: tuple[str,
             for r in results:
                 expected = 3 if r["applied"] else 1
                 assert r["collectives"] == r["counted"] == expected, (name, r)
+
+
+def _hf_drop(n: int) -> bool | None:
+    import torch
+    import torch.distributed as dist
+    import towers as tiny
+    from equivalence import TOWERS
+    from multirank import subgroup
+
+    from lightning_vit_balance import OutputLayout, ViTBalanceConfig, ViTBalancer
+
+    group = subgroup(n)
+    rank = dist.get_rank()
+    if rank >= n:
+        return None
+    torch.manual_seed(0)
+    tower = TOWERS["qwen2_vl"]()
+    grids = [[(1, 8, 8), (2, 4, 4)], *[[(1, 2, 2)] for _ in range(n - 1)]]
+    pixels, grid = tiny.make_batch(grids[rank], seed=rank)
+    layout = OutputLayout(kinds={"last_hidden_state": "drop"})
+    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group, output_layout=layout)
+    out = balancer(tower, pixels, grid)
+    reference = tower(pixels, grid)
+    assert type(out) is type(reference) and out.last_hidden_state is None
+    torch.testing.assert_close(out.pooler_output, reference.pooler_output, rtol=1e-4, atol=1e-5)
+    return True
+
+
+def test_hf_drop_last_hidden_state(multirank: Any) -> None:
+    """A VLM that only uses pooler_output can leave last_hidden_state (per patch) at home."""
+    with multirank(POOL) as w:
+        assert w.run(_hf_drop, 2)[:2] == [True, True]

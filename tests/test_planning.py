@@ -374,3 +374,19 @@ def test_vectorised_path_on_many_images() -> None:
         assert seed.applied  # no image outweighs the mean here
         assert default.makespan_after <= 1.005 * seed.makespan_after
         assert default.moved_patches < seed.moved_patches
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_vectorised_path_invariants(seed: int) -> None:
+    # Random heavy-tailed batches above the vectorisation threshold, some ranks empty.
+    rng = np.random.default_rng(seed)
+    num_ranks = 96
+    counts = [rng.integers(1, 2500, rng.integers(0, 14)).tolist() for _ in range(num_ranks)]
+    plan = plan_rebalance(counts, FORCED)
+    assert plan.applied
+    assert recomputed_loads(plan) == plan.loads_after
+    arrivals = sorted(a for rank in range(num_ranks) for a in plan.arrivals(rank))
+    assert arrivals == [(r, i) for r, row in enumerate(counts) for i in range(len(row))]
+    assert min(len(plan.arrivals(r)) for r in range(num_ranks)) >= 1
+    assert plan.makespan_after < plan.makespan_before
+    assert plan == plan_rebalance(counts, FORCED)

@@ -1,15 +1,28 @@
-"""Balance vision-encoder (ViT) work across data-parallel ranks in VLM training."""
+"""Balance vision-encoder (ViT) work across data-parallel ranks in VLM training.
+
+The engine (configuration, cost model, planning, exchange, balanced encode) needs only torch.
+The Lightning face (:class:`ViTBalanceMixin`, :class:`ViTBalanceCallback`,
+:func:`dp_group_from_strategy`) is imported on first use, so plain ``torch.distributed`` programs
+and the spawned processes of a job never pay for importing Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from lightning_vit_balance.balancer import BalanceStats, ViTBalancer, balanced_encode
 from lightning_vit_balance.config import ViTBalanceConfig, add_vit_balance_args
 from lightning_vit_balance.cost import CostModel
-from lightning_vit_balance.lightning import (
-    ViTBalanceCallback,
-    ViTBalanceMixin,
-    dp_group_from_strategy,
-)
 from lightning_vit_balance.outputs import OutputLayout
 from lightning_vit_balance.planning import REASONS, RebalancePlan, plan_rebalance
+
+if TYPE_CHECKING:
+    from lightning_vit_balance.lightning import (
+        ViTBalanceCallback,
+        ViTBalanceMixin,
+        dp_group_from_strategy,
+    )
 
 __all__ = [
     "REASONS",
@@ -26,3 +39,17 @@ __all__ = [
     "dp_group_from_strategy",
     "plan_rebalance",
 ]
+
+_LIGHTNING_NAMES = frozenset({"ViTBalanceCallback", "ViTBalanceMixin", "dp_group_from_strategy"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LIGHTNING_NAMES:
+        value = getattr(importlib.import_module("lightning_vit_balance.lightning"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lightning_vit_balance' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

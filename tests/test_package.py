@@ -1,0 +1,84 @@
+"""The package's public face and the one-way data flow of its layers."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning_vit_balance
+
+PACKAGE_DIR = Path(lightning_vit_balance.__file__).parent
+
+# Data flows one way: a module may import only modules of earlier layers (or its own layer).
+LAYERS: dict[str, int] = {
+    "config": 0,
+    "cost": 1,
+    "planning": 2,
+    "exchange": 3,
+    "outputs": 4,
+    "balancer": 5,
+    "lightning": 6,
+}
+
+
+def _module_layer(path: Path) -> tuple[str, int] | None:
+    relative = path.relative_to(PACKAGE_DIR).with_suffix("")
+    head = relative.parts[0]
+    return (head, LAYERS[head]) if head in LAYERS else None
+
+
+def _package_imports(path: Path) -> set[str]:
+    """Top-level names of everything ``path`` imports, ``lightning_vit_balance.X`` as ``pkg:X``."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules = [node.module]
+        else:
+            continue
+        for module in modules:
+            parts = module.split(".")
+            names.add(f"pkg:{parts[1]}" if parts[0] == "lightning_vit_balance" and len(parts) > 1 else module)
+    return names
+
+
+def test_every_public_name_resolves() -> None:
+    for name in lightning_vit_balance.__all__:
+        assert getattr(lightning_vit_balance, name) is not None, name
+    assert sorted(lightning_vit_balance.__all__) == sorted(set(lightning_vit_balance.__all__))
+
+
+def test_layers_import_only_earlier_layers() -> None:
+    checked = 0
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        layer = _module_layer(path)
+        if layer is None:
+            continue
+        name, level = layer
+        for imported in _package_imports(path):
+            if imported.startswith("pkg:"):
+                target = imported[4:]
+                assert LAYERS[target] <= level, f"{path.name} ({name}) imports the later layer {target}"
+            elif imported.split(".")[0] in {"lightning", "pytorch_lightning", "torchmetrics"}:
+                assert name == "lightning", f"{path} imports {imported}; only lightning/ may"
+        checked += 1
+    assert checked >= len(LAYERS)
+
+
+def test_planning_has_no_torch_distributed() -> None:
+    imports = _package_imports(PACKAGE_DIR / "planning.py") | _package_imports(PACKAGE_DIR / "cost.py")
+    assert not any(name.startswith("torch") for name in imports), imports
+
+
+def test_importing_the_engine_does_not_import_lightning() -> None:
+    code = (
+        "import sys, lightning_vit_balance as m; "
+        "m.plan_rebalance([[4], [16]]); "
+        "assert 'lightning' not in sys.modules, 'eager lightning import'; "
+        "assert 'torchmetrics' not in sys.modules, 'eager torchmetrics import'; "
+        "m.ViTBalanceMixin; assert 'lightning' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

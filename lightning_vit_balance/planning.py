@@ -441,21 +441,16 @@ def _solve_seed(
         if best_move is None:
             break
         a, b = best_move
-        ca, ra, ia = members[heavy].pop(a)
-        members[light].append((ca, ra, ia))
-        dest[ra][ia] = light
-        rank_load[heavy] -= ca
-        rank_load[light] += ca
-        rank_patches[heavy] -= counts[ra][ia]
-        rank_patches[light] += counts[ra][ia]
+        transfers = [(members[heavy].pop(a), heavy, light)]
         if b >= 0:
-            cb, rb, ib = members[light].pop(b)
-            members[heavy].append((cb, rb, ib))
-            dest[rb][ib] = heavy
-            rank_load[light] -= cb
-            rank_load[heavy] += cb
-            rank_patches[light] -= counts[rb][ib]
-            rank_patches[heavy] += counts[rb][ib]
+            transfers.append((members[light].pop(b), light, heavy))
+        for (cost, r, i), src, dst in transfers:
+            members[dst].append((cost, r, i))
+            dest[r][i] = dst
+            rank_load[src] -= cost
+            rank_load[dst] += cost
+            rank_patches[src] -= counts[r][i]
+            rank_patches[dst] += counts[r][i]
     return tuple(tuple(row) for row in dest)
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import copy
 import pickle
 import warnings
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -117,17 +115,6 @@ def test_single_device_fit_looks_the_group_up_once_per_fit_and_calls_directly() 
     run()
     assert module.group_lookups == 2  # a new fit looks again
     assert callback.calls_total == 0  # one device: nothing balanced, nothing recorded
-
-
-@pytest.fixture
-def one_rank_world(tmp_path: Path) -> Any:
-    assert not dist.is_initialized()
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=20))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class WorldGroup(MixinFirst):

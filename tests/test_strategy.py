@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,18 +23,6 @@ from lightning.pytorch.strategies import (
 from multirank import world
 
 from lightning_vit_balance.lightning.strategy import dp_group_from_strategy
-
-
-@pytest.fixture
-def one_rank_world(tmp_path: Path) -> Iterator[None]:
-    """A real one-rank gloo default group (file-store rendezvous, no ports)."""
-    assert not dist.is_initialized()
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=20))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_single_device_means_no_balancing() -> None:
@@ -99,7 +84,6 @@ def test_deepspeed_without_deepspeed_installed() -> None:
     # An engine that does not say: Lightning's DeepSpeed has no model parallelism, all ranks are DP.
     fabric_strategy._deepspeed_engine = object()
     assert dp_group_from_strategy(fabric_strategy) is dist.group.WORLD
-
 
 
 def test_unknown_strategy_names_itself_and_the_way_out() -> None:

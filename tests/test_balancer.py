@@ -424,3 +424,38 @@ def test_dropped_outputs_do_not_travel(multirank: Any) -> None:
     with multirank(POOL) as w:
         per_rank = w.run(_drop_checks, 2)[:2]
     assert all(dropped < full for full, dropped in per_rank), per_rank
+
+
+def _inference_mode_call() -> dict[str, Any]:
+    """Balanced call under torch.no_grad() (validation): same values, nothing kept for autograd."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    vit = towers.WindowTower()
+    grids = [[(1, 8, 8), (1, 8, 8), (2, 4, 4)], [(1, 2, 2)], [], [(1, 4, 4)]][rank]
+    pixels, grid = towers.make_batch(grids, seed=rank)
+    balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0))
+    with torch.no_grad():
+        balanced = balancer(vit, pixels, grid)
+        reference = vit(pixels, grid) if grids else None
+    stats = balancer.last_stats
+    assert stats is not None
+    flat = [balanced[0], balanced[1], *balanced[2]]
+    if reference is not None:
+        # Same ops on the same rows in a batch of another size: fp32 agrees to a few ulps.
+        for got, want in zip(flat, [reference[0], reference[1], *reference[2]]):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    return {
+        "applied": stats.applied,
+        "collectives": stats.collectives,
+        "requires_grad": any(t.requires_grad for t in flat),
+        "rows": int(balanced[0].shape[0]),
+    }
+
+
+def test_balanced_call_under_no_grad(multirank: Any) -> None:
+    """Validation and inference run under no_grad: the round trip still restores every output."""
+    with multirank(POOL) as w:
+        per_rank = w.run(_inference_mode_call)
+    assert all(r["applied"] and r["collectives"] == 3 for r in per_rank), per_rank
+    assert not any(r["requires_grad"] for r in per_rank)
+    assert per_rank[2]["rows"] == 0  # the rank without images gets zero rows of each output

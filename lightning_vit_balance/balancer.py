@@ -120,25 +120,22 @@ def _dtype_code(dtype: torch.dtype) -> int:
     return DTYPES.index(dtype) if dtype in DTYPES else -1
 
 
-@dataclass(frozen=True)
-class _LocalInput:
-    status: int
-    details: tuple[int, ...]
-    grids: tuple[tuple[int, int, int], ...]
-    channels: int
-    dtype_code: int
-    requires_grad: bool
-
-
-def _validate(pixel_values: Any, grid_thw: Any, merge_size: int, group: Any) -> _LocalInput:
+def _validate(pixel_values: Any, grid_thw: Any, merge_size: int, group: Any) -> RankMetadata:
     """Check this rank's input without communicating; the result travels in the metadata gather."""
 
-    def bad(problem: InputProblem, *details: int) -> _LocalInput:
+    def bad(problem: InputProblem, *details: int) -> RankMetadata:
         channels = 0
         dtype_code = -1
         if isinstance(pixel_values, torch.Tensor) and pixel_values.dim() == 2:
             channels, dtype_code = int(pixel_values.shape[1]), _dtype_code(pixel_values.dtype)
-        return _LocalInput(int(problem), tuple(int(d) for d in details), (), channels, dtype_code, False)
+        return RankMetadata(
+            status=int(problem),
+            details=tuple(int(d) for d in details),
+            channels=channels,
+            dtype_code=dtype_code,
+            requires_grad=False,
+            grids=(),
+        )
 
     if not isinstance(grid_thw, torch.Tensor):
         return bad(InputProblem.GRID_NOT_TENSOR)
@@ -167,13 +164,13 @@ def _validate(pixel_values: Any, grid_thw: Any, merge_size: int, group: Any) -> 
     for i, (_, h, w) in enumerate(grids):
         if h % merge_size or w % merge_size:
             return bad(InputProblem.NOT_DIVISIBLE, i, h, w, merge_size)
-    return _LocalInput(
-        0,
-        (),
-        grids,
-        int(pixel_values.shape[1]),
-        _dtype_code(pixel_values.dtype),
-        bool(pixel_values.requires_grad),
+    return RankMetadata(
+        status=0,
+        details=(),
+        channels=int(pixel_values.shape[1]),
+        dtype_code=_dtype_code(pixel_values.dtype),
+        requires_grad=bool(pixel_values.requires_grad),
+        grids=grids,
     )
 
 
@@ -381,12 +378,7 @@ class ViTBalancer:
 
         started = time.perf_counter()
         metadata, collectives = gather_metadata(
-            local.status,
-            local.details,
-            local.channels,
-            local.dtype_code,
-            local.requires_grad,
-            local.grids,
+            local,
             capacity=self.config.gather_capacity,
             device=device,
             group=group,

@@ -208,12 +208,7 @@ def device_problem(group: Any, device: torch.device) -> tuple[int, ...] | None:
 
 
 def gather_metadata(
-    status: int,
-    details: Sequence[int],
-    channels: int,
-    dtype_code: int,
-    requires_grad: bool,
-    grids: Sequence[Sequence[int]],
+    local: RankMetadata,
     *,
     capacity: int,
     device: torch.device,
@@ -225,23 +220,28 @@ def gather_metadata(
     than ``capacity`` images, one more all_gather sized to the largest image count.
 
     Args:
-        status: This rank's :class:`InputProblem` code.
-        details: Up to four integers describing the problem.
-        channels: ``C`` of this rank's ``pixel_values`` (0 if unknown).
-        dtype_code: Index of its dtype in :data:`DTYPES` (-1 if unknown).
-        requires_grad: Whether this rank's ``pixel_values`` requires grad.
-        grids: This rank's ``(T, H, W)`` rows (empty when ``status`` is not OK).
+        local: This rank's metadata, as validated locally (``grids`` empty when ``status`` is
+            not OK; up to four ``details``).
         capacity: Grid rows per rank carried by the first all_gather.
         device: Where to put the buffers (see :func:`collective_device`).
         group: The process group.
 
     Returns:
-        Every rank's metadata in rank order, and the number of collectives issued (1 or 2).
+        Every rank's metadata in rank order (``details`` padded to four), and the number of
+        collectives issued (1 or 2).
     """
     world = dist.get_world_size(group)
-    detail_values = [int(v) for v in details][:_NUM_DETAILS]
+    grids = local.grids
+    detail_values = [int(v) for v in local.details][:_NUM_DETAILS]
     detail_values += [0] * (_NUM_DETAILS - len(detail_values))
-    header = [int(status), len(grids), int(channels), int(dtype_code), int(requires_grad), *detail_values]
+    header = [
+        int(local.status),
+        len(grids),
+        int(local.channels),
+        int(local.dtype_code),
+        int(local.requires_grad),
+        *detail_values,
+    ]
     flat_grids = [int(v) for row in grids for v in row]
     first = torch.zeros(_HEADER_LEN + 3 * capacity, dtype=torch.int64)
     first[:_HEADER_LEN] = torch.tensor(header, dtype=torch.int64)

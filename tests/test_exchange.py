@@ -13,6 +13,7 @@ from lightning_vit_balance.exchange import (
     DTYPES,
     ExchangeRoute,
     InputProblem,
+    RankMetadata,
     all_to_all,
     collective_device,
     describe_problem,
@@ -79,13 +80,16 @@ def _gather_checks(n: int) -> list[Any] | None:
     grids = [(1 + rank, 2 * (i + 1), 4) for i in range(rank + 1)]  # rank r has r+1 images
     out = []
     for capacity in (64, 2):
+        local = RankMetadata(
+            status=InputProblem.PIXEL_ROWS if rank == 1 else InputProblem.OK,
+            details=(7, 9) if rank == 1 else (),
+            channels=12 + rank,
+            dtype_code=DTYPES.index(torch.bfloat16),
+            requires_grad=rank == 0,
+            grids=() if rank == 1 else tuple(grids),
+        )
         metadata, collectives = gather_metadata(
-            InputProblem.PIXEL_ROWS if rank == 1 else InputProblem.OK,
-            (7, 9) if rank == 1 else (),
-            12 + rank,
-            DTYPES.index(torch.bfloat16),
-            rank == 0,
-            [] if rank == 1 else grids,
+            local,
             capacity=capacity,
             device=collective_device(group, torch.device("cpu")),
             group=group,

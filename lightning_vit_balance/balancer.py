@@ -411,7 +411,15 @@ class ViTBalancer:
             collectives += trip_collectives
             exchange_seconds += time.perf_counter() - started - encode_seconds
 
-        self._record(plan, rank, bytes_sent, bytes_received, plan_seconds, exchange_seconds, collectives)
+        self._record(
+            plan,
+            rank,
+            bytes_sent=bytes_sent,
+            bytes_received=bytes_received,
+            plan_seconds=plan_seconds,
+            exchange_seconds=exchange_seconds,
+            collectives=collectives,
+        )
         return output
 
     def _run_vit(
@@ -699,19 +707,24 @@ class ViTBalancer:
         self,
         plan: RebalancePlan,
         rank: int,
-        bytes_sent: int,
-        bytes_received: int,
-        plan_seconds: float,
-        exchange_seconds: float,
-        collectives: int,
+        *,
+        num_ranks: int | None = None,
+        reason: str | None = None,
+        bytes_sent: int = 0,
+        bytes_received: int = 0,
+        plan_seconds: float = 0.0,
+        exchange_seconds: float = 0.0,
+        collectives: int = 0,
     ) -> None:
+        """Keep ``plan``'s figures as :attr:`last_stats`; ``num_ranks`` and ``reason`` override the
+        plan's for calls that planned over this rank alone."""
         if plan.applied:
             self.applied_calls += 1
         self.last_stats = BalanceStats(
             applied=plan.applied,
-            reason=plan.reason,
+            reason=reason if reason is not None else plan.reason,
             rank=rank,
-            num_ranks=plan.num_ranks,
+            num_ranks=num_ranks if num_ranks is not None else plan.num_ranks,
             loads_before=plan.loads_before,
             loads_after=plan.loads_after,
             imbalance_before=plan.imbalance_before,
@@ -734,27 +747,8 @@ class ViTBalancer:
             counts = tuple(int(t) * int(h) * int(w) for t, h, w in grid_thw.tolist())
         if any(n <= 0 for n in counts):
             counts = ()
-        plan = plan_rebalance([counts], self.config)
-        self.last_stats = BalanceStats(
-            applied=False,
-            reason=reason,
-            rank=rank,
-            num_ranks=world,
-            loads_before=plan.loads_before,
-            loads_after=plan.loads_after,
-            imbalance_before=0.0,
-            imbalance_after=0.0,
-            num_images=len(counts),
-            moved_images=0,
-            moved_patches=0,
-            total_patches=sum(counts),
-            bytes_sent=0,
-            bytes_received=0,
-            plan_seconds=0.0,
-            exchange_seconds=0.0,
-            collectives=0,
-        )
-        self._report()
+        # A one-rank plan gives this rank's load, imbalance 0 and nothing moved.
+        self._record(plan_rebalance([counts], self.config), rank, num_ranks=world, reason=reason)
 
     def _report(self) -> None:
         stats = self.last_stats

@@ -1,145 +1,71 @@
-"""All torch.distributed communication of the balancer: the metadata gather and all_to_all trips.
+"""All torch.distributed communication of the balancer, and the values that size it.
 
-One balanced ViT call talks to the other ranks at most three times (gather, forward trip, return
-trip); a skipped call once (the gather). Everything the trips need (split sizes, the order of
-images in the balanced batch) is derived from the gathered grid rows and the
+One applied balanced call talks to the other ranks four times: the metadata gather, the forward
+(pixel) trip, a tiny status gather after the ViT, and the return trip; a skipped call once (the
+gather). Everything the trips need (split sizes, the order of images in the balanced batch, where
+each output row goes) is derived from the gathered grid rows and the
 :class:`~lightning_vit_balance.planning.RebalancePlan`, which every rank computes identically, so
-no sizes are exchanged in between.
+no sizes are exchanged in between. The pieces:
 
-The metadata gather doubles as the error channel: each rank validates its own input first and
-puts a status code and a few integers of detail in its header, so that bad input on one rank
-raises the same ``ValueError`` on every rank instead of leaving the others waiting in a collective.
+* :func:`gather_metadata`: every rank's grid rows, input status and configuration fingerprint.
+* :func:`all_to_all`: the autograd-aware exchange both trips use.
+* :class:`ExchangeRoute` / :class:`ReturnLayout`: pure values saying what goes where, each way.
+* The wire codec (:func:`transit_dtype`, :func:`pack_rows`, :func:`unpack_rows`): several outputs
+  of several dtypes in one buffer, exactly.
+* :func:`exchange_status`: after the ViT, every rank learns whether any rank's ViT raised or made
+  outputs that do not fit, before anything waits on those outputs.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import IntEnum
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_vit_balance.planning import RebalancePlan
+from lightning_vit_balance.problems import DEVICE_TYPES, MAX_DETAILS, InputProblem
 
 __all__ = [
-    "DTYPES",
-    "HEADER_FIELDS",
+    "GATHER_CAPACITY",
     "ExchangeRoute",
-    "InputProblem",
+    "LeafSignature",
     "RankMetadata",
+    "ReturnLayout",
+    "StatusReport",
+    "ViTStatus",
     "all_to_all",
     "collective_device",
-    "describe_problem",
     "device_problem",
+    "elements_per_row",
+    "exchange_status",
     "gather_metadata",
+    "host_device",
+    "pack_rows",
+    "row_slices",
+    "rows_per_image",
+    "take_rows",
+    "transit_dtype",
+    "unpack_rows",
 ]
 
-#: Floating and integer dtypes a rank can report in its header, by code (index in this tuple).
-DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-)
-
-#: Layout of the int64 header each rank contributes to the metadata gather; grid rows follow it.
-HEADER_FIELDS: tuple[str, ...] = (
-    "status",
-    "num_images",
-    "channels",
-    "dtype_code",
-    "requires_grad",
-    "detail0",
-    "detail1",
-    "detail2",
-    "detail3",
-)
-_HEADER_LEN = len(HEADER_FIELDS)
-_NUM_DETAILS = 4
-_DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "meta", "other")
-
-
-class InputProblem(IntEnum):
-    """Status codes of a rank's input, carried in the metadata gather (0 = valid)."""
-
-    OK = 0
-    GRID_NOT_TENSOR = 1
-    GRID_SHAPE = 2
-    GRID_DTYPE = 3
-    GRID_VALUE = 4
-    PIXELS_NOT_TENSOR = 5
-    PIXELS_SHAPE = 6
-    PIXELS_DTYPE = 7
-    PIXEL_ROWS = 8
-    NOT_DIVISIBLE = 9
-    DEVICE = 10
-    CHANNELS_MISMATCH = 11
-    DTYPE_MISMATCH = 12
-
-
-def _dtype_name(code: int) -> str:
-    return str(DTYPES[code]) if 0 <= code < len(DTYPES) else "an unsupported dtype"
-
-
-def _device_name(code: int) -> str:
-    return _DEVICE_TYPES[code] if 0 <= code < len(_DEVICE_TYPES) else "unknown"
-
-
-def describe_problem(code: int, details: Sequence[int]) -> str:
-    """Human-readable text of a status code and its details; the same string on every rank."""
-    d = list(details) + [0] * (_NUM_DETAILS - len(details))
-    problem = InputProblem(code)
-    if problem is InputProblem.GRID_NOT_TENSOR:
-        return "grid_thw is not a torch.Tensor: expected an integer tensor of shape [n_images, 3]"
-    if problem is InputProblem.GRID_SHAPE:
-        shape = [s for s in d[1 : 1 + d[0]]] if 0 <= d[0] <= 3 else []
-        more = "" if d[0] <= 3 else f" ({d[0]} dims)"
-        return f"grid_thw has shape {tuple(shape)}{more}: expected [n_images, 3]"
-    if problem is InputProblem.GRID_DTYPE:
-        return f"grid_thw has dtype {_dtype_name(d[0])}: expected an integer dtype (int32 or int64)"
-    if problem is InputProblem.GRID_VALUE:
-        return (
-            f"grid_thw[{d[0]}] = {[d[1], d[2], d[3]]}: expected positive integers (T, H, W) for every image"
-        )
-    if problem is InputProblem.PIXELS_NOT_TENSOR:
-        return "pixel_values is not a torch.Tensor: expected a float tensor of shape [sum(T*H*W), C]"
-    if problem is InputProblem.PIXELS_SHAPE:
-        return f"pixel_values has {d[0]} dims: expected a 2-D tensor [sum(T*H*W), C]"
-    if problem is InputProblem.PIXELS_DTYPE:
-        return f"pixel_values has dtype {_dtype_name(d[0])}: expected a floating-point dtype"
-    if problem is InputProblem.PIXEL_ROWS:
-        return f"pixel_values has {d[0]} rows: expected sum(T*H*W) over grid_thw = {d[1]}"
-    if problem is InputProblem.NOT_DIVISIBLE:
-        return (
-            f"grid_thw[{d[0]}] has H={d[1]}, W={d[2]}: expected both divisible by the ViT's "
-            f"spatial merge size {d[3]}"
-        )
-    if problem is InputProblem.DEVICE:
-        if d[0] == d[1]:
-            return (
-                f"pixel_values is on {_device_name(d[0])}:{d[2]}: expected the current device "
-                f"{_device_name(d[0])}:{d[3]}, which the process group's backend communicates on"
-            )
-        return (
-            f"pixel_values is on a {_device_name(d[0])} device: the process group's backend "
-            f"carries {_device_name(d[1])} tensors"
-        )
-    if problem is InputProblem.CHANNELS_MISMATCH:
-        return f"pixel_values has C={d[0]} channels while rank {d[1]} has C={d[2]}: expected the same C"
-    if problem is InputProblem.DTYPE_MISMATCH:
-        return (
-            f"pixel_values has dtype {_dtype_name(d[0])} while rank {d[1]} has {_dtype_name(d[2])}: "
-            "expected the same dtype on every rank with images"
-        )
-    return "valid input"
+#: Grid rows per rank the metadata gather carries; a rank with more costs one more gather. A package
+#: constant, not a setting: ranks whose settings differ must still meet in a gather of one size, to
+#: learn that they differ.
+GATHER_CAPACITY = 64
+#: Fixed header fields before the fingerprint and the grid rows in each rank's gather row.
+_HEADER_FIELDS = ("status", "num_images", "channels", "dtype_code", "requires_grad", "vit_us")
+_DETAILS_AT = len(_HEADER_FIELDS)
+_FINGERPRINT_AT = _DETAILS_AT + MAX_DETAILS
+#: Bytes of one rank's detailed status, gathered only when some rank's ViT failed.
+_DETAIL_BYTES = 2048
+_MESSAGE_CHARS = 600
 
 
 @dataclass(frozen=True)
@@ -147,12 +73,15 @@ class RankMetadata:
     """What the metadata gather says about one rank's input.
 
     Attributes:
-        status: An :class:`InputProblem` code, 0 when the input is valid.
-        details: Integers describing the problem (see :func:`describe_problem`).
+        status: An :class:`~lightning_vit_balance.problems.InputProblem` code, 0 when valid.
+        details: The problem's detail integers (see :data:`~lightning_vit_balance.problems.PROBLEMS`).
         channels: ``C`` of ``pixel_values``.
-        dtype_code: Index of ``pixel_values.dtype`` in :data:`DTYPES` (-1: not a listed dtype).
+        dtype_code: Index of ``pixel_values.dtype`` in ``DTYPES`` (-1: not a listed dtype).
         requires_grad: Whether ``pixel_values`` requires grad.
         grids: ``(T, H, W)`` of every image, in the rank's order (empty when the input is invalid).
+        fingerprint: One integer per setting that shapes the plan or the exchange (see
+            ``ViTBalanceConfig.fingerprint``); every rank must send the same.
+        vit_us: Microseconds this rank's ViT took in its previous applied call (-1: none yet).
     """
 
     status: int
@@ -161,11 +90,21 @@ class RankMetadata:
     dtype_code: int
     requires_grad: bool
     grids: tuple[tuple[int, int, int], ...]
+    fingerprint: tuple[int, ...] = ()
+    vit_us: int = -1
 
-    @property
+    @cached_property
     def patch_counts(self) -> tuple[int, ...]:
-        """``T*H*W`` of every image."""
+        """``T*H*W`` of every image (computed once: the balancer reads it per arriving image)."""
         return tuple(t * h * w for t, h, w in self.grids)
+
+
+def rows_per_image(kind: str, patch_count: int, merge_size: int) -> int:
+    """Rows an image of ``patch_count`` patches has in an output of ``kind`` ("patch" or "merged")."""
+    return patch_count if kind == "patch" else patch_count // (merge_size * merge_size)
+
+
+# -- devices --------------------------------------------------------------------------------------
 
 
 def _backend_device_type(group: Any) -> str | None:
@@ -195,29 +134,77 @@ def collective_device(group: Any, preferred: torch.device | None) -> torch.devic
     return torch.device("cpu")
 
 
+def host_device(group: Any) -> torch.device:
+    """Where small host-side values (status words) travel: CPU unless the backend carries only CUDA."""
+    if _backend_device_type(group) == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def device_problem(group: Any, device: torch.device) -> tuple[int, ...] | None:
-    """Details for :attr:`InputProblem.DEVICE` when ``device`` cannot be exchanged, else None."""
+    """Detail integers of a device problem when ``device`` cannot be exchanged, else None.
+
+    The details are ``(have_device, want_device, have_index, want_index)``.
+    """
     wanted = _backend_device_type(group)
-    code = _DEVICE_TYPES.index(device.type) if device.type in _DEVICE_TYPES else 3
+    code = DEVICE_TYPES.index(device.type) if device.type in DEVICE_TYPES else 3
     if device.type == "meta" or (wanted is not None and device.type != wanted):
-        wanted_code = _DEVICE_TYPES.index(wanted) if wanted in _DEVICE_TYPES else 3
-        return (code, wanted_code)
+        wanted_code = DEVICE_TYPES.index(wanted) if wanted in DEVICE_TYPES else 3
+        return (code, wanted_code, 0, 0)
     if wanted == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         return (code, code, device.index, torch.cuda.current_device())
     return None
 
 
+# -- the metadata gather --------------------------------------------------------------------------
+
+
+def _gather_row(local: RankMetadata, capacity: int) -> torch.Tensor:
+    details = [int(v) for v in local.details][:MAX_DETAILS]
+    details += [0] * (MAX_DETAILS - len(details))
+    header = [
+        int(local.status),
+        len(local.grids),
+        int(local.channels),
+        int(local.dtype_code),
+        int(local.requires_grad),
+        int(local.vit_us),
+        *details,
+        *(int(v) for v in local.fingerprint),
+    ]
+    row = torch.zeros(len(header) + 3 * capacity, dtype=torch.int64)
+    row[: len(header)] = torch.tensor(header, dtype=torch.int64)
+    carried = min(len(local.grids), capacity)
+    if carried:
+        row[len(header) : len(header) + 3 * carried] = torch.tensor(local.grids[:carried]).reshape(-1)
+    return row
+
+
+def _all_gather_rows(row: torch.Tensor, device: torch.device, group: Any) -> list[list[int]]:
+    world = dist.get_world_size(group)
+    row = row.to(device)
+    gathered = [torch.empty_like(row) for _ in range(world)]
+    dist.all_gather(gathered, row, group=group)
+    return torch.stack(gathered).cpu().tolist()
+
+
+def _grids_of(values: Sequence[int], count: int) -> tuple[tuple[int, int, int], ...]:
+    it = iter(values[: 3 * count])
+    return tuple(zip(it, it, it))
+
+
 def gather_metadata(
     local: RankMetadata,
     *,
-    capacity: int,
+    capacity: int = GATHER_CAPACITY,
     device: torch.device,
     group: Any,
 ) -> tuple[tuple[RankMetadata, ...], int]:
-    """All-gather every rank's header and grid rows.
+    """All-gather every rank's header, fingerprint and grid rows.
 
-    One all_gather of ``HEADER + capacity * 3`` int64 values per rank; when some rank has more
-    than ``capacity`` images, one more all_gather sized to the largest image count.
+    One all_gather of ``header + fingerprint + capacity * 3`` int64 values per rank; when some rank
+    has more than ``capacity`` images, one more all_gather sized to the largest image count. Every
+    rank must pass the same ``capacity`` and a fingerprint of the same length.
 
     Args:
         local: This rank's metadata, as validated locally (``grids`` empty when ``status`` is
@@ -230,57 +217,36 @@ def gather_metadata(
         Every rank's metadata in rank order (``details`` padded to four), and the number of
         collectives issued (1 or 2).
     """
-    world = dist.get_world_size(group)
-    grids = local.grids
-    detail_values = [int(v) for v in local.details][:_NUM_DETAILS]
-    detail_values += [0] * (_NUM_DETAILS - len(detail_values))
-    header = [
-        int(local.status),
-        len(grids),
-        int(local.channels),
-        int(local.dtype_code),
-        int(local.requires_grad),
-        *detail_values,
-    ]
-    flat_grids = [int(v) for row in grids for v in row]
-    first = torch.zeros(_HEADER_LEN + 3 * capacity, dtype=torch.int64)
-    first[:_HEADER_LEN] = torch.tensor(header, dtype=torch.int64)
-    carried = min(len(grids), capacity)
-    if carried:
-        first[_HEADER_LEN : _HEADER_LEN + 3 * carried] = torch.tensor(flat_grids[: 3 * carried])
-    first = first.to(device)
-    gathered = [torch.empty_like(first) for _ in range(world)]
-    dist.all_gather(gathered, first, group=group)
-    rows = torch.stack(gathered).cpu().tolist()
-    collectives = 1
+    rows = _all_gather_rows(_gather_row(local, capacity), device, group)
+    grids_at = _FINGERPRINT_AT + len(local.fingerprint)
     counts = [row[1] for row in rows]
+    collectives = 1
     if max(counts) > capacity:
         # Rare: some rank has more images than the first gather carries; gather them all once more.
-        largest = max(counts)
-        second = torch.zeros(3 * largest, dtype=torch.int64)
-        if flat_grids:
-            second[: len(flat_grids)] = torch.tensor(flat_grids)
-        second = second.to(device)
-        more = [torch.empty_like(second) for _ in range(world)]
-        dist.all_gather(more, second, group=group)
-        grid_values = [row for row in torch.stack(more).cpu().tolist()]
+        second = torch.zeros(3 * max(counts), dtype=torch.int64)
+        if local.grids:
+            second[: 3 * len(local.grids)] = torch.tensor(local.grids).reshape(-1)
+        grid_values = _all_gather_rows(second, device, group)
         collectives += 1
     else:
-        grid_values = [row[_HEADER_LEN:] for row in rows]
-    metadata = []
-    for row, values in zip(rows, grid_values):
-        n = row[1] if row[0] == InputProblem.OK else 0
-        metadata.append(
-            RankMetadata(
-                status=row[0],
-                details=tuple(row[5 : 5 + _NUM_DETAILS]),
-                channels=row[2],
-                dtype_code=row[3],
-                requires_grad=bool(row[4]),
-                grids=tuple((values[3 * i], values[3 * i + 1], values[3 * i + 2]) for i in range(n)),
-            )
+        grid_values = [row[grids_at:] for row in rows]
+    metadata = tuple(
+        RankMetadata(
+            status=row[0],
+            details=tuple(row[_DETAILS_AT:_FINGERPRINT_AT]),
+            channels=row[2],
+            dtype_code=row[3],
+            requires_grad=bool(row[4]),
+            grids=_grids_of(values, row[1] if row[0] == InputProblem.OK else 0),
+            fingerprint=tuple(row[_FINGERPRINT_AT:grids_at]),
+            vit_us=row[5],
         )
-    return tuple(metadata), collectives
+        for row, values in zip(rows, grid_values)
+    )
+    return metadata, collectives
+
+
+# -- the autograd all_to_all ----------------------------------------------------------------------
 
 
 class _AllToAllFunction(torch.autograd.Function):
@@ -349,6 +315,9 @@ def all_to_all(
     return _AllToAllFunction.apply(tensor, send, receive, group)
 
 
+# -- routes: what goes where, each way ------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class ExchangeRoute:
     """Where this rank's images go and which images it encodes, from a plan.
@@ -381,3 +350,287 @@ class ExchangeRoute:
             send_patches=plan.send_patches(rank),
             receive_patches=plan.receive_patches(rank),
         )
+
+
+def row_slices(counts: Sequence[int], order: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Rows ``[a, b)`` of each item in ``order``; item ``i`` has ``counts[i]`` rows, stored in index order."""
+    offsets = [0]
+    for n in counts:
+        offsets.append(offsets[-1] + n)
+    return tuple((offsets[i], offsets[i + 1]) for i in order)
+
+
+def take_rows(tensor: torch.Tensor, slices: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Rows ``[a, b)`` of ``tensor`` for each slice, concatenated (a view when they are in order)."""
+    start = slices[0][0] if slices else 0
+    contiguous = all(a == (slices[k - 1][1] if k else start) for k, (a, _) in enumerate(slices))
+    if contiguous:
+        return tensor[start : slices[-1][1] if slices else start]
+    return torch.cat([tensor[a:b] for a, b in slices])
+
+
+@dataclass(frozen=True)
+class ReturnLayout:
+    """Where each row of the token-aligned outputs goes on the return trip. A pure value.
+
+    The return buffer holds, for each home rank in rank order, each token output's rows of that
+    home's images (consecutive in the balanced batch), packed in the transit dtype.
+
+    Attributes:
+        send_rows: ``send_rows[home][k]``: rows ``[a, b)`` of output ``k`` of the balanced batch that
+            belong to ``home``'s images.
+        send_splits: Transit elements sent to each home rank.
+        receive_rows: ``receive_rows[worker][k]``: rows of output ``k`` of this rank's images that
+            ``worker`` encoded.
+        receive_splits: Transit elements received from each worker rank.
+        restore: ``restore[k]``: row slices of the received rows of output ``k`` that put this rank's
+            images back in their original order; ``None`` when they already are.
+    """
+
+    send_rows: tuple[tuple[tuple[int, int], ...], ...]
+    send_splits: tuple[int, ...]
+    receive_rows: tuple[tuple[int, ...], ...]
+    receive_splits: tuple[int, ...]
+    restore: tuple[tuple[tuple[int, int], ...], ...] | None
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan: RebalancePlan,
+        rank: int,
+        kinds: Sequence[str],
+        merge_size: int,
+        row_elements: Sequence[int],
+    ) -> ReturnLayout:
+        """The layout for this rank under ``plan``.
+
+        Args:
+            plan: The applied plan.
+            rank: This rank.
+            kinds: ``"patch"`` or ``"merged"`` for each token-aligned output, in output order.
+            merge_size: The ViT's spatial merge size.
+            row_elements: Transit elements one row of each output takes (see :func:`elements_per_row`).
+        """
+        route = ExchangeRoute.from_plan(plan, rank)
+        send_rows = _send_rows(plan, route, kinds, merge_size)
+        send_splits = tuple(
+            sum((b - a) * e for (a, b), e in zip(ranges, row_elements)) for ranges in send_rows
+        )
+        mine = plan.patch_counts[rank]
+        rows_from = [[0] * len(kinds) for _ in range(plan.num_ranks)]
+        for i, worker in enumerate(route.destinations):
+            for k, kind in enumerate(kinds):
+                rows_from[worker][k] += rows_per_image(kind, mine[i], merge_size)
+        receive_rows = tuple(tuple(rows) for rows in rows_from)
+        receive_splits = tuple(sum(r * e for r, e in zip(rows, row_elements)) for rows in receive_rows)
+        restore = None
+        if list(route.send_order) != sorted(route.send_order):
+            position = {image: p for p, image in enumerate(route.send_order)}
+            inverse = [position[i] for i in range(len(mine))]
+            restore = tuple(
+                row_slices([rows_per_image(kind, mine[i], merge_size) for i in route.send_order], inverse)
+                for kind in kinds
+            )
+        return cls(send_rows, send_splits, receive_rows, receive_splits, restore)
+
+
+def _send_rows(
+    plan: RebalancePlan, route: ExchangeRoute, kinds: Sequence[str], merge_size: int
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """``[home][k] -> (a, b)``: the balanced batch's rows of output ``k`` from each home rank."""
+    counts = [plan.patch_counts[src][i] for src, i in route.arrivals]
+    offsets = {kind: [0] for kind in set(kinds)}
+    for n in counts:
+        for kind, acc in offsets.items():
+            acc.append(acc[-1] + rows_per_image(kind, n, merge_size))
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for position, (src, _) in enumerate(route.arrivals):
+        first.setdefault(src, position)
+        last[src] = position + 1
+    return tuple(
+        tuple(
+            (offsets[kind][first[home]], offsets[kind][last[home]]) if home in first else (0, 0)
+            for kind in kinds
+        )
+        for home in range(plan.num_ranks)
+    )
+
+
+# -- the wire codec -------------------------------------------------------------------------------
+
+
+def transit_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """Dtype of the return-trip buffer: the common floating dtype of the outputs (widening casts
+    only, so the trip is exact), or the common integer dtype when no output is floating."""
+    floating = [d for d in dtypes if d.is_floating_point or d.is_complex]
+    chosen = floating if floating else [d for d in dtypes if d != torch.bool] or [torch.uint8]
+    common = chosen[0]
+    for dtype in chosen[1:]:
+        common = torch.promote_types(common, dtype)
+    if common.is_floating_point and common.itemsize < 2:
+        common = torch.float16  # float8 values are exact in float16
+    return common
+
+
+def _integer_carrier(dtype: torch.dtype, transit: torch.dtype) -> torch.dtype:
+    """An integer dtype holding ``dtype`` exactly, at least as wide as ``transit``."""
+    size = max(dtype.itemsize, transit.itemsize)
+    if dtype.itemsize == size and dtype != torch.bool:
+        return dtype
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+
+
+def elements_per_row(leaf: torch.Tensor, transit: torch.dtype) -> int:
+    """Transit elements one row of ``leaf`` takes (integers travel bit-for-bit, see :func:`pack_rows`)."""
+    per_value = 1
+    if not (leaf.is_floating_point() or leaf.is_complex()):
+        per_value = _integer_carrier(leaf.dtype, transit).itemsize // transit.itemsize
+    return math.prod(leaf.shape[1:]) * per_value
+
+
+def pack_rows(rows: torch.Tensor, transit: torch.dtype) -> torch.Tensor:
+    """Rows of an output as 1-D ``transit`` values, exactly.
+
+    Floating outputs are cast (widening only, see :func:`transit_dtype`). Integer outputs, which
+    carry no gradient, are reinterpreted bit for bit through an integer carrier as wide as the
+    transit dtype, so they share the one buffer instead of costing a collective of their own.
+    """
+    if rows.is_floating_point() or rows.is_complex():
+        return rows.reshape(-1).to(transit)
+    if not (transit.is_floating_point or transit.is_complex) and rows.dtype == transit:
+        return rows.reshape(-1)
+    carrier = _integer_carrier(rows.dtype, transit)
+    return rows.detach().to(carrier).contiguous().view(transit).reshape(-1)
+
+
+def unpack_rows(chunk: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_rows`: ``[rows, *like.shape[1:]]`` in ``like.dtype``."""
+    shape = (rows, *like.shape[1:])
+    if like.is_floating_point() or like.is_complex():
+        return chunk.view(shape).to(like.dtype)
+    if not (chunk.is_floating_point() or chunk.is_complex()) and chunk.dtype == like.dtype:
+        return chunk.detach().view(shape)
+    carrier = _integer_carrier(like.dtype, chunk.dtype)
+    # A fresh copy: the chunk's offset in the buffer need not be aligned for the wider carrier.
+    return chunk.detach().clone().view(carrier).view(shape).to(like.dtype)
+
+
+# -- the status gather after the ViT --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LeafSignature:
+    """One token-aligned output of a rank's ViT forward, as the return trip needs to know it.
+
+    Attributes:
+        path: The output's path (``"0"``, ``"deepstack_features.1"``).
+        kind: ``"patch"`` or ``"merged"`` (the nearest kind when ``problem`` is set).
+        dtype: ``str(dtype)``.
+        trailing: Shape after the row dimension.
+        rows: Rows the output had.
+        expected: Rows its kind needs for the batch.
+        problem: 0, or the output problem code (rows that fit no kind).
+    """
+
+    path: str
+    kind: str
+    dtype: str
+    trailing: tuple[int, ...]
+    rows: int = field(default=0, compare=False)
+    expected: int = field(default=0, compare=False)
+    problem: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class ViTStatus:
+    """How one rank's ViT forward went, gathered from every rank before the return trip.
+
+    Attributes:
+        error: ``"<ExceptionType>: <message>"`` when the ViT raised on this rank, else ``""``.
+        leaves: The token-aligned outputs, in output order (empty when the ViT raised).
+    """
+
+    error: str = ""
+    leaves: tuple[LeafSignature, ...] = ()
+
+    @property
+    def flag(self) -> int:
+        """0: fine; 1: the ViT raised; 2: an output's rows fit no kind."""
+        if self.error:
+            return 1
+        return 2 if any(leaf.problem for leaf in self.leaves) else 0
+
+    def digest(self) -> int:
+        """A 62-bit integer of the outputs' paths, kinds, dtypes and trailing shapes (not their rows)."""
+        text = json.dumps([[x.path, x.kind, x.dtype, list(x.trailing)] for x in self.leaves])
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+    def encode(self) -> bytes:
+        """A compact UTF-8 form of at most ``_DETAIL_BYTES`` bytes (the message is cut to fit)."""
+        leaves = [
+            [x.path, x.kind, x.dtype, list(x.trailing), x.rows, x.expected, x.problem] for x in self.leaves
+        ]
+        for limit in (_MESSAGE_CHARS, 120, 0):
+            data = json.dumps({"e": self.error[:limit], "l": leaves}, separators=(",", ":")).encode()
+            if len(data) <= _DETAIL_BYTES - 4:
+                return data
+        # Too many outputs to list: their digest alone still tells whether ranks agree.
+        return json.dumps({"e": self.error[:120], "l": [], "d": self.digest()}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> ViTStatus:
+        """The inverse of :meth:`encode` (a digest-only form decodes with no leaves)."""
+        value = json.loads(data.decode())
+        leaves = tuple(
+            LeafSignature(path, kind, dtype, tuple(trailing), rows, expected, problem)
+            for path, kind, dtype, trailing, rows, expected, problem in value["l"]
+        )
+        return cls(error=value["e"], leaves=leaves)
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    """What the status gather found.
+
+    Attributes:
+        consistent: Every rank's ViT ran and made outputs of the same kinds, dtypes and trailing
+            shapes, with rows that fit.
+        statuses: Every rank's full status, in rank order; gathered only when not ``consistent``.
+        collectives: Collectives issued (1, or 2 when the details were gathered).
+    """
+
+    consistent: bool
+    statuses: tuple[ViTStatus, ...]
+    collectives: int
+
+
+def _encode_detail(status: ViTStatus) -> torch.Tensor:
+    data = status.encode()
+    buffer = torch.zeros(_DETAIL_BYTES, dtype=torch.uint8)
+    buffer[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)
+    buffer[4 : 4 + len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    return buffer
+
+
+def _decode_detail(values: Sequence[int]) -> ViTStatus:
+    length = int.from_bytes(bytes(values[:4]), "little")
+    return ViTStatus.decode(bytes(values[4 : 4 + length]))
+
+
+def exchange_status(status: ViTStatus, group: Any) -> StatusReport:
+    """Gather every rank's :class:`ViTStatus` after the ViT forward, before the return trip.
+
+    One all_gather of three int64 per rank (flag, digest, output count) in the common case; when any
+    rank's ViT raised, made rows that fit no kind, or made outputs that differ from another rank's
+    (trailing shape, dtype: autocast on one rank only), a second all_gather brings every rank's
+    full status, so each can raise the same error. The buffers are host (CPU) tensors where the
+    backend carries them (gloo, or a ``"cpu:gloo,cuda:nccl"`` group), so no device sync happens.
+    """
+    device = host_device(group)
+    word = torch.tensor([status.flag, status.digest(), len(status.leaves)], dtype=torch.int64)
+    words = _all_gather_rows(word, device, group)
+    if all(w == [0, words[0][1], words[0][2]] for w in words):
+        return StatusReport(True, (), 1)
+    details = _all_gather_rows(_encode_detail(status), device, group)
+    return StatusReport(False, tuple(_decode_detail(d) for d in details), 2)

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from lightning_vit_balance.exchange import rows_per_image
+
 __all__ = [
     "OUTPUT_KINDS",
     "Classification",
@@ -250,11 +252,6 @@ def classify_output(
     # Guess the nearest kind so the exchange stays consistent with ranks that did classify it.
     guess = "patch" if abs(rows - total_patches) <= abs(rows - merged_rows) else "merged"
     return Classification(guess, 1, rows, total_patches if guess == "patch" else merged_rows)
-
-
-def rows_per_image(kind: str, patch_count: int, merge_size: int) -> int:
-    """Rows an image of ``patch_count`` patches has in an output of ``kind`` ("patch" or "merged")."""
-    return patch_count if kind == "patch" else patch_count // (merge_size * merge_size)
 
 
 def describe_output_problem(path: str, problem: int, rows: int, expected: int, merge_size: int) -> str:

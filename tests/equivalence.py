@@ -22,7 +22,11 @@ from multirank import subgroup
 from lightning_vit_balance import ViTBalanceConfig, ViTBalancer
 from lightning_vit_balance.outputs import flatten_output
 
-__all__ = ["TOWERS", "CollectiveCounter", "probe_loss", "run_cases", "tolerances"]
+__all__ = ["APPLIED_COLLECTIVES", "TOWERS", "CollectiveCounter", "probe_loss", "run_cases", "tolerances"]
+
+#: Collectives of an applied balanced call in the forward pass: the metadata gather, the pixel trip,
+#: the status gather after the ViT and the return trip. A skipped call makes the gather alone.
+APPLIED_COLLECTIVES = 4
 
 TOWERS: dict[str, Callable[[], torch.nn.Module]] = {
     "tensor": towers.TensorTower,

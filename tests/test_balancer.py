@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import towers
-from equivalence import run_cases
+from equivalence import APPLIED_COLLECTIVES, run_cases
 from multirank import subgroup
 
 from lightning_vit_balance import BalanceStats, ViTBalanceConfig, ViTBalancer, balanced_encode
+from lightning_vit_balance.exchange import GATHER_CAPACITY
 
 THRESHOLD_0 = {"trigger_threshold": 0.0}
 POOL = 4
@@ -53,7 +54,7 @@ def _equivalence_suite(n: int) -> dict[str, Any]:
 
 def _check_collectives(results: list[dict[str, Any]]) -> None:
     for r in results:
-        expected = 3 if r["applied"] else 1
+        expected = APPLIED_COLLECTIVES if r["applied"] else 1
         assert r["collectives"] == expected and r["counted"] == expected, r
 
 
@@ -96,7 +97,7 @@ def _decisions(n: int) -> list[dict[str, Any]] | None:
 
 
 def test_plan_applied_and_skipped(multirank: Any) -> None:
-    """Default config: an unbalanced step is applied (3 collectives), a balanced one skipped (1)."""
+    """Default config: an unbalanced step is applied (4 collectives), a balanced one skipped (1)."""
     with multirank(POOL) as w:
         per_rank = w.run(_decisions, 3)[:3]
     for results in per_rank:
@@ -155,24 +156,26 @@ def _profiled(n: int) -> list[tuple[int, int, int]] | None:
 
 
 def test_collectives_measured_with_profiler(multirank: Any) -> None:
-    """gloo events per call: applied = gather + 2 all_to_all; skipped = gather; backward = the trips."""
+    """gloo events per call: applied = gather + 2 all_to_all + status; skipped = gather; backward = trips."""
     with multirank(POOL) as w:
         per_rank = w.run(_profiled, 2)[:2]
     for counts in per_rank:
-        assert counts == [(3, 1, 3), (1, 0, 1), (3, 2, 3), (1, 0, 1)], counts
+        assert counts == [(4, 1, 4), (1, 0, 1), (4, 2, 4), (1, 0, 1)], counts
 
 
 def _overflow() -> list[dict[str, Any]] | None:
-    cases = [{"grids": [[(1, 4, 4)] * 7, [(1, 2, 2)]]}, {"grids": [[(1, 2, 2)] * 2, [(1, 4, 4)]]}]
-    return run_cases(2, "tensor", cases, "float32", {**THRESHOLD_0, "gather_capacity": 3})
+    many = GATHER_CAPACITY + 3
+    cases = [{"grids": [[(1, 4, 4)] * many, [(1, 2, 2)]]}, {"grids": [[(1, 2, 2)] * 2, [(1, 4, 4)]]}]
+    return run_cases(2, "tensor", cases, "float32", THRESHOLD_0)
 
 
 def test_gather_capacity_overflow(multirank: Any) -> None:
-    """More images than gather_capacity on a rank costs exactly one extra all_gather."""
+    """More images than the gather carries on a rank costs exactly one extra all_gather."""
     with multirank(POOL) as w:
         per_rank = w.run(_overflow)[:2]
     for results in per_rank:
-        assert [r["collectives"] for r in results] == [4, 3 if results[1]["applied"] else 1]
+        second = APPLIED_COLLECTIVES if results[1]["applied"] else 1
+        assert [r["collectives"] for r in results] == [APPLIED_COLLECTIVES + 1, second]
         assert [r["counted"] for r in results] == [r["collectives"] for r in results]
 
 
@@ -337,9 +340,9 @@ def test_verbose_report(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_invalid_arguments() -> None:
-    with pytest.raises(ValueError, match="config="):
+    with pytest.raises(TypeError, match="config="):
         ViTBalancer(config={"enabled": True})  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="output_layout="):
+    with pytest.raises(TypeError, match="output_layout="):
         ViTBalancer(output_layout=["0"])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="kinds"):
         ViTBalancer(output_layout={"0": "pixels"})
@@ -456,6 +459,6 @@ def test_balanced_call_under_no_grad(multirank: Any) -> None:
     """Validation and inference run under no_grad: the round trip still restores every output."""
     with multirank(POOL) as w:
         per_rank = w.run(_inference_mode_call)
-    assert all(r["applied"] and r["collectives"] == 3 for r in per_rank), per_rank
+    assert all(r["applied"] and r["collectives"] == APPLIED_COLLECTIVES for r in per_rank), per_rank
     assert not any(r["requires_grad"] for r in per_rank)
     assert per_rank[2]["rows"] == 0  # the rank without images gets zero rows of each output

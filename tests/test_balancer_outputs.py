@@ -8,14 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_vit_balance.balancer import (
-    _elements_per_row,
-    _from_hex_digits,
-    _hex_digits,
-    _pack,
-    _transit_dtype,
-    _unpack,
-)
+from lightning_vit_balance.exchange import elements_per_row, pack_rows, transit_dtype, unpack_rows
 from lightning_vit_balance.outputs import (
     OutputLayout,
     classify_output,
@@ -146,26 +139,19 @@ def test_integer_outputs_travel_bit_exact(dtype: torch.dtype, transit: torch.dty
     else:
         info = torch.iinfo(dtype)
         values = torch.tensor([[info.max, info.min, 1], [0, info.max - 1, 7]], dtype=dtype)
-    packed = _pack(values, transit)
-    assert packed.dtype == transit and packed.numel() == 2 * _elements_per_row(values, transit)
+    packed = pack_rows(values, transit)
+    assert packed.dtype == transit and packed.numel() == 2 * elements_per_row(values, transit)
     # Misalign the chunk inside a larger buffer, as in the real return trip.
     buffer = torch.cat([torch.zeros(1, dtype=transit), packed])
-    unpacked = _unpack(buffer[1:], 2, values)
+    unpacked = unpack_rows(buffer[1:], 2, values)
     assert unpacked.dtype == dtype and torch.equal(unpacked, values)
 
 
 def test_transit_dtype_only_widens() -> None:
-    assert _transit_dtype([torch.bfloat16, torch.bfloat16, torch.int64]) == torch.bfloat16
-    assert _transit_dtype([torch.bfloat16, torch.float32]) == torch.float32
-    assert _transit_dtype([torch.float16, torch.bfloat16]) == torch.float32
-    assert _transit_dtype([torch.int32, torch.int64]) == torch.int64
-    assert _transit_dtype([torch.bool]) == torch.uint8
+    assert transit_dtype([torch.bfloat16, torch.bfloat16, torch.int64]) == torch.bfloat16
+    assert transit_dtype([torch.bfloat16, torch.float32]) == torch.float32
+    assert transit_dtype([torch.float16, torch.bfloat16]) == torch.float32
+    assert transit_dtype([torch.int32, torch.int64]) == torch.int64
+    assert transit_dtype([torch.bool]) == torch.uint8
     floats = torch.randn(5, 3).to(torch.bfloat16)
-    assert torch.equal(_unpack(_pack(floats, torch.float32), 5, floats), floats)
-
-
-@pytest.mark.parametrize("transit", [torch.bfloat16, torch.float16, torch.float32, torch.uint8])
-def test_status_digits_exact_in_transit(transit: torch.dtype) -> None:
-    for value in (0, 1, 255, 4097, 123_456_789, 16**8 - 1):
-        digits = torch.tensor(_hex_digits(value), dtype=transit).tolist()
-        assert _from_hex_digits(digits) == value
+    assert torch.equal(unpack_rows(pack_rows(floats, torch.float32), 5, floats), floats)

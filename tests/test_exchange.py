@@ -10,16 +10,14 @@ import torch.distributed as dist
 from multirank import subgroup
 
 from lightning_vit_balance.exchange import (
-    DTYPES,
     ExchangeRoute,
-    InputProblem,
     RankMetadata,
     all_to_all,
     collective_device,
-    describe_problem,
     gather_metadata,
 )
 from lightning_vit_balance.planning import RebalancePlan
+from lightning_vit_balance.problems import DTYPES, InputProblem, describe_problem
 
 POOL = 4
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from equivalence import run_cases
+from equivalence import APPLIED_COLLECTIVES, run_cases
 from test_balancer import THRESHOLD_0, standard_cases
 
 pytest.importorskip("transformers")
@@ -37,7 +37,7 @@ def _hf_suite(n: int, towers: tuple[str, ...]) -> dict[str, Any]:
     ],
 )
 def test_hf_vision_towers_equivalence(multirank: Any, n: int, towers: tuple[str, ...]) -> None:
-    """Balanced == direct (outputs and summed gradients), 3 collectives when applied, 1 when not."""
+    """Balanced == direct (outputs and summed gradients), APPLIED_COLLECTIVES when applied, 1 when not."""
     with multirank(POOL) as w:
         per_rank = w.run(_hf_suite, n, towers, timeout=240)[:n]
     for rank_results in per_rank:
@@ -45,7 +45,7 @@ def test_hf_vision_towers_equivalence(multirank: Any, n: int, towers: tuple[str,
         for name, results in rank_results.items():
             assert results[0]["applied"], name
             for r in results:
-                expected = 3 if r["applied"] else 1
+                expected = APPLIED_COLLECTIVES if r["applied"] else 1
                 assert r["collectives"] == r["counted"] == expected, (name, r)
 
 

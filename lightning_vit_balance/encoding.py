@@ -1,0 +1,374 @@
+"""The ViT side of a balanced call: check the input, run the ViT, describe what it returned.
+
+Nothing here communicates. :func:`validate_input` turns this rank's input into the
+:class:`~lightning_vit_balance.exchange.RankMetadata` the gather carries; :func:`raise_for_input`
+reads every rank's and raises the same error everywhere; :func:`encode` runs the ViT on a
+:class:`BalancedBatch` (a dummy image when the batch is empty) and never raises, so that a rank whose
+ViT failed still reaches the status gather; :func:`raise_for_vit` turns that gather into one error
+on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_vit_balance.exchange import (
+    LeafSignature,
+    RankMetadata,
+    StatusReport,
+    ViTStatus,
+    device_problem,
+)
+from lightning_vit_balance.outputs import (
+    Classification,
+    OutputLayout,
+    Structure,
+    classify_output,
+    describe_output_problem,
+    flatten_output,
+    window_index_fn,
+)
+from lightning_vit_balance.problems import DTYPES, InputProblem, describe_problem, problem_details
+
+__all__ = [
+    "BalancedBatch",
+    "EncodedBatch",
+    "dtype_code",
+    "encode",
+    "raise_for_input",
+    "raise_for_vit",
+    "validate_input",
+]
+
+#: Output kinds whose rows travel back to the images' home ranks.
+TOKEN_KINDS = ("patch", "merged")
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """Index of ``dtype`` in ``DTYPES``, -1 when not listed."""
+    return DTYPES.index(dtype) if dtype in DTYPES else -1
+
+
+def _bad(problem: InputProblem, pixel_values: Any, **values: int) -> RankMetadata:
+    channels, code = 0, -1
+    if isinstance(pixel_values, torch.Tensor) and pixel_values.dim() == 2:
+        channels, code = int(pixel_values.shape[1]), dtype_code(pixel_values.dtype)
+    return RankMetadata(
+        status=int(problem),
+        details=problem_details(problem, **values),
+        channels=channels,
+        dtype_code=code,
+        requires_grad=False,
+        grids=(),
+    )
+
+
+def _shape_problem(pixel_values: Any, grid_thw: Any) -> RankMetadata | None:
+    if not isinstance(grid_thw, torch.Tensor):
+        return _bad(InputProblem.GRID_NOT_TENSOR, pixel_values)
+    if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
+        sizes = [*list(grid_thw.shape)[:3], 0, 0, 0]
+        return _bad(
+            InputProblem.GRID_SHAPE,
+            pixel_values,
+            ndim=grid_thw.dim(),
+            size0=sizes[0],
+            size1=sizes[1],
+            size2=sizes[2],
+        )
+    if grid_thw.is_floating_point() or grid_thw.is_complex() or grid_thw.dtype == torch.bool:
+        return _bad(InputProblem.GRID_DTYPE, pixel_values, grid_dtype=dtype_code(grid_thw.dtype))
+    if not isinstance(pixel_values, torch.Tensor):
+        return _bad(InputProblem.PIXELS_NOT_TENSOR, pixel_values)
+    if pixel_values.dim() != 2:
+        return _bad(InputProblem.PIXELS_SHAPE, pixel_values, ndim=pixel_values.dim())
+    if not pixel_values.is_floating_point():
+        return _bad(InputProblem.PIXELS_DTYPE, pixel_values, pixel_dtype=dtype_code(pixel_values.dtype))
+    return None
+
+
+def _device_problem(pixel_values: torch.Tensor, grid_thw: torch.Tensor, group: Any) -> RankMetadata | None:
+    names = ("have_device", "want_device", "have_index", "want_index")
+    wrong = device_problem(group, pixel_values.device)
+    if wrong is not None:
+        return _bad(InputProblem.DEVICE, pixel_values, **dict(zip(names, wrong)))
+    if grid_thw.device.type == "meta":
+        # Grid rows are read on the host; any real device works, the meta device has no values.
+        wrong = device_problem(group, grid_thw.device)
+        assert wrong is not None
+        return _bad(InputProblem.GRID_DEVICE, pixel_values, **dict(zip(names, wrong)))
+    return None
+
+
+def validate_input(
+    pixel_values: Any,
+    grid_thw: Any,
+    merge_size: int,
+    group: Any,
+    *,
+    fingerprint: tuple[int, ...] = (),
+    vit_us: int = -1,
+) -> RankMetadata:
+    """Check this rank's input without communicating; the result travels in the metadata gather.
+
+    Args:
+        pixel_values: ``[sum(T*H*W), C]`` floating patch rows.
+        grid_thw: ``[n_images, 3]`` integer grid rows.
+        merge_size: The ViT's spatial merge size (``H`` and ``W`` must be divisible by it).
+        group: The process group (its backend decides which devices can be exchanged).
+        fingerprint: This rank's settings fingerprint, carried as is.
+        vit_us: This rank's previous ViT time, carried as is.
+    """
+    problem = _shape_problem(pixel_values, grid_thw) or _device_problem(pixel_values, grid_thw, group)
+    if problem is None:
+        grids = tuple((int(t), int(h), int(w)) for t, h, w in grid_thw.tolist())
+        problem = _grid_problem(pixel_values, grids, merge_size)
+        if problem is None:
+            problem = RankMetadata(
+                status=0,
+                details=(),
+                channels=int(pixel_values.shape[1]),
+                dtype_code=dtype_code(pixel_values.dtype),
+                requires_grad=bool(pixel_values.requires_grad),
+                grids=grids,
+            )
+    return RankMetadata(
+        problem.status,
+        problem.details,
+        problem.channels,
+        problem.dtype_code,
+        problem.requires_grad,
+        problem.grids,
+        fingerprint,
+        vit_us,
+    )
+
+
+def _grid_problem(
+    pixel_values: torch.Tensor, grids: Sequence[tuple[int, int, int]], merge_size: int
+) -> RankMetadata | None:
+    for i, (t, h, w) in enumerate(grids):
+        if t <= 0 or h <= 0 or w <= 0:
+            return _bad(InputProblem.GRID_VALUE, pixel_values, index=i, t=t, h=h, w=w)
+    expected_rows = sum(t * h * w for t, h, w in grids)
+    if pixel_values.shape[0] != expected_rows:
+        return _bad(InputProblem.PIXEL_ROWS, pixel_values, rows=pixel_values.shape[0], expected=expected_rows)
+    for i, (_, h, w) in enumerate(grids):
+        if h % merge_size or w % merge_size:
+            return _bad(InputProblem.NOT_DIVISIBLE, pixel_values, index=i, h=h, w=w, merge=merge_size)
+    return None
+
+
+def _mismatch(metadata: Sequence[RankMetadata]) -> str | None:
+    """Text for ranks with images whose ``C`` or dtype differs from the first such rank's."""
+    with_images = [r for r, m in enumerate(metadata) if m.grids]
+    for r in with_images[1:]:
+        ref = with_images[0]
+        mine, theirs = metadata[r], metadata[ref]
+        if mine.channels != theirs.channels:
+            details = (mine.channels, ref, theirs.channels)
+            return f"rank {r}: {describe_problem(InputProblem.CHANNELS_MISMATCH, details)}"
+        if mine.dtype_code != theirs.dtype_code:
+            details = (mine.dtype_code, ref, theirs.dtype_code)
+            return f"rank {r}: {describe_problem(InputProblem.DTYPE_MISMATCH, details)}"
+    return None
+
+
+def _fingerprint_problem(metadata: Sequence[RankMetadata], names: Sequence[str]) -> str | None:
+    """Text naming the settings that differ between ranks, or None when every rank agrees."""
+    reference = metadata[0].fingerprint
+    differing: list[str] = []
+    for k, name in enumerate(names):
+        ranks = [r for r, m in enumerate(metadata) if m.fingerprint[k] != reference[k]]
+        if ranks:
+            differing.append(f"{name} (ranks {ranks} differ from rank 0)")
+    if not differing:
+        return None
+    return (
+        "the balancing settings differ between ranks: "
+        + ", ".join(differing)
+        + ". Every rank must use the same ViTBalanceConfig (and the same cost model and package version), "
+        "or ranks would plan differently and exchange the wrong rows"
+    )
+
+
+def raise_for_input(metadata: Sequence[RankMetadata], fingerprint_names: Sequence[str] = ()) -> int | None:
+    """Raise the same ValueError on every rank for any invalid input; return the reference rank.
+
+    The reference rank is the first rank with images; every rank with images must agree with it
+    on ``C`` and dtype, and every rank must send the same settings fingerprint.
+    """
+    settings = _fingerprint_problem(metadata, fingerprint_names) if fingerprint_names else None
+    if settings is not None:
+        raise ValueError(f"Invalid balanced ViT call ({len(metadata)} ranks): {settings}.")
+    problems = [
+        f"rank {r}: {describe_problem(m.status, m.details)}" for r, m in enumerate(metadata) if m.status
+    ]
+    if not problems:
+        mismatch = _mismatch(metadata)
+        if mismatch is None:
+            with_images = [r for r, m in enumerate(metadata) if m.grids]
+            return with_images[0] if with_images else None
+        problems.append(mismatch)
+    raise ValueError(f"Invalid balanced ViT input ({len(metadata)} ranks): " + "; ".join(problems) + ".")
+
+
+@dataclass(frozen=True)
+class BalancedBatch:
+    """The images one rank encodes in a balanced call.
+
+    Attributes:
+        pixels: ``[sum(patch_counts), C]`` patch rows, in arrival order (a dummy image when empty).
+        grid: ``[n, 3]`` grid rows of those images.
+        patch_counts: ``T*H*W`` of each image.
+        is_dummy: The batch is one dummy ``(1, m, m)`` image standing in for an empty batch.
+        received: The pixel rows the forward trip delivered (``pixels`` itself unless dummy).
+    """
+
+    pixels: torch.Tensor
+    grid: torch.Tensor
+    patch_counts: tuple[int, ...]
+    is_dummy: bool = False
+    received: torch.Tensor | None = None
+
+    @classmethod
+    def dummy(
+        cls, merge: int, channels: int, dtype: torch.dtype, like_grid: torch.Tensor, device: Any
+    ) -> BalancedBatch:
+        """One ``(1, merge, merge)`` image of zeros: a ViT is never called on an empty batch."""
+        pixels = torch.zeros((merge * merge, channels), dtype=dtype, device=device)
+        grid = torch.tensor([[1, merge, merge]], dtype=like_grid.dtype, device=like_grid.device)
+        return cls(pixels, grid, (merge * merge,), is_dummy=True)
+
+
+@dataclass
+class EncodedBatch:
+    """The ViT's output on one :class:`BalancedBatch`, flattened and classified.
+
+    Attributes:
+        leaves: ``(path, value)`` of every output leaf (empty when the ViT raised).
+        structure: How to rebuild the output's type.
+        kinds: The classification of each leaf.
+        error: The exception the ViT raised on this rank, else None.
+        seconds: Host seconds the ViT forward took.
+    """
+
+    leaves: list[tuple[str, Any]]
+    structure: Structure | None
+    kinds: list[Classification]
+    error: BaseException | None
+    seconds: float
+
+    @property
+    def token_indices(self) -> list[int]:
+        """Indices of the leaves whose rows travel back (per patch or per merged token)."""
+        return [k for k, c in enumerate(self.kinds) if c.kind in TOKEN_KINDS]
+
+    def status(self) -> ViTStatus:
+        """What the other ranks need to know about this forward before the return trip."""
+        if self.error is not None:
+            return ViTStatus(error=f"{type(self.error).__name__}: {self.error}")
+        signatures = tuple(
+            LeafSignature(
+                path=self.leaves[k][0],
+                kind=self.kinds[k].kind,
+                dtype=str(self.leaves[k][1].dtype),
+                trailing=tuple(int(s) for s in self.leaves[k][1].shape[1:]),
+                rows=self.kinds[k].rows,
+                expected=self.kinds[k].expected,
+                problem=self.kinds[k].problem,
+            )
+            for k in self.token_indices
+        )
+        return ViTStatus(leaves=signatures)
+
+
+def encode(
+    vit: Any,
+    batch: BalancedBatch,
+    *,
+    merge: int,
+    layout: OutputLayout | None,
+    no_grad_dummy: bool,
+) -> EncodedBatch:
+    """Run ``vit`` on ``batch`` and classify its outputs; a ViT exception is kept, not raised.
+
+    Args:
+        vit: Called as ``vit(pixels, grid)``.
+        batch: The balanced batch.
+        merge: The spatial merge size.
+        layout: Explicit output kinds, if any.
+        no_grad_dummy: Run a dummy batch without autograd (the ``"no_grad"`` empty-rank policy).
+    """
+    started = time.perf_counter()
+    try:
+        if batch.is_dummy and no_grad_dummy:
+            with torch.no_grad():
+                output = vit(batch.pixels, batch.grid)
+        else:
+            output = vit(batch.pixels, batch.grid)
+    except Exception as error:  # every rank must hear of it before this one re-raises
+        return EncodedBatch([], None, [], error, time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    leaves, structure = flatten_output(output)
+    has_window = window_index_fn(vit) is not None
+    kinds = [
+        classify_output(
+            path,
+            leaf,
+            total_patches=sum(batch.patch_counts),
+            merge_size=merge,
+            has_window_index=has_window,
+            layout=layout,
+        )
+        for path, leaf in leaves
+    ]
+    return EncodedBatch(leaves, structure, kinds, None, seconds)
+
+
+def _describe(worker: int, status: ViTStatus, reference: ViTStatus, merge: int) -> str | None:
+    if status.error:
+        return f"rank {worker}: the ViT raised {status.error}"
+    for leaf in status.leaves:
+        if leaf.problem:
+            text = describe_output_problem(leaf.path, leaf.problem, leaf.rows, leaf.expected, merge)
+            return f"rank {worker}: {text}"
+    if status.leaves != reference.leaves:
+        mine = [(x.path, x.kind, x.dtype, x.trailing) for x in status.leaves]
+        theirs = [(x.path, x.kind, x.dtype, x.trailing) for x in reference.leaves]
+        return (
+            f"rank {worker}: the ViT's token outputs (path, kind, dtype, trailing shape) are {mine}, while "
+            f"the first rank's are {theirs}: every rank's ViT must return the same kinds, dtypes and "
+            "widths (autocast or a dtype cast on some ranks only?)"
+        )
+    return None
+
+
+def raise_for_vit(report: StatusReport, encoded: EncodedBatch, merge: int) -> None:
+    """After the status gather: raise on every rank when any rank's ViT failed or disagreed.
+
+    A rank whose own ViT raised re-raises its own exception (the others' problems are attached as
+    a note); every other rank raises a ``RuntimeError`` (a ViT exception elsewhere) or a
+    ``ValueError`` (outputs that cannot be routed), with the same text on every rank.
+    """
+    if report.consistent:
+        return
+    reference = next((s for s in report.statuses if not s.error), ViTStatus())
+    problems = [
+        text
+        for worker, status in enumerate(report.statuses)
+        if (text := _describe(worker, status, reference, merge)) is not None
+    ]
+    message = "The balanced ViT call failed: " + "; ".join(problems) + "."
+    if encoded.error is not None:
+        if hasattr(encoded.error, "add_note"):  # Python 3.11+
+            encoded.error.add_note(message)
+        raise encoded.error
+    if any(s.error for s in report.statuses):
+        raise RuntimeError(message)
+    raise ValueError(message)

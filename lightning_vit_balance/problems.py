@@ -1,0 +1,187 @@
+"""Input problems a rank can report in the metadata gather: one table, one template per problem.
+
+A rank validates its own input without communicating, then sends a problem code and up to
+:data:`MAX_DETAILS` integers in its gather header, so bad input on one rank raises the same
+``ValueError`` on every rank instead of leaving the others waiting in a collective. Each problem is
+defined once, in :data:`PROBLEMS`: its named integer fields (the order they travel in) and the
+message template that renders them. Adding a check means adding one row here and the check
+itself where the input is validated.
+
+Fields whose name ends in ``_dtype`` are rendered as dtype names (codes index :data:`DTYPES`);
+fields ending in ``_device`` as device types (codes index :data:`DEVICE_TYPES`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+__all__ = [
+    "DEVICE_TYPES",
+    "DTYPES",
+    "MAX_DETAILS",
+    "PROBLEMS",
+    "InputProblem",
+    "ProblemTemplate",
+    "describe_problem",
+    "problem_details",
+]
+
+#: Floating and integer dtypes a rank can report, by code (index in this tuple).
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+)
+#: Device types a rank can report, by code.
+DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "meta", "other")
+#: Integers of detail each problem may carry in the gather header.
+MAX_DETAILS = 4
+
+
+class InputProblem(IntEnum):
+    """Problem codes carried in the metadata gather (0 = valid); each has a row in :data:`PROBLEMS`."""
+
+    OK = 0
+    GRID_NOT_TENSOR = 1
+    GRID_SHAPE = 2
+    GRID_DTYPE = 3
+    GRID_VALUE = 4
+    PIXELS_NOT_TENSOR = 5
+    PIXELS_SHAPE = 6
+    PIXELS_DTYPE = 7
+    PIXEL_ROWS = 8
+    NOT_DIVISIBLE = 9
+    DEVICE = 10
+    CHANNELS_MISMATCH = 11
+    DTYPE_MISMATCH = 12
+    GRID_DEVICE = 13
+
+
+@dataclass(frozen=True)
+class ProblemTemplate:
+    """How one problem's detail integers travel and read.
+
+    Attributes:
+        fields: Names of the detail integers, in the order they travel (at most :data:`MAX_DETAILS`).
+        template: ``str.format`` text over the fields (and any names ``derive`` adds).
+        derive: Optional extra names computed from the fields, for messages whose wording depends on
+            the values (a shape of variable length, which device index was expected).
+    """
+
+    fields: tuple[str, ...]
+    template: str
+    derive: Callable[[dict[str, int]], dict[str, object]] | None = field(default=None, compare=False)
+
+    def render(self, values: Mapping[str, int]) -> str:
+        named: dict[str, object] = dict(values)
+        for name, value in values.items():
+            if name.endswith("_dtype"):
+                named[name] = str(DTYPES[value]) if 0 <= value < len(DTYPES) else "an unsupported dtype"
+            elif name.endswith("_device"):
+                named[name] = DEVICE_TYPES[value] if 0 <= value < len(DEVICE_TYPES) else "unknown"
+        if self.derive is not None:
+            named.update(self.derive(dict(values)))
+        return self.template.format(**named)
+
+
+def _grid_shape(values: dict[str, int]) -> dict[str, object]:
+    ndim = values["ndim"]
+    sizes = [values["size0"], values["size1"], values["size2"]]
+    shape = tuple(sizes[:ndim]) if 0 <= ndim <= 3 else ()
+    return {"shape": shape, "more": "" if ndim <= 3 else f" ({ndim} dims)"}
+
+
+def _device_text(values: dict[str, int]) -> dict[str, object]:
+    have = DEVICE_TYPES[values["have_device"]] if values["have_device"] < len(DEVICE_TYPES) else "unknown"
+    want = DEVICE_TYPES[values["want_device"]] if values["want_device"] < len(DEVICE_TYPES) else "unknown"
+    if values["have_device"] == values["want_device"]:
+        text = (
+            f"is on {have}:{values['have_index']}: expected the current device {have}:"
+            f"{values['want_index']}, which the process group's backend communicates on"
+        )
+    else:
+        text = f"is on a {have} device: the process group's backend carries {want} tensors"
+    return {"text": text}
+
+
+_DEVICE_FIELDS = ("have_device", "want_device", "have_index", "want_index")
+
+#: Every input problem: its detail fields and message, defined once.
+PROBLEMS: dict[InputProblem, ProblemTemplate] = {
+    InputProblem.GRID_NOT_TENSOR: ProblemTemplate(
+        (), "grid_thw is not a torch.Tensor: expected an integer tensor of shape [n_images, 3]"
+    ),
+    InputProblem.GRID_SHAPE: ProblemTemplate(
+        ("ndim", "size0", "size1", "size2"),
+        "grid_thw has shape {shape}{more}: expected [n_images, 3]",
+        _grid_shape,
+    ),
+    InputProblem.GRID_DTYPE: ProblemTemplate(
+        ("grid_dtype",), "grid_thw has dtype {grid_dtype}: expected an integer dtype (int32 or int64)"
+    ),
+    InputProblem.GRID_VALUE: ProblemTemplate(
+        ("index", "t", "h", "w"),
+        "grid_thw[{index}] = [{t}, {h}, {w}]: expected positive integers (T, H, W) for every image",
+    ),
+    InputProblem.PIXELS_NOT_TENSOR: ProblemTemplate(
+        (), "pixel_values is not a torch.Tensor: expected a float tensor of shape [sum(T*H*W), C]"
+    ),
+    InputProblem.PIXELS_SHAPE: ProblemTemplate(
+        ("ndim",), "pixel_values has {ndim} dims: expected a 2-D tensor [sum(T*H*W), C]"
+    ),
+    InputProblem.PIXELS_DTYPE: ProblemTemplate(
+        ("pixel_dtype",), "pixel_values has dtype {pixel_dtype}: expected a floating-point dtype"
+    ),
+    InputProblem.PIXEL_ROWS: ProblemTemplate(
+        ("rows", "expected"), "pixel_values has {rows} rows: expected sum(T*H*W) over grid_thw = {expected}"
+    ),
+    InputProblem.NOT_DIVISIBLE: ProblemTemplate(
+        ("index", "h", "w", "merge"),
+        "grid_thw[{index}] has H={h}, W={w}: expected both divisible by the ViT's spatial merge size {merge}",
+    ),
+    InputProblem.DEVICE: ProblemTemplate(_DEVICE_FIELDS, "pixel_values {text}", _device_text),
+    InputProblem.GRID_DEVICE: ProblemTemplate(_DEVICE_FIELDS, "grid_thw {text}", _device_text),
+    InputProblem.CHANNELS_MISMATCH: ProblemTemplate(
+        ("channels", "other_rank", "other_channels"),
+        "pixel_values has C={channels} channels while rank {other_rank} has C={other_channels}: "
+        "expected the same C",
+    ),
+    InputProblem.DTYPE_MISMATCH: ProblemTemplate(
+        ("pixel_dtype", "other_rank", "other_dtype"),
+        "pixel_values has dtype {pixel_dtype} while rank {other_rank} has {other_dtype}: "
+        "expected the same dtype on every rank with images",
+    ),
+}
+
+
+def describe_problem(code: int, details: Sequence[int]) -> str:
+    """Text of a problem code and its detail integers; the same string on every rank."""
+    problem = InputProblem(code)
+    if problem is InputProblem.OK:
+        return "valid input"
+    template = PROBLEMS[problem]
+    padded = [int(d) for d in details] + [0] * (len(template.fields) - len(details))
+    return template.render(dict(zip(template.fields, padded)))
+
+
+def problem_details(problem: InputProblem, **values: int) -> tuple[int, ...]:
+    """The detail integers of ``problem`` in travel order, from its named fields.
+
+    Raises:
+        ValueError: ``values`` does not name exactly the problem's fields (a programming error).
+    """
+    fields = PROBLEMS[problem].fields
+    if set(values) != set(fields):
+        raise ValueError(f"{problem.name} takes the fields {fields}: got {tuple(sorted(values))}.")
+    return tuple(int(values[name]) for name in fields)

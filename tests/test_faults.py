@@ -1,0 +1,226 @@
+"""Never silent, never a hang: what every rank sees when one rank is wrong (real gloo ranks).
+
+Each case runs on 3 ranks of a pool whose collectives time out after 30 s. A case passes when every
+rank raised the same clear error within a few seconds (measured on each rank), or finished with
+correct outputs; and the group is still in step afterwards (a good call works on every rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import towers
+from multirank import subgroup
+
+from lightning_vit_balance import CostModel, ViTBalanceConfig, ViTBalancer
+
+POOL = 4
+RANKS = 3
+#: A failure must arrive well before the pool's 30 s collective timeout.
+FAST_S = 10.0
+#: Rank 0 holds the heavy images, so every applied plan moves some of them to ranks 1 and 2.
+GRIDS = [[(1, 8, 8), (1, 8, 8), (1, 6, 6)], [(1, 2, 2)], [(1, 4, 4)]]
+APPLY = {"trigger_threshold": 0.0, "min_gain": 0.0}
+
+
+def _still_in_step(group: Any, rank: int) -> None:
+    """A good balanced call after a failure: the group must not be left half-way in a collective."""
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    out = ViTBalancer(ViTBalanceConfig(**APPLY), group)(tower, pixels, grid)
+    # Same ops on the same rows in another batch: fp32 agrees to a few ulps.
+    torch.testing.assert_close(out, tower(pixels, grid), rtol=1e-4, atol=1e-5)
+
+
+def _outcome(fn: Any) -> tuple[str, str, float]:
+    started = time.perf_counter()
+    try:
+        fn()
+        return ("ok", "", time.perf_counter() - started)
+    except Exception as error:
+        return (type(error).__name__, str(error), time.perf_counter() - started)
+
+
+def _config_case(field: str, value: Any) -> tuple[str, str, float] | None:
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    config = ViTBalanceConfig(**APPLY)
+    if rank == 1:
+        config = dataclasses.replace(config, **{field: value})
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    outcome = _outcome(lambda: ViTBalancer(config, group)(tower, pixels, grid))
+    _still_in_step(group, rank)
+    return outcome
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("solver", "seed"),
+        ("cost_quadratic", 2.0),
+        ("cost_linear", 3.0),
+        ("max_len_ratio", 1.5),
+        ("trigger_threshold", 0.9),
+        ("min_gain", 0.5),
+        ("empty_rank_forward", "no_grad"),
+    ],
+)
+def test_settings_that_differ_raise_on_every_rank(multirank: Any, field: str, value: Any) -> None:
+    """A setting that differs on one rank raises the same ValueError everywhere, naming it and the rank."""
+    with multirank(POOL) as w:
+        outcomes = w.run(_config_case, field, value)[:RANKS]
+    assert len({(kind, message) for kind, message, _ in outcomes}) == 1, outcomes
+    kind, message, _ = outcomes[0]
+    assert kind == "ValueError" and field in message and "ranks [1]" in message, message
+    assert all(seconds < FAST_S for _, _, seconds in outcomes), outcomes
+
+
+def test_fitted_cost_models_that_differ_raise(multirank: Any) -> None:
+    """Each rank fitting a CostModel to its own timings gives different coefficients: caught."""
+    with multirank(POOL) as w:
+        outcomes = w.run(_fitted_case)[:RANKS]
+    assert len({(kind, message) for kind, message, _ in outcomes}) == 1, outcomes
+    assert outcomes[0][0] == "ValueError" and "cost_" in outcomes[0][1]
+
+
+def _fitted_case() -> tuple[str, str, float] | None:
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    counts = [16, 64, 256, 1024]
+    millis = [0.1 + 1e-6 * n * n * (1 + 0.1 * rank) for n in counts]  # a slightly different machine each
+    config = CostModel.fit(counts, millis).to_config(ViTBalanceConfig(**APPLY))
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    outcome = _outcome(lambda: ViTBalancer(config, group)(tower, pixels, grid))
+    _still_in_step(group, rank)
+    return outcome
+
+
+def test_gather_capacity_may_differ(multirank: Any) -> None:
+    """gather_capacity no longer sizes any collective: ranks that differ in it still agree."""
+    with multirank(POOL) as w:
+        outcomes = w.run(_config_case, "gather_capacity", 2)[:RANKS]
+    assert [kind for kind, _, _ in outcomes] == ["ok"] * RANKS, outcomes
+
+
+class _FailingTower(towers.TensorTower):
+    """Raises (like an out-of-memory error) on one rank, or returns unusable outputs there."""
+
+    def __init__(self, bad_rank: int, mode: str) -> None:
+        super().__init__()
+        self.bad_rank = bad_rank
+        self.mode = mode
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+        out = super().forward(pixel_values, grid_thw)
+        if dist.get_rank() != self.bad_rank:
+            return out
+        if self.mode == "raise":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        if self.mode == "far_rows":
+            return torch.cat([out, out, out])
+        if self.mode == "width":
+            return torch.cat([out, out], dim=1)
+        if self.mode == "dtype":
+            return out.to(torch.bfloat16)  # autocast on this rank only
+        if self.mode == "nan":
+            return out * float("nan")
+        raise AssertionError(self.mode)
+
+
+def _vit_case(mode: str, bad_rank: int) -> dict[str, Any] | None:
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    torch.manual_seed(0)
+    tower = _FailingTower(bad_rank, mode)
+    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    balancer = ViTBalancer(ViTBalanceConfig(**APPLY), group)
+    result: dict[str, Any] = {}
+
+    def call() -> None:
+        out = balancer(tower, pixels, grid)
+        result["nan_rows"] = torch.isnan(out).any(dim=1).tolist()
+        out.sum().backward()
+
+    kind, message, seconds = _outcome(call)
+    result.update(kind=kind, message=message, seconds=seconds)
+    if mode == "nan":
+        assert balancer.last_stats is not None and balancer.last_stats.applied
+    _still_in_step(group, rank)
+    return result
+
+
+def test_vit_exception_on_one_rank(multirank: Any) -> None:
+    """The failing rank re-raises its own error; the others name it and the rank, in seconds."""
+    with multirank(POOL) as w:
+        results = w.run(_vit_case, "raise", 1)[:RANKS]
+    assert results[1]["kind"] == "OutOfMemoryError", results[1]
+    others = [results[0], results[2]]
+    assert {r["kind"] for r in others} == {"RuntimeError"}
+    assert len({r["message"] for r in others}) == 1
+    assert "rank 1" in others[0]["message"] and "OutOfMemoryError" in others[0]["message"]
+    assert all(r["seconds"] < FAST_S for r in results), results
+
+
+@pytest.mark.parametrize(
+    ("mode", "fragment"),
+    [("far_rows", "rows"), ("width", "trailing shape"), ("dtype", "torch.bfloat16")],
+)
+def test_unusable_vit_outputs_raise_on_every_rank(multirank: Any, mode: str, fragment: str) -> None:
+    """Rows far off, another width, or another dtype on one rank: the same ValueError everywhere."""
+    with multirank(POOL) as w:
+        results = w.run(_vit_case, mode, 2)[:RANKS]
+    assert {r["kind"] for r in results} == {"ValueError"}, results
+    assert len({r["message"] for r in results}) == 1, results
+    assert "rank 2" in results[0]["message"] and fragment in results[0]["message"], results[0]["message"]
+    assert all(r["seconds"] < FAST_S for r in results), results
+
+
+def test_nan_lands_on_the_images_owner(multirank: Any) -> None:
+    """NaNs a rank's ViT makes for another rank's images arrive on that rank, as they are."""
+    with multirank(POOL) as w:
+        results = w.run(_vit_case, "nan", 1)[:RANKS]
+    assert [r["kind"] for r in results] == ["ok"] * RANKS, results
+    # Rank 1 encodes some of rank 0's images in the plan: those rows come back NaN on rank 0, and
+    # rank 1's own image (encoded elsewhere or at home) is NaN only where rank 1 encoded it.
+    assert any(results[0]["nan_rows"]), results[0]
+    assert not all(results[0]["nan_rows"]), results[0]
+
+
+def _meta_grid() -> tuple[str, str, float] | None:
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    if rank == 2:
+        grid = grid.to("meta")
+    outcome = _outcome(lambda: ViTBalancer(ViTBalanceConfig(**APPLY), group)(tower, pixels, grid))
+    _still_in_step(group, rank)
+    return outcome
+
+
+def test_grid_on_the_meta_device_names_grid_thw(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        outcomes = w.run(_meta_grid)[:RANKS]
+    assert len({(k, m) for k, m, _ in outcomes}) == 1, outcomes
+    kind, message, _ = outcomes[0]
+    assert kind == "ValueError" and "rank 2: grid_thw is on a meta device" in message, message
+    assert "pixel_values" not in message.split("rank 2:")[1], message

@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
+import importlib.metadata
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 __all__ = ["EMPTY_RANK_POLICIES", "SOLVERS", "ViTBalanceConfig", "add_vit_balance_args"]
@@ -86,8 +89,10 @@ class ViTBalanceConfig:
             zero-row outputs still attached to the ViT's parameters (DDP without
             ``find_unused_parameters`` and FSDP keep working); ``"no_grad"`` runs the dummy forward
             without autograd (cheaper, for setups that tolerate unused parameters).
-        gather_capacity: Images per rank that fit in the single metadata all_gather. A step where
-            some rank has more images needs one extra all_gather sized to the largest count.
+        gather_capacity: No longer used; accepted so that saved configurations still load. The
+            metadata gather now always carries 64 images per rank (one more gather for a rank
+            with more): a fixed size lets ranks whose settings differ still meet in it and raise a
+            clear error instead of hanging.
     """
 
     enabled: bool = True
@@ -127,6 +132,24 @@ class ViTBalanceConfig:
         if self.cost_quadratic + self.cost_linear + self.cost_constant + self.cost_windowed <= 0:
             _fail("cost_quadratic", self.cost_quadratic, "at least one cost coefficient > 0")
 
+    def __setstate__(self, state: dict[str, object]) -> None:
+        """Unpickle (a checkpoint's hyperparameters, a spawned process) through ``__init__``'s checks.
+
+        Fields absent from ``state`` (a checkpoint written before they existed) take their
+        defaults; a field this version does not know raises ``ValueError``, naming it.
+        """
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        unknown = sorted(set(state) - set(fields))
+        if unknown:
+            raise ValueError(
+                f"ViTBalanceConfig state has unknown fields {unknown}: expected fields among "
+                f"{sorted(fields)} (saved by another version of lightning-vit-balance?)."
+            )
+        for name, field in fields.items():
+            # Frozen: set through object, then validate as __init__ does.
+            object.__setattr__(self, name, state.get(name, field.default))
+        self.__post_init__()
+
     @classmethod
     def from_args(
         cls, namespace: argparse.Namespace, base: ViTBalanceConfig | None = None
@@ -154,6 +177,57 @@ class ViTBalanceConfig:
             )
         values = {field: getattr(namespace, dest) for dest, field in _DEST_TO_FIELD.items()}
         return dataclasses.replace(base, **values)
+
+    def fingerprint(self, **extra: object) -> tuple[tuple[str, int], ...]:
+        """One integer per setting that shapes the plan or the exchange, to compare across ranks.
+
+        Ranks whose settings differ would plan differently and exchange the wrong rows, so the
+        balancer sends this in its metadata gather and raises on every rank when ranks disagree,
+        naming the settings. It covers every field but ``verbose`` (only printing) and
+        ``gather_capacity`` (no longer used), plus the package version and ``extra`` (e.g. a
+        cost model fitted at run time).
+
+        Args:
+            **extra: Further named values that must agree across ranks.
+
+        Returns:
+            ``(name, value)`` pairs in a fixed order; each value is a 62-bit hash of the setting, so
+            equal settings give equal integers on every process (no ``hash()`` seed involved).
+        """
+        named: dict[str, object] = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in _NOT_FINGERPRINTED
+        }
+        named["package_version"] = _package_version()
+        named.update(extra)
+        return tuple((name, _stable_hash(value)) for name, value in named.items())
+
+
+#: Fields that do not change what ranks compute or exchange.
+_NOT_FINGERPRINTED = frozenset({"verbose", "gather_capacity"})
+
+
+def _canonical(value: object) -> object:
+    # Numbers are compared by value, so 1 and 1.0 (from YAML or Python) agree.
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value).hex()
+    if isinstance(value, (tuple, list)):
+        return [_canonical(v) for v in value]
+    return value
+
+
+def _stable_hash(value: object) -> int:
+    digest = hashlib.blake2b(repr(_canonical(value)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+@lru_cache(maxsize=1)
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("lightning-vit-balance")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 #: namespace attribute (argparse ``dest``) -> ViTBalanceConfig field.

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -369,8 +370,8 @@ class ViTBalancer:
             # Keeps the forward trip in the graph, so its backward exchange runs on this rank too.
             return BalancedBatch(batch.pixels, batch.grid, batch.patch_counts, True, received)
         # The grid rows come from the gather, not from the wire.
-        grid = torch.tensor(
-            [metadata[src].grids[i] for src, i in route.arrivals],
+        rows = np.asarray([metadata[src].grids[i] for src, i in route.arrivals], dtype=np.int64)
+        grid = torch.from_numpy(rows).to(
             dtype=grid_thw.dtype,
             device=grid_thw.device,
         )

@@ -126,8 +126,8 @@ def validate_input(
     """
     problem = _shape_problem(pixel_values, grid_thw) or _device_problem(pixel_values, grid_thw, group)
     if problem is None:
-        grids = tuple((int(t), int(h), int(w)) for t, h, w in grid_thw.tolist())
-        problem = _grid_problem(pixel_values, grids, merge_size)
+        rows = grid_thw.detach().to("cpu", torch.int64)  # [n, 3]; one copy, checked vectorised
+        problem = _grid_problem(pixel_values, rows, merge_size)
         if problem is None:
             problem = RankMetadata(
                 status=0,
@@ -135,7 +135,7 @@ def validate_input(
                 channels=int(pixel_values.shape[1]),
                 dtype_code=dtype_code(pixel_values.dtype),
                 requires_grad=bool(pixel_values.requires_grad),
-                grids=grids,
+                grids=tuple(map(tuple, rows.tolist())),  # type: ignore[arg-type]
             )
     return RankMetadata(
         problem.status,
@@ -149,18 +149,24 @@ def validate_input(
     )
 
 
-def _grid_problem(
-    pixel_values: torch.Tensor, grids: Sequence[tuple[int, int, int]], merge_size: int
-) -> RankMetadata | None:
-    for i, (t, h, w) in enumerate(grids):
-        if t <= 0 or h <= 0 or w <= 0:
-            return _bad(InputProblem.GRID_VALUE, pixel_values, index=i, t=t, h=h, w=w)
-    expected_rows = sum(t * h * w for t, h, w in grids)
+def _first(mask: torch.Tensor) -> int | None:
+    hits = mask.nonzero()
+    return int(hits[0, 0]) if hits.numel() else None
+
+
+def _grid_problem(pixel_values: torch.Tensor, rows: torch.Tensor, merge_size: int) -> RankMetadata | None:
+    """Problems of the grid rows ``[n, 3]`` (int64, on the host), first image first."""
+    bad = _first((rows <= 0).any(dim=1))
+    if bad is not None:
+        t, h, w = rows[bad].tolist()
+        return _bad(InputProblem.GRID_VALUE, pixel_values, index=bad, t=t, h=h, w=w)
+    expected_rows = int(rows.prod(dim=1).sum())
     if pixel_values.shape[0] != expected_rows:
         return _bad(InputProblem.PIXEL_ROWS, pixel_values, rows=pixel_values.shape[0], expected=expected_rows)
-    for i, (_, h, w) in enumerate(grids):
-        if h % merge_size or w % merge_size:
-            return _bad(InputProblem.NOT_DIVISIBLE, pixel_values, index=i, h=h, w=w, merge=merge_size)
+    bad = _first((rows[:, 1:] % merge_size != 0).any(dim=1))
+    if bad is not None:
+        _, h, w = rows[bad].tolist()
+        return _bad(InputProblem.NOT_DIVISIBLE, pixel_values, index=bad, h=h, w=w, merge=merge_size)
     return None
 
 

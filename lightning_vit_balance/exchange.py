@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -176,8 +177,13 @@ def _gather_row(local: RankMetadata, capacity: int) -> torch.Tensor:
     row[: len(header)] = torch.tensor(header, dtype=torch.int64)
     carried = min(len(local.grids), capacity)
     if carried:
-        row[len(header) : len(header) + 3 * carried] = torch.tensor(local.grids[:carried]).reshape(-1)
+        row[len(header) : len(header) + 3 * carried] = _grid_tensor(local.grids[:carried])
     return row
+
+
+def _grid_tensor(grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+    """``[3 * len(grids)]`` int64 values (through numpy: much faster than torch.tensor on tuples)."""
+    return torch.from_numpy(np.asarray(grids, dtype=np.int64).reshape(-1))
 
 
 def _all_gather_rows(row: torch.Tensor, device: torch.device, group: Any) -> list[list[int]]:
@@ -225,7 +231,7 @@ def gather_metadata(
         # Rare: some rank has more images than the first gather carries; gather them all once more.
         second = torch.zeros(3 * max(counts), dtype=torch.int64)
         if local.grids:
-            second[: 3 * len(local.grids)] = torch.tensor(local.grids).reshape(-1)
+            second[: 3 * len(local.grids)] = _grid_tensor(local.grids)
         grid_values = _all_gather_rows(second, device, group)
         collectives += 1
     else:

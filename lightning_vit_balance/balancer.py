@@ -60,9 +60,10 @@ from lightning_vit_balance.outputs import (
     window_index_fn,
 )
 from lightning_vit_balance.planning import RebalancePlan, plan_rebalance
+from lightning_vit_balance.prepared import PreparedPlan
 from lightning_vit_balance.problems import DTYPES
 
-__all__ = ["BalanceStats", "ViTBalancer", "balanced_encode"]
+__all__ = ["BalanceStats", "PreparedPlan", "ViTBalancer", "balanced_encode"]
 
 
 @dataclass(frozen=True)
@@ -229,10 +230,27 @@ class ViTBalancer:
 
     # -- entry point -------------------------------------------------------------------------
 
-    def __call__(self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
-        """Balanced ``vit(pixel_values, grid_thw)``; see the class docstring."""
+    def __call__(
+        self,
+        vit: Any,
+        pixel_values: torch.Tensor,
+        grid_thw: torch.Tensor,
+        *,
+        prepared: PreparedPlan | None = None,
+    ) -> Any:
+        """Balanced ``vit(pixel_values, grid_thw)``; see the class docstring.
+
+        Args:
+            vit: Called as ``vit(pixel_values, grid_thw)``.
+            pixel_values: ``[sum(T*H*W), C]`` patch rows of this rank's images.
+            grid_thw: ``[n_images, 3]`` ``(T, H, W)`` of each image.
+            prepared: The plan :meth:`prepare` made for this batch before the forward: then the call
+                makes no metadata gather and no plan (and nothing at all when the plan skips).
+        """
         self.calls += 1
         distributed = dist.is_available() and dist.is_initialized()
+        if prepared is not None and distributed and self.config.enabled:
+            return self._balanced_prepared(vit, pixel_values, grid_thw, prepared)
         if not self.config.enabled:
             output = vit(pixel_values, grid_thw)
             rank = dist.get_rank(self.group) if distributed else 0
@@ -250,7 +268,77 @@ class ViTBalancer:
             return output
         return self._balanced(vit, pixel_values, grid_thw)
 
+    def prepare(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, vit: Any = None
+    ) -> PreparedPlan | None:
+        """Gather every rank's grid rows and plan the next call, before its forward.
+
+        Call it on every rank of the group, as early as the batch is known on the host (e.g. in
+        Lightning's ``on_before_batch_transfer``), then pass the result as ``prepared=`` to the
+        call that encodes that batch. Only shapes and dtypes of ``pixel_values`` are read, so a
+        host copy (or the batch before it moves to the device) will do; ``grid_thw`` should be on
+        the CPU so that reading it does not wait for a device.
+
+        Args:
+            pixel_values: ``[sum(T*H*W), C]`` (its rows, ``C``, dtype and ``requires_grad``).
+            grid_thw: ``[n_images, 3]``.
+            vit: The ViT, for its merge size (divisibility is checked then); optional.
+
+        Returns:
+            The prepared plan; ``None`` when nothing would be balanced (disabled, no process
+            group, one rank), in which case the call needs none either.
+
+        Raises:
+            ValueError: On every rank, for invalid input or settings on any rank.
+        """
+        if not self.config.enabled or not dist.is_available() or not dist.is_initialized():
+            return None
+        if dist.get_world_size(self.group) == 1:
+            return None
+        call = _Call(
+            group=self.group,
+            rank=dist.get_rank(self.group),
+            merge=merge_size_of(vit, self.output_layout) if vit is not None else 1,
+            device=collective_device(self.group, torch.device("cpu")),
+        )
+        metadata, reference = self._gather(call, pixel_values, grid_thw, check_device=False)
+        plan = self._plan(call, metadata)
+        return PreparedPlan(
+            plan=plan,
+            metadata=metadata,
+            rank=call.rank,
+            channels=reference.channels,
+            dtype=reference.dtype,
+            pixels_require_grad=reference.pixels_differentiable,
+            gather_seconds=call.seconds.get("gather", 0.0),
+            plan_seconds=call.seconds.get("plan", 0.0),
+            collectives=call.collectives,
+        )
+
     # -- the balanced call -------------------------------------------------------------------
+
+    def _balanced_prepared(
+        self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor, prepared: PreparedPlan
+    ) -> Any:
+        """The balanced call on a plan made before the forward: no gather, no planning here."""
+        call = self._start(vit, pixel_values)
+        problem = prepared.mismatch(pixel_values, grid_thw)
+        plan = prepared.plan
+        reference = _Reference(
+            prepared.channels, prepared.dtype, prepared.pixels_require_grad and torch.is_grad_enabled()
+        )
+        if plan.applied:
+            output = self._exchange_and_encode(
+                call, vit, pixel_values, grid_thw, plan, prepared.metadata, reference, problem
+            )
+        elif problem is not None:
+            raise ValueError(f"Invalid prepared balanced ViT call on rank {call.rank}: {problem}.")
+        elif prepared.metadata[call.rank].grids:
+            output = self._timed_direct(call, vit, pixel_values, grid_thw)
+        else:
+            output = self._empty_output(vit, pixel_values, grid_thw, call.merge, reference)
+        self._record(plan, call, prepared.metadata)
+        return output
 
     def _balanced(self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
         call = self._start(vit, pixel_values)
@@ -274,16 +362,23 @@ class ViTBalancer:
         plan: RebalancePlan,
         metadata: Sequence[RankMetadata],
         reference: _Reference,
+        problem: str | None = None,
     ) -> Any:
-        """Dispatch the pixel rows, encode the balanced batch, check every rank's ViT, combine."""
+        """Dispatch the pixel rows, encode the balanced batch, check every rank's ViT, combine.
+
+        ``problem`` (a prepared call whose input does not match its plan) is reported to every rank
+        by the status gather instead of the ViT's outcome; the trip still runs with zero rows of
+        the planned sizes, so no rank waits.
+        """
         route = ExchangeRoute.from_plan(plan, call.rank)
-        batch = self._dispatch(call, pixel_values, grid_thw, route, metadata, reference)
+        batch = self._dispatch(call, pixel_values, grid_thw, route, metadata, reference, problem is not None)
         encoded = encode(
             vit,
             batch,
             merge=call.merge,
             layout=self.output_layout,
             no_grad_dummy=self.config.empty_rank_forward == "no_grad",
+            skip_with=ValueError(problem) if problem is not None else None,
         )
         call.seconds["encode"] = encoded.seconds
         self._last_vit_us = int(encoded.seconds * 1e6)
@@ -301,7 +396,7 @@ class ViTBalancer:
         )
 
     def _gather(
-        self, call: _Call, pixel_values: Any, grid_thw: Any
+        self, call: _Call, pixel_values: Any, grid_thw: Any, check_device: bool = True
     ) -> tuple[tuple[RankMetadata, ...], _Reference]:
         """Validate locally, gather every rank's metadata, raise the same error on every rank."""
         started = time.perf_counter()
@@ -312,6 +407,7 @@ class ViTBalancer:
             call.group,
             fingerprint=tuple(value for _, value in self._fingerprint),
             vit_us=self._last_vit_us,
+            check_device=check_device,
         )
         metadata, collectives = gather_metadata(
             local, capacity=GATHER_CAPACITY, device=call.device, group=call.group
@@ -340,14 +436,20 @@ class ViTBalancer:
         route: ExchangeRoute,
         metadata: Sequence[RankMetadata],
         reference: _Reference,
+        zeros: bool = False,
     ) -> BalancedBatch:
-        """The forward trip: pixel rows to the rank that encodes each image."""
+        """The forward trip: pixel rows to the rank that encodes each image (``zeros``: rows of the
+        planned sizes standing in for input that does not match a prepared plan)."""
         started = time.perf_counter()
         mine = metadata[call.rank].patch_counts
-        if mine:
-            send = take_rows(pixel_values, row_slices(mine, route.send_order))
+        device = pixel_values.device if isinstance(pixel_values, torch.Tensor) else call.device
+        if mine and not zeros:
+            # The wire dtype is the plan's; a prepared call checked that the cast is exact.
+            send = take_rows(pixel_values, row_slices(mine, route.send_order)).to(reference.dtype)
         else:
-            send = torch.empty((0, reference.channels), dtype=reference.dtype, device=pixel_values.device)
+            send = torch.zeros(
+                (sum(route.send_patches), reference.channels), dtype=reference.dtype, device=device
+            )
         received = all_to_all(
             send,
             route.send_patches,
@@ -371,11 +473,9 @@ class ViTBalancer:
             return BalancedBatch(batch.pixels, batch.grid, batch.patch_counts, True, received)
         # The grid rows come from the gather, not from the wire.
         rows = np.asarray([metadata[src].grids[i] for src, i in route.arrivals], dtype=np.int64)
-        grid = torch.from_numpy(rows).to(
-            dtype=grid_thw.dtype,
-            device=grid_thw.device,
-        )
-        return BalancedBatch(received, grid, counts, False, received)
+        grid = torch.from_numpy(rows).to(dtype=grid_thw.dtype, device=grid_thw.device)
+        pixels = received if zeros else received.to(pixel_values.dtype)
+        return BalancedBatch(pixels, grid, counts, False, received)
 
     def _check_every_vit(self, call: _Call, encoded: EncodedBatch) -> None:
         """The status gather: every rank learns whether any ViT raised or made unusable outputs."""

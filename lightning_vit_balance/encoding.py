@@ -45,6 +45,8 @@ __all__ = [
     "validate_input",
 ]
 
+#: Prefix of the status a rank reports when its input did not match a prepared plan.
+INPUT_ERROR = "input: "
 #: Output kinds whose rows travel back to the images' home ranks.
 TOKEN_KINDS = ("patch", "merged")
 
@@ -113,6 +115,7 @@ def validate_input(
     *,
     fingerprint: tuple[int, ...] = (),
     vit_us: int = -1,
+    check_device: bool = True,
 ) -> RankMetadata:
     """Check this rank's input without communicating; the result travels in the metadata gather.
 
@@ -123,8 +126,12 @@ def validate_input(
         group: The process group (its backend decides which devices can be exchanged).
         fingerprint: This rank's settings fingerprint, carried as is.
         vit_us: This rank's previous ViT time, carried as is.
+        check_device: Check that ``pixel_values`` can be exchanged on ``group`` (not when planning
+            ahead from a host copy of the batch).
     """
-    problem = _shape_problem(pixel_values, grid_thw) or _device_problem(pixel_values, grid_thw, group)
+    problem = _shape_problem(pixel_values, grid_thw)
+    if problem is None and check_device:
+        problem = _device_problem(pixel_values, grid_thw, group)
     if problem is None:
         rows = grid_thw.detach().to("cpu", torch.int64)  # [n, 3]; one copy, checked vectorised
         problem = _grid_problem(pixel_values, rows, merge_size)
@@ -262,6 +269,7 @@ class EncodedBatch:
         kinds: The classification of each leaf.
         error: The exception the ViT raised on this rank, else None.
         seconds: Host seconds the ViT forward took.
+        input_problem: ``error`` is this rank's input not matching a prepared plan (the ViT never ran).
     """
 
     leaves: list[tuple[str, Any]]
@@ -269,6 +277,7 @@ class EncodedBatch:
     kinds: list[Classification]
     error: BaseException | None
     seconds: float
+    input_problem: bool = False
 
     @property
     def token_indices(self) -> list[int]:
@@ -277,6 +286,8 @@ class EncodedBatch:
 
     def status(self) -> ViTStatus:
         """What the other ranks need to know about this forward before the return trip."""
+        if self.error is not None and self.input_problem:
+            return ViTStatus(error=f"{INPUT_ERROR}{self.error}")
         if self.error is not None:
             return ViTStatus(error=f"{type(self.error).__name__}: {self.error}")
         signatures = tuple(
@@ -301,6 +312,7 @@ def encode(
     merge: int,
     layout: OutputLayout | None,
     no_grad_dummy: bool,
+    skip_with: Exception | None = None,
 ) -> EncodedBatch:
     """Run ``vit`` on ``batch`` and classify its outputs; a ViT exception is kept, not raised.
 
@@ -310,8 +322,11 @@ def encode(
         merge: The spatial merge size.
         layout: Explicit output kinds, if any.
         no_grad_dummy: Run a dummy batch without autograd (the ``"no_grad"`` empty-rank policy).
+        skip_with: Do not run the ViT; report this error instead (this rank's input was bad).
     """
     started = time.perf_counter()
+    if skip_with is not None:
+        return EncodedBatch([], None, [], skip_with, 0.0, input_problem=True)
     try:
         if batch.is_dummy and no_grad_dummy:
             with torch.no_grad():
@@ -338,6 +353,8 @@ def encode(
 
 
 def _describe(worker: int, status: ViTStatus, reference: ViTStatus, merge: int) -> str | None:
+    if status.error.startswith(INPUT_ERROR):
+        return f"rank {worker}: {status.error[len(INPUT_ERROR) :]}"
     if status.error:
         return f"rank {worker}: the ViT raised {status.error}"
     for leaf in status.leaves:
@@ -359,7 +376,8 @@ def raise_for_vit(report: StatusReport, encoded: EncodedBatch, merge: int) -> No
     """After the status gather: raise on every rank when any rank's ViT failed or disagreed.
 
     A rank whose own ViT raised re-raises its own exception (the others' problems are attached as
-    a note); every other rank raises a ``RuntimeError`` (a ViT exception elsewhere) or a
+    a note); a rank whose input did not match its prepared plan raises the same ``ValueError`` as
+    the others; every other rank raises a ``RuntimeError`` (a ViT exception elsewhere) or a
     ``ValueError`` (outputs that cannot be routed), with the same text on every rank.
     """
     if report.consistent:
@@ -371,10 +389,14 @@ def raise_for_vit(report: StatusReport, encoded: EncodedBatch, merge: int) -> No
         if (text := _describe(worker, status, reference, merge)) is not None
     ]
     message = "The balanced ViT call failed: " + "; ".join(problems) + "."
+    if encoded.error is not None and encoded.input_problem:
+        raise ValueError(message) from encoded.error
     if encoded.error is not None:
         if hasattr(encoded.error, "add_note"):  # Python 3.11+
             encoded.error.add_note(message)
         raise encoded.error
-    if any(s.error for s in report.statuses):
+    errors = [s.error for s in report.statuses if s.error]
+    # Input that did not match its prepared plan is a ValueError everywhere; a ViT failure is not.
+    if errors and not all(e.startswith(INPUT_ERROR) for e in errors):
         raise RuntimeError(message)
     raise ValueError(message)

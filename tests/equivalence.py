@@ -178,6 +178,7 @@ def run_cases(
     dtype: str = "float32",
     config: dict[str, Any] | None = None,
     output_layout: dict[str, str] | None = None,
+    prepared: bool = False,
 ) -> list[dict[str, Any]] | None:
     """Check balanced == direct for each case on this rank (call on every rank of the pool).
 
@@ -189,6 +190,7 @@ def run_cases(
         dtype: Tower and pixel dtype name.
         config: ``ViTBalanceConfig`` keyword arguments.
         output_layout: Passed to the balancer.
+        prepared: Plan each case with ``balancer.prepare`` first (outside the counted forward).
 
     Returns:
         None on ranks outside the first ``n``; else per case: ``applied``, ``reason``,
@@ -229,9 +231,10 @@ def run_cases(
 
         model.zero_grad(set_to_none=True)
         bal_pixels = pixels.clone().requires_grad_(pixel_grad)
+        ticket = balancer.prepare(bal_pixels, grid, model) if prepared else None
         counter = CollectiveCounter()
         with counter.active():
-            balanced = balancer(model, bal_pixels, grid)
+            balanced = balancer(model, bal_pixels, grid, prepared=ticket)
         # A rank without images has no reference; its passthrough outputs come from the dummy
         # forward and feed no loss in the reference run, so leave them out of the loss.
         skip = () if grids else tuple(p for p, k in (output_layout or {}).items() if k == "passthrough")

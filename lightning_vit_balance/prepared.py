@@ -1,0 +1,86 @@
+"""A plan made before the forward: :class:`PreparedPlan`, the value ``ViTBalancer.prepare`` returns.
+
+Grid sizes are known on the host before a batch reaches the device (the data loader made them), so
+the metadata gather and the plan can run there, outside the step's forward. The balanced call then
+uses the prepared plan: no metadata gather, no device-to-host sync and no planning in the forward,
+and a step the plan skips costs nothing at all.
+
+A prepared plan describes one batch. The call that uses it checks, without syncing, that its input
+is that batch (image count, pixel rows, channels, a dtype the plan's wire dtype holds exactly; the
+grid values too when ``grid_thw`` is on the CPU); on an applied plan a rank whose input does not
+match still takes part in every exchange, with zeros, and the status gather after the ViT raises
+the same ``ValueError`` on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_vit_balance.exchange import RankMetadata
+from lightning_vit_balance.planning import RebalancePlan
+
+__all__ = ["PreparedPlan"]
+
+
+@dataclass(frozen=True)
+class PreparedPlan:
+    """Every rank's grid rows and the plan for one batch, made before the forward.
+
+    Attributes:
+        plan: The plan, identical on every rank.
+        metadata: Every rank's gathered metadata (grid rows, channels, dtype, previous ViT time).
+        rank: The rank that prepared it.
+        channels: ``C`` of the pixel rows every rank sends.
+        dtype: The dtype pixel rows travel in (the prepared ``pixel_values``' dtype).
+        pixels_require_grad: Whether any rank's prepared ``pixel_values`` required grad.
+        gather_seconds: Host seconds the gather took (outside the forward).
+        plan_seconds: Host seconds planning took (outside the forward).
+        collectives: Collectives the preparation issued.
+    """
+
+    plan: RebalancePlan
+    metadata: tuple[RankMetadata, ...]
+    rank: int
+    channels: int
+    dtype: torch.dtype
+    pixels_require_grad: bool
+    gather_seconds: float
+    plan_seconds: float
+    collectives: int
+
+    def mismatch(self, pixel_values: Any, grid_thw: Any) -> str | None:
+        """Why this call's input is not the prepared batch, or None when it is.
+
+        Reads only shapes and dtypes, and the grid values when ``grid_thw`` is on the CPU, so it never
+        waits for the device.
+        """
+        grids = self.metadata[self.rank].grids
+        if not isinstance(pixel_values, torch.Tensor) or not isinstance(grid_thw, torch.Tensor):
+            return "pixel_values and grid_thw must be tensors, as when the plan was prepared"
+        if tuple(grid_thw.shape) != (len(grids), 3):
+            return (
+                f"grid_thw has shape {tuple(grid_thw.shape)} while the prepared plan holds "
+                f"{len(grids)} images on this rank: pass the ticket prepared for this batch"
+            )
+        rows = sum(t * h * w for t, h, w in grids)
+        if pixel_values.dim() != 2 or pixel_values.shape[0] != rows or pixel_values.shape[1] != self.channels:
+            return (
+                f"pixel_values has shape {tuple(pixel_values.shape)} while the prepared plan expects "
+                f"[{rows}, {self.channels}] on this rank"
+            )
+        if (
+            not pixel_values.is_floating_point()
+            or torch.promote_types(pixel_values.dtype, self.dtype) != self.dtype
+        ):
+            return (
+                f"pixel_values has dtype {pixel_values.dtype}, which the prepared dtype {self.dtype} does "
+                "not hold exactly: prepare with pixel_values of the dtype the forward uses"
+            )
+        if bool(pixel_values.requires_grad) and not self.pixels_require_grad:
+            return "pixel_values requires grad, but did not when the plan was prepared"
+        if grid_thw.device.type == "cpu" and tuple(map(tuple, grid_thw.tolist())) != grids:
+            return "grid_thw holds other values than the prepared plan: pass the plan prepared for this batch"
+        return None

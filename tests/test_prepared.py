@@ -1,0 +1,114 @@
+"""Plans made before the forward (``ViTBalancer.prepare``) on real gloo ranks."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import towers
+from equivalence import run_cases
+from multirank import subgroup
+from test_balancer import THRESHOLD_0, standard_cases
+
+from lightning_vit_balance import ViTBalanceConfig, ViTBalancer
+
+POOL = 4
+#: In the forward of a prepared applied call: the pixel trip, the status gather, the return trip.
+PREPARED_APPLIED = 3
+
+
+def _prepared_suite(n: int) -> dict[str, Any] | None:
+    cases = standard_cases(n)
+    results = {
+        name: run_cases(n, name, cases, "float32", THRESHOLD_0, prepared=True)
+        for name in ("tensor", "window")
+    }
+    return None if results["tensor"] is None else results
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_prepared_calls_equal_the_direct_call(multirank: Any, n: int) -> None:
+    """Outputs and summed gradients as the direct call; no gather and no plan in the forward."""
+    with multirank(POOL) as w:
+        per_rank = w.run(_prepared_suite, n)[:n]
+    for rank_results in per_rank:
+        for results in rank_results.values():
+            assert results[0]["applied"]
+            for r in results:
+                expected = PREPARED_APPLIED if r["applied"] else 0
+                assert r["counted"] == r["collectives"] == expected, r
+
+
+def _mismatch(kind: str) -> tuple[str, str, float] | None:
+    group = subgroup(3)
+    rank = dist.get_rank()
+    if rank >= 3:
+        return None
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    grids = [[(1, 8, 8), (1, 8, 8)], [(1, 2, 2)], [(1, 4, 4)]][rank]
+    pixels, grid = towers.make_batch(grids, seed=rank)
+    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group)
+    ticket = balancer.prepare(pixels, grid, tower)
+    if rank == 1 and kind == "rows":
+        pixels, grid = towers.make_batch([(1, 2, 4)], seed=rank)  # another batch than prepared
+    if rank == 1 and kind == "values":
+        grid = torch.tensor([[1, 1, 4]])  # same patches, other grid values
+    if rank == 1 and kind == "dtype":
+        pixels = pixels.double()  # wider than the dtype the plan sends
+    started = time.perf_counter()
+    try:
+        balancer(tower, pixels, grid, prepared=ticket)
+        outcome = ("ok", "", time.perf_counter() - started)
+    except ValueError as error:
+        outcome = ("ValueError", str(error), time.perf_counter() - started)
+    # Still in step: an unprepared call works everywhere.
+    pixels, grid = towers.make_batch(grids, seed=rank)
+    torch.testing.assert_close(balancer(tower, pixels, grid), tower(pixels, grid), rtol=1e-4, atol=1e-5)
+    return outcome
+
+
+@pytest.mark.parametrize(
+    ("kind", "fragment"), [("rows", "shape"), ("values", "other values"), ("dtype", "float64")]
+)
+def test_a_call_that_does_not_match_its_plan_fails_everywhere(
+    multirank: Any, kind: str, fragment: str
+) -> None:
+    with multirank(POOL) as w:
+        outcomes = w.run(_mismatch, kind)[:3]
+    assert {o[0] for o in outcomes} == {"ValueError"}, outcomes
+    assert len({o[1] for o in outcomes}) == 1, outcomes
+    assert "rank 1" in outcomes[0][1] and fragment in outcomes[0][1], outcomes[0][1]
+    assert all(o[2] < 10.0 for o in outcomes), outcomes
+
+
+def _bad_prepare() -> str | None:
+    group = subgroup(3)
+    rank = dist.get_rank()
+    if rank >= 3:
+        return None
+    pixels, grid = towers.make_batch([(1, 4, 4)], seed=rank)
+    if rank == 2:
+        pixels = pixels[:-1]
+    try:
+        ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group).prepare(pixels, grid)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_bad_input_fails_in_prepare_on_every_rank(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        messages = w.run(_bad_prepare)[:3]
+    assert len(set(messages)) == 1 and "rank 2: pixel_values has 15 rows" in messages[0], messages
+
+
+def test_prepare_without_a_process_group_returns_none() -> None:
+    pixels, grid = towers.make_batch([(1, 4, 4)], seed=0)
+    balancer = ViTBalancer()
+    assert balancer.prepare(pixels, grid) is None
+    tower = towers.TensorTower()
+    torch.testing.assert_close(balancer(tower, pixels, grid, prepared=None), tower(pixels, grid))

@@ -17,6 +17,7 @@ them into its input embeddings, even with zero rows), because those exchanges ar
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from lightning_vit_balance.encoding import (
     encode,
     raise_for_input,
     raise_for_vit,
+    splice_encoded,
     validate_input,
 )
 from lightning_vit_balance.exchange import (
@@ -47,6 +49,7 @@ from lightning_vit_balance.exchange import (
     gather_metadata,
     pack_rows,
     row_slices,
+    start_all_to_all,
     take_rows,
     transit_dtype,
     unpack_rows,
@@ -371,20 +374,93 @@ class ViTBalancer:
         the planned sizes, so no rank waits.
         """
         route = ExchangeRoute.from_plan(plan, call.rank)
-        batch = self._dispatch(call, pixel_values, grid_thw, route, metadata, reference, problem is not None)
-        encoded = encode(
-            vit,
-            batch,
-            merge=call.merge,
-            layout=self.output_layout,
-            no_grad_dummy=self.config.empty_rank_forward == "no_grad",
-            skip_with=ValueError(problem) if problem is not None else None,
-        )
+        if self.config.overlap_pixel_trip and problem is None:
+            batch, encoded = self._overlapped(call, vit, pixel_values, grid_thw, route, metadata, reference)
+        else:
+            batch = self._dispatch(
+                call, pixel_values, grid_thw, route, metadata, reference, problem is not None
+            )
+            encoded = self._encode(call, vit, batch, ValueError(problem) if problem is not None else None)
         call.seconds["encode"] = encoded.seconds
         self._last_vit_us = int(encoded.seconds * 1e6)
         self._check_every_vit(call, encoded)
         returned = self._combine(call, vit, encoded, plan, batch, reference)
         return self._rebuild(vit, encoded, returned, grid_thw, plan.patch_counts[call.rank])
+
+    def _encode(
+        self, call: _Call, vit: Any, batch: BalancedBatch, skip_with: Exception | None = None
+    ) -> EncodedBatch:
+        return encode(
+            vit,
+            batch,
+            merge=call.merge,
+            layout=self.output_layout,
+            no_grad_dummy=self.config.empty_rank_forward == "no_grad",
+            skip_with=skip_with,
+        )
+
+    def _overlapped(
+        self,
+        call: _Call,
+        vit: Any,
+        pixel_values: torch.Tensor,
+        grid_thw: torch.Tensor,
+        route: ExchangeRoute,
+        metadata: Sequence[RankMetadata],
+        reference: _Reference,
+    ) -> tuple[BalancedBatch, EncodedBatch]:
+        """The pixel trip in flight while this rank encodes its own images, then the arrivals."""
+        started = time.perf_counter()
+        mine = metadata[call.rank].patch_counts
+        pending = start_all_to_all(
+            self._send_pixels(call, pixel_values, route, metadata, reference, False),
+            route.send_patches,
+            route.receive_patches,
+            call.group,
+            differentiable=reference.pixels_differentiable,
+        )
+        self._count_pixel_trip(call, route, reference)
+        home = [i for src, i in route.arrivals if src == call.rank]
+        call.timed("dispatch", started)
+        home_encoded = None
+        if home:
+            rows = take_rows(pixel_values, row_slices(mine, home))
+            home_encoded = self._encode(
+                call, vit, self._batch(rows, rows, [(call.rank, i) for i in home], metadata, grid_thw)
+            )
+        started = time.perf_counter()
+        received = pending.wait()  # [sum(receive_patches), C], images in arrival order
+        call.timed("dispatch", started)
+        away = [(src, i) for src, i in route.arrivals if src != call.rank]
+        if not away and home_encoded is not None:
+            return self._batch(received, received, route.arrivals, metadata, grid_thw), home_encoded
+        cut = sum(route.receive_patches[: call.rank])
+        away_rows = torch.cat([received[:cut], received[cut + route.receive_patches[call.rank] :]])
+        batch = self._batch(away_rows.to(pixel_values.dtype), received, away, metadata, grid_thw)
+        if not away:
+            batch = BalancedBatch.dummy(
+                call.merge, reference.channels, reference.dtype, grid_thw, received.device
+            )
+            batch = dataclasses.replace(batch, received=received)
+        encoded = self._encode(call, vit, batch)
+        if home_encoded is not None:
+            before = [metadata[src].patch_counts[i] for src, i in away if src < call.rank]
+            encoded = splice_encoded(encoded, home_encoded, before, call.merge)
+        return dataclasses.replace(batch, received=received), encoded
+
+    @staticmethod
+    def _batch(
+        pixels: torch.Tensor,
+        received: torch.Tensor,
+        images: Sequence[tuple[int, int]],
+        metadata: Sequence[RankMetadata],
+        grid_thw: torch.Tensor,
+    ) -> BalancedBatch:
+        """The batch of ``images`` (``(rank, index)`` each), grid rows from the gather, not the wire."""
+        rows = np.asarray([metadata[src].grids[i] for src, i in images], dtype=np.int64).reshape(-1, 3)
+        grid = torch.from_numpy(rows).to(dtype=grid_thw.dtype, device=grid_thw.device)
+        counts = tuple(metadata[src].patch_counts[i] for src, i in images)
+        return BalancedBatch(pixels, grid, counts, False, received)
 
     def _start(self, vit: Any, pixel_values: Any) -> _Call:
         preferred = pixel_values.device if isinstance(pixel_values, torch.Tensor) else None
@@ -441,41 +517,51 @@ class ViTBalancer:
         """The forward trip: pixel rows to the rank that encodes each image (``zeros``: rows of the
         planned sizes standing in for input that does not match a prepared plan)."""
         started = time.perf_counter()
-        mine = metadata[call.rank].patch_counts
-        device = pixel_values.device if isinstance(pixel_values, torch.Tensor) else call.device
-        if mine and not zeros:
-            # The wire dtype is the plan's; a prepared call checked that the cast is exact.
-            send = take_rows(pixel_values, row_slices(mine, route.send_order)).to(reference.dtype)
-        else:
-            send = torch.zeros(
-                (sum(route.send_patches), reference.channels), dtype=reference.dtype, device=device
-            )
         received = all_to_all(
-            send,
+            self._send_pixels(call, pixel_values, route, metadata, reference, zeros),
             route.send_patches,
             route.receive_patches,
             call.group,
             differentiable=reference.pixels_differentiable,
         )  # [sum(receive_patches), C], images in arrival order
+        self._count_pixel_trip(call, route, reference)
+        call.timed("dispatch", started)
+        if not route.arrivals:
+            batch = BalancedBatch.dummy(
+                call.merge, reference.channels, reference.dtype, grid_thw, received.device
+            )
+            # Keeps the forward trip in the graph, so its backward exchange runs on this rank too.
+            return dataclasses.replace(batch, received=received)
+        pixels = received if zeros else received.to(pixel_values.dtype)
+        return self._batch(pixels, received, route.arrivals, metadata, grid_thw)
+
+    @staticmethod
+    def _send_pixels(
+        call: _Call,
+        pixel_values: torch.Tensor,
+        route: ExchangeRoute,
+        metadata: Sequence[RankMetadata],
+        reference: _Reference,
+        zeros: bool,
+    ) -> torch.Tensor:
+        """This rank's pixel rows grouped by destination, in the wire dtype (``[sum(send), C]``)."""
+        mine = metadata[call.rank].patch_counts
+        if mine and not zeros:
+            # The wire dtype is the plan's; a prepared call checked that the cast is exact.
+            return take_rows(pixel_values, row_slices(mine, route.send_order)).to(reference.dtype)
+        device = pixel_values.device if isinstance(pixel_values, torch.Tensor) else call.device
+        return torch.zeros(
+            (sum(route.send_patches), reference.channels), dtype=reference.dtype, device=device
+        )
+
+    @staticmethod
+    def _count_pixel_trip(call: _Call, route: ExchangeRoute, reference: _Reference) -> None:
         call.collectives += 1
         row_bytes = reference.channels * reference.dtype.itemsize
         call.bytes_sent += row_bytes * sum(n for d, n in enumerate(route.send_patches) if d != call.rank)
         call.bytes_received += row_bytes * sum(
             n for s, n in enumerate(route.receive_patches) if s != call.rank
         )
-        counts = tuple(metadata[src].patch_counts[i] for src, i in route.arrivals)
-        call.timed("dispatch", started)
-        if not counts:
-            batch = BalancedBatch.dummy(
-                call.merge, reference.channels, reference.dtype, grid_thw, received.device
-            )
-            # Keeps the forward trip in the graph, so its backward exchange runs on this rank too.
-            return BalancedBatch(batch.pixels, batch.grid, batch.patch_counts, True, received)
-        # The grid rows come from the gather, not from the wire.
-        rows = np.asarray([metadata[src].grids[i] for src, i in route.arrivals], dtype=np.int64)
-        grid = torch.from_numpy(rows).to(dtype=grid_thw.dtype, device=grid_thw.device)
-        pixels = received if zeros else received.to(pixel_values.dtype)
-        return BalancedBatch(pixels, grid, counts, False, received)
 
     def _check_every_vit(self, call: _Call, encoded: EncodedBatch) -> None:
         """The status gather: every rank learns whether any ViT raised or made unusable outputs."""

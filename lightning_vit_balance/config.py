@@ -93,6 +93,11 @@ class ViTBalanceConfig:
             metadata gather now always carries 64 images per rank (one more gather for a rank
             with more): a fixed size lets ranks whose settings differ still meet in it and raise a
             clear error instead of hanging.
+        overlap_pixel_trip: Start the pixel trip asynchronously and encode the images that stay on
+            this rank while it is in flight, then the arrivals (two ViT calls instead of one; the
+            same outputs and gradients). It pays where the transfer runs beside the computation
+            (NCCL on GPUs); on CPU with gloo the trip competes for the same cores, so it is off
+            by default (see BENCHMARKS.md).
     """
 
     enabled: bool = True
@@ -110,9 +115,10 @@ class ViTBalanceConfig:
     min_gain: float = 0.02
     empty_rank_forward: Literal["attached", "no_grad"] = "attached"
     gather_capacity: int = 64
+    overlap_pixel_trip: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "verbose"):
+        for name in ("enabled", "verbose", "overlap_pixel_trip"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "a bool")
         if self.max_len_ratio is not None:

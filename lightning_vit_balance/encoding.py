@@ -23,6 +23,7 @@ from lightning_vit_balance.exchange import (
     StatusReport,
     ViTStatus,
     device_problem,
+    rows_per_image,
 )
 from lightning_vit_balance.outputs import (
     Classification,
@@ -42,6 +43,7 @@ __all__ = [
     "encode",
     "raise_for_input",
     "raise_for_vit",
+    "splice_encoded",
     "validate_input",
 ]
 
@@ -400,3 +402,34 @@ def raise_for_vit(report: StatusReport, encoded: EncodedBatch, merge: int) -> No
     if errors and not all(e.startswith(INPUT_ERROR) for e in errors):
         raise RuntimeError(message)
     raise ValueError(message)
+
+
+def splice_encoded(
+    away: EncodedBatch, home: EncodedBatch, counts_before: Sequence[int], merge: int
+) -> EncodedBatch:
+    """One :class:`EncodedBatch` for a balanced batch encoded in two ViT calls (overlapped trip).
+
+    ``away`` encoded the arrivals from other ranks, ``home`` this rank's own images, which sit
+    after the arrivals from lower ranks (``counts_before``: their patch counts) in arrival order.
+    Token outputs are spliced in that order; other outputs are ``away``'s.
+    """
+    if away.error is not None or home.error is not None:
+        return away if away.error is not None else home
+    if [c.kind for c in away.kinds] != [c.kind for c in home.kinds]:
+        error = ValueError("the ViT's outputs differ in structure between two batches of the same call")
+        return EncodedBatch([], None, [], error, away.seconds + home.seconds)
+    leaves = list(away.leaves)
+    kinds = list(away.kinds)
+    for k in away.token_indices:
+        kind = kinds[k].kind
+        cut = sum(rows_per_image(kind, n, merge) for n in counts_before)
+        rows = away.leaves[k][1]
+        leaves[k] = (leaves[k][0], torch.cat([rows[:cut], home.leaves[k][1], rows[cut:]]))
+        problem = max(away.kinds[k].problem, home.kinds[k].problem)
+        kinds[k] = Classification(
+            kind,
+            problem,
+            away.kinds[k].rows + home.kinds[k].rows,
+            away.kinds[k].expected + home.kinds[k].expected,
+        )
+    return EncodedBatch(leaves, away.structure, kinds, None, away.seconds + home.seconds)

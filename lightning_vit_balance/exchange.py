@@ -37,6 +37,7 @@ __all__ = [
     "GATHER_CAPACITY",
     "ExchangeRoute",
     "LeafSignature",
+    "PendingExchange",
     "RankMetadata",
     "ReturnLayout",
     "StatusReport",
@@ -51,6 +52,7 @@ __all__ = [
     "pack_rows",
     "row_slices",
     "rows_per_image",
+    "start_all_to_all",
     "take_rows",
     "transit_dtype",
     "unpack_rows",
@@ -319,6 +321,87 @@ def all_to_all(
     if not tensor.requires_grad:
         tensor = tensor.detach().requires_grad_(True)
     return _AllToAllFunction.apply(tensor, send, receive, group)
+
+
+class PendingExchange:
+    """An :func:`start_all_to_all` in flight; its rows are valid only after :meth:`wait`."""
+
+    def __init__(self, output: torch.Tensor, work: Any) -> None:
+        self._output = output
+        self._work = work
+
+    def wait(self) -> torch.Tensor:
+        """Block until the rows have arrived; return them (``[sum(receive_splits), ...]``)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._output
+
+
+class _StartAllToAllFunction(torch.autograd.Function):
+    """An asynchronous ``all_to_all_single``; the backward is the synchronous inverse exchange."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        tensor: torch.Tensor,
+        send_splits: list[int],
+        receive_splits: list[int],
+        group: Any,
+        works: list[Any],
+    ) -> torch.Tensor:
+        ctx.send_splits = send_splits
+        ctx.receive_splits = receive_splits
+        ctx.group = group
+        output, work = _start(tensor, send_splits, receive_splits, group)
+        works.append(work)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
+        grad = _exchange(grad_output, ctx.receive_splits, ctx.send_splits, ctx.group)
+        return grad, None, None, None, None
+
+
+def _start(
+    tensor: torch.Tensor, send_splits: list[int], receive_splits: list[int], group: Any
+) -> tuple[torch.Tensor, Any]:
+    tensor = tensor.contiguous()
+    output = tensor.new_empty((sum(receive_splits), *tensor.shape[1:]))
+    work = dist.all_to_all_single(
+        output,
+        tensor,
+        output_split_sizes=receive_splits,
+        input_split_sizes=send_splits,
+        group=group,
+        async_op=True,
+    )
+    return output, work
+
+
+def start_all_to_all(
+    tensor: torch.Tensor,
+    send_splits: Sequence[int],
+    receive_splits: Sequence[int],
+    group: Any,
+    *,
+    differentiable: bool,
+) -> PendingExchange:
+    """:func:`all_to_all`, started asynchronously: compute something else, then ``wait()``.
+
+    The arguments are those of :func:`all_to_all`; the backward exchange (when differentiable) is
+    synchronous, as gradients are needed at once.
+    """
+    send = [int(v) for v in send_splits]
+    receive = [int(v) for v in receive_splits]
+    if not differentiable:
+        with torch.no_grad():
+            return PendingExchange(*_start(tensor, send, receive, group))
+    if not tensor.requires_grad:
+        tensor = tensor.detach().requires_grad_(True)
+    works: list[Any] = []
+    output = _StartAllToAllFunction.apply(tensor, send, receive, group, works)
+    return PendingExchange(output, works[0])
 
 
 # -- routes: what goes where, each way ------------------------------------------------------------

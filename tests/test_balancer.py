@@ -462,3 +462,21 @@ def test_balanced_call_under_no_grad(multirank: Any) -> None:
     assert all(r["applied"] and r["collectives"] == APPLIED_COLLECTIVES for r in per_rank), per_rank
     assert not any(r["requires_grad"] for r in per_rank)
     assert per_rank[2]["rows"] == 0  # the rank without images gets zero rows of each output
+
+
+def _overlapped_suite(n: int) -> dict[str, Any] | None:
+    cases = standard_cases(n)
+    config = {**THRESHOLD_0, "overlap_pixel_trip": True}
+    results = {name: run_cases(n, name, cases, "float32", config) for name in ("tensor", "window", "dict")}
+    return None if results["tensor"] is None else results
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_overlapped_pixel_trip_equals_the_direct_call(multirank: Any, n: int) -> None:
+    """Home images encoded while the trip is in flight, then the arrivals: same outputs and grads."""
+    with multirank(POOL) as w:
+        per_rank = w.run(_overlapped_suite, n)[:n]
+    for rank_results in per_rank:
+        for results in rank_results.values():
+            assert results[0]["applied"]
+            _check_collectives(results)

@@ -1,0 +1,196 @@
+"""Costs of the engine's own machinery, each next to its floor, measured side by side in one run.
+
+``make bench-engine`` spawns 2 gloo ranks on CPU (file-store rendezvous) and prints three tables:
+
+* **status**: the status gather after the ViT (the check that turns a ViT failure on one rank into
+  one error on every rank) per call, next to a whole applied balanced call on the demo's tower and
+  batches, and next to a raw ``all_gather`` of the same three int64 values;
+* **scale**: thousands of tiny images on a rank: one applied balanced call (rank 0 holds ``n``
+  images, rank 1 a quarter of that) against the direct call on the same images, with the host
+  bookkeeping split out (gather + plan + the trips' host work);
+* **overlap**: ``overlap_pixel_trip`` off and on, forward and backward of the demo's tower on the
+  demo's batches, wall time of the slowest rank per step (median), alternating the two settings
+  step by step so that machine noise hits both alike.
+
+Every figure is a median over repeats. The numbers depend on the machine; the ratios are the point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from tiny_vlm import SyntheticVLMDataset, TinyVisionTower, collate_vlm
+
+from lightning_vit_balance import CostModel, ViTBalanceConfig, ViTBalancer
+from lightning_vit_balance.exchange import ViTStatus, exchange_status
+
+RANKS = 2
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+def _slowest(value: float) -> float:
+    box = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return float(box)
+
+
+def _demo_tower(scale: float) -> tuple[torch.nn.Module, list[dict[str, torch.Tensor]], ViTBalanceConfig]:
+    torch.manual_seed(0)
+    tower = TinyVisionTower(window_layers=(1,), deepstack_layers=(0, 2))
+    data = SyntheticVLMDataset(64, scale=scale, seed=1)
+    rank = dist.get_rank()
+    batches = [collate_vlm([data[4 * step + 2 * rank], data[4 * step + 2 * rank + 1]]) for step in range(8)]
+    cost = CostModel.from_vit(tower, window_layers=(1,), window_patches=(2 * tower.window_size) ** 2)
+    config = cost.to_config(ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))
+    return tower, batches, config
+
+
+def _status_table(repeats: int) -> list[str]:
+    tower, batches, config = _demo_tower(0.8)
+    balancer = ViTBalancer(config)
+    ok = ViTStatus()
+    status_ms = _median_ms(lambda: exchange_status(ok, None), repeats)
+    word = torch.zeros(3, dtype=torch.int64)
+    raw_ms = _median_ms(
+        lambda: dist.all_gather([torch.empty_like(word) for _ in range(RANKS)], word), repeats
+    )
+    applied_batches = []
+    for batch in batches:
+        balancer(tower, batch["pixel_values"], batch["image_grid_thw"])
+        if balancer.last_stats is not None and balancer.last_stats.applied:
+            applied_batches.append(batch)
+    batch = applied_batches[0]  # the same on every rank: the plans are
+    call_ms = _median_ms(lambda: balancer(tower, batch["pixel_values"], batch["image_grid_thw"]), 5)
+    applied = balancer.last_stats is not None and balancer.last_stats.applied
+    return [
+        "| piece | ms per call (median) |",
+        "|---|---|",
+        f"| status gather after the ViT | {status_ms:.3f} |",
+        f"| raw all_gather of the same 3 int64 | {raw_ms:.3f} |",
+        f"| whole applied balanced call, demo tower (applied={applied}) | {call_ms:.1f} |",
+        f"| status share of the call | {100 * status_ms / call_ms:.2f}% |",
+    ]
+
+
+class _PerImageTower(torch.nn.Module):
+    """A tiny tower that, like Hugging Face's, walks the images of its batch one by one."""
+
+    spatial_merge_size = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(12, 16)
+        self.merge = torch.nn.Linear(64, 16)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        counts = grid_thw.prod(-1).tolist()
+        hidden = [torch.softmax(x @ x.T, -1) @ x for x in torch.split(self.embed(pixel_values), counts)]
+        return self.merge(torch.cat(hidden).reshape(-1, 64))
+
+
+def _scale_table(counts: list[int]) -> list[str]:
+    rank = dist.get_rank()
+    rows = [
+        "| images on rank 0 | direct ms | balanced ms | balanced / direct | host bookkeeping ms |",
+        "|---|---|---|---|---|",
+    ]
+    for n in counts:
+        torch.manual_seed(0)
+        tower = _PerImageTower()
+        images = n if rank == 0 else n // 4
+        grid = torch.tensor([[1, 2, 2]] * images)
+        pixels = torch.randn(4 * images, 12)
+        balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))
+        balancer(tower, pixels, grid)  # warm-up
+        direct = _median_ms(lambda: tower(pixels, grid), 3)  # noqa: B023
+        balanced = _median_ms(lambda: balancer(tower, pixels, grid), 3)  # noqa: B023
+        stats = balancer.last_stats
+        assert stats is not None
+        host = 1e3 * (
+            stats.gather_seconds + stats.plan_seconds + stats.dispatch_seconds + stats.combine_seconds
+        )
+        if rank == 0:
+            rows.append(f"| {n:,} | {direct:.1f} | {balanced:.1f} | {balanced / direct:.2f} | {host:.1f} |")
+    return rows
+
+
+def _overlap_table(steps: int) -> list[str]:
+    tower, batches, config = _demo_tower(1.0)
+    settings = {"off": config, "on": ViTBalanceConfig(**{**config.__dict__, "overlap_pixel_trip": True})}
+    balancers = {name: ViTBalancer(cfg) for name, cfg in settings.items()}
+    times: dict[str, list[float]] = {name: [] for name in settings}
+    for step in range(steps):
+        batch = batches[step % len(batches)]
+        # Alternate which setting runs first, so warm caches favour neither.
+        for name in ("off", "on") if step % 2 else ("on", "off"):
+            balancer = balancers[name]
+            dist.barrier()
+            started = time.perf_counter()
+            embeds, _, deepstack = balancer(tower, batch["pixel_values"], batch["image_grid_thw"])
+            (embeds.sum() + sum(d.sum() for d in deepstack)).backward()
+            times[name].append(_slowest(time.perf_counter() - started) * 1e3)
+            tower.zero_grad(set_to_none=True)
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    return [
+        "| overlap_pixel_trip | slowest rank, forward + backward, ms (median) |",
+        "|---|---|",
+        f"| off | {off:.1f} |",
+        f"| on | {on:.1f} |",
+        f"| on / off | {on / off:.3f} |",
+    ]
+
+
+def _worker(rank: int, store: str, args: argparse.Namespace, queue: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=RANKS)
+    tables = {
+        "status": _status_table(args.repeats),
+        "scale": _scale_table(args.images),
+        "overlap": _overlap_table(args.steps),
+    }
+    if rank == 0:
+        queue.put(tables)
+    dist.barrier()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=200, help="status gathers timed")
+    parser.add_argument("--images", type=int, nargs="+", default=[2_000, 20_000], help="images on rank 0")
+    parser.add_argument("--steps", type=int, default=12, help="overlap steps per setting")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    store = tempfile.mktemp(prefix="bench-engine-")
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_worker, args=(store, args, queue), nprocs=RANKS)
+    tables = queue.get()
+    for title, rows in tables.items():
+        print(f"\n## {title}\n")
+        print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

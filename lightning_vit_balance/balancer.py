@@ -31,6 +31,7 @@ from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.encoding import (
     BalancedBatch,
     EncodedBatch,
+    ViTClock,
     encode,
     raise_for_input,
     raise_for_vit,
@@ -229,7 +230,7 @@ class ViTBalancer:
         self.calls = 0
         self.applied_calls = 0
         self._fingerprint = self.config.fingerprint()
-        self._last_vit_us = -1
+        self._clock = ViTClock()
 
     # -- entry point -------------------------------------------------------------------------
 
@@ -380,9 +381,10 @@ class ViTBalancer:
             batch = self._dispatch(
                 call, pixel_values, grid_thw, route, metadata, reference, problem is not None
             )
+            self._clock.start(batch.pixels.device)
             encoded = self._encode(call, vit, batch, ValueError(problem) if problem is not None else None)
+        self._clock.stop()
         call.seconds["encode"] = encoded.seconds
-        self._last_vit_us = int(encoded.seconds * 1e6)
         self._check_every_vit(call, encoded)
         returned = self._combine(call, vit, encoded, plan, batch, reference)
         return self._rebuild(vit, encoded, returned, grid_thw, plan.patch_counts[call.rank])
@@ -423,6 +425,9 @@ class ViTBalancer:
         home = [i for src, i in route.arrivals if src == call.rank]
         call.timed("dispatch", started)
         home_encoded = None
+        # The clock brackets both forwards (and the wait between them, where the trip outlasts
+        # the home images).
+        self._clock.start(pixel_values.device)
         if home:
             rows = take_rows(pixel_values, row_slices(mine, home))
             home_encoded = self._encode(
@@ -482,7 +487,7 @@ class ViTBalancer:
             call.merge,
             call.group,
             fingerprint=tuple(value for _, value in self._fingerprint),
-            vit_us=self._last_vit_us,
+            vit_us=self._clock.read(),
             check_device=check_device,
         )
         metadata, collectives = gather_metadata(
@@ -639,9 +644,10 @@ class ViTBalancer:
 
     def _timed_direct(self, call: _Call, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
         started = time.perf_counter()
+        self._clock.start(pixel_values.device)
         output = self._direct(vit, pixel_values, grid_thw)
+        self._clock.stop()
         call.timed("encode", started)
-        self._last_vit_us = int(call.seconds["encode"] * 1e6)
         return output
 
     def _direct(self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
@@ -658,6 +664,7 @@ class ViTBalancer:
     ) -> Any:
         """The ViT's output structure with zero rows, from a dummy forward (never an empty batch)."""
         batch = BalancedBatch.dummy(merge, reference.channels, reference.dtype, grid_thw, pixel_values.device)
+        self._clock.start(batch.pixels.device)
         encoded = encode(
             vit,
             batch,
@@ -665,6 +672,7 @@ class ViTBalancer:
             layout=self.output_layout,
             no_grad_dummy=self.config.empty_rank_forward == "no_grad",
         )
+        self._clock.stop()
         if encoded.error is not None:
             raise encoded.error
         result = []

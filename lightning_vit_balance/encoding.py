@@ -39,6 +39,7 @@ from lightning_vit_balance.problems import DTYPES, InputProblem, describe_proble
 __all__ = [
     "BalancedBatch",
     "EncodedBatch",
+    "ViTClock",
     "dtype_code",
     "encode",
     "raise_for_input",
@@ -433,3 +434,43 @@ def splice_encoded(
             away.kinds[k].expected + home.kinds[k].expected,
         )
     return EncodedBatch(leaves, away.structure, kinds, None, away.seconds + home.seconds)
+
+
+class ViTClock:
+    """Times this rank's ViT forwards without ever waiting for the device.
+
+    On CPU a host timer measures the forward. On CUDA the forward only launches kernels, so a pair
+    of CUDA events brackets it, and the elapsed time is read at the next call (by then the events
+    have normally completed; ``Event.query()`` checks without blocking, and a pair still running is
+    read later instead). Either way the figure travels in the next metadata gather.
+    """
+
+    def __init__(self) -> None:
+        self._pending: tuple[Any, Any] | None = None
+        self._started = 0.0
+        self._cuda = False
+        self.last_us = -1
+
+    def start(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            self._pending = (begin, None)
+        else:
+            self._started = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._cuda and self._pending is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending = (self._pending[0], end)
+        else:
+            self.last_us = int((time.perf_counter() - self._started) * 1e6)
+
+    def read(self) -> int:
+        """Microseconds of the latest completed forward (-1 before the first)."""
+        if self._pending is not None and self._pending[1] is not None and self._pending[1].query():
+            self.last_us = int(self._pending[0].elapsed_time(self._pending[1]) * 1000)
+            self._pending = None
+        return self.last_us

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_vit_balance.balancer import BalanceStats
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
@@ -138,10 +142,15 @@ class ScriptedModule(L.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(1, 2)))
 
 
-def _fit(script: list[list[BalanceStats]], callback: ViTBalanceCallback, **trainer_kwargs: Any) -> Any:
+def _fit(
+    script: list[list[BalanceStats]],
+    callback: ViTBalanceCallback,
+    module: ScriptedModule | None = None,
+    **trainer_kwargs: Any,
+) -> Any:
+    """Fit ``module`` (default ``ScriptedModule(script)``); ``trainer_kwargs`` override the defaults."""
     logger = RecordingLogger()
-    module = ScriptedModule(script)
-    trainer = L.Trainer(
+    kwargs: dict[str, Any] = dict(
         accelerator="cpu",
         devices=1,
         max_epochs=1,
@@ -150,11 +159,15 @@ def _fit(script: list[list[BalanceStats]], callback: ViTBalanceCallback, **train
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        **{"log_every_n_steps": 1, "num_sanity_val_steps": 0, "limit_val_batches": 0, **trainer_kwargs},
+        log_every_n_steps=1,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
+    kwargs.update(trainer_kwargs)
+    trainer = L.Trainer(**kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(module)
+        trainer.fit(ScriptedModule(script) if module is None else module)
     return trainer, logger
 
 
@@ -263,7 +276,7 @@ def test_a_module_without_the_mixin_gets_a_warning() -> None:
         accelerator="cpu",
         devices=1,
         max_steps=1,
-        logger=False,
+        logger=RecordingLogger(),
         callbacks=[callback],
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -271,3 +284,82 @@ def test_a_module_without_the_mixin_gets_a_warning() -> None:
     )
     with pytest.warns(UserWarning, match="does not use ViTBalanceMixin"):
         trainer.fit(Plain([[]]))
+
+
+class LoggingModule(ScriptedModule):
+    """Also logs a value of its own through ``self.log``, at the Trainer's cadence."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("own", float(batch_idx), on_step=True, on_epoch=False)
+        return super().training_step(batch, batch_idx)
+
+
+def test_by_default_it_logs_at_the_trainers_cadence() -> None:
+    script = [[APPLIED_A], [SKIPPED], [APPLIED_B], [NO_GAIN], [APPLIED_A]]
+    _, logger = _fit(script, ViTBalanceCallback(), module=LoggingModule(script), log_every_n_steps=2)
+    own_steps = [step for metrics, step in logger.calls if "own" in metrics]
+    logged = logger.vit_balance_calls()
+    assert [step for _, step in logged] == own_steps == [1, 3]
+    # A record aggregates the calls since the previous one; the fifth step is not logged, like `own`.
+    _assert_logged(logged[1][0], _expected([APPLIED_B, NO_GAIN], 2, 4, {"below-threshold": 1, "no-gain": 1}))
+
+
+def test_checkpoint_and_early_stopping_monitor_the_latest_step(tmp_path: Path) -> None:
+    # imbalance_after per step: 0.6, 0.0 (the best), 0.04; every epoch the same.
+    script = [[NO_GAIN], [APPLIED_A], [SKIPPED]]
+    callback = ViTBalanceCallback(log_every_n_steps=3)
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path,
+        filename="{step}",
+        monitor="vit_balance/imbalance_after",
+        mode="min",
+        every_n_train_steps=1,
+        save_top_k=1,
+    )
+    stopping = EarlyStopping(
+        monitor="vit_balance/imbalance_after",
+        mode="min",
+        stopping_threshold=0.05,
+        check_on_train_epoch_end=True,
+    )
+    trainer, logger = _fit(
+        script, callback, callbacks=[callback, checkpoint, stopping], enable_checkpointing=True, max_epochs=3
+    )
+    assert float(checkpoint.best_model_score) == APPLIED_A.imbalance_after
+    assert Path(checkpoint.best_model_path).name == "step=2.ckpt"
+    # The first epoch ends on 0.04 < 0.05: stopped after 3 of 9 steps.
+    assert (trainer.global_step, stopping.stopped_epoch) == (3, 0)
+    skipped = {"below-threshold": 1, "no-gain": 1}
+    # callback_metrics hold the last step's values; the logger got the 3-step record.
+    ours = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("vit_balance/")}
+    _assert_logged(ours, _expected([SKIPPED], 1, 3, skipped))
+    [(record, step)] = logger.vit_balance_calls()
+    assert step == 2
+    _assert_logged(record, _expected(script[0] + script[1] + script[2], 1, 3, skipped))
+
+
+def test_a_trainer_without_a_logger_is_refused_unless_logging_is_off() -> None:
+    with pytest.raises(MisconfigurationException, match=r"Trainer that has no logger"):
+        _fit([[APPLIED_A]], ViTBalanceCallback(), logger=False)
+    trainer, _ = _fit([[APPLIED_A]], ViTBalanceCallback(log_every_n_steps=0, prog_bar=True), logger=False)
+    assert float(trainer.callback_metrics["vit_balance/imbalance_before"]) == pytest.approx(
+        APPLIED_A.imbalance_before
+    )
+    assert trainer.progress_bar_metrics["vit_balance/imbalance_after"] == pytest.approx(
+        APPLIED_A.imbalance_after
+    )
+
+
+def test_measured_vit_milliseconds_are_logged_per_rank_max_and_mean() -> None:
+    """The straggler itself: every rank's measured ViT time, its maximum and mean over ranks."""
+    first = dataclasses.replace(APPLIED_A, vit_ms=(30.0, 10.0))
+    second = dataclasses.replace(SKIPPED, vit_ms=(20.0, 20.0))
+    unknown = dataclasses.replace(APPLIED_B, vit_ms=(-1.0, 5.0))  # a rank with no earlier call
+    _, logger = _fit([[first, second, unknown]], ViTBalanceCallback())
+    (metrics, _), *_ = logger.vit_balance_calls()
+    assert metrics["vit_balance/vit_ms_max"] == pytest.approx(25.0)
+    assert metrics["vit_balance/vit_ms_mean"] == pytest.approx(20.0)
+    assert metrics["vit_balance/vit_ms/rank_0"] == pytest.approx(25.0)
+    assert metrics["vit_balance/vit_ms/rank_1"] == pytest.approx(15.0)
+    _, quiet = _fit([[first]], ViTBalanceCallback(log_per_rank_loads=False))
+    assert not any("vit_ms/rank_" in key for key in quiet.vit_balance_calls()[0][0])

@@ -16,10 +16,15 @@ LAYERS: dict[str, int] = {
     "config": 0,
     "cost": 1,
     "planning": 2,
+    "simulate": 2,  # the what-would-I-gain simulator: config, cost and planning only
+    "problems": 2,  # the table of input problems: pure, no communication
     "exchange": 3,
     "outputs": 4,
-    "balancer": 5,
-    "lightning": 6,
+    "encoding": 5,  # the ViT side of a balanced call: checks, the forward, its status
+    "prepared": 5,  # a plan made before the forward
+    "balancer": 6,
+    "hf": 7,
+    "lightning": 8,
 }
 
 

@@ -6,7 +6,9 @@ TensorBoard install needed) that holds the ``vit_balance/...`` keys::
     python examples/plot_vit_balance.py lightning_logs/version_0 -o vit_balance.png
 
 The picture has three panels: the imbalance ``max/mean - 1`` before and after balancing per step
-(applied steps marked), and the ViT load of every data-parallel rank without and with balancing.
+(applied steps marked), and the ViT load of every data-parallel rank without and with balancing;
+a fourth, when the log holds ``vit_balance/vit_ms/rank_{r}``, draws every rank's measured ViT
+milliseconds and the slowest rank's.
 """
 
 from __future__ import annotations
@@ -153,8 +155,8 @@ def load_metrics(path: str | Path) -> Metrics:
 
 
 def _rank_series(metrics: Mapping[str, Sequence[tuple[int, float]]], kind: str) -> dict[int, list]:
-    """``{rank: [(step, load), ...]}`` for ``vit_balance/load_{kind}/rank_{r}``."""
-    prefix = f"{PREFIX}load_{kind}/rank_"
+    """``{rank: [(step, value), ...]}`` for ``vit_balance/{kind}/rank_{r}`` (``load_before``, ``vit_ms``)."""
+    prefix = f"{PREFIX}{kind}/rank_"
     series = {}
     for key, pairs in metrics.items():
         if key.startswith(prefix) and key[len(prefix) :].isdigit():
@@ -191,8 +193,9 @@ def plot_dashboard(
     before = metrics.get(f"{PREFIX}imbalance_before", [])
     after = metrics.get(f"{PREFIX}imbalance_after", [])
     applied = dict(metrics.get(f"{PREFIX}applied", []))
-    loads = {"before": _rank_series(metrics, "before"), "after": _rank_series(metrics, "after")}
-    panels = 3 + (1 if timings else 0)
+    loads = {"before": _rank_series(metrics, "load_before"), "after": _rank_series(metrics, "load_after")}
+    measured = _rank_series(metrics, "vit_ms")
+    panels = 3 + (1 if measured else 0) + (1 if timings else 0)
     fig, axes = plt.subplots(panels, 1, figsize=(10, 2.6 * panels + 0.6), sharex=False)
     fig.suptitle(title, fontsize=13)
 
@@ -231,8 +234,10 @@ def plot_dashboard(
         ax.grid(alpha=0.3)
         if series:
             ax.legend(loc="upper right", fontsize=8, ncol=min(len(series), 8))
+    if measured:
+        _plot_measured(axes[3], measured, metrics.get(f"{PREFIX}vit_ms_max", []))
     if timings:
-        ax = axes[3]
+        ax = axes[-1]
         for label, pairs in timings.items():
             if pairs:
                 steps, seconds = zip(*pairs)
@@ -249,6 +254,19 @@ def plot_dashboard(
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _plot_measured(ax: object, measured: Mapping[int, list], slowest: Sequence[tuple[int, float]]) -> None:
+    """The measured ViT milliseconds of every rank, and the slowest rank's: the straggler itself."""
+    for rank, pairs in measured.items():
+        if pairs:
+            ax.plot(*zip(*pairs), marker=".", lw=1.0, label=f"rank {rank}")  # type: ignore[attr-defined]
+    if slowest:
+        ax.plot(*zip(*slowest), color="black", ls="--", lw=1.5, label="slowest rank")  # type: ignore[attr-defined]
+    ax.set_ylabel("ms")  # type: ignore[attr-defined]
+    ax.set_title("Measured ViT time per rank (vit_balance/vit_ms)")  # type: ignore[attr-defined]
+    ax.legend(loc="upper right", fontsize=8, ncol=min(len(measured) + 1, 8))  # type: ignore[attr-defined]
+    ax.grid(alpha=0.3)  # type: ignore[attr-defined]
 
 
 def main(argv: Sequence[str] | None = None) -> Path:

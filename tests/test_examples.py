@@ -139,6 +139,9 @@ def _metric_rows(steps: int) -> list[dict[str, Any]]:
                 "vit_balance/load_before/rank_1": 2.0,
                 "vit_balance/load_after/rank_0": 6.0,
                 "vit_balance/load_after/rank_1": 6.0 + step,
+                "vit_balance/vit_ms/rank_0": 40.0 - step,
+                "vit_balance/vit_ms/rank_1": 20.0 + step,
+                "vit_balance/vit_ms_max": max(40.0 - step, 20.0 + step),
             }
         )
         rows.append({"step": step, "epoch": 0, "train_loss": 1.0})  # another logger call, other columns
@@ -153,6 +156,7 @@ def test_dashboard_reads_csv_and_writes_png(tmp_path: Path) -> None:
     assert "train_loss" not in metrics
     assert metrics["vit_balance/imbalance_before"] == [(s, pytest.approx(0.5 + 0.1 * s)) for s in range(4)]
     assert metrics["vit_balance/load_after/rank_1"][-1] == (3, 9.0)
+    assert metrics["vit_balance/vit_ms/rank_1"][-1] == (3, 23.0)
     out = plot_vit_balance.main([str(log_dir / "metrics.csv"), "-o", str(tmp_path / "dash.png")])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -347,6 +351,9 @@ def test_demo_short_run_matches_losses_and_writes_dashboard(tmp_path: Path) -> N
     assert json.loads((tmp_path / "summary.json").read_text())["applied_steps"] == summary["applied_steps"]
     metrics = plot_vit_balance.load_metrics(tmp_path / "with_balancing")
     assert {"vit_balance/imbalance_before", "vit_balance/load_after/rank_1"} <= set(metrics)
+    # Measured ViT time trails by one call, so the second step has every rank's figure.
+    measured = {"vit_balance/vit_ms_max", "vit_balance/vit_ms/rank_0", "vit_balance/vit_ms/rank_1"}
+    assert measured <= set(metrics)
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])

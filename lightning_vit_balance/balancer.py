@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,6 +207,8 @@ class ViTBalancer:
         output_layout: Kinds of the ViT's outputs where their rows do not tell (an
             :class:`~lightning_vit_balance.outputs.OutputLayout`, or a mapping from output
             path to kind), and the merge size where the ViT does not expose ``spatial_merge_size``.
+        report: Where ``config.verbose`` reports go, one line per call on DP rank 0; default
+            ``print`` (the mixin passes Lightning's ``rank_zero_info``).
 
     Attributes:
         last_stats: :class:`BalanceStats` of the last call, ``None`` before the first.
@@ -220,6 +222,7 @@ class ViTBalancer:
         group: Any = None,
         *,
         output_layout: OutputLayout | Mapping[str, str] | None = None,
+        report: Callable[[str], None] | None = None,
     ) -> None:
         if config is not None and not isinstance(config, ViTBalanceConfig):
             raise TypeError(f"config={config!r} is invalid: expected a ViTBalanceConfig or None.")
@@ -231,6 +234,7 @@ class ViTBalancer:
         self.applied_calls = 0
         self._fingerprint = self.config.fingerprint()
         self._clock = ViTClock()
+        self._print = report if report is not None else _print_line
 
     # -- entry point -------------------------------------------------------------------------
 
@@ -748,13 +752,16 @@ class ViTBalancer:
         decision = "APPLY" if stats.applied else "SKIP"
         loads = ", ".join(f"{v:.4g}" for v in stats.loads_before)
         after = ", ".join(f"{v:.4g}" for v in stats.loads_after)
-        print(
+        self._print(
             f"[vit-balance] {decision} ({stats.reason}) imbalance {stats.imbalance_before:.3f} -> "
             f"{stats.imbalance_after:.3f}; load per rank [{loads}] -> [{after}]; moved "
             f"{stats.moved_images} images / {stats.moved_patches} patches; applied "
-            f"{self.applied_calls}/{self.calls}",
-            flush=True,
+            f"{self.applied_calls}/{self.calls}"
         )
+
+
+def _print_line(line: str) -> None:
+    print(line, flush=True)
 
 
 def _pack(

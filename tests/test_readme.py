@@ -6,7 +6,8 @@
   of the 2-rank gloo pool instead.
 * ``yaml`` blocks are parsed into :class:`ViTBalanceConfig` with jsonargparse, as LightningCLI does.
 * ``sh`` blocks: ``make`` targets and variables must exist in the Makefile; ``python`` commands run
-  (on a synthetic metrics log where they read one).
+  (on a synthetic metrics log where they read one); ``python -m`` (or ``.venv/bin/python -m``)
+  commands run from the repository root.
 * ``text`` blocks (diagrams, sample output) are not code; any other block must carry a language.
 """
 
@@ -183,6 +184,17 @@ def test_shell_snippets_refer_to_real_targets_and_run(tmp_path: Path) -> None:
                     assert re.search(rf"^{word.split('=')[0]} \?=", makefile, re.M), command
                 else:
                     assert re.search(rf"^{word}:", makefile, re.M), command
+        elif words[0] in ("python", ".venv/bin/python") and words[1:2] == ["-m"]:
+            # A module of this package (the simulator), run from the repository root as a user would.
+            done = subprocess.run(
+                [sys.executable, *words[1:]],
+                cwd=ROOT,
+                env=_env(),
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
+            assert done.returncode == 0, f"{command}:\n{done.stderr[-3000:]}"
         elif words[0] == "python":
             _write_metrics_log(tmp_path / "lightning_logs" / "version_0")
             script = str(ROOT / words[1])

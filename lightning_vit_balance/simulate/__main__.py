@@ -1,0 +1,5 @@
+"""``python -m lightning_vit_balance.simulate``: see :mod:`lightning_vit_balance.simulate.cli`."""
+
+from lightning_vit_balance.simulate.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,326 @@
+"""``vit-balance-simulate``: what would balancing buy on this dataset, at these DP sizes?
+
+Reads a dataset's image and video sizes, simulates random micro-batches on every rank, plans each
+step with :func:`~lightning_vit_balance.plan_rebalance` and prints the predicted gain per DP size.
+Exit status: 0 on success, 2 for bad input (arguments, dataset or timing files); outputs are
+written only once everything succeeded, each atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from lightning_vit_balance.config import SOLVERS, ViTBalanceConfig
+from lightning_vit_balance.cost import CostModel
+from lightning_vit_balance.simulate.costs import (
+    COST_MODELS,
+    coefficients_model,
+    named_cost_model,
+    vit_shape_model,
+)
+from lightning_vit_balance.simulate.dataset import VisualDataset, read_dataset, read_timings
+from lightning_vit_balance.simulate.report import dataset_summary, render_table, result_summary
+from lightning_vit_balance.simulate.run import DPResult, simulate
+from lightning_vit_balance.simulate.sizes import ResizeRule
+
+__all__ = ["build_parser", "main"]
+
+PROG = "vit-balance-simulate"
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+_DEFAULTS = ViTBalanceConfig()
+_RULE = ResizeRule()
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except absent ones (their help says what absent means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text}")
+    return value
+
+
+def _add_simulation_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "dataset", type=Path, help="JSON Lines (one sample per line) or CSV (one image or video per row)"
+    )
+    group = parser.add_argument_group("simulation")
+    group.add_argument(
+        "--ranks", type=_positive_int, nargs="+", default=[8, 32, 128, 512], metavar="P", help="DP sizes"
+    )
+    group.add_argument(
+        "--samples-per-rank", type=_positive_int, default=4, metavar="N", help="micro-batch size"
+    )
+    group.add_argument("--steps", type=_positive_int, default=1000, metavar="N", help="steps per DP size")
+    group.add_argument("--seed", type=int, default=0, help="seeds the random micro-batches")
+    group.add_argument("--solver", choices=SOLVERS, default=_DEFAULTS.solver, help="ViTBalanceConfig.solver")
+    group.add_argument(
+        "--trigger-threshold", type=float, default=_DEFAULTS.trigger_threshold, metavar="X", help="skip rule"
+    )
+    group.add_argument("--min-gain", type=float, default=_DEFAULTS.min_gain, metavar="X", help="skip rule")
+    group.add_argument("--max-len-ratio", type=float, metavar="X", help="patch cap (default: none)")
+
+
+def _add_cost_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "cost model (one of --cost-model, --vit-shape, --cost-coefficients, --timings)"
+    )
+    choice = group.add_mutually_exclusive_group()
+    choice.add_argument(
+        "--cost-model", choices=COST_MODELS, default="seed", help="seed: l**2; else a ViT's FLOPs"
+    )
+    choice.add_argument(
+        "--vit-shape", metavar="K=V,...", help="hidden_size=1280,depth=32,... (from_vit_shape)"
+    )
+    choice.add_argument(
+        "--cost-coefficients", metavar="K=V,...", help="quadratic=...,linear=...,constant=..."
+    )
+    choice.add_argument(
+        "--timings", type=Path, metavar="FILE", help="fit: CSV/JSONL of patch_count, milliseconds"
+    )
+    group.add_argument(
+        "--fit-window-patches", type=int, default=0, metavar="N", help="--timings: window term"
+    )
+
+
+_SIZE_HELP: dict[str, str] = {
+    "patch_size": "pixels per patch side",
+    "merge_size": "patches merged per side",
+    "temporal_patch_size": "frames per patch",
+    "min_pixels": "images: least area",
+    "max_pixels": "images: most area",
+    "video_min_pixels": "videos: least area a frame",
+    "video_max_pixels": "videos: most area a frame",
+    "video_max_tokens": "videos: total token budget (default: none)",
+}
+
+
+def _add_size_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("raw sizes to grids (Qwen2-VL processor defaults)")
+    for field in dataclasses.fields(ResizeRule):
+        name = f"--{field.name.replace('_', '-')}"
+        group.add_argument(
+            name, type=int, default=getattr(_RULE, field.name), metavar="N", help=_SIZE_HELP[field.name]
+        )
+    traffic = parser.add_argument_group("bytes moved")
+    traffic.add_argument(
+        "--channels", type=_positive_int, metavar="N", help="values a patch row (default: 3*T*p*p)"
+    )
+    traffic.add_argument("--dtype", choices=DTYPE_BYTES, default="bf16", help="pixel dtype on the wire")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's argument parser."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        formatter_class=_HelpFormatter,
+        description="Predict what ViT data-parallel balancing gains on a dataset's image and video sizes.",
+        epilog="Exit status 2: bad input. See the README's simulator section for the file formats.",
+    )
+    _add_simulation_args(parser)
+    _add_cost_args(parser)
+    _add_size_args(parser)
+    output = parser.add_argument_group("output")
+    output.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="write every figure as JSON to PATH (no PATH: stdout)",
+    )
+    output.add_argument("--plot", type=Path, metavar="PNG", help="draw speed-up and imbalance to this image")
+    output.add_argument(
+        "--progress", choices=("auto", "always", "never"), default="auto", help="auto: on a terminal"
+    )
+    return parser
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """Everything validated before the (long) simulation starts."""
+
+    dataset: VisualDataset
+    config: ViTBalanceConfig
+    cost_name: str
+    rule: ResizeRule
+    channels: int
+
+
+def _cost_model(args: argparse.Namespace, rule: ResizeRule) -> tuple[CostModel, str]:
+    if args.timings is not None:
+        counts, milliseconds = read_timings(args.timings, rule)
+        model = CostModel.fit(counts, milliseconds, window_patches=args.fit_window_patches)
+        return model, f"fitted to {args.timings} ({len(counts)} timings, milliseconds)"
+    if args.vit_shape is not None:
+        return vit_shape_model(args.vit_shape), f"ViT shape {args.vit_shape}"
+    if args.cost_coefficients is not None:
+        return coefficients_model(args.cost_coefficients), f"coefficients {args.cost_coefficients}"
+    name = "seed (l**2)" if args.cost_model == "seed" else f"{args.cost_model} ViT FLOPs"
+    return named_cost_model(args.cost_model), name
+
+
+def _check_output(path: str | Path | None, option: str) -> None:
+    if path is None or str(path) == "-":
+        return
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path}: the folder {parent} does not exist.")
+    if Path(path).is_dir():
+        raise ValueError(f"{option} {path} is a folder: expected a file name.")
+
+
+def _prepare(args: argparse.Namespace) -> _Setup:
+    """Validate options and read the inputs; raises ValueError or OSError (exit status 2)."""
+    if args.seed < 0:
+        raise ValueError(f"--seed {args.seed} is invalid: expected an int >= 0.")
+    _check_output(args.json, "--json")
+    _check_output(args.plot, "--plot")
+    if args.plot is not None:
+        from lightning_vit_balance.simulate.plot import check_format
+
+        check_format(args.plot)
+    rule = ResizeRule(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ResizeRule)})
+    model, cost_name = _cost_model(args, rule)
+    base = ViTBalanceConfig(
+        solver=args.solver,
+        trigger_threshold=args.trigger_threshold,
+        min_gain=args.min_gain,
+        max_len_ratio=args.max_len_ratio,
+    )
+    config = model.to_config(base)
+    dataset = read_dataset(args.dataset, rule)
+    return _Setup(dataset, config, cost_name, rule, args.channels or rule.channels)
+
+
+class _Progress:
+    """A one-line progress bar on a stream, redrawn at most five times a second."""
+
+    def __init__(self, total: int, stream: TextIO) -> None:
+        self.total, self.stream, self.done = total, stream, 0
+        self.start = self.shown = time.monotonic()
+
+    def __call__(self, steps: int) -> None:
+        self.done += steps
+        now = time.monotonic()
+        if now - self.shown >= 0.2 or self.done == self.total:
+            self.shown = now
+            elapsed = now - self.start
+            left = elapsed * (self.total - self.done) / self.done
+            self.stream.write(
+                f"\r{PROG}: {self.done:,}/{self.total:,} steps ({self.done / self.total:.0%}), "
+                f"{elapsed:.0f} s, ~{left:.0f} s left "
+            )
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.done:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _settings(args: argparse.Namespace, setup: _Setup) -> dict[str, Any]:
+    config, row_bytes = setup.config, setup.channels * DTYPE_BYTES[args.dtype]
+    return {
+        "ranks": list(args.ranks),
+        "samples_per_rank": args.samples_per_rank,
+        "steps": args.steps,
+        "seed": args.seed,
+        "solver": config.solver,
+        "trigger_threshold": config.trigger_threshold,
+        "min_gain": config.min_gain,
+        "max_len_ratio": config.max_len_ratio,
+        "cost_model": {"name": setup.cost_name, **dataclasses.asdict(CostModel.from_config(config))},
+        "resize": dataclasses.asdict(setup.rule),
+        "channels": setup.channels,
+        "dtype": args.dtype,
+        "row_bytes": row_bytes,
+    }
+
+
+def _run(args: argparse.Namespace, setup: _Setup) -> tuple[dict[str, Any], tuple[DPResult, ...]]:
+    show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
+    progress = _Progress(args.steps * len(args.ranks), sys.stderr) if show else None
+    start = time.perf_counter()
+    try:
+        results = simulate(
+            setup.dataset.samples,
+            args.ranks,
+            samples_per_rank=args.samples_per_rank,
+            steps=args.steps,
+            seed=args.seed,
+            config=setup.config,
+            progress=progress,
+        )
+    finally:
+        if progress is not None:
+            progress.close()
+    settings = _settings(args, setup)
+    report = {
+        "dataset": dataset_summary(setup.dataset),
+        "settings": settings,
+        "results": [result_summary(r, settings["row_bytes"]) for r in results],
+        "elapsed_seconds": time.perf_counter() - start,
+    }
+    return report, results
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``."""
+    handle, temporary = tempfile.mkstemp(dir=path.resolve().parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+        # mkstemp makes the file private; give it the permissions a plain open() would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _emit(args: argparse.Namespace, report: dict[str, Any], results: tuple[DPResult, ...]) -> None:
+    """Render everything first, then write the files, then print."""
+    text = json.dumps(report, indent=2) + "\n"
+    picture = None
+    if args.plot is not None:
+        from lightning_vit_balance.simulate.plot import render_plot
+
+        picture = render_plot(results, args.plot.suffix.lstrip(".").lower())
+    if picture is not None:
+        _write_atomic(args.plot, picture)
+    if args.json not in (None, "-"):
+        _write_atomic(Path(args.json), text.encode())
+    sys.stdout.write(text if args.json == "-" else render_table(report))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command; returns the exit status (2 for bad input)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        setup = _prepare(args)
+    except (ValueError, OSError) as error:
+        parser.exit(2, f"{PROG}: error: {error}\n")
+    try:
+        report, results = _run(args, setup)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{PROG}: interrupted; nothing written.\n")
+        return 130
+    _emit(args, report, results)
+    return 0

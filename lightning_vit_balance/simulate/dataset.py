@@ -1,0 +1,277 @@
+"""Reading a dataset's visual sizes and a timing file, with errors that point at the input.
+
+Dataset files (one sample per JSON line, or one image or video per CSV row) become a
+:class:`VisualDataset`: the patch count ``t * h * w`` of every visual of every sample. Timing
+files (patch counts and milliseconds) become two arrays for :meth:`CostModel.fit`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from lightning_vit_balance.simulate.sizes import ResizeRule
+
+__all__ = ["GRID_KEYS", "SIZE_KEYS", "InputError", "VisualDataset", "read_dataset", "read_timings"]
+
+#: JSON Lines keys holding processor grids: lists of ``[t, h, w]`` rows.
+GRID_KEYS: tuple[str, ...] = ("image_grid_thw", "video_grid_thw")
+#: JSON Lines keys holding raw sizes: lists of ``{"width", "height"}`` / ``{"width", "height", "frames"}``.
+SIZE_KEYS: tuple[str, ...] = ("images", "videos")
+_FLAT_KEYS = ("width", "height")
+# Stands for the value of an absent key or column in error messages.
+_MISSING: Any = type("Missing", (), {"__repr__": lambda self: "missing"})()
+
+
+class InputError(ValueError):
+    """A dataset or timing file holds something unexpected; the message names where and what."""
+
+    def __init__(self, path: str | Path, line: int, field: str, value: object, expected: str) -> None:
+        self.path, self.line, self.field = str(path), line, field
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        super().__init__(f"{path}:{line}: field {field!r} is {shown}: expected {expected}.")
+        self.value, self.expected = value, expected
+
+
+@dataclass(frozen=True)
+class VisualDataset:
+    """Patch counts of every sample's images and videos (a text-only sample has none).
+
+    Attributes:
+        source: Where it was read from.
+        samples: ``samples[s]``: patches ``t * h * w`` of sample ``s``'s images, then its videos.
+        num_images: Images over all samples.
+        num_videos: Videos over all samples.
+    """
+
+    source: str
+    samples: tuple[tuple[int, ...], ...]
+    num_images: int
+    num_videos: int
+
+
+class _Where:
+    """Raises :class:`InputError` for one line of one file."""
+
+    def __init__(self, path: str | Path, line: int) -> None:
+        self.path, self.line = path, line
+
+    def fail(self, field: str, value: object, expected: str) -> NoReturn:
+        raise InputError(self.path, self.line, field, value, expected)
+
+    def positive_int(self, field: str, value: object) -> int:
+        if isinstance(value, str):
+            value = _parse_int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            self.fail(field, value, "a positive integer")
+        return int(value)  # type: ignore[arg-type]
+
+    def entry(self, record: Any, key: str, field: str) -> Any:
+        if not isinstance(record, dict):
+            self.fail(field, record, "a JSON object")
+        if key not in record:
+            self.fail(_join(field, key), _MISSING, f"the key {key!r}")
+        return record[key]
+
+
+def _join(field: str, key: str) -> str:
+    return f"{field}.{key}" if field else key
+
+
+def _parse_int(text: str) -> int | str:
+    try:
+        return int(text.strip())
+    except ValueError:
+        return text
+
+
+def _grid_patches(where: _Where, field: str, row: object, rule: ResizeRule) -> int:
+    """Patches of one ``[t, h, w]`` row, checking that ``h`` and ``w`` are multiples of the merge."""
+    if not isinstance(row, (list, tuple)) or len(row) != 3:
+        where.fail(field, row, "a [t, h, w] list of three positive integers")
+    t, h, w = (where.positive_int(field, value) for value in row)
+    if h % rule.merge_size or w % rule.merge_size:
+        where.fail(field, row, f"h and w divisible by the merge size {rule.merge_size}")
+    return t * h * w
+
+
+def _size_patches(where: _Where, field: str, entry: object, rule: ResizeRule, video: bool) -> int:
+    """Patches of one ``{"width", "height"[, "frames"]}`` entry under ``rule``."""
+    width = where.positive_int(_join(field, "width"), where.entry(entry, "width", field))
+    height = where.positive_int(_join(field, "height"), where.entry(entry, "height", field))
+    frames = where.positive_int(_join(field, "frames"), where.entry(entry, "frames", field)) if video else 0
+    try:
+        t, h, w = rule.video_grid(width, height, frames) if video else rule.image_grid(width, height)
+    except ValueError as error:  # the aspect ratio: the processors refuse such pictures
+        where.fail(field or "width", entry, f"a size the processor accepts ({error})")
+    return t * h * w
+
+
+def _list_of(where: _Where, key: str, value: object) -> list[Any]:
+    if value is None:  # how some pipelines store "no images"
+        return []
+    if not isinstance(value, list):
+        where.fail(key, value, "a list (empty or null for none)")
+    return value
+
+
+_EXPECTED_KEYS = (
+    "at least one of 'image_grid_thw', 'video_grid_thw', 'images', 'videos' (a list each, empty for "
+    "a text-only sample), or 'width' and 'height' (plus 'frames' for a video)"
+)
+
+
+def _json_sample(where: _Where, record: object, rule: ResizeRule) -> tuple[list[int], list[int]]:
+    """(image patches, video patches) of one JSON Lines sample."""
+    if not isinstance(record, dict):
+        where.fail("<line>", record, "a JSON object (one sample)")
+    images: list[int] = []
+    videos: list[int] = []
+    found = [key for key in (*GRID_KEYS, *SIZE_KEYS) if key in record]
+    for key in found:
+        rows = _list_of(where, key, record[key])
+        target = videos if key.startswith("video") else images
+        for i, row in enumerate(rows):
+            if key in GRID_KEYS:
+                target.append(_grid_patches(where, f"{key}[{i}]", row, rule))
+            else:
+                target.append(_size_patches(where, f"{key}[{i}]", row, rule, key == "videos"))
+    if not found:
+        if not any(key in record for key in _FLAT_KEYS):
+            where.fail("<keys>", sorted(record), _EXPECTED_KEYS)
+        video = record.get("frames") is not None
+        (videos if video else images).append(_size_patches(where, "", record, rule, video))
+    return images, videos
+
+
+def _json_lines(path: Path) -> Iterator[tuple[_Where, object]]:
+    with open(path, encoding="utf-8") as handle:
+        for number, text in enumerate(handle, start=1):
+            if not text.strip():
+                continue
+            where = _Where(path, number)
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as error:
+                where.fail("<line>", text.strip(), f"one JSON object per line ({error.msg})")
+            yield where, record
+
+
+def _csv_rows(
+    path: Path, required: tuple[str, ...], note: str = ""
+) -> Iterator[tuple[_Where, dict[str, str]]]:
+    with open(path, encoding="utf-8", newline="") as handle:
+        reader = csv.DictReader(handle)
+        columns = [name.strip() for name in reader.fieldnames or []]
+        for name in required:
+            if name not in columns:
+                expected = f"a header row with the columns {', '.join(required)}{note}"
+                _Where(path, 1).fail(name, _MISSING, expected)
+        for row in reader:
+            cells = {(k or "").strip(): (v or "").strip() for k, v in row.items()}
+            if any(cells.values()):
+                yield _Where(path, reader.line_num), cells
+
+
+def _is_csv(path: Path) -> bool:
+    if path.suffix.lower() == ".csv":
+        return True
+    if path.suffix.lower() in (".jsonl", ".json", ".ndjson"):
+        return False
+    with open(path, encoding="utf-8") as handle:
+        return not handle.read(4096).lstrip().startswith("{")
+
+
+def _read_json_dataset(path: Path, rule: ResizeRule) -> list[tuple[list[int], list[int]]]:
+    return [_json_sample(where, record, rule) for where, record in _json_lines(path)]
+
+
+def _read_csv_dataset(path: Path, rule: ResizeRule) -> list[tuple[list[int], list[int]]]:
+    """One image or video per row; rows sharing a non-empty ``sample`` cell form one sample."""
+    samples: dict[object, tuple[list[int], list[int]]] = {}
+    rows = _csv_rows(path, ("width", "height"), " (optional: frames for videos, sample to group rows)")
+    for where, cells in rows:
+        video = bool(cells.get("frames"))
+        entry = {k: cells[k] for k in ("width", "height", "frames") if cells.get(k)}
+        patches = _size_patches(where, "", entry, rule, video)
+        key = cells.get("sample") or ("row", where.line)
+        images, videos = samples.setdefault(key, ([], []))
+        (videos if video else images).append(patches)
+    return list(samples.values())
+
+
+def read_dataset(path: str | Path, rule: ResizeRule | None = None) -> VisualDataset:
+    """Read a dataset's visual sizes.
+
+    Args:
+        path: JSON Lines (one sample per line, see :data:`GRID_KEYS` and :data:`SIZE_KEYS`) or CSV
+            (columns ``width``, ``height``, optional ``frames`` and ``sample``; one visual per row).
+            ``.csv`` files are CSV, ``.jsonl``/``.json``/``.ndjson`` JSON Lines; otherwise a file
+            whose first character is ``{`` is JSON Lines.
+        rule: Turns raw sizes into grids; default Qwen2-VL's. Grid rows are checked against its
+            ``merge_size``.
+
+    Raises:
+        InputError: naming the file, line, field and what was expected.
+        OSError: the file cannot be read.
+    """
+    path = Path(path)
+    rule = rule if rule is not None else ResizeRule()
+    reader: Callable[[Path, ResizeRule], list[tuple[list[int], list[int]]]]
+    reader = _read_csv_dataset if _is_csv(path) else _read_json_dataset
+    parsed = reader(path, rule)
+    if not any(images or videos for images, videos in parsed):
+        raise InputError(path, max(len(parsed), 1), "<samples>", len(parsed), "at least one image or video")
+    return VisualDataset(
+        source=str(path),
+        samples=tuple(tuple(images + videos) for images, videos in parsed),
+        num_images=sum(len(images) for images, _ in parsed),
+        num_videos=sum(len(videos) for _, videos in parsed),
+    )
+
+
+def _milliseconds(where: _Where, value: object) -> float:
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not math.isfinite(number) or number < 0:
+        where.fail("milliseconds", value, "a finite number >= 0")
+    return number
+
+
+def _timing_row(where: _Where, record: object, rule: ResizeRule) -> tuple[int, float]:
+    if isinstance(record, dict) and "patch_count" not in record and "grid_thw" in record:
+        patches = _grid_patches(where, "grid_thw", record["grid_thw"], rule)
+    else:
+        patches = where.positive_int("patch_count", where.entry(record, "patch_count", ""))
+    return patches, _milliseconds(where, where.entry(record, "milliseconds", ""))
+
+
+def read_timings(path: str | Path, rule: ResizeRule | None = None) -> tuple[list[int], list[float]]:
+    """Patch counts and milliseconds of timed ViT calls, for :meth:`CostModel.fit`.
+
+    Args:
+        path: CSV with the columns ``patch_count`` and ``milliseconds`` (others are ignored), or
+            JSON Lines of ``{"patch_count": n, "milliseconds": x}`` (or ``"grid_thw": [t, h, w]``
+            instead of ``patch_count``), one timed image, or batch of equal images, per row.
+        rule: Checks ``grid_thw`` rows against its merge size.
+
+    Raises:
+        InputError: a bad row, or fewer than two rows.
+    """
+    path = Path(path)
+    rule = rule if rule is not None else ResizeRule()
+    if _is_csv(path):
+        rows = [_timing_row(w, c, rule) for w, c in _csv_rows(path, ("patch_count", "milliseconds"))]
+    else:
+        rows = [_timing_row(w, record, rule) for w, record in _json_lines(path)]
+    if len(rows) < 2:
+        raise InputError(path, max(len(rows), 1), "<rows>", len(rows), "at least two timed rows to fit")
+    return [n for n, _ in rows], [ms for _, ms in rows]

@@ -1,0 +1,195 @@
+"""The simulation: random micro-batches on every rank, one plan per step, per-step figures."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+
+from lightning_vit_balance.config import ViTBalanceConfig
+from lightning_vit_balance.planning import RebalancePlan, plan_rebalance
+
+__all__ = ["DPResult", "draw_batches", "simulate"]
+
+
+@dataclass(frozen=True, eq=False)
+class DPResult:
+    """Per-step figures of the simulation at one data-parallel size.
+
+    Attributes:
+        ranks: Data-parallel size.
+        imbalance_before: ``max/mean - 1`` of the rank loads with every image at home, per step.
+        imbalance_after: The same under the plan (equal to before on skipped steps).
+        makespan_before: Slowest rank's cost without balancing, per step.
+        makespan_after: Slowest rank's cost with balancing (skipped steps: unchanged).
+        lower_bound: No plan's slowest rank costs less: ``max(mean load, largest image)``.
+        reasons: The plan's ``reason`` per step (``"applied"`` or why it skipped).
+        moved_rows: Patch rows sent to another rank, all ranks together, per step.
+        busiest_rows: Most patch rows one rank sends or receives, per step.
+        plan_seconds: Wall time of ``plan_rebalance``, per step.
+    """
+
+    ranks: int
+    imbalance_before: np.ndarray
+    imbalance_after: np.ndarray
+    makespan_before: np.ndarray
+    makespan_after: np.ndarray
+    lower_bound: np.ndarray
+    reasons: tuple[str, ...]
+    moved_rows: np.ndarray
+    busiest_rows: np.ndarray
+    plan_seconds: np.ndarray
+
+    @property
+    def steps(self) -> int:
+        """Simulated steps."""
+        return len(self.reasons)
+
+    @property
+    def speedup(self) -> float:
+        """Mean slowest-rank cost without balancing over the mean with it (ViT only)."""
+        after = float(self.makespan_after.mean())
+        return float(self.makespan_before.mean()) / after if after > 0 else 1.0
+
+    @property
+    def speedup_bound(self) -> float:
+        """The most any plan could give: mean slowest-rank cost over the mean lower bound."""
+        bound = float(self.lower_bound.mean())
+        return float(self.makespan_before.mean()) / bound if bound > 0 else 1.0
+
+    def reason_shares(self) -> dict[str, float]:
+        """Share of steps per plan reason, ``"applied"`` included, most frequent first."""
+        counts = Counter(self.reasons)
+        return {reason: n / self.steps for reason, n in counts.most_common()}
+
+
+class _Sampler:
+    """Draws micro-batches fast: every sample's visuals live in one flat array."""
+
+    def __init__(
+        self, samples: Sequence[Sequence[int]], ranks: int, samples_per_rank: int, seed: int
+    ) -> None:
+        self.lengths = np.fromiter(map(len, samples), dtype=np.int64, count=len(samples))
+        self.starts = np.concatenate(([0], np.cumsum(self.lengths)[:-1]))
+        self.visuals = np.fromiter(chain.from_iterable(samples), dtype=np.int64)
+        self.shape = (ranks, samples_per_rank)
+        self.rng = np.random.default_rng([seed, ranks])
+
+    def draw(self) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
+        """(each rank's patch counts, the same flat, the rank of each) for one step."""
+        picks = self.rng.integers(0, len(self.lengths), size=self.shape).reshape(-1)
+        lengths = self.lengths[picks]
+        # Visual j of picked sample i sits at starts[i] + j in the flat array.
+        first = np.cumsum(lengths) - lengths
+        flat = self.visuals[np.repeat(self.starts[picks] - first, lengths) + np.arange(int(lengths.sum()))]
+        per_rank = lengths.reshape(self.shape).sum(axis=1)
+        ends = np.cumsum(per_rank).tolist()
+        values = flat.tolist()
+        rows = [values[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+        return rows, flat, np.repeat(np.arange(self.shape[0]), per_rank)
+
+
+def draw_batches(
+    samples: Sequence[Sequence[int]], ranks: int, samples_per_rank: int, steps: int, seed: int
+) -> Iterator[list[list[int]]]:
+    """Per step, the patch counts of every rank's micro-batch.
+
+    Each rank draws ``samples_per_rank`` samples uniformly, with replacement, from ``samples``
+    (each a sequence of patch counts); a rank's list is its samples' visuals in order. The draws
+    depend only on ``seed`` and ``ranks``, so a DP size gives the same batches whichever other sizes
+    are simulated with it.
+    """
+    sampler = _Sampler(samples, ranks, samples_per_rank, seed)
+    for _ in range(steps):
+        yield sampler.draw()[0]
+
+
+def _traffic(plan: RebalancePlan, counts: np.ndarray, home: np.ndarray) -> tuple[int, int]:
+    """(rows sent away over all ranks, most rows one rank sends or receives) of a plan.
+
+    ``counts`` and ``home``: the plan's patch counts, flat, and the rank each image comes from.
+    """
+    if not plan.applied:
+        return 0, 0
+    dest = np.fromiter(chain.from_iterable(plan.destinations), dtype=np.int64, count=counts.size)
+    away = dest != home
+    sent = np.bincount(home[away], weights=counts[away], minlength=plan.num_ranks)
+    received = np.bincount(dest[away], weights=counts[away], minlength=plan.num_ranks)
+    return int(counts[away].sum()), int(max(sent.max(), received.max()))
+
+
+def _simulate_size(
+    samples: Sequence[Sequence[int]],
+    ranks: int,
+    samples_per_rank: int,
+    steps: int,
+    seed: int,
+    config: ViTBalanceConfig,
+    progress: Callable[[int], None] | None,
+) -> DPResult:
+    figures = np.zeros((8, steps))
+    reasons: list[str] = []
+    sampler = _Sampler(samples, ranks, samples_per_rank, seed)
+    for step in range(steps):
+        batch, counts, home = sampler.draw()
+        start = time.perf_counter()
+        plan = plan_rebalance(batch, config)
+        elapsed = time.perf_counter() - start
+        moved, busiest = _traffic(plan, counts, home)
+        figures[:, step] = (
+            plan.imbalance_before,
+            plan.imbalance_after,
+            plan.makespan_before,
+            plan.makespan_after,
+            plan.lower_bound,
+            moved,
+            busiest,
+            elapsed,
+        )
+        reasons.append(plan.reason)
+        if progress is not None:
+            progress(1)
+    return DPResult(ranks, *figures[:5], tuple(reasons), *figures[5:])
+
+
+def simulate(
+    samples: Sequence[Sequence[int]],
+    ranks: Sequence[int],
+    *,
+    samples_per_rank: int,
+    steps: int,
+    seed: int = 0,
+    config: ViTBalanceConfig | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[DPResult, ...]:
+    """Simulate ``steps`` training steps at each DP size in ``ranks`` and plan every one.
+
+    Args:
+        samples: Patch counts of each sample's visuals (``VisualDataset.samples``).
+        ranks: Data-parallel sizes to simulate.
+        samples_per_rank: Samples in each rank's micro-batch.
+        steps: Steps per DP size.
+        seed: Seeds the draws (see :func:`draw_batches`).
+        config: Solver, skip rules and cost model passed to ``plan_rebalance``.
+        progress: Called with ``1`` after every planned step.
+
+    Raises:
+        ValueError: a count is not a positive int, or ``samples`` is empty.
+    """
+    for name, value in (
+        ("samples_per_rank", samples_per_rank),
+        ("steps", steps),
+        *(("ranks", r) for r in ranks),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"simulate({name}={value!r}) is invalid: expected an int >= 1.")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"simulate(seed={seed!r}) is invalid: expected an int >= 0.")
+    if not samples or not ranks:
+        raise ValueError(f"simulate needs samples and ranks, got {len(samples)} samples and ranks={ranks!r}.")
+    config = config if config is not None else ViTBalanceConfig()
+    return tuple(_simulate_size(samples, r, samples_per_rank, steps, seed, config, progress) for r in ranks)

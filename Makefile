@@ -6,7 +6,7 @@ TORCH_REQUIREMENTS ?= requirements/torch-cpu.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo bench bench-e2e lint clean
 
 install: $(STAMP)
 
@@ -25,6 +25,11 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_planning.py
+
+# Real ranks (2 gloo CPU ranks; GPUs where every rank has one), forward and backward, without and with
+# balancing, plus the cost models' prediction error. Per-image timings: demo_output/bench_e2e_timings.csv.
+bench-e2e: $(STAMP)
+	$(PY) benchmarks/bench_e2e.py --timings-out demo_output/bench_e2e_timings.csv
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

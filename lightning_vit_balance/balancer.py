@@ -18,6 +18,7 @@ them into its input embeddings, even with zero rows), because those exchanges ar
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_vit_balance.config import ViTBalanceConfig
+from lightning_vit_balance.cost import CostCalibrator, CostModel
 from lightning_vit_balance.encoding import (
     BalancedBatch,
     EncodedBatch,
@@ -233,6 +235,10 @@ class ViTBalancer:
         self.calls = 0
         self.applied_calls = 0
         self._fingerprint = self.config.fingerprint()
+        self._calibrator = _calibrator_for(self.config)
+        # Patch counts every rank encoded in the previous gathered call: what its measured ViT time
+        # (carried in the next gather) paid for.
+        self._encoded_counts: tuple[tuple[int, ...], ...] | None = None
         self._clock = ViTClock()
         self._print = report if report is not None else _print_line
 
@@ -485,12 +491,13 @@ class ViTBalancer:
     ) -> tuple[tuple[RankMetadata, ...], _Reference]:
         """Validate locally, gather every rank's metadata, raise the same error on every rank."""
         started = time.perf_counter()
+        fingerprint = self._settings_fingerprint()
         local = validate_input(
             pixel_values,
             grid_thw,
             call.merge,
             call.group,
-            fingerprint=tuple(value for _, value in self._fingerprint),
+            fingerprint=tuple(value for _, value in fingerprint),
             vit_us=self._clock.read(),
             check_device=check_device,
         )
@@ -499,7 +506,7 @@ class ViTBalancer:
         )
         call.collectives += collectives
         call.timed("gather", started)
-        ref = raise_for_input(metadata, [name for name, _ in self._fingerprint])
+        ref = raise_for_input(metadata, [name for name, _ in fingerprint])
         differentiable = torch.is_grad_enabled() and any(m.requires_grad for m in metadata)
         if ref is None:
             return metadata, _Reference(int(pixel_values.shape[1]), pixel_values.dtype, differentiable)
@@ -509,9 +516,33 @@ class ViTBalancer:
 
     def _plan(self, call: _Call, metadata: Sequence[RankMetadata]) -> RebalancePlan:
         started = time.perf_counter()
-        plan = plan_rebalance([m.patch_counts for m in metadata], self.config)
+        cost_model = self._calibrated(metadata)
+        plan = plan_rebalance([m.patch_counts for m in metadata], self.config, cost_model=cost_model)
+        if self._calibrator is not None:
+            self._encoded_counts = tuple(
+                tuple(plan.patch_counts[src][i] for src, i in plan.arrivals(r)) if plan.applied else counts
+                for r, counts in enumerate(plan.patch_counts)
+            )
         call.timed("plan", started)
         return plan
+
+    def _calibrated(self, metadata: Sequence[RankMetadata]) -> CostModel | None:
+        """The online cost model after the previous call's measured times (None: not calibrating).
+
+        Every rank feeds the calibrator the same gathered figures, so every rank gets the same
+        coefficients; the fingerprint each rank sent covers the calibrator's state before them.
+        """
+        if self._calibrator is None:
+            return None
+        if self._encoded_counts is not None and len(self._encoded_counts) == len(metadata):
+            milliseconds = [m.vit_us / 1000.0 if m.vit_us >= 0 else math.nan for m in metadata]
+            self._calibrator.observe(self._encoded_counts, milliseconds)
+        return self._calibrator.model
+
+    def _settings_fingerprint(self) -> tuple[tuple[str, int], ...]:
+        if self._calibrator is None:
+            return self._fingerprint
+        return self.config.fingerprint(cost_fit=self._calibrator.fingerprint())
 
     def _dispatch(
         self,
@@ -758,6 +789,13 @@ class ViTBalancer:
             f"{stats.moved_images} images / {stats.moved_patches} patches; applied "
             f"{self.applied_calls}/{self.calls}"
         )
+
+
+def _calibrator_for(config: ViTBalanceConfig) -> CostCalibrator | None:
+    if not config.calibrate_cost:
+        return None
+    initial = CostModel.from_config(config)
+    return CostCalibrator(initial, window_patches=config.cost_window_patches)
 
 
 def _print_line(line: str) -> None:

@@ -21,7 +21,9 @@ from typing import Literal
 
 __all__ = ["EMPTY_RANK_POLICIES", "SOLVERS", "ViTBalanceConfig", "add_vit_balance_args"]
 
-SOLVERS: tuple[str, ...] = ("locality", "seed")
+#: Accepted ``solver`` names. ``"seed"`` is an alias of ``"lpt"``: a config keeps the name it was
+#: given (so configs saved with ``"seed"`` load and compare as before), and both plan identically.
+SOLVERS: tuple[str, ...] = ("locality", "lpt", "seed")
 EMPTY_RANK_POLICIES: tuple[str, ...] = ("attached", "no_grad")
 
 
@@ -68,8 +70,9 @@ class ViTBalanceConfig:
         verbose: The seed's ``--dp-balance-verbose``: DP rank 0 prints a report per call
             (decision, reason, imbalance, load per rank, cumulative applied/total).
         solver: ``"locality"`` (default): fast, keeps images at home unless moving them helps and
-            balances around a dominating image. ``"seed"``: the seed's LPT plus move/swap refinement
-            and skip rules, for comparison.
+            balances around a dominating image. ``"lpt"``: the seed's algorithm, LPT plus move/swap
+            refinement and its skip rule, for comparison. ``"seed"`` is accepted as an alias of
+            ``"lpt"`` (same plans; the config keeps the name it was given).
         cost_quadratic: ``a`` in the image cost
             ``a*l**2 + w*l*min(l, window) + b*l + c`` of an image with ``l`` patches. The defaults
             (``a=1``, the rest 0) are the seed's ``l**2``. :class:`~lightning_vit_balance.CostModel`
@@ -98,13 +101,18 @@ class ViTBalanceConfig:
             same outputs and gradients). It pays where the transfer runs beside the computation
             (NCCL on GPUs); on CPU with gloo the trip competes for the same cores, so it is off
             by default (see BENCHMARKS.md).
+        calibrate_cost: Fit the cost model online (``CostCalibrator``) to every rank's measured
+            ViT milliseconds of recent calls, carried in the metadata gather the balancer makes
+            anyway, so every rank fits the same coefficients at the same call; the ``cost_*`` fields
+            are the model until the first fit. The fitted coefficients are part of the settings
+            that ranks must agree on.
     """
 
     enabled: bool = True
     max_len_ratio: float | None = None
     trigger_threshold: float = 0.2
     verbose: bool = False
-    solver: Literal["locality", "seed"] = "locality"
+    solver: Literal["locality", "lpt", "seed"] = "locality"
     cost_quadratic: float = 1.0
     cost_linear: float = 0.0
     cost_constant: float = 0.0
@@ -116,9 +124,10 @@ class ViTBalanceConfig:
     empty_rank_forward: Literal["attached", "no_grad"] = "attached"
     gather_capacity: int = 64
     overlap_pixel_trip: bool = False
+    calibrate_cost: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "verbose", "overlap_pixel_trip"):
+        for name in ("enabled", "verbose", "overlap_pixel_trip", "calibrate_cost"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "a bool")
         if self.max_len_ratio is not None:
@@ -205,6 +214,8 @@ class ViTBalanceConfig:
             for f in dataclasses.fields(self)
             if f.name not in _NOT_FINGERPRINTED
         }
+        if named.get("solver") == "seed":
+            named["solver"] = "lpt"  # an alias: the same plans
         named["package_version"] = _package_version()
         named.update(extra)
         return tuple((name, _stable_hash(value)) for name, value in named.items())

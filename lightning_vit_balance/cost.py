@@ -13,9 +13,11 @@ least-squares fit to measured timings.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +25,7 @@ import numpy as np
 
 from lightning_vit_balance.config import ViTBalanceConfig, _check_int, _check_number
 
-__all__ = ["CostModel"]
+__all__ = ["CostCalibrator", "CostModel"]
 
 
 @dataclass(frozen=True)
@@ -136,44 +138,60 @@ class CostModel:
         )
 
     @classmethod
-    def from_vit(cls, vit: Any) -> CostModel:
-        """Derive the model from a Hugging Face style vision tower's ``config``.
+    def from_vit(
+        cls,
+        vit: Any,
+        *,
+        window_layers: Iterable[int] | None = None,
+        window_patches: int | None = None,
+    ) -> CostModel:
+        """Derive the model from a vision tower: its Hugging Face ``config``, else its modules.
 
-        Reads Qwen2-VL (``embed_dim``, ``mlp_ratio``), Qwen2.5-VL (``hidden_size``,
-        ``intermediate_size``, gated MLP, ``window_size`` in pixels with ``fullatt_block_indexes``)
-        and Qwen3-VL (``hidden_size``, ``intermediate_size``) vision configs.
+        With a ``config``, reads Qwen2-VL (``embed_dim``, ``mlp_ratio``), Qwen2.5-VL
+        (``hidden_size``, ``intermediate_size``, gated MLP, ``window_size`` in pixels with
+        ``fullatt_block_indexes``) and Qwen3-VL (``hidden_size``, ``intermediate_size``) vision
+        configs. Without one (or one lacking a width and a depth), reads the module tree:
+
+        * every attention layer is an ``nn.Linear`` named ``*qkv*`` with ``out = 3 * in`` (a
+          fused projection), a ``q_proj`` / ``query`` / ``q`` linear, or an ``nn.MultiheadAttention``;
+          their count is the depth and their input width the hidden size ``d``;
+        * a block is the largest module holding one attention layer; its other linears from ``d`` to
+          a width other than ``d`` are the MLP (two of them: a gated MLP; none: no MLP);
+        * the patch embedding is the first linear (or convolution) into ``d`` from a width other
+          than ``d`` and the MLP's; spatial mergers (inputs of ``merge**2 * d``) are not counted.
+
+        Which blocks attend within windows is not in the modules: a tower with a
+        ``get_window_index`` and no config saying it needs ``window_layers``.
+
+        Args:
+            vit: The vision tower.
+            window_layers: Blocks with windowed attention, overriding the config; ``()`` for none.
+            window_patches: Patches per window in those blocks.
 
         Raises:
-            ValueError: when ``vit`` has no config with a width and a depth; use
-                :meth:`from_vit_shape` then.
+            ValueError: when neither the config nor the modules give a width and a depth, when
+                the blocks differ, or when windows are unknown; the message says what to pass.
         """
-        config = getattr(vit, "config", None)
-        width = getattr(config, "embed_dim", None) or getattr(config, "hidden_size", None)
-        depth = getattr(config, "depth", None) or getattr(config, "num_hidden_layers", None)
-        if config is None or not width or not depth:
+        shape = _shape_from_config(getattr(vit, "config", None)) or _shape_from_modules(vit)
+        if shape is None:
             raise ValueError(
                 f"CostModel.from_vit: {type(vit).__name__} has no `config` with a hidden size and a "
-                "depth; build the model with CostModel.from_vit_shape(...) instead."
+                "depth, and no attention layers in its modules (an nn.Linear named *qkv* with "
+                "out_features == 3 * in_features, a q_proj, or an nn.MultiheadAttention). Build the model "
+                "with CostModel.from_vit_shape(hidden_size=..., depth=..., intermediate_size=..., "
+                "patch_input_dim=..., window_layers=..., window_patches=...) instead."
             )
-        patch = int(getattr(config, "patch_size", 14))
-        in_dim = int(getattr(config, "in_channels", 3)) * int(getattr(config, "temporal_patch_size", 2))
-        full_indexes = getattr(config, "fullatt_block_indexes", None)
-        window_px = getattr(config, "window_size", None)
-        window_layers: list[int] = []
-        window_patches = 0
-        if full_indexes is not None and window_px:
-            window_layers = [i for i in range(depth) if i not in set(full_indexes)]
-            window_patches = (int(window_px) // patch) ** 2
-        return cls.from_vit_shape(
-            hidden_size=int(width),
-            depth=int(depth),
-            intermediate_size=getattr(config, "intermediate_size", None),
-            mlp_ratio=float(getattr(config, "mlp_ratio", 4.0)),
-            gated_mlp=full_indexes is not None,
-            patch_input_dim=in_dim * patch * patch,
-            window_layers=window_layers,
-            window_patches=window_patches,
-        )
+        if window_layers is not None:
+            shape["window_layers"] = tuple(window_layers)
+            shape["window_patches"] = 0 if window_patches is None else window_patches
+        elif "window_layers" not in shape and callable(getattr(vit, "get_window_index", None)):
+            raise ValueError(
+                f"CostModel.from_vit: {type(vit).__name__} has a get_window_index (windowed attention) "
+                "but no config saying which blocks use windows; pass window_layers=[block indices] and "
+                "window_patches=<patches per window>, or window_layers=() when every block attends to "
+                "whole images."
+            )
+        return cls.from_vit_shape(**shape)
 
     @classmethod
     def fit(
@@ -187,7 +205,8 @@ class CostModel:
             window_patches: Also fit a windowed-attention term with this window, when > 0.
 
         Returns:
-            The best fit among all subsets of terms whose coefficients are all non-negative.
+            The best fit among all subsets of terms whose coefficients are all non-negative (the
+            same floats on every machine, see :class:`CostCalibrator`).
         """
         counts = np.asarray(patch_counts, dtype=np.float64)
         times = np.asarray(seconds, dtype=np.float64)
@@ -199,24 +218,453 @@ class CostModel:
         columns = {"quadratic": counts**2, "linear": counts, "constant": np.ones_like(counts)}
         if window_patches > 0:
             columns["windowed"] = counts * np.minimum(counts, float(window_patches))
-        # Scale columns to unit norm so the least-squares problem is well conditioned.
-        scales = {name: float(np.linalg.norm(col)) or 1.0 for name, col in columns.items()}
-        best: tuple[float, dict[str, float]] | None = None
-        names = list(columns)
-        for size in range(1, len(names) + 1):
-            for subset in itertools.combinations(names, size):
-                matrix = np.stack([columns[n] / scales[n] for n in subset], axis=1)
-                coef, *_ = np.linalg.lstsq(matrix, times, rcond=None)
-                if np.any(coef < 0):
-                    continue
-                residual = float(np.sum((matrix @ coef - times) ** 2))
-                if best is None or residual < best[0] - 1e-15:
-                    best = (residual, {n: float(c) / scales[n] for n, c in zip(subset, coef)})
-        fitted = best[1] if best is not None else {"linear": float(np.sum(times) / np.sum(counts))}
+        fitted = _nonnegative_least_squares(columns, times)
+        if fitted is None:
+            fitted = {"linear": math.fsum(times.tolist()) / math.fsum(counts.tolist())}
+        return cls._from_terms(fitted, window_patches)
+
+    @classmethod
+    def _from_terms(cls, terms: Mapping[str, float], window_patches: int) -> CostModel:
         return cls(
-            quadratic=fitted.get("quadratic", 0.0),
-            linear=fitted.get("linear", 0.0),
-            constant=fitted.get("constant", 0.0),
-            windowed=fitted.get("windowed", 0.0),
-            window_patches=window_patches if "windowed" in fitted else 0,
+            quadratic=terms.get("quadratic", 0.0),
+            linear=terms.get("linear", 0.0),
+            constant=terms.get("constant", 0.0),
+            windowed=terms.get("windowed", 0.0),
+            window_patches=int(window_patches) if terms.get("windowed", 0.0) > 0 else 0,
         )
+
+
+def _shape_from_config(config: Any) -> dict[str, Any] | None:
+    """:meth:`CostModel.from_vit_shape` arguments from a Qwen-VL style vision config, if it has a
+    width and a depth."""
+    width = getattr(config, "embed_dim", None) or getattr(config, "hidden_size", None)
+    depth = getattr(config, "depth", None) or getattr(config, "num_hidden_layers", None)
+    if config is None or not width or not depth:
+        return None
+    patch = int(getattr(config, "patch_size", 14))
+    in_dim = int(getattr(config, "in_channels", 3)) * int(getattr(config, "temporal_patch_size", 2))
+    full_indexes = getattr(config, "fullatt_block_indexes", None)
+    window_px = getattr(config, "window_size", None)
+    window_layers: list[int] = []
+    window_patches = 0
+    if full_indexes is not None and window_px:
+        window_layers = [i for i in range(int(depth)) if i not in set(full_indexes)]
+        window_patches = (int(window_px) // patch) ** 2
+    return {
+        "hidden_size": int(width),
+        "depth": int(depth),
+        "intermediate_size": getattr(config, "intermediate_size", None),
+        "mlp_ratio": float(getattr(config, "mlp_ratio", 4.0)),
+        "gated_mlp": full_indexes is not None,
+        "patch_input_dim": in_dim * patch * patch,
+        "window_layers": window_layers,
+        "window_patches": window_patches,
+    }
+
+
+# Linears of an attention layer with separate projections; never part of an MLP.
+_QUERY_NAMES = frozenset({"q_proj", "query", "q"})
+_ATTENTION_PART_NAMES = _QUERY_NAMES | {"k_proj", "v_proj", "o_proj", "out_proj", "key", "value", "k", "v"}
+
+
+def _is_linear(module: Any) -> bool:
+    # Duck-typed (nn.Linear and its subclasses) so that this layer needs no torch import.
+    return isinstance(getattr(module, "in_features", None), int) and isinstance(
+        getattr(module, "out_features", None), int
+    )
+
+
+def _attention_width(name: str, module: Any) -> int | None:
+    """The hidden size an attention layer marked by ``module`` reads, or ``None`` if it is none."""
+    leaf = name.rsplit(".", 1)[-1]
+    if _is_linear(module):
+        if "qkv" in leaf and module.out_features == 3 * module.in_features:
+            return int(module.in_features)
+        if leaf in _QUERY_NAMES:
+            return int(module.in_features)
+    if type(module).__name__ == "MultiheadAttention":
+        return int(module.embed_dim)
+    return None
+
+
+def _inside(name: str, block: str) -> bool:
+    return block == "" or name == block or name.startswith(block + ".")
+
+
+def _mlp_of(block: str, modules: list[tuple[str, Any]], width: int) -> tuple[int, bool]:
+    """``(intermediate_size, gated)`` of the MLP in ``block`` (``(0, False)``: no MLP)."""
+    widths = [
+        int(m.out_features)
+        for name, m in modules
+        if _inside(name, block)
+        and _is_linear(m)
+        and m.in_features == width
+        and m.out_features != width
+        and _attention_width(name, m) is None
+        and name.rsplit(".", 1)[-1] not in _ATTENTION_PART_NAMES
+    ]
+    if not widths:
+        return 0, False
+    if len(widths) > 2 or len(set(widths)) != 1:
+        raise ValueError(
+            f"CostModel.from_vit: block {block!r} has linears from the hidden size {width} to widths "
+            f"{widths}; expected one MLP input (or a gate and an up projection). Build the model with "
+            "CostModel.from_vit_shape(...) instead."
+        )
+    return widths[0], len(widths) == 2
+
+
+def _patch_input_dim(modules: list[tuple[str, Any]], width: int, mlp: int) -> int:
+    """Input features of the first linear or convolution into ``width`` (the patch embedding)."""
+    for _, m in modules:
+        if _is_linear(m) and m.out_features == width and m.in_features not in (width, mlp):
+            return int(m.in_features)
+        if getattr(m, "out_channels", None) == width and isinstance(getattr(m, "in_channels", None), int):
+            kernel = m.kernel_size if isinstance(m.kernel_size, tuple) else (m.kernel_size,)
+            return int(m.in_channels) * math.prod(int(k) for k in kernel)
+    return 0
+
+
+def _shape_from_modules(vit: Any) -> dict[str, Any] | None:
+    """:meth:`CostModel.from_vit_shape` arguments read from a tower's module tree (see
+    :meth:`CostModel.from_vit`), or ``None`` when it has no recognisable attention layer."""
+    named = getattr(vit, "named_modules", None)
+    if not callable(named):
+        return None
+    modules = list(named())
+    attention = [(n, w) for n, m in modules if (w := _attention_width(n, m)) is not None]
+    if not attention:
+        return None
+    widths = sorted({w for _, w in attention})
+    if len(widths) != 1:
+        raise ValueError(
+            f"CostModel.from_vit: the attention layers of {type(vit).__name__} read different widths "
+            f"{widths}; build the model with CostModel.from_vit_shape(...) instead."
+        )
+    width = widths[0]
+    mlps = set()
+    for name, _ in attention:
+        # The block: the largest ancestor that holds this attention layer and no other.
+        parts = name.split(".")
+        ancestors = [".".join(parts[:k]) for k in range(len(parts) - 1, -1, -1)]
+        alone = [a for a in ancestors if sum(_inside(n, a) for n, _ in attention) == 1]
+        mlps.add(_mlp_of(alone[-1] if alone else name, modules, width))
+    if len(mlps) != 1:
+        raise ValueError(
+            f"CostModel.from_vit: the blocks of {type(vit).__name__} have different MLPs "
+            f"{sorted(mlps)} (intermediate size, gated); build the model with "
+            "CostModel.from_vit_shape(...) instead."
+        )
+    intermediate, gated = mlps.pop()
+    return {
+        "hidden_size": width,
+        "depth": len(attention),
+        "intermediate_size": intermediate,
+        "gated_mlp": gated,
+        "patch_input_dim": _patch_input_dim(modules, width, intermediate),
+    }
+
+
+# A subset of terms is dropped when its scaled Gram matrix has a pivot below this: its columns
+# are (nearly) collinear, e.g. the windowed and linear terms when every image exceeds the window.
+_PIVOT_TOLERANCE = 1e-10
+
+
+def _dot(x: np.ndarray, y: np.ndarray) -> float:
+    """``sum(x * y)``, correctly rounded: the same float on every machine, whatever its BLAS."""
+    return math.fsum((x * y).tolist())
+
+
+def _cholesky_solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """Solve a small symmetric positive definite system in a fixed order; ``None`` if singular."""
+    n = len(rhs)
+    lower = [[0.0] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1):
+            value = matrix[i][j] - math.fsum(lower[i][k] * lower[j][k] for k in range(j))
+            if i == j:
+                if value <= _PIVOT_TOLERANCE:
+                    return None
+                lower[i][i] = math.sqrt(value)
+            else:
+                lower[i][j] = value / lower[j][j]
+    forward = [0.0] * n
+    for i in range(n):
+        forward[i] = (rhs[i] - math.fsum(lower[i][k] * forward[k] for k in range(i))) / lower[i][i]
+    solution = [0.0] * n
+    for i in reversed(range(n)):
+        tail = math.fsum(lower[k][i] * solution[k] for k in range(i + 1, n))
+        solution[i] = (forward[i] - tail) / lower[i][i]
+    return solution
+
+
+@dataclass(frozen=True)
+class _NormalEquations:
+    """``X^T X``, ``X^T y`` and ``y^T y`` of a least-squares problem over named columns of ``X``,
+    each entry a correctly rounded sum: the same float on every machine, whatever its BLAS."""
+
+    names: tuple[str, ...]
+    gram: dict[tuple[str, str], float]
+    moments: dict[str, float]
+    total: float
+
+    @classmethod
+    def of(cls, columns: Mapping[str, np.ndarray], target: np.ndarray) -> _NormalEquations:
+        names = tuple(columns)
+        gram = {}
+        for i, a in enumerate(names):
+            for b in names[i:]:
+                gram[a, b] = gram[b, a] = _dot(columns[a], columns[b])
+        moments = {a: _dot(columns[a], target) for a in names}
+        return cls(names, gram, moments, _dot(target, target))
+
+    @classmethod
+    def sum(cls, parts: Sequence[_NormalEquations]) -> _NormalEquations:
+        """The equations of all parts' rows together (parts with the same names)."""
+        names = parts[0].names
+        return cls(
+            names,
+            {key: math.fsum(p.gram[key] for p in parts) for key in parts[0].gram},
+            {a: math.fsum(p.moments[a] for p in parts) for a in names},
+            math.fsum(p.total for p in parts),
+        )
+
+
+def _nonnegative_least_squares(
+    columns: Mapping[str, np.ndarray] | _NormalEquations, target: np.ndarray | None = None
+) -> dict[str, float] | None:
+    """Non-negative least squares over a few named columns, bit-identical on every machine.
+
+    The optimum is the unconstrained least-squares fit on its own support, so the best fit among
+    all subsets of columns whose coefficients come out non-negative is the answer. Every sum is
+    correctly rounded (:func:`math.fsum`) and the small solves run in Python floats in a fixed
+    order, so no BLAS, thread count or SIMD width changes a bit. A later (larger) subset replaces
+    the best only when clearly better, so ties keep fewer terms.
+
+    Args:
+        columns: The named columns of ``X`` (with ``target``), or their normal equations.
+        target: ``y``.
+
+    Returns:
+        Coefficient per column name (absent: 0), or ``None`` when no subset is solvable.
+    """
+    normal = columns if isinstance(columns, _NormalEquations) else _NormalEquations.of(columns, target)
+    gram, moments, total = normal.gram, normal.moments, normal.total
+    names = [a for a in normal.names if gram[a, a] > 0.0]
+    scale = {a: math.sqrt(gram[a, a]) for a in names}
+    best: tuple[float, dict[str, float]] | None = None
+    for size in range(1, len(names) + 1):
+        for subset in itertools.combinations(names, size):
+            matrix = [[gram[a, b] / (scale[a] * scale[b]) for b in subset] for a in subset]
+            scaled = _cholesky_solve(matrix, [moments[a] / scale[a] for a in subset])
+            if scaled is None or any(c < 0.0 for c in scaled):
+                continue
+            coef = {a: c / scale[a] for a, c in zip(subset, scaled)}
+            residual = (
+                total
+                - 2.0 * math.fsum(coef[a] * moments[a] for a in subset)
+                + math.fsum(coef[a] * coef[b] * gram[a, b] for a in subset for b in subset)
+            )
+            if best is None or residual < best[0] - 1e-12 * total:
+                best = (residual, coef)
+    return best[1] if best is not None else None
+
+
+class CostCalibrator:
+    """Fits a :class:`CostModel` online to measured per-rank ViT times, identically on every rank.
+
+    Each step, :meth:`observe` takes, for every rank, the patch counts of the images that rank
+    encoded and its measured ViT milliseconds. A rank's time is modelled as the sum of its images'
+    costs plus a per-call overhead ``o`` that every rank pays alike::
+
+        ms = a*sum(l**2) + w*sum(l*min(l, window)) + b*sum(l) + c*n_images + o
+
+    fitted by non-negative least squares on the relative error (``(predicted - ms) / ms``: a 5 ms
+    and a 500 ms rank count alike) over the last ``history`` steps. The planner only compares
+    ranks, so ``o`` is left out of :attr:`model` (it is :attr:`call_overhead_ms`).
+
+    When it refits (the rule): rows (one per rank and step) with at least one image and a measured
+    time are kept, after the first ``warmup_steps`` steps that have any (steps without are
+    ignored). A fit needs ``min_rank_steps`` rows whose images span a patch count ratio
+    ``max(l) / min(l) >= min_spread`` (with equal-sized images ``l**2`` and ``l`` cannot be told
+    apart). Outliers: after a first fit, rows off by more than ``outlier_factor`` times the median
+    relative error (and by more than 5%) are dropped and the model refitted once, if
+    ``min_rank_steps`` rows remain. A fit that gives every image the same cost (only ``c`` and
+    ``o`` non-zero) is rejected. Until a fit succeeds :attr:`model` is ``initial``; afterwards the
+    last successful fit, also while the window lacks data for a new one.
+
+    Determinism: patch sums are exact integers, every sum of floats is correctly rounded
+    (:func:`math.fsum`) and the small solves run in a fixed order, so identical observations give
+    bit-identical coefficients on every rank and machine. Feed every rank the same gathered
+    figures, in the same order.
+
+    Args:
+        initial: The model until the first fit (default: the seed's ``l**2``).
+        window_patches: Fit the windowed term with this window (patches); ``None`` takes
+            ``initial.window_patches``; 0 fits no windowed term.
+        history: Steps kept (the oldest is dropped first).
+        warmup_steps: First steps with measurements ignored (allocation, autotuning, compilation).
+        min_rank_steps: Rows (one per rank and step with images) needed for a fit.
+        min_spread: Smallest ``max(l) / min(l)`` over the kept images for a fit.
+        outlier_factor: Rows off by more than this times the median relative error are outliers.
+
+    Attributes:
+        steps_observed: Calls of :meth:`observe`, warm-up included.
+        fits: Successful fits so far.
+    """
+
+    def __init__(
+        self,
+        initial: CostModel | None = None,
+        *,
+        window_patches: int | None = None,
+        history: int = 32,
+        warmup_steps: int = 2,
+        min_rank_steps: int = 12,
+        min_spread: float = 2.0,
+        outlier_factor: float = 5.0,
+    ) -> None:
+        if initial is not None and not isinstance(initial, CostModel):
+            raise TypeError(f"CostCalibrator: initial={initial!r} is invalid: expected a CostModel or None.")
+        self._model = initial if initial is not None else CostModel()
+        self.window_patches = self._model.window_patches if window_patches is None else window_patches
+        _check_int("window_patches", self.window_patches, 0, owner="CostCalibrator")
+        _check_int("history", history, 1, owner="CostCalibrator")
+        _check_int("warmup_steps", warmup_steps, 0, owner="CostCalibrator")
+        _check_int("min_rank_steps", min_rank_steps, 2, owner="CostCalibrator")
+        _check_number("min_spread", min_spread, ">= 1", lambda v: v >= 1, owner="CostCalibrator")
+        _check_number("outlier_factor", outlier_factor, "> 1", lambda v: v > 1, owner="CostCalibrator")
+        self.history = history
+        self.warmup_steps = warmup_steps
+        self.min_rank_steps = min_rank_steps
+        self.min_spread = float(min_spread)
+        self.outlier_factor = float(outlier_factor)
+        self._steps: collections.deque[tuple[np.ndarray, _NormalEquations]] = collections.deque(
+            maxlen=history
+        )
+        self._overhead = 0.0
+        self._measured_steps = 0
+        self.steps_observed = 0
+        self.fits = 0
+
+    @property
+    def model(self) -> CostModel:
+        """The current model: the last successful fit, or ``initial`` before one."""
+        return self._model
+
+    @property
+    def call_overhead_ms(self) -> float:
+        """Fitted per-call time every rank pays whatever it encodes (0.0 before a fit)."""
+        return self._overhead
+
+    def fingerprint(self) -> tuple[float, float, float, float, int]:
+        """``(quadratic, linear, constant, windowed, window_patches)`` of :attr:`model`: equal on
+        every rank when the ranks plan alike (compare or hash it)."""
+        m = self._model
+        return (m.quadratic, m.linear, m.constant, m.windowed, m.window_patches)
+
+    def observe(self, patch_counts: Sequence[Sequence[int]], milliseconds: Sequence[float]) -> CostModel:
+        """Record one step of every rank and refit; returns the (possibly unchanged) model.
+
+        Args:
+            patch_counts: ``patch_counts[r]``: patch counts of the images rank ``r`` encoded.
+            milliseconds: ``milliseconds[r]``: rank ``r``'s measured ViT time; NaN where not
+                measured (the row is skipped).
+
+        Raises:
+            ValueError: on ragged input, a non-positive patch count, or a negative or infinite time.
+        """
+        rows = self._rows(patch_counts, milliseconds)
+        self.steps_observed += 1
+        if not len(rows):  # nothing measured (e.g. the first call): neither warm-up nor history
+            return self._model
+        self._measured_steps += 1
+        if self._measured_steps <= self.warmup_steps:
+            return self._model
+        # Each step's normal equations are summed once; the window's are their sum.
+        self._steps.append((rows, self._equations(rows)))
+        fitted = self._fit()
+        if fitted is not None:
+            self._model, self._overhead = fitted
+            self.fits += 1
+        return self._model
+
+    def _rows(self, patch_counts: Sequence[Sequence[int]], milliseconds: Sequence[float]) -> np.ndarray:
+        """One row per rank with images and a time: the columns of :data:`_ROW`."""
+        try:
+            ranks = [np.asarray([int(n) for n in counts], dtype=np.int64) for counts in patch_counts]
+            times = np.asarray([float(t) for t in milliseconds], dtype=np.float64)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                "CostCalibrator.observe: expected patch_counts as one sequence of integer patch counts "
+                f"per rank and milliseconds as one number per rank, got {patch_counts!r} and "
+                f"{milliseconds!r} ({error})."
+            ) from None
+        if len(times) != len(ranks):
+            raise ValueError(
+                f"CostCalibrator.observe: milliseconds has {len(times)} ranks, patch_counts has "
+                f"{len(ranks)}; expected one time per rank."
+            )
+        for rank, counts in enumerate(ranks):
+            if counts.size and counts.min() <= 0:
+                raise ValueError(
+                    f"CostCalibrator.observe: patch_counts[{rank}]={counts.tolist()!r} is invalid: "
+                    "expected patch counts > 0."
+                )
+        bad = np.flatnonzero((times < 0) | np.isinf(times))
+        if bad.size:
+            raise ValueError(
+                f"CostCalibrator.observe: milliseconds[{bad[0]}]={float(times[bad[0]])!r} is invalid: "
+                "expected a finite number >= 0, or NaN for not measured."
+            )
+        used = [r for r, counts in enumerate(ranks) if counts.size and times[r] > 0]  # NaN > 0 is False
+        if not used:
+            return np.zeros((0, len(_ROW)))
+        flat = np.concatenate([ranks[r] for r in used])
+        starts = np.cumsum([0] + [ranks[r].size for r in used[:-1]])
+        # Integer sums are exact, then rounded to float once: the same on every rank.
+        per_rank = [flat * flat, flat, np.ones_like(flat), flat * np.minimum(flat, self.window_patches)]
+        sums = [np.add.reduceat(values, starts).astype(np.float64) for values in per_rank]
+        columns = [*sums[:3], np.ones(len(used)), sums[3]]
+        columns += [np.minimum.reduceat(flat, starts), np.maximum.reduceat(flat, starts), times[used]]
+        return np.stack([np.asarray(c, dtype=np.float64) for c in columns], axis=1)
+
+    def _fit(self) -> tuple[CostModel, float] | None:
+        """The rule of the class docstring: enough rows and spread, one outlier pass."""
+        rows = np.concatenate([step_rows for step_rows, _ in self._steps])
+        if len(rows) < self.min_rank_steps:
+            return None
+        if rows[:, _ROW.index("largest")].max() < self.min_spread * rows[:, _ROW.index("smallest")].min():
+            return None
+        terms = _nonnegative_least_squares(_NormalEquations.sum([eq for _, eq in self._steps]))
+        if terms is None:
+            return None
+        errors = np.abs(self._predict(terms, rows) / rows[:, _ROW.index("ms")] - 1.0)
+        limit = max(self.outlier_factor * float(np.median(errors)), 0.05)
+        kept = rows[errors <= limit]
+        if len(kept) < len(rows) and len(kept) >= self.min_rank_steps:
+            terms = _nonnegative_least_squares(self._equations(kept))
+        if terms is None or not any(terms.get(n, 0.0) > 0 for n in ("quadratic", "linear", "windowed")):
+            return None
+        return CostModel._from_terms(terms, self.window_patches), terms.get("overhead", 0.0)
+
+    def _columns(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        names = _ROW[:5] if self.window_patches else _ROW[:4]
+        return {name: rows[:, k] for k, name in enumerate(names)}
+
+    def _equations(self, rows: np.ndarray) -> _NormalEquations:
+        # Dividing each row by its time turns absolute into relative residuals.
+        weights = 1.0 / rows[:, _ROW.index("ms")]
+        columns = {n: col * weights for n, col in self._columns(rows).items()}
+        return _NormalEquations.of(columns, np.ones(len(rows)))
+
+    def _predict(self, terms: Mapping[str, float], rows: np.ndarray) -> np.ndarray:
+        predicted = np.zeros(len(rows))
+        for name, column in self._columns(rows).items():  # a fixed order of elementwise sums
+            predicted = predicted + terms.get(name, 0.0) * column
+        return predicted
+
+
+# Columns of a calibration row (one rank in one step): the model's terms summed over the rank's
+# images (the first five; "overhead" is 1, one ViT call), then its image sizes and measured time.
+_ROW = ("quadratic", "linear", "constant", "overhead", "windowed", "smallest", "largest", "ms")

@@ -442,7 +442,7 @@ class ViTClock:
     On CPU a host timer measures the forward. On CUDA the forward only launches kernels, so a pair
     of CUDA events brackets it, and the elapsed time is read at the next call (by then the events
     have normally completed; ``Event.query()`` checks without blocking, and a pair still running is
-    read later instead). Either way the figure travels in the next metadata gather.
+    reported as unknown). Either way the figure travels in the next metadata gather.
     """
 
     def __init__(self) -> None:
@@ -469,8 +469,11 @@ class ViTClock:
             self.last_us = int((time.perf_counter() - self._started) * 1e6)
 
     def read(self) -> int:
-        """Microseconds of the latest completed forward (-1 before the first)."""
-        if self._pending is not None and self._pending[1] is not None and self._pending[1].query():
-            self.last_us = int(self._pending[0].elapsed_time(self._pending[1]) * 1000)
+        """Microseconds of the latest forward; -1 before the first, or while its CUDA events still
+        run (that figure is then dropped rather than paired with a later call's images)."""
+        if self._pending is not None:
+            begin, end = self._pending
             self._pending = None
+            done = end is not None and end.query()
+            self.last_us = int(begin.elapsed_time(end) * 1000) if done else -1
         return self.last_us

@@ -1,11 +1,19 @@
-"""Cost models: the seed's l^2, the general polynomial, from a ViT's shape or config, fitted."""
+"""Cost models: the seed's l^2, the general polynomial, from a ViT's shape, config or modules, fitted
+offline and online (:class:`CostCalibrator`)."""
 
 from __future__ import annotations
+
+import importlib
+import math
+import sys
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from lightning_vit_balance import CostModel, ViTBalanceConfig
+from lightning_vit_balance.cost import CostCalibrator
 
 
 def test_default_is_the_seeds_l_squared_and_vectorised() -> None:
@@ -135,3 +143,215 @@ def test_fit_recovers_known_coefficients() -> None:
     assert fitted.window_patches == 64
     with pytest.raises(ValueError, match="fit"):
         CostModel.fit([1.0], [1.0])
+
+
+# -- CostModel.from_vit without a Hugging Face config ------------------------------------------
+
+
+def _load(module: str) -> Any:
+    """``tests/towers.py`` or ``examples/tiny_vlm.py``, imported by path."""
+    root = Path(__file__).resolve().parents[1]
+    folder = root / ("tests" if module == "towers" else "examples")
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    return importlib.import_module(module)
+
+
+@pytest.mark.parametrize("name", ["TensorTower", "DictTower", "GlobalTokenTower"])
+def test_from_vit_reads_the_module_tree(name: str) -> None:
+    towers = _load("towers")
+    # One block: a fused qkv Linear(16, 48), no MLP; the patch embedding is Linear(12, 16).
+    # DictTower's `config` has no width, so the modules are read there too.
+    expected = CostModel.from_vit_shape(hidden_size=16, depth=1, intermediate_size=0, patch_input_dim=12)
+    assert CostModel.from_vit(getattr(towers, name)()) == expected
+
+
+def test_from_vit_on_the_demo_tower_matches_its_shape() -> None:
+    tiny_vlm = _load("tiny_vlm")
+    kwargs = {"embed_dim": 96, "depth": 4, "num_heads": 4, "mlp_ratio": 2.0, "window_layers": (1,)}
+    tower = tiny_vlm.TinyVisionTower(**kwargs, window_size=4, deepstack_layers=(0, 2))
+    # Windows are in the forward code, not in the modules: the tower must say which blocks use them.
+    with pytest.raises(ValueError, match=r"get_window_index.*window_layers=\[block indices\]"):
+        CostModel.from_vit(tower)
+    model = CostModel.from_vit(tower, window_layers=[1], window_patches=64)
+    assert model == CostModel.from_vit_shape(
+        hidden_size=96, depth=4, mlp_ratio=2.0, patch_input_dim=1176, window_layers=[1], window_patches=64
+    )
+    # It has a get_window_index even with no windowed block; () says so.
+    full = tiny_vlm.TinyVisionTower(embed_dim=32, depth=2, num_heads=2, mlp_ratio=3.0, patch_dim=24)
+    assert CostModel.from_vit(full, window_layers=()) == CostModel.from_vit_shape(
+        hidden_size=32, depth=2, intermediate_size=96, patch_input_dim=24
+    )
+
+
+def test_from_vit_window_tower_needs_window_layers() -> None:
+    towers = _load("towers")
+    with pytest.raises(ValueError, match=r"window_layers=\(\) when every block"):
+        CostModel.from_vit(towers.WindowTower())
+    full = CostModel.from_vit(towers.TensorTower())
+    assert CostModel.from_vit(towers.WindowTower(), window_layers=()) == full
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl_tower", "qwen2_5_vl_tower", "qwen3_vl_tower"])
+def test_from_vit_modules_agree_with_hugging_face_configs(name: str) -> None:
+    pytest.importorskip("transformers")
+    from torch import nn
+
+    tower = getattr(_load("towers"), name)()
+    from_config = CostModel.from_vit(tower)
+    holder = nn.Module()  # the same modules, no config
+    holder.tower = tower
+    windows = [0] if from_config.window_patches else []  # Qwen2.5-VL: block 0 windowed, block 1 full
+    window = from_config.window_patches
+    assert CostModel.from_vit(holder, window_layers=windows, window_patches=window) == from_config
+
+
+def test_from_vit_multihead_attention_and_clear_errors() -> None:
+    from torch import nn
+
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64), 3, enable_nested_tensor=False)
+    expected = CostModel.from_vit_shape(hidden_size=32, depth=3, intermediate_size=64)
+    assert CostModel.from_vit(encoder) == expected
+    with pytest.raises(ValueError, match=r"Sequential has no `config`.*from_vit_shape\(hidden_size="):
+        CostModel.from_vit(nn.Sequential(nn.Linear(4, 8), nn.ReLU()))
+    mixed = nn.Module()
+    mixed.a, mixed.b = nn.Linear(8, 24), nn.Linear(16, 48)
+    mixed.a.qkv, mixed.b.qkv = nn.Linear(8, 24), nn.Linear(16, 48)
+    with pytest.raises(ValueError, match=r"different widths \[8, 16\]"):
+        CostModel.from_vit(mixed)
+
+
+# -- CostCalibrator ------------------------------------------------------------------------------
+
+TRUTH = CostModel(quadratic=2e-6, linear=3e-3, constant=0.5)
+
+
+def _steps(
+    seed: int, steps: int, ranks: int = 4, truth: CostModel = TRUTH, overhead: float = 2.0
+) -> list[tuple[list[list[int]], list[float]]]:
+    """Random rank batches and their exact times under ``truth`` plus a per-call overhead."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        counts = [rng.integers(16, 4000, rng.integers(1, 5)).tolist() for _ in range(ranks)]
+        out.append((counts, [float(np.sum(truth(np.array(c)))) + overhead for c in counts]))
+    return out
+
+
+def test_calibrator_recovers_coefficients_and_overhead() -> None:
+    calibrator = CostCalibrator(warmup_steps=1)
+    for counts, ms in _steps(0, 5):
+        model = calibrator.observe(counts, ms)
+    assert model is calibrator.model
+    # Exact data: only float rounding separates the fit from the truth.
+    assert model.quadratic == pytest.approx(2e-6, rel=1e-9)
+    assert model.linear == pytest.approx(3e-3, rel=1e-9)
+    assert model.constant == pytest.approx(0.5, rel=1e-9)
+    assert calibrator.call_overhead_ms == pytest.approx(2.0, rel=1e-9)
+    assert calibrator.fingerprint() == (model.quadratic, model.linear, model.constant, 0.0, 0)
+    assert CostModel.from_config(model.to_config()) == model
+
+
+def test_calibrator_fits_the_windowed_term() -> None:
+    truth = CostModel(quadratic=1e-6, windowed=4e-5, window_patches=64, linear=1e-3)
+    initial = CostModel(quadratic=1.0, window_patches=64)  # the window comes from the initial model
+    calibrator = CostCalibrator(initial, warmup_steps=0)
+    rng = np.random.default_rng(1)
+    for _ in range(6):
+        # Images below and above the window, so that l*min(l, 64) differs from 64*l.
+        counts = [rng.integers(4, 400, 3).tolist() for _ in range(4)]
+        calibrator.observe(counts, [float(np.sum(truth(np.array(c)))) for c in counts])
+    model = calibrator.model
+    assert (model.windowed, model.window_patches) == (pytest.approx(4e-5, rel=1e-6), 64)
+    assert model.quadratic == pytest.approx(1e-6, rel=1e-6)
+    assert model.linear == pytest.approx(1e-3, rel=1e-6)
+
+
+def test_calibrator_keeps_its_model_until_there_is_enough_data() -> None:
+    initial = CostModel(linear=1.0)
+    calibrator = CostCalibrator(initial, warmup_steps=2, min_rank_steps=12)
+    steps = _steps(2, 6)
+    calibrator.observe(steps[0][0], [math.nan] * 4)  # the first call: no figures yet, no warm-up
+    for counts, ms in steps[:4]:  # 2 warm-up steps, then 8 rows: too few
+        assert calibrator.observe(counts, ms) is initial
+    assert (calibrator.fits, calibrator.steps_observed) == (0, 5)
+    # Ranks without images or without a time add no rows; a step without any is not counted.
+    assert calibrator.observe([[], [5], [7], [9]], [1.0, math.nan, math.nan, math.nan]) is initial
+    calibrator.observe(*steps[4])  # 12 rows
+    assert calibrator.fits == 1 and calibrator.model != initial
+    fitted = calibrator.model
+    # Equal-sized images cannot tell l^2 from l: the last fit stays.
+    same = CostCalibrator(initial, warmup_steps=0)
+    for _ in range(10):
+        same.observe([[256, 256]] * 4, [3.0] * 4)
+    assert same.model is initial and same.fits == 0
+    assert calibrator.observe(*steps[5]).quadratic == pytest.approx(fitted.quadratic, rel=1e-9)
+
+
+def test_calibrator_rejects_a_fit_without_size_dependence() -> None:
+    calibrator = CostCalibrator(warmup_steps=0)
+    rng = np.random.default_rng(3)
+    for _ in range(6):  # time depends only on the number of images, never on their sizes
+        counts = [rng.integers(16, 4000, rng.integers(1, 5)).tolist() for _ in range(4)]
+        calibrator.observe(counts, [1.0 + 0.5 * len(c) for c in counts])
+    assert calibrator.fits == 0 and calibrator.model == CostModel()
+
+
+def test_calibrator_drops_outliers() -> None:
+    steps = _steps(4, 6)
+    steps[3][1][2] *= 10.0  # one rank stalled for a step
+    calibrator = CostCalibrator(warmup_steps=0)
+    for counts, ms in steps:
+        calibrator.observe(counts, ms)
+    assert calibrator.model.quadratic == pytest.approx(2e-6, rel=1e-9)
+    assert calibrator.model.linear == pytest.approx(3e-3, rel=1e-9)
+
+
+def test_calibrator_forgets_old_steps() -> None:
+    calibrator = CostCalibrator(warmup_steps=0, history=4)
+    for counts, ms in _steps(5, 4):
+        calibrator.observe(counts, ms)
+    slower = CostModel(quadratic=4e-6, linear=6e-3, constant=1.0)  # the machine got twice as slow
+    for counts, ms in _steps(6, 4, truth=slower, overhead=4.0):
+        calibrator.observe(counts, ms)
+    assert calibrator.model.quadratic == pytest.approx(4e-6, rel=1e-9)
+    assert calibrator.call_overhead_ms == pytest.approx(4.0, rel=1e-9)
+
+
+def test_calibrator_is_bit_identical_whatever_the_rank_order() -> None:
+    rng = np.random.default_rng(7)
+    noisy = [(c, [t * rng.uniform(0.8, 1.25) for t in ms]) for c, ms in _steps(8, 12, ranks=8)]
+    first, second, permuted = CostCalibrator(), CostCalibrator(), CostCalibrator()
+    for counts, ms in noisy:
+        first.observe(counts, ms)
+        second.observe([list(c) for c in counts], list(ms))
+        order = rng.permutation(len(counts))
+        # Sums are correctly rounded, so the order of the rows changes no bit.
+        permuted.observe([counts[r] for r in order], [ms[r] for r in order])
+    assert first.fits > 0
+    assert first.fingerprint() == second.fingerprint() == permuted.fingerprint()
+    assert first.call_overhead_ms == permuted.call_overhead_ms
+
+
+def test_calibrator_invalid_input() -> None:
+    calibrator = CostCalibrator()
+    with pytest.raises(ValueError, match="milliseconds has 1 ranks, patch_counts has 2"):
+        calibrator.observe([[4], [8]], [1.0])
+    with pytest.raises(ValueError, match=r"patch_counts\[1\]=\[0\] is invalid"):
+        calibrator.observe([[4], [0]], [1.0, 1.0])
+    with pytest.raises(ValueError, match=r"milliseconds\[0\]=-1\.0 is invalid"):
+        calibrator.observe([[4], [8]], [-1.0, 1.0])
+    with pytest.raises(ValueError, match=r"milliseconds\[1\]=inf"):
+        calibrator.observe([[4], [8]], [1.0, math.inf])
+    with pytest.raises(ValueError, match="expected patch_counts as one sequence"):
+        calibrator.observe([4, 8], [1.0, 1.0])
+    assert calibrator.steps_observed == 0
+    with pytest.raises(TypeError, match="initial="):
+        CostCalibrator("l2")  # type: ignore[arg-type]
+    for name, value in [("history", 0), ("warmup_steps", -1), ("min_rank_steps", 1), ("window_patches", -4)]:
+        with pytest.raises(ValueError, match=rf"CostCalibrator\.{name}={value}"):
+            CostCalibrator(**{name: value})
+    with pytest.raises(ValueError, match=r"CostCalibrator\.min_spread=0\.5"):
+        CostCalibrator(min_spread=0.5)
+    with pytest.raises(ValueError, match=r"CostCalibrator\.outlier_factor=1"):
+        CostCalibrator(outlier_factor=1)

@@ -1,0 +1,50 @@
+"""``calibrate_cost=True``: the cost model fitted online to measured ViT times, the same on every rank."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import towers
+from multirank import subgroup
+
+from lightning_vit_balance import ViTBalanceConfig, ViTBalancer
+
+POOL = 4
+RANKS = 3
+STEPS = 16
+
+
+def _calibrating_run() -> dict[str, Any] | None:
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    balancer = ViTBalancer(ViTBalanceConfig(calibrate_cost=True, trigger_threshold=0.0, min_gain=0.0), group)
+    draw = random.Random(1234 + rank)
+    models = []
+    for step in range(STEPS):
+        sides = [2 * draw.randint(1, 6) for _ in range(draw.randint(1, 3))]
+        grids = [(1, side, 2 * draw.randint(1, 6)) for side in sides]
+        pixels, grid = towers.make_batch(grids, seed=100 * step + rank)
+        out = balancer(tower, pixels, grid)
+        # Same ops on the same rows in another batch: fp32 agrees to a few ulps.
+        torch.testing.assert_close(out, tower(pixels, grid), rtol=1e-4, atol=1e-5)
+        assert balancer._calibrator is not None
+        models.append(balancer._calibrator.fingerprint())
+    stats = balancer.last_stats
+    assert stats is not None
+    return {"models": models, "fits": balancer._calibrator.fits, "vit_ms": stats.vit_ms}
+
+
+def test_every_rank_fits_the_same_cost_model(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        results = w.run(_calibrating_run)[:RANKS]
+    assert all(r["models"] == results[0]["models"] for r in results), "ranks fitted different models"
+    assert results[0]["fits"] > 0, "no fit after 16 steps of varied image sizes"
+    assert results[0]["models"][-1] != results[0]["models"][0], "the model never left its initial value"
+    assert len(results[0]["vit_ms"]) == RANKS and all(v >= 0 for v in results[0]["vit_ms"])

@@ -6,7 +6,7 @@ TORCH_REQUIREMENTS ?= requirements/torch-cpu.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench bench-e2e lint clean
+.PHONY: install test demo bench bench-e2e bench-engine lint clean
 
 install: $(STAMP)
 
@@ -30,6 +30,11 @@ bench: $(STAMP)
 # balancing, plus the cost models' prediction error. Per-image timings: demo_output/bench_e2e_timings.csv.
 bench-e2e: $(STAMP)
 	$(PY) benchmarks/bench_e2e.py --timings-out demo_output/bench_e2e_timings.csv
+
+# The engine's own machinery next to its floors: the status gather, bookkeeping at 20,000 images,
+# and the overlapped pixel trip (2 gloo CPU ranks).
+bench-engine: $(STAMP)
+	$(PY) benchmarks/bench_engine.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

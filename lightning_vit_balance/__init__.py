@@ -11,9 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_vit_balance.balancer import BalanceStats, ViTBalancer, balanced_encode
+from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer, balanced_encode
 from lightning_vit_balance.config import ViTBalanceConfig, add_vit_balance_args
-from lightning_vit_balance.cost import CostModel
+from lightning_vit_balance.cost import CostCalibrator, CostModel
+from lightning_vit_balance.hf import BalancedVisionTower, balance_vision_tower, encode_visual
 from lightning_vit_balance.outputs import OutputLayout
 from lightning_vit_balance.planning import REASONS, RebalancePlan, plan_rebalance
 
@@ -27,16 +28,21 @@ if TYPE_CHECKING:
 __all__ = [
     "REASONS",
     "BalanceStats",
+    "BalancedVisionTower",
+    "CostCalibrator",
     "CostModel",
     "OutputLayout",
+    "PreparedPlan",
     "RebalancePlan",
     "ViTBalanceCallback",
     "ViTBalanceConfig",
     "ViTBalanceMixin",
     "ViTBalancer",
     "add_vit_balance_args",
+    "balance_vision_tower",
     "balanced_encode",
     "dp_group_from_strategy",
+    "encode_visual",
     "plan_rebalance",
 ]
 

@@ -1,20 +1,27 @@
 """A tiny VLM trained with ViTBalanceMixin and ViTBalanceCallback on 2 CPU ranks.
 
-Imported by ``test_lightning_fit.py`` (``ddp_spawn`` fits) and run as a script for the ``ddp``
-strategy, whose launcher starts the other rank by running this same script again::
+Imported by ``test_lightning_fit.py`` and ``test_lightning_loops.py`` (``ddp_spawn`` fits) and run
+as a script for the ``ddp`` strategy, whose launcher starts the other rank by running this same
+script again, and for prediction from a checkpoint in a fresh process::
 
     python tests/lightning_fit_script.py OUT_DIR
+    python tests/lightning_fit_script.py predict CHECKPOINT OUT_DIR
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -102,7 +109,136 @@ def fit(out_dir: str, version: str, enabled: bool, strategy: str, verbose: bool 
     return model
 
 
-if __name__ == "__main__":
+# ---------------------------------------------------------------------------- other loops, checkpoints
+
+#: Not the defaults, so a configuration read back from a checkpoint is told from a fresh one; the
+#: locality solver does not read these fields, so the plans are the default ones.
+LOOP_CONFIG = ViTBalanceConfig(refine_iterations=7, refine_tolerance=0.01)
+#: Seconds a collective may wait before gloo raises: a hang fails the test quickly.
+COLLECTIVE_TIMEOUT_S = 30
+#: Samples to predict: 5 on 2 ranks, which Lightning's predict sampler splits 3 / 2.
+PREDICT_SAMPLES = 5
+
+
+def _spawn() -> DDPStrategy:
+    """``ddp_spawn`` with a short collective timeout."""
+    return DDPStrategy(start_method="spawn", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def eval_samples(count: int, offset: int) -> list[dict[str, torch.Tensor]]:
+    """A dataset of ``count`` samples (the same on every rank), to split across ranks."""
+    return [make_sample(offset + i, i % RANKS) for i in range(count)]
+
+
+class LoopVLM(TinyVLM):
+    """TinyVLM that also validates (balanced: a DistributedSampler) and predicts (encoded directly).
+
+    An epoch is 2 steps, with the loader rebuilt every epoch, so a checkpoint after step 2 ends an
+    epoch and resuming trains on the samples of steps 2 and 3 (a loader resumed mid-epoch would
+    start again from its first batch).
+    """
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        first_step = 2 * self.trainer.current_epoch
+        samples = [make_sample(step, self.global_rank) for step in range(first_step, first_step + 2)]
+        return torch.utils.data.DataLoader(samples, batch_size=1, shuffle=False, collate_fn=first)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        before = self.last_vit_balance_stats
+        images = self.encode_images(self.visual, batch["pixel_values"], batch["image_grid_thw"])
+        stats = self.last_vit_balance_stats
+        balanced = stats is not before and stats is not None and stats.num_ranks == RANKS
+        error = (images - self.visual(batch["pixel_values"], batch["image_grid_thw"])).abs().max()
+        # Reduced over the batches and the ranks: the worst of both.
+        self.log("val_balanced", float(balanced), on_epoch=True, reduce_fx="min", sync_dist=True)
+        self.log("val_max_error", error, on_epoch=True, reduce_fx="max", sync_dist=True)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        # 3 samples: the sampler pads to 2 batches per rank (use_distributed_sampler is off here).
+        samples = eval_samples(3, offset=100)
+        sampler = torch.utils.data.DistributedSampler(samples, shuffle=False)
+        return torch.utils.data.DataLoader(samples, batch_size=1, sampler=sampler, collate_fn=first)
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
+        images = self.encode_images(self.visual, batch["pixel_values"], batch["image_grid_thw"])
+        return {"images": images, "balanced": self.last_vit_balance_stats is not None}
+
+
+class PredictionFiles(BasePredictionWriter):
+    """Each rank saves its predictions (one per batch of 1) and their dataset indices to ``rank_{r}.pt``."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__(write_interval="epoch")
+        self.out_dir = Path(out_dir)
+
+    def write_on_epoch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Any, batch_indices: Any
+    ) -> None:
+        # One dataloader: `predictions` has one entry per batch, `batch_indices[0]` one list per batch.
+        indices = [index for batch in batch_indices[0] for index in batch]
+        record = {"predictions": list(predictions), "indices": indices}
+        torch.save(record, self.out_dir / f"rank_{trainer.global_rank}.pt")
+
+
+def fit_with_checkpoints(out_dir: str, version: str, max_steps: int, ckpt_path: str | None = None) -> LoopVLM:
+    """Fit :class:`LoopVLM` to ``max_steps``, from ``ckpt_path`` if given, checkpointing every step.
+
+    The checkpoint callback monitors ``vit_balance/imbalance_after``; ``out_dir/checkpoints/last.ckpt``
+    is the latest step.
+    """
+    torch.set_num_threads(1)
+    checkpoints = ModelCheckpoint(
+        dirpath=Path(out_dir) / "checkpoints",
+        filename="{step}",
+        monitor="vit_balance/imbalance_after",
+        mode="min",
+        every_n_train_steps=1,
+        save_top_k=1,
+        save_last=True,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=RANKS,
+        strategy=_spawn(),
+        max_steps=max_steps,
+        logger=CSVLogger(out_dir, name="", version=version),
+        callbacks=[ViTBalanceCallback(), checkpoints],
+        log_every_n_steps=1,
+        use_distributed_sampler=False,
+        reload_dataloaders_every_n_epochs=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = LoopVLM(LOOP_CONFIG)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return model
+
+
+def predict_from_checkpoint(ckpt_path: str, out_dir: str) -> None:
+    """Load :class:`LoopVLM` with default (``weights_only``) loading and predict on uneven data."""
+    torch.set_num_threads(1)
+    model = LoopVLM.load_from_checkpoint(ckpt_path)
+    config = model.vit_balance_config
+    loaded = {"type": type(config).__name__, "fields": dataclasses.asdict(config)}
+    (Path(out_dir) / "loaded.json").write_text(json.dumps(loaded))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=RANKS,
+        strategy=_spawn(),
+        logger=False,
+        callbacks=[PredictionFiles(out_dir)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = torch.utils.data.DataLoader(
+        eval_samples(PREDICT_SAMPLES, offset=200), batch_size=1, collate_fn=first
+    )
+    trainer.predict(model, loader, return_predictions=False)
+
+
+if __name__ == "__main__" and sys.argv[1] == "predict":
+    predict_from_checkpoint(sys.argv[2], sys.argv[3])
+elif __name__ == "__main__":
     # Both fits run in the same two processes: the launcher starts rank 1 once, at the first fit.
     out = sys.argv[1]
     for run_version, run_enabled in (("ddp_disabled", False), ("ddp", True)):

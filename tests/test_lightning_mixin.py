@@ -5,16 +5,20 @@ from __future__ import annotations
 import copy
 import pickle
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch.loggers import CSVLogger
 from multirank import world
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 from towers import CHANNELS, TensorTower
 
 from lightning_vit_balance import ViTBalanceCallback, ViTBalanceConfig, ViTBalanceMixin
+from lightning_vit_balance.lightning.mixin import _loop_balances
 
 
 class CountingTower(TensorTower):
@@ -90,7 +94,7 @@ def test_config_attribute_forms() -> None:
         MixinFirst({"solver": "magic"}).resolved_vit_balance_config()
 
 
-def test_single_device_fit_looks_the_group_up_once_per_fit_and_calls_directly() -> None:
+def test_single_device_fit_looks_the_group_up_once_per_fit_and_calls_directly(tmp_path: Path) -> None:
     module = MixinFirst()
     callback = ViTBalanceCallback()
 
@@ -99,7 +103,7 @@ def test_single_device_fit_looks_the_group_up_once_per_fit_and_calls_directly() 
             accelerator="cpu",
             devices=1,
             max_epochs=1,
-            logger=False,
+            logger=CSVLogger(tmp_path),
             callbacks=[callback],
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -194,3 +198,74 @@ def test_fabric_module_asks_fabrics_strategy_once() -> None:
     assert module._vit_balance_state.fit_key[0]() is fabric
     assert module._vit_balance_state.group is None
     assert module.visual.seen == [1, 2]
+
+
+# ---------------------------------------------------------------------------- which loops balance
+
+
+class _Stream(IterableDataset):
+    def __iter__(self) -> Any:
+        yield from torch.zeros(2, 1)
+
+
+def _loader(kind: str) -> Any:
+    data = TensorDataset(torch.zeros(4, 1))
+    if kind == "distributed":  # what Lightning injects on several devices (rank 0 of 2 here)
+        return DataLoader(data, sampler=DistributedSampler(data, num_replicas=2, rank=0, shuffle=False))
+    return DataLoader(_Stream()) if kind == "iterable" else DataLoader(data)
+
+
+class LoopProbe(MixinFirst):
+    """Notes, in every loop, whether encode_images would balance there (given several ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.balances: dict[str, set[bool]] = {}
+
+    def _probe(self, loop: str) -> None:
+        self.balances.setdefault(loop, set()).add(_loop_balances(self.trainer))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self._probe("train")
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._probe("sanity" if self.trainer.sanity_checking else self.trainer.state.fn.value)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._probe("test")
+
+    def predict_step(self, batch: Any, batch_idx: int) -> None:
+        self._probe("predict")
+
+
+def test_only_loops_where_every_rank_makes_the_same_calls_balance(tmp_path: Path) -> None:
+    module = LoopProbe()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        limit_train_batches=1,
+        limit_val_batches=1,
+        num_sanity_val_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, _loader("plain"), _loader("distributed"))
+        assert module.balances == {"train": {True}, "sanity": {True}, "fit": {True}}
+        # The same Trainer validating other loaders judges those, not the fit's.
+        for kind, expected in (("plain", False), ("iterable", False), ("distributed", True)):
+            module.balances = {}
+            trainer.validate(module, _loader(kind), verbose=False)
+            trainer.test(module, _loader(kind), verbose=False)
+            assert module.balances == {"validate": {expected}, "test": {expected}}, kind
+        # Lightning's predict sampler does not pad: never balanced, whatever the loader.
+        module.balances = {}
+        trainer.predict(module, _loader("distributed"))
+        assert module.balances == {"predict": {False}}
+    assert _loop_balances(trainer) is False  # no loop running: nothing promised
+    assert _loop_balances(None) is True  # no Trainer: the caller's own loop

@@ -138,11 +138,12 @@ class ViTBalanceCallback(Callback):
 
     Reads the :class:`~lightning_vit_balance.BalanceStats` that
     :meth:`ViTBalanceMixin.encode_images <lightning_vit_balance.ViTBalanceMixin.encode_images>`
-    records for every call during training (several per step with images and videos, or gradient
-    accumulation), aggregates the calls of each step and logs them through every logger of the
-    Trainer (CSV, TensorBoard, W&B...) at the Trainer's logging cadence. Only metrics are logged:
-    nothing here changes training. Calls made outside training batches (validation, test,
-    predict) are not logged.
+    (and ``encode_visual``, and the Hugging Face model balanced by ``balance_vision_tower``: one
+    call per forward) records for every call during training (several per step with images and
+    videos, or gradient accumulation), aggregates the calls of each step and logs them through
+    every logger of the Trainer (CSV, TensorBoard, W&B...) at the Trainer's logging cadence. Only
+    metrics are logged: nothing here changes training. Calls made outside training batches
+    (validation, test, predict) are not logged.
 
     Every optimizer step's values also go to ``trainer.callback_metrics`` on every rank, as
     ``self.log(..., on_step=True)`` would put them, so other callbacks can watch them::

@@ -7,9 +7,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_vit_balance.balancer import BalanceStats, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
+from lightning_vit_balance.cost import CostModel
+from lightning_vit_balance.hf import BalancedVisionTower, encode_visual
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
 from lightning_vit_balance.lightning.strategy import dp_group_from_strategy
 
@@ -18,6 +22,55 @@ __all__ = ["ViTBalanceMixin"]
 
 def _ref(obj: object) -> weakref.ref | None:
     return None if obj is None else weakref.ref(obj)
+
+
+def _draws_evenly(loader: object) -> bool:
+    """Whether every rank draws the same number of batches from ``loader``.
+
+    A :class:`~torch.utils.data.DistributedSampler` (Lightning's injected one, or the user's)
+    gives every rank the same number of samples, padding or dropping the remainder; Lightning's
+    predict sampler (``UnrepeatedDistributedSampler``) does not pad, and a custom batch sampler,
+    an iterable dataset or no sampler at all promise nothing.
+    """
+    if not isinstance(loader, DataLoader):
+        return False
+    sampler, batches = loader.sampler, loader.batch_sampler
+    return (
+        isinstance(sampler, DistributedSampler)
+        and not isinstance(sampler, UnrepeatedDistributedSampler)
+        and (batches is None or type(batches) is BatchSampler)
+    )
+
+
+def _loop_balances(trainer: Any) -> bool:
+    """Whether the Trainer's running loop makes the same ``encode_images`` calls on every rank.
+
+    Training does (DDP needs the same steps on every rank anyway); validation, its sanity check
+    and test do when every dataloader of the loop draws evenly (:func:`_draws_evenly`, true for
+    Lightning's default sampler); predict never does (Lightning's predict sampler does not pad);
+    outside a loop nothing is promised. Without a Trainer (Fabric, or a plain module with an
+    explicit group) the caller's loop is trusted.
+    """
+    if trainer is None or trainer.training:
+        return True
+    if not (trainer.sanity_checking or trainer.validating or trainer.testing):
+        return False
+    # The running evaluation loop's own loaders: `trainer.val_dataloaders` would give a previous
+    # fit's loaders during `trainer.validate()`.
+    combined = getattr(trainer._active_loop, "_combined_loader", None)
+    loaders = getattr(combined, "flattened", None)
+    return bool(loaders) and all(_draws_evenly(loader) for loader in loaders)
+
+
+def _allow_configs_in_checkpoints() -> None:
+    """Let ``weights_only`` checkpoint loading rebuild the package's configuration types.
+
+    A module that calls ``save_hyperparameters()`` keeps its ``ViTBalanceConfig`` (or a
+    ``CostModel``) in the checkpoint's hyperparameters. Both are frozen dataclasses of plain
+    numbers, strings and bools, and ``ViTBalanceConfig`` unpickles through its own checks, so
+    allowing them cannot run arbitrary code. Idempotent (torch keeps a set).
+    """
+    torch.serialization.add_safe_globals([ViTBalanceConfig, CostModel])
 
 
 class _State:
@@ -47,6 +100,25 @@ class _State:
         return _State()
 
 
+class _ModuleTowerBalance(BalancedVisionTower):
+    """A Hugging Face model's tower balanced with a LightningModule's group, configuration and stats.
+
+    The group and configuration are looked up at each training forward (the strategy's group
+    exists only once the fit runs), as for ``encode_images``; stats go where ``encode_images``
+    puts them, so :class:`ViTBalanceCallback` logs them.
+    """
+
+    def __init__(self, model: torch.nn.Module, module: ViTBalanceMixin) -> None:
+        super().__init__(model)
+        self.module = module
+
+    def settings(self) -> tuple[ViTBalanceConfig, Any] | None:
+        return self.module._vit_balance_settings()
+
+    def record(self, stats: BalanceStats) -> None:
+        self.module._vit_balance_keep(stats)
+
+
 class ViTBalanceMixin:
     """Gives a LightningModule ``self.encode_images(vit, pixel_values, grid_thw)``.
 
@@ -73,7 +145,26 @@ class ViTBalanceMixin:
     :class:`~lightning_vit_balance.BalanceStats` is kept in :attr:`last_vit_balance_stats`, and,
     while a :class:`~lightning_vit_balance.ViTBalanceCallback` is attached to the Trainer, queued
     for it (see :meth:`pop_vit_balance_stats`).
+
+    Which Lightning loops balance (every rank must make the same calls there): training, and
+    validation (its sanity check included) and test when their dataloaders use a
+    ``DistributedSampler``, as Lightning injects by default. Predict (whose sampler does not pad,
+    so ranks may run different numbers of batches), evaluation on other loaders (an iterable
+    dataset, ``use_distributed_sampler=False``, a custom batch sampler) and calls outside a loop
+    encode directly: same outputs, nothing exchanged, nothing to hang on.
+
+    Checkpoints: ``save_hyperparameters()`` may keep the ``ViTBalanceConfig`` (or a
+    ``CostModel``) in ``hparams``. Defining a class that uses this mixin allows both types under
+    the default ``weights_only`` loading, so ``Trainer.fit(ckpt_path=...)`` and
+    ``load_from_checkpoint`` work, also in a fresh or spawned process.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Here rather than at import: nothing changes for programs that never define such a
+        # module, and every program that loads its checkpoints defines the class first (a fresh
+        # process for load_from_checkpoint, a ddp_spawn worker unpickling the module).
+        _allow_configs_in_checkpoints()
 
     def _vit_balance_state_object(self) -> _State:
         state = self.__dict__.get("_vit_balance_state")
@@ -154,10 +245,12 @@ class ViTBalanceMixin:
     def encode_images(self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
         """Run ``vit(pixel_values, grid_thw)``, balanced across the data-parallel ranks.
 
-        Balances when ``vit_balance_config.enabled`` and the group from
-        :meth:`configure_vit_balance_group` has more than one rank; calls the ViT directly
-        otherwise (no Trainer attached, one device, balancing disabled). Every rank of the group
-        must call it the same number of times, as with any collective.
+        Balances when ``vit_balance_config.enabled``, the group from
+        :meth:`configure_vit_balance_group` has more than one rank, and the running Lightning loop
+        makes the same calls on every rank: training, and validation and test on
+        ``DistributedSampler`` loaders (see the class docstring). Calls the ViT directly otherwise
+        (one device, balancing disabled, predict, uneven evaluation loaders). Where it balances,
+        every rank of the group must call it the same number of times, as with any collective.
 
         Args:
             vit: Called as ``vit(pixel_values, grid_thw)``; returns a tensor, tuple/list, dict or
@@ -170,6 +263,9 @@ class ViTBalanceMixin:
         """
         config = self.resolved_vit_balance_config()
         if not config.enabled:
+            return vit(pixel_values, grid_thw)
+        trainer, _ = self._vit_balance_runner()
+        if not _loop_balances(trainer):
             return vit(pixel_values, grid_thw)
         state = self._vit_balance_state_object()
         self._vit_balance_refresh(state)
@@ -184,6 +280,85 @@ class ViTBalanceMixin:
         if state.record and stats is not None:
             state.records.append(stats)
         return output
+
+    def _vit_balance_settings(self) -> tuple[ViTBalanceConfig, Any] | None:
+        """``(config, group)`` when this call should balance (as :meth:`encode_images` decides), else None."""
+        config = self.resolved_vit_balance_config()
+        trainer, _ = self._vit_balance_runner()
+        if not config.enabled or not _loop_balances(trainer):
+            return None
+        state = self._vit_balance_state_object()
+        self._vit_balance_refresh(state)
+        if state.group is None or state.group_size < 2:
+            return None
+        return config, state.group
+
+    def _vit_balance_keep(self, stats: BalanceStats | None) -> None:
+        state = self._vit_balance_state_object()
+        state.last_stats = stats
+        if state.record and stats is not None:
+            state.records.append(stats)
+
+    def balance_vision_tower(self, model: torch.nn.Module) -> BalancedVisionTower:
+        """Balance a Hugging Face Qwen2-VL / Qwen2.5-VL / Qwen3-VL model's vision tower.
+
+        Call it in ``__init__`` or ``configure_model()`` (calling it again for the same model returns
+        the same handle); ``model(**batch)`` in ``training_step`` is then balanced, one exchange per
+        forward for a rank's images and videos together, text-only ranks included, with the group
+        and configuration :meth:`encode_images` uses. :class:`ViTBalanceCallback` logs the stats.
+        See :func:`~lightning_vit_balance.balance_vision_tower`.
+
+        Example::
+
+            class Finetune(ViTBalanceMixin, L.LightningModule):
+                def __init__(self):
+                    super().__init__()
+                    self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(...)
+                    self.balance_vision_tower(self.model)
+
+                def training_step(self, batch, batch_idx):
+                    return self.model(**batch).loss
+
+        Returns:
+            The handle (``last_stats``, ``calls``, ``applied_calls``, ``remove()``).
+        """
+        existing = BalancedVisionTower.of(model)
+        if isinstance(existing, _ModuleTowerBalance) and existing.module is self:
+            return existing
+        return _ModuleTowerBalance(model, self)
+
+    def encode_visual(
+        self,
+        vit: Any,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
+        videos: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[Any, Any]:
+        """Encode this rank's images and videos with one (balanced) ViT call; split the result.
+
+        One exchange per step for both modalities, where two :meth:`encode_images` calls would
+        make two (and hang when ranks have different modalities). Balances when
+        :meth:`encode_images` would. See :func:`~lightning_vit_balance.encode_visual`.
+
+        Args:
+            vit: Called as ``vit(pixel_values, grid_thw)``.
+            images: ``(pixel_values [sum(T*H*W), C], grid_thw [n, 3])``, or None.
+            videos: The same for videos, or None.
+
+        Returns:
+            ``(image_output, video_output)``, zero rows for an absent modality; backpropagate
+            through both on every rank.
+        """
+        settings = self._vit_balance_settings()
+        if settings is None:
+            return encode_visual(vit, images, videos)
+        config, group = settings
+        state = self._vit_balance_state_object()
+        if state.balancer is None or state.balancer_config != config:
+            state.balancer = ViTBalancer(config, group)
+            state.balancer_config = config
+        outputs = encode_visual(vit, images, videos, balancer=state.balancer)
+        self._vit_balance_keep(state.balancer.last_stats)
+        return outputs
 
     @property
     def last_vit_balance_stats(self) -> BalanceStats | None:

@@ -1,0 +1,680 @@
+"""Hugging Face drop-in: balance a whole Qwen2-VL / Qwen2.5-VL / Qwen3-VL model called as ``model(**batch)``.
+
+:func:`balance_vision_tower` patches two *instances*, nothing else: the base model (the module
+holding the vision tower as ``.visual``, e.g. ``model.model``) and the tower get an instance
+attribute ``forward``. Classes, parameters, buffers, ``state_dict`` keys and every attribute HF
+or PEFT/FSDP reads stay as they were; :meth:`BalancedVisionTower.remove` deletes the two
+attributes again.
+
+**One exchange per forward.** In a balanced forward the base model's patched ``forward``
+concatenates this rank's image rows and video rows (and their grids) and runs the tower once,
+through :class:`~lightning_vit_balance.ViTBalancer`, so images and videos of every rank are
+balanced together in one exchange. It then runs the model's own ``forward``, whose tower calls
+(``get_image_features``, ``get_video_features``) the patched tower ``forward`` answers with the
+rows of that one result, without computing or communicating anything. A rank with no images and
+no videos still takes part (the engine's empty-rank path), and an exact zero built from zero-row
+slices of every output of the balanced call is subtracted from the base model's
+``last_hidden_state``. ``x - (+0.0)`` is ``x`` bit for bit for every float (signed zeros,
+infinities and NaNs included), so nothing changes numerically, but the loss now depends on the
+balanced call on every rank: its backward exchange runs on every rank, and DDP with
+``find_unused_parameters=False`` sees the tower's parameters used on text-only ranks too.
+
+**Which forwards are balanced.** Exactly those with ``base.training`` set and gradients enabled
+(``torch.is_grad_enabled()``), when balancing is on and the group has more than one rank. Such a
+forward is a collective: every rank of the group must make it, as with any training step.
+Evaluation (``model.eval()``), ``torch.no_grad()`` / ``torch.inference_mode()`` and so
+``generate()`` call the tower directly, so ranks may make different numbers of those forwards.
+
+**The contract relied on** (verified against transformers 5.24, ``modeling_qwen2_vl.py``,
+``modeling_qwen2_5_vl.py``, ``modeling_qwen3_vl.py``; :func:`balance_vision_tower` checks the
+static part and names what is missing):
+
+1. Exactly one submodule of the model has a child module named ``visual`` (the tower); that
+   submodule is the base model. Its ``forward`` has parameters named ``pixel_values``,
+   ``image_grid_thw``, ``pixel_values_videos`` and ``video_grid_thw``: image patch rows
+   ``[sum(T*H*W), C]`` with their ``[n, 3]`` grid and the same for videos, ``None`` when absent.
+2. The base ``forward`` encodes images only when ``pixel_values is not None`` and videos only
+   when ``pixel_values_videos is not None``, each with one call ``visual(pixels, grid_thw=grid,
+   **kwargs)`` where ``pixels`` is the whole modality's rows cast with
+   ``pixels.type(visual.dtype)`` and ``grid`` its whole grid (Qwen2/2.5-VL: ``get_image_features``
+   then ``get_video_features``; Qwen3-VL: both through ``get_image_features``, with
+   ``return_dict=True``). Calls are matched to the modality by grid and row count, in any order.
+3. The tower is called as ``visual(pixels, grid_thw, **kwargs)`` and returns a ``ModelOutput``
+   whose tensors have one row per patch (``last_hidden_state``) or per merged token
+   (``pooler_output``, each layer of Qwen3-VL's ``deepstack_features``); an image's rows depend
+   on that image alone (attention never crosses images, Qwen2.5-VL's windows included). HF then
+   splits the merged rows by ``grid.prod(-1) // spatial_merge_size**2``.
+4. The tower has ``dtype``, an int ``spatial_merge_size``, and ``config.in_channels``,
+   ``config.temporal_patch_size``, ``config.patch_size`` (ints), which give ``C`` for the zero
+   rows a rank without images sends.
+5. The base ``forward`` returns a ``ModelOutput`` with a tensor ``last_hidden_state`` (or a tuple
+   starting with it) that the loss depends on, as ``*ForConditionalGeneration`` computes logits
+   from it.
+
+Precomputed tower keyword arguments (``image_cu_seqlens``, ``video_position_ids``, ... and
+``output_attentions`` / ``output_hidden_states`` of the tower) describe the local batch; the
+balanced call never uses them (the tower recomputes what it needs from the balanced grid) and
+the served calls ignore them. A forward whose served calls do not match (contract broken at run
+time) raises a ``RuntimeError`` naming the call. Bad inputs on any rank raise a ``ValueError`` on
+every rank (the engine's metadata gather carries the problem; the rank at fault also says what
+it found), never a hang.
+
+**Sharded training.** Every rank runs each of the tower's blocks exactly once per balanced
+forward (on its balanced batch, or the engine's dummy image), so FSDP / ZeRO-3 units around the
+blocks (HF's ``_no_split_modules``) gather their parameters the same number of times on every
+rank. A unit around the tower module itself would gather once per served call, which differs
+between ranks: wrap the blocks, not the tower. (Only DDP is tested here.)
+
+For code that calls the tower itself, :func:`encode_visual` encodes a rank's images and videos in
+one balanced call and returns the two outputs separately.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_vit_balance.balancer import BalanceStats, ViTBalancer
+from lightning_vit_balance.config import ViTBalanceConfig
+from lightning_vit_balance.outputs import (
+    classify_output,
+    describe_output_problem,
+    flatten_output,
+    merge_size_of,
+    rebuild_output,
+    window_index_fn,
+)
+
+__all__ = ["BalancedVisionTower", "balance_vision_tower", "encode_visual"]
+
+#: The base model's forward parameters the drop-in reads: (pixels, grid) per modality, in the
+#: order the base model encodes them.
+_MODALITIES: tuple[tuple[str, str, str], ...] = (
+    ("images", "pixel_values", "image_grid_thw"),
+    ("videos", "pixel_values_videos", "video_grid_thw"),
+)
+_CHANNEL_FIELDS = ("in_channels", "temporal_patch_size", "patch_size")
+
+Grid = tuple[int, int, int]
+
+
+# -- contract checks -------------------------------------------------------------------------------
+
+
+def _find_base(model: Any) -> tuple[nn.Module, nn.Module]:
+    """The submodule holding the vision tower as ``.visual``, and the tower."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"balance_vision_tower(model={type(model).__name__}) is invalid: expected a torch.nn.Module "
+            "(a Hugging Face Qwen2-VL, Qwen2.5-VL or Qwen3-VL model)."
+        )
+    found = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module._modules.get("visual"), nn.Module)
+    ]
+    if not found:
+        raise ValueError(
+            f"balance_vision_tower: {type(model).__name__} has no submodule with a child module named "
+            "'visual' (looked for model.model.visual, model.visual and below): expected a Hugging Face "
+            "Qwen2-VL, Qwen2.5-VL or Qwen3-VL model."
+        )
+    if len(found) > 1:
+        names = ", ".join(f"{name or '<model>'}.visual" for name, _ in found)
+        raise ValueError(
+            f"balance_vision_tower: {type(model).__name__} has several vision towers ({names}): expected "
+            "exactly one; pass the submodule whose tower should be balanced."
+        )
+    base = found[0][1]
+    return base, base._modules["visual"]
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _contract_problems(base: nn.Module, tower: nn.Module) -> list[str]:
+    """What ``base`` and ``tower`` lack of the module docstring's contract (empty when nothing)."""
+    base_name, tower_name = type(base).__name__, type(tower).__name__
+    problems = []
+    parameters = inspect.signature(type(base).forward).parameters
+    for _, pixels, grid in _MODALITIES:
+        for name in (pixels, grid):
+            if name not in parameters:
+                problems.append(f"{base_name}.forward has no parameter {name!r}")
+    if "grid_thw" not in inspect.signature(type(tower).forward).parameters:
+        problems.append(f"{tower_name}.forward has no parameter 'grid_thw'")
+    if not isinstance(getattr(tower, "dtype", None), torch.dtype):
+        problems.append(f"{tower_name} has no attribute 'dtype' (a torch.dtype)")
+    if not _positive_int(getattr(tower, "spatial_merge_size", None)):
+        problems.append(f"{tower_name} has no int attribute 'spatial_merge_size'")
+    config = getattr(tower, "config", None)
+    for name in _CHANNEL_FIELDS:
+        if not _positive_int(getattr(config, name, None)):
+            problems.append(f"{tower_name}.config has no int {name!r}")
+    return problems
+
+
+def _unwrap(vit: Any) -> Any:
+    """The module inside ``.module`` wrappers (DDP, FSDP)."""
+    while isinstance(getattr(vit, "module", None), nn.Module):
+        vit = vit.module
+    return vit
+
+
+def _tower_channels(tower: Any) -> int | None:
+    """``C`` of a pixel row from a Hugging Face tower's config, or None when it does not say."""
+    config = getattr(_unwrap(tower), "config", None)
+    values = [getattr(config, name, None) for name in _CHANNEL_FIELDS]
+    if not all(_positive_int(v) for v in values):
+        return None
+    in_channels, temporal, patch = values
+    return in_channels * temporal * patch * patch
+
+
+def _placement(vit: Any) -> tuple[torch.device, torch.dtype]:
+    """Device and dtype for the zero rows of a rank without images: the ViT's own."""
+    inner = _unwrap(vit)
+    params = inner.parameters() if isinstance(inner, nn.Module) else iter(())
+    param = next((p for p in params if p.is_floating_point()), None)
+    dtype = getattr(inner, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        dtype = param.dtype if param is not None else torch.get_default_dtype()
+    return (param.device if param is not None else torch.device("cpu")), dtype
+
+
+# -- combining a rank's modalities and splitting the result -----------------------------------------
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One modality's rows in the combined batch: patch rows ``[start, stop)``."""
+
+    name: str
+    grid: tuple[Grid, ...]
+    start: int
+    stop: int
+
+
+@dataclass
+class _Combined:
+    """A rank's images and videos as one tower input, or what is wrong with them."""
+
+    pixels: torch.Tensor
+    grid: torch.Tensor | None  # None when ``problems``: the engine then fails on every rank
+    parts: list[_Part] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def _grid_rows(grid: torch.Tensor) -> tuple[Grid, ...]:
+    return tuple((int(t), int(h), int(w)) for t, h, w in grid.tolist())
+
+
+def _combine(inputs: Sequence[tuple[str, str, Any, str, Any]], vit: Any, cast: bool) -> _Combined:
+    """Concatenate the given modalities' rows and grids (``(name, pixels_name, pixels, grid_name,
+    grid)`` each, ``pixels`` None when absent), rows cast to ``vit.dtype`` when ``cast``.
+
+    With no rows at all, ``pixels`` is ``[0, C]`` on the ViT's device, in its dtype (``C`` from the
+    rows of an empty modality, else from the ViT's config).
+    """
+    device, dtype = _placement(vit)
+    pixels: list[torch.Tensor] = []
+    grids: list[torch.Tensor] = []
+    parts: list[_Part] = []
+    problems: list[str] = []
+    start = 0
+    for name, pixels_name, rows, grid_name, grid in inputs:
+        if rows is None:
+            continue
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
+            problems.append(f"{pixels_name} is {_describe(rows)}: expected a 2-D tensor [sum(T*H*W), C]")
+            continue
+        if not isinstance(grid, torch.Tensor) or grid.dim() != 2 or grid.shape[1] != 3:
+            problems.append(f"{grid_name} is {_describe(grid)}: expected an integer tensor [n, 3]")
+            continue
+        if grid.is_floating_point() or grid.is_complex() or grid.dtype == torch.bool:
+            problems.append(f"{grid_name} has dtype {grid.dtype}: expected an integer tensor [n, 3]")
+            continue
+        found = _grid_rows(grid)
+        expected = sum(t * h * w for t, h, w in found)
+        if rows.shape[0] != expected:
+            problems.append(f"{pixels_name} has {rows.shape[0]} rows: {grid_name} says {expected}")
+            continue
+        pixels.append(rows.type(dtype) if cast else rows)
+        grids.append(grid.to(torch.long))
+        parts.append(_Part(name, found, start, start + expected))
+        start += expected
+    if len({p.shape[1] for p in pixels}) > 1:
+        widths = ", ".join(f"{part.name} C={p.shape[1]}" for part, p in zip(parts, pixels))
+        problems.append(f"images and videos must have the same row width to be encoded together ({widths})")
+    width = pixels[0].shape[1] if pixels else _tower_channels(vit)
+    if width is None:
+        problems.append(
+            "no rows were given and the ViT's config does not tell C: pass (pixel_values [0, C], "
+            "grid_thw [0, 3]) for an absent modality"
+        )
+    if problems:
+        return _Combined(torch.empty((0, width or 1), dtype=dtype, device=device), None, [], problems)
+    if not pixels:
+        empty_grid = torch.empty((0, 3), dtype=torch.long, device=device)
+        return _Combined(torch.empty((0, width), dtype=dtype, device=device), empty_grid)
+    return _Combined(torch.cat(pixels), torch.cat(grids), parts)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def _split(output: Any, parts: Sequence[_Part], total: int, merge: int, vit: Any) -> list[Any]:
+    """``output`` of a tower call over ``total`` patch rows, cut into one output per part."""
+    leaves, structure = flatten_output(output)
+    has_window = window_index_fn(vit) is not None
+    kinds = []
+    for path, leaf in leaves:
+        found = classify_output(
+            path, leaf, total_patches=total, merge_size=merge, has_window_index=has_window, layout=None
+        )
+        if found.problem:
+            raise ValueError(describe_output_problem(path, found.problem, found.rows, found.expected, merge))
+        kinds.append(found.kind)
+    pieces = []
+    for part in parts:
+        new: list[Any] = []
+        for (_, leaf), kind in zip(leaves, kinds):
+            if kind == "patch":
+                new.append(leaf[part.start : part.stop])
+            elif kind in ("merged", "window_index"):
+                a, b = part.start // merge**2, part.stop // merge**2
+                # A window index numbers the merged tokens of the whole call: renumber from 0.
+                new.append(leaf[a:b] if kind == "merged" else leaf[a:b] - a)
+            else:
+                new.append(leaf)
+        pieces.append(rebuild_output(structure, new))
+    return pieces
+
+
+def _exact_zero(output: Any) -> torch.Tensor | None:
+    """``+0.0`` depending on every differentiable tensor of ``output`` (zero-row slices summed)."""
+    leaves, _ = flatten_output(output)
+    zeros = [
+        leaf[:0].sum()
+        for _, leaf in leaves
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.requires_grad
+    ]
+    if not zeros:
+        return None
+    return torch.stack([z.float() for z in zeros]).sum()
+
+
+# -- the engine-level helper ------------------------------------------------------------------------
+
+
+def encode_visual(
+    vit: Any,
+    images: tuple[torch.Tensor, torch.Tensor] | None = None,
+    videos: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    balancer: ViTBalancer | None = None,
+) -> tuple[Any, Any]:
+    """Encode a rank's images and videos with one ViT call (one balanced exchange); split the result.
+
+    For code that calls the ViT itself: instead of one call for images and one for videos (two
+    exchanges, and a hang when ranks make different numbers of calls), both modalities go through
+    one call of ``balancer(vit, pixel_values, grid_thw)`` (or ``vit(pixel_values, grid_thw)`` when
+    ``balancer`` is None), images first.
+
+    Args:
+        vit: Called as ``vit(pixel_values, grid_thw)``; see :class:`~lightning_vit_balance.ViTBalancer`.
+        images: ``(pixel_values [sum(T*H*W), C], grid_thw [n, 3])`` of this rank's images, or None.
+        videos: The same for videos (same ``C``), or None.
+        balancer: Balances the call across its group; every rank of the group must call
+            :func:`encode_visual` (with or without images and videos). None calls ``vit`` directly.
+
+    Returns:
+        ``(image_output, video_output)``: each what ``vit`` returns for that modality's rows alone
+        (same structure, per-patch and per-merged-token tensors cut to the modality's rows), with
+        zero rows for an absent modality. Backpropagate through both on every rank, zero rows
+        included (as a VLM does when it scatters them into its input embeddings): the balanced
+        call's backward pass is a collective.
+
+    Raises:
+        ValueError: On every rank of the group, when some rank's input is invalid.
+    """
+    given = []
+    for name, value in (("images", images), ("videos", videos)):
+        if value is not None and not (isinstance(value, (tuple, list)) and len(value) == 2):
+            raise TypeError(
+                f"encode_visual({name}={_describe(value)}) is invalid: expected (pixel_values, grid_thw) "
+                "or None."
+            )
+        rows, grid = value if value is not None else (None, None)
+        given.append((name, f"{name}[0]", rows, f"{name}[1]", grid))
+    combined = _combine(given, vit, cast=False)
+    merge = merge_size_of(vit, balancer.output_layout if balancer is not None else None)
+    output, total = _encode_combined(vit, combined, balancer, merge)
+    parts = {part.name: part for part in combined.parts}
+    # An absent modality gets zero rows (rows [0, 0) of every token output).
+    wanted = [parts.get(name) or _Part(name, (), 0, 0) for name in ("images", "videos")]
+    image_output, video_output = _split(output, wanted, total, merge, vit)
+    return image_output, video_output
+
+
+def _balanced_call(balancer: ViTBalancer, vit: Any, combined: _Combined, caller: str) -> Any:
+    """``balancer(vit, ...)`` on the combined rows; a rank whose modalities could not be combined
+    sends no grid, so the engine raises on every rank, and this rank says why."""
+    try:
+        return balancer(vit, combined.pixels, combined.grid)
+    except ValueError as err:
+        detail = f" On this rank: {'; '.join(combined.problems)}." if combined.problems else ""
+        raise ValueError(f"{caller}: this rank's images and videos, encoded together: {err}{detail}") from err
+
+
+def _encode_combined(
+    vit: Any, combined: _Combined, balancer: ViTBalancer | None, merge: int
+) -> tuple[Any, int]:
+    """The one ViT call over ``combined`` and the patch rows its output covers."""
+    if balancer is not None:
+        output = _balanced_call(balancer, vit, combined, "encode_visual")
+        return output, int(combined.pixels.shape[0])
+    if combined.problems:
+        raise ValueError(f"encode_visual: {'; '.join(combined.problems)}.")
+    if combined.pixels.shape[0]:
+        return vit(combined.pixels, combined.grid), int(combined.pixels.shape[0])
+    # Nothing to encode: a one-image dummy call gives the output's structure (cut to zero rows).
+    pixels = combined.pixels.new_zeros((merge * merge, combined.pixels.shape[1]))
+    grid = torch.tensor([[1, merge, merge]], device=combined.pixels.device)
+    return vit(pixels, grid), merge * merge
+
+
+# -- the drop-in -------------------------------------------------------------------------------------
+
+
+class _Forward:
+    """The instance-level ``forward`` of the base model or tower: calls the handle's method.
+
+    A plain picklable object (not a closure), so the patched model pickles (``ddp_spawn``) and
+    deep-copies with its handle. ``inspect.signature`` sees the original forward's signature.
+    """
+
+    def __init__(self, handle: BalancedVisionTower, which: str) -> None:
+        self.handle = handle
+        self.which = which
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.which == "base":
+            return self.handle._base_forward(*args, **kwargs)
+        return self.handle._tower_forward(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.handle._original(self.which))
+
+
+@dataclass
+class _Pending:
+    """The balanced result of one forward, waiting to answer the model's own tower calls.
+
+    Attributes:
+        parts: Where each modality's rows are in the balanced call's output.
+        outputs: The output cut to each part.
+        served: Which parts the model's tower calls took.
+        zero: ``+0.0`` depending on every differentiable output of the call (None: none is).
+    """
+
+    parts: list[_Part]
+    outputs: list[Any]
+    served: list[bool]
+    zero: torch.Tensor | None
+
+
+class BalancedVisionTower:
+    """The handle :func:`balance_vision_tower` returns; see the module docstring for the contract.
+
+    Attributes:
+        model: The model passed in.
+        base: The submodule holding the tower (``model.model`` for ``*ForConditionalGeneration``).
+        tower: ``base.visual``.
+        config: Balancing settings (``None``: ``ViTBalanceConfig()``).
+        group: The data-parallel process group (``None``: the default group).
+        last_stats: Diagnostics of the latest balanced forward (``None`` before the first).
+        calls: Balanced forwards so far (one exchange each).
+        applied_calls: Those in which images moved between ranks.
+
+    Subclasses may override :meth:`settings` (where the configuration and group come from at each
+    forward) and :meth:`record` (what happens to each forward's stats), as the Lightning mixin does.
+    Pickling or deep-copying the model copies the handle without its process group and balancer:
+    the copy balances over the default group unless its ``group`` is set again.
+    """
+
+    def __init__(self, model: nn.Module, config: ViTBalanceConfig | None = None, group: Any = None) -> None:
+        if config is not None and not isinstance(config, ViTBalanceConfig):
+            raise TypeError(
+                f"balance_vision_tower(config={config!r}) is invalid: expected a ViTBalanceConfig or None."
+            )
+        base, tower = _find_base(model)
+        problems = _contract_problems(base, tower)
+        if problems:
+            raise ValueError(
+                f"balance_vision_tower: {type(model).__name__} does not meet the drop-in's contract: "
+                + "; ".join(problems)
+                + " (see lightning_vit_balance.hf for what a Qwen-VL model must provide)."
+            )
+        for module in (base, tower):
+            if isinstance(module.__dict__.get("forward"), _Forward):
+                raise ValueError(
+                    f"balance_vision_tower: {type(model).__name__} is already balanced: call remove() on "
+                    "its handle (BalancedVisionTower.of(model)) first."
+                )
+        self.model, self.base, self.tower = model, base, tower
+        self.config = config
+        self.group = group
+        self.last_stats: BalanceStats | None = None
+        self.calls = 0
+        self.applied_calls = 0
+        self._reset_runtime()
+        # Instance forwards set before us (e.g. by accelerate hooks) are kept and called.
+        self._saved = {"base": base.__dict__.get("forward"), "tower": tower.__dict__.get("forward")}
+        base.forward = _Forward(self, "base")
+        tower.forward = _Forward(self, "tower")
+
+    @classmethod
+    def of(cls, model: nn.Module) -> BalancedVisionTower | None:
+        """The handle balancing ``model``'s vision tower, or None."""
+        base, _ = _find_base(model)
+        patched = base.__dict__.get("forward")
+        return patched.handle if isinstance(patched, _Forward) else None
+
+    def _reset_runtime(self) -> None:
+        self._balancer: ViTBalancer | None = None
+        self._balancer_key: tuple[Any, ...] | None = None
+        self._pending: _Pending | None = None
+        self._encoding = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in ("_balancer", "_balancer_key", "_pending", "_encoding", "last_stats"):
+            state.pop(name, None)
+        state["group"] = None  # a process group belongs to one run of processes
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.last_stats = None
+        self._reset_runtime()
+
+    # -- overridable ---------------------------------------------------------------------------
+
+    def settings(self) -> tuple[ViTBalanceConfig, Any] | None:
+        """``(config, group)`` to balance a training forward with, or None to call the tower directly.
+
+        Called at every training forward. The default: ``config`` (or ``ViTBalanceConfig()``) and
+        ``group``, None when balancing is disabled, ``torch.distributed`` is not initialised or the
+        group has one rank.
+        """
+        config = self.config if self.config is not None else ViTBalanceConfig()
+        if not config.enabled or not (dist.is_available() and dist.is_initialized()):
+            return None
+        if dist.get_world_size(self.group) < 2:
+            return None
+        return config, self.group
+
+    def record(self, stats: BalanceStats) -> None:
+        """Called with each balanced forward's stats (after :attr:`last_stats` is set)."""
+
+    # -- removal -------------------------------------------------------------------------------
+
+    def remove(self) -> None:
+        """Undo :func:`balance_vision_tower`: the two instance ``forward`` attributes go (or the ones
+        found at install time come back). Calling it again does nothing."""
+        for which, module in (("base", self.base), ("tower", self.tower)):
+            current = module.__dict__.get("forward")
+            if not (isinstance(current, _Forward) and current.handle is self):
+                continue
+            saved = self._saved[which]
+            if saved is None:
+                del module.forward
+            else:
+                module.forward = saved
+        self._reset_runtime()
+
+    # -- the patched forwards ------------------------------------------------------------------
+
+    def _original(self, which: str) -> Any:
+        module = self.base if which == "base" else self.tower
+        saved = self._saved[which]
+        return saved if saved is not None else type(module).forward.__get__(module)
+
+    def _base_forward(self, *args: Any, **kwargs: Any) -> Any:
+        original = self._original("base")
+        settings = self.settings() if self.base.training and torch.is_grad_enabled() else None
+        if settings is None or self._pending is not None:
+            return original(*args, **kwargs)
+        # Bind to the class's signature: a forward patched in before us may take (*args, **kwargs).
+        signature = inspect.signature(type(self.base).forward)
+        bound = signature.bind_partial(self.base, *args, **kwargs).arguments
+        pending = self._pending = self._encode(bound, *settings)
+        try:
+            output = original(*args, **kwargs)
+        finally:
+            self._pending = None
+        return _add_zero(output, pending.zero, type(self.base).__name__)
+
+    def _tower_forward(self, *args: Any, **kwargs: Any) -> Any:
+        original = self._original("tower")
+        if self._encoding:
+            # The balanced call itself (or the engine's dummy forward on a rank with no images).
+            return original(*args, return_dict=True)
+        if self._pending is None:
+            return original(*args, **kwargs)
+        return self._serve(*args, **kwargs)
+
+    def _balancer_for(self, config: ViTBalanceConfig, group: Any) -> ViTBalancer:
+        key = (config, id(group))
+        if self._balancer is None or self._balancer_key != key:
+            self._balancer = ViTBalancer(config, group)
+            self._balancer_key = key
+        return self._balancer
+
+    def _encode(self, bound: Mapping[str, Any], config: ViTBalanceConfig, group: Any) -> _Pending:
+        """The forward's one balanced tower call over this rank's images and videos."""
+        tower = self.tower
+        inputs = [
+            (name, pixels, bound.get(pixels), grid, bound.get(grid)) for name, pixels, grid in _MODALITIES
+        ]
+        combined = _combine(inputs, tower, cast=True)  # the cast HF applies: pixels.type(visual.dtype)
+        balancer = self._balancer_for(config, group)
+        self._encoding = True
+        try:
+            output = _balanced_call(balancer, tower, combined, "balance_vision_tower")
+        finally:
+            self._encoding = False
+        self.calls += 1
+        stats = balancer.last_stats
+        if stats is not None:
+            self.applied_calls += int(stats.applied)
+            self.last_stats = stats
+            self.record(stats)
+        total = int(combined.pixels.shape[0])
+        outputs = _split(output, combined.parts, total, tower.spatial_merge_size, tower)
+        return _Pending(combined.parts, outputs, [False] * len(combined.parts), _exact_zero(output))
+
+    def _serve(self, pixels: Any, grid_thw: Any = None, **kwargs: Any) -> Any:
+        """Answer one of the model's own tower calls from the pending balanced result."""
+        pending = self._pending
+        assert pending is not None
+        grid = _grid_rows(grid_thw) if isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 else None
+        rows = pixels.shape[0] if isinstance(pixels, torch.Tensor) else None
+        for k, part in enumerate(pending.parts):
+            if not pending.served[k] and part.grid == grid and rows == part.stop - part.start:
+                pending.served[k] = True
+                output = pending.outputs[k]
+                return output.to_tuple() if kwargs.get("return_dict") is False else output
+        expected = [
+            f"{part.name} with grid {list(part.grid)}"
+            for part, served in zip(pending.parts, pending.served)
+            if not served
+        ]
+        raise RuntimeError(
+            f"balance_vision_tower: {type(self.base).__name__} called its vision tower with "
+            f"{rows} rows and grid {grid}, which is none of this forward's modalities still to encode "
+            f"({', '.join(expected) or 'none left'}): the model does not encode each modality's "
+            "pixel_values/grid in one tower call, as the drop-in's contract requires."
+        )
+
+
+def _add_zero(output: Any, zero: torch.Tensor | None, base_name: str) -> Any:
+    """``output`` with ``last_hidden_state - zero`` (bit-for-bit the same values, see the module doc)."""
+    if zero is None:
+        return output
+    hidden = getattr(output, "last_hidden_state", None)
+    if isinstance(hidden, torch.Tensor):
+        output.last_hidden_state = hidden - zero.to(hidden.dtype)
+        return output
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (output[0] - zero.to(output[0].dtype), *output[1:])
+    raise TypeError(
+        f"balance_vision_tower: {base_name}.forward returned {type(output).__name__} without a tensor "
+        "last_hidden_state: the drop-in needs it to make every rank's loss reach the balanced call."
+    )
+
+
+def balance_vision_tower(
+    model: nn.Module, config: ViTBalanceConfig | None = None, group: Any = None
+) -> BalancedVisionTower:
+    """Balance the vision tower of a Hugging Face Qwen2-VL / Qwen2.5-VL / Qwen3-VL model.
+
+    After the call, ``model(**batch)`` in training (``model.training`` and gradients enabled)
+    encodes every rank's images and videos in one balanced exchange across ``group``; losses,
+    logits and gradients stay those of the plain model. Ranks with text only take part, so
+    nothing hangs and DDP needs no ``find_unused_parameters``. Evaluation and ``generate()``
+    call the tower directly. See :mod:`lightning_vit_balance.hf` for the contract.
+
+    Example::
+
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(...)
+        handle = balance_vision_tower(model)          # after init_process_group
+        loss = model(**batch).loss                    # on every rank, with or without images
+        loss.backward()
+        print(handle.last_stats)
+
+    Args:
+        model: The model (or any module containing exactly one ``visual`` tower).
+        config: Balancing settings; None: ``ViTBalanceConfig()``.
+        group: The data-parallel process group; None: the default group.
+
+    Returns:
+        The handle: ``last_stats``, ``calls``, ``applied_calls`` and ``remove()``.
+
+    Raises:
+        ValueError: ``model`` breaks the contract (the message names what is missing) or is already
+            balanced.
+    """
+    return BalancedVisionTower(model, config, group)

@@ -1,0 +1,151 @@
+"""Tiny random Hugging Face Qwen-VL models (``*ForConditionalGeneration``) and batches for them.
+
+Built from configs, nothing downloaded. :func:`tiny_model` gives a Qwen2-VL, Qwen2.5-VL or
+Qwen3-VL model (text hidden 32, one or two layers, vision tower of depth 2 with patch 2,
+temporal patch 1 and merge 2, so a pixel row has :data:`CHANNELS` values). :func:`make_inputs`
+builds what a processor would return for a list of samples, each a list of images, videos and
+text: ``input_ids`` with one placeholder token per merged vision token (framed by vision
+start/end tokens, videos frame by frame for Qwen3-VL), ``mm_token_type_ids``, ``labels`` and the
+pixel rows and grids, ``None`` where a modality is absent, as a Qwen-VL collator gives them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["CHANNELS", "FAMILIES", "IDS", "make_inputs", "tiny_config", "tiny_model"]
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+#: Pixel values per patch row: 3 colours x 2x2 patch x temporal patch 1.
+CHANNELS = 12
+MERGE = 2
+VOCAB = 64
+#: Special token ids (the tiny vocabulary's last four).
+IDS = {"image": 60, "video": 61, "vision_start": 62, "vision_end": 63}
+_TEXT = {
+    "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512,
+    "bos_token_id": 0, "eos_token_id": 1,
+}  # fmt: skip
+_VISION = {"in_channels": 3, "patch_size": 2, "temporal_patch_size": 1, "spatial_merge_size": MERGE}
+
+
+def tiny_config(family: str) -> Any:
+    """The model config of ``family`` (one of :data:`FAMILIES`)."""
+    special = {
+        "image_token_id": IDS["image"],
+        "video_token_id": IDS["video"],
+        "vision_start_token_id": IDS["vision_start"],
+        "vision_end_token_id": IDS["vision_end"],
+    }
+    if family == "qwen2_vl":
+        from transformers import Qwen2VLConfig
+
+        text = {**_TEXT, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}}
+        vision = {**_VISION, "depth": 2, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2}
+        return Qwen2VLConfig(text_config=text, vision_config=vision, **special)
+    if family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig
+
+        text = {**_TEXT, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}}
+        vision = {
+            **_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+            "out_hidden_size": 32, "window_size": 8, "fullatt_block_indexes": [1],
+        }  # fmt: skip
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special)
+    if family == "qwen3_vl":
+        from transformers import Qwen3VLConfig
+
+        rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+        text = {**_TEXT, "head_dim": 16, "rope_parameters": rope}
+        vision = {
+            **_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+            "out_hidden_size": 32, "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1],
+        }  # fmt: skip
+        return Qwen3VLConfig(text_config=text, vision_config=vision, **special)
+    raise ValueError(f"family={family!r} is unknown: expected one of {FAMILIES}.")
+
+
+def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised ``*ForConditionalGeneration`` of ``family``, in training mode."""
+    import transformers
+
+    classes = {
+        "qwen2_vl": "Qwen2VLForConditionalGeneration",
+        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+        "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    }
+    config = tiny_config(family)
+    torch.manual_seed(seed)
+    model = getattr(transformers, classes[family])(config)
+    return model.train()
+
+
+Grid = tuple[int, int, int]
+
+
+def _tokens(family: str, kind: str, grid: Grid) -> tuple[list[int], list[int]]:
+    """Token ids and mm token types of one image or video with its vision start/end tokens."""
+    t, h, w = grid
+    per_frame = h * w // MERGE**2
+    code = 1 if kind == "image" else 2
+    # Qwen3-VL places each video frame in its own start/end pair (timestamps separate them).
+    frames = [per_frame] * t if family == "qwen3_vl" and kind == "video" else [t * per_frame]
+    ids: list[int] = []
+    types: list[int] = []
+    for count in frames:
+        ids += [IDS["vision_start"], *[IDS[kind]] * count, IDS["vision_end"]]
+        types += [0, *[code] * count, 0]
+    return ids, types
+
+
+def make_inputs(
+    family: str, samples: Sequence[dict[str, Any]], seed: int, text_len: int = 6
+) -> dict[str, Any]:
+    """Model inputs for ``samples``, each ``{"images": [grid, ...], "videos": [grid, ...]}``.
+
+    Every sample gets ``text_len`` random text tokens after its images and videos; sequences are
+    right-padded (``attention_mask`` 0, ``labels`` -100).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    rows: list[tuple[list[int], list[int]]] = []
+    grids: dict[str, list[Grid]] = {"image": [], "video": []}
+    for sample in samples:
+        ids: list[int] = []
+        types: list[int] = []
+        for kind in ("image", "video"):
+            for grid in sample.get(f"{kind}s", ()):
+                more_ids, more_types = _tokens(family, kind, tuple(grid))
+                ids += more_ids
+                types += more_types
+                grids[kind].append(tuple(grid))
+        ids += torch.randint(0, VOCAB - 4, (text_len,), generator=generator).tolist()
+        types += [0] * text_len
+        rows.append((ids, types))
+    length = max(len(ids) for ids, _ in rows)
+    input_ids = torch.zeros(len(rows), length, dtype=torch.long)
+    types = torch.zeros(len(rows), length, dtype=torch.int32)
+    attention = torch.zeros(len(rows), length, dtype=torch.long)
+    for i, (ids, kinds) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        types[i, : len(ids)] = torch.tensor(kinds, dtype=torch.int32)
+        attention[i, : len(ids)] = 1
+    labels = input_ids.masked_fill(attention == 0, -100)
+    batch: dict[str, Any] = {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "mm_token_type_ids": types,
+        "labels": labels,
+    }
+    for kind, pixels_key, grid_key in (
+        ("image", "pixel_values", "image_grid_thw"),
+        ("video", "pixel_values_videos", "video_grid_thw"),
+    ):
+        found = grids[kind]
+        rows_needed = sum(t * h * w for t, h, w in found)
+        batch[pixels_key] = torch.randn(rows_needed, CHANNELS, generator=generator) if found else None
+        batch[grid_key] = torch.tensor(found, dtype=torch.long) if found else None
+    return batch

@@ -1,0 +1,598 @@
+"""The Hugging Face drop-in: ``balance_vision_tower(model)``, then ``model(**batch)`` unchanged.
+
+Tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL ``*ForConditionalGeneration`` models (see
+:mod:`hf_models`, nothing downloaded) on 3 real gloo ranks: images, videos and text-only ranks
+mixed, two consecutive training steps per case, each rank's loss and the gradients summed over
+ranks against the plain model. Then a 2-rank Lightning DDP fit with
+``find_unused_parameters=False``, the eval/no-grad rule, bad input, ``remove()`` and the
+contract checks.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import inspect
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+import lightning as L
+from equivalence import CollectiveCounter
+from hf_models import CHANNELS, FAMILIES, make_inputs, tiny_model
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_vit_balance import (
+    BalancedVisionTower,
+    ViTBalanceCallback,
+    ViTBalanceConfig,
+    ViTBalanceMixin,
+    ViTBalancer,
+    balance_vision_tower,
+    encode_visual,
+)
+from lightning_vit_balance.outputs import flatten_output
+
+RANKS = 3
+# Balance whenever the plan lowers the makespan at all, so most cases move images.
+CONFIG = {"trigger_threshold": 0.0}
+# The same per-image maths runs in batches of other sizes (matmul blocking) and the gradient sums
+# over images and ranks add in another order: float32 rounding (~1e-7 relative per operation)
+# over these tiny models stays far below 1e-5; a misrouted row changes results at O(1).
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+SGD_LR = 0.5
+
+# Per rank, the samples of its batch: {"images": [(T, H, W), ...], "videos": [...]}; {} is text only.
+CASES: dict[str, list[list[dict[str, Any]]]] = {
+    "every_rank_images": [
+        [{"images": [(1, 8, 8)]}, {"images": [(1, 4, 4)]}],
+        [{"images": [(1, 4, 4)]}],
+        [{"images": [(1, 2, 2), (1, 4, 2)]}],
+    ],
+    "text_only_rank": [
+        [{"images": [(1, 8, 8), (1, 4, 4)]}],
+        [{}],
+        [{"images": [(1, 2, 2)]}, {}],
+    ],
+    "images_and_videos_next_to_images": [
+        [{"images": [(1, 4, 4)], "videos": [(2, 4, 4)]}, {"videos": [(1, 4, 2)]}],
+        [{"images": [(1, 2, 2)]}],
+        [{"images": [(1, 4, 4)]}, {}],
+    ],
+    "only_videos_on_one_rank": [
+        [{"videos": [(2, 4, 4), (1, 2, 2)]}],
+        [{"images": [(1, 2, 2)]}],
+        [{"images": [(1, 4, 2)]}, {}],
+    ],
+    "one_big_image_others_text_only": [[{"images": [(1, 12, 12)]}], [{}], [{}]],
+    "every_rank_text_only": [[{}], [{}], [{}]],
+}
+
+
+def _summed_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient summed over ranks (what DDP's all-reduce sees), zeros for none."""
+    import torch.distributed as dist
+
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.detach().clone() if param.grad is not None else torch.zeros_like(param)
+        dist.all_reduce(grad)
+        grads[name] = grad
+    return grads
+
+
+def _sgd(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param -= SGD_LR * grads[name]
+    model.zero_grad(set_to_none=True)
+
+
+def _step(model: nn.Module, batch: dict[str, Any], counter: CollectiveCounter | None = None) -> Any:
+    """One forward/backward; with a counter, the collectives of each pass."""
+    if counter is None:
+        loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), None
+    forward, backward = CollectiveCounter(), CollectiveCounter()
+    with forward.active():
+        loss = model(**batch).loss
+    with backward.active():
+        loss.backward()
+    return loss.detach(), (len(forward.calls), len(backward.calls))
+
+
+def _check_case(family: str, name: str) -> dict[str, Any]:
+    """Two training steps of the plain and the balanced model on this rank; compare; summarise."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    plain = tiny_model(family)
+    balanced = copy.deepcopy(plain)
+    handle = balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG))
+    steps = []
+    for step in range(2):
+        where = f"{family}/{name} step {step} rank {rank}"
+        # Step 1 swaps the batches of ranks 0 and 1: the load moves, weights have changed.
+        source = rank if step == 0 else {0: 1, 1: 0}.get(rank, rank)
+        batch = make_inputs(family, CASES[name][source], seed=100 * step + rank)
+        plain_loss, _ = _step(plain, batch)
+        calls_before = handle.calls
+        balanced_loss, counts = _step(balanced, batch, CollectiveCounter())
+        assert handle.calls == calls_before + 1, f"{where}: {handle.calls - calls_before} exchanges"
+        torch.testing.assert_close(balanced_loss, plain_loss, **TOL, msg=lambda m, w=where: f"{w}: loss {m}")
+        plain_grads, balanced_grads = _summed_grads(plain), _summed_grads(balanced)
+        for key, expected in plain_grads.items():
+            torch.testing.assert_close(
+                balanced_grads[key], expected, **TOL, msg=lambda m, w=where, k=key: f"{w}: grad {k}: {m}"
+            )
+        tower_grads = [g for k, g in plain_grads.items() if k.startswith("model.visual.")]
+        stats = handle.last_stats
+        steps.append(
+            {
+                "applied": stats.applied,
+                "reason": stats.reason,
+                "forward_collectives": counts[0],
+                "backward_collectives": counts[1],
+                "stats_collectives": stats.collectives,
+                "tower_grad_norm": float(torch.cat([g.reshape(-1) for g in tower_grads]).norm()),
+            }
+        )
+        _sgd(plain, plain_grads)
+        _sgd(balanced, balanced_grads)
+    return {"steps": steps, "calls": handle.calls, "applied_calls": handle.applied_calls}
+
+
+def _check_family(family: str) -> dict[str, Any]:
+    return {name: _check_case(family, name) for name in CASES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_model_forward_matches_plain_model(multirank: Any, family: str) -> None:
+    """Each case: no hang, one exchange per forward, equal losses and summed gradients, 2 steps."""
+    with multirank(RANKS) as w:
+        per_rank = w.run(_check_family, family, timeout=240)
+    applied = 0
+    for name in CASES:
+        results = [r[name] for r in per_rank]
+        for rank_result in results:
+            assert rank_result["calls"] == 2
+            for step in rank_result["steps"]:
+                # The forward issues exactly the balanced call's collectives, nothing more.
+                assert step["forward_collectives"] == step["stats_collectives"], (name, step)
+                # The backward repeats the return trip when images moved (pixels need no grad).
+                assert step["backward_collectives"] == (1 if step["applied"] else 0), (name, step)
+        # Every rank made the same plan.
+        assert len({tuple(s["applied"] for s in r["steps"]) for r in results}) == 1
+        applied += results[0]["applied_calls"]
+        if name != "every_rank_text_only":
+            assert results[0]["steps"][0]["tower_grad_norm"] > 0, name  # the tower was trained
+    assert applied >= 6, "most cases should move images, else the equivalence proves little"
+    assert per_rank[0]["one_big_image_others_text_only"]["steps"][0]["reason"] != "applied"
+
+
+def _eval_and_no_grad_are_direct(family: str) -> dict[str, Any]:
+    """Rank 0 alone runs an eval forward and a no-grad training-mode forward: nothing collective."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    plain = tiny_model(family)
+    balanced = copy.deepcopy(plain)
+    handle = balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG))
+    counter = CollectiveCounter()
+    if rank == 0:
+        batch = make_inputs(family, [{"images": [(1, 4, 4)], "videos": [(2, 2, 2)]}], seed=5)
+        with counter.active():
+            with torch.no_grad():
+                train_mode = balanced(**batch).logits
+            balanced.eval()
+            eval_mode = balanced(**batch).logits
+        plain.eval()
+        reference = plain(**batch).logits
+        assert torch.equal(eval_mode, reference)
+        torch.testing.assert_close(train_mode, reference, **TOL)
+    return {"collectives": len(counter.calls), "calls": handle.calls}
+
+
+def test_eval_and_no_grad_forwards_are_not_balanced(multirank: Any) -> None:
+    with multirank(RANKS) as w:
+        results = w.run(_eval_and_no_grad_are_direct, "qwen2_vl", timeout=120)
+    assert results == [{"collectives": 0, "calls": 0}] * RANKS
+
+
+def _bad_input_on_rank_1(family: str) -> str:
+    """Rank 1 passes image pixels without their grid; every rank must raise, none may hang."""
+    import torch.distributed as dist
+
+    model = tiny_model(family)
+    balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
+    batch = make_inputs(family, [{"images": [(1, 4, 4)]}], seed=dist.get_rank())
+    if dist.get_rank() == 1:
+        batch["image_grid_thw"] = None
+    try:
+        model(**batch)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_bad_input_on_one_rank_raises_on_every_rank(multirank: Any) -> None:
+    with multirank(RANKS) as w:
+        messages = w.run(_bad_input_on_rank_1, "qwen3_vl", timeout=120)
+    assert all("rank 1" in m for m in messages), messages
+    assert "image_grid_thw is None" in messages[1]
+
+
+# --------------------------------------------------------------------------- encode_visual
+
+
+def _encode_visual_worker(tower_name: str) -> dict[str, Any]:
+    """Images and videos in one exchange == two direct calls; a rank with neither takes part."""
+    import torch.distributed as dist
+    import towers
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    vit = towers.WindowTower() if tower_name == "window" else towers.qwen3_vl_tower().train()
+    given = {
+        0: {"images": [(1, 8, 8), (1, 2, 2)], "videos": [(2, 4, 4)]},
+        1: {"videos": [(1, 4, 2)]},
+        2: {},
+    }[rank]
+    inputs = {}
+    for seed, kind in enumerate(("images", "videos")):
+        if kind in given:
+            inputs[kind] = towers.make_batch(given[kind], seed=10 * rank + seed)
+        elif tower_name == "window":
+            # This tower's config does not tell C: an absent modality is passed as zero rows.
+            inputs[kind] = (torch.zeros(0, CHANNELS), torch.zeros(0, 3, dtype=torch.long))
+        else:
+            inputs[kind] = None
+    balancer = ViTBalancer(ViTBalanceConfig(**CONFIG))
+    counter = CollectiveCounter()
+    with counter.active():
+        image_out, video_out = encode_visual(vit, inputs["images"], inputs["videos"], balancer=balancer)
+    loss = torch.zeros(())
+    for out in (image_out, video_out):
+        for k, (_, leaf) in enumerate(flatten_output(out)[0]):
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                loss = loss + (leaf * (k + 1)).sum()
+    loss.backward()
+    for kind, out in (("images", image_out), ("videos", video_out)):
+        if kind not in given:
+            continue
+        direct = vit(*inputs[kind])
+        for (path, got), (_, want) in zip(flatten_output(out)[0], flatten_output(direct)[0]):
+            if isinstance(want, torch.Tensor) and want.is_floating_point():
+                torch.testing.assert_close(got, want, **TOL, msg=lambda m, p=f"{kind} {path}": f"{p}: {m}")
+            elif isinstance(want, torch.Tensor):
+                assert torch.equal(got, want), (kind, path)  # the window index, renumbered per modality
+    rows = [
+        leaf.shape[0]
+        for out in (image_out, video_out)
+        for _, leaf in flatten_output(out)[0]
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
+    ]
+    return {
+        "collectives": len(counter.calls),
+        "stats_collectives": balancer.last_stats.collectives,
+        "applied": balancer.last_stats.applied,
+        "rows": rows,
+        "tower_grads": all(p.grad is not None for p in vit.parameters()),
+    }
+
+
+@pytest.mark.parametrize("tower_name", ["window", "qwen3_vl"])
+def test_encode_visual_encodes_images_and_videos_in_one_exchange(multirank: Any, tower_name: str) -> None:
+    with multirank(RANKS) as w:
+        results = w.run(_encode_visual_worker, tower_name, timeout=120)
+    assert all(r["applied"] for r in results)
+    assert all(r["collectives"] == r["stats_collectives"] == results[0]["collectives"] for r in results)
+    assert results[2]["rows"] and not any(results[2]["rows"])  # zero rows on the rank with nothing
+    assert all(r["tower_grads"] for r in results)
+
+
+def test_encode_visual_without_a_balancer_calls_the_vit_once() -> None:
+    import towers
+
+    torch.manual_seed(0)
+    vit = towers.WindowTower()
+    images, videos = towers.make_batch([(1, 4, 4)], seed=1), towers.make_batch([(2, 2, 2)], seed=2)
+    image_out, video_out = encode_visual(vit, images, videos)
+    torch.testing.assert_close(image_out[0], vit(*images)[0], **TOL)
+    assert torch.equal(video_out[1], vit(*videos)[1])
+    empty = (torch.zeros(0, CHANNELS), torch.zeros(0, 3, dtype=torch.long))
+    nothing, _ = encode_visual(vit, empty, None)
+    assert nothing[0].shape == (0, 24) and nothing[1].shape == (0,)
+    with pytest.raises(TypeError, match=r"encode_visual\(images=a tensor"):
+        encode_visual(vit, images[0])
+
+
+# --------------------------------------------------------------------------- one process
+
+
+def test_one_process_calls_the_model_unchanged() -> None:
+    """Without torch.distributed (or with one rank) nothing is balanced or recorded."""
+    plain = tiny_model("qwen2_5_vl")
+    balanced = copy.deepcopy(plain)
+    handle = balance_vision_tower(balanced)
+    batch = make_inputs("qwen2_5_vl", [{"images": [(1, 4, 4)], "videos": [(2, 2, 2)]}, {}], seed=0)
+    assert torch.equal(balanced(**batch).loss, plain(**batch).loss)
+    assert (handle.calls, handle.last_stats) == (0, None)
+
+
+def _snapshot(module: nn.Module) -> dict[str, Any]:
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def test_remove_restores_the_model_bit_for_bit() -> None:
+    model = tiny_model("qwen3_vl").eval()
+    base, tower = model.model, model.model.visual
+    before = {"state": _snapshot(model), "base": dict(base.__dict__), "tower": dict(tower.__dict__)}
+    batch = make_inputs("qwen3_vl", [{"images": [(1, 4, 4)], "videos": [(2, 2, 2)]}], seed=3)
+    logits = model(**batch).logits
+
+    handle = balance_vision_tower(model)
+    assert BalancedVisionTower.of(model) is handle
+    # The tower stays the same module: class, parameter names, the attributes HF reads.
+    assert type(tower) is type(model.model.visual) and model.model.visual is tower
+    assert list(model.state_dict()) == list(before["state"])
+    assert (tower.dtype, tower.spatial_merge_size, tower.config) == (
+        torch.float32,
+        before["tower"]["spatial_merge_size"],
+        before["tower"]["config"],
+    )
+    assert inspect.signature(base.forward) == inspect.signature(type(base).forward.__get__(base))
+    with pytest.raises(ValueError, match="already balanced"):
+        balance_vision_tower(model)
+    # Pickling (what ddp_spawn does) keeps the model balanced, by a fresh handle of its own.
+    copied = pickle.loads(pickle.dumps(model))
+    assert BalancedVisionTower.of(copied) is not handle and BalancedVisionTower.of(copied) is not None
+    assert torch.equal(copied(**batch).logits, logits)
+
+    handle.remove()
+    handle.remove()  # again: nothing left to undo
+    assert BalancedVisionTower.of(model) is None
+    assert base.__dict__.keys() == before["base"].keys() and "forward" not in base.__dict__
+    assert tower.__dict__.keys() == before["tower"].keys() and "forward" not in tower.__dict__
+    after = model.state_dict()
+    assert list(after) == list(before["state"])
+    assert all(torch.equal(after[k], v) for k, v in before["state"].items())
+    assert torch.equal(model(**batch).logits, logits)
+    balance_vision_tower(model).remove()  # installs again after removal
+
+
+def test_a_forward_patched_before_is_kept_and_restored() -> None:
+    """An instance forward found at install time (accelerate hooks set one) is called and restored."""
+    model = tiny_model("qwen2_vl")
+    base = model.model
+    seen = []
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        seen.append(True)
+        return type(base).forward(base, *args, **kwargs)
+
+    base.forward = hooked
+    handle = balance_vision_tower(model)
+    model(**make_inputs("qwen2_vl", [{"images": [(1, 2, 2)]}], seed=0))
+    assert seen == [True]
+    handle.remove()
+    assert base.__dict__["forward"] is hooked
+
+
+class _NoVideosModel(nn.Module):
+    """A base model whose forward knows no videos, and a tower without ``spatial_merge_size``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.visual = nn.Linear(2, 2)
+
+    def forward(self, input_ids: Any = None, pixel_values: Any = None, image_grid_thw: Any = None) -> Any:
+        return input_ids
+
+
+def test_a_model_breaking_the_contract_gets_an_error_naming_what_is_missing() -> None:
+    with pytest.raises(ValueError, match="no submodule with a child module named 'visual'"):
+        balance_vision_tower(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="several vision towers"):
+        balance_vision_tower(nn.ModuleList([_NoVideosModel(), _NoVideosModel()]))
+    with pytest.raises(ValueError) as info:
+        balance_vision_tower(_NoVideosModel())
+    message = str(info.value)
+    for missing in (
+        "forward has no parameter 'pixel_values_videos'",
+        "forward has no parameter 'video_grid_thw'",
+        "Linear.forward has no parameter 'grid_thw'",
+        "no int attribute 'spatial_merge_size'",
+        "Linear.config has no int 'in_channels'",
+    ):
+        assert missing in message
+    with pytest.raises(TypeError, match=r"expected a torch\.nn\.Module"):
+        balance_vision_tower("model")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="expected a ViTBalanceConfig"):
+        balance_vision_tower(tiny_model("qwen2_vl"), {"enabled": True})  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- Lightning
+
+
+FIT_STEPS = 3
+FIT_RANKS = 2
+FIT_FAMILY = "qwen3_vl"
+# Per step, each rank's samples: text-only ranks, images next to videos, videos alone.
+FIT_BATCHES: list[list[list[dict[str, Any]]]] = [
+    [[{"images": [(1, 8, 8)], "videos": [(2, 4, 4)]}], [{}]],
+    [[{}], [{"videos": [(2, 4, 4)]}, {"images": [(1, 2, 2)]}]],
+    [[{"images": [(1, 4, 4)]}], [{"images": [(1, 8, 4), (1, 2, 2)]}]],
+]
+
+
+def fit_batch(step: int, rank: int) -> dict[str, Any]:
+    return make_inputs(FIT_FAMILY, FIT_BATCHES[step][rank], seed=1000 + 10 * step + rank)
+
+
+def _first(items: list[Any]) -> Any:
+    return items[0]
+
+
+class HFFinetune(ViTBalanceMixin, L.LightningModule):
+    """A user's fine-tuning module: ``self.model(**batch).loss``, plus ``balance_vision_tower``."""
+
+    def __init__(self, out_dir: str, balanced: bool) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+        self.vit_balance_config = ViTBalanceConfig(**CONFIG)
+        self.model = tiny_model(FIT_FAMILY)
+        if balanced:
+            self.balance_vision_tower(self.model)
+        self.losses: list[float] = []
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def on_train_end(self) -> None:
+        path = Path(self.out_dir) / f"losses_rank_{self.global_rank}.json"
+        path.write_text(json.dumps(self.losses))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=SGD_LR)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        batches = [fit_batch(step, self.global_rank) for step in range(FIT_STEPS)]
+        return torch.utils.data.DataLoader(batches, batch_size=1, collate_fn=_first)
+
+
+def _reference(model: nn.Module) -> list[list[float]]:
+    """DDP by hand: each step, the mean of the ranks' losses (DDP averages gradients), then SGD."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    losses = []
+    for step in range(FIT_STEPS):
+        optimizer.zero_grad()
+        per_rank = [model(**fit_batch(step, rank)).loss for rank in range(FIT_RANKS)]
+        (sum(per_rank) / FIT_RANKS).backward()
+        optimizer.step()
+        losses.append([float(loss.detach()) for loss in per_rank])
+    return losses
+
+
+@pytest.mark.timeout(240)
+def test_lightning_ddp_fit_without_find_unused_parameters(tmp_path: Path) -> None:
+    """ddp_spawn, 2 CPU ranks, find_unused_parameters=False, small DDP buckets; text-only ranks."""
+    torch.set_num_threads(1)
+    module = HFFinetune(str(tmp_path), balanced=True)
+    reference_model = copy.deepcopy(module.model)
+    BalancedVisionTower.of(reference_model).remove()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=FIT_RANKS,
+        # Tiny buckets: several all-reduces interleave with the return trip's backward exchange.
+        strategy=DDPStrategy(start_method="spawn", find_unused_parameters=False, bucket_cap_mb=0.02),
+        max_steps=FIT_STEPS,
+        logger=CSVLogger(str(tmp_path), name="", version="fit"),
+        callbacks=[ViTBalanceCallback()],
+        log_every_n_steps=1,
+        use_distributed_sampler=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)
+    expected = _reference(reference_model)
+    for rank in range(FIT_RANKS):
+        losses = json.loads((tmp_path / f"losses_rank_{rank}.json").read_text())
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor([step[rank] for step in expected]), **TOL
+        )
+    # ddp_spawn hands the trained weights back to this process's module.
+    trained = module.model.state_dict()
+    for key, value in reference_model.state_dict().items():
+        torch.testing.assert_close(trained[key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}")
+    # The callback logged the handle's stats: one balanced call per step.
+    with open(tmp_path / "fit" / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("vit_balance/calls")]
+    assert [float(r["vit_balance/calls"]) for r in rows] == [1.0] * FIT_STEPS
+    assert float(rows[-1]["vit_balance/calls_total"]) == FIT_STEPS
+
+
+class _MixinOnly(ViTBalanceMixin, L.LightningModule):
+    """A module with the mixin and an explicit group, used outside a Trainer."""
+
+
+def _mixin_worker() -> dict[str, Any]:
+    """The mixin's encode_visual and balance_vision_tower with ``vit_balance_group`` set."""
+    import torch.distributed as dist
+    import towers
+
+    rank = dist.get_rank()
+    module = _MixinOnly()
+    module.vit_balance_config = ViTBalanceConfig(**CONFIG)
+    module.vit_balance_group = dist.group.WORLD
+    torch.manual_seed(0)
+    vit = towers.qwen2_vl_tower()
+    images = towers.make_batch([(1, 4, 4)] * 4 if rank == 0 else [(1, 2, 2)], seed=rank)
+    videos = towers.make_batch([(2, 2, 4)], seed=9) if rank == 1 else None
+    image_out, video_out = module.encode_visual(vit, images=images, videos=videos)
+    torch.testing.assert_close(image_out.pooler_output, vit(*images).pooler_output, **TOL)
+    first = module.last_vit_balance_stats
+    model = tiny_model("qwen2_vl")
+    handle = module.balance_vision_tower(model)
+    model(
+        **make_inputs("qwen2_vl", [{"images": [(1, 8, 8)]}] if rank == 0 else [{}], seed=rank)
+    ).loss.backward()
+    return {
+        "video_rows": video_out.pooler_output.shape[0],
+        "applied": first.applied,
+        "handle_calls": handle.calls,
+        "stats_from_handle": module.last_vit_balance_stats is handle.last_stats,
+    }
+
+
+def test_mixin_encode_visual_and_balance_vision_tower_use_the_modules_group(multirank: Any) -> None:
+    with multirank(RANKS) as w:
+        results = w.run(_mixin_worker, timeout=120)
+    assert [r["video_rows"] for r in results] == [0, 4, 0]
+    assert all(r["applied"] and r["handle_calls"] == 1 and r["stats_from_handle"] for r in results), results
+
+
+def test_mixin_balance_vision_tower_is_idempotent() -> None:
+    module = HFFinetune("unused", balanced=True)
+    handle = BalancedVisionTower.of(module.model)
+    assert module.balance_vision_tower(module.model) is handle
+    # Outside a Trainer nothing is balanced: the model runs as is.
+    batch = fit_batch(0, 0)
+    plain = copy.deepcopy(module.model)
+    BalancedVisionTower.of(plain).remove()
+    assert torch.equal(module.model(**batch).loss, plain(**batch).loss)
+    assert handle.calls == 0
+
+
+# --------------------------------------------------------------------------- the example
+
+
+@pytest.mark.timeout(240)
+def test_finetune_example_short_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``examples/hf_qwen_finetune.py --steps 3``: two 2-rank fits, same losses, images moved."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import hf_qwen_finetune
+
+    summary = hf_qwen_finetune.main(["--steps", "3", "--output", str(tmp_path)])
+    assert summary["loss_max_abs_diff"] <= hf_qwen_finetune.LOSS_TOLERANCE
+    assert summary["applied_steps"] >= 1 and summary["imbalance_after"] < summary["imbalance_before"]
+    assert summary["collectives_per_forward"] >= 1
+    assert "losses: max |difference|" in capsys.readouterr().out
+    # The balanced run's callback logged the handle's stats.
+    with open(tmp_path / "balanced" / "metrics.csv") as f:
+        calls = [float(r["vit_balance/calls"]) for r in csv.DictReader(f) if r.get("vit_balance/calls")]
+    assert calls == [1.0] * 3  # one balanced call per step

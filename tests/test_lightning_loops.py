@@ -1,0 +1,191 @@
+"""Lightning loops beyond training on 2 real CPU ranks: resume, validation, predict on uneven data.
+
+One module fixture fits 2 steps (``ddp_spawn``, checkpointing every step while monitoring
+``vit_balance/imbalance_after``), then resumes to 4 steps from ``last.ckpt``; a fresh process
+loads the final checkpoint with ``load_from_checkpoint`` and predicts 5 samples on 2 ranks.
+Checkpoints are loaded the default way (``weights_only``) throughout.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning_fit_script import (
+    LOOP_CONFIG,
+    PREDICT_SAMPLES,
+    RANKS,
+    STEPS,
+    TinyVLM,
+    eval_samples,
+    fit_with_checkpoints,
+    make_sample,
+)
+from towers import TensorTower
+
+from lightning_vit_balance import CostModel, ViTBalanceConfig
+
+SCRIPT = Path(__file__).resolve().parent / "lightning_fit_script.py"
+CALLS_PER_STEP = 2  # images (applied) and videos (skipped: no-gain), as in test_lightning_fit.py
+# Balanced and unbalanced training differ only in the batches images are encoded in: fp32 matmul
+# blocking may change the last bits (~1e-7 relative), compounded over a few SGD steps.
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _rows(run_dir: Path) -> list[dict[str, float]]:
+    with open(run_dir / "metrics.csv") as f:
+        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+
+def _by_step(rows: list[dict[str, float]], key: str) -> dict[int, dict[str, float]]:
+    return {int(row["step"]): row for row in rows if key in row}
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("loops")
+    last = out / "checkpoints" / "last.ckpt"
+    fit_with_checkpoints(str(out), "first", max_steps=2)
+    first_last = torch.load(last)
+    model = fit_with_checkpoints(str(out), "resumed", max_steps=STEPS, ckpt_path=str(last))
+    rows = _rows(out / "first") + _rows(out / "resumed")
+    return {
+        "out": out,
+        "rows": rows,
+        "first_last": first_last,
+        "last": torch.load(last),
+        "weights": {k: v.clone() for k, v in model.state_dict().items()},
+    }
+
+
+def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Rank 0's loss per step and the final weights of the same training in one process, unbalanced.
+
+    DDP averages the ranks' gradients: the gradient of the mean of the ranks' losses.
+    """
+    model = TinyVLM()  # seeds itself: the fits' initial weights
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    rank0_losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        losses = []
+        for rank in range(RANKS):
+            sample = make_sample(step, rank)
+            images = model.visual(sample["pixel_values"], sample["image_grid_thw"])
+            videos = model.visual(sample["pixel_values_videos"], sample["video_grid_thw"])
+            losses.append(model.head(torch.cat([images, videos])).pow(2).mean())
+        rank0_losses.append(float(losses[0]))
+        (sum(losses) / RANKS).backward()
+        optimizer.step()
+    return rank0_losses, model.state_dict()
+
+
+@pytest.mark.timeout(240)
+def test_resuming_continues_training_and_the_cumulative_counts(resumed: dict[str, Any]) -> None:
+    assert resumed["first_last"]["global_step"] == 2
+    assert resumed["last"]["global_step"] == STEPS
+    balance = _by_step(resumed["rows"], "vit_balance/calls")
+    assert sorted(balance) == list(range(STEPS))
+    for step, row in balance.items():
+        # The resumed fit's counts continue from the checkpoint's (steps 2 and 3).
+        assert row["vit_balance/applied_total"] == step + 1
+        assert row["vit_balance/calls_total"] == CALLS_PER_STEP * (step + 1)
+        assert row["vit_balance/skipped/no-gain"] == step + 1
+    state = resumed["last"]["callbacks"]["ViTBalanceCallback"]
+    assert (state["applied_total"], state["calls_total"]) == (STEPS, CALLS_PER_STEP * STEPS)
+    # Two 2-step fits trained exactly as one 4-step fit would have.
+    losses, weights = _reference()
+    logged = _by_step(resumed["rows"], "train_loss")
+    torch.testing.assert_close(
+        torch.tensor([logged[s]["train_loss"] for s in range(STEPS)]), torch.tensor(losses), **TOLERANCE
+    )
+    torch.testing.assert_close(resumed["weights"], weights, **TOLERANCE)
+
+
+@pytest.mark.timeout(240)
+def test_checkpoints_monitor_the_imbalance_on_every_rank(resumed: dict[str, Any]) -> None:
+    [state] = [v for k, v in resumed["last"]["callbacks"].items() if k.startswith("ModelCheckpoint")]
+    rows = _by_step(resumed["rows"], "vit_balance/calls")
+    after = {step: row["vit_balance/imbalance_after"] for step, row in rows.items()}
+    best_step = min(after, key=lambda s: (after[s], s))
+    assert float(state["best_model_score"]) == pytest.approx(after[best_step], rel=1e-12)
+    assert Path(state["best_model_path"]).name == f"step={best_step + 1}.ckpt"
+    # The hyperparameters keep the configuration itself, and the checkpoint loads weights_only.
+    assert resumed["last"]["hyper_parameters"]["vit_balance_config"] == LOOP_CONFIG
+
+
+@pytest.mark.timeout(240)
+def test_validation_on_a_distributed_sampler_balances_with_exact_outputs(resumed: dict[str, Any]) -> None:
+    # One validation per 2-step epoch, one in each fit.
+    rows = _by_step(resumed["rows"], "val_balanced")
+    assert sorted(rows) == [1, 3]
+    for row in rows.values():
+        assert row["val_balanced"] == 1.0  # every validation call of both ranks was balanced
+        assert row["val_max_error"] < 1e-5  # fp32 rounding of a different batch composition
+
+
+@pytest.mark.timeout(240)
+def test_a_fresh_process_loads_the_checkpoint_and_predicts_uneven_data(
+    resumed: dict[str, Any], tmp_path: Path
+) -> None:
+    ckpt = resumed["out"] / "checkpoints" / "last.ckpt"
+    path = os.pathsep.join([str(SCRIPT.parent), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "predict", str(ckpt), str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    loaded = json.loads((tmp_path / "loaded.json").read_text())
+    assert loaded["type"] == "ViTBalanceConfig"
+    assert ViTBalanceConfig(**loaded["fields"]) == LOOP_CONFIG
+
+    tower = TensorTower()
+    state = resumed["last"]["state_dict"]
+    tower.load_state_dict({k.removeprefix("visual."): v for k, v in state.items() if k.startswith("visual.")})
+    samples = eval_samples(PREDICT_SAMPLES, offset=200)
+    seen = []
+    for rank in range(RANKS):
+        record = torch.load(tmp_path / f"rank_{rank}.pt")
+        # Uneven: Lightning's predict sampler gives rank 0 three samples and rank 1 two.
+        assert len(record["indices"]) == len(record["predictions"]) == (3, 2)[rank]
+        for index, prediction in zip(record["indices"], record["predictions"]):
+            sample = samples[index]
+            expected = tower(sample["pixel_values"], sample["image_grid_thw"])
+            # Encoded directly, on its own rank: the same maths bit for bit.
+            torch.testing.assert_close(prediction["images"], expected, rtol=0, atol=0)
+            assert prediction["balanced"] is False
+            seen.append(index)
+    assert sorted(seen) == list(range(PREDICT_SAMPLES))
+
+
+def _checkpoint_holding(config_state: dict[str, Any]) -> io.BytesIO:
+    """A checkpoint whose hyperparameters hold a ViTBalanceConfig pickled with ``config_state``."""
+    config = object.__new__(ViTBalanceConfig)
+    config.__dict__.update(config_state)  # as another version of the class would have pickled it
+    buffer = io.BytesIO()
+    torch.save({"hyper_parameters": {"vit_balance_config": config}}, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_configs_in_checkpoints_load_weights_only_across_versions() -> None:
+    # Defining a module class with the mixin (LoopVLM, imported above) allowed both types.
+    assert {ViTBalanceConfig, CostModel} <= set(torch.serialization.get_safe_globals())
+    older = {k: v for k, v in vars(LOOP_CONFIG).items() if k != "min_gain"}
+    loaded = torch.load(_checkpoint_holding(older))["hyper_parameters"]["vit_balance_config"]
+    assert loaded == LOOP_CONFIG  # a field the checkpoint lacks takes its default
+    with pytest.raises(ValueError, match=r"unknown fields \['bogus'\]"):
+        torch.load(_checkpoint_holding({**vars(LOOP_CONFIG), "bogus": 1}))
+    with pytest.raises(ValueError, match=r"ViTBalanceConfig.solver='magic' is invalid"):
+        torch.load(_checkpoint_holding({**vars(LOOP_CONFIG), "solver": "magic"}))

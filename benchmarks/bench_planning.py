@@ -1,4 +1,4 @@
-"""Planning benchmark: plan quality, pixel rows moved and plan time, seed solver vs default.
+"""Planning benchmark: plan quality, pixel rows moved and plan time, LPT (seed) solver vs default.
 
 Run with ``make bench`` (or ``python benchmarks/bench_planning.py``; ``--quick`` for a smoke run).
 Batches use Qwen2-VL-style sizes: 14-pixel patches with a 2x2 merge, so image sides are rounded to
@@ -10,6 +10,8 @@ table is the same on every run (plan times aside). See BENCHMARKS.md for how to 
 from __future__ import annotations
 
 import argparse
+import collections
+import heapq
 import itertools
 import statistics
 import time
@@ -22,8 +24,8 @@ from lightning_vit_balance import ViTBalanceConfig, plan_rebalance
 PATCH_PX = 14
 MERGE = 2
 
-# Solver quality is measured with both skip rules off so every plan is a real plan; the seed still
-# skips when one image outweighs the mean load (that is part of its algorithm).
+# Solver quality is measured with both skip rules off so every plan is a real plan; the LPT solver
+# still skips when one image outweighs the mean load (that is part of the seed's algorithm).
 FORCED = {"trigger_threshold": 0.0, "min_gain": 0.0}
 
 
@@ -89,71 +91,111 @@ def draw_batch(
 
 
 def timed(fn: Callable[[], object]) -> tuple[object, float]:
-    start = time.perf_counter()
+    """``fn()`` and the process CPU time it took (other jobs on the machine do not count)."""
+    start = time.process_time()
     out = fn()
-    return out, time.perf_counter() - start
+    return out, time.process_time() - start
 
 
-def quality(points: list[tuple[int, int, bool]], quick: bool) -> None:
-    """One table per scenario: makespan/LB and rows moved, no balancing vs seed vs default."""
-    seed_cfg = ViTBalanceConfig(solver="seed", **FORCED)
+def best_time(fn: Callable[[], object], repeats: int = 3, inner: int = 10) -> float:
+    """Seconds per call of ``fn``: the best of ``repeats`` rounds of ``inner`` calls, CPU time."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.process_time()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.process_time() - start) / inner)
+    return best
+
+
+def heap_lpt(counts: list[list[int]]) -> list[list[int]]:
+    """A plain heap LPT on the seed's ``l**2`` cost: the baseline of the small-P table.
+
+    Same input and output as ``plan_rebalance`` (patch counts per rank in, a destination per image
+    out), nothing else: no validation, no cost model call, no refinement, no plan value.
+    """
+    flat = [n for row in counts for n in row]
+    cost = [n * n for n in flat]
+    heap = [(0, r) for r in range(len(counts))]
+    dest = [0] * len(flat)
+    for k in sorted(range(len(flat)), key=cost.__getitem__, reverse=True):
+        load, r = heap[0]
+        heapq.heapreplace(heap, (load + cost[k], r))
+        dest[k] = r
+    bounds = list(itertools.accumulate(map(len, counts), initial=0))
+    return [dest[s:e] for s, e in itertools.pairwise(bounds)]
+
+
+QUALITY_KEYS = (
+    "none",
+    "lpt",
+    "lpt_moved",
+    "lpt_xlb",
+    "dflt",
+    "dflt_moved",
+    "dflt_xlb",
+    "ratio",
+    "applied",
+    "t_lpt",
+    "t_dflt",
+)
+
+
+def quality_row(
+    scenario: Callable[[np.random.Generator, int], np.ndarray],
+    seed: int,
+    num_ranks: int,
+    draws: int,
+    with_lpt: bool,
+) -> dict[str, list[float]]:
+    """Per-draw figures of one table row: makespan/LB, rows moved, default/LPT, times in ms."""
+    lpt_cfg = ViTBalanceConfig(solver="lpt", **FORCED)
     default_cfg = ViTBalanceConfig(**FORCED)
-    plain_default = ViTBalanceConfig()
+    rng = np.random.default_rng(seed)
+    rows: dict[str, list[float]] = {k: [] for k in QUALITY_KEYS}
+    for _ in range(draws):
+        batch = draw_batch(scenario, rng, num_ranks)
+        plan, seconds = timed(lambda b=batch: plan_rebalance(b, default_cfg))
+        lb, total = plan.lower_bound, plan.total_patches
+        rows["none"].append(plan.makespan_before / lb)
+        rows["dflt"].append(plan.makespan_after / lb)
+        rows["dflt_moved"].append(100 * plan.moved_patches / total)
+        rows["dflt_xlb"].append(plan.moved_patches / max(plan.moved_patches_lower_bound, 1.0))
+        rows["t_dflt"].append(1000 * seconds)
+        rows["applied"].append(100.0 * plan_rebalance(batch, ViTBalanceConfig()).applied)
+        if with_lpt:
+            lpt, seconds = timed(lambda b=batch: plan_rebalance(b, lpt_cfg))
+            rows["lpt"].append(lpt.makespan_after / lb)
+            rows["lpt_moved"].append(100 * lpt.moved_patches / total)
+            rows["lpt_xlb"].append(lpt.moved_patches / max(lpt.moved_patches_lower_bound, 1.0))
+            rows["ratio"].append(plan.makespan_after / lpt.makespan_after)
+            rows["t_lpt"].append(1000 * seconds)
+    return rows
+
+
+def quality(points: list[tuple[int, int, bool]]) -> None:
+    """One table per scenario: makespan/LB and rows moved, no balancing vs LPT (seed) vs default."""
     print("Plan quality (skip rules off; medians over draws; moved = % of all pixel rows;")
-    print("xLB = moved / lower bound on rows any plan that good must move)")
+    print("xLB = moved / lower bound on rows any plan that good must move; lpt = the seed's algorithm)")
     summary: list[str] = []
     for index, (name, scenario) in enumerate(SCENARIOS.items()):
         print(f"\n## {name}")
         print(
-            f"{'P':>5} {'draws':>5} | {'none':>6} | {'seed':>6} {'moved':>6} {'xLB':>5} | "
-            f"{'default':>7} {'moved':>6} {'xLB':>5} {'max d/s':>7} | "
-            f"{'applied':>7} | {'ms seed':>8} {'ms dflt':>7}"
+            f"{'P':>5} {'draws':>5} | {'none':>6} | {'lpt':>6} {'moved':>6} {'xLB':>5} | "
+            f"{'default':>7} {'moved':>6} {'xLB':>5} {'max d/l':>7} | "
+            f"{'applied':>7} | {'ms lpt':>8} {'ms dflt':>7}"
         )
         scenario_ratio: list[float] = []
-        for num_ranks, draws, with_seed in points:
-            rng = np.random.default_rng(1000 * index + num_ranks)
-            rows: dict[str, list[float]] = {
-                k: []
-                for k in (
-                    "none",
-                    "seed",
-                    "seed_moved",
-                    "seed_xlb",
-                    "dflt",
-                    "dflt_moved",
-                    "dflt_xlb",
-                    "ratio",
-                    "applied",
-                    "t_seed",
-                    "t_dflt",
-                )
-            }
-            for _ in range(draws):
-                batch = draw_batch(scenario, rng, num_ranks)
-                plan, seconds = timed(lambda b=batch: plan_rebalance(b, default_cfg))
-                lb = plan.lower_bound
-                total = plan.total_patches
-                rows["none"].append(plan.makespan_before / lb)
-                rows["dflt"].append(plan.makespan_after / lb)
-                rows["dflt_moved"].append(100 * plan.moved_patches / total)
-                rows["dflt_xlb"].append(plan.moved_patches / max(plan.moved_patches_lower_bound, 1.0))
-                rows["t_dflt"].append(1000 * seconds)
-                rows["applied"].append(100.0 * plan_rebalance(batch, plain_default).applied)
-                if with_seed:
-                    seed, seconds = timed(lambda b=batch: plan_rebalance(b, seed_cfg))
-                    rows["seed"].append(seed.makespan_after / lb)
-                    rows["seed_moved"].append(100 * seed.moved_patches / total)
-                    rows["seed_xlb"].append(seed.moved_patches / max(seed.moved_patches_lower_bound, 1.0))
-                    rows["ratio"].append(plan.makespan_after / seed.makespan_after)
-                    rows["t_seed"].append(1000 * seconds)
+        for num_ranks, draws, with_lpt in points:
+            rows = quality_row(scenario, 1000 * index + num_ranks, num_ranks, draws, with_lpt)
             med = {k: statistics.median(v) if v else float("nan") for k, v in rows.items()}
             worst = max(rows["ratio"], default=float("nan"))
             scenario_ratio.extend(rows["dflt"])
             print(
-                f"{num_ranks:>5} {draws:>5} | {med['none']:>6.3f} | {med['seed']:>6.3f} "
-                f"{med['seed_moved']:>5.1f}% {med['seed_xlb']:>5.1f} | {med['dflt']:>7.3f} "
+                f"{num_ranks:>5} {draws:>5} | {med['none']:>6.3f} | {med['lpt']:>6.3f} "
+                f"{med['lpt_moved']:>5.1f}% {med['lpt_xlb']:>5.1f} | {med['dflt']:>7.3f} "
                 f"{med['dflt_moved']:>5.1f}% {med['dflt_xlb']:>5.1f} {worst:>7.4f} | "
-                f"{med['applied']:>6.0f}% | {med['t_seed']:>8.1f} {med['t_dflt']:>7.2f}"
+                f"{med['applied']:>6.0f}% | {med['t_lpt']:>8.2f} {med['t_dflt']:>7.2f}"
             )
         overall = statistics.median(scenario_ratio)
         summary.append(f"{name}: median default makespan/LB over all draws {overall:.4f}")
@@ -162,35 +204,63 @@ def quality(points: list[tuple[int, int, bool]], quick: bool) -> None:
         print(line)
 
 
-def plan_time(sizes: list[int], seed_sizes: set[int], repeats: int) -> None:
-    """Median plan time at 8 images per rank, and the default's speedup over the seed solver.
-
-    The speedup is taken on uniform sizes, where the seed solver always runs in full (on mixed
-    batches it often skips because one document outweighs the mean load).
-    """
-    print("\nPlan time, 8 images per rank (median ms over batches x 3 runs; skip rules off)")
-    header = f"{'P':>5} | {'uniform: seed':>13} {'default':>8} {'speedup':>7} | "
+def plan_time(sizes: list[int], repeats: int) -> None:
+    """Median plan time at 8 images per rank, the LPT solver and the default side by side."""
+    print("\nPlan time, 8 images per rank (median ms over batches, best of 3 x 3 runs; skip rules off)")
+    header = f"{'P':>5} | {'uniform: lpt':>12} {'default':>8} | "
     print(header + f"{'mixed: default':>14} {'video-heavy: default':>20}")
-    seed_cfg = ViTBalanceConfig(solver="seed", **FORCED)
+    lpt_cfg = ViTBalanceConfig(solver="lpt", **FORCED)
     default_cfg = ViTBalanceConfig(**FORCED)
     for num_ranks in sizes:
-        default_ms = {}
-        seed_ms = float("nan")
+        ms = {}
         for name, scenario in (("uniform", uniform), ("mixed", mixed), ("video", video_heavy)):
             rng = np.random.default_rng(7 + num_ranks)
             batches = [draw_batch(scenario, rng, num_ranks, (8, 8)) for _ in range(repeats)]
-            default_ms[name] = statistics.median(
-                1000 * timed(lambda b=b: plan_rebalance(b, default_cfg))[1] for b in batches for _ in range(3)
+            ms[name] = statistics.median(
+                1000 * best_time(lambda b=b: plan_rebalance(b, default_cfg), inner=3) for b in batches
             )
-            if name == "uniform" and num_ranks in seed_sizes:
-                seed_ms = statistics.median(
-                    1000 * timed(lambda b=b: plan_rebalance(b, seed_cfg))[1]
-                    for b in batches[: 3 if num_ranks < 1024 else 1]
+            if name == "uniform":
+                ms["lpt"] = statistics.median(
+                    1000 * best_time(lambda b=b: plan_rebalance(b, lpt_cfg), inner=3) for b in batches
                 )
-        speedup = seed_ms / default_ms["uniform"]
         print(
-            f"{num_ranks:>5} | {seed_ms:>13.1f} {default_ms['uniform']:>8.2f} {speedup:>6.0f}x | "
-            f"{default_ms['mixed']:>14.2f} {default_ms['video']:>20.2f}"
+            f"{num_ranks:>5} | {ms['lpt']:>12.2f} {ms['uniform']:>8.2f} | "
+            f"{ms['mixed']:>14.2f} {ms['video']:>20.2f}"
+        )
+
+
+def small_p_row(num_ranks: int, batches: int) -> dict[str, float]:
+    """Median over batches of each plan time / the heap LPT's on the same batch, measured side by
+    side; ``heap`` in microseconds."""
+    forced, default, off = ViTBalanceConfig(**FORCED), ViTBalanceConfig(), ViTBalanceConfig(enabled=False)
+    ratios: dict[str, list[float]] = collections.defaultdict(list)
+    for index, (name, scenario) in enumerate(SCENARIOS.items()):
+        rng = np.random.default_rng(100 * index + num_ranks)
+        for _ in range(batches):
+            batch = draw_batch(scenario, rng, num_ranks, (1, 8))
+            heap = best_time(lambda b=batch: heap_lpt(b))
+            ratios["heap"].append(1e6 * heap)
+            ratios[name].append(best_time(lambda b=batch: plan_rebalance(b, forced)) / heap)
+            if index == 0:
+                ratios["default"].append(best_time(lambda b=batch: plan_rebalance(b, default)) / heap)
+                ratios["floor"].append(best_time(lambda b=batch: plan_rebalance(b, off)) / heap)
+    return {k: statistics.median(v) for k, v in ratios.items()}
+
+
+def small_p(sizes: list[int], batches: int) -> None:
+    """Plan time at small P, as a multiple of a plain heap LPT on the same batch (target: <= 5x)."""
+    print("\nPlan time at small P vs a plain heap LPT on the same batch (1-8 images per rank; CPU time,")
+    print("best of 3 x 10 runs each, median over batches of the ratio; skip rules off unless said)")
+    print(
+        f"{'P':>4} | {'heap LPT us':>11} | {'mixed':>6} {'video':>6} {'tail':>6} {'uniform':>7} | "
+        f"{'mixed, default config':>21} | {'floor':>5}"
+    )
+    for num_ranks in sizes:
+        row = small_p_row(num_ranks, batches)
+        cells = [row[name] for name in SCENARIOS]
+        print(
+            f"{num_ranks:>4} | {row['heap']:>11.1f} | {cells[0]:>5.1f}x {cells[1]:>5.1f}x {cells[2]:>5.1f}x "
+            f"{cells[3]:>6.1f}x | {row['default']:>20.1f}x | {row['floor']:>4.1f}x"
         )
 
 
@@ -199,9 +269,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer draws, for a smoke run")
     args = parser.parse_args()
     if args.quick:
-        points = [(8, 5, True), (64, 3, True), (256, 1, True)]
-        quality(points, quick=True)
-        plan_time([8, 64, 256], {8, 64, 256}, repeats=2)
+        quality([(8, 5, True), (64, 3, True), (256, 1, True)])
+        plan_time([8, 64, 256], repeats=2)
+        small_p([2, 8], batches=3)
         return
     points = [
         (8, 40, True),
@@ -209,11 +279,12 @@ def main() -> None:
         (128, 15, True),
         (512, 4, True),
         (1024, 3, True),
-        (4096, 1, False),
+        (4096, 1, True),
     ]
     start = time.perf_counter()
-    quality(points, quick=False)
-    plan_time([8, 32, 128, 512, 1024], {8, 32, 128, 512, 1024}, repeats=7)
+    quality(points)
+    plan_time([8, 32, 128, 512, 1024], repeats=7)
+    small_p([2, 4, 8, 16, 32, 64], batches=20)
     print(f"\n(benchmark took {time.perf_counter() - start:.0f} s)")
 
 

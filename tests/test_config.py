@@ -30,7 +30,7 @@ def test_defaults_follow_the_seed() -> None:
         ("refine_iterations", -1),
         ("refine_iterations", 2.0),
         ("min_gain", 1.0),
-        ("solver", "lpt"),
+        ("solver", "magic"),
         ("empty_rank_forward", "skip"),
         ("cost_linear", -2.0),
         ("cost_window_patches", -4),

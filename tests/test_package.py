@@ -16,6 +16,7 @@ LAYERS: dict[str, int] = {
     "config": 0,
     "cost": 1,
     "planning": 2,
+    "solvers": 2,  # the planner's solvers: pure Python and numpy
     "simulate": 2,  # the what-would-I-gain simulator: config, cost and planning only
     "problems": 2,  # the table of input problems: pure, no communication
     "exchange": 3,
@@ -75,6 +76,10 @@ def test_layers_import_only_earlier_layers() -> None:
 
 def test_planning_has_no_torch_distributed() -> None:
     imports = _package_imports(PACKAGE_DIR / "planning.py") | _package_imports(PACKAGE_DIR / "cost.py")
+    solver_files = sorted((PACKAGE_DIR / "solvers").glob("*.py"))
+    assert solver_files
+    for path in solver_files:
+        imports |= _package_imports(path)
     assert not any(name.startswith("torch") for name in imports), imports
 
 

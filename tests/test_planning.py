@@ -13,8 +13,25 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_vit_balance import REASONS, CostModel, RebalancePlan, ViTBalanceConfig, plan_rebalance
-from lightning_vit_balance.planning import _build_batch, _LocalitySolver, _solve_seed
+from lightning_vit_balance import (
+    REASONS,
+    CostModel,
+    RebalancePlan,
+    ViTBalanceConfig,
+    plan_rebalance,
+    planning,
+)
+from lightning_vit_balance.planning import _validate_patch_counts
+from lightning_vit_balance.solvers import Batch, tuning
+from lightning_vit_balance.solvers.locality import fill_empty_ranks, home_first, shed_and_place
+from lightning_vit_balance.solvers.lpt import (
+    _relabel_arrays,
+    lpt,
+    lpt_blocks,
+    lpt_reference,
+    relabel,
+    solve_lpt,
+)
 
 FORCED = ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0)
 SEED_FORCED = replace(FORCED, solver="seed")
@@ -233,21 +250,22 @@ def test_seed_solver_matches_its_description(counts: list[list[int]]) -> None:
 @settings(max_examples=40, deadline=None)
 @given(counts=batches, ratio=st.sampled_from([None, 1.1, 2.0]))
 def test_fast_seed_equivalent_equals_seed_solver(counts: list[list[int]], ratio: float | None) -> None:
-    # The locality solver's internal reference is the seed's algorithm made fast: same plan up to a
-    # renaming of ranks, so the same makespan and the same multiset of loads.
+    # The locality solver's reference is the seed's algorithm with its bins renamed to home ranks:
+    # the same plan up to a renaming of ranks, so the same makespan and the same multiset of loads.
     if not any(counts):
         return
     config = replace(SEED_FORCED, max_len_ratio=ratio)
-    batch = _build_batch(counts, CostModel())
-    costs = batch.rows(batch.cost.tolist())
-    seed = _solve_seed(batch.counts, costs, tuple(batch.loads.tolist()), config)
+    batch = Batch.build(_validate_patch_counts(counts), CostModel())
+    seed = solve_lpt(batch, config)
     if isinstance(seed, str):
         return
-    seed_dest = np.fromiter((d for row in seed for d in row), dtype=np.int64)
-    fast = _LocalitySolver(batch, config).seed_equivalent()
+    seed_dest = np.asarray(seed, dtype=np.int64)
+    cap = batch.cap(ratio)
+    fast_dest = lpt_reference(batch, config, cap)
+    fill_empty_ranks(batch, fast_dest, cap)
     seed_loads = np.bincount(seed_dest, weights=batch.cost, minlength=batch.num_ranks)
-    fast_loads = np.bincount(fast.dest, weights=batch.cost, minlength=batch.num_ranks)
-    if batch.cost.size >= batch.num_ranks:
+    fast_loads = np.bincount(fast_dest, weights=batch.cost, minlength=batch.num_ranks)
+    if batch.size >= batch.num_ranks:
         # No empty-rank fix-up can have touched it: identical up to relabelling.
         assert sorted(seed_loads.tolist()) == pytest.approx(sorted(fast_loads.tolist()), rel=1e-12)
 
@@ -298,7 +316,7 @@ def test_determinism_across_processes() -> None:
         "from lightning_vit_balance import plan_rebalance, ViTBalanceConfig\n"
         "rng = np.random.default_rng(5)\n"
         "out = []\n"
-        "for solver in ('locality', 'seed'):\n"
+        "for solver in ('locality', 'seed', 'lpt'):\n"
         "    for _ in range(5):\n"
         "        counts = [rng.integers(1, 3000, rng.integers(0, 9)).tolist() for _ in range(24)]\n"
         "        counts[3] = [2, 2, 2, 2]  # ties\n"
@@ -390,3 +408,148 @@ def test_vectorised_path_invariants(seed: int) -> None:
     assert min(len(plan.arrivals(r)) for r in range(num_ranks)) >= 1
     assert plan.makespan_after < plan.makespan_before
     assert plan == plan_rebalance(counts, FORCED)
+
+
+def _reference_seed_plan(counts: list[list[int]], ratio: float | None, linear: bool) -> list[list[int]]:
+    """The seed's plan, written from its description alone (LPT re-sorting the ranks for every
+    image, then the move/swap refinement), with the patch cap; the destinations."""
+    cost = (lambda n: float(n)) if linear else (lambda n: float(n) * n)
+    num_ranks = len(counts)
+    cap = None if ratio is None else sum(map(sum, counts)) / num_ranks * ratio
+    items = sorted(
+        ((cost(n), r, i) for r, row in enumerate(counts) for i, n in enumerate(row)),
+        key=lambda t: (-t[0], t[1], t[2]),
+    )
+    loads, held = [0.0] * num_ranks, [0] * num_ranks
+    bins: list[list[tuple[float, int, int]]] = [[] for _ in counts]
+    dest = [[0] * len(row) for row in counts]
+    for c, r, i in items:
+        ranked = sorted(range(num_ranks), key=lambda k: (loads[k], k))
+        room = [k for k in ranked if cap is None or held[k] + counts[r][i] <= cap]
+        k = room[0] if room else ranked[0]
+        loads[k] += c
+        held[k] += counts[r][i]
+        bins[k].append((c, r, i))
+        dest[r][i] = k
+    for _ in range(20):
+        hi = max(range(num_ranks), key=lambda j: (loads[j], -j))
+        lo = min(range(num_ranks), key=lambda j: (loads[j], j))
+        if loads[lo] > 0 and (loads[hi] - loads[lo]) / loads[lo] < 0.05:
+            break
+        best, choice = loads[hi], None
+        for a, (ca, ra, ia) in enumerate(bins[hi]):
+            if (cap is None or held[lo] + counts[ra][ia] <= cap) and max(
+                loads[hi] - ca, loads[lo] + ca
+            ) < best - 1e-12:
+                best, choice = max(loads[hi] - ca, loads[lo] + ca), (a, None)
+            for b, (cb, rb, ib) in enumerate(bins[lo]):
+                grow = counts[ra][ia] - counts[rb][ib]
+                peak = max(loads[hi] - ca + cb, loads[lo] + ca - cb)
+                if cb < ca and (cap is None or held[lo] + grow <= cap) and peak < best - 1e-12:
+                    best, choice = peak, (a, b)
+        if choice is None:
+            break
+        a, b = choice
+        moves = [(bins[hi].pop(a), hi, lo)]
+        if b is not None:
+            moves.append((bins[lo].pop(b), lo, hi))
+        for (c, r, i), src, dst in moves:
+            bins[dst].append((c, r, i))
+            dest[r][i] = dst
+            loads[src] -= c
+            loads[dst] += c
+            held[src] -= counts[r][i]
+            held[dst] += counts[r][i]
+    return dest
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=batches, ratio=st.sampled_from([None, 1.0, 1.3]), linear=st.booleans())
+def test_lpt_solver_is_the_seed_exactly(counts: list[list[int]], ratio: float | None, linear: bool) -> None:
+    # Not only the makespan: the same destination for every image, under the cap too.
+    config = replace(SEED_FORCED, max_len_ratio=ratio, **(LINEAR if linear else {}))
+    plan = plan_rebalance(counts, config)
+    if plan.applied:
+        assert [list(d) for d in plan.destinations] == _reference_seed_plan(counts, ratio, linear)
+
+
+def test_lpt_solver_is_the_seed_exactly_on_many_images() -> None:
+    # Above the vectorisation threshold the LPT runs in numpy blocks: still the seed's plan.
+    rng = np.random.default_rng(4)
+    counts = [rng.integers(100, 2000, rng.integers(4, 12)).tolist() for _ in range(80)]
+    assert sum(map(len, counts)) > tuning.VECTORISE_ABOVE
+    plan = plan_rebalance(counts, SEED_FORCED)
+    assert plan.applied
+    assert [list(d) for d in plan.destinations] == _reference_seed_plan(counts, None, False)
+
+
+def test_seed_is_an_alias_of_lpt() -> None:
+    rng = np.random.default_rng(9)
+    counts = [rng.integers(1, 3000, rng.integers(0, 9)).tolist() for _ in range(12)]
+    lpt_plan = plan_rebalance(counts, replace(FORCED, solver="lpt"))
+    assert lpt_plan.solver == "lpt" and lpt_plan.applied
+    assert plan_rebalance(counts, SEED_FORCED) == lpt_plan
+    assert plan_rebalance(counts, FORCED).solver == "locality"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_lpt_heap_and_blocks_agree(seed: int) -> None:
+    # The heap and the numpy blocks are the same LPT: same destinations, same floats.
+    rng = np.random.default_rng(seed)
+    counts = [rng.integers(1, 60, rng.integers(0, 10)).tolist() for _ in range(int(rng.integers(2, 30)))]
+    counts[0].append(7)  # ties between equal images
+    counts[-1].append(7)
+    batch = Batch.build(_validate_patch_counts(counts), CostModel())
+    dest, loads = lpt(batch, None)
+    block_load = np.zeros(batch.num_ranks)
+    block_dest = np.empty(batch.size, dtype=np.int64)
+    lpt_blocks(np.asarray(batch.order), np.asarray(batch.cost), block_load, block_dest)
+    assert block_dest.tolist() == dest
+    assert block_load.tolist() == loads
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_relabel_list_and_array_agree(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    counts = [rng.integers(1, 500, rng.integers(0, 8)).tolist() for _ in range(int(rng.integers(2, 40)))]
+    counts[0].append(3)
+    batch = Batch.build(_validate_patch_counts(counts), CostModel())
+    for _ in range(5):
+        dest = rng.integers(0, batch.num_ranks, batch.size)
+        renamed = relabel(batch, dest.tolist())
+        assert renamed == _relabel_arrays(batch, dest).tolist()
+        # A renaming: images that shared a rank still share one, and no two bins merge.
+        assert len(set(zip(dest.tolist(), renamed))) == len(set(dest.tolist()))
+
+
+@property_settings
+@given(counts=batches.filter(any), ratio=st.sampled_from([None, 1.0, 1.5]), aim=st.sampled_from([1.0, 1.3]))
+def test_heuristics_are_pure_functions(counts: list[list[int]], ratio: float | None, aim: float) -> None:
+    # (batch, target, cap) -> destinations: a valid rank per image, the batch untouched, and the
+    # same answer twice; a rank that receives stays within the cap.
+    batch = Batch.build(_validate_patch_counts(counts), CostModel())
+    before = (list(batch.home), list(batch.cost), list(batch.loads))
+    target, cap = batch.lower_bound * aim, batch.cap(ratio)
+    for heuristic in (home_first, shed_and_place):
+        dest = heuristic(batch, target, cap)
+        assert len(dest) == batch.size and all(0 <= d < batch.num_ranks for d in dest)
+        assert heuristic(batch, target, cap) == dest
+        if cap is not None:
+            held = np.bincount(dest, weights=batch.patches, minlength=batch.num_ranks)
+            receives = {d for d, h in zip(dest, batch.home) if d != h}
+            assert all(held[r] <= cap * (1 + 1e-9) for r in receives)
+    assert (list(batch.home), list(batch.cost), list(batch.loads)) == before
+
+
+def test_skips_without_solving(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: object) -> None:
+        raise AssertionError("the solver ran")
+
+    monkeypatch.setattr(planning, "solve", fail)
+    # Below the trigger threshold.
+    assert plan_rebalance([[10, 10], [10, 9]]).reason == "below-threshold"
+    # Obviously no gain: the lower bound (the 100-patch image) is within 2% of the makespan.
+    assert plan_rebalance([[100, 10], [60], [60]], replace(FORCED, min_gain=0.02)).reason == "no-gain"
+    # The LPT solver has no min_gain: it runs.
+    with pytest.raises(AssertionError, match="the solver ran"):
+        plan_rebalance([[100, 10], [60], [60]], replace(SEED_FORCED, min_gain=0.02))

@@ -1,0 +1,202 @@
+"""The gathered batch as the solvers see it: every image of every rank in one flat list.
+
+Image ``k`` is rank ``home[k]``'s image ``k - starts[home[k]]``. Plain Python lists, because the
+solvers' per-image decisions run in Python and, at the sizes real jobs have (a few to a few
+hundred images), converting to and from numpy costs more than the work itself. The numpy
+variants for many images (more than :data:`~tuning.VECTORISE_ABOVE`) take the arrays from
+:attr:`Batch.arrays` and keep their destinations in an array: converting thousands of Python
+ints costs about a millisecond each way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import accumulate, chain, pairwise
+from typing import Any
+
+import numpy as np
+
+from lightning_vit_balance.solvers import tuning
+
+__all__ = ["Batch", "Destinations", "rank_loads", "rank_patches", "score"]
+
+#: ``dest[k]``: the rank that encodes image ``k``. A list, or an int64 array in the numpy variants.
+Destinations = list[int] | np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class _Arrays:
+    """The batch's per-image lists as numpy arrays, for the vectorised variants."""
+
+    home: np.ndarray  # [n] int64
+    patches: np.ndarray  # [n] int64
+    cost: np.ndarray  # [n] float64
+    order: np.ndarray  # [n] int64, largest cost first, ties by index
+
+    @cached_property
+    def rank(self) -> np.ndarray:
+        """``rank[k]``: image ``k``'s position in :attr:`order`."""
+        rank = np.empty_like(self.order)
+        rank[self.order] = np.arange(self.order.size)
+        return rank
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """One step's images, flat, with their costs and each rank's load with every image at home.
+
+    Attributes:
+        counts: ``counts[r][i]``: patches of rank ``r``'s ``i``-th image, as given.
+        starts: ``starts[r]``: flat index of rank ``r``'s first image; ``starts[P]`` is ``n``.
+        patches: ``patches[k]``: its patch count (pixel rows).
+        cost: ``cost[k]``: its cost under the plan's cost model.
+        loads: ``loads[r]``: rank ``r``'s cost, summed in image order (the order
+            :func:`rank_loads` sums in, so equal plans give equal floats).
+    """
+
+    counts: tuple[tuple[int, ...], ...]
+    starts: tuple[int, ...]
+    patches: list[int]
+    cost: list[float]
+    loads: list[float]
+    #: ``P``, the number of data-parallel ranks (a field, not a property: the loops read it often).
+    num_ranks: int
+    #: ``n``, the number of images.
+    size: int
+    #: The arrays, when :meth:`build` made them anyway (many images).
+    prebuilt: _Arrays | None = field(default=None, repr=False)
+
+    @classmethod
+    def build(cls, counts: tuple[tuple[int, ...], ...], model: Callable[[Any], Any]) -> Batch:
+        """Flatten validated ``counts`` and cost every image with one call of ``model``.
+
+        Raises:
+            ValueError: ``model`` does not map the array of patch counts to as many finite costs
+                ``>= 0``.
+        """
+        starts = (0, *accumulate(map(len, counts)))
+        patch_array = np.fromiter(chain.from_iterable(counts), dtype=np.int64, count=starts[-1])
+        patches = patch_array.tolist()
+        cost_array = _costs(model, patch_array)
+        cost = cost_array.tolist()
+        if len(patches) <= tuning.VECTORISE_ABOVE:
+            # Each rank's costs summed in image order, from 0.0.
+            loads = [sum(cost[s:e], 0.0) for s, e in pairwise(starts)]
+            return cls(counts, starts, patches, cost, loads, len(counts), len(patches))
+        home_array = np.repeat(np.arange(len(counts), dtype=np.int64), np.diff(starts))
+        arrays = _Arrays(
+            home=home_array,
+            patches=patch_array,
+            cost=cost_array,
+            order=np.argsort(-cost_array, kind="stable"),
+        )
+        # bincount sums each rank's images in image order too: the same floats.
+        loads = np.bincount(home_array, weights=cost_array, minlength=len(counts)).tolist()
+        return cls(counts, starts, patches, cost, loads, len(counts), len(patches), arrays)
+
+    @cached_property
+    def home(self) -> list[int]:
+        """``home[k]``: the rank image ``k`` comes from."""
+        if self.prebuilt is not None:
+            return self.prebuilt.home.tolist()
+        return [r for r, row in enumerate(self.counts) for _ in row]
+
+    @cached_property
+    def order(self) -> list[int]:
+        """Images largest cost first, ties by index (both sorts are stable)."""
+        if self.prebuilt is not None:
+            return self.prebuilt.order.tolist()
+        return sorted(range(self.size), key=self.cost.__getitem__, reverse=True)
+
+    @cached_property
+    def lower_bound(self) -> float:
+        """No plan's makespan is below ``max(total / P, largest image cost)``."""
+        return max(sum(self.loads) / self.num_ranks, max(self.cost, default=0.0))
+
+    @cached_property
+    def rank_patches(self) -> list[int]:
+        """Patches per rank with every image at home."""
+        return [sum(row) for row in self.counts]
+
+    @cached_property
+    def must_hold(self) -> list[bool]:
+        """Ranks that encode at least one image in an applied plan: all of them when there are
+        at least as many images as ranks, otherwise those that have images."""
+        if self.size >= self.num_ranks:
+            return [True] * self.num_ranks
+        return [bool(row) for row in self.counts]
+
+    @cached_property
+    def arrays(self) -> _Arrays:
+        """The per-image lists as numpy arrays."""
+        if self.prebuilt is not None:
+            return self.prebuilt
+        return _Arrays(
+            home=np.array(self.home, dtype=np.int64),
+            patches=np.array(self.patches, dtype=np.int64),
+            cost=np.array(self.cost, dtype=np.float64),
+            order=np.array(self.order, dtype=np.int64),
+        )
+
+    def cap(self, max_len_ratio: float | None) -> float | None:
+        """The patch cap ``mean patches per rank * max_len_ratio`` (``None``: no cap)."""
+        if max_len_ratio is None:
+            return None
+        return sum(self.patches) / self.num_ranks * max_len_ratio
+
+    def pinned(self, cap: float | None) -> list[bool]:
+        """Images larger than the cap: they fit nowhere, so they stay at home."""
+        if cap is None:
+            return [False] * self.size
+        return [n > cap for n in self.patches]
+
+    def rows(self, flat: Sequence[Any]) -> tuple[tuple[Any, ...], ...]:
+        """Split a flat per-image sequence back into one tuple per rank."""
+        return tuple(map(tuple, map(flat.__getitem__, map(slice, self.starts, self.starts[1:]))))
+
+
+def _costs(model: Callable[[Any], Any], patches: np.ndarray) -> np.ndarray:
+    cost = np.asarray(model(patches.astype(np.float64)), dtype=np.float64).reshape(-1)
+    if cost.size != patches.size or not np.isfinite(cost).all() or (cost < 0).any():
+        raise ValueError(
+            f"cost_model must map an array of {patches.size} patch counts to as many finite costs "
+            f">= 0, got {cost.size} values with min {cost.min(initial=0.0)!r}."
+        )
+    return cost
+
+
+def rank_loads(batch: Batch, dest: Destinations) -> list[float]:
+    """Each rank's cost under ``dest``, summed over its images in flat (arrival) order."""
+    if isinstance(dest, np.ndarray):
+        # bincount sums in image order too: the same floats, in C.
+        return np.bincount(dest, weights=batch.arrays.cost, minlength=batch.num_ranks).tolist()
+    loads = [0.0] * batch.num_ranks
+    for d, c in zip(dest, batch.cost):
+        loads[d] += c
+    return loads
+
+
+def rank_patches(batch: Batch, dest: Destinations) -> list[int]:
+    """Each rank's patches under ``dest``."""
+    out = [0] * batch.num_ranks
+    for d, n in zip(dest, batch.patches):
+        out[d] += n
+    return out
+
+
+def score(batch: Batch, dest: Destinations) -> tuple[list[float], int]:
+    """Each rank's load under ``dest`` (summed as :func:`rank_loads` does) and the patches (pixel
+    rows) it sends to another rank, in one pass."""
+    if isinstance(dest, np.ndarray):
+        arrays = batch.arrays
+        loads = np.bincount(dest, weights=arrays.cost, minlength=batch.num_ranks).tolist()
+        return loads, int(arrays.patches[dest != arrays.home].sum())
+    loads = [0.0] * batch.num_ranks
+    moved = 0
+    for d, h, c, n in zip(dest, batch.home, batch.cost, batch.patches):
+        loads[d] += c
+        if d != h:
+            moved += n
+    return loads, moved

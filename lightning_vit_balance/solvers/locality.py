@@ -1,0 +1,356 @@
+"""The locality solver's heuristics: plans that balance while most images stay at home.
+
+Each heuristic is a pure function ``(batch, target, cap) -> destinations`` with one scoring and
+one selection rule:
+
+* :func:`home_first`: images, largest first, stay home while the home rank's load stays within
+  ``target``; the others go to the currently lightest rank with room (LPT). Small images come
+  last and fill the gaps, so the makespan stays close to LPT's while most images never move.
+* :func:`home_first_blocks`: the same rule in numpy blocks of images (``P`` by default; fewer
+  keep more images at home), no cap: ``(batch, target)``, and a block size.
+* :func:`shed_and_place`: every rank above ``target`` sheds its largest images (cost per row
+  grows with ``l``, so they shed the most cost per row), finishing with the image that covers the
+  rest of its excess in the fewest rows; the shed images then go, largest first, to the lightest
+  rank with room.
+
+:func:`bring_home` and :func:`fill_empty_ranks` adjust a finished plan; :mod:`.select` runs the
+heuristics, finishes their plans and picks one.
+
+The patch cap: a rank receives an image only while its patches stay within ``cap``. An image
+larger than the cap on its own (*pinned*) fits nowhere and stays at home.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+import numpy as np
+
+from lightning_vit_balance.solvers import tuning
+from lightning_vit_balance.solvers.batch import Batch, Destinations, rank_loads, rank_patches
+from lightning_vit_balance.solvers.lpt import lpt_blocks
+
+__all__ = [
+    "bring_home",
+    "cap_excess",
+    "fill_empty_ranks",
+    "home_first",
+    "home_first_blocks",
+    "shed_and_place",
+]
+
+
+def home_first(batch: Batch, target: float, cap: float | None) -> Destinations:
+    """LPT that keeps an image at home while its home rank stays within ``target`` (and the cap).
+
+    Each rank's room under the cap starts with all of its own images reserved; an image that
+    leaves frees its rows, so a rank that receives never ends above the cap.
+    """
+    cost, patches, home = batch.cost, batch.patches, batch.home
+    limit = target * (1.0 + tuning.EPS)
+    load = [0.0] * batch.num_ranks
+    dest = list(home)
+    pinned = batch.pinned(cap)
+    room = None
+    if cap is not None:
+        room = [cap - n for n in batch.rank_patches]
+        for k in range(batch.size):
+            if pinned[k]:
+                load[home[k]] += cost[k]
+    heap = [(load[r], r) for r in range(batch.num_ranks)]
+    heapq.heapify(heap)
+    for k in batch.order:
+        if pinned[k]:
+            continue
+        c, h = cost[k], home[k]
+        if load[h] + c <= limit:
+            # Loads only grow, so the heap entry of ``h`` is now too low; it is refreshed when
+            # it reaches the top.
+            load[h] += c
+            continue
+        if room is not None:
+            room[h] += patches[k]
+        r = dest[k] = _take_lightest(heap, load, room, patches[k], h, c)
+        if room is not None:
+            room[r] -= patches[k]
+    return dest
+
+
+def _take_lightest(
+    heap: list[tuple[float, int]],
+    load: list[float],
+    room: list[float] | None,
+    need: int,
+    fallback: int,
+    cost: float,
+) -> int:
+    """Add ``cost`` to the lightest rank with ``need`` patches of room (``fallback`` when none
+    has) and return it. ``heap`` holds ``(load, rank)`` entries that may be stale (too low): a
+    stale entry is refreshed when it reaches the top."""
+    full = []
+    while heap:
+        top_load, top = heap[0]
+        if top_load != load[top]:
+            heapq.heapreplace(heap, (load[top], top))
+        elif room is not None and room[top] < need:
+            full.append(heapq.heappop(heap))
+        else:
+            break
+    r = heap[0][1] if heap else fallback
+    load[r] += cost
+    if heap:
+        heapq.heapreplace(heap, (load[r], r))
+    for item in full:
+        heapq.heappush(heap, item)
+    return r
+
+
+def home_first_blocks(batch: Batch, target: float, block: int = 0) -> np.ndarray:
+    """:func:`home_first` in blocks of ``block`` images (default ``P``), vectorised; no cap.
+
+    Within a block (images largest first) an image stays home when its home rank's load plus the
+    block's earlier images bound for the same home stays within ``target``; the rest of the block
+    goes to the lightest ranks by :func:`~.lpt.lpt_blocks`. Blocks of fewer than ``P`` images
+    balance less finely and keep more images at home.
+    """
+    arrays, num_ranks = batch.arrays, batch.num_ranks
+    block = block or num_ranks
+    cost, home = arrays.cost, arrays.home
+    limit = target * (1.0 + tuning.EPS)
+    load = np.zeros(num_ranks)
+    dest = home.copy()
+    for start in range(0, batch.size, block):
+        ids = arrays.order[start : start + block]
+        by_home = np.argsort(home[ids], kind="stable")
+        homes = home[ids][by_home]
+        running = np.cumsum(cost[ids][by_home])
+        first = np.ones(homes.size, dtype=bool)
+        first[1:] = homes[1:] != homes[:-1]
+        group_start = np.maximum.accumulate(np.where(first, np.arange(homes.size), 0))
+        before = np.where(group_start > 0, running[group_start - 1], 0.0)
+        stays = np.empty(ids.size, dtype=bool)
+        stays[by_home] = load[homes] + (running - before) <= limit
+        load += np.bincount(home[ids][stays], weights=cost[ids][stays], minlength=num_ranks)
+        leaving = ids[~stays]
+        if leaving.size:
+            lpt_blocks(leaving, cost, load, dest)
+    return dest
+
+
+def shed_and_place(batch: Batch, target: float, cap: float | None) -> Destinations:
+    """Shed every rank down to ``target`` (and the cap), then place the shed images.
+
+    Each rank above the target sheds by :func:`_shed` (largest images first: the fewest rows for
+    the cost); the shed images then go, largest first, to the lightest rank with room.
+    """
+    cost, patches = batch.cost, batch.patches
+    limit = target * (1.0 + tuning.EPS)
+    pinned = batch.pinned(cap) if cap is not None else []
+    shed: list[int] = []
+    for r in range(batch.num_ranks):
+        over_cap = cap is not None and batch.rank_patches[r] > cap
+        if batch.loads[r] <= limit and not over_cap:
+            continue
+        own = range(batch.starts[r], batch.starts[r + 1])
+        if cap is not None:
+            own = [k for k in own if not pinned[k]]
+        ids = sorted(own, key=cost.__getitem__, reverse=True)
+        dropped = _shed(ids, batch.loads[r] - limit, cost, patches)
+        if cap is not None:
+            excess = batch.rank_patches[r] - sum(patches[k] for k in dropped) - cap
+            rest = sorted((k for k in ids if k not in dropped), key=lambda k: (-patches[k], k))
+            dropped |= _shed(rest, excess, patches, patches)
+        shed.extend(sorted(dropped))
+    dest = list(batch.home)
+    if shed:
+        shed.sort(key=cost.__getitem__, reverse=True)
+        _place(batch, shed, dest, cap)
+    return dest
+
+
+def _shed(ids: list[int], excess: float, size: list[Any], rows: list[int]) -> set[int]:
+    """Which of ``ids`` (sorted by ``size``, largest first) to shed to cover ``excess`` of size.
+
+    Scoring: pixel rows shed. Selection: at each step either finish with the image that covers
+    what is left in the fewest rows, or shed the largest image that does not cover it and go on;
+    the ending with the fewest rows wins. Large images carry the most cost per row for a convex
+    cost, so this stays close to the fractional bound.
+    """
+    if excess <= 0:
+        return set()
+    shed: list[int] = []
+    shed_rows = 0
+    best: list[int] | None = None
+    best_rows = 0
+    remaining = sum(size[k] for k in ids)
+    i, end = 0, len(ids)
+    while i < end:
+        covering = i
+        while covering < end and size[ids[covering]] >= excess:
+            covering += 1
+        if covering > i:
+            # Fewest rows; ties: the smallest image (the last in the order).
+            last = min(range(i, covering), key=lambda t: (rows[ids[t]], -t))
+            if best is None or shed_rows + rows[ids[last]] < best_rows:
+                best, best_rows = [*shed, ids[last]], shed_rows + rows[ids[last]]
+            remaining -= sum(size[ids[t]] for t in range(i, covering))
+            i = covering
+        if i == end or remaining < excess:
+            break
+        k = ids[i]
+        shed.append(k)
+        shed_rows += rows[k]
+        excess -= size[k]
+        remaining -= size[k]
+        i += 1
+    return set(best) if best is not None else set(ids)
+
+
+def _place(batch: Batch, shed: list[int], dest: Destinations, cap: float | None) -> None:
+    """Give each of ``shed`` (largest first), in turn, to the lightest rank with room for it; with
+    no room anywhere the image stays where it is (its rank is over the cap anyway)."""
+    cost, patches = batch.cost, batch.patches
+    load, held = list(batch.loads), list(batch.rank_patches)
+    # Each rank's shed cost is summed first, then taken off its load once.
+    shed_cost = [0.0] * batch.num_ranks
+    for k in shed:
+        shed_cost[batch.home[k]] += cost[k]
+        held[batch.home[k]] -= patches[k]
+    heap = [(load[r] - shed_cost[r], r) for r in range(batch.num_ranks)]
+    heapq.heapify(heap)
+    room = [cap - n for n in held] if cap is not None else None
+    for k in shed:
+        if room is None:
+            top, r = heap[0]
+            heapq.heapreplace(heap, (top + cost[k], r))
+            dest[k] = r
+            continue
+        full = []
+        while heap and room[heap[0][1]] < patches[k]:
+            full.append(heapq.heappop(heap))
+        if heap:
+            top, r = heapq.heappop(heap)
+            heapq.heappush(heap, (top + cost[k], r))
+            dest[k] = r
+        else:
+            r = dest[k]
+            full = [(top + cost[k] if rr == r else top, rr) for top, rr in full]
+        room[r] -= patches[k]
+        for item in full:
+            heapq.heappush(heap, item)
+
+
+def bring_home(batch: Batch, dest: Destinations, limit: float, must_hold: list[bool]) -> Destinations:
+    """Fewer rows at the same quality: send moved images home, alone or in a swap (no cap).
+
+    Up to :data:`~tuning.BRING_HOME_PASSES` passes over the images away from home, largest
+    first. Scoring: rows saved. Selection: move the image home if its home stays within ``limit``
+    (and its current rank keeps an image it must hold); else swap it with the image on its home
+    rank that saves the most rows and keeps both ranks within ``limit``.
+    """
+    home, cost, patches = batch.home, batch.cost, batch.patches
+    dest = list(dest)
+    load = rank_loads(batch, dest)
+    members: list[list[int]] = [[] for _ in range(batch.num_ranks)]
+    for k, d in enumerate(dest):
+        members[d].append(k)
+    for _ in range(tuning.BRING_HOME_PASSES):
+        # Largest first, ties by index (a stable sort keeps them in index order).
+        away = sorted([k for k, d in enumerate(dest) if d != home[k]], key=patches.__getitem__, reverse=True)
+        changed = False
+        for k in away:
+            h, d = home[k], dest[k]
+            if d == h:
+                continue
+            if load[h] + cost[k] <= limit and (len(members[d]) > 1 or not must_hold[d]):
+                partner = -1
+            else:
+                partner = _best_swap(batch, k, members[h], dest, load, limit)
+                if partner < 0:
+                    continue
+            for j, src, dst in ((k, d, h), (partner, h, d)):
+                if j >= 0:
+                    members[src].remove(j)
+                    members[dst].append(j)
+                    dest[j] = dst
+                    load[dst] += cost[j]
+                    load[src] -= cost[j]
+            changed = True
+        if not changed:
+            break
+    return dest
+
+
+def _best_swap(
+    batch: Batch, k: int, candidates: list[int], dest: Destinations, load: list[float], limit: float
+) -> int:
+    """The image on ``k``'s home rank to swap with ``k``: the most rows saved with both ranks
+    within ``limit``; -1 when no swap saves rows."""
+    home, cost, patches = batch.home, batch.cost, batch.patches
+    h, d = home[k], dest[k]
+    # Both ranks stay within the limit iff the partner's cost lies in [lowest, highest].
+    lowest, highest = load[h] + cost[k] - limit, limit - (load[d] - cost[k])
+    best_saving, partner = 0, -1
+    for j in candidates:
+        if not lowest <= cost[j] <= highest:
+            continue
+        saving = patches[k] - (patches[j] if home[j] == h else 0) + (patches[j] if home[j] == d else 0)
+        if saving > best_saving:
+            best_saving, partner = saving, j
+    return partner
+
+
+def fill_empty_ranks(batch: Batch, dest: Destinations, cap: float | None) -> bool:
+    """Give every rank that must encode an image one, taken where it costs the least; in place.
+    Returns whether ``dest`` changed.
+
+    Preferred donors: images within the cap, then the empty rank's own images (they go back
+    home), then images already away from home (no extra rows), then the cheapest, then the
+    lowest index; never a rank's last image unless that rank need not hold one. This rule wins
+    over the cap: an empty rank may receive one image larger than the cap when no other is left.
+    """
+    if isinstance(dest, np.ndarray):
+        held = np.bincount(dest, minlength=batch.num_ranks).tolist()
+        if min(held) > 0:
+            return False
+        as_list = dest.tolist()
+        changed = fill_empty_ranks(batch, as_list, cap)
+        dest[:] = as_list
+        return changed
+    if len(set(dest)) == batch.num_ranks:
+        return False
+    must_hold, home, cost = batch.must_hold, batch.home, batch.cost
+    held = [0] * batch.num_ranks
+    for d in dest:
+        held[d] += 1
+    pinned = batch.pinned(cap)
+    changed = False
+    for r in [r for r in range(batch.num_ranks) if must_hold[r] and not held[r]]:
+        donors = [k for k, d in enumerate(dest) if held[d] >= 2 or not must_hold[d]]
+        if not donors:
+            continue
+        k = min(donors, key=lambda k: (pinned[k], home[k] != r, dest[k] == home[k], cost[k], k))
+        held[dest[k]] -= 1
+        dest[k] = r
+        held[r] += 1
+        changed = True
+    return changed
+
+
+def cap_excess(batch: Batch, dest: Destinations, cap: float | None) -> float:
+    """Patches above the cap on ranks that receive images and hold more than one.
+
+    A rank holding a single image is exempt: the image may be larger than the cap, and giving an
+    otherwise idle rank one image comes first.
+    """
+    if cap is None:
+        return 0.0
+    held = [0] * batch.num_ranks
+    receiving = [False] * batch.num_ranks
+    for k, d in enumerate(dest):
+        held[d] += 1
+        receiving[d] = receiving[d] or d != batch.home[k]
+    limit = cap * (1.0 + tuning.EPS)
+    patches = rank_patches(batch, dest)
+    return sum(max(patches[r] - limit, 0.0) for r in range(batch.num_ranks) if receiving[r] and held[r] > 1)

@@ -1,0 +1,165 @@
+"""The locality solver: run the heuristics, finish their plans, pick the one that moves least.
+
+It does the least work that finds a good plan, in steps:
+
+1. *At the bound*: shed-and-place aims at the lower bound ``max(total / P, largest image)``,
+   refined only until it is within :data:`~tuning.SLACK` of it. With many images per rank
+   (*thorough*: more than :data:`~tuning.THOROUGH_ABOVE_PER_RANK` on average) home-first in
+   coarse blocks joins it. When no plan reaches the bound, home-first gets its try. With many
+   images (numpy variants) home-first in blocks of ``P`` replaces all of these.
+2. *At the LPT*: when the bound is still out of reach, the seed's LPT (bins renamed to home
+   ranks) joins the plans and sets the acceptance limit, and home-first is retried against it.
+3. *Selection*: every finished plan (a :class:`Candidate`) is scored by its patches above the
+   cap, its makespan and the pixel rows it moves. Among the plans that honour the cap best, those
+   within the slack of the target; of those, the one that moves the fewest rows (ties: the lower
+   makespan), after :func:`~.locality.bring_home` when it may have images to send back.
+
+A plan that reached the bound untouched (no refinement, no fix-up) is final at once.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from lightning_vit_balance.config import ViTBalanceConfig
+from lightning_vit_balance.solvers import tuning
+from lightning_vit_balance.solvers.batch import Batch, Destinations, score
+from lightning_vit_balance.solvers.locality import (
+    bring_home,
+    cap_excess,
+    fill_empty_ranks,
+    home_first,
+    home_first_blocks,
+    shed_and_place,
+)
+from lightning_vit_balance.solvers.lpt import lpt_reference, refine
+
+__all__ = ["Candidate", "solve_locality"]
+
+
+class Candidate(NamedTuple):
+    """A finished plan and its scores."""
+
+    dest: Destinations
+    makespan: float
+    moved_patches: int
+    #: Whether refinement, the empty-rank fix-up or a relabelling moved images after the heuristic
+    #: placed them: only then can :func:`bring_home` find images to send back.
+    adjusted: bool = True
+
+
+def solve_locality(batch: Batch, config: ViTBalanceConfig) -> Destinations:
+    """The default solver: destinations of the flat images (see the module docstring)."""
+    cap = batch.cap(config.max_len_ratio)
+    accept = batch.lower_bound * (1.0 + tuning.SLACK)
+    candidates = _aim_at_the_bound(batch, config, cap, accept)
+    closest = min(c.makespan for c in candidates)
+    if closest > accept * (1.0 + tuning.EPS):
+        candidates, accept = _aim_at_the_lpt(batch, config, cap, candidates, closest)
+    return _select(batch, candidates, accept, cap)
+
+
+def _aim_at_the_bound(
+    batch: Batch, config: ViTBalanceConfig, cap: float | None, accept: float
+) -> list[Candidate]:
+    """Plans aimed at the lower bound (step 1). Home-first fills the gaps with small images and
+    often reaches the bound when the others miss it; when they reach it, it rarely moves fewer
+    rows, so it is not tried then."""
+    lower = batch.lower_bound
+    if _vectorised(batch, cap):
+        return [_finish(batch, home_first_blocks(batch, lower), cap, config, accept)]
+    shed = _finish(batch, shed_and_place(batch, lower * (1.0 + tuning.SHED_AIM), cap), cap, config, accept)
+    candidates = [shed]
+    if _thorough(batch, cap):
+        # Many images per rank: home-first in coarse blocks keeps more of them at home.
+        for block in sorted({batch.num_ranks, max(1, batch.num_ranks // 2), max(1, batch.num_ranks // 4)}):
+            plan = home_first_blocks(batch, lower, block).tolist()
+            candidates.append(_finish(batch, plan, cap, config, accept))
+    if any(_within(c, accept) for c in candidates):
+        return candidates
+    fallback = home_first(batch, lower * (1.0 + tuning.AIM), cap)
+    return [*candidates, _finish(batch, fallback, cap, config, None)]
+
+
+def _aim_at_the_lpt(
+    batch: Batch, config: ViTBalanceConfig, cap: float | None, candidates: list[Candidate], closest: float
+) -> tuple[list[Candidate], float]:
+    """The lower bound is out of reach (step 2): the seed's LPT, its bins renamed to home ranks,
+    joins the candidates and sets the acceptance limit; home-first is retried against the
+    reachable target when the plans came close. Returns the candidates and the new limit."""
+    reference = _measure(batch, _filled(batch, lpt_reference(batch, config, cap), cap))
+    best = min(reference.makespan, closest)
+    accept = best * (1.0 + tuning.SLACK)
+    candidates = [*candidates, reference]
+    if closest <= accept * (1.0 + tuning.RELAX_WITHIN):
+        relaxed = best * (1.0 + tuning.AIM)
+        if _vectorised(batch, cap):
+            retry = home_first_blocks(batch, relaxed)
+        else:
+            retry = home_first(batch, relaxed, cap)
+        candidates.append(_finish(batch, retry, cap, config, accept))
+    return candidates, accept
+
+
+def _thorough(batch: Batch, cap: float | None) -> bool:
+    """Ranks hold many images (and fit the Python paths): more candidates, each brought home."""
+    many = tuning.THOROUGH_ABOVE_PER_RANK * batch.num_ranks < batch.size
+    return cap is None and many and batch.size <= tuning.BRING_HOME_UP_TO
+
+
+def _vectorised(batch: Batch, cap: float | None) -> bool:
+    """Numpy blocks for many images; the cap needs the exact heaps."""
+    return batch.size > tuning.VECTORISE_ABOVE and cap is None
+
+
+def _within(candidate: Candidate, accept: float) -> bool:
+    return candidate.makespan <= accept * (1.0 + tuning.EPS)
+
+
+def _select(batch: Batch, candidates: list[Candidate], accept: float, cap: float | None) -> Destinations:
+    """Plans that honour the cap best first; among them, the fewest rows moved within the limit.
+    The best few get :func:`bring_home` first when they may have images to bring back."""
+    polish = _thorough(batch, cap)
+    if len(candidates) == 1 and not (candidates[0].adjusted or polish):
+        return candidates[0].dest
+    excess = [cap_excess(batch, c.dest, cap) for c in candidates]
+    pool = [c for c, e in zip(candidates, excess) if e == min(excess)]
+    limit = max(accept, min(c.makespan for c in pool)) * (1.0 + tuning.EPS)
+    feasible = sorted((c for c in pool if c.makespan <= limit), key=_rows_then_makespan)
+    if cap is None and batch.size <= tuning.BRING_HOME_UP_TO:
+        feasible = [
+            _measure(batch, bring_home(batch, c.dest, limit, batch.must_hold)) if polish or c.adjusted else c
+            for c in feasible[: tuning.BRING_HOME_CANDIDATES]
+        ]
+    return min(feasible, key=_rows_then_makespan).dest
+
+
+def _rows_then_makespan(candidate: Candidate) -> tuple[int, float]:
+    return candidate.moved_patches, candidate.makespan
+
+
+def _finish(
+    batch: Batch, dest: Destinations, cap: float | None, config: ViTBalanceConfig, accept: float | None
+) -> Candidate:
+    """Refine a heuristic's plan until it is within ``accept`` (``None``: leave it as placed), give
+    empty ranks an image, and score it. Refining an acceptable plan further would only move rows
+    for nothing: every plan within ``accept`` is as good as the next, and the fewest rows win."""
+    loads, moved = score(batch, dest)
+    steps = 0
+    if accept is not None and max(loads) > accept * (1.0 + tuning.EPS):
+        good_enough = accept * (1.0 + tuning.EPS)
+        steps = refine(batch, dest, loads, cap, config, seed_rules=False, good_enough=good_enough)
+    if fill_empty_ranks(batch, dest, cap) or steps:
+        return _measure(batch, dest)
+    return Candidate(dest, max(loads), moved, adjusted=False)
+
+
+def _filled(batch: Batch, dest: Destinations, cap: float | None) -> Destinations:
+    fill_empty_ranks(batch, dest, cap)
+    return dest
+
+
+def _measure(batch: Batch, dest: Destinations) -> Candidate:
+    """Score a plan whose images were moved after their heuristic placed them."""
+    loads, moved = score(batch, dest)
+    return Candidate(dest, max(loads), moved)

@@ -1,0 +1,65 @@
+"""Every tuning constant of the solvers, in one place, each with the reason for its value.
+
+None of these changes which plans are valid (every image encoded once, the cap rules), only how
+hard the solvers look and when they stop. Figures quoted are from ``make bench``'s scenarios.
+"""
+
+from __future__ import annotations
+
+#: Relative tolerance for "a rank is above the target" and "a plan is within the limit": loads
+#: are sums of floats, and the same total summed in a different order may differ in its last bits.
+EPS = 1e-9
+
+#: The locality solver accepts a plan whose makespan is within this fraction of the lower bound
+#: (or, when the bound is out of reach, of the best makespan found, the LPT's included) if that
+#: plan moves fewer pixel rows. 0.4% keeps it inside the target "at most 0.5% above the seed's
+#: makespan" with room for rounding.
+SLACK = 0.004
+
+#: Home-first aims at half the slack above its reference, so that refinement and the empty-rank
+#: fix-up, which may add a little, still land within the full slack.
+AIM = 0.5 * SLACK
+
+#: Shed-and-place sheds each rank down to the lower bound plus this much: most of the slack, so a
+#: rank keeps every image of its own that the accepted makespan allows (an image that never leaves
+#: need not be brought home later); the last tenth absorbs the images placed on the lightest ranks.
+SHED_AIM = 0.9 * SLACK
+
+#: When the lower bound is out of reach, home-first is retried against the reachable target only
+#: if its plans came within this fraction of the new acceptance limit. Further away the retry
+#: rarely qualifies (5 of 16 such batches) and costs a full candidate.
+RELAX_WITHIN = 0.01
+
+#: Above this many images per rank on average (no cap, at most :data:`BRING_HOME_UP_TO` images),
+#: the locality solver is *thorough*: it also tries home-first in blocks of P, P/2 and P/4 images
+#: and brings every candidate's moved images home. With many images per rank that saves rows
+#: (mixed batches, 1-16 per rank, P=32: 49% -> 42% of all rows moved). With 1-8 per rank it
+#: saved under 2% of the rows moved at 6-11x the plan time, so the lean path ends there.
+THOROUGH_ABOVE_PER_RANK = 8
+
+#: Above this many images (and without a patch cap) the locality solver switches to its numpy
+#: variants (blocks of images, destinations in arrays), which keep P=1024 x 8 images within a
+#: few milliseconds; below it the exact Python heaps are cheaper than the numpy calls. With a cap
+#: the solver stays on the heaps at every size: the blocks cannot check the cap.
+VECTORISE_ABOVE = 512
+
+#: Up to this many images (no cap) the chosen plans get :func:`~.locality.bring_home` passes:
+#: a pure-Python pass per plan, affordable up to where the numpy variants take over.
+BRING_HOME_UP_TO = VECTORISE_ABOVE
+
+#: Passes of :func:`~.locality.bring_home` over the moved images. Each pass changes fewer plans
+#: (of 353 calls, passes 1 to 5 changed 307, 111, 41, 16 and 2); three bound the cost.
+BRING_HOME_PASSES = 3
+
+#: At most this many plans, fewest rows moved first, get :func:`~.locality.bring_home`: a bound on
+#: the work (a pass over a plan costs about a heuristic's time); the solver has up to seven plans.
+BRING_HOME_CANDIDATES = 5
+
+#: Proposal rounds of the greedy matching that renames LPT bins to home ranks. Every round matches
+#: at least one bin; bins left after the last take the free ranks in order, which costs rows (the
+#: images they hold move), never balance (renaming ranks changes no load).
+RELABEL_ROUNDS = 8
+
+#: A refinement step counts as an improvement only if it lowers the larger of the two loads by
+#: more than this: the seed's own threshold, kept so that the LPT solver is the seed's algorithm.
+REFINE_MIN_STEP = 1e-12

@@ -106,6 +106,10 @@ class ViTBalanceConfig:
             anyway, so every rank fits the same coefficients at the same call; the ``cost_*`` fields
             are the model until the first fit. The fitted coefficients are part of the settings
             that ranks must agree on.
+        plan_ahead: Lightning: gather the grid rows and plan each training batch in
+            ``on_before_batch_transfer``, while the batch is on the host, so the step's balanced call
+            makes no metadata gather and no device-to-host sync (see ``ViTBalanceMixin``). Without
+            Lightning, call ``ViTBalancer.prepare`` yourself.
     """
 
     enabled: bool = True
@@ -125,9 +129,10 @@ class ViTBalanceConfig:
     gather_capacity: int = 64
     overlap_pixel_trip: bool = False
     calibrate_cost: bool = False
+    plan_ahead: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "verbose", "overlap_pixel_trip", "calibrate_cost"):
+        for name in ("enabled", "verbose", "overlap_pixel_trip", "calibrate_cost", "plan_ahead"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "a bool")
         if self.max_len_ratio is not None:

@@ -80,7 +80,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_vit_balance.balancer import BalanceStats, ViTBalancer
+from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.outputs import (
     classify_output,
@@ -323,6 +323,7 @@ def encode_visual(
     videos: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     balancer: ViTBalancer | None = None,
+    prepared: PreparedPlan | None = None,
 ) -> tuple[Any, Any]:
     """Encode a rank's images and videos with one ViT call (one balanced exchange); split the result.
 
@@ -337,6 +338,8 @@ def encode_visual(
         videos: The same for videos (same ``C``), or None.
         balancer: Balances the call across its group; every rank of the group must call
             :func:`encode_visual` (with or without images and videos). None calls ``vit`` directly.
+        prepared: The plan ``balancer.prepare`` made before the forward for the images' rows
+            followed by the videos' (then the call makes no metadata gather).
 
     Returns:
         ``(image_output, video_output)``: each what ``vit`` returns for that modality's rows alone
@@ -359,7 +362,7 @@ def encode_visual(
         given.append((name, f"{name}[0]", rows, f"{name}[1]", grid))
     combined = _combine(given, vit, cast=False)
     merge = merge_size_of(vit, balancer.output_layout if balancer is not None else None)
-    output, total = _encode_combined(vit, combined, balancer, merge)
+    output, total = _encode_combined(vit, combined, balancer, merge, prepared)
     parts = {part.name: part for part in combined.parts}
     # An absent modality gets zero rows (rows [0, 0) of every token output).
     wanted = [parts.get(name) or _Part(name, (), 0, 0) for name in ("images", "videos")]
@@ -367,22 +370,29 @@ def encode_visual(
     return image_output, video_output
 
 
-def _balanced_call(balancer: ViTBalancer, vit: Any, combined: _Combined, caller: str) -> Any:
+def _balanced_call(
+    balancer: ViTBalancer, vit: Any, combined: _Combined, caller: str, prepared: PreparedPlan | None = None
+) -> Any:
     """``balancer(vit, ...)`` on the combined rows; a rank whose modalities could not be combined
-    sends no grid, so the engine raises on every rank, and this rank says why."""
+    sends no grid, so the engine raises on every rank, and this rank says why. ``prepared``: the
+    plan made for these rows before the forward (see ``ViTBalancer.prepare``)."""
     try:
-        return balancer(vit, combined.pixels, combined.grid)
+        return balancer(vit, combined.pixels, combined.grid, prepared=prepared)
     except ValueError as err:
         detail = f" On this rank: {'; '.join(combined.problems)}." if combined.problems else ""
         raise ValueError(f"{caller}: this rank's images and videos, encoded together: {err}{detail}") from err
 
 
 def _encode_combined(
-    vit: Any, combined: _Combined, balancer: ViTBalancer | None, merge: int
+    vit: Any,
+    combined: _Combined,
+    balancer: ViTBalancer | None,
+    merge: int,
+    prepared: PreparedPlan | None = None,
 ) -> tuple[Any, int]:
     """The one ViT call over ``combined`` and the patch rows its output covers."""
     if balancer is not None:
-        output = _balanced_call(balancer, vit, combined, "encode_visual")
+        output = _balanced_call(balancer, vit, combined, "encode_visual", prepared)
         return output, int(combined.pixels.shape[0])
     if combined.problems:
         raise ValueError(f"encode_visual: {'; '.join(combined.problems)}.")
@@ -529,6 +539,11 @@ class BalancedVisionTower:
     def record(self, stats: BalanceStats) -> None:
         """Called with each balanced forward's stats (after :attr:`last_stats` is set)."""
 
+    def prepared_plan(self) -> PreparedPlan | None:
+        """The plan made before this forward for its images' rows followed by its videos' (see
+        ``ViTBalancer.prepare``), or None to gather and plan in the forward (the default)."""
+        return None
+
     # -- removal -------------------------------------------------------------------------------
 
     def remove(self) -> None:
@@ -593,7 +608,7 @@ class BalancedVisionTower:
         balancer = self._balancer_for(config, group)
         self._encoding = True
         try:
-            output = _balanced_call(balancer, tower, combined, "balance_vision_tower")
+            output = _balanced_call(balancer, tower, combined, "balance_vision_tower", self.prepared_plan())
         finally:
             self._encoding = False
         self.calls += 1

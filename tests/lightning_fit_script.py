@@ -88,10 +88,23 @@ class TinyVLM(ViTBalanceMixin, L.LightningModule):
         return torch.utils.data.DataLoader(samples, batch_size=1, shuffle=False, collate_fn=first)
 
 
-def fit(out_dir: str, version: str, enabled: bool, strategy: str, verbose: bool = False) -> TinyVLM:
-    """Train for :data:`STEPS` steps on 2 CPU ranks; metrics go to ``out_dir/version/metrics.csv``."""
+class PlanAheadVLM(TinyVLM):
+    """:class:`TinyVLM` whose images call is planned in ``on_before_batch_transfer`` (the step's
+    first call); the videos call after it gathers and plans in the forward as usual."""
+
+    vit_balance_prepare_keys = (("pixel_values", "image_grid_thw"),)
+
+
+def fit(
+    out_dir: str, version: str, enabled: bool, strategy: str, verbose: bool = False, plan_ahead: bool = False
+) -> TinyVLM:
+    """Train for :data:`STEPS` steps on 2 CPU ranks; metrics go to ``out_dir/version/metrics.csv``.
+
+    ``plan_ahead``: the :class:`PlanAheadVLM` (one call per step, planned before the forward).
+    """
     torch.set_num_threads(1)
-    model = TinyVLM(ViTBalanceConfig(enabled=enabled, verbose=verbose))
+    config = ViTBalanceConfig(enabled=enabled, verbose=verbose, plan_ahead=plan_ahead)
+    model = PlanAheadVLM(config) if plan_ahead else TinyVLM(config)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=RANKS,

@@ -87,7 +87,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         [sys.executable, str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=200
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    return {"out": out, "stdout": done.stdout}
+    return {"out": out, "stdout": done.stdout, "stderr": done.stderr}
 
 
 def _check_balance_metrics(run_dir: Path) -> None:
@@ -125,8 +125,10 @@ def test_ddp_spawn_logs_every_metric_each_step(spawn_run: dict[str, Any]) -> Non
 def test_ddp_logs_every_metric_and_verbose_reports(ddp_run: dict[str, Any]) -> None:
     _check_balance_metrics(ddp_run["out"] / "ddp")
     assert _balance_rows(ddp_run["out"] / "ddp_disabled") == {}, "nothing recorded when disabled"
-    # The verbose report: DP rank 0 prints one line per call (rank 1 prints nothing).
-    reports = [line for line in ddp_run["stdout"].splitlines() if line.startswith("[vit-balance]")]
+    # The verbose report: one line per call through Lightning's rank_zero_info (its logger writes to
+    # stderr), on global rank 0 only.
+    output = ddp_run["stdout"] + ddp_run["stderr"]
+    reports = [line for line in output.splitlines() if line.startswith("[vit-balance]")]
     assert len(reports) == CALLS_PER_STEP * STEPS
     assert sum(line.startswith("[vit-balance] APPLY (applied) imbalance") for line in reports) == STEPS
     assert sum(line.startswith("[vit-balance] SKIP (no-gain) imbalance") for line in reports) == STEPS
@@ -149,3 +151,28 @@ def test_balanced_training_matches_the_unbalanced_run(
     torch.testing.assert_close(
         torch.load(ddp_run["out"] / "ddp" / "weights.pt"), reference_weights, **TOLERANCE
     )
+
+
+@pytest.fixture(scope="module")
+def plan_ahead_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("plan_ahead")
+    model = fit(str(out), "planned", True, "ddp_spawn", plan_ahead=True)
+    return {"dir": out / "planned", "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.timeout(240)
+def test_plans_made_before_the_forward_train_the_same(
+    plan_ahead_run: dict[str, Any], ddp_run: dict[str, Any]
+) -> None:
+    """plan_ahead: the images call uses the plan made before the forward, the same training."""
+    rows = _balance_rows(plan_ahead_run["dir"])
+    assert sorted(rows) == list(range(STEPS))
+    for row in rows.values():
+        assert row["vit_balance/calls"] == CALLS_PER_STEP and row["vit_balance/applied"] == 0.5
+        # The prepared images call (applied) makes only the pixel trip, the status gather and the
+        # return trip (its gather ran in on_before_batch_transfer); the videos call gathers and skips.
+        assert row["vit_balance/collectives"] == 3 + 1
+    reference = _losses(ddp_run["out"] / "ddp_disabled")
+    torch.testing.assert_close(_losses(plan_ahead_run["dir"]), reference, **TOLERANCE)
+    reference_weights = torch.load(ddp_run["out"] / "ddp_disabled" / "weights.pt")
+    torch.testing.assert_close(plan_ahead_run["weights"], reference_weights, **TOLERANCE)

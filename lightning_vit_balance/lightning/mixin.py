@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from lightning_vit_balance.balancer import BalanceStats, ViTBalancer
+from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.hf import BalancedVisionTower, encode_visual
@@ -73,6 +75,19 @@ def _allow_configs_in_checkpoints() -> None:
     torch.serialization.add_safe_globals([ViTBalanceConfig, CostModel])
 
 
+def _rows_to_plan(batch: Any, keys: tuple[tuple[str, str], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``ViTBalancer.prepare`` needs of a host batch: a meta tensor of the pixel rows' shape and
+    dtype (nothing is read or copied) and the grid rows, for the keys present, in order."""
+    rows, width, dtype, grids = 0, 1, torch.float32, []
+    for pixel_key, grid_key in keys:
+        pixels = batch.get(pixel_key) if isinstance(batch, Mapping) else None
+        if isinstance(pixels, torch.Tensor) and pixels.dim() == 2:
+            rows, width, dtype = rows + int(pixels.shape[0]), int(pixels.shape[1]), pixels.dtype
+            grids.append(torch.as_tensor(batch.get(grid_key)).reshape(-1, 3).to("cpu", torch.long))
+    grid = torch.cat(grids) if grids else torch.empty((0, 3), dtype=torch.long)
+    return torch.empty((rows, width), dtype=dtype, device="meta"), grid
+
+
 class _State:
     """What the mixin keeps between calls. Never copied or pickled with the module.
 
@@ -89,6 +104,7 @@ class _State:
         self.balancer_config: ViTBalanceConfig | None = None
         self.records: list[BalanceStats] = []
         self.last_stats: BalanceStats | None = None
+        self.ticket: PreparedPlan | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {}
@@ -117,6 +133,13 @@ class _ModuleTowerBalance(BalancedVisionTower):
 
     def record(self, stats: BalanceStats) -> None:
         self.module._vit_balance_keep(stats)
+
+    def prepared_plan(self) -> PreparedPlan | None:
+        return self.module._vit_balance_take_ticket()
+
+    def _balancer_for(self, config: ViTBalanceConfig, group: Any) -> ViTBalancer:
+        # The module's balancer: the one its plan-ahead hook prepared with.
+        return self.module._vit_balance_balancer(config, group)
 
 
 class ViTBalanceMixin:
@@ -271,14 +294,9 @@ class ViTBalanceMixin:
         self._vit_balance_refresh(state)
         if state.group is None or state.group_size < 2:
             return vit(pixel_values, grid_thw)
-        if state.balancer is None or state.balancer_config != config:
-            state.balancer = ViTBalancer(config, state.group)
-            state.balancer_config = config
-        output = state.balancer(vit, pixel_values, grid_thw)
-        stats = state.balancer.last_stats
-        state.last_stats = stats
-        if state.record and stats is not None:
-            state.records.append(stats)
+        balancer = self._vit_balance_balancer(config, state.group)
+        output = balancer(vit, pixel_values, grid_thw, prepared=self._vit_balance_take_ticket())
+        self._vit_balance_keep(balancer.last_stats)
         return output
 
     def _vit_balance_settings(self) -> tuple[ViTBalanceConfig, Any] | None:
@@ -292,6 +310,55 @@ class ViTBalanceMixin:
         if state.group is None or state.group_size < 2:
             return None
         return config, state.group
+
+    def _vit_balance_balancer(self, config: ViTBalanceConfig, group: Any) -> ViTBalancer:
+        """The module's one balancer for this fit and configuration (its verbose lines go through
+        ``rank_zero_info``)."""
+        state = self._vit_balance_state_object()
+        if state.balancer is None or state.balancer_config != config:
+            state.balancer = ViTBalancer(config, group, report=rank_zero_info)
+            state.balancer_config = config
+        return state.balancer
+
+    def _vit_balance_take_ticket(self) -> PreparedPlan | None:
+        """The plan prepared for this batch, once: the step's first balanced call uses it."""
+        state = self._vit_balance_state_object()
+        ticket, state.ticket = state.ticket, None
+        return ticket
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """With ``plan_ahead``, plan the training batch's ViT call while it is still on the host.
+
+        Every rank gathers its batch's grid rows (for the keys in
+        :attr:`vit_balance_prepare_keys`, images then videos) and computes the plan here, before
+        the batch moves to the device, so the step's first balanced call (``encode_images``,
+        ``encode_visual`` or a model given to :meth:`balance_vision_tower`) makes no metadata
+        gather, no device-to-host sync and no plan. That call must encode exactly those rows
+        (images followed by videos); anything else fails on every rank with a clear error.
+        The mixin must come before ``LightningModule`` in the bases for this hook to run; an
+        override of the hook must call ``super().on_before_batch_transfer``.
+        """
+        parent = getattr(super(), "on_before_batch_transfer", None)
+        if parent is not None:
+            batch = parent(batch, dataloader_idx)
+        self._vit_balance_plan_ahead(batch)
+        return batch
+
+    #: ``(pixel key, grid key)`` pairs of a batch that the step's balanced call encodes, in order.
+    vit_balance_prepare_keys: tuple[tuple[str, str], ...] = (
+        ("pixel_values", "image_grid_thw"),
+        ("pixel_values_videos", "video_grid_thw"),
+    )
+
+    def _vit_balance_plan_ahead(self, batch: Any) -> None:
+        state = self._vit_balance_state_object()
+        state.ticket = None
+        trainer, _ = self._vit_balance_runner()
+        settings = self._vit_balance_settings() if trainer is not None and trainer.training else None
+        if settings is None or not settings[0].plan_ahead:
+            return
+        pixels, grid = _rows_to_plan(batch, self.vit_balance_prepare_keys)
+        state.ticket = self._vit_balance_balancer(*settings).prepare(pixels, grid)
 
     def _vit_balance_keep(self, stats: BalanceStats | None) -> None:
         state = self._vit_balance_state_object()
@@ -351,13 +418,10 @@ class ViTBalanceMixin:
         settings = self._vit_balance_settings()
         if settings is None:
             return encode_visual(vit, images, videos)
-        config, group = settings
-        state = self._vit_balance_state_object()
-        if state.balancer is None or state.balancer_config != config:
-            state.balancer = ViTBalancer(config, group)
-            state.balancer_config = config
-        outputs = encode_visual(vit, images, videos, balancer=state.balancer)
-        self._vit_balance_keep(state.balancer.last_stats)
+        balancer = self._vit_balance_balancer(*settings)
+        ticket = self._vit_balance_take_ticket()
+        outputs = encode_visual(vit, images, videos, balancer=balancer, prepared=ticket)
+        self._vit_balance_keep(balancer.last_stats)
         return outputs
 
     @property

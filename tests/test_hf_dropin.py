@@ -446,10 +446,10 @@ def _first(items: list[Any]) -> Any:
 class HFFinetune(ViTBalanceMixin, L.LightningModule):
     """A user's fine-tuning module: ``self.model(**batch).loss``, plus ``balance_vision_tower``."""
 
-    def __init__(self, out_dir: str, balanced: bool) -> None:
+    def __init__(self, out_dir: str, balanced: bool, plan_ahead: bool = False) -> None:
         super().__init__()
         self.out_dir = out_dir
-        self.vit_balance_config = ViTBalanceConfig(**CONFIG)
+        self.vit_balance_config = ViTBalanceConfig(**CONFIG, plan_ahead=plan_ahead)
         self.model = tiny_model(FIT_FAMILY)
         if balanced:
             self.balance_vision_tower(self.model)
@@ -486,10 +486,15 @@ def _reference(model: nn.Module) -> list[list[float]]:
 
 
 @pytest.mark.timeout(240)
-def test_lightning_ddp_fit_without_find_unused_parameters(tmp_path: Path) -> None:
-    """ddp_spawn, 2 CPU ranks, find_unused_parameters=False, small DDP buckets; text-only ranks."""
+@pytest.mark.parametrize("plan_ahead", [False, True])
+def test_lightning_ddp_fit_without_find_unused_parameters(tmp_path: Path, plan_ahead: bool) -> None:
+    """ddp_spawn, 2 CPU ranks, find_unused_parameters=False, small DDP buckets; text-only ranks.
+
+    With ``plan_ahead`` each step's one balanced call uses the plan made in
+    ``on_before_batch_transfer`` from the batch's image and video grids.
+    """
     torch.set_num_threads(1)
-    module = HFFinetune(str(tmp_path), balanced=True)
+    module = HFFinetune(str(tmp_path), balanced=True, plan_ahead=plan_ahead)
     reference_model = copy.deepcopy(module.model)
     BalancedVisionTower.of(reference_model).remove()
     trainer = L.Trainer(
@@ -522,6 +527,9 @@ def test_lightning_ddp_fit_without_find_unused_parameters(tmp_path: Path) -> Non
         rows = [row for row in csv.DictReader(f) if row.get("vit_balance/calls")]
     assert [float(r["vit_balance/calls"]) for r in rows] == [1.0] * FIT_STEPS
     assert float(rows[-1]["vit_balance/calls_total"]) == FIT_STEPS
+    if plan_ahead:  # no metadata gather in the forward: the trips and the status gather only
+        assert all(float(r["vit_balance/collectives"]) in (0.0, 3.0) for r in rows), rows
+        assert any(float(r["vit_balance/applied"]) for r in rows), rows
 
 
 class _MixinOnly(ViTBalanceMixin, L.LightningModule):

@@ -258,7 +258,11 @@ def gather_metadata(
 
 
 class _AllToAllFunction(torch.autograd.Function):
-    """``all_to_all_single`` along dim 0; its backward is the inverse exchange (splits swapped)."""
+    """``all_to_all_single`` along dim 0; its backward is the inverse exchange (splits swapped).
+
+    With a ``works`` list the forward exchange is started asynchronously and its handle appended
+    there (the rows are valid after ``wait()``); the backward is always synchronous.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -267,16 +271,21 @@ class _AllToAllFunction(torch.autograd.Function):
         send_splits: list[int],
         receive_splits: list[int],
         group: Any,
+        works: list[Any] | None = None,
     ) -> torch.Tensor:
         ctx.send_splits = send_splits
         ctx.receive_splits = receive_splits
         ctx.group = group
-        return _exchange(tensor, send_splits, receive_splits, group)
+        if works is None:
+            return _exchange(tensor, send_splits, receive_splits, group)
+        output, work = _start(tensor, send_splits, receive_splits, group)
+        works.append(work)
+        return output
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         grad = _exchange(grad_output, ctx.receive_splits, ctx.send_splits, ctx.group)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def _exchange(
@@ -338,31 +347,6 @@ class PendingExchange:
         return self._output
 
 
-class _StartAllToAllFunction(torch.autograd.Function):
-    """An asynchronous ``all_to_all_single``; the backward is the synchronous inverse exchange."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        tensor: torch.Tensor,
-        send_splits: list[int],
-        receive_splits: list[int],
-        group: Any,
-        works: list[Any],
-    ) -> torch.Tensor:
-        ctx.send_splits = send_splits
-        ctx.receive_splits = receive_splits
-        ctx.group = group
-        output, work = _start(tensor, send_splits, receive_splits, group)
-        works.append(work)
-        return output
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
-        grad = _exchange(grad_output, ctx.receive_splits, ctx.send_splits, ctx.group)
-        return grad, None, None, None, None
-
-
 def _start(
     tensor: torch.Tensor, send_splits: list[int], receive_splits: list[int], group: Any
 ) -> tuple[torch.Tensor, Any]:
@@ -400,7 +384,7 @@ def start_all_to_all(
     if not tensor.requires_grad:
         tensor = tensor.detach().requires_grad_(True)
     works: list[Any] = []
-    output = _StartAllToAllFunction.apply(tensor, send, receive, group, works)
+    output = _AllToAllFunction.apply(tensor, send, receive, group, works)
     return PendingExchange(output, works[0])
 
 

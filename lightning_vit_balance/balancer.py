@@ -236,9 +236,10 @@ class ViTBalancer:
         self.applied_calls = 0
         self._fingerprint = self.config.fingerprint()
         self._calibrator = _calibrator_for(self.config)
-        # Patch counts every rank encoded in the previous gathered call: what its measured ViT time
-        # (carried in the next gather) paid for.
+        # Patch counts (and temporal steps) every rank encoded in the previous gathered call: what its
+        # measured ViT time (carried in the next gather) paid for.
         self._encoded_counts: tuple[tuple[int, ...], ...] | None = None
+        self._encoded_frames: tuple[tuple[int, ...], ...] | None = None
         self._clock = ViTClock()
         self._print = report if report is not None else _print_line
 
@@ -517,11 +518,16 @@ class ViTBalancer:
     def _plan(self, call: _Call, metadata: Sequence[RankMetadata]) -> RebalancePlan:
         started = time.perf_counter()
         cost_model = self._calibrated(metadata)
-        plan = plan_rebalance([m.patch_counts for m in metadata], self.config, cost_model=cost_model)
+        frames = [[t for t, _, _ in m.grids] for m in metadata]
+        counts = [m.patch_counts for m in metadata]
+        plan = plan_rebalance(counts, self.config, cost_model=cost_model, frames=frames)
         if self._calibrator is not None:
-            self._encoded_counts = tuple(
-                tuple(plan.patch_counts[src][i] for src, i in plan.arrivals(r)) if plan.applied else counts
-                for r, counts in enumerate(plan.patch_counts)
+            self._encoded_counts, self._encoded_frames = (
+                tuple(
+                    tuple(rows[src][i] for src, i in plan.arrivals(r)) if plan.applied else tuple(rows[r])
+                    for r in range(plan.num_ranks)
+                )
+                for rows in (plan.patch_counts, frames)
             )
         call.timed("plan", started)
         return plan
@@ -536,7 +542,7 @@ class ViTBalancer:
             return None
         if self._encoded_counts is not None and len(self._encoded_counts) == len(metadata):
             milliseconds = [m.vit_us / 1000.0 if m.vit_us >= 0 else math.nan for m in metadata]
-            self._calibrator.observe(self._encoded_counts, milliseconds)
+            self._calibrator.observe(self._encoded_counts, milliseconds, self._encoded_frames)
         return self._calibrator.model
 
     def _settings_fingerprint(self) -> tuple[tuple[str, int], ...]:
@@ -769,12 +775,15 @@ class ViTBalancer:
 
     def _record_local(self, reason: str, rank: int, world: int, grid_thw: Any) -> None:
         counts: tuple[int, ...] = ()
+        frames: tuple[int, ...] = ()
         if isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 and grid_thw.shape[1] == 3:
             counts = tuple(int(t) * int(h) * int(w) for t, h, w in grid_thw.tolist())
-        if any(n <= 0 for n in counts):
-            counts = ()
+            frames = tuple(int(t) for t, _, _ in grid_thw.tolist())
+        if any(n <= 0 for n in (*counts, *frames)):
+            counts = frames = ()
         # A one-rank plan gives this rank's load, imbalance 0 and nothing moved.
-        self._record(plan_rebalance([counts], self.config), None, rank=rank, num_ranks=world, reason=reason)
+        plan = plan_rebalance([counts], self.config, frames=[frames])
+        self._record(plan, None, rank=rank, num_ranks=world, reason=reason)
 
     def _report(self) -> None:
         stats = self.last_stats

@@ -82,6 +82,12 @@ class ViTBalanceConfig:
         cost_constant: ``c``, the fixed cost per image.
         cost_windowed: ``w``, the windowed-attention term.
         cost_window_patches: ``window``, patches per attention window (0: no windowed layers).
+        cost_per_frame_attention: Attention runs within each temporal step of a video, not over
+            the whole video: an item with ``T`` temporal steps costs
+            ``a*l**2/T + w*l*min(l/T, window) + b*l + c`` (``T`` segments of ``l/T`` patches). True
+            for Hugging Face's Qwen2-VL, Qwen2.5-VL and Qwen3-VL towers (``CostModel.from_vit`` sets
+            it for them). Default ``False``: the seed's whole-item ``l**2``. Images (``T = 1``) cost
+            the same either way.
         refine_tolerance: Seed solver: stop refining once ``(max - min) / min`` is below this.
         refine_iterations: Seed solver: at most this many move/swap refinements.
         min_gain: Locality solver: skip (reason ``"no-gain"``) when the plan lowers the makespan
@@ -122,6 +128,7 @@ class ViTBalanceConfig:
     cost_constant: float = 0.0
     cost_windowed: float = 0.0
     cost_window_patches: int = 0
+    cost_per_frame_attention: bool = False
     refine_tolerance: float = 0.05
     refine_iterations: int = 20
     min_gain: float = 0.02
@@ -132,7 +139,14 @@ class ViTBalanceConfig:
     plan_ahead: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "verbose", "overlap_pixel_trip", "calibrate_cost", "plan_ahead"):
+        for name in (
+            "enabled",
+            "verbose",
+            "overlap_pixel_trip",
+            "calibrate_cost",
+            "plan_ahead",
+            "cost_per_frame_attention",
+        ):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "a bool")
         if self.max_len_ratio is not None:

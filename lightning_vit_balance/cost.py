@@ -7,6 +7,12 @@ model here covers all three::
 
     cost(l) = quadratic * l**2 + windowed * l * min(l, window_patches) + linear * l + constant
 
+Videos: Hugging Face's Qwen2-VL, Qwen2.5-VL and Qwen3-VL towers attend within each temporal step
+of a video (``T`` segments of ``H*W`` patches), not over all ``l = T*H*W`` patches at once, so
+with ``per_frame_attention`` an item of ``T`` steps costs::
+
+    quadratic * l**2 / T + windowed * l * min(l / T, window_patches) + linear * l + constant
+
 Its coefficients come from the seed's default, from a ViT's shape (FLOPs per layer), or from a
 least-squares fit to measured timings.
 """
@@ -33,7 +39,10 @@ class CostModel:
     """``quadratic*l**2 + windowed*l*min(l, window_patches) + linear*l + constant`` per image.
 
     A plain callable on patch counts: ``model(4096)`` gives a float, ``model(np.array([...]))``
-    an array of float64 costs, vectorised.
+    an array of float64 costs, vectorised. ``model(counts, frames=steps)`` gives the temporal
+    steps ``T`` of each item; they count only when ``per_frame_attention`` is set, and then an item
+    costs ``quadratic*l**2/T + windowed*l*min(l/T, window_patches) + linear*l + constant``
+    (attention within each of its ``T`` steps of ``l/T`` patches).
 
     Args:
         quadratic: Coefficient of ``l**2`` (full self-attention).
@@ -41,6 +50,9 @@ class CostModel:
         constant: Fixed cost per image.
         windowed: Coefficient of ``l * min(l, window_patches)`` (windowed self-attention).
         window_patches: Patches per attention window; 0 when no layer uses windows.
+        per_frame_attention: Attention (full and windowed) runs within each temporal step of a
+            video, as in Hugging Face's Qwen2-VL, Qwen2.5-VL and Qwen3-VL towers; ``False`` (the
+            seed's model): over the whole item.
     """
 
     quadratic: float = 1.0
@@ -48,18 +60,34 @@ class CostModel:
     constant: float = 0.0
     windowed: float = 0.0
     window_patches: int = 0
+    per_frame_attention: bool = False
 
     def __post_init__(self) -> None:
         for name in ("quadratic", "linear", "constant", "windowed"):
             _check_number(name, getattr(self, name), ">= 0", lambda v: v >= 0, owner="CostModel")
         _check_int("window_patches", self.window_patches, 0, owner="CostModel")
+        if not isinstance(self.per_frame_attention, bool):
+            raise ValueError(
+                f"CostModel.per_frame_attention={self.per_frame_attention!r} is invalid: expected a bool."
+            )
 
-    def __call__(self, patch_counts: Any) -> Any:
-        """Cost of images with ``patch_counts`` patches (a number or an array-like, float64)."""
+    def __call__(self, patch_counts: Any, frames: Any = None) -> Any:
+        """Cost of images with ``patch_counts`` patches (a number or an array-like, float64).
+
+        Args:
+            patch_counts: ``l = T*H*W`` of each item.
+            frames: ``T`` of each item, the same shape as ``patch_counts``; ``None``: 1 each. Used
+                only when :attr:`per_frame_attention` is set.
+
+        Raises:
+            ValueError: ``frames`` has another shape or a value that is not a finite number > 0.
+        """
         counts = np.asarray(patch_counts, dtype=np.float64)
-        cost = (self.quadratic * counts + self.linear) * counts + self.constant
+        # Patches that attend to each other: a temporal step's, or the whole item's.
+        span = counts if frames is None or not self.per_frame_attention else counts / _steps(frames, counts)
+        cost = (self.quadratic * span + self.linear) * counts + self.constant
         if self.windowed:
-            cost = cost + self.windowed * counts * np.minimum(counts, float(self.window_patches))
+            cost = cost + self.windowed * counts * np.minimum(span, float(self.window_patches))
         return float(cost) if cost.ndim == 0 else cost
 
     @classmethod
@@ -71,6 +99,7 @@ class CostModel:
             constant=config.cost_constant,
             windowed=config.cost_windowed,
             window_patches=config.cost_window_patches,
+            per_frame_attention=config.cost_per_frame_attention,
         )
 
     def to_config(self, config: ViTBalanceConfig | None = None) -> ViTBalanceConfig:
@@ -82,6 +111,7 @@ class CostModel:
             cost_constant=float(self.constant),
             cost_windowed=float(self.windowed),
             cost_window_patches=int(self.window_patches),
+            cost_per_frame_attention=bool(self.per_frame_attention),
         )
 
     @classmethod
@@ -96,6 +126,7 @@ class CostModel:
         patch_input_dim: int = 0,
         window_layers: Iterable[int] = (),
         window_patches: int = 0,
+        per_frame_attention: bool = False,
     ) -> CostModel:
         """FLOPs of a pre-norm ViT forward per image, as a cost model.
 
@@ -112,6 +143,8 @@ class CostModel:
             patch_input_dim: Input features per patch of the patch embedding (e.g. 3*2*14*14).
             window_layers: Indices of blocks that use windowed attention.
             window_patches: Patches per attention window in those blocks.
+            per_frame_attention: Attention runs within each temporal step of a video (see
+                :attr:`per_frame_attention`).
         """
         if hidden_size <= 0 or depth <= 0:
             raise ValueError(
@@ -135,6 +168,7 @@ class CostModel:
             constant=0.0,
             windowed=4.0 * hidden_size * len(windowed_layers),
             window_patches=int(window_patches) if windowed_layers else 0,
+            per_frame_attention=per_frame_attention,
         )
 
     @classmethod
@@ -144,6 +178,7 @@ class CostModel:
         *,
         window_layers: Iterable[int] | None = None,
         window_patches: int | None = None,
+        per_frame_attention: bool | None = None,
     ) -> CostModel:
         """Derive the model from a vision tower: its Hugging Face ``config``, else its modules.
 
@@ -163,10 +198,18 @@ class CostModel:
         Which blocks attend within windows is not in the modules: a tower with a
         ``get_window_index`` and no config saying it needs ``window_layers``.
 
+        Whether attention runs per temporal step (:attr:`per_frame_attention`): ``True`` for
+        Hugging Face's Qwen2-VL, Qwen2.5-VL and Qwen3-VL towers (their ``config.model_type``, on
+        ``vit`` or on a module inside it), which split a video into one attention sequence per
+        temporal step; ``False`` for any other tower, whose forward code cannot be read from its
+        modules (``examples/tiny_vlm.py``'s tower, for one, attends over a whole video). Pass
+        ``per_frame_attention`` to say otherwise.
+
         Args:
             vit: The vision tower.
             window_layers: Blocks with windowed attention, overriding the config; ``()`` for none.
             window_patches: Patches per window in those blocks.
+            per_frame_attention: Overrides what the tower's type says (see above).
 
         Raises:
             ValueError: when neither the config nor the modules give a width and a depth, when
@@ -191,11 +234,19 @@ class CostModel:
                 "window_patches=<patches per window>, or window_layers=() when every block attends to "
                 "whole images."
             )
-        return cls.from_vit_shape(**shape)
+        if per_frame_attention is None:
+            per_frame_attention = _attends_per_frame(vit)
+        return cls.from_vit_shape(**shape, per_frame_attention=per_frame_attention)
 
     @classmethod
     def fit(
-        cls, patch_counts: Sequence[float], seconds: Sequence[float], *, window_patches: int = 0
+        cls,
+        patch_counts: Sequence[float],
+        seconds: Sequence[float],
+        *,
+        window_patches: int = 0,
+        frames: Sequence[float] | None = None,
+        per_frame_attention: bool | None = None,
     ) -> CostModel:
         """Least-squares fit with non-negative coefficients to measured per-image ViT times.
 
@@ -203,6 +254,10 @@ class CostModel:
             patch_counts: Patches of each timed image (or batch of equal images).
             seconds: Measured forward (or forward+backward) time of each.
             window_patches: Also fit a windowed-attention term with this window, when > 0.
+            frames: Temporal steps ``T`` of each timed item (``None``: 1 each).
+            per_frame_attention: Fit a per-frame model (attention terms ``l**2/T`` and
+                ``l*min(l/T, window)``, see :attr:`per_frame_attention`); ``None``: when ``frames``
+                are given.
 
         Returns:
             The best fit among all subsets of terms whose coefficients are all non-negative (the
@@ -215,23 +270,73 @@ class CostModel:
                 "CostModel.fit needs two 1-D sequences of the same length >= 2, got "
                 f"patch_counts shape {counts.shape} and seconds shape {times.shape}."
             )
-        columns = {"quadratic": counts**2, "linear": counts, "constant": np.ones_like(counts)}
+        per_frame = frames is not None if per_frame_attention is None else per_frame_attention
+        span = counts / _steps(frames, counts) if per_frame and frames is not None else counts
+        columns = {"quadratic": counts * span, "linear": counts, "constant": np.ones_like(counts)}
         if window_patches > 0:
-            columns["windowed"] = counts * np.minimum(counts, float(window_patches))
+            columns["windowed"] = counts * np.minimum(span, float(window_patches))
         fitted = _nonnegative_least_squares(columns, times)
         if fitted is None:
             fitted = {"linear": math.fsum(times.tolist()) / math.fsum(counts.tolist())}
-        return cls._from_terms(fitted, window_patches)
+        return cls._from_terms(fitted, window_patches, per_frame)
 
     @classmethod
-    def _from_terms(cls, terms: Mapping[str, float], window_patches: int) -> CostModel:
+    def _from_terms(
+        cls, terms: Mapping[str, float], window_patches: int, per_frame_attention: bool = False
+    ) -> CostModel:
         return cls(
             quadratic=terms.get("quadratic", 0.0),
             linear=terms.get("linear", 0.0),
             constant=terms.get("constant", 0.0),
             windowed=terms.get("windowed", 0.0),
             window_patches=int(window_patches) if terms.get("windowed", 0.0) > 0 else 0,
+            per_frame_attention=per_frame_attention,
         )
+
+
+def _steps(frames: Any, counts: np.ndarray) -> np.ndarray:
+    """``frames`` as float64 temporal steps, one per entry of ``counts``; raises ValueError if not."""
+    try:
+        steps: np.ndarray | None = np.asarray(frames, dtype=np.float64)
+    except (TypeError, ValueError):  # ragged, or not numbers
+        steps = None
+    if (
+        steps is None
+        or steps.shape != counts.shape
+        or not (steps.min(initial=1.0) > 0 and math.isfinite(steps.max(initial=1.0)))
+    ):
+        raise ValueError(
+            f"CostModel: frames={_short(frames)} is invalid: expected the temporal steps T (finite, > 0) "
+            f"of each item, shaped like the patch counts {counts.shape}."
+        )
+    return steps
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+#: ``model_type`` of Hugging Face vision configs (and of their models' configs) whose towers attend
+#: within each temporal step (``get_vision_cu_seqlens(..., merge_temporal=False)``).
+_PER_FRAME_MODEL_TYPES = frozenset(
+    {
+        *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"),
+        *("qwen2_vl_vision", "qwen2_5_vl_vision", "qwen3_vl_vision", "qwen3_vl_moe_vision"),
+    }
+)
+
+
+def _attends_per_frame(vit: Any) -> bool:
+    """Whether ``vit`` is, or holds, a Hugging Face Qwen-VL vision tower (see :meth:`CostModel.from_vit`)."""
+    if getattr(getattr(vit, "config", None), "model_type", None) in _PER_FRAME_MODEL_TYPES:
+        return True
+    named = getattr(vit, "named_modules", None)
+    if not callable(named):
+        return False
+    return any(
+        getattr(getattr(m, "config", None), "model_type", None) in _PER_FRAME_MODEL_TYPES for _, m in named()
+    )
 
 
 def _shape_from_config(config: Any) -> dict[str, Any] | None:
@@ -479,8 +584,10 @@ class CostCalibrator:
 
         ms = a*sum(l**2) + w*sum(l*min(l, window)) + b*sum(l) + c*n_images + o
 
-    fitted by non-negative least squares on the relative error (``(predicted - ms) / ms``: a 5 ms
-    and a 500 ms rank count alike) over the last ``history`` steps. The planner only compares
+    (with a per-frame ``initial``, :attr:`CostModel.per_frame_attention`, the attention sums are
+    ``sum(l**2/T)`` and ``sum(l*min(l/T, window))`` over items of ``T`` temporal steps) fitted by
+    non-negative least squares on the relative error (``(predicted - ms) / ms``: a 5 ms and a
+    500 ms rank count alike) over the last ``history`` steps. The planner only compares
     ranks, so ``o`` is left out of :attr:`model` (it is :attr:`call_overhead_ms`).
 
     When it refits (the rule): rows (one per rank and step) with at least one image and a measured
@@ -494,12 +601,14 @@ class CostCalibrator:
     last successful fit, also while the window lacks data for a new one.
 
     Determinism: patch sums are exact integers, every sum of floats is correctly rounded
-    (:func:`math.fsum`) and the small solves run in a fixed order, so identical observations give
+    (:func:`math.fsum`; per-frame terms are one correctly rounded division and product per item,
+    then such a sum) and the small solves run in a fixed order, so identical observations give
     bit-identical coefficients on every rank and machine. Feed every rank the same gathered
     figures, in the same order.
 
     Args:
-        initial: The model until the first fit (default: the seed's ``l**2``).
+        initial: The model until the first fit (default: the seed's ``l**2``). Its
+            ``per_frame_attention`` is that of every fit.
         window_patches: Fit the windowed term with this window (patches); ``None`` takes
             ``initial.window_patches``; 0 fits no windowed term.
         history: Steps kept (the oldest is dropped first).
@@ -528,6 +637,7 @@ class CostCalibrator:
             raise TypeError(f"CostCalibrator: initial={initial!r} is invalid: expected a CostModel or None.")
         self._model = initial if initial is not None else CostModel()
         self.window_patches = self._model.window_patches if window_patches is None else window_patches
+        self.per_frame_attention = self._model.per_frame_attention
         _check_int("window_patches", self.window_patches, 0, owner="CostCalibrator")
         _check_int("history", history, 1, owner="CostCalibrator")
         _check_int("warmup_steps", warmup_steps, 0, owner="CostCalibrator")
@@ -563,18 +673,26 @@ class CostCalibrator:
         m = self._model
         return (m.quadratic, m.linear, m.constant, m.windowed, m.window_patches)
 
-    def observe(self, patch_counts: Sequence[Sequence[int]], milliseconds: Sequence[float]) -> CostModel:
+    def observe(
+        self,
+        patch_counts: Sequence[Sequence[int]],
+        milliseconds: Sequence[float],
+        frames: Sequence[Sequence[int]] | None = None,
+    ) -> CostModel:
         """Record one step of every rank and refit; returns the (possibly unchanged) model.
 
         Args:
             patch_counts: ``patch_counts[r]``: patch counts of the images rank ``r`` encoded.
             milliseconds: ``milliseconds[r]``: rank ``r``'s measured ViT time; NaN where not
                 measured (the row is skipped).
+            frames: ``frames[r][i]``: temporal steps ``T`` of ``patch_counts[r][i]`` (``None``: 1
+                each); they count only for a per-frame model.
 
         Raises:
-            ValueError: on ragged input, a non-positive patch count, or a negative or infinite time.
+            ValueError: on ragged input, a non-positive patch count or frame count, or a negative or
+                infinite time.
         """
-        rows = self._rows(patch_counts, milliseconds)
+        rows = self._rows(*_parse_step(patch_counts, milliseconds, frames))
         self.steps_observed += 1
         if not len(rows):  # nothing measured (e.g. the first call): neither warm-up nor history
             return self._model
@@ -589,45 +707,35 @@ class CostCalibrator:
             self.fits += 1
         return self._model
 
-    def _rows(self, patch_counts: Sequence[Sequence[int]], milliseconds: Sequence[float]) -> np.ndarray:
+    def _rows(self, ranks: list[np.ndarray], times: np.ndarray, steps: list[np.ndarray] | None) -> np.ndarray:
         """One row per rank with images and a time: the columns of :data:`_ROW`."""
-        try:
-            ranks = [np.asarray([int(n) for n in counts], dtype=np.int64) for counts in patch_counts]
-            times = np.asarray([float(t) for t in milliseconds], dtype=np.float64)
-        except (TypeError, ValueError) as error:
-            raise ValueError(
-                "CostCalibrator.observe: expected patch_counts as one sequence of integer patch counts "
-                f"per rank and milliseconds as one number per rank, got {patch_counts!r} and "
-                f"{milliseconds!r} ({error})."
-            ) from None
-        if len(times) != len(ranks):
-            raise ValueError(
-                f"CostCalibrator.observe: milliseconds has {len(times)} ranks, patch_counts has "
-                f"{len(ranks)}; expected one time per rank."
-            )
-        for rank, counts in enumerate(ranks):
-            if counts.size and counts.min() <= 0:
-                raise ValueError(
-                    f"CostCalibrator.observe: patch_counts[{rank}]={counts.tolist()!r} is invalid: "
-                    "expected patch counts > 0."
-                )
-        bad = np.flatnonzero((times < 0) | np.isinf(times))
-        if bad.size:
-            raise ValueError(
-                f"CostCalibrator.observe: milliseconds[{bad[0]}]={float(times[bad[0]])!r} is invalid: "
-                "expected a finite number >= 0, or NaN for not measured."
-            )
         used = [r for r, counts in enumerate(ranks) if counts.size and times[r] > 0]  # NaN > 0 is False
         if not used:
             return np.zeros((0, len(_ROW)))
         flat = np.concatenate([ranks[r] for r in used])
         starts = np.cumsum([0] + [ranks[r].size for r in used[:-1]])
-        # Integer sums are exact, then rounded to float once: the same on every rank.
-        per_rank = [flat * flat, flat, np.ones_like(flat), flat * np.minimum(flat, self.window_patches)]
-        sums = [np.add.reduceat(values, starts).astype(np.float64) for values in per_rank]
-        columns = [*sums[:3], np.ones(len(used)), sums[3]]
+        if steps is not None and self.per_frame_attention:
+            attention = self._per_frame_sums(flat, np.concatenate([steps[r] for r in used]), starts)
+        else:
+            # Integer sums are exact, then rounded to float once: the same on every rank.
+            per_item = [flat * flat, flat * np.minimum(flat, self.window_patches)]
+            attention = [np.add.reduceat(v, starts).astype(np.float64) for v in per_item]
+        linear, count = (np.add.reduceat(v, starts).astype(np.float64) for v in (flat, np.ones_like(flat)))
+        columns = [attention[0], linear, count, np.ones(len(used)), attention[1]]
         columns += [np.minimum.reduceat(flat, starts), np.maximum.reduceat(flat, starts), times[used]]
         return np.stack([np.asarray(c, dtype=np.float64) for c in columns], axis=1)
+
+    def _per_frame_sums(self, flat: np.ndarray, steps: np.ndarray, starts: np.ndarray) -> list[np.ndarray]:
+        """Per rank, ``sum(l**2/T)`` and ``sum(l*min(l/T, window))``: each item's value is one
+        correctly rounded operation per step, each rank's sum correctly rounded (:func:`math.fsum`)."""
+        counts = flat.astype(np.float64)
+        span = counts / steps
+        per_item = [counts * span, counts * np.minimum(span, float(self.window_patches))]
+        bounds = [*starts.tolist(), len(flat)]
+        return [
+            np.asarray([math.fsum(values[a:b].tolist()) for a, b in itertools.pairwise(bounds)])
+            for values in per_item
+        ]
 
     def _fit(self) -> tuple[CostModel, float] | None:
         """The rule of the class docstring: enough rows and spread, one outlier pass."""
@@ -646,7 +754,8 @@ class CostCalibrator:
             terms = _nonnegative_least_squares(self._equations(kept))
         if terms is None or not any(terms.get(n, 0.0) > 0 for n in ("quadratic", "linear", "windowed")):
             return None
-        return CostModel._from_terms(terms, self.window_patches), terms.get("overhead", 0.0)
+        fitted = CostModel._from_terms(terms, self.window_patches, self.per_frame_attention)
+        return fitted, terms.get("overhead", 0.0)
 
     def _columns(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         names = _ROW[:5] if self.window_patches else _ROW[:4]
@@ -663,6 +772,67 @@ class CostCalibrator:
         for name, column in self._columns(rows).items():  # a fixed order of elementwise sums
             predicted = predicted + terms.get(name, 0.0) * column
         return predicted
+
+
+def _parse_step(
+    patch_counts: Sequence[Sequence[int]],
+    milliseconds: Sequence[float],
+    frames: Sequence[Sequence[int]] | None,
+) -> tuple[list[np.ndarray], np.ndarray, list[np.ndarray] | None]:
+    """:meth:`CostCalibrator.observe`'s input, checked: per rank its patch counts, its time and
+    (when given) its items' temporal steps."""
+    ranks = _int_rows("patch_counts", patch_counts, milliseconds)
+    try:
+        times = np.asarray([float(t) for t in milliseconds], dtype=np.float64)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            "CostCalibrator.observe: expected milliseconds as one number per rank, got "
+            f"{milliseconds!r} ({error})."
+        ) from None
+    if len(times) != len(ranks):
+        raise ValueError(
+            f"CostCalibrator.observe: milliseconds has {len(times)} ranks, patch_counts has "
+            f"{len(ranks)}; expected one time per rank."
+        )
+    bad = np.flatnonzero((times < 0) | np.isinf(times))
+    if bad.size:
+        raise ValueError(
+            f"CostCalibrator.observe: milliseconds[{bad[0]}]={float(times[bad[0]])!r} is invalid: "
+            "expected a finite number >= 0, or NaN for not measured."
+        )
+    if frames is None:
+        return ranks, times, None
+    steps = _int_rows("frames", frames, milliseconds)
+    if len(steps) != len(ranks):
+        raise ValueError(
+            f"CostCalibrator.observe: frames has {len(steps)} ranks, patch_counts has {len(ranks)}; "
+            "expected frames shaped like patch_counts."
+        )
+    for rank, (counts, row) in enumerate(zip(ranks, steps)):
+        if row.shape != counts.shape:
+            raise ValueError(
+                f"CostCalibrator.observe: frames[{rank}] has {row.size} items, patch_counts[{rank}] "
+                f"has {counts.size}; expected frames shaped like patch_counts."
+            )
+    return ranks, times, steps
+
+
+def _int_rows(name: str, rows: Sequence[Sequence[int]], milliseconds: Sequence[float]) -> list[np.ndarray]:
+    """``rows`` as one int64 array per rank, every value > 0, or a ValueError naming ``name``."""
+    try:
+        arrays = [np.asarray([int(n) for n in row], dtype=np.int64) for row in rows]
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"CostCalibrator.observe: expected {name} as one sequence of integers per rank and "
+            f"milliseconds as one number per rank, got {rows!r} and {milliseconds!r} ({error})."
+        ) from None
+    for rank, values in enumerate(arrays):
+        if values.size and values.min() <= 0:
+            raise ValueError(
+                f"CostCalibrator.observe: {name}[{rank}]={values.tolist()!r} is invalid: "
+                f"expected {'patch counts' if name == 'patch_counts' else 'temporal steps'} > 0."
+            )
+    return arrays
 
 
 # Columns of a calibration row (one rank in one step): the model's terms summed over the rank's

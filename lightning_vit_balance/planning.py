@@ -28,6 +28,7 @@ idle may be given a single image larger than the cap when no other image is left
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -230,11 +231,81 @@ def _validate_patch_counts(patch_counts: Sequence[Sequence[int]]) -> tuple[tuple
     return tuple(tuple(int(n) for n in row) for row in rows)
 
 
+def _bad_frames_row(rank: int, row: object) -> None:
+    raise ValueError(
+        f"frames[{rank}]={row!r} is invalid: expected a sequence of positive ints (temporal steps T), "
+        f"one per image of patch_counts[{rank}]."
+    )
+
+
+def _validate_frames(
+    frames: Sequence[Sequence[int]], counts: tuple[tuple[int, ...], ...]
+) -> list[tuple[int, ...]]:
+    """``frames`` checked against the validated ``counts``, one tuple per rank."""
+    if isinstance(frames, (str, bytes)) or not isinstance(frames, Sequence):
+        raise ValueError(
+            "frames must be a sequence (one entry per rank) of sequences of ints, "
+            f"got {type(frames).__name__}."
+        )
+    if len(frames) != len(counts):
+        raise ValueError(
+            f"frames has {len(frames)} ranks, patch_counts has {len(counts)}: expected one entry per rank."
+        )
+    if set(map(type, frames)) & {str, bytes}:
+        bad = next(r for r, row in enumerate(frames) if isinstance(row, (str, bytes)))
+        _bad_frames_row(bad, frames[bad])
+    try:
+        rows = list(map(tuple, frames))
+    except TypeError:
+        bad = next(r for r, row in enumerate(frames) if not hasattr(row, "__iter__"))
+        _bad_frames_row(bad, frames[bad])
+    if list(map(len, rows)) != list(map(len, counts)):
+        r = next(r for r, (row, n) in enumerate(zip(rows, counts)) if len(row) != len(n))
+        raise ValueError(
+            f"frames[{r}] has {len(rows[r])} entries, patch_counts[{r}] has {len(counts[r])}: expected "
+            "one T per image."
+        )
+    # Fast path: few distinct values (T <= a few hundred), all plain positive Python ints. A set
+    # compares by value, so an equal bool or float may hide behind an int: it prices the same.
+    try:
+        distinct = set().union(*rows)
+    except TypeError:  # an unhashable entry: the loop below names it
+        distinct = {None}
+    if set(map(type, distinct)) <= {int} and min(distinct, default=1) > 0:
+        return rows
+    for r, row in enumerate(rows):
+        for i, t in enumerate(row):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t <= 0:
+                raise ValueError(
+                    f"frames[{r}][{i}]={t!r} is invalid: expected a positive int (temporal steps T)."
+                )
+    return [tuple(int(t) for t in row) for row in rows]
+
+
+def _with_frames(model: Callable[..., Any], frames: list[tuple[int, ...]]) -> Callable[[Any], Any]:
+    """``model`` costing each image with its temporal steps (``model`` itself when they change
+    nothing: a cost model that attends over whole items)."""
+    if isinstance(model, CostModel) and not model.per_frame_attention:
+        return model
+    steps = np.fromiter(chain.from_iterable(frames), dtype=np.int64, count=sum(map(len, frames)))
+    if isinstance(model, CostModel):
+        return functools.partial(model, frames=steps)
+    try:
+        inspect.signature(model).bind(steps, frames=steps)
+    except (TypeError, ValueError):  # no frames keyword, or no signature to read
+        raise TypeError(
+            f"cost_model={model!r} takes no `frames` keyword: expected a callable accepting "
+            "(patch_counts, frames=...) when plan_rebalance is given frames, or no frames."
+        ) from None
+    return functools.partial(model, frames=steps)
+
+
 def plan_rebalance(
     patch_counts: Sequence[Sequence[int]],
     config: ViTBalanceConfig | None = None,
     *,
-    cost_model: Callable[[Any], Any] | None = None,
+    cost_model: Callable[..., Any] | None = None,
+    frames: Sequence[Sequence[int]] | None = None,
 ) -> RebalancePlan:
     """Plan which rank encodes each image.
 
@@ -243,7 +314,13 @@ def plan_rebalance(
             one entry per data-parallel rank, any of them may be empty.
         config: Solver, thresholds and cost model; default ``ViTBalanceConfig()``.
         cost_model: Overrides the config's cost coefficients with any vectorised callable
-            mapping an array of patch counts to costs (e.g. a fitted model).
+            mapping an array of patch counts to costs (e.g. a fitted model). With ``frames`` it is
+            called as ``cost_model(counts, frames=steps)``, so a callable that is not a
+            :class:`~lightning_vit_balance.CostModel` must take that keyword.
+        frames: ``frames[r][i]`` is ``T``, the temporal steps of that image or video (1 for an
+            image), shaped like ``patch_counts``; ``None``: 1 each. They change the costs only of a
+            per-frame cost model (``config.cost_per_frame_attention``), whose attention runs within
+            each temporal step.
 
     Returns:
         The plan. Skipped plans (``applied=False``) keep every image at home; ``reason`` says why
@@ -254,12 +331,17 @@ def plan_rebalance(
         bound would not).
 
     Raises:
-        ValueError: ``patch_counts`` is not a non-empty sequence of sequences of positive ints, or
-            ``cost_model`` does not return one finite non-negative cost per image.
+        ValueError: ``patch_counts`` is not a non-empty sequence of sequences of positive ints,
+            ``frames`` is not shaped like it with positive ints, or ``cost_model`` does not return
+            one finite non-negative cost per image.
+        TypeError: ``frames`` are given and ``cost_model`` takes no ``frames`` keyword.
     """
     config = config if config is not None else ViTBalanceConfig()
     model = cost_model if cost_model is not None else _cost_model(config)
-    batch = Batch.build(_validate_patch_counts(patch_counts), model)
+    counts = _validate_patch_counts(patch_counts)
+    if frames is not None:
+        model = _with_frames(model, _validate_frames(frames, counts))
+    batch = Batch.build(counts, model)
     solver = canonical_solver(config.solver)
     outcome = _skip_reason(batch, config, solver)
     if outcome is None:

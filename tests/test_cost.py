@@ -3,6 +3,7 @@ offline and online (:class:`CostCalibrator`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import sys
@@ -105,7 +106,10 @@ def test_from_vit_reads_hugging_face_vision_configs() -> None:
     tower = Qwen2VisionTransformerPretrainedModel._from_config(configs["qwen2_vl"])
     qwen2 = CostModel.from_vit(tower)
     in_dim = 3 * 2 * 14 * 14
-    assert qwen2 == CostModel.from_vit_shape(hidden_size=32, depth=2, mlp_ratio=4, patch_input_dim=in_dim)
+    # Hugging Face's Qwen-VL towers attend within each temporal step: per-frame models.
+    assert qwen2 == CostModel.from_vit_shape(
+        hidden_size=32, depth=2, mlp_ratio=4, patch_input_dim=in_dim, per_frame_attention=True
+    )
 
     class Tower:
         def __init__(self, config: object) -> None:
@@ -121,10 +125,15 @@ def test_from_vit_reads_hugging_face_vision_configs() -> None:
         patch_input_dim=in_dim,
         window_layers=[0, 1, 2],
         window_patches=16,
+        per_frame_attention=True,
     )
     qwen3 = CostModel.from_vit(Tower(configs["qwen3_vl"]))
     assert qwen3 == CostModel.from_vit_shape(
-        hidden_size=32, depth=2, intermediate_size=64, patch_input_dim=3 * 2 * 16 * 16
+        hidden_size=32,
+        depth=2,
+        intermediate_size=64,
+        patch_input_dim=3 * 2 * 16 * 16,
+        per_frame_attention=True,
     )
     with pytest.raises(ValueError, match="from_vit_shape"):
         CostModel.from_vit(object())
@@ -355,3 +364,140 @@ def test_calibrator_invalid_input() -> None:
         CostCalibrator(min_spread=0.5)
     with pytest.raises(ValueError, match=r"CostCalibrator\.outlier_factor=1"):
         CostCalibrator(outlier_factor=1)
+
+
+# -- Attention per temporal step (Qwen-VL videos) -------------------------------------------------
+
+
+def test_per_frame_model_prices_attention_within_each_temporal_step() -> None:
+    per_frame = CostModel(
+        quadratic=2.0, linear=3.0, constant=5.0, windowed=7.0, window_patches=64, per_frame_attention=True
+    )
+    counts = np.array([10, 64, 16 * 640, 4 * 1000])
+    frames = np.array([1, 1, 16, 4])
+    span = counts // frames  # patches of one temporal step
+    expected = 2 * counts * span + 7 * counts * np.minimum(span, 64) + 3 * counts + 5
+    np.testing.assert_array_equal(per_frame(counts, frames=frames), expected.astype(np.float64))
+    # A 16-step video costs 1/16 of the seed's whole-video l**2 attention.
+    assert CostModel(per_frame_attention=True)(16 * 640, frames=16) == CostModel()(16 * 640) / 16
+    # Without frames every item is one step; a whole-item model ignores frames: both are the old costs.
+    whole = dataclasses.replace(per_frame, per_frame_attention=False)
+    np.testing.assert_array_equal(per_frame(counts), whole(counts))
+    np.testing.assert_array_equal(whole(counts, frames=frames), whole(counts))
+    with pytest.raises(ValueError, match=r"CostModel\.per_frame_attention=1 is invalid"):
+        CostModel(per_frame_attention=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("frames", [[1, 2], [[1, 2, 3]], [1, 0, 2], [1, float("nan"), 2], ["a", "b", "c"]])
+def test_per_frame_model_rejects_bad_frames(frames: object) -> None:
+    with pytest.raises(ValueError, match=r"frames=.* is invalid: expected the temporal steps T"):
+        CostModel(per_frame_attention=True)([4, 8, 12], frames=frames)
+
+
+def test_per_frame_attention_travels_through_the_config() -> None:
+    model = CostModel(quadratic=0.5, linear=2.0, per_frame_attention=True)
+    config = model.to_config()
+    assert config.cost_per_frame_attention is True
+    assert CostModel.from_config(config) == model
+    assert CostModel.from_config(ViTBalanceConfig()).per_frame_attention is False
+    names = dict(ViTBalanceConfig().fingerprint())
+    assert dict(config.fingerprint())["cost_per_frame_attention"] != names["cost_per_frame_attention"]
+    with pytest.raises(ValueError, match=r"ViTBalanceConfig.cost_per_frame_attention='yes' is invalid"):
+        ViTBalanceConfig(cost_per_frame_attention="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl_tower", "qwen2_5_vl_tower", "qwen3_vl_tower"])
+def test_from_vit_on_hugging_face_towers_attends_per_frame(name: str) -> None:
+    pytest.importorskip("transformers")
+    from torch import nn
+
+    tower = getattr(_load("towers"), name)()
+    assert CostModel.from_vit(tower).per_frame_attention is True
+    holder = nn.Module()  # a module tree that holds the tower, with no config of its own
+    holder.tower = tower
+    windows = {"window_layers": [0], "window_patches": 16} if "2_5" in name else {"window_layers": []}
+    assert CostModel.from_vit(holder, **windows).per_frame_attention is True
+    assert CostModel.from_vit(tower, per_frame_attention=False).per_frame_attention is False
+
+
+def test_from_vit_on_other_towers_attends_per_item() -> None:
+    tiny_vlm = _load("tiny_vlm")
+    # examples/tiny_vlm.py's full-attention blocks attend over a whole video (its windows are per frame).
+    tower = tiny_vlm.TinyVisionTower(embed_dim=32, depth=2, num_heads=2)
+    assert CostModel.from_vit(tower, window_layers=()).per_frame_attention is False
+    assert CostModel.from_vit(_load("towers").TensorTower()).per_frame_attention is False
+    assert CostModel.from_vit(tower, window_layers=(), per_frame_attention=True).per_frame_attention is True
+
+
+def _video_mix(seed: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Patch counts and temporal steps of a mix of images (T = 1) and videos (T = 2..16)."""
+    rng = np.random.default_rng(seed)
+    frames = np.where(rng.random(size) < 0.5, 1, rng.integers(2, 17, size))
+    per_step = rng.integers(16, 1500, size)
+    return frames * per_step, frames
+
+
+def test_fit_recovers_a_per_frame_model_from_per_frame_timings() -> None:
+    truth = CostModel(quadratic=2e-6, linear=3e-3, constant=0.5, windowed=4e-5, window_patches=64)
+    truth = dataclasses.replace(truth, per_frame_attention=True)
+    counts, frames = _video_mix(11, 40)
+    seconds = truth(counts, frames=frames)
+    fitted = CostModel.fit(counts, seconds, window_patches=64, frames=frames)
+    assert fitted.per_frame_attention is True
+    for name in ("quadratic", "linear", "constant", "windowed"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    # Fitting l**2 to the same timings misses them; frames without the flag fit the whole-item model.
+    whole = CostModel.fit(counts, seconds, window_patches=64)
+    assert np.abs(whole(counts) / seconds - 1).max() > 0.1
+    assert (
+        CostModel.fit(counts, seconds, window_patches=64, frames=frames, per_frame_attention=False) == whole
+    )
+
+
+def _video_steps(seed: int, steps: int, truth: CostModel, ranks: int = 4) -> list[tuple[Any, Any, Any]]:
+    """Random rank batches of images and videos, with frames, and their times under ``truth``."""
+    out = []
+    sizes = np.random.default_rng(seed).integers(1, 5, (steps, ranks))  # items per rank
+    for step in range(steps):
+        counts, frames = _video_mix(1000 * seed + step, int(sizes[step].sum()))
+        ends = np.cumsum(sizes[step]).tolist()
+        rows = [counts[a:b].tolist() for a, b in zip([0, *ends[:-1]], ends)]
+        steps_of = [frames[a:b].tolist() for a, b in zip([0, *ends[:-1]], ends)]
+        ms = [float(np.sum(truth(np.array(c), frames=np.array(f)))) + 2.0 for c, f in zip(rows, steps_of)]
+        out.append((rows, ms, steps_of))
+    return out
+
+
+def test_calibrator_recovers_a_per_frame_model_deterministically() -> None:
+    truth = CostModel(quadratic=2e-6, linear=3e-3, constant=0.5, per_frame_attention=True)
+    calibrator = CostCalibrator(CostModel(per_frame_attention=True), warmup_steps=0)
+    permuted = CostCalibrator(CostModel(per_frame_attention=True), warmup_steps=0)
+    rng = np.random.default_rng(5)
+    for counts, ms, frames in _video_steps(3, 6, truth):
+        model = calibrator.observe(counts, ms, frames)
+        order = rng.permutation(len(counts))
+        permuted.observe([counts[r] for r in order], [ms[r] for r in order], [frames[r] for r in order])
+    assert model.per_frame_attention is True and calibrator.fits > 0
+    assert model.quadratic == pytest.approx(2e-6, rel=1e-9)
+    assert model.linear == pytest.approx(3e-3, rel=1e-9)
+    assert calibrator.call_overhead_ms == pytest.approx(2.0, rel=1e-9)
+    assert permuted.fingerprint() == calibrator.fingerprint()  # bit-identical whatever the rank order
+    # A whole-item calibrator ignores frames (its sums are l**2) and fits these timings worse.
+    whole = CostCalibrator(warmup_steps=0)
+    for counts, ms, frames in _video_steps(3, 6, truth):
+        whole.observe(counts, ms, frames)
+    assert whole.fits > 0 and whole.model.per_frame_attention is False
+    assert whole.model.quadratic != pytest.approx(2e-6, rel=1e-3)
+
+
+def test_calibrator_rejects_bad_frames() -> None:
+    calibrator = CostCalibrator(CostModel(per_frame_attention=True))
+    with pytest.raises(ValueError, match="frames has 1 ranks, patch_counts has 2"):
+        calibrator.observe([[4], [8]], [1.0, 1.0], [[1]])
+    with pytest.raises(ValueError, match=r"frames\[1\] has 2 items, patch_counts\[1\] has 1"):
+        calibrator.observe([[4], [8]], [1.0, 1.0], [[1], [1, 2]])
+    with pytest.raises(ValueError, match=r"frames\[0\]=\[0\] is invalid: expected temporal steps > 0"):
+        calibrator.observe([[4], [8]], [1.0, 1.0], [[0], [2]])
+    with pytest.raises(ValueError, match="expected frames as one sequence"):
+        calibrator.observe([[4], [8]], [1.0, 1.0], [1, 2])
+    assert calibrator.steps_observed == 0

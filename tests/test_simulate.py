@@ -7,6 +7,7 @@ import re
 import shlex
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,12 @@ from lightning_vit_balance.simulate import (
     simulate,
     smart_resize,
 )
-from lightning_vit_balance.simulate.costs import VIT_PRESETS
+from lightning_vit_balance.simulate.costs import (
+    VIT_PRESETS,
+    coefficients_model,
+    named_cost_model,
+    vit_shape_model,
+)
 from lightning_vit_balance.simulate.report import result_summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -411,6 +417,80 @@ def test_progress_bar_when_asked(tiny_file: Path, capsys: pytest.CaptureFixture[
     assert "6/6 steps (100%)" in capsys.readouterr().err
     assert main([str(tiny_file), "--ranks", "2", "--steps", "3"]) == 0  # auto: not a TTY here
     assert capsys.readouterr().err == ""
+
+
+# ----------------------------------------------------------------------------- attention per frame
+
+
+def test_datasets_keep_each_visuals_temporal_steps(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path / "mix.jsonl",
+        [
+            {"image_grid_thw": [[1, 4, 6]], "video_grid_thw": [[3, 8, 8]]},
+            {"videos": [{"width": 640, "height": 360, "frames": 16}]},  # 16 frames: 8 temporal steps
+            {"images": []},
+        ],
+    )
+    data = read_dataset(path)
+    assert data.samples == ((24, 192), (8 * 26 * 46,), ())
+    assert data.frames == ((1, 3), (8,), ())
+    table = tmp_path / "sizes.csv"
+    table.write_text("sample,width,height,frames\ns1,224,224,\ns2,640,360,5\ns1,4032,3024,\n")
+    assert read_dataset(table).frames == ((1, 1), (3,))
+
+
+def test_presets_attend_per_frame() -> None:
+    for name in VIT_PRESETS:
+        assert named_cost_model(name).per_frame_attention is True, name
+    assert named_cost_model("seed") == CostModel()
+    shape = vit_shape_model("hidden_size=64,depth=2,per_frame_attention=true")
+    assert shape == CostModel.from_vit_shape(hidden_size=64, depth=2, per_frame_attention=True)
+    assert coefficients_model("quadratic=1,per_frame_attention=1") == CostModel(per_frame_attention=True)
+
+
+# One sample per frame count: a video of t temporal steps has 100*t patches, so a drawn batch's
+# frames follow from its patch counts.
+VIDEOS = ((100,), (1600, 300), (800,), (), (1200, 100, 400))
+
+
+def _frames_of(samples: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(n // 100 for n in sample) for sample in samples)
+
+
+def test_simulate_passes_frames_to_the_planner() -> None:
+    config = replace(ViTBalanceConfig(trigger_threshold=0.1), cost_per_frame_attention=True)
+    frames = _frames_of(VIDEOS)
+    (result,) = simulate(VIDEOS, [3], samples_per_rank=2, steps=20, seed=3, config=config, frames=frames)
+    batches = list(draw_batches(VIDEOS, 3, 2, 20, 3))
+    plans = [plan_rebalance(b, config, frames=[[n // 100 for n in row] for row in b]) for b in batches]
+    assert result.reasons == tuple(p.reason for p in plans)
+    np.testing.assert_array_equal(result.makespan_before, [p.makespan_before for p in plans])
+    np.testing.assert_array_equal(result.makespan_after, [p.makespan_after for p in plans])
+    (without,) = simulate(VIDEOS, [3], samples_per_rank=2, steps=20, seed=3, config=config)
+    np.testing.assert_array_equal(
+        without.makespan_before, [plan_rebalance(b, config).makespan_before for b in batches]
+    )
+    assert (without.makespan_before > result.makespan_before).any()  # l**2 prices videos higher
+    with pytest.raises(ValueError, match=r"simulate\(frames\[1\]=\[16\]\) is invalid: expected 2 ints >= 1"):
+        simulate(VIDEOS, [3], samples_per_rank=2, steps=2, frames=((1,), (16,), (8,), (), (12, 1, 4)))
+    with pytest.raises(ValueError, match="has 1 samples, samples has 5"):
+        simulate(VIDEOS, [3], samples_per_rank=2, steps=2, frames=((1,),))
+
+
+def test_command_prices_videos_per_frame(tiny_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--ranks", "2", "--samples-per-rank", "2", "--steps", "20", "--trigger-threshold", "0.0"]
+    assert main([str(tiny_file), *args, "--json", "--cost-model", "qwen2-vl"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["settings"]["cost_model"]["per_frame_attention"] is True
+    data = read_dataset(tiny_file)
+    config = named_cost_model("qwen2-vl").to_config(ViTBalanceConfig(trigger_threshold=0.0))
+    run = {"samples_per_rank": 2, "steps": 20, "config": config}
+    (direct,) = simulate(data.samples, [2], frames=data.frames, **run)
+    (whole,) = simulate(data.samples, [2], **run)
+    expected = result_summary(direct, report["settings"]["row_bytes"])
+    del expected["plan_ms"], report["results"][0]["plan_ms"]
+    assert report["results"][0] == expected
+    assert expected["makespan_before_mean"] < whole.makespan_before.mean()  # the 3-step video is cheaper
 
 
 # ----------------------------------------------------------------------------- the README's example

@@ -81,7 +81,10 @@ def _add_cost_args(parser: argparse.ArgumentParser) -> None:
     )
     choice = group.add_mutually_exclusive_group()
     choice.add_argument(
-        "--cost-model", choices=COST_MODELS, default="seed", help="seed: l**2; else a ViT's FLOPs"
+        "--cost-model",
+        choices=COST_MODELS,
+        default="seed",
+        help="seed: l**2; else a ViT's FLOPs, attention per frame",
     )
     choice.add_argument(
         "--vit-shape", metavar="K=V,...", help="hidden_size=1280,depth=32,... (from_vit_shape)"
@@ -169,7 +172,7 @@ def _cost_model(args: argparse.Namespace, rule: ResizeRule) -> tuple[CostModel, 
         return vit_shape_model(args.vit_shape), f"ViT shape {args.vit_shape}"
     if args.cost_coefficients is not None:
         return coefficients_model(args.cost_coefficients), f"coefficients {args.cost_coefficients}"
-    name = "seed (l**2)" if args.cost_model == "seed" else f"{args.cost_model} ViT FLOPs"
+    name = "seed (l**2)" if args.cost_model == "seed" else f"{args.cost_model} ViT FLOPs, attention per frame"
     return named_cost_model(args.cost_model), name
 
 
@@ -264,6 +267,7 @@ def _run(args: argparse.Namespace, setup: _Setup) -> tuple[dict[str, Any], tuple
             seed=args.seed,
             config=setup.config,
             progress=progress,
+            frames=setup.dataset.frames or None,
         )
     finally:
         if progress is not None:

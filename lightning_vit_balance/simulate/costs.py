@@ -16,9 +16,16 @@ def _all_but(depth: int, full: tuple[int, ...]) -> list[int]:
 
 #: Vision towers of released checkpoints, as :meth:`CostModel.from_vit_shape` arguments (their
 #: ``config.json`` ``vision_config``; Qwen2.5-VL: windows of 112 px = 8x8 patches in all blocks
-#: but 7, 15, 23 and 31).
+#: but 7, 15, 23 and 31). All three attend within each temporal step of a video, as Hugging Face's
+#: towers do (``per_frame_attention``).
 VIT_PRESETS: dict[str, dict[str, Any]] = {
-    "qwen2-vl": {"hidden_size": 1280, "depth": 32, "mlp_ratio": 4.0, "patch_input_dim": 3 * 2 * 14 * 14},
+    "qwen2-vl": {
+        "hidden_size": 1280,
+        "depth": 32,
+        "mlp_ratio": 4.0,
+        "patch_input_dim": 3 * 2 * 14 * 14,
+        "per_frame_attention": True,
+    },
     "qwen2.5-vl": {
         "hidden_size": 1280,
         "depth": 32,
@@ -27,12 +34,14 @@ VIT_PRESETS: dict[str, dict[str, Any]] = {
         "patch_input_dim": 3 * 2 * 14 * 14,
         "window_layers": _all_but(32, (7, 15, 23, 31)),
         "window_patches": 64,
+        "per_frame_attention": True,
     },
     "qwen3-vl": {
         "hidden_size": 1152,
         "depth": 27,
         "intermediate_size": 4304,
         "patch_input_dim": 3 * 2 * 16 * 16,
+        "per_frame_attention": True,
     },
 }
 #: Names ``--cost-model`` takes: ``"seed"`` (``l**2``) or a preset.
@@ -40,7 +49,8 @@ COST_MODELS: tuple[str, ...] = ("seed", *VIT_PRESETS)
 
 
 def named_cost_model(name: str) -> CostModel:
-    """``"seed"``: the seed's ``l**2``; a :data:`VIT_PRESETS` name: that ViT's FLOPs."""
+    """``"seed"``: the seed's ``l**2``; a :data:`VIT_PRESETS` name: that ViT's FLOPs, attention per
+    temporal step."""
     if name == "seed":
         return CostModel()
     if name not in VIT_PRESETS:
@@ -72,6 +82,7 @@ _SHAPE_TYPES: dict[str, Callable[[str], Any]] = {
     "patch_input_dim": int,
     "window_layers": _as_layers,
     "window_patches": int,
+    "per_frame_attention": _as_bool,
 }
 _COEFFICIENT_TYPES: dict[str, Callable[[str], Any]] = {
     "quadratic": float,
@@ -79,6 +90,7 @@ _COEFFICIENT_TYPES: dict[str, Callable[[str], Any]] = {
     "constant": float,
     "windowed": float,
     "window_patches": int,
+    "per_frame_attention": _as_bool,
 }
 
 

@@ -1,7 +1,8 @@
 """Reading a dataset's visual sizes and a timing file, with errors that point at the input.
 
 Dataset files (one sample per JSON line, or one image or video per CSV row) become a
-:class:`VisualDataset`: the patch count ``t * h * w`` of every visual of every sample. Timing
+:class:`VisualDataset`: the patch count ``t * h * w`` and the temporal steps ``t`` of every visual
+of every sample. Timing
 files (patch counts and milliseconds) become two arrays for :meth:`CostModel.fit`.
 """
 
@@ -48,12 +49,15 @@ class VisualDataset:
         samples: ``samples[s]``: patches ``t * h * w`` of sample ``s``'s images, then its videos.
         num_images: Images over all samples.
         num_videos: Videos over all samples.
+        frames: ``frames[s]``: the temporal steps ``t`` of the same visuals (shaped like
+            ``samples``); empty: 1 each.
     """
 
     source: str
     samples: tuple[tuple[int, ...], ...]
     num_images: int
     num_videos: int
+    frames: tuple[tuple[int, ...], ...] = ()
 
 
 class _Where:
@@ -91,18 +95,23 @@ def _parse_int(text: str) -> int | str:
         return text
 
 
-def _grid_patches(where: _Where, field: str, row: object, rule: ResizeRule) -> int:
-    """Patches of one ``[t, h, w]`` row, checking that ``h`` and ``w`` are multiples of the merge."""
+#: A visual: (patches ``t * h * w``, temporal steps ``t``).
+_Visual = tuple[int, int]
+
+
+def _grid_patches(where: _Where, field: str, row: object, rule: ResizeRule) -> _Visual:
+    """Patches and steps of one ``[t, h, w]`` row, checking that ``h`` and ``w`` are multiples of
+    the merge."""
     if not isinstance(row, (list, tuple)) or len(row) != 3:
         where.fail(field, row, "a [t, h, w] list of three positive integers")
     t, h, w = (where.positive_int(field, value) for value in row)
     if h % rule.merge_size or w % rule.merge_size:
         where.fail(field, row, f"h and w divisible by the merge size {rule.merge_size}")
-    return t * h * w
+    return t * h * w, t
 
 
-def _size_patches(where: _Where, field: str, entry: object, rule: ResizeRule, video: bool) -> int:
-    """Patches of one ``{"width", "height"[, "frames"]}`` entry under ``rule``."""
+def _size_patches(where: _Where, field: str, entry: object, rule: ResizeRule, video: bool) -> _Visual:
+    """Patches and steps of one ``{"width", "height"[, "frames"]}`` entry under ``rule``."""
     width = where.positive_int(_join(field, "width"), where.entry(entry, "width", field))
     height = where.positive_int(_join(field, "height"), where.entry(entry, "height", field))
     frames = where.positive_int(_join(field, "frames"), where.entry(entry, "frames", field)) if video else 0
@@ -110,7 +119,7 @@ def _size_patches(where: _Where, field: str, entry: object, rule: ResizeRule, vi
         t, h, w = rule.video_grid(width, height, frames) if video else rule.image_grid(width, height)
     except ValueError as error:  # the aspect ratio: the processors refuse such pictures
         where.fail(field or "width", entry, f"a size the processor accepts ({error})")
-    return t * h * w
+    return t * h * w, t
 
 
 def _list_of(where: _Where, key: str, value: object) -> list[Any]:
@@ -127,12 +136,12 @@ _EXPECTED_KEYS = (
 )
 
 
-def _json_sample(where: _Where, record: object, rule: ResizeRule) -> tuple[list[int], list[int]]:
-    """(image patches, video patches) of one JSON Lines sample."""
+def _json_sample(where: _Where, record: object, rule: ResizeRule) -> tuple[list[_Visual], list[_Visual]]:
+    """(images, videos) of one JSON Lines sample."""
     if not isinstance(record, dict):
         where.fail("<line>", record, "a JSON object (one sample)")
-    images: list[int] = []
-    videos: list[int] = []
+    images: list[_Visual] = []
+    videos: list[_Visual] = []
     found = [key for key in (*GRID_KEYS, *SIZE_KEYS) if key in record]
     for key in found:
         rows = _list_of(where, key, record[key])
@@ -188,21 +197,21 @@ def _is_csv(path: Path) -> bool:
         return not handle.read(4096).lstrip().startswith("{")
 
 
-def _read_json_dataset(path: Path, rule: ResizeRule) -> list[tuple[list[int], list[int]]]:
+def _read_json_dataset(path: Path, rule: ResizeRule) -> list[tuple[list[_Visual], list[_Visual]]]:
     return [_json_sample(where, record, rule) for where, record in _json_lines(path)]
 
 
-def _read_csv_dataset(path: Path, rule: ResizeRule) -> list[tuple[list[int], list[int]]]:
+def _read_csv_dataset(path: Path, rule: ResizeRule) -> list[tuple[list[_Visual], list[_Visual]]]:
     """One image or video per row; rows sharing a non-empty ``sample`` cell form one sample."""
-    samples: dict[object, tuple[list[int], list[int]]] = {}
+    samples: dict[object, tuple[list[_Visual], list[_Visual]]] = {}
     rows = _csv_rows(path, ("width", "height"), " (optional: frames for videos, sample to group rows)")
     for where, cells in rows:
         video = bool(cells.get("frames"))
         entry = {k: cells[k] for k in ("width", "height", "frames") if cells.get(k)}
-        patches = _size_patches(where, "", entry, rule, video)
+        visual = _size_patches(where, "", entry, rule, video)
         key = cells.get("sample") or ("row", where.line)
         images, videos = samples.setdefault(key, ([], []))
-        (videos if video else images).append(patches)
+        (videos if video else images).append(visual)
     return list(samples.values())
 
 
@@ -223,16 +232,17 @@ def read_dataset(path: str | Path, rule: ResizeRule | None = None) -> VisualData
     """
     path = Path(path)
     rule = rule if rule is not None else ResizeRule()
-    reader: Callable[[Path, ResizeRule], list[tuple[list[int], list[int]]]]
+    reader: Callable[[Path, ResizeRule], list[tuple[list[_Visual], list[_Visual]]]]
     reader = _read_csv_dataset if _is_csv(path) else _read_json_dataset
     parsed = reader(path, rule)
     if not any(images or videos for images, videos in parsed):
         raise InputError(path, max(len(parsed), 1), "<samples>", len(parsed), "at least one image or video")
     return VisualDataset(
         source=str(path),
-        samples=tuple(tuple(images + videos) for images, videos in parsed),
+        samples=tuple(tuple(n for n, _ in images + videos) for images, videos in parsed),
         num_images=sum(len(images) for images, _ in parsed),
         num_videos=sum(len(videos) for _, videos in parsed),
+        frames=tuple(tuple(t for _, t in images + videos) for images, videos in parsed),
     )
 
 
@@ -248,7 +258,7 @@ def _milliseconds(where: _Where, value: object) -> float:
 
 def _timing_row(where: _Where, record: object, rule: ResizeRule) -> tuple[int, float]:
     if isinstance(record, dict) and "patch_count" not in record and "grid_thw" in record:
-        patches = _grid_patches(where, "grid_thw", record["grid_thw"], rule)
+        patches, _ = _grid_patches(where, "grid_thw", record["grid_thw"], rule)
     else:
         patches = where.positive_int("patch_count", where.entry(record, "patch_count", ""))
     return patches, _milliseconds(where, where.entry(record, "milliseconds", ""))

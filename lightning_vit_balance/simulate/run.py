@@ -71,26 +71,39 @@ class _Sampler:
     """Draws micro-batches fast: every sample's visuals live in one flat array."""
 
     def __init__(
-        self, samples: Sequence[Sequence[int]], ranks: int, samples_per_rank: int, seed: int
+        self,
+        samples: Sequence[Sequence[int]],
+        ranks: int,
+        samples_per_rank: int,
+        seed: int,
+        frames: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.lengths = np.fromiter(map(len, samples), dtype=np.int64, count=len(samples))
         self.starts = np.concatenate(([0], np.cumsum(self.lengths)[:-1]))
         self.visuals = np.fromiter(chain.from_iterable(samples), dtype=np.int64)
+        self.steps = None if frames is None else np.fromiter(chain.from_iterable(frames), dtype=np.int64)
         self.shape = (ranks, samples_per_rank)
         self.rng = np.random.default_rng([seed, ranks])
 
-    def draw(self) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
-        """(each rank's patch counts, the same flat, the rank of each) for one step."""
+    def draw(self) -> tuple[list[list[int]], np.ndarray, np.ndarray, list[list[int]] | None]:
+        """(each rank's patch counts, the same flat, the rank of each, each rank's temporal steps
+        or ``None`` without frames) for one step."""
         picks = self.rng.integers(0, len(self.lengths), size=self.shape).reshape(-1)
         lengths = self.lengths[picks]
         # Visual j of picked sample i sits at starts[i] + j in the flat array.
         first = np.cumsum(lengths) - lengths
-        flat = self.visuals[np.repeat(self.starts[picks] - first, lengths) + np.arange(int(lengths.sum()))]
+        index = np.repeat(self.starts[picks] - first, lengths) + np.arange(int(lengths.sum()))
+        flat = self.visuals[index]
         per_rank = lengths.reshape(self.shape).sum(axis=1)
         ends = np.cumsum(per_rank).tolist()
+        bounds = list(zip([0, *ends[:-1]], ends))
         values = flat.tolist()
-        rows = [values[a:b] for a, b in zip([0, *ends[:-1]], ends)]
-        return rows, flat, np.repeat(np.arange(self.shape[0]), per_rank)
+        rows = [values[a:b] for a, b in bounds]
+        steps = None
+        if self.steps is not None:
+            picked = self.steps[index].tolist()
+            steps = [picked[a:b] for a, b in bounds]
+        return rows, flat, np.repeat(np.arange(self.shape[0]), per_rank), steps
 
 
 def draw_batches(
@@ -130,14 +143,15 @@ def _simulate_size(
     seed: int,
     config: ViTBalanceConfig,
     progress: Callable[[int], None] | None,
+    frames: Sequence[Sequence[int]] | None,
 ) -> DPResult:
     figures = np.zeros((8, steps))
     reasons: list[str] = []
-    sampler = _Sampler(samples, ranks, samples_per_rank, seed)
+    sampler = _Sampler(samples, ranks, samples_per_rank, seed, frames)
     for step in range(steps):
-        batch, counts, home = sampler.draw()
+        batch, counts, home, batch_frames = sampler.draw()
         start = time.perf_counter()
-        plan = plan_rebalance(batch, config)
+        plan = plan_rebalance(batch, config, frames=batch_frames)
         elapsed = time.perf_counter() - start
         moved, busiest = _traffic(plan, counts, home)
         figures[:, step] = (
@@ -156,6 +170,23 @@ def _simulate_size(
     return DPResult(ranks, *figures[:5], tuple(reasons), *figures[5:])
 
 
+def _check_frames(samples: Sequence[Sequence[int]], frames: Sequence[Sequence[int]]) -> None:
+    """Raise unless ``frames`` holds one positive int per visual of every sample."""
+    if len(frames) != len(samples):
+        raise ValueError(
+            f"simulate(frames=...) has {len(frames)} samples, samples has {len(samples)}: expected one "
+            "row of temporal steps per sample (VisualDataset.frames)."
+        )
+    for s, (row, sample) in enumerate(zip(frames, samples)):
+        if len(row) != len(sample) or any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in row
+        ):
+            raise ValueError(
+                f"simulate(frames[{s}]={list(row)!r}) is invalid: expected {len(sample)} ints >= 1, one "
+                f"per visual of samples[{s}]."
+            )
+
+
 def simulate(
     samples: Sequence[Sequence[int]],
     ranks: Sequence[int],
@@ -165,6 +196,7 @@ def simulate(
     seed: int = 0,
     config: ViTBalanceConfig | None = None,
     progress: Callable[[int], None] | None = None,
+    frames: Sequence[Sequence[int]] | None = None,
 ) -> tuple[DPResult, ...]:
     """Simulate ``steps`` training steps at each DP size in ``ranks`` and plan every one.
 
@@ -176,9 +208,13 @@ def simulate(
         seed: Seeds the draws (see :func:`draw_batches`).
         config: Solver, skip rules and cost model passed to ``plan_rebalance``.
         progress: Called with ``1`` after every planned step.
+        frames: Temporal steps ``t`` of each sample's visuals, shaped like ``samples``
+            (``VisualDataset.frames``), passed to ``plan_rebalance``: a per-frame cost model
+            (``config.cost_per_frame_attention``) prices videos with them. ``None``: 1 each.
 
     Raises:
-        ValueError: a count is not a positive int, or ``samples`` is empty.
+        ValueError: a count is not a positive int, ``samples`` is empty, or ``frames`` is not
+            shaped like ``samples``.
     """
     for name, value in (
         ("samples_per_rank", samples_per_rank),
@@ -191,5 +227,9 @@ def simulate(
         raise ValueError(f"simulate(seed={seed!r}) is invalid: expected an int >= 0.")
     if not samples or not ranks:
         raise ValueError(f"simulate needs samples and ranks, got {len(samples)} samples and ranks={ranks!r}.")
+    if frames is not None:
+        _check_frames(samples, frames)
     config = config if config is not None else ViTBalanceConfig()
-    return tuple(_simulate_size(samples, r, samples_per_rank, steps, seed, config, progress) for r in ranks)
+    return tuple(
+        _simulate_size(samples, r, samples_per_rank, steps, seed, config, progress, frames) for r in ranks
+    )

@@ -82,6 +82,7 @@ from torch import nn
 
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
+from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.outputs import (
     classify_output,
     describe_output_problem,
@@ -452,7 +453,8 @@ class BalancedVisionTower:
         model: The model passed in.
         base: The submodule holding the tower (``model.model`` for ``*ForConditionalGeneration``).
         tower: ``base.visual``.
-        config: Balancing settings (``None``: ``ViTBalanceConfig()``).
+        config: Balancing settings (``None``: ``ViTBalanceConfig()`` with the cost model of the tower,
+            ``CostModel.from_vit(tower)``: its FLOPs, attention within each temporal step).
         group: The data-parallel process group (``None``: the default group).
         last_stats: Diagnostics of the latest balanced forward (``None`` before the first).
         calls: Balanced forwards so far (one exchange each).
@@ -486,6 +488,7 @@ class BalancedVisionTower:
         self.model, self.base, self.tower = model, base, tower
         self.config = config
         self.group = group
+        self._derived: ViTBalanceConfig | None = None
         self.last_stats: BalanceStats | None = None
         self.calls = 0
         self.applied_calls = 0
@@ -529,7 +532,7 @@ class BalancedVisionTower:
         ``group``, None when balancing is disabled, ``torch.distributed`` is not initialised or the
         group has one rank.
         """
-        config = self.config if self.config is not None else ViTBalanceConfig()
+        config = self.config if self.config is not None else self._default_config()
         if not config.enabled or not (dist.is_available() and dist.is_initialized()):
             return None
         if dist.get_world_size(self.group) < 2:
@@ -538,6 +541,15 @@ class BalancedVisionTower:
 
     def record(self, stats: BalanceStats) -> None:
         """Called with each balanced forward's stats (after :attr:`last_stats` is set)."""
+
+    def _default_config(self) -> ViTBalanceConfig:
+        """``ViTBalanceConfig()`` priced by the tower's own shape (the same on every rank: the same model)."""
+        if self._derived is None:
+            try:
+                self._derived = CostModel.from_vit(self.tower).to_config(ViTBalanceConfig())
+            except ValueError:  # a tower whose shape cannot be read: the seed's l**2
+                self._derived = ViTBalanceConfig()
+        return self._derived
 
     def prepared_plan(self) -> PreparedPlan | None:
         """The plan made before this forward for its images' rows followed by its videos' (see

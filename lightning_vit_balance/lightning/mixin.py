@@ -129,7 +129,12 @@ class _ModuleTowerBalance(BalancedVisionTower):
         self.module = module
 
     def settings(self) -> tuple[ViTBalanceConfig, Any] | None:
-        return self.module._vit_balance_settings()
+        settings = self.module._vit_balance_settings()
+        if settings is not None and getattr(self.module, "vit_balance_config", None) is None:
+            # No configuration given: price images by the tower's own shape, as the engine's
+            # balance_vision_tower does.
+            return self._default_config(), settings[1]
+        return settings
 
     def record(self, stats: BalanceStats) -> None:
         self.module._vit_balance_keep(stats)

@@ -264,7 +264,7 @@ def _plot_measured(ax: object, measured: Mapping[int, list], slowest: Sequence[t
     if slowest:
         ax.plot(*zip(*slowest), color="black", ls="--", lw=1.5, label="slowest rank")  # type: ignore[attr-defined]
     ax.set_ylabel("ms")  # type: ignore[attr-defined]
-    ax.set_title("Measured ViT time per rank (vit_balance/vit_ms)")  # type: ignore[attr-defined]
+    ax.set_title("Measured ViT time per rank (vit_balance/vit_ms: each step shows the previous call)")  # type: ignore[attr-defined]
     ax.legend(loc="upper right", fontsize=8, ncol=min(len(measured) + 1, 8))  # type: ignore[attr-defined]
     ax.grid(alpha=0.3)  # type: ignore[attr-defined]
 

@@ -200,86 +200,65 @@ def _imbalance(loads: Sequence[float]) -> float:
     return max(loads) / mean - 1.0 if mean > 0 else 0.0
 
 
-def _bad_row(rank: int, row: object) -> None:
-    raise ValueError(f"patch_counts[{rank}]={row!r} is invalid: expected a sequence of positive ints.")
+def _int_rows(values: Sequence[Sequence[int]], name: str, row_expected: str) -> list[tuple[Any, ...]]:
+    """``values`` as one tuple per rank, each entry checked later by :func:`_positive_ints`.
+
+    Raises ``ValueError`` naming ``name`` for anything but a sequence of sequences (a string is not
+    a row); ``row_expected`` says what a row should be (``{r}`` is replaced by the rank).
+    """
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        got = type(values).__name__
+        raise ValueError(f"{name} must be a sequence (one entry per rank) of sequences of ints, got {got}.")
+    bad = next((r for r, row in enumerate(values) if isinstance(row, (str, bytes))), None)
+    if bad is None:
+        try:
+            return list(map(tuple, values))
+        except TypeError:
+            bad = next(r for r, row in enumerate(values) if not hasattr(row, "__iter__"))
+    raise ValueError(f"{name}[{bad}]={values[bad]!r} is invalid: expected {row_expected.format(r=bad)}.")
 
 
-def _validate_patch_counts(patch_counts: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
-    if isinstance(patch_counts, (str, bytes)) or not isinstance(patch_counts, Sequence):
-        raise ValueError(
-            f"patch_counts must be a sequence (one entry per rank) of sequences of ints, "
-            f"got {type(patch_counts).__name__}."
-        )
-    if len(patch_counts) == 0:
-        raise ValueError("patch_counts must have one entry per rank, got an empty sequence (0 ranks).")
-    if set(map(type, patch_counts)) & {str, bytes}:
-        bad = next(r for r, row in enumerate(patch_counts) if isinstance(row, (str, bytes)))
-        _bad_row(bad, patch_counts[bad])
+def _positive_ints(rows: list[tuple[Any, ...]], name: str, item_expected: str) -> tuple[tuple[int, ...], ...]:
+    """The rows as plain ints, or a ``ValueError`` naming ``name[r][i]`` for the first bad entry."""
+    # Fast path: few distinct values, all plain positive Python ints (what the exchange layer hands
+    # over). A set compares by value, so an equal bool or float may hide behind an int: it is equal.
     try:
-        rows = list(map(tuple, patch_counts))
-    except TypeError:
-        bad = next(r for r, row in enumerate(patch_counts) if not hasattr(row, "__iter__"))
-        _bad_row(bad, patch_counts[bad])
-    flat = list(chain.from_iterable(rows))
-    # Fast path: plain positive Python ints (what the exchange layer hands over).
-    if set(map(type, flat)) <= {int} and min(flat, default=1) > 0:
+        distinct = set().union(*rows)
+    except TypeError:  # an unhashable entry: the loop below names it
+        distinct = {None}
+    if set(map(type, distinct)) <= {int} and min(distinct, default=1) > 0:
         return tuple(rows)
     for r, row in enumerate(rows):
         for i, n in enumerate(row):
             if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0:
-                raise ValueError(f"patch_counts[{r}][{i}]={n!r} is invalid: expected a positive int (T*H*W).")
+                raise ValueError(f"{name}[{r}][{i}]={n!r} is invalid: expected {item_expected}.")
     return tuple(tuple(int(n) for n in row) for row in rows)
 
 
-def _bad_frames_row(rank: int, row: object) -> None:
-    raise ValueError(
-        f"frames[{rank}]={row!r} is invalid: expected a sequence of positive ints (temporal steps T), "
-        f"one per image of patch_counts[{rank}]."
-    )
+def _validate_patch_counts(patch_counts: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    if isinstance(patch_counts, Sequence) and not isinstance(patch_counts, (str, bytes)) and not patch_counts:
+        raise ValueError("patch_counts must have one entry per rank, got an empty sequence (0 ranks).")
+    rows = _int_rows(patch_counts, "patch_counts", "a sequence of positive ints")
+    return _positive_ints(rows, "patch_counts", "a positive int (T*H*W)")
 
 
 def _validate_frames(
     frames: Sequence[Sequence[int]], counts: tuple[tuple[int, ...], ...]
 ) -> list[tuple[int, ...]]:
     """``frames`` checked against the validated ``counts``, one tuple per rank."""
-    if isinstance(frames, (str, bytes)) or not isinstance(frames, Sequence):
-        raise ValueError(
-            "frames must be a sequence (one entry per rank) of sequences of ints, "
-            f"got {type(frames).__name__}."
-        )
-    if len(frames) != len(counts):
+    if isinstance(frames, Sequence) and not isinstance(frames, (str, bytes)) and len(frames) != len(counts):
         raise ValueError(
             f"frames has {len(frames)} ranks, patch_counts has {len(counts)}: expected one entry per rank."
         )
-    if set(map(type, frames)) & {str, bytes}:
-        bad = next(r for r, row in enumerate(frames) if isinstance(row, (str, bytes)))
-        _bad_frames_row(bad, frames[bad])
-    try:
-        rows = list(map(tuple, frames))
-    except TypeError:
-        bad = next(r for r, row in enumerate(frames) if not hasattr(row, "__iter__"))
-        _bad_frames_row(bad, frames[bad])
+    per_image = "a sequence of positive ints (temporal steps T), one per image of patch_counts[{r}]"
+    rows = _int_rows(frames, "frames", per_image)
     if list(map(len, rows)) != list(map(len, counts)):
         r = next(r for r, (row, n) in enumerate(zip(rows, counts)) if len(row) != len(n))
         raise ValueError(
             f"frames[{r}] has {len(rows[r])} entries, patch_counts[{r}] has {len(counts[r])}: expected "
             "one T per image."
         )
-    # Fast path: few distinct values (T <= a few hundred), all plain positive Python ints. A set
-    # compares by value, so an equal bool or float may hide behind an int: it prices the same.
-    try:
-        distinct = set().union(*rows)
-    except TypeError:  # an unhashable entry: the loop below names it
-        distinct = {None}
-    if set(map(type, distinct)) <= {int} and min(distinct, default=1) > 0:
-        return rows
-    for r, row in enumerate(rows):
-        for i, t in enumerate(row):
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t <= 0:
-                raise ValueError(
-                    f"frames[{r}][{i}]={t!r} is invalid: expected a positive int (temporal steps T)."
-                )
-    return [tuple(int(t) for t in row) for row in rows]
+    return list(_positive_ints(rows, "frames", "a positive int (temporal steps T)"))
 
 
 def _with_frames(model: Callable[..., Any], frames: list[tuple[int, ...]]) -> Callable[[Any], Any]:

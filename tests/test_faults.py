@@ -47,6 +47,16 @@ def _outcome(fn: Any) -> tuple[str, str, float]:
         return (type(error).__name__, str(error), time.perf_counter() - started)
 
 
+def _balance_with(config: ViTBalanceConfig, group: Any, rank: int) -> tuple[str, str, float]:
+    """One balanced call of this rank's batch under ``config``; then a good call on every rank."""
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    outcome = _outcome(lambda: ViTBalancer(config, group)(tower, pixels, grid))
+    _still_in_step(group, rank)
+    return outcome
+
+
 def _config_case(field: str, value: Any) -> tuple[str, str, float] | None:
     group = subgroup(RANKS)
     rank = dist.get_rank()
@@ -55,12 +65,7 @@ def _config_case(field: str, value: Any) -> tuple[str, str, float] | None:
     config = ViTBalanceConfig(**APPLY)
     if rank == 1:
         config = dataclasses.replace(config, **{field: value})
-    torch.manual_seed(0)
-    tower = towers.TensorTower()
-    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
-    outcome = _outcome(lambda: ViTBalancer(config, group)(tower, pixels, grid))
-    _still_in_step(group, rank)
-    return outcome
+    return _balance_with(config, group, rank)
 
 
 @pytest.mark.parametrize(
@@ -101,12 +106,7 @@ def _fitted_case() -> tuple[str, str, float] | None:
     counts = [16, 64, 256, 1024]
     millis = [0.1 + 1e-6 * n * n * (1 + 0.1 * rank) for n in counts]  # a slightly different machine each
     config = CostModel.fit(counts, millis).to_config(ViTBalanceConfig(**APPLY))
-    torch.manual_seed(0)
-    tower = towers.TensorTower()
-    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
-    outcome = _outcome(lambda: ViTBalancer(config, group)(tower, pixels, grid))
-    _still_in_step(group, rank)
-    return outcome
+    return _balance_with(config, group, rank)
 
 
 def test_gather_capacity_may_differ(multirank: Any) -> None:

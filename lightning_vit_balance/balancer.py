@@ -50,6 +50,7 @@ from lightning_vit_balance.exchange import (
     elements_per_row,
     exchange_status,
     gather_metadata,
+    host_device,
     pack_rows,
     row_slices,
     start_all_to_all,
@@ -138,6 +139,7 @@ class _Call:
     rank: int
     merge: int
     device: torch.device
+    host: Any = None  # the group for the small host-side gathers (metadata, status)
     seconds: dict[str, float] = field(default_factory=dict)
     collectives: int = 0
     bytes_sent: int = 0
@@ -211,6 +213,10 @@ class ViTBalancer:
             path to kind), and the merge size where the ViT does not expose ``spatial_merge_size``.
         report: Where ``config.verbose`` reports go, one line per call on DP rank 0; default
             ``print`` (the mixin passes Lightning's ``rank_zero_info``).
+        host_group: A group over the same ranks, in the same order, whose backend carries CPU
+            tensors (gloo), for the metadata and status gathers: with an NCCL ``group`` they then
+            cost no device-to-host copy (``ViTBalanceMixin`` makes one when the data-parallel group
+            spans the world). Default: ``group`` itself.
 
     Attributes:
         last_stats: :class:`BalanceStats` of the last call, ``None`` before the first.
@@ -225,11 +231,14 @@ class ViTBalancer:
         *,
         output_layout: OutputLayout | Mapping[str, str] | None = None,
         report: Callable[[str], None] | None = None,
+        host_group: Any = None,
     ) -> None:
         if config is not None and not isinstance(config, ViTBalanceConfig):
             raise TypeError(f"config={config!r} is invalid: expected a ViTBalanceConfig or None.")
         self.config = config if config is not None else ViTBalanceConfig()
         self.group = group
+        self.host_group = host_group
+        self._host_checked = host_group is None
         self.output_layout = _layout_of(output_layout)
         self.last_stats: BalanceStats | None = None
         self.calls = 0
@@ -315,6 +324,7 @@ class ViTBalancer:
             rank=dist.get_rank(self.group),
             merge=merge_size_of(vit, self.output_layout) if vit is not None else 1,
             device=collective_device(self.group, torch.device("cpu")),
+            host=self._host(),
         )
         metadata, reference = self._gather(call, pixel_values, grid_thw, check_device=False)
         plan = self._plan(call, metadata)
@@ -485,7 +495,29 @@ class ViTBalancer:
             rank=dist.get_rank(self.group),
             merge=merge_size_of(vit, self.output_layout),
             device=collective_device(self.group, preferred),
+            host=self._host(),
         )
+
+    def _host(self) -> Any:
+        """The group for host-side gathers, checked once to hold the same ranks as ``group``."""
+        if not self._host_checked:
+            ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
+            try:
+                host = dist.get_process_group_ranks(self.host_group)
+            except (RuntimeError, ValueError, AttributeError) as error:
+                raise ValueError(
+                    f"host_group={self.host_group!r} is not a process group this rank belongs to: "
+                    "expected a group over the ranks of group, in the same order."
+                ) from error
+            if ranks is None:
+                ranks = list(range(dist.get_world_size()))
+            if list(host) != list(ranks):
+                raise ValueError(
+                    f"host_group holds ranks {list(host)}: expected the ranks of group, {list(ranks)}, "
+                    "in the same order."
+                )
+            self._host_checked = True
+        return self.host_group if self.host_group is not None else self.group
 
     def _gather(
         self, call: _Call, pixel_values: Any, grid_thw: Any, check_device: bool = True
@@ -503,7 +535,7 @@ class ViTBalancer:
             check_device=check_device,
         )
         metadata, collectives = gather_metadata(
-            local, capacity=GATHER_CAPACITY, device=call.device, group=call.group
+            local, capacity=GATHER_CAPACITY, device=host_device(call.host), group=call.host
         )
         call.collectives += collectives
         call.timed("gather", started)
@@ -612,7 +644,7 @@ class ViTBalancer:
     def _check_every_vit(self, call: _Call, encoded: EncodedBatch) -> None:
         """The status gather: every rank learns whether any ViT raised or made unusable outputs."""
         started = time.perf_counter()
-        report = exchange_status(encoded.status(), call.group)
+        report = exchange_status(encoded.status(), call.host)
         call.collectives += report.collectives
         call.timed("combine", started)
         raise_for_vit(report, encoded, call.merge)

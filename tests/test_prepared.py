@@ -112,3 +112,39 @@ def test_prepare_without_a_process_group_returns_none() -> None:
     assert balancer.prepare(pixels, grid) is None
     tower = towers.TensorTower()
     torch.testing.assert_close(balancer(tower, pixels, grid, prepared=None), tower(pixels, grid))
+
+
+def _with_host_group() -> dict[str, Any]:
+    """Gathers on a second (gloo) group over the same ranks; a group of other ranks is refused."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    host = dist.new_group(ranks=list(range(world)), backend="gloo")  # every rank of the pool
+    pair = dist.new_group(ranks=[0, 1], backend="gloo")
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    grids = [[(1, 8, 8), (1, 8, 8)], [(1, 2, 2)], [(1, 4, 4)], []][rank % 4]
+    pixels, grid = towers.make_batch(grids, seed=rank)
+    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), None, host_group=host)
+    out = balancer(tower, pixels, grid)
+    ticket = balancer.prepare(pixels, grid, tower)
+    prepared = balancer(tower, pixels, grid, prepared=ticket)
+    direct = tower(pixels, grid) if grids else None
+    if direct is not None:
+        # Same ops on the same rows in another batch: fp32 agrees to a few ulps.
+        torch.testing.assert_close(out, direct, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(prepared, direct, rtol=1e-4, atol=1e-5)
+    try:
+        # Every rank is refused before any collective (ranks 2 and 3 are not even in the pair).
+        ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), None, host_group=pair)(tower, pixels, grid)
+        refused = "no error"
+    except ValueError as error:
+        refused = str(error)
+    return {"applied": ticket.plan.applied, "refused": refused}
+
+
+def test_gathers_on_a_host_group(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        results = w.run(_with_host_group)
+    assert all(r["applied"] for r in results), results
+    assert "host_group holds ranks [0, 1]" in results[0]["refused"], results[0]
+    assert all("host_group" in r["refused"] for r in results), results

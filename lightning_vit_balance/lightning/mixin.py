@@ -88,6 +88,22 @@ def _rows_to_plan(batch: Any, keys: tuple[tuple[str, str], ...]) -> tuple[torch.
     return torch.empty((rows, width), dtype=dtype, device="meta"), grid
 
 
+def _host_group_for(group: Any, size: int) -> dist.ProcessGroup | None:
+    """A gloo group over the same ranks for the balancer's small host-side gathers, when ``group``
+    is an NCCL group spanning the world (DDP, FSDP): the grid rows and status words then never go
+    through a CUDA buffer, so planning ahead costs no device-to-host copy.
+
+    Every process makes this call at the same point (the first balanced call or plan of a fit), as
+    ``new_group`` requires. Subgroups (model parallelism) keep their own group: a gloo twin of each
+    would need every process to create every data-parallel group's twin.
+    """
+    if group is None or size < 2 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    if str(dist.get_backend(group)).lower() != "nccl" or size != dist.get_world_size():
+        return None
+    return dist.new_group(ranks=list(range(size)), backend="gloo")
+
+
 class _State:
     """What the mixin keeps between calls. Never copied or pickled with the module.
 
@@ -105,6 +121,7 @@ class _State:
         self.records: list[BalanceStats] = []
         self.last_stats: BalanceStats | None = None
         self.ticket: PreparedPlan | None = None
+        self.host_group: dist.ProcessGroup | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {}
@@ -264,6 +281,7 @@ class ViTBalanceMixin:
         state.fit_key = key
         state.group = group
         state.group_size = size
+        state.host_group = _host_group_for(group, size)
         # Queue records only for a callback that drains them, so they never pile up.
         callbacks = trainer.callbacks if trainer is not None else ()
         state.record = any(isinstance(cb, ViTBalanceCallback) for cb in callbacks)
@@ -321,7 +339,8 @@ class ViTBalanceMixin:
         ``rank_zero_info``)."""
         state = self._vit_balance_state_object()
         if state.balancer is None or state.balancer_config != config:
-            state.balancer = ViTBalancer(config, group, report=rank_zero_info)
+            host = state.host_group if group is state.group else None
+            state.balancer = ViTBalancer(config, group, report=rank_zero_info, host_group=host)
             state.balancer_config = config
         return state.balancer
 

@@ -209,7 +209,27 @@ def _shed(ids: list[int], excess: float, size: list[Any], rows: list[int]) -> se
 
 def _place(batch: Batch, shed: list[int], dest: Destinations, cap: float | None) -> None:
     """Give each of ``shed`` (largest first), in turn, to the lightest rank with room for it; with
-    no room anywhere the image stays where it is (its rank is over the cap anyway)."""
+    no room anywhere the image stays where it is (its rank is over the cap anyway).
+
+    An image that stays home takes room its rank may already have given to another rank's image;
+    then the placement starts again with that image kept home from the start, so a rank that
+    receives never ends above the cap (each retry keeps one more image home, so this ends).
+    """
+    kept: set[int] = set()
+    while True:
+        placing = [k for k in shed if k not in kept]
+        for k in placing:
+            dest[k] = batch.home[k]
+        stayed = _place_once(batch, placing, dest, cap)
+        receivers = {d for k, d in enumerate(dest) if d != batch.home[k]}
+        clash = {k for k in stayed if batch.home[k] in receivers}
+        if not clash:
+            return
+        kept |= clash
+
+
+def _place_once(batch: Batch, shed: list[int], dest: Destinations, cap: float | None) -> list[int]:
+    """One placement pass of :func:`_place`; returns the images that found no room and stayed home."""
     cost, patches = batch.cost, batch.patches
     load, held = list(batch.loads), list(batch.rank_patches)
     # Each rank's shed cost is summed first, then taken off its load once.
@@ -220,6 +240,7 @@ def _place(batch: Batch, shed: list[int], dest: Destinations, cap: float | None)
     heap = [(load[r] - shed_cost[r], r) for r in range(batch.num_ranks)]
     heapq.heapify(heap)
     room = [cap - n for n in held] if cap is not None else None
+    stayed: list[int] = []
     for k in shed:
         if room is None:
             top, r = heap[0]
@@ -235,10 +256,12 @@ def _place(batch: Batch, shed: list[int], dest: Destinations, cap: float | None)
             dest[k] = r
         else:
             r = dest[k]
+            stayed.append(k)
             full = [(top + cost[k] if rr == r else top, rr) for top, rr in full]
         room[r] -= patches[k]
         for item in full:
             heapq.heappush(heap, item)
+    return stayed
 
 
 def bring_home(batch: Batch, dest: Destinations, limit: float, must_hold: list[bool]) -> Destinations:

@@ -224,16 +224,7 @@ class CostModel:
                 "with CostModel.from_vit_shape(hidden_size=..., depth=..., intermediate_size=..., "
                 "patch_input_dim=..., window_layers=..., window_patches=...) instead."
             )
-        if window_layers is not None:
-            shape["window_layers"] = tuple(window_layers)
-            shape["window_patches"] = 0 if window_patches is None else window_patches
-        elif "window_layers" not in shape and callable(getattr(vit, "get_window_index", None)):
-            raise ValueError(
-                f"CostModel.from_vit: {type(vit).__name__} has a get_window_index (windowed attention) "
-                "but no config saying which blocks use windows; pass window_layers=[block indices] and "
-                "window_patches=<patches per window>, or window_layers=() when every block attends to "
-                "whole images."
-            )
+        _set_windows(vit, shape, window_layers, window_patches)
         if per_frame_attention is None:
             per_frame_attention = _attends_per_frame(vit)
         return cls.from_vit_shape(**shape, per_frame_attention=per_frame_attention)
@@ -325,6 +316,22 @@ _PER_FRAME_MODEL_TYPES = frozenset(
         *("qwen2_vl_vision", "qwen2_5_vl_vision", "qwen3_vl_vision", "qwen3_vl_moe_vision"),
     }
 )
+
+
+def _set_windows(
+    vit: Any, shape: dict[str, Any], window_layers: Iterable[int] | None, window_patches: int | None
+) -> None:
+    """Put the caller's windowed blocks into ``shape``, or refuse a windowed tower that says none."""
+    if window_layers is not None:
+        shape["window_layers"] = tuple(window_layers)
+        shape["window_patches"] = 0 if window_patches is None else window_patches
+    elif "window_layers" not in shape and callable(getattr(vit, "get_window_index", None)):
+        raise ValueError(
+            f"CostModel.from_vit: {type(vit).__name__} has a get_window_index (windowed attention) "
+            "but no config saying which blocks use windows; pass window_layers=[block indices] and "
+            "window_patches=<patches per window>, or window_layers=() when every block attends to "
+            "whole images."
+        )
 
 
 def _attends_per_frame(vit: Any) -> bool:

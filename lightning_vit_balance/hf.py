@@ -89,6 +89,7 @@ from lightning_vit_balance.outputs import (
     flatten_output,
     merge_size_of,
     rebuild_output,
+    unwrap_module,
     window_index_fn,
 )
 
@@ -162,16 +163,9 @@ def _contract_problems(base: nn.Module, tower: nn.Module) -> list[str]:
     return problems
 
 
-def _unwrap(vit: Any) -> Any:
-    """The module inside ``.module`` wrappers (DDP, FSDP)."""
-    while isinstance(getattr(vit, "module", None), nn.Module):
-        vit = vit.module
-    return vit
-
-
 def _tower_channels(tower: Any) -> int | None:
     """``C`` of a pixel row from a Hugging Face tower's config, or None when it does not say."""
-    config = getattr(_unwrap(tower), "config", None)
+    config = getattr(unwrap_module(tower), "config", None)
     values = [getattr(config, name, None) for name in _CHANNEL_FIELDS]
     if not all(_positive_int(v) for v in values):
         return None
@@ -181,7 +175,7 @@ def _tower_channels(tower: Any) -> int | None:
 
 def _placement(vit: Any) -> tuple[torch.device, torch.dtype]:
     """Device and dtype for the zero rows of a rank without images: the ViT's own."""
-    inner = _unwrap(vit)
+    inner = unwrap_module(vit)
     params = inner.parameters() if isinstance(inner, nn.Module) else iter(())
     param = next((p for p in params if p.is_floating_point()), None)
     dtype = getattr(inner, "dtype", None)

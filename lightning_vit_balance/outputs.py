@@ -36,6 +36,7 @@ __all__ = [
     "merge_size_of",
     "rebuild_output",
     "rows_per_image",
+    "unwrap_module",
     "window_index_fn",
 ]
 
@@ -90,7 +91,7 @@ class OutputLayout:
         return None
 
 
-def _unwrap(vit: Any) -> Any:
+def unwrap_module(vit: Any) -> Any:
     """The module inside DDP/FSDP-style wrappers (``.module``), for attribute lookups."""
     seen = 0
     while hasattr(vit, "module") and isinstance(vit.module, torch.nn.Module) and seen < 4:
@@ -106,7 +107,7 @@ def merge_size_of(vit: Any, layout: OutputLayout | None = None) -> int:
     """
     if layout is not None and layout.merge_size is not None:
         return layout.merge_size
-    inner = _unwrap(vit)
+    inner = unwrap_module(vit)
     for holder in (inner, getattr(inner, "config", None)):
         value = getattr(holder, "spatial_merge_size", None) if holder is not None else None
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
@@ -116,7 +117,7 @@ def merge_size_of(vit: Any, layout: OutputLayout | None = None) -> int:
 
 def window_index_fn(vit: Any) -> Any:
     """``vit.get_window_index`` (looked up through wrappers), or None."""
-    fn = getattr(_unwrap(vit), "get_window_index", None)
+    fn = getattr(unwrap_module(vit), "get_window_index", None)
     return fn if callable(fn) else None
 
 

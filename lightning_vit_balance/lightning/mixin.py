@@ -307,17 +307,10 @@ class ViTBalanceMixin:
         Returns:
             The same structure and values as ``vit(pixel_values, grid_thw)`` on this rank.
         """
-        config = self.resolved_vit_balance_config()
-        if not config.enabled:
+        settings = self._vit_balance_settings()
+        if settings is None:
             return vit(pixel_values, grid_thw)
-        trainer, _ = self._vit_balance_runner()
-        if not _loop_balances(trainer):
-            return vit(pixel_values, grid_thw)
-        state = self._vit_balance_state_object()
-        self._vit_balance_refresh(state)
-        if state.group is None or state.group_size < 2:
-            return vit(pixel_values, grid_thw)
-        balancer = self._vit_balance_balancer(config, state.group)
+        balancer = self._vit_balance_balancer(*settings)
         output = balancer(vit, pixel_values, grid_thw, prepared=self._vit_balance_take_ticket())
         self._vit_balance_keep(balancer.last_stats)
         return output

@@ -43,6 +43,7 @@ from lightning_vit_balance.encoding import (
 from lightning_vit_balance.exchange import (
     GATHER_CAPACITY,
     ExchangeRoute,
+    PendingExchange,
     RankMetadata,
     ReturnLayout,
     all_to_all,
@@ -407,7 +408,7 @@ class ViTBalancer:
         self._clock.stop()
         call.seconds["encode"] = encoded.seconds
         self._check_every_vit(call, encoded)
-        returned = self._combine(call, vit, encoded, plan, batch, reference)
+        returned = self._combine(call, vit, encoded, plan, route, batch, reference)
         return self._rebuild(vit, encoded, returned, grid_thw, plan.patch_counts[call.rank])
 
     def _encode(
@@ -435,14 +436,7 @@ class ViTBalancer:
         """The pixel trip in flight while this rank encodes its own images, then the arrivals."""
         started = time.perf_counter()
         mine = metadata[call.rank].patch_counts
-        pending = start_all_to_all(
-            self._send_pixels(call, pixel_values, route, metadata, reference, False),
-            route.send_patches,
-            route.receive_patches,
-            call.group,
-            differentiable=reference.pixels_differentiable,
-        )
-        self._count_pixel_trip(call, route, reference)
+        pending = self._start_pixel_trip(call, pixel_values, route, metadata, reference, False)
         home = [i for src, i in route.arrivals if src == call.rank]
         call.timed("dispatch", started)
         home_encoded = None
@@ -595,14 +589,8 @@ class ViTBalancer:
         """The forward trip: pixel rows to the rank that encodes each image (``zeros``: rows of the
         planned sizes standing in for input that does not match a prepared plan)."""
         started = time.perf_counter()
-        received = all_to_all(
-            self._send_pixels(call, pixel_values, route, metadata, reference, zeros),
-            route.send_patches,
-            route.receive_patches,
-            call.group,
-            differentiable=reference.pixels_differentiable,
-        )  # [sum(receive_patches), C], images in arrival order
-        self._count_pixel_trip(call, route, reference)
+        pending = self._start_pixel_trip(call, pixel_values, route, metadata, reference, zeros)
+        received = pending.wait()  # [sum(receive_patches), C], images in arrival order
         call.timed("dispatch", started)
         if not route.arrivals:
             batch = BalancedBatch.dummy(
@@ -614,32 +602,38 @@ class ViTBalancer:
         return self._batch(pixels, received, route.arrivals, metadata, grid_thw)
 
     @staticmethod
-    def _send_pixels(
+    def _start_pixel_trip(
         call: _Call,
         pixel_values: torch.Tensor,
         route: ExchangeRoute,
         metadata: Sequence[RankMetadata],
         reference: _Reference,
         zeros: bool,
-    ) -> torch.Tensor:
-        """This rank's pixel rows grouped by destination, in the wire dtype (``[sum(send), C]``)."""
+    ) -> PendingExchange:
+        """Start the pixel trip: this rank's rows grouped by destination, in the wire dtype
+        (``[sum(send), C]``; zeros of those sizes with ``zeros``). Counts its collective and bytes."""
         mine = metadata[call.rank].patch_counts
         if mine and not zeros:
             # The wire dtype is the plan's; a prepared call checked that the cast is exact.
-            return take_rows(pixel_values, row_slices(mine, route.send_order)).to(reference.dtype)
-        device = pixel_values.device if isinstance(pixel_values, torch.Tensor) else call.device
-        return torch.zeros(
-            (sum(route.send_patches), reference.channels), dtype=reference.dtype, device=device
+            send = take_rows(pixel_values, row_slices(mine, route.send_order)).to(reference.dtype)
+        else:
+            device = pixel_values.device if isinstance(pixel_values, torch.Tensor) else call.device
+            shape = (sum(route.send_patches), reference.channels)
+            send = torch.zeros(shape, dtype=reference.dtype, device=device)
+        pending = start_all_to_all(
+            send,
+            route.send_patches,
+            route.receive_patches,
+            call.group,
+            differentiable=reference.pixels_differentiable,
         )
-
-    @staticmethod
-    def _count_pixel_trip(call: _Call, route: ExchangeRoute, reference: _Reference) -> None:
         call.collectives += 1
         row_bytes = reference.channels * reference.dtype.itemsize
         call.bytes_sent += row_bytes * sum(n for d, n in enumerate(route.send_patches) if d != call.rank)
         call.bytes_received += row_bytes * sum(
             n for s, n in enumerate(route.receive_patches) if s != call.rank
         )
+        return pending
 
     def _check_every_vit(self, call: _Call, encoded: EncodedBatch) -> None:
         """The status gather: every rank learns whether any ViT raised or made unusable outputs."""
@@ -655,6 +649,7 @@ class ViTBalancer:
         vit: Any,
         encoded: EncodedBatch,
         plan: RebalancePlan,
+        route: ExchangeRoute,
         batch: BalancedBatch,
         reference: _Reference,
     ) -> list[torch.Tensor]:
@@ -665,7 +660,7 @@ class ViTBalancer:
         transit = transit_dtype([leaf.dtype for leaf in leaves])
         elements = [elements_per_row(leaf, transit) for leaf in leaves]
         kinds = [encoded.kinds[k].kind for k in tokens]
-        layout = ReturnLayout.from_plan(plan, call.rank, kinds, call.merge, elements)
+        layout = ReturnLayout.from_route(plan, route, kinds, call.merge, elements)
         buffer = _pack(leaves, layout, transit, batch.received if reference.pixels_differentiable else None)
         grad_wanted = torch.is_grad_enabled() and (reference.pixels_differentiable or _vit_requires_grad(vit))
         back = all_to_all(

@@ -484,12 +484,23 @@ class ReturnLayout:
             merge_size: The ViT's spatial merge size.
             row_elements: Transit elements one row of each output takes (see :func:`elements_per_row`).
         """
-        route = ExchangeRoute.from_plan(plan, rank)
+        return cls.from_route(plan, ExchangeRoute.from_plan(plan, rank), kinds, merge_size, row_elements)
+
+    @classmethod
+    def from_route(
+        cls,
+        plan: RebalancePlan,
+        route: ExchangeRoute,
+        kinds: Sequence[str],
+        merge_size: int,
+        row_elements: Sequence[int],
+    ) -> ReturnLayout:
+        """:meth:`from_plan` for a rank whose :class:`ExchangeRoute` under ``plan`` is at hand."""
         send_rows = _send_rows(plan, route, kinds, merge_size)
         send_splits = tuple(
             sum((b - a) * e for (a, b), e in zip(ranges, row_elements)) for ranges in send_rows
         )
-        mine = plan.patch_counts[rank]
+        mine = plan.patch_counts[route.rank]
         rows_from = [[0] * len(kinds) for _ in range(plan.num_ranks)]
         for i, worker in enumerate(route.destinations):
             for k, kind in enumerate(kinds):

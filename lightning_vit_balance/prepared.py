@@ -65,7 +65,7 @@ class PreparedPlan:
                 f"grid_thw has shape {tuple(grid_thw.shape)} while the prepared plan holds "
                 f"{len(grids)} images on this rank: pass the ticket prepared for this batch"
             )
-        rows = sum(t * h * w for t, h, w in grids)
+        rows = sum(self.metadata[self.rank].patch_counts)
         if pixel_values.dim() != 2 or pixel_values.shape[0] != rows or pixel_values.shape[1] != self.channels:
             return (
                 f"pixel_values has shape {tuple(pixel_values.shape)} while the prepared plan expects "

@@ -27,9 +27,12 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_planning.py
 
 # Real ranks (2 gloo CPU ranks; GPUs where every rank has one), forward and backward, without and with
-# balancing, plus the cost models' prediction error. Per-image timings: demo_output/bench_e2e_timings.csv.
+# balancing, plus the cost models' prediction error. The default mix is 4 samples per rank; the demo's
+# 2 per rank follows, where single images outweigh the mean load more often. Per-image timings:
+# demo_output/bench_e2e_timings.csv.
 bench-e2e: $(STAMP)
-	$(PY) benchmarks/bench_e2e.py --timings-out demo_output/bench_e2e_timings.csv
+	$(PY) benchmarks/bench_e2e.py --batch-size 4 --steps 12 --timings-out demo_output/bench_e2e_timings.csv
+	$(PY) benchmarks/bench_e2e.py --mode e2e --batch-size 2
 
 # The engine's own machinery next to its floors: the status gather, bookkeeping at 20,000 images,
 # and the overlapped pixel trip (2 gloo CPU ranks).

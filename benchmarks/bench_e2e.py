@@ -1,7 +1,11 @@
 """End-to-end benchmark: real ranks, the demo's tower and batches, forward and backward.
 
-``make bench-e2e`` runs both parts below (about two minutes on 2 shared cores); ``--mode`` picks
-one, ``--batch-size`` changes the samples per rank (the demo's 2 by default).
+``make bench-e2e`` runs both parts below on its default mix, 4 samples per rank and step (12 steps),
+then the e2e part again on the demo's 2 samples per rank (about five minutes in all on 2 shared
+cores); ``--mode`` picks one part, ``--batch-size`` the samples per rank (the demo's 2 when not
+given). With 2 samples per rank a single document page or video outweighs the mean load in many
+steps, so whole images leave a floor near 1.1 that no balancer can go below; with 4 the floor is
+near 1.02 and the exchange's own cost shows.
 
 **e2e**: 2 ranks (``--ranks``) spawned with ``torch.multiprocessing`` and joined through a file
 store (gloo on CPU; NCCL when every rank has a GPU). Each rank draws its batches from the demo's
@@ -73,6 +77,7 @@ STAT_FIELDS = (
     "dispatch_seconds",
     "encode_seconds",
     "combine_seconds",
+    "status_seconds",
     "exchange_seconds",
 )
 
@@ -635,6 +640,15 @@ def _print_summary(
         "  balanced forward call, median wall ms on the critical rank: "
         + ", ".join(f"{name} {value:.1f}" for name, value in overhead.items())
     )
+    if "gather" in overhead and "plan" in overhead:
+        calls = [max(r["call_wall"] for r in recs) for recs in per_step[WARMUP_STEPS:]]
+        ahead = overhead["gather"] + overhead["plan"]
+        share = 100 * ahead / (1000 * statistics.median(calls))
+        print(
+            f"  gather + plan = {ahead:.1f} ms, {share:.1f}% of the "
+            "balanced forward call: what plan_ahead moves before the forward, and the most that planning "
+            "the next step on a background thread could hide"
+        )
     print(
         f"  max |loss balanced - loss unbalanced| = {loss_diff:.1e}; local plan replay mismatches: {mismatch}"
     )
@@ -647,7 +661,8 @@ def _overhead_table(per_step: list[list[dict[str, Any]]]) -> dict[str, float]:
         "\nBalanced forward call, wall ms on the critical rank (longest encode); raw = all_to_all_single "
         "of the same bytes (mean over ranks)"
     )
-    names = ("gather", "plan", "fwd trip", "encode", "ret trip", "rest", "call", "raw fwd", "raw ret")
+    names = ("gather", "plan", "fwd trip", "encode", "status", "ret trip", "rest", "call")
+    names += ("raw fwd", "raw ret")
     print("  step " + " ".join(f"{n:>8}" for n in names))
     rows = []
     for s, recs in enumerate(per_step):
@@ -657,16 +672,21 @@ def _overhead_table(per_step: list[list[dict[str, Any]]]) -> dict[str, float]:
         communication = sum(parts) if all(p is not None for p in parts) else st["exchange_seconds"]
         known = [st["plan_seconds"], st["encode_seconds"], communication]
         rest = None if None in known else critical["call_wall"] - sum(known)
+        status, ret_trip = st["status_seconds"], st["combine_seconds"]
+        if status is not None and ret_trip is not None:
+            ret_trip -= status  # combine includes the status gather (older balancers: no status figure)
         row = (
             st["gather_seconds"], st["plan_seconds"], st["dispatch_seconds"], st["encode_seconds"],
-            st["combine_seconds"], rest, critical["call_wall"],
+            status, ret_trip, rest, critical["call_wall"],
             statistics.fmean(r["raw_forward"] for r in recs), statistics.fmean(r["raw_return"] for r in recs),
         )  # fmt: skip
         print(f"  {s:>4} " + " ".join(f"{_fmt(v):>8}" for v in row))
         rows.append(row)
     print(
-        "  rest = call - plan - encode - (gather + trips; the exchange total where the trips are not "
-        "reported): host bookkeeping"
+        "  status = the status gather after the ViT (packing the return buffer meanwhile; waits for the "
+        "slowest ViT); ret trip = the return all_to_all and unpacking\n"
+        "  rest = call - plan - encode - (gather + status + trips; the exchange total where the trips are "
+        "not reported): host bookkeeping"
     )
     medians = {}
     for k, name in enumerate(names):

@@ -44,20 +44,21 @@ from lightning_vit_balance.exchange import (
     GATHER_CAPACITY,
     ExchangeRoute,
     PendingExchange,
+    PixelTrip,
     RankMetadata,
     ReturnLayout,
     all_to_all,
     collective_device,
     elements_per_row,
-    exchange_status,
     gather_metadata,
     host_device,
-    pack_rows,
+    pack_return,
     row_slices,
-    start_all_to_all,
+    start_pixel_trip,
+    start_status,
     take_rows,
     transit_dtype,
-    unpack_rows,
+    unpack_return,
 )
 from lightning_vit_balance.outputs import (
     OutputLayout,
@@ -104,6 +105,8 @@ class BalanceStats:
         dispatch_seconds: Host wall time of the pixel trip (selecting rows included).
         encode_seconds: Host wall time of this rank's ViT forward.
         combine_seconds: Host wall time of the status gather, the return trip and unpacking.
+        status_seconds: The part of ``combine_seconds`` spent in the status gather (packing the
+            return buffer meanwhile, and waiting for the slowest rank's ViT, included).
         vit_ms: Every rank's ViT milliseconds in its previous call, from this call's gather
             (empty when nothing was gathered; -1 for a rank with no earlier call).
     """
@@ -130,6 +133,7 @@ class BalanceStats:
     encode_seconds: float = 0.0
     combine_seconds: float = 0.0
     vit_ms: tuple[float, ...] = ()
+    status_seconds: float = 0.0
 
 
 @dataclass
@@ -407,7 +411,6 @@ class ViTBalancer:
             encoded = self._encode(call, vit, batch, ValueError(problem) if problem is not None else None)
         self._clock.stop()
         call.seconds["encode"] = encoded.seconds
-        self._check_every_vit(call, encoded)
         returned = self._combine(call, vit, encoded, plan, route, batch, reference)
         return self._rebuild(vit, encoded, returned, grid_thw, plan.patch_counts[call.rank])
 
@@ -436,7 +439,7 @@ class ViTBalancer:
         """The pixel trip in flight while this rank encodes its own images, then the arrivals."""
         started = time.perf_counter()
         mine = metadata[call.rank].patch_counts
-        pending = self._start_pixel_trip(call, pixel_values, route, metadata, reference, False)
+        pending = self._start_pixel_trip(call, pixel_values, route, metadata, reference, False, home=False)
         home = [i for src, i in route.arrivals if src == call.rank]
         call.timed("dispatch", started)
         home_encoded = None
@@ -449,14 +452,12 @@ class ViTBalancer:
                 call, vit, self._batch(rows, rows, [(call.rank, i) for i in home], metadata, grid_thw)
             )
         started = time.perf_counter()
-        received = pending.wait()  # [sum(receive_patches), C], images in arrival order
+        received = pending.wait()  # [rows from other ranks, C], in arrival order
         call.timed("dispatch", started)
         away = [(src, i) for src, i in route.arrivals if src != call.rank]
         if not away and home_encoded is not None:
-            return self._batch(received, received, route.arrivals, metadata, grid_thw), home_encoded
-        cut = sum(route.receive_patches[: call.rank])
-        away_rows = torch.cat([received[:cut], received[cut + route.receive_patches[call.rank] :]])
-        batch = self._batch(away_rows.to(pixel_values.dtype), received, away, metadata, grid_thw)
+            return self._batch(received, received, away, metadata, grid_thw), home_encoded
+        batch = self._batch(received.to(pixel_values.dtype), received, away, metadata, grid_thw)
         if not away:
             batch = BalancedBatch.dummy(
                 call.merge, reference.channels, reference.dtype, grid_thw, received.device
@@ -609,21 +610,20 @@ class ViTBalancer:
         metadata: Sequence[RankMetadata],
         reference: _Reference,
         zeros: bool,
+        home: bool = True,
     ) -> PendingExchange:
-        """Start the pixel trip: this rank's rows grouped by destination, in the wire dtype
-        (``[sum(send), C]``; zeros of those sizes with ``zeros``). Counts its collective and bytes."""
+        """Start the pixel trip (``zeros``: zero rows of the planned sizes; ``home``: the batch holds
+        this rank's own images, see :class:`PixelTrip`). Counts its collective and bytes."""
         mine = metadata[call.rank].patch_counts
-        if mine and not zeros:
-            # The wire dtype is the plan's; a prepared call checked that the cast is exact.
-            send = take_rows(pixel_values, row_slices(mine, route.send_order)).to(reference.dtype)
-        else:
+        pixels = pixel_values
+        if zeros or not mine:
             device = pixel_values.device if isinstance(pixel_values, torch.Tensor) else call.device
-            shape = (sum(route.send_patches), reference.channels)
-            send = torch.zeros(shape, dtype=reference.dtype, device=device)
-        pending = start_all_to_all(
-            send,
-            route.send_patches,
-            route.receive_patches,
+            pixels = torch.zeros((sum(mine), reference.channels), dtype=reference.dtype, device=device)
+        # The wire dtype is the plan's; a prepared call checked that the cast is exact.
+        pending = start_pixel_trip(
+            pixels,
+            PixelTrip.from_route(route, mine, home=home),
+            reference.dtype,
             call.group,
             differentiable=reference.pixels_differentiable,
         )
@@ -635,14 +635,6 @@ class ViTBalancer:
         )
         return pending
 
-    def _check_every_vit(self, call: _Call, encoded: EncodedBatch) -> None:
-        """The status gather: every rank learns whether any ViT raised or made unusable outputs."""
-        started = time.perf_counter()
-        report = exchange_status(encoded.status(), call.host)
-        call.collectives += report.collectives
-        call.timed("combine", started)
-        raise_for_vit(report, encoded, call.merge)
-
     def _combine(
         self,
         call: _Call,
@@ -653,15 +645,21 @@ class ViTBalancer:
         batch: BalancedBatch,
         reference: _Reference,
     ) -> list[torch.Tensor]:
-        """The return trip: each token output's rows back to their images' ranks, in their order."""
+        """The status gather, then the return trip: each token output's rows back to their images'
+        ranks, in their order. The return buffer is packed while the status gather is in flight
+        (where this rank's own outputs can travel: when they cannot, the gather raises anyway)."""
         started = time.perf_counter()
-        tokens = encoded.token_indices
-        leaves = [encoded.leaves[k][1] for k in tokens]
-        transit = transit_dtype([leaf.dtype for leaf in leaves])
-        elements = [elements_per_row(leaf, transit) for leaf in leaves]
-        kinds = [encoded.kinds[k].kind for k in tokens]
-        layout = ReturnLayout.from_route(plan, route, kinds, call.merge, elements)
-        buffer = _pack(leaves, layout, transit, batch.received if reference.pixels_differentiable else None)
+        status = encoded.status()
+        pending = start_status(status, call.host)
+        packed = self._pack_return(call, encoded, plan, route, batch, reference) if status.flag == 0 else None
+        report = pending.wait()
+        call.collectives += report.collectives
+        call.timed("combine", started)
+        call.timed("status", started)
+        raise_for_vit(report, encoded, call.merge)
+        assert packed is not None  # every rank's status was fine, this rank's too
+        started = time.perf_counter()
+        leaves, layout, transit, buffer = packed
         grad_wanted = torch.is_grad_enabled() and (reference.pixels_differentiable or _vit_requires_grad(vit))
         back = all_to_all(
             buffer,
@@ -677,9 +675,29 @@ class ViTBalancer:
         call.bytes_received += transit.itemsize * sum(
             n for s, n in enumerate(layout.receive_splits) if s != call.rank
         )
-        returned = _unpack(back, leaves, layout, elements)
+        returned = unpack_return(back, leaves, layout, [elements_per_row(leaf, transit) for leaf in leaves])
         call.timed("combine", started)
         return returned
+
+    @staticmethod
+    def _pack_return(
+        call: _Call,
+        encoded: EncodedBatch,
+        plan: RebalancePlan,
+        route: ExchangeRoute,
+        batch: BalancedBatch,
+        reference: _Reference,
+    ) -> tuple[list[torch.Tensor], ReturnLayout, torch.dtype, torch.Tensor]:
+        """The token outputs, their return layout, the transit dtype and the packed return buffer."""
+        tokens = encoded.token_indices
+        leaves = [encoded.leaves[k][1] for k in tokens]
+        transit = transit_dtype([leaf.dtype for leaf in leaves])
+        elements = [elements_per_row(leaf, transit) for leaf in leaves]
+        kinds = [encoded.kinds[k].kind for k in tokens]
+        layout = ReturnLayout.from_route(plan, route, kinds, call.merge, elements)
+        tie = batch.received if reference.pixels_differentiable else None
+        buffer = pack_return(leaves, layout, transit, tie)
+        return leaves, layout, transit, buffer
 
     def _rebuild(
         self,
@@ -797,6 +815,7 @@ class ViTBalancer:
             encode_seconds=seconds.get("encode", 0.0),
             combine_seconds=seconds.get("combine", 0.0),
             vit_ms=tuple(m.vit_us / 1000.0 if m.vit_us >= 0 else -1.0 for m in metadata),
+            status_seconds=seconds.get("status", 0.0),
         )
         self._report()
 
@@ -836,55 +855,6 @@ def _calibrator_for(config: ViTBalanceConfig) -> CostCalibrator | None:
 
 def _print_line(line: str) -> None:
     print(line, flush=True)
-
-
-def _pack(
-    leaves: Sequence[torch.Tensor],
-    layout: ReturnLayout,
-    transit: torch.dtype,
-    received_pixels: torch.Tensor | None,
-) -> torch.Tensor:
-    """The return buffer: for each home rank, each token output's rows of its images, packed."""
-    pieces = [
-        pack_rows(leaf[a:b], transit)
-        for ranges in layout.send_rows
-        for leaf, (a, b) in zip(leaves, ranges)
-        if b > a
-    ]
-    # Zero-row slices keep the buffer attached to the ViT's parameters on a rank that encoded only
-    # a dummy image ("attached" policy), so its backward joins the return exchange.
-    pieces.extend(pack_rows(leaf[:0], transit) for leaf in leaves)
-    if received_pixels is not None:
-        # Ties the forward trip into this buffer's graph, so its backward exchange runs on every
-        # rank, also where the received pixels fed no ViT (dummy forward).
-        pieces.append(received_pixels[:0].reshape(-1).to(transit))
-    if not pieces:
-        return torch.zeros(0, dtype=transit)
-    return torch.cat(pieces)
-
-
-def _unpack(
-    back: torch.Tensor,
-    leaves: Sequence[torch.Tensor],
-    layout: ReturnLayout,
-    elements: Sequence[int],
-) -> list[torch.Tensor]:
-    """Each token output's rows of this rank's images, in their original order."""
-    received: list[list[torch.Tensor]] = [[] for _ in leaves]
-    start = 0
-    for rows_from_worker in layout.receive_rows:
-        for k, rows in enumerate(rows_from_worker):
-            if rows:
-                size = rows * elements[k]
-                received[k].append(unpack_rows(back[start : start + size], rows, leaves[k]))
-                start += size
-    result = []
-    for k, leaf in enumerate(leaves):
-        # Zero rows still come from the received buffer: the rank's loss then reaches the return
-        # exchange, whose backward is a collective every rank must join.
-        rows = torch.cat(received[k]) if received[k] else unpack_rows(back[:0], 0, leaf)
-        result.append(take_rows(rows, layout.restore[k]) if layout.restore is not None else rows)
-    return result
 
 
 def _window_index(vit: Any, grid_thw: torch.Tensor) -> Any:

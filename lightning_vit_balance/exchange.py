@@ -8,16 +8,21 @@ each output row goes) is derived from the gathered grid rows and the
 no sizes are exchanged in between. The pieces:
 
 * :func:`gather_metadata`: every rank's grid rows, input status and configuration fingerprint.
-* :func:`all_to_all`: the autograd-aware exchange both trips use.
-* :class:`ExchangeRoute` / :class:`ReturnLayout`: pure values saying what goes where, each way.
+* :func:`start_pixel_trip`: the forward trip, straight into the balanced batch (rows that stay home
+  skip the collective); :func:`all_to_all`: the autograd-aware exchange of the return trip.
+* :class:`ExchangeRoute` / :class:`PixelTrip` / :class:`ReturnLayout`: pure values saying what goes
+  where, each way.
 * The wire codec (:func:`transit_dtype`, :func:`pack_rows`, :func:`unpack_rows`): several outputs
-  of several dtypes in one buffer, exactly.
-* :func:`exchange_status`: after the ViT, every rank learns whether any rank's ViT raised or made
-  outputs that do not fit, before anything waits on those outputs.
+  of several dtypes in one buffer, exactly; :func:`pack_return` / :func:`unpack_return` build and
+  read the return buffer with a one-pass backward.
+* :func:`exchange_status` / :func:`start_status`: after the ViT, every rank learns whether any
+  rank's ViT raised or made outputs that do not fit, before anything waits on those outputs.
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import hashlib
 import json
 import math
@@ -38,6 +43,8 @@ __all__ = [
     "ExchangeRoute",
     "LeafSignature",
     "PendingExchange",
+    "PendingStatus",
+    "PixelTrip",
     "RankMetadata",
     "ReturnLayout",
     "StatusReport",
@@ -49,12 +56,16 @@ __all__ = [
     "exchange_status",
     "gather_metadata",
     "host_device",
+    "pack_return",
     "pack_rows",
     "row_slices",
     "rows_per_image",
     "start_all_to_all",
+    "start_pixel_trip",
+    "start_status",
     "take_rows",
     "transit_dtype",
+    "unpack_return",
     "unpack_rows",
 ]
 
@@ -442,6 +453,169 @@ def take_rows(tensor: torch.Tensor, slices: Sequence[tuple[int, int]]) -> torch.
     return torch.cat([tensor[a:b] for a, b in slices])
 
 
+def _runs(slices: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``slices`` with adjacent ones merged (``[a, b)`` then ``[b, c)`` is ``[a, c)``), empty ones dropped."""
+    runs: list[tuple[int, int]] = []
+    for a, b in slices:
+        if b <= a:
+            continue
+        if runs and runs[-1][1] == a:
+            runs[-1] = (runs[-1][0], b)
+        else:
+            runs.append((a, b))
+    return runs
+
+
+@dataclass(frozen=True)
+class PixelTrip:
+    """How one rank's pixel rows become its balanced batch in the forward trip. A pure value.
+
+    The rows of the images that stay home are copied straight into the batch, while the trip is in
+    flight, instead of travelling through the collective: its self split would copy them once more,
+    after the copy that grouped every row by destination. The received rows land in the batch
+    itself (a contiguous run of it), so nothing is copied after the trip. Where this rank's own
+    images sit between arrivals from lower and from higher ranks (more than two ranks), the
+    received rows are not contiguous in the batch, and the collective carries the home rows too.
+
+    Attributes:
+        rows: Rows of the balanced batch.
+        local: Row runs of ``pixel_values`` copied straight into the batch, in batch order.
+        local_at: Batch row where the first of them goes.
+        sent: Row runs of ``pixel_values`` the collective carries, in sending order.
+        send_splits: Rows sent to each rank.
+        receive_splits: Rows received from each rank.
+        received_at: Batch row where the received rows start.
+    """
+
+    rows: int
+    local: tuple[tuple[int, int], ...]
+    local_at: int
+    sent: tuple[tuple[int, int], ...]
+    send_splits: tuple[int, ...]
+    receive_splits: tuple[int, ...]
+    received_at: int
+
+    @classmethod
+    def from_route(cls, route: ExchangeRoute, counts: Sequence[int], *, home: bool = True) -> PixelTrip:
+        """The trip of ``route``'s rank, whose images have ``counts`` patch rows each.
+
+        Args:
+            route: This rank's route.
+            counts: ``T*H*W`` of this rank's images, in its order.
+            home: Whether the batch holds this rank's own images; ``False``: only the arrivals from
+                other ranks (the overlapped trip encodes the home images apart).
+        """
+        rank = route.rank
+        image_rows = row_slices(counts, range(len(counts)))
+        stay = [image_rows[i] for i in route.send_order if route.destinations[i] == rank]
+        away = [image_rows[i] for i in route.send_order if route.destinations[i] != rank]
+        lower, home_rows = sum(route.receive_patches[:rank]), route.receive_patches[rank]
+        higher = sum(route.receive_patches[rank + 1 :])
+        send, receive = list(route.send_patches), list(route.receive_patches)
+        send[rank] = receive[rank] = 0
+        if not home:
+            return cls(lower + higher, (), 0, tuple(_runs(away)), tuple(send), tuple(receive), 0)
+        if home_rows and lower and higher:
+            every = [image_rows[i] for i in route.send_order]
+            return cls(
+                lower + home_rows + higher, (), 0, tuple(_runs(every)),
+                route.send_patches, route.receive_patches, 0,
+            )  # fmt: skip
+        received_at = home_rows if lower == 0 else 0
+        rows = lower + home_rows + higher
+        stay_runs, away_runs = tuple(_runs(stay)), tuple(_runs(away))
+        return cls(rows, stay_runs, lower, away_runs, tuple(send), tuple(receive), received_at)
+
+    @property
+    def received_rows(self) -> tuple[int, int]:
+        """Rows ``[a, b)`` of the batch the collective fills."""
+        return self.received_at, self.received_at + sum(self.receive_splits)
+
+
+def _trip_forward(
+    pixels: torch.Tensor, trip: PixelTrip, dtype: torch.dtype, group: Any, *, may_view: bool = False
+) -> tuple[torch.Tensor, Any]:
+    """Start the trip, copy the home rows while it is in flight; the batch is valid after ``wait()``.
+
+    With ``may_view`` (no autograd), a batch that is one run of ``pixels`` (nothing received) is
+    that run itself, as the direct call would pass it, not a copy.
+    """
+    sent = take_rows(pixels, trip.sent).to(dtype).contiguous()
+    a, b = trip.received_rows
+    if may_view and a == b and len(trip.local) == 1 and trip.local[0][1] - trip.local[0][0] == trip.rows:
+        start, stop = trip.local[0]
+        batch = pixels[start:stop].to(dtype)
+        trip = dataclasses.replace(trip, local=())
+    else:
+        batch = pixels.new_empty((trip.rows, *pixels.shape[1:]), dtype=dtype)
+    work = dist.all_to_all_single(
+        batch[a:b],
+        sent,
+        output_split_sizes=list(trip.receive_splits),
+        input_split_sizes=list(trip.send_splits),
+        group=group,
+        async_op=True,
+    )
+    at = trip.local_at
+    for start, stop in trip.local:
+        batch[at : at + stop - start].copy_(pixels[start:stop])
+        at += stop - start
+    return batch, work
+
+
+class _PixelTripFunction(torch.autograd.Function):
+    """The forward trip for autograd: its backward sends the received rows' gradients back along the
+    inverse route and puts the home rows' gradients in place."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, pixels: torch.Tensor, trip: PixelTrip, dtype: torch.dtype, group: Any, works: list[Any]
+    ) -> torch.Tensor:
+        ctx.trip, ctx.group = trip, group
+        ctx.pixel_shape, ctx.pixel_dtype = pixels.shape, pixels.dtype
+        batch, work = _trip_forward(pixels, trip, dtype, group)
+        works.append(work)
+        return batch
+
+    @staticmethod
+    def backward(ctx: Any, grad_batch: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        trip: PixelTrip = ctx.trip
+        grad_batch = grad_batch.contiguous()
+        a, b = trip.received_rows
+        back = _exchange(grad_batch[a:b], list(trip.receive_splits), list(trip.send_splits), ctx.group)
+        covered = sum(stop - start for start, stop in (*trip.local, *trip.sent))
+        make = torch.empty if covered == ctx.pixel_shape[0] else torch.zeros
+        grad = make(ctx.pixel_shape, dtype=ctx.pixel_dtype, device=grad_batch.device)
+        for source, at, runs in ((back, 0, trip.sent), (grad_batch, trip.local_at, trip.local)):
+            for start, stop in runs:
+                grad[start:stop] = source[at : at + stop - start]
+                at += stop - start
+        return grad, None, None, None, None
+
+
+def start_pixel_trip(
+    pixels: torch.Tensor, trip: PixelTrip, dtype: torch.dtype, group: Any, *, differentiable: bool
+) -> PendingExchange:
+    """Start the forward trip of ``trip``; ``wait()`` gives the balanced batch ``[trip.rows, C]``.
+
+    Args:
+        pixels: This rank's ``[sum(T*H*W), C]`` pixel rows.
+        trip: What goes where (see :class:`PixelTrip`).
+        dtype: The wire dtype (the batch's).
+        group: The process group.
+        differentiable: As in :func:`all_to_all`: the same on every rank; the backward exchange
+            (synchronous) then runs on every rank.
+    """
+    if not differentiable:
+        with torch.no_grad():
+            return PendingExchange(*_trip_forward(pixels, trip, dtype, group, may_view=True))
+    if not pixels.requires_grad:
+        pixels = pixels.detach().requires_grad_(True)
+    works: list[Any] = []
+    batch = _PixelTripFunction.apply(pixels, trip, dtype, group, works)
+    return PendingExchange(batch, works[0])
+
+
 @dataclass(frozen=True)
 class ReturnLayout:
     """Where each row of the token-aligned outputs goes on the return trip. A pure value.
@@ -600,6 +774,177 @@ def unpack_rows(chunk: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Ten
     return chunk.detach().clone().view(carrier).view(shape).to(like.dtype)
 
 
+# -- the return trip's buffer, for autograd -------------------------------------------------------
+
+
+def _is_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def _gradient(shape: torch.Size, dtype: torch.dtype, device: torch.device, covered: bool) -> torch.Tensor:
+    """A gradient buffer that the pieces fill (zeros where they do not cover every row)."""
+    return (torch.empty if covered else torch.zeros)(shape, dtype=dtype, device=device)
+
+
+class _PackFunction(torch.autograd.Function):
+    """:func:`pack_return` for autograd. Its backward puts each piece's gradient in place in one pass
+    (slicing under autograd would zero-fill, then sum, a whole leaf-sized gradient per piece)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, layout: ReturnLayout, transit: torch.dtype, tie: torch.Tensor | None, *leaves: torch.Tensor
+    ) -> torch.Tensor:
+        places = [(k, a, b) for ranges in layout.send_rows for k, (a, b) in enumerate(ranges) if b > a]
+        pieces = [pack_rows(leaves[k][a:b], transit) for k, a, b in places]
+        ctx.places = [(k, a, b, piece.numel()) for (k, a, b), piece in zip(places, pieces)]
+        ctx.leaves = [(leaf.shape, leaf.dtype, leaf.device) for leaf in leaves]
+        ctx.tie = None if tie is None else (tie.shape, tie.dtype, tie.device)
+        if not pieces:
+            return torch.zeros(0, dtype=transit, device=leaves[0].device if leaves else None)
+        return torch.cat(pieces)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        covered = [0] * len(ctx.leaves)
+        for k, a, b, _ in ctx.places:
+            covered[k] += b - a
+        grads = [
+            _gradient(shape, dtype, device, rows == shape[0]) if _is_float(dtype) else None
+            for (shape, dtype, device), rows in zip(ctx.leaves, covered)
+        ]
+        at = 0
+        for k, a, b, size in ctx.places:
+            target = grads[k]
+            if target is not None:
+                target[a:b] = grad[at : at + size].view(b - a, *target.shape[1:])
+            at += size
+        tie = None
+        if ctx.tie is not None:  # a zero gradient: the forward trip's backward exchange still runs
+            shape, dtype, device = ctx.tie
+            tie = torch.zeros((), dtype=dtype, device=device).expand(shape)
+        return None, None, tie, *grads
+
+
+def pack_return(
+    leaves: Sequence[torch.Tensor],
+    layout: ReturnLayout,
+    transit: torch.dtype,
+    tie: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The return buffer: for each home rank, each token output's rows of its images, packed
+    (see :func:`pack_rows`); 1-D, ``transit`` values.
+
+    Args:
+        leaves: The token outputs of this rank's balanced batch.
+        layout: Their return layout.
+        transit: The buffer's dtype.
+        tie: The pixel rows the forward trip delivered, when that trip is differentiable: the buffer
+            then depends on them, so the trip's backward exchange runs on every rank, also where
+            they fed no ViT (a dummy forward). Every leaf is attached likewise (even with no rows to
+            send), so that the ViT's parameters take part in the return exchange's backward.
+    """
+    return _PackFunction.apply(layout, transit, tie, *leaves)
+
+
+class _UnpackFunction(torch.autograd.Function):
+    """:func:`unpack_return` for autograd; its backward writes every output's gradient into one
+    buffer-sized gradient in one pass."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, back: torch.Tensor, layout: ReturnLayout, elements: Sequence[int], *likes: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        chunks: list[list[torch.Tensor]] = [[] for _ in likes]
+        at = 0
+        for rows_from_worker in layout.receive_rows:
+            for k, rows in enumerate(rows_from_worker):
+                if rows:
+                    chunks[k].append(unpack_rows(back[at : at + rows * elements[k]], rows, likes[k]))
+                    at += rows * elements[k]
+        outputs = []
+        for k, like in enumerate(likes):
+            if not chunks[k]:
+                outputs.append(unpack_rows(back[:0], 0, like).clone())
+            elif layout.restore is None:
+                outputs.append(torch.cat(chunks[k]))
+            else:
+                outputs.append(torch.cat(_pick_rows(chunks[k], layout.restore[k])))
+        ctx.layout, ctx.elements, ctx.back = layout, elements, (back.shape, back.dtype, back.device)
+        ctx.mark_non_differentiable(*(out for out in outputs if not _is_float(out.dtype)))
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        layout: ReturnLayout = ctx.layout
+        ordered = [
+            _arrival_order(grad, layout.restore[k] if layout.restore is not None else None)
+            if grad is not None and _is_float(grad.dtype)
+            else None
+            for k, grad in enumerate(grads)
+        ]
+        shape, dtype, device = ctx.back
+        grad_back = _gradient(shape, dtype, device, all(g is not None for g in ordered))
+        at, first = 0, [0] * len(grads)
+        for rows_from_worker in layout.receive_rows:
+            for k, rows in enumerate(rows_from_worker):
+                size = rows * ctx.elements[k]
+                source = ordered[k]
+                if rows and source is not None:
+                    grad_back[at : at + size] = source[first[k] : first[k] + rows].reshape(-1)
+                at, first[k] = at + size, first[k] + rows
+        return grad_back, None, None, *(None for _ in grads)
+
+
+def _arrival_order(grad: torch.Tensor, restore: Sequence[tuple[int, int]] | None) -> torch.Tensor:
+    """An output's gradient with its rows back in the order they arrived in (the inverse of restore)."""
+    if restore is None:
+        return grad
+    arrived = torch.empty_like(grad)
+    at = 0
+    for a, b in restore:
+        arrived[a:b] = grad[at : at + b - a]
+        at += b - a
+    return arrived
+
+
+def _pick_rows(chunks: Sequence[torch.Tensor], slices: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+    """Views of rows ``[a, b)`` of ``chunks`` as if concatenated, for each slice in turn, adjacent
+    rows of one chunk in one view: the restored order is then one ``cat`` away."""
+    starts = [0]
+    for chunk in chunks:
+        starts.append(starts[-1] + chunk.shape[0])
+    runs: list[tuple[int, int, int]] = []  # (chunk, first row, end row)
+    for a, b in slices:
+        while a < b:
+            j = bisect.bisect_right(starts, a) - 1
+            end = min(b, starts[j + 1])
+            if runs and runs[-1][0] == j and runs[-1][2] == a - starts[j]:
+                runs[-1] = (j, runs[-1][1], end - starts[j])
+            else:
+                runs.append((j, a - starts[j], end - starts[j]))
+            a = end
+    return [chunks[j][first:end] for j, first, end in runs]
+
+
+def unpack_return(
+    back: torch.Tensor, leaves: Sequence[torch.Tensor], layout: ReturnLayout, elements: Sequence[int]
+) -> list[torch.Tensor]:
+    """The inverse of :func:`pack_return` on the receiving side: each token output's rows of this
+    rank's images, in their original order, from the received buffer ``back``.
+
+    Every output is made from ``back`` (also with zero rows), so the rank's loss reaches the return
+    exchange, whose backward is a collective every rank must join.
+
+    Args:
+        back: ``[sum(layout.receive_splits)]`` transit values, from worker rank 0 first.
+        leaves: The token outputs this rank's ViT made (for their dtypes and trailing shapes).
+        layout: The return layout.
+        elements: Transit elements per row of each output (see :func:`elements_per_row`).
+    """
+    likes = [leaf.detach() for leaf in leaves]
+    return list(_UnpackFunction.apply(back, layout, list(elements), *likes))
+
+
 # -- the status gather after the ViT --------------------------------------------------------------
 
 
@@ -702,6 +1047,35 @@ def _decode_detail(values: Sequence[int]) -> ViTStatus:
     return ViTStatus.decode(bytes(values[4 : 4 + length]))
 
 
+class PendingStatus:
+    """A status gather in flight (see :func:`start_status`): :meth:`wait` gives the report."""
+
+    def __init__(self, status: ViTStatus, gathered: list[torch.Tensor], work: Any, group: Any) -> None:
+        self._status = status
+        self._gathered = gathered
+        self._work = work
+        self._group = group
+
+    def wait(self) -> StatusReport:
+        """Block until every rank's status word has arrived; gather the details when they disagree."""
+        self._work.wait()
+        words = torch.stack(self._gathered).cpu().tolist()
+        if all(w == [0, words[0][1], words[0][2]] for w in words):
+            return StatusReport(True, (), 1)
+        device = self._gathered[0].device
+        details = _all_gather_rows(_encode_detail(self._status), device, self._group)
+        return StatusReport(False, tuple(_decode_detail(d) for d in details), 2)
+
+
+def start_status(status: ViTStatus, group: Any) -> PendingStatus:
+    """:func:`exchange_status`, started asynchronously: prepare the return trip, then ``wait()``."""
+    device = host_device(group)
+    word = torch.tensor([status.flag, status.digest(), len(status.leaves)], dtype=torch.int64).to(device)
+    gathered = [torch.empty_like(word) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(gathered, word, group=group, async_op=True)
+    return PendingStatus(status, gathered, work, group)
+
+
 def exchange_status(status: ViTStatus, group: Any) -> StatusReport:
     """Gather every rank's :class:`ViTStatus` after the ViT forward, before the return trip.
 
@@ -711,10 +1085,4 @@ def exchange_status(status: ViTStatus, group: Any) -> StatusReport:
     full status, so each can raise the same error. The buffers are host (CPU) tensors where the
     backend carries them (gloo, or a ``"cpu:gloo,cuda:nccl"`` group), so no device sync happens.
     """
-    device = host_device(group)
-    word = torch.tensor([status.flag, status.digest(), len(status.leaves)], dtype=torch.int64)
-    words = _all_gather_rows(word, device, group)
-    if all(w == [0, words[0][1], words[0][2]] for w in words):
-        return StatusReport(True, (), 1)
-    details = _all_gather_rows(_encode_detail(status), device, group)
-    return StatusReport(False, tuple(_decode_detail(d) for d in details), 2)
+    return start_status(status, group).wait()

@@ -27,16 +27,14 @@ idle may be given a single image larger than the cap when no other image is left
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from itertools import chain
 from typing import Any
 
 import numpy as np
 
+from lightning_vit_balance.caching import cached_value
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.solvers import Batch, canonical_solver, solve, tuning
@@ -115,7 +113,7 @@ class RebalancePlan:
         """Largest rank cost under the plan."""
         return max(self.loads_after, default=0.0)
 
-    @cached_property
+    @cached_value
     def lower_bound(self) -> float:
         """No plan's makespan is below ``max(total / P, largest image cost)``."""
         if not self.loads_before:
@@ -123,12 +121,12 @@ class RebalancePlan:
         largest = max((max(c) for c in self.image_costs if c), default=0.0)
         return max(sum(self.loads_before) / len(self.loads_before), largest)
 
-    @cached_property
+    @cached_value
     def moved_images(self) -> int:
         """Images encoded away from their own rank."""
         return sum(d != r for r, dests in enumerate(self.destinations) for d in dests)
 
-    @cached_property
+    @cached_value
     def moved_patches(self) -> int:
         """Patches (pixel rows) sent to another rank."""
         return sum(
@@ -138,7 +136,7 @@ class RebalancePlan:
             if d != r
         )
 
-    @cached_property
+    @cached_value
     def moved_patches_lower_bound(self) -> float:
         """Fewest patches any plan with a makespan of at most :attr:`makespan_after` must move.
 
@@ -161,12 +159,12 @@ class RebalancePlan:
                 excess -= cost
         return bound
 
-    @cached_property
+    @cached_value
     def total_patches(self) -> int:
         """Patches over all ranks."""
         return sum(sum(c) for c in self.patch_counts)
 
-    @cached_property
+    @cached_value
     def _arrivals_by_rank(self) -> tuple[tuple[tuple[int, int], ...], ...]:
         arrivals: list[list[tuple[int, int]]] = [[] for _ in self.patch_counts]
         for src, dests in enumerate(self.destinations):
@@ -236,16 +234,20 @@ def _positive_ints(rows: list[tuple[Any, ...]], name: str, item_expected: str) -
 
 
 def _validate_patch_counts(patch_counts: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    if type(patch_counts) in (list, tuple) and set(map(type, patch_counts)) <= {list, tuple}:
+        # Fast path: lists or tuples of plain positive ints, what the exchange layer hands over.
+        rows = tuple(map(tuple, patch_counts))
+        values = [*chain.from_iterable(rows)]
+        if rows and set(map(type, values)) <= {int} and min(values, default=1) > 0:
+            return rows
     if isinstance(patch_counts, Sequence) and not isinstance(patch_counts, (str, bytes)) and not patch_counts:
         raise ValueError("patch_counts must have one entry per rank, got an empty sequence (0 ranks).")
     rows = _int_rows(patch_counts, "patch_counts", "a sequence of positive ints")
     return _positive_ints(rows, "patch_counts", "a positive int (T*H*W)")
 
 
-def _validate_frames(
-    frames: Sequence[Sequence[int]], counts: tuple[tuple[int, ...], ...]
-) -> list[tuple[int, ...]]:
-    """``frames`` checked against the validated ``counts``, one tuple per rank."""
+def _validate_frames(frames: Sequence[Sequence[int]], counts: tuple[tuple[int, ...], ...]) -> list[int]:
+    """``frames`` checked against the validated ``counts``, flat (one T per image)."""
     if isinstance(frames, Sequence) and not isinstance(frames, (str, bytes)) and len(frames) != len(counts):
         raise ValueError(
             f"frames has {len(frames)} ranks, patch_counts has {len(counts)}: expected one entry per rank."
@@ -258,25 +260,7 @@ def _validate_frames(
             f"frames[{r}] has {len(rows[r])} entries, patch_counts[{r}] has {len(counts[r])}: expected "
             "one T per image."
         )
-    return list(_positive_ints(rows, "frames", "a positive int (temporal steps T)"))
-
-
-def _with_frames(model: Callable[..., Any], frames: list[tuple[int, ...]]) -> Callable[[Any], Any]:
-    """``model`` costing each image with its temporal steps (``model`` itself when they change
-    nothing: a cost model that attends over whole items)."""
-    if isinstance(model, CostModel) and not model.per_frame_attention:
-        return model
-    steps = np.fromiter(chain.from_iterable(frames), dtype=np.int64, count=sum(map(len, frames)))
-    if isinstance(model, CostModel):
-        return functools.partial(model, frames=steps)
-    try:
-        inspect.signature(model).bind(steps, frames=steps)
-    except (TypeError, ValueError):  # no frames keyword, or no signature to read
-        raise TypeError(
-            f"cost_model={model!r} takes no `frames` keyword: expected a callable accepting "
-            "(patch_counts, frames=...) when plan_rebalance is given frames, or no frames."
-        ) from None
-    return functools.partial(model, frames=steps)
+    return [*chain.from_iterable(_positive_ints(rows, "frames", "a positive int (temporal steps T)"))]
 
 
 def plan_rebalance(
@@ -318,9 +302,8 @@ def plan_rebalance(
     config = config if config is not None else ViTBalanceConfig()
     model = cost_model if cost_model is not None else _cost_model(config)
     counts = _validate_patch_counts(patch_counts)
-    if frames is not None:
-        model = _with_frames(model, _validate_frames(frames, counts))
-    batch = Batch.build(counts, model)
+    steps = _validate_frames(frames, counts) if frames is not None else None
+    batch = Batch.build(counts, model, steps)
     solver = canonical_solver(config.solver)
     outcome = _skip_reason(batch, config, solver)
     if outcome is None:
@@ -334,10 +317,23 @@ def plan_rebalance(
     return _plan(batch, solver, "applied", dest, loads)
 
 
-@functools.lru_cache(maxsize=16)
+#: ``id(config) -> (config, its cost model)``: see :func:`_cost_model`.
+_MODELS: dict[int, tuple[ViTBalanceConfig, CostModel]] = {}
+
+
 def _cost_model(config: ViTBalanceConfig) -> CostModel:
-    """The config's cost model, built once per config (configs are frozen, hence hashable)."""
-    return CostModel.from_config(config)
+    """The config's cost model, built once per config object.
+
+    Keyed by identity, not by value: hashing a config (two dozen fields) on every plan costs as
+    much as a fifth of a plan for two ranks. The entry keeps its config alive, so an id is not
+    reused while it is cached; a job uses a config or two, and the cache is emptied past 16.
+    """
+    entry = _MODELS.get(id(config))
+    if entry is None or entry[0] is not config:
+        if len(_MODELS) >= 16:
+            _MODELS.clear()
+        entry = _MODELS[id(config)] = (config, CostModel.from_config(config))
+    return entry[1]
 
 
 def _skip_reason(batch: Batch, config: ViTBalanceConfig, solver: str) -> str | None:

@@ -16,8 +16,8 @@ import towers
 from equivalence import APPLIED_COLLECTIVES, run_cases
 from multirank import subgroup
 
-from lightning_vit_balance import BalanceStats, ViTBalanceConfig, ViTBalancer, balanced_encode
-from lightning_vit_balance.exchange import GATHER_CAPACITY
+from lightning_vit_balance import BalanceStats, ViTBalanceConfig, ViTBalancer, balanced_encode, plan_rebalance
+from lightning_vit_balance.exchange import GATHER_CAPACITY, ExchangeRoute, PixelTrip
 
 THRESHOLD_0 = {"trigger_threshold": 0.0}
 POOL = 4
@@ -479,4 +479,31 @@ def test_overlapped_pixel_trip_equals_the_direct_call(multirank: Any, n: int) ->
     for rank_results in per_rank:
         for results in rank_results.values():
             assert results[0]["applied"]
+            _check_collectives(results)
+
+
+# Rank 1 keeps its small image and encodes one image of rank 0 and one of rank 2: its own rows sit
+# between arrivals, so the pixel trip carries them (PixelTrip's fallback); ranks 0 and 2 keep theirs
+# out of the collective, rank 0 with its kept images around the one it sends.
+MIDDLE_RANK_GRIDS = [[(1, 8, 8), (1, 8, 8), (1, 4, 4)], [(1, 2, 2)], [(1, 8, 8), (1, 6, 6), (1, 8, 8)]]
+
+
+def _middle_rank_suite(n: int) -> dict[str, Any]:
+    cases = [{"grids": MIDDLE_RANK_GRIDS, "pixel_grad": grad} for grad in (False, True)]
+    return {name: run_cases(n, name, cases, "float32", THRESHOLD_0) for name in ("tensor", "window")}
+
+
+def test_pixel_trip_with_home_rows_between_arrivals(multirank: Any) -> None:
+    """Outputs, gradients and pixel gradients equal the direct call whether or not home rows travel."""
+    counts = [[t * h * w for t, h, w in grids] for grids in MIDDLE_RANK_GRIDS]
+    frames = [[1] * len(c) for c in counts]
+    plan = plan_rebalance(counts, ViTBalanceConfig(**THRESHOLD_0), frames=frames)
+    trips = [PixelTrip.from_route(ExchangeRoute.from_plan(plan, r), counts[r]) for r in range(3)]
+    assert trips[1].local == () and trips[1].send_splits[1] > 0, "rank 1 must take the fallback"
+    assert trips[0].local and trips[0].send_splits[0] == 0 and len(trips[0].local) == 2
+    with multirank(POOL) as w:
+        per_rank = w.run(_middle_rank_suite, 3)[:3]
+    for rank_results in per_rank:
+        for results in rank_results.values():
+            assert all(r["applied"] for r in results)
             _check_collectives(results)

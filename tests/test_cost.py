@@ -31,6 +31,26 @@ def test_polynomial_and_windowed_terms() -> None:
     np.testing.assert_array_equal(model(counts), expected.astype(np.float64))
 
 
+@pytest.mark.parametrize(
+    "model",
+    [
+        CostModel(),
+        CostModel(quadratic=3, linear=7, constant=2),
+        CostModel(quadratic=1e-5, linear=0.0123, constant=0.1, windowed=2e-4, window_patches=256),
+        CostModel(quadratic=2.5e-6, windowed=1e-6, window_patches=64, per_frame_attention=True),
+        CostModel(quadratic=1.7, linear=3.1, per_frame_attention=True),
+    ],
+)
+def test_plain_python_costs_are_the_array_calls_floats(model: CostModel) -> None:
+    # Plans read costs from either path (a few images or many), so the floats must be identical,
+    # not merely close: equal plans on every rank rely on equal sums.
+    rng = np.random.default_rng(0)
+    counts = rng.integers(1, 200_000, 300).tolist()
+    frames = rng.integers(1, 17, 300).tolist()
+    assert model.costs(counts) == model(np.array(counts)).tolist()
+    assert model.costs(counts, frames) == model(np.array(counts), frames=np.array(frames)).tolist()
+
+
 def test_config_round_trip() -> None:
     model = CostModel(quadratic=0.5, linear=2.0, constant=1.0, windowed=3.0, window_patches=16)
     config = model.to_config(ViTBalanceConfig(trigger_threshold=0.3))

@@ -13,6 +13,7 @@ PACKAGE_DIR = Path(lightning_vit_balance.__file__).parent
 
 # Data flows one way: a module may import only modules of earlier layers (or its own layer).
 LAYERS: dict[str, int] = {
+    "caching": 0,  # a lock-free cached attribute for the value classes
     "config": 0,
     "cost": 1,
     "planning": 2,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -642,3 +643,63 @@ def test_skips_without_solving(monkeypatch: pytest.MonkeyPatch) -> None:
     # The LPT solver has no min_gain: it runs.
     with pytest.raises(AssertionError, match="the solver ran"):
         plan_rebalance([[100, 10], [60], [60]], replace(SEED_FORCED, min_gain=0.02))
+
+
+def _optimal_makespan(costs: list[float], num_ranks: int) -> float:
+    """The best makespan of any assignment, by enumerating them all (tiny batches only)."""
+    best = float("inf")
+    for assignment in itertools.product(range(num_ranks), repeat=len(costs)):
+        loads = [0.0] * num_ranks
+        for rank, cost in zip(assignment, costs):
+            loads[rank] += cost
+        best = min(best, max(loads))
+    return best
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(
+    counts=st.lists(st.lists(st.integers(min_value=1, max_value=60), max_size=3), min_size=2, max_size=3),
+    linear=st.sampled_from([0.0, 40.0]),
+)
+def test_tight_bound_is_a_lower_bound(counts: list[list[int]], linear: float) -> None:
+    # No assignment beats the pigeonhole bound: checked against every assignment of tiny batches.
+    batch = Batch.build(_validate_patch_counts(counts), CostModel(linear=linear))
+    assert batch.tight_bound >= batch.lower_bound
+    if batch.size:
+        # 1e-12: the bound is a difference of prefix sums, the loads are sums in another order.
+        assert batch.tight_bound <= _optimal_makespan(batch.cost, batch.num_ranks) * (1 + 1e-12)
+
+
+def test_tight_bound_by_hand() -> None:
+    # Three equal images on two ranks: some rank encodes two, which the mean (1.5) does not see.
+    batch = Batch.build(((10, 10), (10,)), CostModel())
+    assert batch.lower_bound == 150.0
+    assert batch.tight_bound == 200.0
+    # Five images on two ranks: of the five costliest, some rank encodes three (k = 2).
+    batch = Batch.build(((9, 8, 7), (6, 5)), CostModel(quadratic=0.0, linear=1.0))
+    assert batch.tight_bound == max(17.5, 9, 8 + 7, 7 + 6 + 5)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    counts=st.lists(st.lists(st.integers(min_value=1, max_value=5000), max_size=8), min_size=2, max_size=16),
+    linear=st.sampled_from([0.0, 50.0]),
+)
+def test_lean_path_within_the_seeds_makespan(counts: list[list[int]], linear: float) -> None:
+    # Few images per rank take the lean order of steps; the plan stays within 0.4% (+ rounding)
+    # of the seed's makespan whenever the seed balances, and never above the unbalanced one.
+    config = replace(FORCED, cost_linear=linear)
+    plan = plan_rebalance(counts, config)
+    seed = plan_rebalance(counts, replace(config, solver="seed"))
+    if seed.applied and plan.applied:
+        assert plan.makespan_after <= seed.makespan_after * (1 + tuning.SLACK) * (1 + 1e-9)
+    assert plan.makespan_after <= plan.makespan_before
+
+
+def test_cost_model_cache_is_per_config_object() -> None:
+    # Equal configs share nothing by identity, and a changed config never reuses another's model.
+    counts = [[100, 2000, 30], [5]]
+    a = plan_rebalance(counts, replace(FORCED, cost_linear=0.0))
+    b = plan_rebalance(counts, replace(FORCED, cost_linear=1e6))
+    assert a.image_costs != b.image_costs
+    assert b.image_costs[1][0] == CostModel(linear=1e6)(5)

@@ -10,13 +10,16 @@ import torch
 from lightning_vit_balance.exchange import (
     ExchangeRoute,
     LeafSignature,
+    PixelTrip,
     ReturnLayout,
     ViTStatus,
     elements_per_row,
+    pack_return,
     pack_rows,
     rows_per_image,
     take_rows,
     transit_dtype,
+    unpack_return,
     unpack_rows,
 )
 from lightning_vit_balance.planning import RebalancePlan
@@ -95,6 +98,125 @@ def test_return_layout_matches_the_route() -> None:
         assert layout.send_splits == route.receive_patches
         assert layout.receive_splits == route.send_patches
     assert rows_per_image("merged", 16, 2) == 4 and rows_per_image("patch", 16, 2) == 16
+
+
+def _trip_plan() -> RebalancePlan:
+    # Rank 0 keeps image 1 and sends images 0 and 2 to rank 1 (rows out of order); rank 1 keeps its
+    # image and gets images from rank 0 and rank 2 (its own sit between arrivals); rank 2 keeps image 1.
+    counts = ((4, 2, 6), (3,), (5, 1))
+    destinations = ((1, 0, 1), (1,), (1, 2))
+    costs = tuple(tuple(float(n) for n in row) for row in counts)
+    return RebalancePlan(
+        applied=True,
+        reason="applied",
+        solver="seed",
+        patch_counts=counts,
+        destinations=destinations,
+        image_costs=costs,
+        loads_before=(12.0, 3.0, 6.0),
+        loads_after=(2.0, 18.0, 1.0),
+    )
+
+
+def _simulated_trips(plan: RebalancePlan, home: bool) -> list[torch.Tensor]:
+    """Every rank's batch after the forward trip, the collective done by hand: rows are
+    ``1000 * rank + patch row`` so each row says where it came from."""
+    ranks = range(plan.num_ranks)
+    counts = plan.patch_counts
+    pixels = [torch.arange(sum(c), dtype=torch.float32)[:, None] + 1000 * r for r, c in enumerate(counts)]
+    trips = [PixelTrip.from_route(ExchangeRoute.from_plan(plan, r), counts[r], home=home) for r in ranks]
+    sent = [torch.cat([pixels[r][a:b] for a, b in trips[r].sent] + [pixels[r][:0]]) for r in ranks]
+    chunks = [torch.split(sent[r], list(trips[r].send_splits)) for r in ranks]
+    batches = []
+    for r in ranks:
+        assert [trips[s].send_splits[r] for s in ranks] == list(trips[r].receive_splits)
+        batch = torch.full((trips[r].rows, 1), -1.0)
+        a, b = trips[r].received_rows
+        batch[a:b] = torch.cat([chunks[s][r] for s in ranks])
+        at = trips[r].local_at
+        for start, stop in trips[r].local:
+            batch[at : at + stop - start] = pixels[r][start:stop]
+            at += stop - start
+        batches.append(batch)
+    return batches
+
+
+@pytest.mark.parametrize("home", [True, False])
+def test_pixel_trip_builds_the_balanced_batch(home: bool) -> None:
+    plan = _trip_plan()
+    offsets = [[sum(c[:i]) for i in range(len(c))] for c in plan.patch_counts]
+    for rank, batch in enumerate(_simulated_trips(plan, home)):
+        images = [(s, i) for s, i in plan.arrivals(rank) if home or s != rank]
+        expected = [1000 * s + offsets[s][i] + k for s, i in images for k in range(plan.patch_counts[s][i])]
+        assert batch.reshape(-1).tolist() == expected
+    trips = [PixelTrip.from_route(ExchangeRoute.from_plan(plan, r), plan.patch_counts[r]) for r in range(3)]
+    # Home rows skip the collective, except on rank 1, whose own image sits between arrivals.
+    assert [t.send_splits for t in trips] == [(0, 10, 0), (0, 3, 0), (0, 5, 0)]
+    assert trips[0].local == ((4, 6),) and trips[0].sent == ((0, 4), (6, 12))
+    assert trips[1].local == () and trips[1].receive_splits == (10, 3, 5)
+    assert trips[2].received_rows == (1, 1) and trips[2].local_at == 0 and trips[2].rows == 1
+
+
+def _codec_leaves() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return [
+        torch.randn(7, 3, generator=generator).requires_grad_(True),  # row 6 is sent nowhere
+        torch.randn(3, 2, generator=generator).to(torch.bfloat16).requires_grad_(True),
+        torch.arange(6, dtype=torch.int64)[:, None] * -(2**40),  # integers travel bit for bit
+    ]
+
+
+def _codec_layout() -> ReturnLayout:
+    send_rows = (((0, 2), (0, 1), (0, 2)), ((2, 6), (1, 3), (2, 6)))
+    receive_rows = tuple(tuple(b - a for a, b in ranges) for ranges in send_rows)
+    # The rows come back as [worker 0's, worker 1's]; the images' own order is worker 1's first.
+    restore = (((2, 6), (0, 2)), ((1, 3), (0, 1)), ((2, 6), (0, 2)))
+    return ReturnLayout(send_rows, (0, 0), receive_rows, (0, 0), restore)
+
+
+def _plain_unpack(back: torch.Tensor, leaves: list[torch.Tensor], layout: ReturnLayout) -> list[torch.Tensor]:
+    """Chunks, cat and restore under plain autograd."""
+    transit = back.dtype
+    chunks: list[list[torch.Tensor]] = [[] for _ in leaves]
+    at = 0
+    for rows_from_worker in layout.receive_rows:
+        for k, rows in enumerate(rows_from_worker):
+            size = rows * elements_per_row(leaves[k], transit)
+            chunks[k].append(unpack_rows(back[at : at + size], rows, leaves[k]))
+            at += size
+    assert layout.restore is not None
+    return [take_rows(torch.cat(c), r) for c, r in zip(chunks, layout.restore)]
+
+
+def test_return_buffer_values_and_gradients_match_plain_autograd() -> None:
+    """pack_return / unpack_return equal slicing, casting and cat under autograd, gradients too."""
+    leaves, layout = _codec_leaves(), _codec_layout()
+    transit = transit_dtype([leaf.dtype for leaf in leaves])
+    plain = torch.cat(
+        [pack_rows(leaf[a:b], transit) for ranges in layout.send_rows for leaf, (a, b) in zip(leaves, ranges)]
+    )
+    packed = pack_return(leaves, layout, transit)
+    # Bit for bit: integers reinterpreted as float32 can read as NaN.
+    assert packed.dtype == transit and torch.equal(packed.detach().view(torch.int32), plain.view(torch.int32))
+    upstream = torch.randn(packed.shape, generator=torch.Generator().manual_seed(5))
+    expected = torch.autograd.grad(plain, leaves[:2], upstream)
+    for got, want in zip(torch.autograd.grad(packed, leaves[:2], upstream), expected):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+    back = plain.detach().requires_grad_(True)
+    elements = [elements_per_row(leaf, transit) for leaf in leaves]
+    returned = unpack_return(back, leaves, layout, elements)
+    reference = _plain_unpack(back, leaves, layout)
+    for leaf, out, want in zip(leaves, returned, reference):
+        assert out.dtype == leaf.dtype and torch.equal(out, want)
+        assert out.requires_grad == leaf.dtype.is_floating_point
+    weights = torch.arange(18.0).reshape(6, 3)
+    # Only the float32 output feeds the loss: the rest of the buffer's gradient is zero.
+    (got,) = torch.autograd.grad((returned[0] * weights).sum(), back)
+    (want,) = torch.autograd.grad((reference[0] * weights).sum(), back)
+    assert torch.equal(got, want) and got[6:].abs().sum() > 0
+    both = [(out[0] * weights).sum() + out[1].float().sum() for out in (returned, reference)]
+    assert torch.equal(*(torch.autograd.grad(loss, back)[0] for loss in both))
 
 
 def test_status_codec_round_trip_and_digest() -> None:

@@ -10,14 +10,17 @@ ints costs about a millisecond each way.
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from itertools import accumulate, chain, pairwise
 from typing import Any
 
 import numpy as np
 
+from lightning_vit_balance.caching import cached_value
+from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.solvers import tuning
 
 __all__ = ["Batch", "Destinations", "rank_loads", "rank_patches", "score"]
@@ -35,7 +38,7 @@ class _Arrays:
     cost: np.ndarray  # [n] float64
     order: np.ndarray  # [n] int64, largest cost first, ties by index
 
-    @cached_property
+    @cached_value
     def rank(self) -> np.ndarray:
         """``rank[k]``: image ``k``'s position in :attr:`order`."""
         rank = np.empty_like(self.order)
@@ -43,9 +46,12 @@ class _Arrays:
         return rank
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class Batch:
     """One step's images, flat, with their costs and each rank's load with every image at home.
+
+    Read-only by convention (not a frozen dataclass: its ``__init__`` runs for every plan, and a
+    frozen one costs a microsecond more, a tenth of a plan for two ranks).
 
     Attributes:
         counts: ``counts[r][i]``: patches of rank ``r``'s ``i``-th image, as given.
@@ -69,22 +75,32 @@ class Batch:
     prebuilt: _Arrays | None = field(default=None, repr=False)
 
     @classmethod
-    def build(cls, counts: tuple[tuple[int, ...], ...], model: Callable[[Any], Any]) -> Batch:
+    def build(
+        cls, counts: tuple[tuple[int, ...], ...], model: Callable[..., Any], frames: list[int] | None = None
+    ) -> Batch:
         """Flatten validated ``counts`` and cost every image with one call of ``model``.
 
+        Args:
+            counts: Validated patch counts, one tuple per rank.
+            model: A :class:`~lightning_vit_balance.CostModel`, or any vectorised callable on an
+                array of patch counts.
+            frames: Validated temporal steps ``T`` of the flat images, or ``None`` (1 each); a
+                callable other than a ``CostModel`` then receives them as ``frames=``.
+
         Raises:
-            ValueError: ``model`` does not map the array of patch counts to as many finite costs
-                ``>= 0``.
+            ValueError: ``model`` does not map the patch counts to as many finite costs ``>= 0``.
+            TypeError: ``frames`` are given and ``model`` takes no ``frames`` keyword.
         """
         starts = (0, *accumulate(map(len, counts)))
-        patch_array = np.fromiter(chain.from_iterable(counts), dtype=np.int64, count=starts[-1])
-        patches = patch_array.tolist()
-        cost_array = _costs(model, patch_array)
+        patches = [*chain.from_iterable(counts)]
+        if len(patches) <= tuning.PYTHON_COSTS_UP_TO and isinstance(model, CostModel):
+            cost = _checked(model.costs(patches, frames), len(patches))
+            return cls(counts, starts, patches, cost, _loads(cost, starts), len(counts), len(patches))
+        patch_array = np.array(patches, dtype=np.int64)
+        cost_array = _costs(model, patch_array, frames)
         cost = cost_array.tolist()
         if len(patches) <= tuning.VECTORISE_ABOVE:
-            # Each rank's costs summed in image order, from 0.0.
-            loads = [sum(cost[s:e], 0.0) for s, e in pairwise(starts)]
-            return cls(counts, starts, patches, cost, loads, len(counts), len(patches))
+            return cls(counts, starts, patches, cost, _loads(cost, starts), len(counts), len(patches))
         home_array = np.repeat(np.arange(len(counts), dtype=np.int64), np.diff(starts))
         arrays = _Arrays(
             home=home_array,
@@ -96,31 +112,59 @@ class Batch:
         loads = np.bincount(home_array, weights=cost_array, minlength=len(counts)).tolist()
         return cls(counts, starts, patches, cost, loads, len(counts), len(patches), arrays)
 
-    @cached_property
+    @cached_value
     def home(self) -> list[int]:
         """``home[k]``: the rank image ``k`` comes from."""
         if self.prebuilt is not None:
             return self.prebuilt.home.tolist()
         return [r for r, row in enumerate(self.counts) for _ in row]
 
-    @cached_property
+    @cached_value
     def order(self) -> list[int]:
         """Images largest cost first, ties by index (both sorts are stable)."""
         if self.prebuilt is not None:
             return self.prebuilt.order.tolist()
         return sorted(range(self.size), key=self.cost.__getitem__, reverse=True)
 
-    @cached_property
+    @cached_value
     def lower_bound(self) -> float:
         """No plan's makespan is below ``max(total / P, largest image cost)``."""
         return max(sum(self.loads) / self.num_ranks, max(self.cost, default=0.0))
 
-    @cached_property
+    @cached_value
+    def tight_bound(self) -> float:
+        """No plan's makespan is below this either: :attr:`lower_bound`, or the pigeonhole bound
+        when it is higher.
+
+        Pigeonhole: of the ``k*P + 1`` costliest images, some rank encodes at least ``k + 1``, so
+        its load is at least the sum of the ``k + 1`` cheapest of them. With few images per rank
+        (two ranks, or sizes so alike that whole images cannot split the load evenly) this is
+        often the higher bound, so a plan that reaches it is known to be as good as any.
+        """
+        return max(self.lower_bound, self._pigeonhole_bound())
+
+    def _pigeonhole_bound(self) -> float:
+        """``max over k >= 1`` of the ``k + 1`` cheapest of the ``k*P + 1`` costliest images (0.0
+        with at most ``P`` images)."""
+        num_ranks, size = self.num_ranks, self.size
+        if size <= num_ranks:
+            return 0.0
+        if self.prebuilt is not None:
+            ranked = np.concatenate(([0.0], np.cumsum(self.prebuilt.cost[self.prebuilt.order])))
+            k = np.arange(1, (size - 1) // num_ranks + 1)
+            return float((ranked[k * num_ranks + 1] - ranked[k * num_ranks - k]).max())
+        ranked = [0.0, *accumulate(sorted(self.cost, reverse=True))]
+        best = 0.0
+        for k in range(1, (size - 1) // num_ranks + 1):
+            best = max(best, ranked[k * num_ranks + 1] - ranked[k * num_ranks - k])
+        return best
+
+    @cached_value
     def rank_patches(self) -> list[int]:
         """Patches per rank with every image at home."""
         return [sum(row) for row in self.counts]
 
-    @cached_property
+    @cached_value
     def must_hold(self) -> list[bool]:
         """Ranks that encode at least one image in an applied plan: all of them when there are
         at least as many images as ranks, otherwise those that have images."""
@@ -128,7 +172,7 @@ class Batch:
             return [True] * self.num_ranks
         return [bool(row) for row in self.counts]
 
-    @cached_property
+    @cached_value
     def arrays(self) -> _Arrays:
         """The per-image lists as numpy arrays."""
         if self.prebuilt is not None:
@@ -157,12 +201,44 @@ class Batch:
         return tuple(map(tuple, map(flat.__getitem__, map(slice, self.starts, self.starts[1:]))))
 
 
-def _costs(model: Callable[[Any], Any], patches: np.ndarray) -> np.ndarray:
-    cost = np.asarray(model(patches.astype(np.float64)), dtype=np.float64).reshape(-1)
-    if cost.size != patches.size or not np.isfinite(cost).all() or (cost < 0).any():
+def _costs(model: Callable[..., Any], patches: np.ndarray, frames: list[int] | None) -> np.ndarray:
+    """``model`` on the patch counts (``[n]`` int64) as float64, with ``frames=`` when given, checked."""
+    counts = patches.astype(np.float64)
+    if frames is None:
+        raw = model(counts)
+    elif isinstance(model, CostModel):
+        raw = model(counts, frames=np.array(frames, dtype=np.int64))
+    else:
+        steps = np.array(frames, dtype=np.int64)
+        try:
+            inspect.signature(model).bind(counts, frames=steps)
+        except (TypeError, ValueError):  # no frames keyword, or no signature to read
+            raise TypeError(
+                f"cost_model={model!r} takes no `frames` keyword: expected a callable accepting "
+                "(patch_counts, frames=...) when plan_rebalance is given frames, or no frames."
+            ) from None
+        raw = model(counts, frames=steps)
+    cost = np.asarray(raw, dtype=np.float64).reshape(-1)
+    if cost.size != counts.size or not np.isfinite(cost).all() or (cost < 0).any():
         raise ValueError(
-            f"cost_model must map an array of {patches.size} patch counts to as many finite costs "
+            f"cost_model must map an array of {counts.size} patch counts to as many finite costs "
             f">= 0, got {cost.size} values with min {cost.min(initial=0.0)!r}."
+        )
+    return cost
+
+
+def _loads(cost: list[float], starts: tuple[int, ...]) -> list[float]:
+    """Each rank's costs summed in image order, from 0.0 (the order :func:`rank_loads` sums in)."""
+    return [sum(cost[s:e], 0.0) for s, e in pairwise(starts)]
+
+
+def _checked(cost: list[float], size: int) -> list[float]:
+    """A cost model's plain-Python costs, checked as :func:`_costs` checks the array's: its
+    coefficients are finite and ``>= 0``, so only an overflow to infinity can be wrong."""
+    if cost and not max(cost) < math.inf:
+        raise ValueError(
+            f"cost_model must map an array of {size} patch counts to as many finite costs >= 0, "
+            f"got {max(cost)!r} (a patch count too large for float64 arithmetic)."
         )
     return cost
 

@@ -183,7 +183,7 @@ def _shed(ids: list[int], excess: float, size: list[Any], rows: list[int]) -> se
     shed_rows = 0
     best: list[int] | None = None
     best_rows = 0
-    remaining = sum(size[k] for k in ids)
+    remaining = sum(map(size.__getitem__, ids))
     i, end = 0, len(ids)
     while i < end:
         covering = i
@@ -221,6 +221,8 @@ def _place(batch: Batch, shed: list[int], dest: Destinations, cap: float | None)
         for k in placing:
             dest[k] = batch.home[k]
         stayed = _place_once(batch, placing, dest, cap)
+        if not stayed:  # always so without a cap
+            return
         receivers = {d for k, d in enumerate(dest) if d != batch.home[k]}
         clash = {k for k in stayed if batch.home[k] in receivers}
         if not clash:
@@ -230,23 +232,25 @@ def _place(batch: Batch, shed: list[int], dest: Destinations, cap: float | None)
 
 def _place_once(batch: Batch, shed: list[int], dest: Destinations, cap: float | None) -> list[int]:
     """One placement pass of :func:`_place`; returns the images that found no room and stayed home."""
-    cost, patches = batch.cost, batch.patches
-    load, held = list(batch.loads), list(batch.rank_patches)
+    cost, patches, home = batch.cost, batch.patches, batch.home
     # Each rank's shed cost is summed first, then taken off its load once.
     shed_cost = [0.0] * batch.num_ranks
     for k in shed:
-        shed_cost[batch.home[k]] += cost[k]
-        held[batch.home[k]] -= patches[k]
-    heap = [(load[r] - shed_cost[r], r) for r in range(batch.num_ranks)]
+        shed_cost[home[k]] += cost[k]
+    heap = [(load - taken, r) for r, (load, taken) in enumerate(zip(batch.loads, shed_cost))]
     heapq.heapify(heap)
-    room = [cap - n for n in held] if cap is not None else None
-    stayed: list[int] = []
-    for k in shed:
-        if room is None:
+    if cap is None:
+        for k in shed:
             top, r = heap[0]
             heapq.heapreplace(heap, (top + cost[k], r))
             dest[k] = r
-            continue
+        return []
+    held = list(batch.rank_patches)
+    for k in shed:
+        held[home[k]] -= patches[k]
+    room = [cap - n for n in held]
+    stayed: list[int] = []
+    for k in shed:
         full = []
         while heap and room[heap[0][1]] < patches[k]:
             full.append(heapq.heappop(heap))

@@ -2,11 +2,12 @@
 
 It does the least work that finds a good plan, in steps:
 
-1. *At the bound*: shed-and-place aims at the lower bound ``max(total / P, largest image)``,
-   refined only until it is within :data:`~tuning.SLACK` of it. With many images per rank
-   (*thorough*: more than :data:`~tuning.THOROUGH_ABOVE_PER_RANK` on average) home-first in
-   coarse blocks joins it. When no plan reaches the bound, home-first gets its try. With many
-   images (numpy variants) home-first in blocks of ``P`` replaces all of these.
+1. *At the bound*: shed-and-place aims at the lower bound ``max(total / P, largest image)``
+   (or the pigeonhole bound, :attr:`~.batch.Batch.tight_bound`, when higher), refined only until
+   it is within :data:`~tuning.SLACK` of it. With many images per rank (*thorough*: more than
+   :data:`~tuning.THOROUGH_ABOVE_PER_RANK` on average) home-first in coarse blocks joins it, and
+   when no plan reaches the bound, home-first gets its try. With many images (numpy variants)
+   home-first in blocks of ``P`` replaces all of these.
 2. *At the LPT*: when the bound is still out of reach, the seed's LPT (bins renamed to home
    ranks) joins the plans and sets the acceptance limit, and home-first is retried against it.
 3. *Selection*: every finished plan (a :class:`Candidate`) is scored by its patches above the
@@ -14,7 +15,10 @@ It does the least work that finds a good plan, in steps:
    within the slack of the target; of those, the one that moves the fewest rows (ties: the lower
    makespan), after :func:`~.locality.bring_home` when it may have images to send back.
 
-A plan that reached the bound untouched (no refinement, no fix-up) is final at once.
+A plan that reached the bound untouched (no refinement, no fix-up) is final at once. With few
+images per rank (the lean order, :func:`_solve_lean`) step 1 is shed-and-place alone, against the
+simple bound first and the pigeonhole bound only when it misses that: most batches end there,
+at about the cost of one heap LPT.
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ class Candidate(NamedTuple):
 def solve_locality(batch: Batch, config: ViTBalanceConfig) -> Destinations:
     """The default solver: destinations of the flat images (see the module docstring)."""
     cap = batch.cap(config.max_len_ratio)
-    accept = batch.lower_bound * (1.0 + tuning.SLACK)
+    if not (_thorough(batch, cap) or _vectorised(batch, cap)):
+        return _solve_lean(batch, config, cap)
+    accept = batch.tight_bound * (1.0 + tuning.SLACK)
     candidates = _aim_at_the_bound(batch, config, cap, accept)
     closest = min(c.makespan for c in candidates)
     if closest > accept * (1.0 + tuning.EPS):
@@ -59,22 +65,49 @@ def solve_locality(batch: Batch, config: ViTBalanceConfig) -> Destinations:
     return _select(batch, candidates, accept, cap)
 
 
+def _solve_lean(batch: Batch, config: ViTBalanceConfig, cap: float | None) -> Destinations:
+    """Few images per rank: shed-and-place, and the seed's LPT only when it misses the bound.
+
+    The steps of :func:`solve_locality`, ordered for the least work. Most batches end after one
+    heuristic: shed-and-place, refined if need be, reaches the simple bound, or the pigeonhole
+    bound (computed only then). A bound it misses is mostly out of reach with few images per
+    rank, so the other heuristics are not tried against it: the seed's LPT sets the reachable
+    limit, stays a candidate (brought home, it often moves the fewest rows), and home-first is
+    retried against that limit.
+    """
+    accept = batch.lower_bound * (1.0 + tuning.SLACK)
+    shed = shed_and_place(batch, batch.lower_bound * (1.0 + tuning.SHED_AIM), cap)
+    scored = score(batch, shed)
+    if max(scored[0]) > accept * (1.0 + tuning.EPS):
+        accept = batch.tight_bound * (1.0 + tuning.SLACK)
+    finished = _finish(batch, shed, cap, config, accept, scored)
+    if _within(finished, accept):
+        return _select(batch, [finished], accept, cap)
+    reference = _measure(batch, _filled(batch, lpt_reference(batch, config, cap), cap))
+    accept = max(accept, min(reference.makespan, finished.makespan) * (1.0 + tuning.SLACK))
+    candidates = [finished, reference]
+    if not _within(finished, accept):
+        retry = home_first(batch, accept / (1.0 + tuning.SLACK) * (1.0 + tuning.AIM), cap)
+        candidates.append(_finish(batch, retry, cap, config, accept))
+    return _select(batch, candidates, accept, cap)
+
+
 def _aim_at_the_bound(
     batch: Batch, config: ViTBalanceConfig, cap: float | None, accept: float
 ) -> list[Candidate]:
-    """Plans aimed at the lower bound (step 1). Home-first fills the gaps with small images and
-    often reaches the bound when the others miss it; when they reach it, it rarely moves fewer
-    rows, so it is not tried then."""
-    lower = batch.lower_bound
+    """Plans aimed at the lower bound (step 1), for many images per rank (thorough) or many
+    images (numpy variants). Home-first fills the gaps with small images and often reaches the
+    bound when the others miss it; when they reach it, it rarely moves fewer rows, so it is not
+    tried then."""
+    lower = batch.tight_bound
     if _vectorised(batch, cap):
         return [_finish(batch, home_first_blocks(batch, lower), cap, config, accept)]
     shed = _finish(batch, shed_and_place(batch, lower * (1.0 + tuning.SHED_AIM), cap), cap, config, accept)
     candidates = [shed]
-    if _thorough(batch, cap):
-        # Many images per rank: home-first in coarse blocks keeps more of them at home.
-        for block in sorted({batch.num_ranks, max(1, batch.num_ranks // 2), max(1, batch.num_ranks // 4)}):
-            plan = home_first_blocks(batch, lower, block).tolist()
-            candidates.append(_finish(batch, plan, cap, config, accept))
+    # Many images per rank: home-first in coarse blocks keeps more of them at home.
+    for block in sorted({batch.num_ranks, max(1, batch.num_ranks // 2), max(1, batch.num_ranks // 4)}):
+        plan = home_first_blocks(batch, lower, block).tolist()
+        candidates.append(_finish(batch, plan, cap, config, accept))
     if any(_within(c, accept) for c in candidates):
         return candidates
     fallback = home_first(batch, lower * (1.0 + tuning.AIM), cap)
@@ -129,7 +162,7 @@ def _select(batch: Batch, candidates: list[Candidate], accept: float, cap: float
     if cap is None and batch.size <= tuning.BRING_HOME_UP_TO:
         feasible = [
             _measure(batch, bring_home(batch, c.dest, limit, batch.must_hold)) if polish or c.adjusted else c
-            for c in feasible[: tuning.BRING_HOME_CANDIDATES]
+            for c in feasible[: tuning.BRING_HOME_CANDIDATES if polish else tuning.BRING_HOME_CANDIDATES_LEAN]
         ]
     return min(feasible, key=_rows_then_makespan).dest
 
@@ -139,12 +172,18 @@ def _rows_then_makespan(candidate: Candidate) -> tuple[int, float]:
 
 
 def _finish(
-    batch: Batch, dest: Destinations, cap: float | None, config: ViTBalanceConfig, accept: float | None
+    batch: Batch,
+    dest: Destinations,
+    cap: float | None,
+    config: ViTBalanceConfig,
+    accept: float | None,
+    scored: tuple[list[float], int] | None = None,
 ) -> Candidate:
     """Refine a heuristic's plan until it is within ``accept`` (``None``: leave it as placed), give
-    empty ranks an image, and score it. Refining an acceptable plan further would only move rows
-    for nothing: every plan within ``accept`` is as good as the next, and the fewest rows win."""
-    loads, moved = score(batch, dest)
+    empty ranks an image, and score it (``scored``: :func:`score` of ``dest``, when at hand).
+    Refining an acceptable plan further would only move rows for nothing: every plan within
+    ``accept`` is as good as the next, and the fewest rows win."""
+    loads, moved = scored if scored is not None else score(batch, dest)
     steps = 0
     if accept is not None and max(loads) > accept * (1.0 + tuning.EPS):
         good_enough = accept * (1.0 + tuning.EPS)

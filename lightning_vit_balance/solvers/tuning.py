@@ -43,6 +43,12 @@ THOROUGH_ABOVE_PER_RANK = 8
 #: the solver stays on the heaps at every size: the blocks cannot check the cap.
 VECTORISE_ABOVE = 512
 
+#: Up to this many images a :class:`~lightning_vit_balance.CostModel` prices them in plain Python
+#: (:meth:`~lightning_vit_balance.CostModel.costs`, the same floats): numpy's fixed cost per call,
+#: a few microseconds for the dozen calls of an array evaluation and its checks, is most of a plan
+#: for a few ranks, while the Python loop grows by about 0.1 us per image and overtakes it near here.
+PYTHON_COSTS_UP_TO = 64
+
 #: Up to this many images (no cap) the chosen plans get :func:`~.locality.bring_home` passes:
 #: a pure-Python pass per plan, affordable up to where the numpy variants take over.
 BRING_HOME_UP_TO = VECTORISE_ABOVE
@@ -54,6 +60,12 @@ BRING_HOME_PASSES = 3
 #: At most this many plans, fewest rows moved first, get :func:`~.locality.bring_home`: a bound on
 #: the work (a pass over a plan costs about a heuristic's time); the solver has up to seven plans.
 BRING_HOME_CANDIDATES = 5
+
+#: The same bound in the lean order (few images per rank), where at most three plans compete:
+#: the two that move the fewest rows. Bringing the third home too changed none of 960 plans
+#: (1-8 images per rank, P=2-64, ``make bench``'s four scenarios), and its pass costs about a
+#: heap LPT.
+BRING_HOME_CANDIDATES_LEAN = 2
 
 #: Proposal rounds of the greedy matching that renames LPT bins to home ranks. Every round matches
 #: at least one bin; bins left after the last take the free ranks in order, which costs rows (the

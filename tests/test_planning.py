@@ -703,3 +703,24 @@ def test_cost_model_cache_is_per_config_object() -> None:
     b = plan_rebalance(counts, replace(FORCED, cost_linear=1e6))
     assert a.image_costs != b.image_costs
     assert b.image_costs[1][0] == CostModel(linear=1e6)(5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_home_first_blocks_python_and_numpy_agree(seed: int) -> None:
+    # Small batches take the Python steps, large ones numpy: the same destinations and, summed the
+    # same way, the same loads, so a plan does not depend on which side of the threshold it falls.
+    from lightning_vit_balance.solvers.locality import _home_first_blocks_arrays, _home_first_blocks_listed
+
+    rng = np.random.default_rng(seed)
+    num_ranks = int(rng.integers(2, 40))
+    counts = [rng.integers(1, 6000, int(rng.integers(0, 17))).tolist() for _ in range(num_ranks)]
+    if seed % 2:  # equal sizes: ties everywhere
+        counts = [[784] * len(row) for row in counts]
+    batch = Batch.build(_validate_patch_counts(counts), CostModel(linear=float(seed)))
+    if not batch.size:
+        return
+    for block in sorted({1, 2, max(1, num_ranks // 4), num_ranks, 3 * num_ranks}):
+        for aim in (batch.lower_bound, batch.lower_bound * 1.02, batch.lower_bound * 0.5):
+            listed = _home_first_blocks_listed(batch, aim, block)
+            arrays = _home_first_blocks_arrays(batch, aim, block)
+            assert listed == arrays.tolist(), (block, aim)

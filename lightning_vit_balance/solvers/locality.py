@@ -6,7 +6,7 @@ one selection rule:
 * :func:`home_first`: images, largest first, stay home while the home rank's load stays within
   ``target``; the others go to the currently lightest rank with room (LPT). Small images come
   last and fill the gaps, so the makespan stays close to LPT's while most images never move.
-* :func:`home_first_blocks`: the same rule in numpy blocks of images (``P`` by default; fewer
+* :func:`home_first_blocks`: the same rule in blocks of images (``P`` by default; fewer
   keep more images at home), no cap: ``(batch, target)``, and a block size.
 * :func:`shed_and_place`: every rank above ``target`` sheds its largest images (cost per row
   grows with ``l``, so they shed the most cost per row), finishing with the image that covers the
@@ -23,6 +23,7 @@ larger than the cap on its own (*pinned*) fits nowhere and stays at home.
 from __future__ import annotations
 
 import heapq
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -106,16 +107,27 @@ def _take_lightest(
     return r
 
 
-def home_first_blocks(batch: Batch, target: float, block: int = 0) -> np.ndarray:
-    """:func:`home_first` in blocks of ``block`` images (default ``P``), vectorised; no cap.
+def home_first_blocks(batch: Batch, target: float, block: int = 0) -> Destinations:
+    """:func:`home_first` in blocks of ``block`` images (default ``P``); no cap.
 
     Within a block (images largest first) an image stays home when its home rank's load plus the
     block's earlier images bound for the same home stays within ``target``; the rest of the block
     goes to the lightest ranks by :func:`~.lpt.lpt_blocks`. Blocks of fewer than ``P`` images
     balance less finely and keep more images at home.
+
+    Vectorised (an int64 array) for many images; for at most :data:`~tuning.VECTORISE_ABOVE` the
+    same steps in plain Python (a list, the same destinations: the sums are formed in the same
+    order), as a dozen numpy calls per block cost more than the images themselves.
     """
+    block = block or batch.num_ranks
+    if batch.size <= tuning.VECTORISE_ABOVE:
+        return _home_first_blocks_listed(batch, target, block)
+    return _home_first_blocks_arrays(batch, target, block)
+
+
+def _home_first_blocks_arrays(batch: Batch, target: float, block: int) -> np.ndarray:
+    """:func:`home_first_blocks` in numpy, a few calls per block of ``block`` images."""
     arrays, num_ranks = batch.arrays, batch.num_ranks
-    block = block or num_ranks
     cost, home = arrays.cost, arrays.home
     limit = target * (1.0 + tuning.EPS)
     load = np.zeros(num_ranks)
@@ -135,6 +147,39 @@ def home_first_blocks(batch: Batch, target: float, block: int = 0) -> np.ndarray
         leaving = ids[~stays]
         if leaving.size:
             lpt_blocks(leaving, cost, load, dest)
+    return dest
+
+
+def _home_first_blocks_listed(batch: Batch, target: float, block: int) -> list[int]:
+    """:func:`home_first_blocks` in Python, step for step: a block's images grouped by home (in
+    order), their running sum over the whole block less the sum before the group (as the
+    cumulative sum there), each home's stays summed from 0.0 before adding them (as ``bincount``),
+    then the leaving images by a heap LPT (what ``lpt_blocks`` reproduces)."""
+    cost, home, order = batch.cost, batch.home, batch.order
+    limit = target * (1.0 + tuning.EPS)
+    load = [0.0] * batch.num_ranks
+    dest = list(home)
+    for start in range(0, batch.size, block):
+        ids = sorted(order[start : start + block], key=home.__getitem__)  # stable: by home, then order
+        running = [*accumulate(map(cost.__getitem__, ids))]
+        stays: dict[int, bool] = {}
+        added, before, group = [0.0] * batch.num_ranks, 0.0, -1
+        for j, k in enumerate(ids):
+            if home[k] != group:
+                group, before = home[k], running[j - 1] if j else 0.0
+            stays[k] = load[group] + (running[j] - before) <= limit
+        for k in order[start : start + block]:  # bincount's order: the block's
+            if stays[k]:
+                added[home[k]] += cost[k]
+        load = [a + b for a, b in zip(load, added)]
+        heap = [(value, r) for r, value in enumerate(load)]
+        heapq.heapify(heap)
+        for k in order[start : start + block]:
+            if not stays[k]:
+                value, r = heap[0]
+                heapq.heapreplace(heap, (value + cost[k], r))
+                load[r] = value + cost[k]
+                dest[k] = r
     return dest
 
 

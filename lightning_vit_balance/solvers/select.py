@@ -106,7 +106,7 @@ def _aim_at_the_bound(
     candidates = [shed]
     # Many images per rank: home-first in coarse blocks keeps more of them at home.
     for block in sorted({batch.num_ranks, max(1, batch.num_ranks // 2), max(1, batch.num_ranks // 4)}):
-        plan = home_first_blocks(batch, lower, block).tolist()
+        plan = home_first_blocks(batch, lower, block)
         candidates.append(_finish(batch, plan, cap, config, accept))
     if any(_within(c, accept) for c in candidates):
         return candidates

@@ -32,7 +32,7 @@ bench: $(STAMP)
 # demo_output/bench_e2e_timings.csv.
 bench-e2e: $(STAMP)
 	$(PY) benchmarks/bench_e2e.py --batch-size 4 --steps 12 --timings-out demo_output/bench_e2e_timings.csv
-	$(PY) benchmarks/bench_e2e.py --mode e2e --batch-size 2
+	$(PY) benchmarks/bench_e2e.py --batch-size 2
 
 # The engine's own machinery next to its floors: the status gather, bookkeeping at 20,000 images,
 # and the overlapped pixel trip (2 gloo CPU ranks).

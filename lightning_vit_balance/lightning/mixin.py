@@ -123,6 +123,13 @@ class _State:
         self.ticket: PreparedPlan | None = None
         self.host_group: dist.ProcessGroup | None = None
 
+    def release(self) -> None:
+        """Forget the run: its groups, balancer and pending plan (the next call starts afresh);
+        the last stats are kept."""
+        last_stats = self.last_stats
+        self.__init__()  # type: ignore[misc]
+        self.last_stats = last_stats
+
     def __getstate__(self) -> dict[str, Any]:
         return {}
 
@@ -360,6 +367,22 @@ class ViTBalanceMixin:
             batch = parent(batch, dataloader_idx)
         self._vit_balance_plan_ahead(batch)
         return batch
+
+    def teardown(self, stage: str) -> None:
+        """At the end of a fit, validate, test or predict run: let go of that run's process groups.
+
+        The balancer and the groups it holds belong to one run of processes (the next run makes
+        its own). Holding them past the run kept the gloo process group alive until the interpreter
+        shut down in ``ddp_spawn`` workers, where tearing it down at that point aborted a worker
+        now and then ("terminate called without an active exception"). The last stats stay
+        readable. An override of the hook must call ``super().teardown``.
+        """
+        state = self.__dict__.get("_vit_balance_state")
+        if state is not None:
+            state.release()
+        parent = getattr(super(), "teardown", None)
+        if parent is not None:
+            parent(stage)
 
     #: ``(pixel key, grid key)`` pairs of a batch that the step's balanced call encodes, in order.
     vit_balance_prepare_keys: tuple[tuple[str, str], ...] = (

@@ -49,16 +49,12 @@ from lightning_vit_balance.exchange import (
     ReturnLayout,
     all_to_all,
     collective_device,
-    elements_per_row,
     gather_metadata,
     host_device,
-    pack_return,
     row_slices,
     start_pixel_trip,
     start_status,
     take_rows,
-    transit_dtype,
-    unpack_return,
 )
 from lightning_vit_balance.outputs import (
     OutputLayout,
@@ -71,6 +67,7 @@ from lightning_vit_balance.outputs import (
 from lightning_vit_balance.planning import RebalancePlan, plan_rebalance
 from lightning_vit_balance.prepared import PreparedPlan
 from lightning_vit_balance.problems import DTYPES
+from lightning_vit_balance.wire import elements_per_row, pack_return, transit_dtype, unpack_return
 
 __all__ = ["BalanceStats", "PreparedPlan", "ViTBalancer", "balanced_encode"]
 

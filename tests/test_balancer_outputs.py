@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_vit_balance.exchange import elements_per_row, pack_rows, transit_dtype, unpack_rows
 from lightning_vit_balance.outputs import (
     OutputLayout,
     classify_output,
@@ -16,6 +15,7 @@ from lightning_vit_balance.outputs import (
     merge_size_of,
     rebuild_output,
 )
+from lightning_vit_balance.wire import elements_per_row, pack_rows, transit_dtype, unpack_rows
 
 Pair = namedtuple("Pair", ["embeds", "extra"])
 

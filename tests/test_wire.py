@@ -13,17 +13,19 @@ from lightning_vit_balance.exchange import (
     PixelTrip,
     ReturnLayout,
     ViTStatus,
+    rows_per_image,
+    take_rows,
+)
+from lightning_vit_balance.planning import RebalancePlan
+from lightning_vit_balance.problems import PROBLEMS, InputProblem, describe_problem, problem_details
+from lightning_vit_balance.wire import (
     elements_per_row,
     pack_return,
     pack_rows,
-    rows_per_image,
-    take_rows,
     transit_dtype,
     unpack_return,
     unpack_rows,
 )
-from lightning_vit_balance.planning import RebalancePlan
-from lightning_vit_balance.problems import PROBLEMS, InputProblem, describe_problem, problem_details
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.bool]
 

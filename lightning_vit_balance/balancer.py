@@ -22,7 +22,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -656,7 +656,7 @@ class ViTBalancer:
         raise_for_vit(report, encoded, call.merge)
         assert packed is not None  # every rank's status was fine, this rank's too
         started = time.perf_counter()
-        leaves, layout, transit, buffer = packed
+        leaves, layout, transit, elements, buffer = packed
         grad_wanted = torch.is_grad_enabled() and (reference.pixels_differentiable or _vit_requires_grad(vit))
         back = all_to_all(
             buffer,
@@ -672,7 +672,7 @@ class ViTBalancer:
         call.bytes_received += transit.itemsize * sum(
             n for s, n in enumerate(layout.receive_splits) if s != call.rank
         )
-        returned = unpack_return(back, leaves, layout, [elements_per_row(leaf, transit) for leaf in leaves])
+        returned = unpack_return(back, leaves, layout, elements)
         call.timed("combine", started)
         return returned
 
@@ -684,8 +684,8 @@ class ViTBalancer:
         route: ExchangeRoute,
         batch: BalancedBatch,
         reference: _Reference,
-    ) -> tuple[list[torch.Tensor], ReturnLayout, torch.dtype, torch.Tensor]:
-        """The token outputs, their return layout, the transit dtype and the packed return buffer."""
+    ) -> _ReturnBuffer:
+        """The token outputs, their return layout and codec, and the packed return buffer."""
         tokens = encoded.token_indices
         leaves = [encoded.leaves[k][1] for k in tokens]
         transit = transit_dtype([leaf.dtype for leaf in leaves])
@@ -693,8 +693,7 @@ class ViTBalancer:
         kinds = [encoded.kinds[k].kind for k in tokens]
         layout = ReturnLayout.from_route(plan, route, kinds, call.merge, elements)
         tie = batch.received if reference.pixels_differentiable else None
-        buffer = pack_return(leaves, layout, transit, tie)
-        return leaves, layout, transit, buffer
+        return _ReturnBuffer(leaves, layout, transit, elements, pack_return(leaves, layout, transit, tie))
 
     def _rebuild(
         self,
@@ -848,6 +847,17 @@ def _calibrator_for(config: ViTBalanceConfig) -> CostCalibrator | None:
         return None
     initial = CostModel.from_config(config)
     return CostCalibrator(initial, window_patches=config.cost_window_patches)
+
+
+class _ReturnBuffer(NamedTuple):
+    """What the return trip sends: the token outputs, their layout, the wire codec's dtype and
+    elements per row, and the packed buffer (``[sum(layout.send_splits)]`` transit values)."""
+
+    leaves: list[torch.Tensor]
+    layout: ReturnLayout
+    transit: torch.dtype
+    elements: list[int]
+    buffer: torch.Tensor
 
 
 def _print_line(line: str) -> None:

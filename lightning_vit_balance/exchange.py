@@ -25,13 +25,13 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_vit_balance.caching import cached_value
 from lightning_vit_balance.planning import RebalancePlan
 from lightning_vit_balance.problems import DEVICE_TYPES, MAX_DETAILS, InputProblem
 
@@ -54,7 +54,6 @@ __all__ = [
     "host_device",
     "row_slices",
     "rows_per_image",
-    "start_all_to_all",
     "start_pixel_trip",
     "start_status",
     "take_rows",
@@ -98,7 +97,7 @@ class RankMetadata:
     fingerprint: tuple[int, ...] = ()
     vit_us: int = -1
 
-    @cached_property
+    @cached_value
     def patch_counts(self) -> tuple[int, ...]:
         """``T*H*W`` of every image (computed once: the balancer reads it per arriving image)."""
         return tuple(t * h * w for t, h, w in self.grids)
@@ -260,34 +259,21 @@ def gather_metadata(
 
 
 class _AllToAllFunction(torch.autograd.Function):
-    """``all_to_all_single`` along dim 0; its backward is the inverse exchange (splits swapped).
-
-    With a ``works`` list the forward exchange is started asynchronously and its handle appended
-    there (the rows are valid after ``wait()``); the backward is always synchronous.
-    """
+    """``all_to_all_single`` along dim 0; its backward is the inverse exchange (splits swapped)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        tensor: torch.Tensor,
-        send_splits: list[int],
-        receive_splits: list[int],
-        group: Any,
-        works: list[Any] | None = None,
+        ctx: Any, tensor: torch.Tensor, send_splits: list[int], receive_splits: list[int], group: Any
     ) -> torch.Tensor:
         ctx.send_splits = send_splits
         ctx.receive_splits = receive_splits
         ctx.group = group
-        if works is None:
-            return _exchange(tensor, send_splits, receive_splits, group)
-        output, work = _start(tensor, send_splits, receive_splits, group)
-        works.append(work)
-        return output
+        return _exchange(tensor, send_splits, receive_splits, group)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         grad = _exchange(grad_output, ctx.receive_splits, ctx.send_splits, ctx.group)
-        return grad, None, None, None, None
+        return grad, None, None, None
 
 
 def _exchange(
@@ -335,59 +321,18 @@ def all_to_all(
 
 
 class PendingExchange:
-    """An :func:`start_all_to_all` in flight; its rows are valid only after :meth:`wait`."""
+    """A trip in flight (see :func:`start_pixel_trip`); its rows are valid only after :meth:`wait`."""
 
     def __init__(self, output: torch.Tensor, work: Any) -> None:
         self._output = output
         self._work = work
 
     def wait(self) -> torch.Tensor:
-        """Block until the rows have arrived; return them (``[sum(receive_splits), ...]``)."""
+        """Block until the rows have arrived; return the tensor they arrive in."""
         if self._work is not None:
             self._work.wait()
             self._work = None
         return self._output
-
-
-def _start(
-    tensor: torch.Tensor, send_splits: list[int], receive_splits: list[int], group: Any
-) -> tuple[torch.Tensor, Any]:
-    tensor = tensor.contiguous()
-    output = tensor.new_empty((sum(receive_splits), *tensor.shape[1:]))
-    work = dist.all_to_all_single(
-        output,
-        tensor,
-        output_split_sizes=receive_splits,
-        input_split_sizes=send_splits,
-        group=group,
-        async_op=True,
-    )
-    return output, work
-
-
-def start_all_to_all(
-    tensor: torch.Tensor,
-    send_splits: Sequence[int],
-    receive_splits: Sequence[int],
-    group: Any,
-    *,
-    differentiable: bool,
-) -> PendingExchange:
-    """:func:`all_to_all`, started asynchronously: compute something else, then ``wait()``.
-
-    The arguments are those of :func:`all_to_all`; the backward exchange (when differentiable) is
-    synchronous, as gradients are needed at once.
-    """
-    send = [int(v) for v in send_splits]
-    receive = [int(v) for v in receive_splits]
-    if not differentiable:
-        with torch.no_grad():
-            return PendingExchange(*_start(tensor, send, receive, group))
-    if not tensor.requires_grad:
-        tensor = tensor.detach().requires_grad_(True)
-    works: list[Any] = []
-    output = _AllToAllFunction.apply(tensor, send, receive, group, works)
-    return PendingExchange(output, works[0])
 
 
 # -- routes: what goes where, each way ------------------------------------------------------------

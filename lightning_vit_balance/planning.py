@@ -234,15 +234,15 @@ def _positive_ints(rows: list[tuple[Any, ...]], name: str, item_expected: str) -
 
 
 def _validate_patch_counts(patch_counts: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
-    if type(patch_counts) in (list, tuple) and set(map(type, patch_counts)) <= {list, tuple}:
-        # Fast path: lists or tuples of plain positive ints, what the exchange layer hands over.
-        rows = tuple(map(tuple, patch_counts))
-        values = [*chain.from_iterable(rows)]
-        if rows and set(map(type, values)) <= {int} and min(values, default=1) > 0:
-            return rows
-    if isinstance(patch_counts, Sequence) and not isinstance(patch_counts, (str, bytes)) and not patch_counts:
-        raise ValueError("patch_counts must have one entry per rank, got an empty sequence (0 ranks).")
-    rows = _int_rows(patch_counts, "patch_counts", "a sequence of positive ints")
+    if type(patch_counts) in (list, tuple) and patch_counts and set(map(type, patch_counts)) <= {list, tuple}:
+        # Lists or tuples of rows, what the exchange layer hands over: the shape needs no more
+        # checks (the ABC checks of the general path cost about as much as planning two ranks).
+        rows = list(map(tuple, patch_counts))
+    else:
+        sequence = isinstance(patch_counts, Sequence) and not isinstance(patch_counts, (str, bytes))
+        if sequence and not patch_counts:
+            raise ValueError("patch_counts must have one entry per rank, got an empty sequence (0 ranks).")
+        rows = _int_rows(patch_counts, "patch_counts", "a sequence of positive ints")
     return _positive_ints(rows, "patch_counts", "a positive int (T*H*W)")
 
 

@@ -55,11 +55,15 @@ def test_one_buffer_round_trip_per_dtype(dtype: torch.dtype) -> None:
     assert start == buffer.numel()
 
 
-def _plan() -> RebalancePlan:
-    # Rank 0: images of 16, 64 and 4 patches; rank 1: none; rank 2: one of 16.
-    counts = ((16, 64, 4), (), (16,))
-    destinations = ((2, 0, 1), (), (1,))
-    costs = tuple(tuple(float(n * n) for n in row) for row in counts)
+def _hand_plan(
+    counts: tuple[tuple[int, ...], ...], destinations: tuple[tuple[int, ...], ...], power: int
+) -> RebalancePlan:
+    """An applied plan given by hand, each image costing ``patches ** power``."""
+    costs = tuple(tuple(float(n**power) for n in row) for row in counts)
+    loads_after = [0.0] * len(counts)
+    for row, dests in zip(costs, destinations):
+        for cost, d in zip(row, dests):
+            loads_after[d] += cost
     return RebalancePlan(
         applied=True,
         reason="applied",
@@ -67,9 +71,14 @@ def _plan() -> RebalancePlan:
         patch_counts=counts,
         destinations=destinations,
         image_costs=costs,
-        loads_before=(4368.0, 0.0, 256.0),
-        loads_after=(4096.0, 272.0, 256.0),
+        loads_before=tuple(sum(row, 0.0) for row in costs),
+        loads_after=tuple(loads_after),
     )
+
+
+def _plan() -> RebalancePlan:
+    # Rank 0: images of 16, 64 and 4 patches; rank 1: none; rank 2: one of 16.
+    return _hand_plan(((16, 64, 4), (), (16,)), ((2, 0, 1), (), (1,)), power=2)
 
 
 def test_return_layout_sizes_and_order() -> None:
@@ -105,19 +114,7 @@ def test_return_layout_matches_the_route() -> None:
 def _trip_plan() -> RebalancePlan:
     # Rank 0 keeps image 1 and sends images 0 and 2 to rank 1 (rows out of order); rank 1 keeps its
     # image and gets images from rank 0 and rank 2 (its own sit between arrivals); rank 2 keeps image 1.
-    counts = ((4, 2, 6), (3,), (5, 1))
-    destinations = ((1, 0, 1), (1,), (1, 2))
-    costs = tuple(tuple(float(n) for n in row) for row in counts)
-    return RebalancePlan(
-        applied=True,
-        reason="applied",
-        solver="seed",
-        patch_counts=counts,
-        destinations=destinations,
-        image_costs=costs,
-        loads_before=(12.0, 3.0, 6.0),
-        loads_after=(2.0, 18.0, 1.0),
-    )
+    return _hand_plan(((4, 2, 6), (3,), (5, 1)), ((1, 0, 1), (1,), (1, 2)), power=1)
 
 
 def _simulated_trips(plan: RebalancePlan, home: bool) -> list[torch.Tensor]:

@@ -7,11 +7,13 @@ rank and image index, never by hash or dict order.
 Two solvers (:mod:`lightning_vit_balance.solvers`):
 
 * ``"locality"`` (default): a few fast heuristics that keep images at home unless moving them
-  helps (*home-first LPT*, *shed and place*), each refined; it keeps the plan that moves the
-  fewest pixel rows among those whose makespan is within 0.4% of the lower bound
-  ``max(total / P, largest image)`` or, when that is out of reach, of the best makespan found
-  (the seed's LPT included). So it balances around a dominating image, and does not exceed the
-  seed's makespan by more than 0.4% (empty-rank fix-ups aside).
+  helps (*home-first LPT*, *shed and place*), each refined, and a *repair* that exchanges images
+  between ranks above and below the bound when whole images leave them uneven (images of similar
+  sizes); it keeps the plan that moves the fewest pixel rows among those whose makespan is
+  within 0.4% of the lower bound ``max(total / P, largest image)`` or, when that is out of
+  reach, of the best makespan found (the seed's LPT included). So it balances around a
+  dominating image, and does not exceed the seed's makespan by more than 0.4% (empty-rank
+  fix-ups aside).
 * ``"lpt"`` (alias ``"seed"``): the seed's algorithm, LPT then move/swap refinement between the
   heaviest and the lightest rank; it skips when one image outweighs the mean load.
 

@@ -8,17 +8,22 @@ It does the least work that finds a good plan, in steps:
    :data:`~tuning.THOROUGH_ABOVE_PER_RANK` on average) home-first in coarse blocks joins it, and
    when no plan reaches the bound, home-first gets its try. With many images (numpy variants)
    home-first in blocks of ``P`` replaces all of these.
-2. *At the LPT*: when the bound is still out of reach, the seed's LPT (bins renamed to home
+2. *Repair* (no cap, Python paths): when no plan reaches the bound, the closest one is repaired
+   (:func:`~.repair.repair`): ranks above the bound exchange images with ranks below it until
+   every rank is within the slack of the bound or, failing that, within
+   :data:`~tuning.LEAN_SLACK` of it.
+3. *At the LPT*: when the bound is still out of reach, the seed's LPT (bins renamed to home
    ranks) joins the plans and sets the acceptance limit, and home-first is retried against it.
-3. *Selection*: every finished plan (a :class:`Candidate`) is scored by its patches above the
+4. *Selection*: every finished plan (a :class:`Candidate`) is scored by its patches above the
    cap, its makespan and the pixel rows it moves. Among the plans that honour the cap best, those
    within the slack of the target; of those, the one that moves the fewest rows (ties: the lower
    makespan), after :func:`~.locality.bring_home` when it may have images to send back.
 
 A plan that reached the bound untouched (no refinement, no fix-up) is final at once. With few
 images per rank (the lean order, :func:`_solve_lean`) step 1 is shed-and-place alone, against the
-simple bound first and the pigeonhole bound only when it misses that: most batches end there,
-at about the cost of one heap LPT.
+simple bound: most batches end there, at about the cost of one heap LPT. The seed's LPT runs only
+when the repair cannot reach the pigeonhole bound, so no plan is kept that is more than the slack
+above the seed's makespan.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import NamedTuple
 
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.solvers import tuning
-from lightning_vit_balance.solvers.batch import Batch, Destinations, score
+from lightning_vit_balance.solvers.batch import Batch, Destinations, rank_loads, score
 from lightning_vit_balance.solvers.locality import (
     bring_home,
     cap_excess,
@@ -37,6 +42,7 @@ from lightning_vit_balance.solvers.locality import (
     shed_and_place,
 )
 from lightning_vit_balance.solvers.lpt import lpt_reference, refine
+from lightning_vit_balance.solvers.repair import repair
 
 __all__ = ["Candidate", "solve_locality"]
 
@@ -59,37 +65,64 @@ def solve_locality(batch: Batch, config: ViTBalanceConfig) -> Destinations:
         return _solve_lean(batch, config, cap)
     accept = batch.tight_bound * (1.0 + tuning.SLACK)
     candidates = _aim_at_the_bound(batch, config, cap, accept)
-    closest = min(c.makespan for c in candidates)
-    if closest > accept * (1.0 + tuning.EPS):
-        candidates, accept = _aim_at_the_lpt(batch, config, cap, candidates, closest)
+    closest = min(candidates, key=lambda c: c.makespan)
+    if closest.makespan > accept * (1.0 + tuning.EPS) and cap is None and not _vectorised(batch, cap):
+        repaired = _repaired(batch, closest.dest, accept)
+        if repaired is not None:
+            candidates.append(repaired)
+            closest = min(closest, repaired, key=lambda c: c.makespan)
+    if closest.makespan > accept * (1.0 + tuning.EPS):
+        candidates, accept = _aim_at_the_lpt(batch, config, cap, candidates, closest.makespan)
     return _select(batch, candidates, accept, cap)
 
 
 def _solve_lean(batch: Batch, config: ViTBalanceConfig, cap: float | None) -> Destinations:
-    """Few images per rank: shed-and-place, and the seed's LPT only when it misses the bound.
+    """Few images per rank: shed-and-place, repaired when it misses the bound, and the seed's
+    LPT only when the repair cannot reach the bound.
 
-    The steps of :func:`solve_locality`, ordered for the least work. Most batches end after one
-    heuristic: shed-and-place, refined if need be, reaches the simple bound, or the pigeonhole
-    bound (computed only then). A bound it misses is mostly out of reach with few images per
-    rank, so the other heuristics are not tried against it: the seed's LPT sets the reachable
-    limit, stays a candidate (brought home, it often moves the fewest rows), and home-first is
-    retried against that limit.
+    The steps of :func:`solve_locality`, ordered for the least work. Most batches end after
+    shed-and-place, which reaches the simple bound. When it misses, the repair brings its plan
+    within the slack of the pigeonhole bound, or failing that within :data:`~tuning.LEAN_SLACK`
+    of it; only then does the seed's LPT run, as the reference that plan must stay within the
+    slack of. When no repaired plan qualifies, the seed's plan, shed-and-place refined and
+    home-first retried against it compete.
     """
     accept = batch.lower_bound * (1.0 + tuning.SLACK)
     shed = shed_and_place(batch, batch.lower_bound * (1.0 + tuning.SHED_AIM), cap)
     scored = score(batch, shed)
-    if max(scored[0]) > accept * (1.0 + tuning.EPS):
-        accept = batch.tight_bound * (1.0 + tuning.SLACK)
-    finished = _finish(batch, shed, cap, config, accept, scored)
-    if _within(finished, accept):
-        return _select(batch, [finished], accept, cap)
+    if max(scored[0]) <= accept * (1.0 + tuning.EPS):
+        return _select(batch, [_finish(batch, shed, cap, config, accept, scored)], accept, cap)
+    accept = batch.tight_bound * (1.0 + tuning.SLACK)
+    repaired = _repaired(batch, shed, accept) if cap is None else None
+    if repaired is not None and _within(repaired, accept):
+        return _select(batch, [repaired], accept, cap)
     reference = _measure(batch, _filled(batch, lpt_reference(batch, config, cap), cap))
+    if repaired is not None and _within(repaired, reference.makespan * (1.0 + tuning.SLACK)):
+        # Within the slack of the best plan found: the repaired one when it beats the seed's.
+        limit = min(reference.makespan, repaired.makespan) * (1.0 + tuning.SLACK)
+        return _select(batch, [repaired], limit, cap)
+    finished = _finish(batch, shed, cap, config, accept, scored)
     accept = max(accept, min(reference.makespan, finished.makespan) * (1.0 + tuning.SLACK))
     candidates = [finished, reference]
     if not _within(finished, accept):
         retry = home_first(batch, accept / (1.0 + tuning.SLACK) * (1.0 + tuning.AIM), cap)
         candidates.append(_finish(batch, retry, cap, config, accept))
     return _select(batch, candidates, accept, cap)
+
+
+def _repaired(batch: Batch, dest: Destinations, accept: float) -> Candidate | None:
+    """A copy of ``dest`` repaired (no cap) to ``accept``, or else to the lean limit
+    (:data:`~tuning.LEAN_SLACK` above the pigeonhole bound); ``None`` when it reaches neither.
+
+    Its exchanges already chose the fewest rows, so it is not brought home (not adjusted).
+    """
+    dest = list(dest)
+    fill_empty_ranks(batch, dest, None)
+    lean = batch.tight_bound * (1.0 + tuning.LEAN_SLACK)
+    if repair(batch, dest, rank_loads(batch, dest), (accept, max(accept, lean))) is None:
+        return None
+    loads, moved = score(batch, dest)
+    return Candidate(dest, max(loads), moved)
 
 
 def _aim_at_the_bound(

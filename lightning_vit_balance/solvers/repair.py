@@ -1,0 +1,232 @@
+"""Repair: bring every rank within a target load by exchanges with the ranks that have room.
+
+Shed-and-place balances in one pass, so with few images per rank it often ends above its target:
+whole images are coarse, and with images of similar sizes no greedy placement fills every rank
+evenly. :func:`repair` relieves the ranks above the target one at a time, heaviest first, by
+exchanges with ranks below it (*receivers*; room: the target minus the load):
+
+* *Whole relief*: one exchange that brings the rank within the target and keeps its receiver
+  within it. First one image moved, or swapped for a cheaper one, trying the receivers with the
+  least room that suffices first (best fit: large rooms stay whole for large excesses); then
+  groups of up to :data:`~tuning.EXCHANGE_SIZE` images each way with the
+  :data:`~tuning.EXCHANGE_RECEIVERS` roomiest. Scoring: the pixel rows the exchange adds (an
+  image leaving its home adds its rows, one coming home takes them off); selection: the fewest,
+  the first found on ties.
+* *Partial relief*, when no exchange relieves the rank whole: the exchange that shifts the most
+  cost to the roomiest receiver without taking it above the target (single images first), then
+  again, at most :data:`~tuning.REPAIR_STEPS` exchanges for the rank.
+
+No exchange takes a receiver above the target, so a relieved rank stays relieved. When a rank
+cannot be relieved the repair moves on to its next, looser target from where it stands.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right, insort
+from collections.abc import Sequence
+from itertools import combinations
+from typing import NamedTuple
+
+from lightning_vit_balance.solvers import tuning
+from lightning_vit_balance.solvers.batch import Batch
+
+__all__ = ["repair"]
+
+
+class _Exchange(NamedTuple):
+    """Images sent from the relieved rank and sent back to it; the pixel rows this adds and the
+    cost it shifts to the receiver."""
+
+    rows: int
+    shift: float
+    sent: tuple[int, ...]
+    returned: tuple[int, ...]
+
+
+class _State:
+    """A plan being repaired: destinations, each rank's images (by cost) and load, ranks by load."""
+
+    def __init__(self, batch: Batch, dest: list[int], loads: list[float]) -> None:
+        self.batch = batch
+        self.dest = dest
+        self.loads = loads
+        self.members: list[list[int]] = [[] for _ in range(batch.num_ranks)]
+        for k in reversed(batch.order):  # the cheapest first: each list is sorted by cost
+            self.members[dest[k]].append(k)
+        self.by_load = sorted(zip(loads, range(batch.num_ranks)))
+
+    def rows_added(self, k: int, src: int, dst: int) -> int:
+        """Pixel rows that moving image ``k`` from ``src`` to ``dst`` adds (may be < 0)."""
+        home = self.batch.home[k]
+        return self.batch.patches[k] if home == src else -self.batch.patches[k] if home == dst else 0
+
+    def apply(self, step: _Exchange, relieved: int, receiver: int) -> None:
+        """Carry out ``step``, keeping ``members`` and ``by_load`` sorted."""
+        loads, by_load, cost = self.loads, self.by_load, self.batch.cost
+        for r in (relieved, receiver):
+            by_load.pop(bisect_left(by_load, (loads[r], r)))
+        for images, src, dst in ((step.sent, relieved, receiver), (step.returned, receiver, relieved)):
+            for k in images:
+                self.members[src].remove(k)
+                insort(self.members[dst], k, key=cost.__getitem__)
+                self.dest[k] = dst
+                loads[src] -= cost[k]
+                loads[dst] += cost[k]
+        for r in (relieved, receiver):
+            insort(by_load, (loads[r], r))
+
+
+def repair(batch: Batch, dest: list[int], loads: list[float], targets: Sequence[float]) -> float | None:
+    """Bring every rank's load within the first of ``targets`` it can by exchanges; updates
+    ``dest`` and ``loads`` in place (no cap: the exchanges do not check one).
+
+    The ranks above ``targets[0]`` are relieved heaviest first. When one cannot be brought within
+    the current target, the repair moves on to the next (looser) target from where it stands: the
+    ranks relieved so far are within that one too.
+
+    Args:
+        batch: The images.
+        dest: A plan's destinations, every rank that must hold an image holding one.
+        loads: Each rank's load under ``dest``, summed as :func:`~.batch.score` sums.
+        targets: Loads no rank should exceed, tightest first.
+
+    Returns:
+        The target every rank ends within, or ``None`` when it is not even the last (``dest``
+        and ``loads`` then hold a partly repaired plan).
+    """
+    at = 0
+    limit = targets[at] * (1.0 + tuning.EPS)
+    over = sorted((r for r in range(batch.num_ranks) if loads[r] > limit), key=lambda r: (-loads[r], r))
+    state = _State(batch, dest, loads) if over else None
+    for relieved in over:
+        while not _relieve(state, relieved, limit):
+            at += 1
+            if at == len(targets):
+                return None
+            limit = targets[at] * (1.0 + tuning.EPS)
+    return targets[at]
+
+
+def _relieve(state: _State, relieved: int, limit: float) -> bool:
+    """Bring ``relieved`` within ``limit``: whole relief, else partial relief and again."""
+    for _ in range(tuning.REPAIR_STEPS):
+        excess = state.loads[relieved] - limit
+        if excess <= 0.0:
+            return True
+        found = _whole_relief(state, relieved, excess, limit) or _partial_relief(state, relieved, limit)
+        if found is None:
+            return False
+        state.apply(found[0], relieved, found[1])
+    return state.loads[relieved] <= limit
+
+
+def _whole_relief(state: _State, relieved: int, excess: float, limit: float) -> tuple[_Exchange, int] | None:
+    """The first receiver and exchange that shift at least ``excess`` within its room: single
+    images with any, the receiver with the least room that suffices first (so large rooms stay
+    whole for large excesses), then groups with the few roomiest."""
+    able = []
+    for load, r in state.by_load:  # the lightest first: the most room
+        if limit - load < excess:
+            break
+        able.append((r, limit - load))
+    for r, room in reversed(able):
+        step = _best_single(state, relieved, r, excess, room, fill=False)
+        if step is not None:
+            return step, r
+    for r, room in able[: tuning.EXCHANGE_RECEIVERS]:
+        step = _best_exchange(state, relieved, r, excess, room, fill=False)
+        if step is not None:
+            return step, r
+    return None
+
+
+def _partial_relief(state: _State, relieved: int, limit: float) -> tuple[_Exchange, int] | None:
+    """The exchange that shifts the most cost to the roomiest receiver within its room: single
+    images, else groups."""
+    load, receiver = state.by_load[0]
+    if load >= limit:
+        return None
+    step = _best_single(state, relieved, receiver, 0.0, limit - load, fill=True)
+    if step is None:
+        step = _best_exchange(state, relieved, receiver, 0.0, limit - load, fill=True)
+    return None if step is None else (step, receiver)
+
+
+def _better(candidate: _Exchange, best: _Exchange | None, fill: bool) -> bool:
+    """Scoring: the fewest rows; with ``fill``, the most cost shifted first."""
+    if best is None:
+        return True
+    if fill and candidate.shift != best.shift:
+        return candidate.shift > best.shift
+    return candidate.rows < best.rows
+
+
+def _best_single(
+    state: _State, relieved: int, receiver: int, low: float, high: float, fill: bool
+) -> _Exchange | None:
+    """The move or swap of single images from ``relieved`` to ``receiver`` that shifts a positive
+    cost in ``[low, high]``, best by :func:`_better`; ``None`` when there is none."""
+    cost = state.batch.cost
+    mine, theirs = state.members[relieved], state.members[receiver]
+    theirs_costs = [cost[b] for b in theirs]  # ascending, as ``theirs``
+    may_empty = len(mine) > 1 or not state.batch.must_hold[relieved]
+    best: _Exchange | None = None
+    for a in reversed(mine):  # the costliest first: the cheaper ones shift less
+        ca = cost[a]
+        if ca < low or ca <= 0.0:
+            break
+        if ca <= high and may_empty:
+            step = _Exchange(state.rows_added(a, relieved, receiver), ca, (a,), ())
+            if _better(step, best, fill):
+                best = step
+        # A swap for b shifts ca - cost[b]: within [low, high] and positive.
+        floor, ceiling = ca - high, min(ca - low, ca)
+        for j, cb in enumerate(theirs_costs):
+            if cb > ceiling:
+                break
+            if cb >= floor and cb < ca:
+                b = theirs[j]
+                rows = state.rows_added(a, relieved, receiver) + state.rows_added(b, receiver, relieved)
+                step = _Exchange(rows, ca - cb, (a,), (b,))
+                if _better(step, best, fill):
+                    best = step
+    return best
+
+
+def _groups(images: list[int], cost: list[float]) -> list[tuple[float, tuple[int, ...]]]:
+    """Every group of up to :data:`~tuning.EXCHANGE_SIZE` of ``images`` with its summed cost
+    (summed in the order of ``images``)."""
+    groups = [(cost[k], (k,)) for k in images]
+    for size in range(2, tuning.EXCHANGE_SIZE + 1):
+        groups += [(sum(map(cost.__getitem__, ids)), ids) for ids in combinations(images, size)]
+    return groups
+
+
+def _best_exchange(
+    state: _State, relieved: int, receiver: int, low: float, high: float, fill: bool
+) -> _Exchange | None:
+    """The exchange of up to :data:`~tuning.EXCHANGE_SIZE` images each way that shifts a positive
+    cost in ``[low, high]`` to ``receiver``, best by :func:`_better` (ties: the first found);
+    ``None`` when there is none."""
+    cost = state.batch.cost
+    mine = state.members[relieved]
+    back = sorted(_groups(state.members[receiver], cost))
+    back.insert(0, (0.0, ()))  # nothing back: costs are >= 0, so it sorts first
+    back_costs = [c for c, _ in back]
+    keep_one = state.batch.must_hold[relieved]
+    best: _Exchange | None = None
+    for sent_cost, sent in _groups(mine, cost):
+        # Sent minus returned in [low, high]: returned costs in [sent - high, sent - low].
+        start = bisect_left(back_costs, sent_cost - high)
+        end = bisect_right(back_costs, sent_cost - low)
+        # With ``fill`` the first in the window shifts the most.
+        for back_cost, returned in back[start : start + 1 if fill else end]:
+            shift = sent_cost - back_cost
+            if shift <= 0.0 or (keep_one and not returned and len(sent) == len(mine)):
+                continue
+            rows = sum(state.rows_added(k, relieved, receiver) for k in sent)
+            rows += sum(state.rows_added(k, receiver, relieved) for k in returned)
+            step = _Exchange(rows, shift, sent, returned)
+            if _better(step, best, fill):
+                best = step
+    return best

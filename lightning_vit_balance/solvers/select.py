@@ -81,19 +81,22 @@ def _solve_lean(batch: Batch, config: ViTBalanceConfig, cap: float | None) -> De
     LPT only when the repair cannot reach the bound.
 
     The steps of :func:`solve_locality`, ordered for the least work. Most batches end after
-    shed-and-place, which reaches the simple bound. When it misses, the repair brings its plan
+    shed-and-place, which reaches the simple bound, or after its refinement (the seed's pairwise
+    moves and swaps) reaches the pigeonhole bound. When both miss, the repair brings the plan
     within the slack of the pigeonhole bound, or failing that within :data:`~tuning.LEAN_SLACK`
     of it; only then does the seed's LPT run, as the reference that plan must stay within the
-    slack of. When no repaired plan qualifies, the seed's plan, shed-and-place refined and
-    home-first retried against it compete.
+    slack of. When no repaired plan qualifies, the seed's plan, the refined plan and home-first
+    retried against it compete.
     """
     accept = batch.lower_bound * (1.0 + tuning.SLACK)
     shed = shed_and_place(batch, batch.lower_bound * (1.0 + tuning.SHED_AIM), cap)
     scored = score(batch, shed)
-    if max(scored[0]) <= accept * (1.0 + tuning.EPS):
-        return _select(batch, [_finish(batch, shed, cap, config, accept, scored)], accept, cap)
-    accept = batch.tight_bound * (1.0 + tuning.SLACK)
-    repaired = _repaired(batch, shed, accept) if cap is None else None
+    if max(scored[0]) > accept * (1.0 + tuning.EPS):
+        accept = batch.tight_bound * (1.0 + tuning.SLACK)
+    finished = _finish(batch, shed, cap, config, accept, scored)
+    if _within(finished, accept):
+        return _select(batch, [finished], accept, cap)
+    repaired = _repaired(batch, finished.dest, accept) if cap is None else None
     if repaired is not None and _within(repaired, accept):
         return _select(batch, [repaired], accept, cap)
     reference = _measure(batch, _filled(batch, lpt_reference(batch, config, cap), cap))
@@ -101,7 +104,6 @@ def _solve_lean(batch: Batch, config: ViTBalanceConfig, cap: float | None) -> De
         # Within the slack of the best plan found: the repaired one when it beats the seed's.
         limit = min(reference.makespan, repaired.makespan) * (1.0 + tuning.SLACK)
         return _select(batch, [repaired], limit, cap)
-    finished = _finish(batch, shed, cap, config, accept, scored)
     accept = max(accept, min(reference.makespan, finished.makespan) * (1.0 + tuning.SLACK))
     candidates = [finished, reference]
     if not _within(finished, accept):

@@ -93,10 +93,11 @@ def _solve_lean(batch: Batch, config: ViTBalanceConfig, cap: float | None) -> De
     scored = score(batch, shed)
     if max(scored[0]) > accept * (1.0 + tuning.EPS):
         accept = batch.tight_bound * (1.0 + tuning.SLACK)
+    placed = list(shed)  # the refinement works in place; the repair starts from the placement
     finished = _finish(batch, shed, cap, config, accept, scored)
     if _within(finished, accept):
         return _select(batch, [finished], accept, cap)
-    repaired = _repaired(batch, finished.dest, accept) if cap is None else None
+    repaired = _repaired(batch, placed, accept) if cap is None else None
     if repaired is not None and _within(repaired, accept):
         return _select(batch, [repaired], accept, cap)
     reference = _measure(batch, _filled(batch, lpt_reference(batch, config, cap), cap))

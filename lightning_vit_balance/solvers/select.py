@@ -8,10 +8,11 @@ It does the least work that finds a good plan, in steps:
    :data:`~tuning.THOROUGH_ABOVE_PER_RANK` on average) home-first in coarse blocks joins it, and
    when no plan reaches the bound, home-first gets its try. With many images (numpy variants)
    home-first in blocks of ``P`` replaces all of these.
-2. *Repair* (no cap, Python paths): when no plan reaches the bound, the closest one is repaired
-   (:func:`~.repair.repair`): ranks above the bound exchange images with ranks below it until
-   every rank is within the slack of the bound or, failing that, within
-   :data:`~tuning.LEAN_SLACK` of it.
+2. *Repair* (no cap, Python paths): when the closest plan is more than
+   :data:`~tuning.LEAN_SLACK` above the bound (images of similar sizes, which whole images cannot
+   spread evenly), it is repaired (:func:`~.repair.repair`): ranks above the bound exchange
+   images with ranks below it until every rank is within the slack of the bound or, failing
+   that, within :data:`~tuning.LEAN_SLACK` of it.
 3. *At the LPT*: when the bound is still out of reach, the seed's LPT (bins renamed to home
    ranks) joins the plans and sets the acceptance limit, and home-first is retried against it.
 4. *Selection*: every finished plan (a :class:`Candidate`) is scored by its patches above the
@@ -66,7 +67,7 @@ def solve_locality(batch: Batch, config: ViTBalanceConfig) -> Destinations:
     accept = batch.tight_bound * (1.0 + tuning.SLACK)
     candidates = _aim_at_the_bound(batch, config, cap, accept)
     closest = min(candidates, key=lambda c: c.makespan)
-    if closest.makespan > accept * (1.0 + tuning.EPS) and cap is None and not _vectorised(batch, cap):
+    if _worth_repairing(batch, closest, cap):
         repaired = _repaired(batch, closest.dest, accept)
         if repaired is not None:
             candidates.append(repaired)
@@ -77,16 +78,16 @@ def solve_locality(batch: Batch, config: ViTBalanceConfig) -> Destinations:
 
 
 def _solve_lean(batch: Batch, config: ViTBalanceConfig, cap: float | None) -> Destinations:
-    """Few images per rank: shed-and-place, repaired when it misses the bound, and the seed's
-    LPT only when the repair cannot reach the bound.
+    """Few images per rank: shed-and-place, refined or repaired when it misses the bound, and the
+    seed's LPT only when neither reaches the bound.
 
     The steps of :func:`solve_locality`, ordered for the least work. Most batches end after
     shed-and-place, which reaches the simple bound, or after its refinement (the seed's pairwise
-    moves and swaps) reaches the pigeonhole bound. When both miss, the repair brings the plan
-    within the slack of the pigeonhole bound, or failing that within :data:`~tuning.LEAN_SLACK`
-    of it; only then does the seed's LPT run, as the reference that plan must stay within the
-    slack of. When no repaired plan qualifies, the seed's plan, the refined plan and home-first
-    retried against it compete.
+    moves and swaps) reaches the pigeonhole bound. When the refined plan is still more than
+    :data:`~tuning.LEAN_SLACK` above it, the repair brings the placement within the slack of the
+    bound, or failing that within :data:`~tuning.LEAN_SLACK` of it; only then does the seed's LPT
+    run, as the reference that plan must stay within the slack of. Otherwise the seed's plan, the
+    refined plan and home-first retried against it compete.
     """
     accept = batch.lower_bound * (1.0 + tuning.SLACK)
     shed = shed_and_place(batch, batch.lower_bound * (1.0 + tuning.SHED_AIM), cap)
@@ -97,7 +98,7 @@ def _solve_lean(batch: Batch, config: ViTBalanceConfig, cap: float | None) -> De
     finished = _finish(batch, shed, cap, config, accept, scored)
     if _within(finished, accept):
         return _select(batch, [finished], accept, cap)
-    repaired = _repaired(batch, placed, accept) if cap is None else None
+    repaired = _repaired(batch, placed, accept) if _worth_repairing(batch, finished, cap) else None
     if repaired is not None and _within(repaired, accept):
         return _select(batch, [repaired], accept, cap)
     reference = _measure(batch, _filled(batch, lpt_reference(batch, config, cap), cap))
@@ -113,12 +114,20 @@ def _solve_lean(batch: Batch, config: ViTBalanceConfig, cap: float | None) -> De
     return _select(batch, candidates, accept, cap)
 
 
+def _worth_repairing(batch: Batch, closest: Candidate, cap: float | None) -> bool:
+    """Whether to repair the closest plan: it is more than :data:`~tuning.LEAN_SLACK` above the
+    pigeonhole bound, there is no cap (the exchanges do not check one) and the images fit the
+    Python paths. Closer plans keep the order without it: the seed's LPT as reference, whose
+    looser limit lets plans that move fewer rows qualify."""
+    if cap is not None or _vectorised(batch, cap):
+        return False
+    return closest.makespan > batch.tight_bound * (1.0 + tuning.LEAN_SLACK) * (1.0 + tuning.EPS)
+
+
 def _repaired(batch: Batch, dest: Destinations, accept: float) -> Candidate | None:
     """A copy of ``dest`` repaired (no cap) to ``accept``, or else to the lean limit
     (:data:`~tuning.LEAN_SLACK` above the pigeonhole bound); ``None`` when it reaches neither.
-
-    Its exchanges already chose the fewest rows, so it is not brought home (not adjusted).
-    """
+    Selection brings it home like any adjusted plan."""
     dest = list(dest)
     fill_empty_ranks(batch, dest, None)
     lean = batch.tight_bound * (1.0 + tuning.LEAN_SLACK)

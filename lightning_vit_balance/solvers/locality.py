@@ -224,30 +224,33 @@ def _shed(ids: list[int], excess: float, size: list[Any], rows: list[int]) -> se
     """
     if excess <= 0:
         return set()
+    sizes, image_rows = [size[k] for k in ids], [rows[k] for k in ids]
     shed: list[int] = []
-    shed_rows = 0
+    shed_rows, end = 0, len(ids)
     best: list[int] | None = None
     best_rows = 0
-    remaining = sum(map(size.__getitem__, ids))
-    i, end = 0, len(ids)
+    remaining = sum(sizes)
+    i = 0
     while i < end:
         covering = i
-        while covering < end and size[ids[covering]] >= excess:
+        while covering < end and sizes[covering] >= excess:
             covering += 1
         if covering > i:
             # Fewest rows; ties: the smallest image (the last in the order).
-            last = min(range(i, covering), key=lambda t: (rows[ids[t]], -t))
-            if best is None or shed_rows + rows[ids[last]] < best_rows:
-                best, best_rows = [*shed, ids[last]], shed_rows + rows[ids[last]]
-            remaining -= sum(size[ids[t]] for t in range(i, covering))
+            last = i
+            for t in range(i + 1, covering):
+                if image_rows[t] <= image_rows[last]:
+                    last = t
+            if best is None or shed_rows + image_rows[last] < best_rows:
+                best, best_rows = [*shed, ids[last]], shed_rows + image_rows[last]
+            remaining -= sum(sizes[i:covering])
             i = covering
         if i == end or remaining < excess:
             break
-        k = ids[i]
-        shed.append(k)
-        shed_rows += rows[k]
-        excess -= size[k]
-        remaining -= size[k]
+        shed.append(ids[i])
+        shed_rows += image_rows[i]
+        excess -= sizes[i]
+        remaining -= sizes[i]
         i += 1
     return set(best) if best is not None else set(ids)
 
@@ -260,13 +263,16 @@ def _place(batch: Batch, shed: list[int], dest: Destinations, cap: float | None)
     then the placement starts again with that image kept home from the start, so a rank that
     receives never ends above the cap (each retry keeps one more image home, so this ends).
     """
+    if cap is None:  # every image finds a rank: one pass, from home
+        _place_once(batch, shed, dest, cap)
+        return
     kept: set[int] = set()
     while True:
         placing = [k for k in shed if k not in kept]
         for k in placing:
             dest[k] = batch.home[k]
         stayed = _place_once(batch, placing, dest, cap)
-        if not stayed:  # always so without a cap
+        if not stayed:
             return
         receivers = {d for k, d in enumerate(dest) if d != batch.home[k]}
         clash = {k for k in stayed if batch.home[k] in receivers}

@@ -325,6 +325,10 @@ def test_determinism_across_processes() -> None:
         "        counts[3] = [2, 2, 2, 2]  # ties\n"
         "        plan = plan_rebalance(counts, ViTBalanceConfig(solver=solver, trigger_threshold=0.0))\n"
         "        out.append([plan.destinations, plan.loads_after, plan.reason])\n"
+        "for _ in range(5):  # similar sizes, some equal: the repair's exchanges and their ties\n"
+        "    counts = [rng.choice([784, 900, 1024, 1296], rng.integers(1, 9)).tolist() for _ in range(8)]\n"
+        "    plan = plan_rebalance(counts, ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))\n"
+        "    out.append([plan.destinations, plan.loads_after, plan.reason])\n"
         "print(json.dumps(out))\n"
     )
     results = []

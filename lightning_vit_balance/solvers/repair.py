@@ -97,7 +97,9 @@ def repair(batch: Batch, dest: list[int], loads: list[float], targets: Sequence[
     at = 0
     limit = targets[at] * (1.0 + tuning.EPS)
     over = sorted((r for r in range(batch.num_ranks) if loads[r] > limit), key=lambda r: (-loads[r], r))
-    state = _State(batch, dest, loads) if over else None
+    if not over:
+        return targets[at]
+    state = _State(batch, dest, loads)
     for relieved in over:
         while not _relieve(state, relieved, limit):
             at += 1

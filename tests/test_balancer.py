@@ -484,8 +484,10 @@ def test_overlapped_pixel_trip_equals_the_direct_call(multirank: Any, n: int) ->
 
 # Rank 1 keeps its image and encodes one image of rank 0 and one of rank 2: its own rows sit
 # between arrivals, so the pixel trip carries them (PixelTrip's fallback); ranks 0 and 2 keep theirs
-# out of the collective, rank 0 with its kept images around the one it sends.
-MIDDLE_RANK_GRIDS = [[(1, 8, 6), (1, 8, 4), (1, 8, 6)], [(1, 6, 6)], [(1, 8, 8), (1, 8, 6), (1, 4, 4)]]
+# out of the collective, rank 0 with its kept images around the one it sends. That plan is the only
+# one with the lowest makespan and, among those, the fewest rows moved (checked against all 3**7
+# assignments), so a solver change that still finds the best plan keeps this case.
+MIDDLE_RANK_GRIDS = [[(1, 6, 4), (1, 4, 4), (1, 4, 8)], [(1, 2, 8)], [(1, 4, 6), (1, 6, 6), (1, 8, 4)]]
 
 
 def _middle_rank_suite(n: int) -> dict[str, Any]:

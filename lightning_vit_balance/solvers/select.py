@@ -94,7 +94,9 @@ def _solve_lean(batch: Batch, config: ViTBalanceConfig, cap: float | None) -> De
     scored = score(batch, shed)
     if max(scored[0]) > accept * (1.0 + tuning.EPS):
         accept = batch.tight_bound * (1.0 + tuning.SLACK)
-    placed = list(shed)  # the refinement works in place; the repair starts from the placement
+    # The refinement works in place, and the repair starts from the placement: keep it when the
+    # refinement may run (a placement within the limit is final and needs no copy).
+    placed = list(shed) if max(scored[0]) > accept * (1.0 + tuning.EPS) else shed
     finished = _finish(batch, shed, cap, config, accept, scored)
     if _within(finished, accept):
         return _select(batch, [finished], accept, cap)
@@ -128,8 +130,7 @@ def _repaired(batch: Batch, dest: Destinations, accept: float) -> Candidate | No
     """A copy of ``dest`` repaired (no cap) to ``accept``, or else to the lean limit
     (:data:`~tuning.LEAN_SLACK` above the pigeonhole bound); ``None`` when it reaches neither.
     Selection brings it home like any adjusted plan."""
-    dest = list(dest)
-    fill_empty_ranks(batch, dest, None)
+    dest = _filled(batch, list(dest), None)
     lean = batch.tight_bound * (1.0 + tuning.LEAN_SLACK)
     if repair(batch, dest, rank_loads(batch, dest), (accept, max(accept, lean))) is None:
         return None

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from lightning_vit_balance import CostModel, ViTBalanceConfig, plan_rebalance
 from lightning_vit_balance.planning import _validate_patch_counts
-from lightning_vit_balance.solvers import Batch, tuning
+from lightning_vit_balance.solvers import Batch, select, tuning
 from lightning_vit_balance.solvers.batch import rank_loads
 from lightning_vit_balance.solvers.locality import fill_empty_ranks, shed_and_place
-from lightning_vit_balance.solvers.repair import repair
+from lightning_vit_balance.solvers.repair import _best_single, _better, _Exchange, _State, repair
 
 FORCED = ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0)
 LINEAR = CostModel(quadratic=0.0, linear=1.0)  # cost = patches: hand-checkable sums
@@ -134,3 +134,78 @@ def test_similar_sizes_now_plan_near_the_bound(per_rank: tuple[int, int]) -> Non
             seeds.append(seed.makespan_after / tight)
     assert statistics.median(plans) <= 1.0 + tuning.LEAN_SLACK
     assert statistics.median(seeds) - statistics.median(plans) >= 0.005
+
+
+def _best_single_by_scan(state: _State, relieved: int, receiver: int, low: float, high: float, fill: bool):
+    """Every move and swap in the repair's order (the costliest first; a move, then swaps with the
+    receiver's images cheapest first), each kept if it beats the best so far."""
+    cost = state.batch.cost
+    mine, theirs = state.members[relieved], state.members[receiver]
+    may_empty = len(mine) > 1 or not state.batch.must_hold[relieved]
+    best = None
+    for a in reversed(mine):
+        if cost[a] < low or cost[a] <= 0.0:
+            break
+        steps = [((a,), ()) if may_empty and cost[a] <= high else None]
+        steps += [((a,), (b,)) for b in theirs if low <= cost[a] - cost[b] <= high and cost[b] < cost[a]]
+        for step in filter(None, steps):
+            rows = sum(state.rows_added(k, relieved, receiver) for k in step[0])
+            rows += sum(state.rows_added(k, receiver, relieved) for k in step[1])
+            shift = cost[a] - sum(cost[k] for k in step[1])
+            candidate = _Exchange(rows, shift, *step)
+            if _better(candidate, best, fill):
+                best = candidate
+    return best
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    counts=st.lists(st.lists(st.sampled_from([4, 6, 9, 10, 15, 20, 25]), max_size=6), min_size=2, max_size=4),
+    dest_seed=st.integers(0, 2**16),
+    low=st.sampled_from([0.0, 1.0, 5.0, 11.0]),
+    width=st.sampled_from([0.0, 2.0, 6.0, 30.0]),
+    fill=st.booleans(),
+)
+def test_single_exchange_search_equals_a_scan(
+    counts: list[list[int]], dest_seed: int, low: float, width: float, fill: bool
+) -> None:
+    # The search bisects each image's window of partners in the receiver's cost-sorted images; a
+    # plain scan of every move and swap in the same order must find the same exchange (equal
+    # costs included: ties go to the first found).
+    batch = _batch(counts)
+    rng = np.random.default_rng(dest_seed)
+    dest = rng.integers(0, batch.num_ranks, batch.size).tolist()
+    state = _State(batch, dest, rank_loads(batch, dest))
+    for relieved in range(batch.num_ranks):
+        for receiver in range(batch.num_ranks):
+            if receiver != relieved:
+                found = _best_single(state, relieved, receiver, low, low + width, fill)
+                assert found == _best_single_by_scan(state, relieved, receiver, low, low + width, fill)
+
+
+def test_lean_order_repairs_first_when_many_ranks_are_above(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Similar sizes (squares of 28-36 patches a side) on six ranks: shed-and-place leaves more
+    # than REFINE_UP_TO_ABOVE ranks above the pigeonhole bound, where the seed's pairwise
+    # refinement rarely finishes: the repair runs first and reaches the bound, so the refinement
+    # never runs. With one rank above, it does.
+    calls: list[int] = []
+    original = select.refine
+    monkeypatch.setattr(select, "refine", lambda *a, **k: calls.append(1) or original(*a, **k))
+    counts = [
+        [1024, 1024, 1089, 961],
+        [961, 784, 784, 961],
+        [1024, 841],
+        [1296, 1156, 841, 1089],
+        [1156, 1296, 1089],
+        [1156, 961, 900, 1225],
+    ]
+    batch = _batch(counts, CostModel())
+    shed = shed_and_place(batch, batch.lower_bound * (1.0 + tuning.SHED_AIM), None)
+    limit = batch.tight_bound * (1.0 + tuning.SLACK) * (1.0 + tuning.EPS)
+    assert sum(load > limit for load in rank_loads(batch, shed)) > tuning.REFINE_UP_TO_ABOVE
+    plan = plan_rebalance(counts, FORCED)
+    assert plan.makespan_after <= limit
+    assert calls == []
+    few_above = [[1296, 1296, 784], [784], [800, 810]]
+    plan_rebalance(few_above, FORCED)
+    assert calls

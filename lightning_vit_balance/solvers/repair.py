@@ -53,6 +53,9 @@ class _State:
         self.members: list[list[int]] = [[] for _ in range(batch.num_ranks)]
         for k in reversed(batch.order):  # the cheapest first: each list is sorted by cost
             self.members[dest[k]].append(k)
+        cost = batch.cost
+        #: ``member_costs[r]``: the costs of ``members[r]``, in the same order (for bisection).
+        self.member_costs = [[cost[k] for k in images] for images in self.members]
         self.by_load = sorted(zip(loads, range(batch.num_ranks)))
 
     def rows_added(self, k: int, src: int, dst: int) -> int:
@@ -61,14 +64,18 @@ class _State:
         return self.batch.patches[k] if home == src else -self.batch.patches[k] if home == dst else 0
 
     def apply(self, step: _Exchange, relieved: int, receiver: int) -> None:
-        """Carry out ``step``, keeping ``members`` and ``by_load`` sorted."""
+        """Carry out ``step``, keeping ``members``, ``member_costs`` and ``by_load`` sorted."""
         loads, by_load, cost = self.loads, self.by_load, self.batch.cost
         for r in (relieved, receiver):
             by_load.pop(bisect_left(by_load, (loads[r], r)))
         for images, src, dst in ((step.sent, relieved, receiver), (step.returned, receiver, relieved)):
             for k in images:
-                self.members[src].remove(k)
-                insort(self.members[dst], k, key=cost.__getitem__)
+                at = self.members[src].index(k)
+                del self.members[src][at], self.member_costs[src][at]
+                # After the images of equal cost, as ``insort`` by cost places it.
+                at = bisect_right(self.member_costs[dst], cost[k])
+                self.members[dst].insert(at, k)
+                self.member_costs[dst].insert(at, cost[k])
                 self.dest[k] = dst
                 loads[src] -= cost[k]
                 loads[dst] += cost[k]
@@ -168,25 +175,24 @@ def _best_single(
 ) -> _Exchange | None:
     """The move or swap of single images from ``relieved`` to ``receiver`` that shifts a positive
     cost in ``[low, high]``, best by :func:`_better`; ``None`` when there is none."""
-    cost = state.batch.cost
-    mine, theirs = state.members[relieved], state.members[receiver]
-    theirs_costs = [cost[b] for b in theirs]  # ascending, as ``theirs``
+    mine, mine_costs = state.members[relieved], state.member_costs[relieved]
+    theirs, theirs_costs = state.members[receiver], state.member_costs[receiver]
     may_empty = len(mine) > 1 or not state.batch.must_hold[relieved]
     best: _Exchange | None = None
-    for a in reversed(mine):  # the costliest first: the cheaper ones shift less
-        ca = cost[a]
-        if ca < low or ca <= 0.0:
+    # The costliest first (the cheaper ones shift less), down to the cheapest that shifts ``low``.
+    for i in range(len(mine) - 1, bisect_left(mine_costs, low) - 1, -1):
+        a, ca = mine[i], mine_costs[i]
+        if ca <= 0.0:
             break
         if ca <= high and may_empty:
             step = _Exchange(state.rows_added(a, relieved, receiver), ca, (a,), ())
             if _better(step, best, fill):
                 best = step
-        # A swap for b shifts ca - cost[b]: within [low, high] and positive.
-        floor, ceiling = ca - high, min(ca - low, ca)
-        for j, cb in enumerate(theirs_costs):
-            if cb > ceiling:
-                break
-            if cb >= floor and cb < ca:
+        # A swap for b shifts ca - cost[b]: within [low, high] (``low >= 0``) and positive.
+        start, end = bisect_left(theirs_costs, ca - high), bisect_right(theirs_costs, ca - low)
+        for j in range(start, end):
+            cb = theirs_costs[j]
+            if cb < ca:
                 b = theirs[j]
                 rows = state.rows_added(a, relieved, receiver) + state.rows_added(b, receiver, relieved)
                 step = _Exchange(rows, ca - cb, (a,), (b,))

@@ -83,26 +83,51 @@ def _solve_lean(batch: Batch, config: ViTBalanceConfig, cap: float | None) -> De
 
     The steps of :func:`solve_locality`, ordered for the least work. Most batches end after
     shed-and-place, which reaches the simple bound, or after its refinement (the seed's pairwise
-    moves and swaps) reaches the pigeonhole bound. When the refined plan is still more than
-    :data:`~tuning.LEAN_SLACK` above it, the repair brings the placement within the slack of the
-    bound, or failing that within :data:`~tuning.LEAN_SLACK` of it; only then does the seed's LPT
-    run, as the reference that plan must stay within the slack of. Otherwise the seed's plan, the
-    refined plan and home-first retried against it compete.
+    moves and swaps) reaches the pigeonhole bound. With more than
+    :data:`~tuning.REFINE_UP_TO_ABOVE` ranks above the limit the refinement rarely does, and the
+    repair comes first. When the refined plan is still more than :data:`~tuning.LEAN_SLACK` above
+    the bound, the repair brings the placement within the slack of the bound, or failing that
+    within :data:`~tuning.LEAN_SLACK` of it; only then does the seed's LPT run, as the reference
+    that plan must stay within the slack of. Otherwise the seed's plan, the refined plan and
+    home-first retried against it compete.
     """
     accept = batch.lower_bound * (1.0 + tuning.SLACK)
     shed = shed_and_place(batch, batch.lower_bound * (1.0 + tuning.SHED_AIM), cap)
     scored = score(batch, shed)
     if max(scored[0]) > accept * (1.0 + tuning.EPS):
         accept = batch.tight_bound * (1.0 + tuning.SLACK)
-    # The refinement works in place, and the repair starts from the placement: keep it when the
-    # refinement may run (a placement within the limit is final and needs no copy).
-    placed = list(shed) if max(scored[0]) > accept * (1.0 + tuning.EPS) else shed
+    limit = accept * (1.0 + tuning.EPS)
+    if max(scored[0]) <= limit:
+        return _select(batch, [_finish(batch, shed, cap, config, accept, scored)], accept, cap)
+    repair_first = cap is None and sum(load > limit for load in scored[0]) > tuning.REFINE_UP_TO_ABOVE
+    repaired = _repaired(batch, shed, accept) if repair_first else None
+    if repaired is not None and _within(repaired, accept):
+        return _select(batch, [repaired], accept, cap)
+    # The refinement works in place, and a later repair starts from the placement: keep it.
+    placed = shed if repair_first else list(shed)
     finished = _finish(batch, shed, cap, config, accept, scored)
     if _within(finished, accept):
         return _select(batch, [finished], accept, cap)
-    repaired = _repaired(batch, placed, accept) if _worth_repairing(batch, finished, cap) else None
+    if not _worth_repairing(batch, finished, cap):
+        repaired = None
+    elif not repair_first:
+        repaired = _repaired(batch, placed, accept)
     if repaired is not None and _within(repaired, accept):
         return _select(batch, [repaired], accept, cap)
+    return _against_the_seed(batch, config, cap, accept, finished, repaired)
+
+
+def _against_the_seed(
+    batch: Batch,
+    config: ViTBalanceConfig,
+    cap: float | None,
+    accept: float,
+    finished: Candidate,
+    repaired: Candidate | None,
+) -> Destinations:
+    """The lean order's last step, the pigeonhole bound out of reach: the seed's LPT as the
+    reference. The repaired plan when within the slack of it (and of the seed's, when better),
+    else the seed's plan, the refined plan and home-first retried against it compete."""
     reference = _measure(batch, _filled(batch, lpt_reference(batch, config, cap), cap))
     if repaired is not None and _within(repaired, reference.makespan * (1.0 + tuning.SLACK)):
         # Within the slack of the best plan found: the repaired one when it beats the seed's.

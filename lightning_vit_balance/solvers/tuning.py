@@ -83,6 +83,13 @@ RELABEL_ROUNDS = 8
 #: more than this: the seed's own threshold, kept so that the LPT solver is the seed's algorithm.
 REFINE_MIN_STEP = 1e-12
 
+#: In the lean order (few images per rank) the seed's pairwise refinement finishes shed-and-place's
+#: plan first only when at most this many ranks are above the limit; with more, the repair comes
+#: first. Each refinement step relieves one rank, towards the lightest, and stops at the seed's
+#: tolerance: with three or more ranks above it brought the plan within the limit in 7 of 459
+#: batches (1-8 images per rank, P = 4-64, the four scenarios), with two in 32 of 153.
+REFINE_UP_TO_ABOVE = 2
+
 #: :func:`~.repair.repair` exchanges groups of at most this many images each way between two
 #: ranks. On 147 batches of similar sizes that shed-and-place left above the bound (1-8 images per
 #: rank, P = 2-64), single images alone reached the first target in 34, pairs in 102, triples in

@@ -131,22 +131,35 @@ def _relieve(state: _State, relieved: int, limit: float) -> bool:
 
 def _whole_relief(state: _State, relieved: int, excess: float, limit: float) -> tuple[_Exchange, int] | None:
     """The first receiver and exchange that shift at least ``excess`` within its room: single
-    images with any, the receiver with the least room that suffices first (so large rooms stay
-    whole for large excesses), then groups with the few roomiest."""
-    able = []
-    for load, r in state.by_load:  # the lightest first: the most room
-        if limit - load < excess:
-            break
-        able.append((r, limit - load))
-    for r, room in reversed(able):
-        step = _best_single(state, relieved, r, excess, room, fill=False)
+    images with the receivers :func:`_best_fit` picks, then groups with the few roomiest."""
+    by_load = state.by_load
+    # Ranks with room for the excess: a prefix of ``by_load`` (the lightest first).
+    able = bisect_left(by_load, True, key=lambda entry: limit - entry[0] < excess)
+    for at in _best_fit(able):
+        load, r = by_load[at]
+        step = _best_single(state, relieved, r, excess, limit - load, fill=False)
         if step is not None:
             return step, r
-    for r, room in able[: tuning.EXCHANGE_RECEIVERS]:
-        step = _best_exchange(state, relieved, r, excess, room, fill=False)
+    for load, r in by_load[: min(able, tuning.EXCHANGE_RECEIVERS)]:
+        step = _best_exchange(state, relieved, r, excess, limit - load, fill=False)
         if step is not None:
             return step, r
     return None
+
+
+def _best_fit(able: int) -> list[int]:
+    """Positions in ``by_load`` of the receivers to try for single exchanges, of the first
+    ``able`` (those with room for the excess): the least room first (best fit: large rooms stay
+    whole for large excesses), the :data:`~tuning.BEST_FIT_RECEIVERS` next in line, then every
+    receiver whose place in that order is a power of two, so that with many ranks a relief tries
+    a few dozen, not hundreds."""
+    near = min(able, tuning.BEST_FIT_RECEIVERS)
+    order = list(range(able - 1, able - 1 - near, -1))
+    place = tuning.BEST_FIT_RECEIVERS
+    while place < able:
+        order.append(able - 1 - place)
+        place *= 2
+    return order
 
 
 def _partial_relief(state: _State, relieved: int, limit: float) -> tuple[_Exchange, int] | None:

@@ -90,6 +90,24 @@ REFINE_MIN_STEP = 1e-12
 #: batches (1-8 images per rank, P = 4-64, the four scenarios), with two in 32 of 153.
 REFINE_UP_TO_ABOVE = 2
 
+#: :func:`~.repair.repair` tries single exchanges with this many receivers, the least room that
+#: suffices first, then only with those at power-of-two places in that order: a bound on a relief's
+#: work with hundreds of ranks. Up to 65 ranks every receiver is tried. At P = 128-192 (similar
+#: sizes, 1-8 images per rank) 16 receivers left more plans at the looser target (mean makespan /
+#: bound 1.0065 and 1.0079 against 1.0050 and 1.0070), and then the seed's LPT runs too.
+BEST_FIT_RECEIVERS = 64
+
+#: The repair runs on the numpy variants' batches (more than :data:`VECTORISE_ABOVE` images) up to
+#: this many images and :data:`REPAIR_RANKS_UP_TO` ranks. Without it similar sizes stay 2-6% above
+#: the bound there (P = 128-256: 1.023-1.051); with it they reach 1.004, at 4-8 ms a plan
+#: (P = 128-256, 1-16 images per rank; 3-7 ms before). Its work grows with the ranks it relieves
+#: (about half) and the images they hold: 10 ms at P = 256 with 1-16 per rank (2,160 images),
+#: 13 ms at P = 384 and 26 ms at P = 512 with 1-8, past the 10 ms budget.
+REPAIR_UP_TO = 2048
+
+#: See :data:`REPAIR_UP_TO`.
+REPAIR_RANKS_UP_TO = 256
+
 #: :func:`~.repair.repair` exchanges groups of at most this many images each way between two
 #: ranks. On 147 batches of similar sizes that shed-and-place left above the bound (1-8 images per
 #: rank, P = 2-64), single images alone reached the first target in 34, pairs in 102, triples in

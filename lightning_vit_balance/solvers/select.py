@@ -69,19 +69,12 @@ def solve_locality(batch: Batch, config: ViTBalanceConfig) -> Destinations:
     accept = batch.tight_bound * (1.0 + tuning.SLACK)
     candidates = _aim_at_the_bound(batch, config, cap, accept)
     closest = min(candidates, key=lambda c: c.makespan)
-    if _vectorised(batch, cap) and not _within(closest, accept):
-        # Many images: the seed's LPT, in numpy blocks, costs less than the repair and often
-        # comes within the lean limit, where the repair is not needed: it comes first.
-        candidates, accept = _aim_at_the_lpt(batch, config, cap, candidates, closest.makespan)
-        closest = min(candidates, key=lambda c: c.makespan)
     if _worth_repairing(batch, closest, cap):
-        repaired = _repaired(batch, _repair_start(batch, closest), batch.tight_bound * (1.0 + tuning.SLACK))
+        repaired = _repaired(batch, _repair_start(batch, closest), accept)
         if repaired is not None:
             candidates.append(repaired)
             closest = min(closest, repaired, key=lambda c: c.makespan)
-            # The best plan found sets the limit (never above the seed's, which it beats).
-            accept = min(accept, max(batch.tight_bound, repaired.makespan) * (1.0 + tuning.SLACK))
-    if not _within(closest, accept):
+    if closest.makespan > accept * (1.0 + tuning.EPS):
         candidates, accept = _aim_at_the_lpt(batch, config, cap, candidates, closest.makespan)
     return _select(batch, candidates, accept, cap)
 

@@ -70,7 +70,8 @@ def solve_locality(batch: Batch, config: ViTBalanceConfig) -> Destinations:
     candidates = _aim_at_the_bound(batch, config, cap, accept)
     closest = min(candidates, key=lambda c: c.makespan)
     if _worth_repairing(batch, closest, cap):
-        repaired = _repaired(batch, _repair_start(batch, closest), accept)
+        start = _repair_start(batch, closest)
+        repaired = _repaired(batch, start, accept) if start is not None else None
         if repaired is not None:
             candidates.append(repaired)
             closest = min(closest, repaired, key=lambda c: c.makespan)
@@ -156,12 +157,16 @@ def _worth_repairing(batch: Batch, closest: Candidate, cap: float | None) -> boo
     return closest.makespan > batch.tight_bound * (1.0 + tuning.LEAN_SLACK) * (1.0 + tuning.EPS)
 
 
-def _repair_start(batch: Batch, closest: Candidate) -> Destinations:
+def _repair_start(batch: Batch, closest: Candidate) -> Destinations | None:
     """Where the repair starts: the closest plan, or with many images (the numpy variants, whose
-    plans move more rows) shed-and-place's placement, as in the lean order."""
-    if _vectorised(batch, None):
-        return shed_and_place(batch, batch.lower_bound * (1.0 + tuning.SHED_AIM), None)
-    return closest.dest
+    plans move more rows) shed-and-place's placement, as in the lean order; ``None`` when that
+    placement is more than :data:`~tuning.REPAIR_FROM_WITHIN` above the bound."""
+    if not _vectorised(batch, None):
+        return closest.dest
+    shed = shed_and_place(batch, batch.lower_bound * (1.0 + tuning.SHED_AIM), None)
+    if max(rank_loads(batch, shed)) > batch.tight_bound * (1.0 + tuning.REPAIR_FROM_WITHIN):
+        return None
+    return shed
 
 
 def _repaired(batch: Batch, dest: Destinations, accept: float) -> Candidate | None:

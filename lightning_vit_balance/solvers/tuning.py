@@ -98,15 +98,23 @@ REFINE_UP_TO_ABOVE = 2
 BEST_FIT_RECEIVERS = 64
 
 #: The repair runs on the numpy variants' batches (more than :data:`VECTORISE_ABOVE` images) up to
-#: this many images and :data:`REPAIR_RANKS_UP_TO` ranks. Without it similar sizes stay 2-6% above
-#: the bound there (P = 128-256: 1.023-1.051); with it they reach 1.004, at 4-8 ms a plan
-#: (P = 128-256, 1-16 images per rank; 3-7 ms before). Its work grows with the ranks it relieves
-#: (about half) and the images they hold: 10 ms at P = 256 with 1-16 per rank (2,160 images),
-#: 13 ms at P = 384 and 26 ms at P = 512 with 1-8, past the 10 ms budget.
+#: this many images and :data:`REPAIR_RANKS_UP_TO` ranks. Without it, similar sizes there stay
+#: 2.6-5% above the bound (P = 128-256, 1-16 images per rank), or at 8 images per rank the seed's
+#: relabelled plan moves 85% of all rows; with it they reach 1.004 and move 15-38% of rows, at
+#: 3.7-9.4 ms a plan (1.8-3.8 ms before). Its work grows with the ranks it relieves (about half)
+#: and the images they hold: 10 ms at P = 256 with 1-16 per rank (2,160 images), 13 ms at
+#: P = 384 and 26 ms at P = 512 with 1-8, past the 10 ms budget.
 REPAIR_UP_TO = 2048
 
 #: See :data:`REPAIR_UP_TO`.
 REPAIR_RANKS_UP_TO = 256
+
+#: On those batches the repair starts only from a placement within this fraction of the bound.
+#: Images of similar sizes leave it 2.5-7.5% above (P = 128-256); far above, ranks hold images that
+#: no exchange of one or two images can spread (two document pages of half the bound each, with
+#: every receiver's room a tenth of it): on 4 of 7 mixed batches at P = 128 x 8 the placement was
+#: 12-17% above, the repair reached neither target and cost 1.3-3.6 ms for nothing.
+REPAIR_FROM_WITHIN = 0.1
 
 #: :func:`~.repair.repair` exchanges groups of at most this many images each way between two
 #: ranks. On 147 batches of similar sizes that shed-and-place left above the bound (1-8 images per

@@ -106,7 +106,8 @@ def _solve_lean(batch: Batch, config: ViTBalanceConfig, cap: float | None) -> De
     repaired = _repaired(batch, shed, accept) if repair_first else None
     if repaired is not None and _within(repaired, accept):
         return _select(batch, [repaired], accept, cap)
-    # The refinement works in place, and a later repair starts from the placement: keep it.
+    # The refinement works in place; a repair after it starts from the placement, so keep a copy
+    # (unless the repair has run already).
     placed = shed if repair_first else list(shed)
     finished = _finish(batch, shed, cap, config, accept, scored)
     if _within(finished, accept):
@@ -172,7 +173,8 @@ def _repair_start(batch: Batch, closest: Candidate) -> Destinations | None:
 def _repaired(batch: Batch, dest: Destinations, accept: float) -> Candidate | None:
     """A copy of ``dest`` repaired (no cap) to ``accept``, or else to the lean limit
     (:data:`~tuning.LEAN_SLACK` above the pigeonhole bound); ``None`` when it reaches neither.
-    Selection brings it home like any adjusted plan."""
+    Selection brings it home like any adjusted plan; with more images than selection brings home
+    (:data:`~tuning.BRING_HOME_UP_TO`), it is brought home here."""
     dest = _filled(batch, list(dest), None)
     lean = batch.tight_bound * (1.0 + tuning.LEAN_SLACK)
     loads = rank_loads(batch, dest)

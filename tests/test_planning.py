@@ -329,6 +329,10 @@ def test_determinism_across_processes() -> None:
         "    counts = [rng.choice([784, 900, 1024, 1296], rng.integers(1, 9)).tolist() for _ in range(8)]\n"
         "    plan = plan_rebalance(counts, ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))\n"
         "    out.append([plan.destinations, plan.loads_after, plan.reason])\n"
+        "# many images of similar sizes (the numpy variants), repaired from shed-and-place\n"
+        "counts = [rng.integers(784, 1297, rng.integers(1, 9)).tolist() for _ in range(128)]\n"
+        "plan = plan_rebalance(counts, ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))\n"
+        "out.append([plan.destinations, plan.loads_after, plan.reason])\n"
         "print(json.dumps(out))\n"
     )
     results = []

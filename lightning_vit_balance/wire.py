@@ -33,10 +33,15 @@ __all__ = [
 # -- the wire codec -------------------------------------------------------------------------------
 
 
+def _is_float(dtype: torch.dtype) -> bool:
+    """Floating or complex: values that are cast, and carry gradients; the rest travel bit for bit."""
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def transit_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
     """Dtype of the return-trip buffer: the common floating dtype of the outputs (widening casts
     only, so the trip is exact), or the common integer dtype when no output is floating."""
-    floating = [d for d in dtypes if d.is_floating_point or d.is_complex]
+    floating = [d for d in dtypes if _is_float(d)]
     chosen = floating if floating else [d for d in dtypes if d != torch.bool] or [torch.uint8]
     common = chosen[0]
     for dtype in chosen[1:]:
@@ -57,7 +62,7 @@ def _integer_carrier(dtype: torch.dtype, transit: torch.dtype) -> torch.dtype:
 def elements_per_row(leaf: torch.Tensor, transit: torch.dtype) -> int:
     """Transit elements one row of ``leaf`` takes (integers travel bit-for-bit, see :func:`pack_rows`)."""
     per_value = 1
-    if not (leaf.is_floating_point() or leaf.is_complex()):
+    if not _is_float(leaf.dtype):
         per_value = _integer_carrier(leaf.dtype, transit).itemsize // transit.itemsize
     return math.prod(leaf.shape[1:]) * per_value
 
@@ -69,9 +74,9 @@ def pack_rows(rows: torch.Tensor, transit: torch.dtype) -> torch.Tensor:
     carry no gradient, are reinterpreted bit for bit through an integer carrier as wide as the
     transit dtype, so they share the one buffer instead of costing a collective of their own.
     """
-    if rows.is_floating_point() or rows.is_complex():
+    if _is_float(rows.dtype):
         return rows.reshape(-1).to(transit)
-    if not (transit.is_floating_point or transit.is_complex) and rows.dtype == transit:
+    if not _is_float(transit) and rows.dtype == transit:
         return rows.reshape(-1)
     carrier = _integer_carrier(rows.dtype, transit)
     return rows.detach().to(carrier).contiguous().view(transit).reshape(-1)
@@ -80,9 +85,9 @@ def pack_rows(rows: torch.Tensor, transit: torch.dtype) -> torch.Tensor:
 def unpack_rows(chunk: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`pack_rows`: ``[rows, *like.shape[1:]]`` in ``like.dtype``."""
     shape = (rows, *like.shape[1:])
-    if like.is_floating_point() or like.is_complex():
+    if _is_float(like.dtype):
         return chunk.view(shape).to(like.dtype)
-    if not (chunk.is_floating_point() or chunk.is_complex()) and chunk.dtype == like.dtype:
+    if not _is_float(chunk.dtype) and chunk.dtype == like.dtype:
         return chunk.detach().view(shape)
     carrier = _integer_carrier(like.dtype, chunk.dtype)
     # A fresh copy: the chunk's offset in the buffer need not be aligned for the wider carrier.
@@ -90,10 +95,6 @@ def unpack_rows(chunk: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Ten
 
 
 # -- the return trip's buffer, for autograd -------------------------------------------------------
-
-
-def _is_float(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point or dtype.is_complex
 
 
 def _gradient(shape: torch.Size, dtype: torch.dtype, device: torch.device, covered: bool) -> torch.Tensor:

@@ -106,15 +106,15 @@ def _solve_lean(batch: Batch, config: ViTBalanceConfig, cap: float | None) -> De
     repaired = _repaired(batch, shed, accept) if repair_first else None
     if repaired is not None and _within(repaired, accept):
         return _select(batch, [repaired], accept, cap)
-    # The refinement works in place; a repair after it starts from the placement, so keep a copy
+    # The refinement works in place; a repair after it starts from the placement: keep a copy
     # (unless the repair has run already).
-    placed = shed if repair_first else list(shed)
+    placed = None if repair_first else list(shed)
     finished = _finish(batch, shed, cap, config, accept, scored)
     if _within(finished, accept):
         return _select(batch, [finished], accept, cap)
     if not _worth_repairing(batch, finished, cap):
         repaired = None
-    elif not repair_first:
+    elif placed is not None:
         repaired = _repaired(batch, placed, accept)
     if repaired is not None and _within(repaired, accept):
         return _select(batch, [repaired], accept, cap)
@@ -132,7 +132,7 @@ def _against_the_seed(
     """The lean order's last step, the pigeonhole bound out of reach: the seed's LPT as the
     reference. The repaired plan when within the slack of it (and of the seed's, when better),
     else the seed's plan, the refined plan and home-first retried against it compete."""
-    reference = _measure(batch, _filled(batch, lpt_reference(batch, config, cap), cap))
+    reference = _seed_reference(batch, config, cap)
     if repaired is not None and _within(repaired, reference.makespan * (1.0 + tuning.SLACK)):
         # Within the slack of the best plan found: the repaired one when it beats the seed's.
         limit = min(reference.makespan, repaired.makespan) * (1.0 + tuning.SLACK)
@@ -217,7 +217,7 @@ def _aim_at_the_lpt(
     """The lower bound is out of reach (step 2): the seed's LPT, its bins renamed to home ranks,
     joins the candidates and sets the acceptance limit; home-first is retried against the
     reachable target when the plans came close. Returns the candidates and the new limit."""
-    reference = _measure(batch, _filled(batch, lpt_reference(batch, config, cap), cap))
+    reference = _seed_reference(batch, config, cap)
     best = min(reference.makespan, closest)
     accept = best * (1.0 + tuning.SLACK)
     candidates = [*candidates, reference]
@@ -229,6 +229,12 @@ def _aim_at_the_lpt(
             retry = home_first(batch, relaxed, cap)
         candidates.append(_finish(batch, retry, cap, config, accept))
     return candidates, accept
+
+
+def _seed_reference(batch: Batch, config: ViTBalanceConfig, cap: float | None) -> Candidate:
+    """The seed's plan, its bins renamed to home ranks and every rank that must hold an image
+    holding one, scored."""
+    return _measure(batch, _filled(batch, lpt_reference(batch, config, cap), cap))
 
 
 def _thorough(batch: Batch, cap: float | None) -> bool:

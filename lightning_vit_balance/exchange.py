@@ -51,6 +51,7 @@ __all__ = [
     "device_problem",
     "exchange_status",
     "gather_metadata",
+    "gradient_buffer",
     "host_device",
     "row_slices",
     "rows_per_image",
@@ -520,13 +521,22 @@ class _PixelTripFunction(torch.autograd.Function):
         a, b = trip.received_rows
         back = _exchange(grad_batch[a:b], list(trip.receive_splits), list(trip.send_splits), ctx.group)
         covered = sum(stop - start for start, stop in (*trip.local, *trip.sent))
-        make = torch.empty if covered == ctx.pixel_shape[0] else torch.zeros
-        grad = make(ctx.pixel_shape, dtype=ctx.pixel_dtype, device=grad_batch.device)
+        grad = gradient_buffer(ctx.pixel_shape, ctx.pixel_dtype, grad_batch.device, covered)
         for source, at, runs in ((back, 0, trip.sent), (grad_batch, trip.local_at, trip.local)):
             for start, stop in runs:
                 grad[start:stop] = source[at : at + stop - start]
                 at += stop - start
         return grad, None, None, None, None
+
+
+def gradient_buffer(
+    shape: torch.Size, dtype: torch.dtype, device: torch.device, covered_rows: int
+) -> torch.Tensor:
+    """A gradient buffer of ``shape`` that pieces fill row by row, ``covered_rows`` rows in all:
+    left uninitialised when they cover every row (no zero-fill pass), zeros otherwise (a row no
+    piece covers has no gradient)."""
+    make = torch.empty if covered_rows == shape[0] else torch.zeros
+    return make(shape, dtype=dtype, device=device)
 
 
 def start_pixel_trip(

@@ -40,7 +40,7 @@ from lightning_vit_balance.caching import cached_value
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.solvers import Batch, canonical_solver, solve, tuning
-from lightning_vit_balance.solvers.batch import rank_loads
+from lightning_vit_balance.solvers.batch import add_up, rank_loads
 
 __all__ = ["REASONS", "RebalancePlan", "plan_rebalance"]
 
@@ -121,7 +121,7 @@ class RebalancePlan:
         if not self.loads_before:
             return 0.0
         largest = max((max(c) for c in self.image_costs if c), default=0.0)
-        return max(sum(self.loads_before) / len(self.loads_before), largest)
+        return max(add_up(self.loads_before) / len(self.loads_before), largest)
 
     @cached_value
     def moved_images(self) -> int:
@@ -196,7 +196,7 @@ class RebalancePlan:
 def _imbalance(loads: Sequence[float]) -> float:
     if not loads:
         return 0.0
-    mean = sum(loads) / len(loads)
+    mean = add_up(loads) / len(loads)
     return max(loads) / mean - 1.0 if mean > 0 else 0.0
 
 

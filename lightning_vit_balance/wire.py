@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lightning_vit_balance.exchange import ReturnLayout
+from lightning_vit_balance.exchange import ReturnLayout, gradient_buffer
 
 __all__ = [
     "elements_per_row",
@@ -97,11 +97,6 @@ def unpack_rows(chunk: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Ten
 # -- the return trip's buffer, for autograd -------------------------------------------------------
 
 
-def _gradient(shape: torch.Size, dtype: torch.dtype, device: torch.device, covered: bool) -> torch.Tensor:
-    """A gradient buffer that the pieces fill (zeros where they do not cover every row)."""
-    return (torch.empty if covered else torch.zeros)(shape, dtype=dtype, device=device)
-
-
 class _PackFunction(torch.autograd.Function):
     """:func:`pack_return` for autograd. Its backward puts each piece's gradient in place in one pass
     (slicing under autograd would zero-fill, then sum, a whole leaf-sized gradient per piece)."""
@@ -125,7 +120,7 @@ class _PackFunction(torch.autograd.Function):
         for k, a, b, _ in ctx.places:
             covered[k] += b - a
         grads = [
-            _gradient(shape, dtype, device, rows == shape[0]) if _is_float(dtype) else None
+            gradient_buffer(shape, dtype, device, rows) if _is_float(dtype) else None
             for (shape, dtype, device), rows in zip(ctx.leaves, covered)
         ]
         at = 0
@@ -199,7 +194,13 @@ class _UnpackFunction(torch.autograd.Function):
             for k, grad in enumerate(grads)
         ]
         shape, dtype, device = ctx.back
-        grad_back = _gradient(shape, dtype, device, all(g is not None for g in ordered))
+        covered = sum(
+            rows * ctx.elements[k]
+            for rows_from_worker in layout.receive_rows
+            for k, rows in enumerate(rows_from_worker)
+            if ordered[k] is not None
+        )
+        grad_back = gradient_buffer(shape, dtype, device, covered)
         at, first = 0, [0] * len(grads)
         for rows_from_worker in layout.receive_rows:
             for k, rows in enumerate(rows_from_worker):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,6 +26,8 @@ from lightning_vit_balance import (
 )
 from lightning_vit_balance.planning import _validate_patch_counts
 from lightning_vit_balance.solvers import Batch, tuning
+from lightning_vit_balance.solvers import batch as batch_module
+from lightning_vit_balance.solvers.batch import add_up, rank_loads
 from lightning_vit_balance.solvers.locality import fill_empty_ranks, home_first, shed_and_place
 from lightning_vit_balance.solvers.lpt import (
     _relabel_arrays,
@@ -344,6 +348,43 @@ def test_determinism_across_processes() -> None:
         results.append(json.loads(proc.stdout))
     assert results[0] == results[1] == results[2]
     assert plan_rebalance([[5, 4, 3], [1]], FORCED) == plan_rebalance([[5, 4, 3], [1]], FORCED)
+
+
+def _compensated_sum(values: object, start: object = 0) -> object:
+    """``sum`` as Python 3.12 and newer compute it: float sums compensated (here correctly
+    rounded, which differs from left-to-right addition in the same cases)."""
+    items = [start, *values]  # type: ignore[misc]
+    if all(isinstance(v, (int, float)) for v in items) and any(isinstance(v, float) for v in items):
+        return math.fsum(items)
+    return _BUILTIN_SUM(items[1:], start)  # type: ignore[arg-type]
+
+
+_BUILTIN_SUM = builtins.sum
+
+
+@pytest.mark.parametrize("solver", ["locality", "seed"])
+def test_plans_do_not_depend_on_the_python_versions_float_sum(
+    monkeypatch: pytest.MonkeyPatch, solver: str
+) -> None:
+    """Ranks on Python 3.11 and 3.12 plan alike, and loads summed at home equal
+    :func:`rank_loads`'s: the solvers add floats left to right (:func:`add_up`). Python 3.12 is
+    emulated here: its compensated ``sum`` and :func:`add_up`'s branch for it."""
+    # Fractional costs whose sums round differently compensated and left to right (checked below).
+    model = CostModel(quadratic=1.0, linear=0.1, constant=0.3)
+    counts = [[1, 1, 1, 10**8, 1, 1, 1], [3, 7, 11], [13, 17, 19, 23], [1, 2]]
+    config = replace(FORCED, solver=solver)
+    batch = Batch.build(_validate_patch_counts(counts), model)
+    rows = [batch.cost[s:e] for s, e in itertools.pairwise(batch.starts)]
+    assert any(math.fsum(row) != add_up(row) for row in rows)  # the case is a real one
+    before = plan_rebalance(counts, config, cost_model=model)
+    monkeypatch.setattr(builtins, "sum", _compensated_sum)
+    monkeypatch.setattr(batch_module, "_SUM_ADDS_LEFT_TO_RIGHT", False)
+    assert sum([1e16, 1.0, 1.0]) != add_up([1e16, 1.0, 1.0])  # the emulation is in place
+    after = plan_rebalance(counts, config, cost_model=model)
+    assert after == before
+    batch = Batch.build(_validate_patch_counts(counts), model)
+    assert batch.loads == rank_loads(batch, batch.home)
+    assert after.lower_bound == batch.lower_bound
 
 
 @pytest.mark.parametrize(

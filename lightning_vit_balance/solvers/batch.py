@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import reduce
 from itertools import accumulate, chain, pairwise
+from operator import add
 from typing import Any
 
 import numpy as np
@@ -23,7 +26,7 @@ from lightning_vit_balance.caching import cached_value
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.solvers import tuning
 
-__all__ = ["Batch", "Destinations", "rank_loads", "rank_patches", "score"]
+__all__ = ["Batch", "Destinations", "add_up", "rank_loads", "rank_patches", "score"]
 
 #: ``dest[k]``: the rank that encodes image ``k``. A list, or an int64 array in the numpy variants.
 Destinations = list[int] | np.ndarray
@@ -129,7 +132,7 @@ class Batch:
     @cached_value
     def lower_bound(self) -> float:
         """No plan's makespan is below ``max(total / P, largest image cost)``."""
-        return max(sum(self.loads) / self.num_ranks, max(self.cost, default=0.0))
+        return max(add_up(self.loads) / self.num_ranks, max(self.cost, default=0.0))
 
     @cached_value
     def tight_bound(self) -> float:
@@ -227,9 +230,27 @@ def _costs(model: Callable[..., Any], patches: np.ndarray, frames: list[int] | N
     return cost
 
 
+def add_up(values: Iterable[float]) -> float:
+    """``values`` summed left to right from ``0.0``, one rounding per addition.
+
+    The solvers' float sums use this, not :func:`sum` as such: from Python 3.12 on, :func:`sum`
+    compensates float sums, so its result would differ in the last bits from the loads
+    :func:`rank_loads` adds one by one, and between ranks that run different Python versions.
+    """
+    if _SUM_ADDS_LEFT_TO_RIGHT:
+        # The same floats, 3-5x faster than reduce: with reduce, 64 ranks' loads alone cost a
+        # tenth of a heap LPT more.
+        return sum(values, 0.0)
+    return reduce(add, values, 0.0)
+
+
+#: Whether the builtin :func:`sum` adds floats one by one (before Python 3.12).
+_SUM_ADDS_LEFT_TO_RIGHT = sys.version_info < (3, 12)
+
+
 def _loads(cost: list[float], starts: tuple[int, ...]) -> list[float]:
     """Each rank's costs summed in image order, from 0.0 (the order :func:`rank_loads` sums in)."""
-    return [sum(cost[s:e], 0.0) for s, e in pairwise(starts)]
+    return [add_up(cost[s:e]) for s, e in pairwise(starts)]
 
 
 def _checked(cost: list[float], size: int) -> list[float]:

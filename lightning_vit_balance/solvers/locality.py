@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from lightning_vit_balance.solvers import tuning
-from lightning_vit_balance.solvers.batch import Batch, Destinations, rank_loads, rank_patches
+from lightning_vit_balance.solvers.batch import Batch, Destinations, add_up, rank_loads, rank_patches
 from lightning_vit_balance.solvers.lpt import lpt_blocks
 
 __all__ = [
@@ -229,7 +229,7 @@ def _shed(ids: list[int], excess: float, size: list[Any], rows: list[int]) -> se
     shed_rows, end = 0, len(ids)
     best: list[int] | None = None
     best_rows = 0
-    remaining = sum(sizes)
+    remaining = add_up(sizes)
     i = 0
     while i < end:
         covering = i
@@ -243,7 +243,7 @@ def _shed(ids: list[int], excess: float, size: list[Any], rows: list[int]) -> se
                     last = t
             if best is None or shed_rows + image_rows[last] < best_rows:
                 best, best_rows = [*shed, ids[last]], shed_rows + image_rows[last]
-            remaining -= sum(sizes[i:covering])
+            remaining -= add_up(sizes[i:covering])
             i = covering
         if i == end or remaining < excess:
             break
@@ -431,4 +431,5 @@ def cap_excess(batch: Batch, dest: Destinations, cap: float | None) -> float:
         receiving[d] = receiving[d] or d != batch.home[k]
     limit = cap * (1.0 + tuning.EPS)
     patches = rank_patches(batch, dest)
-    return sum(max(patches[r] - limit, 0.0) for r in range(batch.num_ranks) if receiving[r] and held[r] > 1)
+    excess = (max(patches[r] - limit, 0.0) for r in range(batch.num_ranks) if receiving[r] and held[r] > 1)
+    return add_up(excess)

@@ -23,14 +23,14 @@ import numpy as np
 
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.solvers import tuning
-from lightning_vit_balance.solvers.batch import Batch, Destinations, rank_patches
+from lightning_vit_balance.solvers.batch import Batch, Destinations, add_up, rank_patches
 
 __all__ = ["lpt", "lpt_blocks", "lpt_reference", "refine", "relabel", "solve_lpt"]
 
 
 def solve_lpt(batch: Batch, config: ViTBalanceConfig) -> Destinations | str:
     """The seed's solver: destinations, or ``"single-image-dominates"`` when it skips."""
-    if max(batch.cost) > sum(batch.loads) / batch.num_ranks:
+    if max(batch.cost) > add_up(batch.loads) / batch.num_ranks:
         return "single-image-dominates"
     cap = batch.cap(config.max_len_ratio)
     dest, loads = lpt(batch, cap)

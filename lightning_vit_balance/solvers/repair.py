@@ -28,7 +28,7 @@ from itertools import combinations
 from typing import NamedTuple
 
 from lightning_vit_balance.solvers import tuning
-from lightning_vit_balance.solvers.batch import Batch
+from lightning_vit_balance.solvers.batch import Batch, add_up
 
 __all__ = ["repair"]
 
@@ -219,7 +219,7 @@ def _groups(images: list[int], cost: list[float]) -> list[tuple[float, tuple[int
     (summed in the order of ``images``)."""
     groups = [(cost[k], (k,)) for k in images]
     for size in range(2, tuning.EXCHANGE_SIZE + 1):
-        groups += [(sum(map(cost.__getitem__, ids)), ids) for ids in combinations(images, size)]
+        groups += [(add_up(map(cost.__getitem__, ids)), ids) for ids in combinations(images, size)]
     return groups
 
 

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Sequence
-from itertools import combinations
+from itertools import accumulate, combinations, pairwise
 from typing import NamedTuple
 
+import numpy as np
+
 from lightning_vit_balance.solvers import tuning
-from lightning_vit_balance.solvers.batch import Batch, add_up
+from lightning_vit_balance.solvers.batch import Batch, add_up, group_order
 
 __all__ = ["repair"]
 
@@ -50,12 +52,9 @@ class _State:
         self.batch = batch
         self.dest = dest
         self.loads = loads
-        self.members: list[list[int]] = [[] for _ in range(batch.num_ranks)]
-        for k in reversed(batch.order):  # the cheapest first: each list is sorted by cost
-            self.members[dest[k]].append(k)
-        cost = batch.cost
-        #: ``member_costs[r]``: the costs of ``members[r]``, in the same order (for bisection).
-        self.member_costs = [[cost[k] for k in images] for images in self.members]
+        #: ``members[r]``: rank ``r``'s images, the cheapest first (``batch.order`` reversed);
+        #: ``member_costs[r]``: their costs, in the same order (for bisection).
+        self.members, self.member_costs = _members(batch, dest)
         self.by_load = sorted(zip(loads, range(batch.num_ranks)))
 
     def rows_added(self, k: int, src: int, dst: int) -> int:
@@ -81,6 +80,24 @@ class _State:
                 loads[dst] += cost[k]
         for r in (relieved, receiver):
             insort(by_load, (loads[r], r))
+
+
+def _members(batch: Batch, dest: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+    """Each rank's images under ``dest``, ``batch.order`` reversed (the cheapest first), and their
+    costs; in numpy with many images."""
+    cost = batch.cost
+    if batch.size <= tuning.VECTORISE_ABOVE:
+        members: list[list[int]] = [[] for _ in range(batch.num_ranks)]
+        for k in reversed(batch.order):
+            members[dest[k]].append(k)
+        return members, [[cost[k] for k in images] for images in members]
+    arrays = batch.arrays
+    dest_array = np.asarray(dest)
+    cheapest_first = arrays.order[::-1]
+    images = cheapest_first[group_order(dest_array[cheapest_first], batch.num_ranks)]
+    bounds = [0, *accumulate(np.bincount(dest_array, minlength=batch.num_ranks).tolist())]
+    flat, flat_costs = images.tolist(), arrays.cost[images].tolist()
+    return [flat[a:b] for a, b in pairwise(bounds)], [flat_costs[a:b] for a, b in pairwise(bounds)]
 
 
 def repair(batch: Batch, dest: list[int], loads: list[float], targets: Sequence[float]) -> float | None:

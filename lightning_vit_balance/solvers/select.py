@@ -14,7 +14,11 @@ It does the least work that finds a good plan, in steps:
    every rank is within the slack of the bound or, failing that, within
    :data:`~tuning.LEAN_SLACK` of it. With many images (up to :data:`~tuning.REPAIR_UP_TO`
    images and :data:`~tuning.REPAIR_RANKS_UP_TO` ranks) it repairs shed-and-place's placement,
-   which moves fewer rows than the numpy variants' plans.
+   which moves fewer rows than the numpy variants' plans. Beyond those sizes, up to
+   :data:`~tuning.PAIRED_UP_TO` images and from :data:`~tuning.PAIRED_FROM_PER_RANK` per rank,
+   paired exchanges (:func:`~.paired.paired_exchanges`, numpy rounds over every pair of a loaded
+   and a roomy rank at once) relieve most ranks of the numpy plan first, and the repair relieves
+   the few left.
 3. *At the LPT*: when the bound is still out of reach, the seed's LPT (bins renamed to home
    ranks) joins the plans and sets the acceptance limit, and home-first is retried against it.
 4. *Selection*: every finished plan (a :class:`Candidate`) is scored by its patches above the
@@ -33,6 +37,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.solvers import tuning
 from lightning_vit_balance.solvers.batch import Batch, Destinations, rank_loads, score
@@ -45,6 +51,7 @@ from lightning_vit_balance.solvers.locality import (
     shed_and_place,
 )
 from lightning_vit_balance.solvers.lpt import lpt_reference, refine
+from lightning_vit_balance.solvers.paired import paired_exchanges
 from lightning_vit_balance.solvers.repair import repair
 
 __all__ = ["Candidate", "solve_locality"]
@@ -148,45 +155,82 @@ def _against_the_seed(
 def _worth_repairing(batch: Batch, closest: Candidate, cap: float | None) -> bool:
     """Whether to repair the closest plan: it is more than :data:`~tuning.LEAN_SLACK` above the
     pigeonhole bound, there is no cap (the exchanges do not check one) and the batch is within
-    the repair's sizes (:data:`~tuning.REPAIR_UP_TO`). Closer plans keep the order without it: the
-    seed's LPT as reference, whose looser limit lets plans that move fewer rows qualify."""
-    if cap is not None:
-        return False
-    many = batch.size > tuning.REPAIR_UP_TO or batch.num_ranks > tuning.REPAIR_RANKS_UP_TO
-    if _vectorised(batch, cap) and many:
+    the repair's sizes (:data:`~tuning.PAIRED_UP_TO` images). Closer plans keep the order without
+    it: the seed's LPT as reference, whose looser limit lets plans that move fewer rows qualify."""
+    if cap is not None or batch.size > tuning.PAIRED_UP_TO:
         return False
     return closest.makespan > batch.tight_bound * (1.0 + tuning.LEAN_SLACK) * (1.0 + tuning.EPS)
 
 
 def _repair_start(batch: Batch, closest: Candidate) -> Destinations | None:
     """Where the repair starts: the closest plan, or with many images (the numpy variants, whose
-    plans move more rows) shed-and-place's placement, as in the lean order; ``None`` when that
-    placement is more than :data:`~tuning.REPAIR_FROM_WITHIN` above the bound."""
+    plans move more rows) shed-and-place's placement, as in the lean order, up to the Python
+    repair's sizes (:func:`_paired_first`); beyond them the closest plan again. ``None`` when the
+    start is more than :data:`~tuning.REPAIR_FROM_WITHIN` above the bound."""
     if not _vectorised(batch, None):
         return closest.dest
-    shed = shed_and_place(batch, batch.lower_bound * (1.0 + tuning.SHED_AIM), None)
-    if max(rank_loads(batch, shed)) > batch.tight_bound * (1.0 + tuning.REPAIR_FROM_WITHIN):
-        return None
-    return shed
+    if _paired_first(batch):
+        return closest.dest if _pairs_follow(batch, None) else None
+    start = shed_and_place(batch, batch.lower_bound * (1.0 + tuning.SHED_AIM), None)
+    within = max(rank_loads(batch, start)) <= batch.tight_bound * (1.0 + tuning.REPAIR_FROM_WITHIN)
+    return start if within else None
+
+
+def _pairs_follow(batch: Batch, cap: float | None) -> bool:
+    """Whether a numpy plan is repaired with paired exchanges first: beyond the Python repair's
+    sizes (:func:`_paired_first`), up to :data:`~tuning.PAIRED_UP_TO` images, at least
+    :data:`~tuning.PAIRED_FROM_PER_RANK` images per rank on average, and no cap."""
+    if cap is not None or not _paired_first(batch) or batch.size > tuning.PAIRED_UP_TO:
+        return False
+    return batch.size >= tuning.PAIRED_FROM_PER_RANK * batch.num_ranks
+
+
+def _paired_first(batch: Batch) -> bool:
+    """Beyond :data:`~tuning.REPAIR_UP_TO` images or :data:`~tuning.REPAIR_RANKS_UP_TO` ranks the
+    repair starts with :func:`~.paired.paired_exchanges`."""
+    return batch.size > tuning.REPAIR_UP_TO or batch.num_ranks > tuning.REPAIR_RANKS_UP_TO
 
 
 def _repaired(batch: Batch, dest: Destinations, accept: float) -> Candidate | None:
     """A copy of ``dest`` repaired (no cap) to ``accept``, or else to the lean limit
     (:data:`~tuning.LEAN_SLACK` above the pigeonhole bound); ``None`` when it reaches neither.
     Selection brings it home like any adjusted plan; with more images than selection brings home
-    (:data:`~tuning.BRING_HOME_UP_TO`), it is brought home here."""
+    (:data:`~tuning.BRING_HOME_UP_TO`), it is brought home here. Beyond the Python repair's sizes
+    paired exchanges come first (:func:`_paired_and_repaired`)."""
+    if _paired_first(batch):
+        return _paired_and_repaired(batch, dest, accept)
     dest = _filled(batch, list(dest), None)
-    lean = batch.tight_bound * (1.0 + tuning.LEAN_SLACK)
-    loads = rank_loads(batch, dest)
-    reached = repair(batch, dest, loads, (accept, max(accept, lean)))
+    reached = repair(batch, dest, rank_loads(batch, dest), _repair_targets(batch, accept))
     if reached is None:
         return None
     if batch.size > tuning.BRING_HOME_UP_TO:
         # Selection brings home the Python paths' plans only; bring this one home within the
         # target it reached (measured: 0.6-2.3 points fewer rows moved at P = 128-224).
         dest = bring_home(batch, dest, reached * (1.0 + tuning.EPS), batch.must_hold)
-    loads, moved = score(batch, dest)
-    return Candidate(dest, max(loads), moved)
+    return _measure(batch, dest)
+
+
+def _paired_and_repaired(batch: Batch, dest: Destinations, accept: float) -> Candidate | None:
+    """:func:`_repaired` beyond the Python repair's sizes: paired exchanges relieve most ranks,
+    and the repair runs only when at most :data:`~tuning.REPAIR_LEFT_UP_TO` are left above
+    ``accept``. Not brought home: a Python pass over 8,000 images took 23 ms, three times the rest
+    of the plan."""
+    paired = paired_exchanges(batch, np.asarray(dest), accept, tuning.PAIRED_ROUNDS)
+    loads = rank_loads(batch, paired)
+    left = sum(load > accept * (1.0 + tuning.EPS) for load in loads)
+    if left == 0:
+        return _measure(batch, paired)
+    if left > tuning.REPAIR_LEFT_UP_TO:
+        return None
+    repaired = paired.tolist()
+    if repair(batch, repaired, loads, _repair_targets(batch, accept)) is None:
+        return None
+    return _measure(batch, np.array(repaired, dtype=np.int64))
+
+
+def _repair_targets(batch: Batch, accept: float) -> tuple[float, float]:
+    """The repair's targets: ``accept``, else the lean limit above the pigeonhole bound."""
+    return accept, max(accept, batch.tight_bound * (1.0 + tuning.LEAN_SLACK))
 
 
 def _aim_at_the_bound(
@@ -198,7 +242,11 @@ def _aim_at_the_bound(
     tried then."""
     lower = batch.tight_bound
     if _vectorised(batch, cap):
-        return [_finish(batch, home_first_blocks(batch, lower), cap, config, accept)]
+        placed = home_first_blocks(batch, lower)
+        # Far above the bound (images of similar sizes) the seed's refinement, one rank at a time,
+        # rarely reaches it: the paired exchanges take the plan as placed (tuning.PAIRED_ABOVE).
+        far = _pairs_follow(batch, cap) and max(rank_loads(batch, placed)) > lower * (1 + tuning.PAIRED_ABOVE)
+        return [_finish(batch, placed, cap, config, None if far else accept)]
     shed = _finish(batch, shed_and_place(batch, lower * (1.0 + tuning.SHED_AIM), cap), cap, config, accept)
     candidates = [shed]
     # Many images per rank: home-first in coarse blocks keeps more of them at home.

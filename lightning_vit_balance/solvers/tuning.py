@@ -132,3 +132,37 @@ EXCHANGE_RECEIVERS = 2
 #: after this many exchanges (each shifts as much cost as its receiver has room for). Of those 147
 #: batches, 3 reached the first target in 7 fewer than 4; 6 in 2 more, at up to 4% more time.
 REPAIR_STEPS = 4
+
+#: Beyond :data:`REPAIR_UP_TO` images or :data:`REPAIR_RANKS_UP_TO` ranks, up to this many images
+#: (and from :data:`PAIRED_FROM_PER_RANK` per rank), the repair starts with
+#: :func:`~.paired.paired_exchanges`, in numpy. Without it, similar sizes there stayed 1.5-6% above
+#: the bound, or the seed's relabelled plan won and moved 80-90% of all rows. With it, on 30
+#: random batches of 257-1024 ranks with 0-16 images each: median makespan / bound 1.016 ->
+#: 1.004, median rows moved 82% -> 34%, median plan 5.6 -> 6.0 ms, worst 11.1 -> 14.8 ms. At
+#: P = 1024 x 8 (8,192 images) 6.3 -> 7.6 ms and 86% -> 20% of rows; at P = 1024 with 1-16 per
+#: rank (8,900 images) 9.3 -> 6.8 ms (the seed's LPT no longer runs). At P = 4096 with 1-16 per
+#: rank (35,000 images) the rounds alone took 29 ms.
+PAIRED_UP_TO = 10_000
+
+#: Rounds of :func:`~.paired.paired_exchanges`, each about 0.3-1 ms at 8,000 images. Ranks left
+#: above the target after 2, 4 and 6 rounds (similar sizes, P = 512-1024, 8 or 1-16 per rank):
+#: 8-39, 0-3 and 0-2 of 30-460 at the start.
+PAIRED_ROUNDS = 6
+
+#: After the paired exchanges the Python repair runs when at most this many ranks are still above
+#: the target (else the seed's LPT is the reference, as without a repair). On 63 random batches
+#: of 257-1024 ranks with up to 64 left it reached the first target in 61 and the looser one in
+#: 2, in at most 9.3 ms (20 ms in a second run of the same batches: this VM's speed drifts).
+REPAIR_LEFT_UP_TO = 64
+
+#: When the paired exchanges follow and the numpy placement is more than this above the bound,
+#: the seed's refinement does not run first: one rank at a time it rarely gets there with images
+#: of similar sizes (2.4-7% above), and it cost about 1 ms at P = 1024 x 8. Mixed batches land
+#: within 1.1% of the bound (P = 300-1024), so they keep it.
+PAIRED_ABOVE = 0.02
+
+#: The paired exchanges and the repair need some images per rank to make up a rank's excess. On
+#: 90 random batches of similar sizes (257-1024 ranks): from 5 per rank on average, 61 of 64
+#: reached the first target and 2 the looser one; below 5, 2 of 26 and 4, and the other 20 cost
+#: 1.6-8.9 ms for nothing.
+PAIRED_FROM_PER_RANK = 5

@@ -398,22 +398,53 @@ def fill_empty_ranks(batch: Batch, dest: Destinations, cap: float | None) -> boo
         return changed
     if len(set(dest)) == batch.num_ranks:
         return False
-    must_hold, home, cost = batch.must_hold, batch.home, batch.cost
+    must_hold, home = batch.must_hold, batch.home
     held = [0] * batch.num_ranks
     for d in dest:
         held[d] += 1
+    empty = [r for r in range(batch.num_ranks) if must_hold[r] and not held[r]]
+    # Every image by the preference that does not depend on the empty rank, best first. An image
+    # leaves the donors for good once taken (its new rank holds one) or once its rank is down to
+    # one, so a pointer into this order finds the best donor, and one per empty rank the best of
+    # its own images: O(n log n) in all instead of a scan of every image per empty rank.
     pinned = batch.pinned(cap)
+    order = _donor_order(batch, dest, pinned)
+    own: dict[int, list[int]] = {r: [] for r in empty}
+    for k in order:
+        if home[k] in own:
+            own[home[k]].append(k)
+    at = 0
     changed = False
-    for r in [r for r in range(batch.num_ranks) if must_hold[r] and not held[r]]:
-        donors = [k for k, d in enumerate(dest) if held[d] >= 2 or not must_hold[d]]
-        if not donors:
+    for r in empty:
+        while at < len(order) and not _is_donor(order[at], dest, held, must_hold):
+            at += 1
+        best_own = next((k for k in own[r] if _is_donor(k, dest, held, must_hold)), None)
+        best = order[at] if at < len(order) else None
+        # The full preference puts the pinned flag first, then the empty rank's own images.
+        if best is None or (best_own is not None and pinned[best_own] <= pinned[best]):
+            best = best_own
+        if best is None:
             continue
-        k = min(donors, key=lambda k: (pinned[k], home[k] != r, dest[k] == home[k], cost[k], k))
-        held[dest[k]] -= 1
-        dest[k] = r
+        held[dest[best]] -= 1
+        dest[best] = r
         held[r] += 1
         changed = True
     return changed
+
+
+def _donor_order(batch: Batch, dest: list[int], pinned: list[bool]) -> list[int]:
+    """Images by (pinned, already away from home, cost, index): :func:`fill_empty_ranks`'s
+    preference without its empty-rank term."""
+    if batch.prebuilt is not None:  # many images: numpy's stable sort, the same order
+        at_home = np.asarray(dest) == batch.prebuilt.home
+        return np.lexsort((batch.prebuilt.cost, at_home, np.asarray(pinned))).tolist()
+    home, cost = batch.home, batch.cost
+    return sorted(range(batch.size), key=lambda k: (pinned[k], dest[k] == home[k], cost[k]))
+
+
+def _is_donor(k: int, dest: list[int], held: list[int], must_hold: list[bool]) -> bool:
+    """Whether image ``k`` may go: its rank keeps another image, or need not hold one."""
+    return held[dest[k]] >= 2 or not must_hold[dest[k]]
 
 
 def cap_excess(batch: Batch, dest: Destinations, cap: float | None) -> float:

@@ -23,6 +23,7 @@ larger than the cap on its own (*pinned*) fits nowhere and stays at home.
 from __future__ import annotations
 
 import heapq
+import math
 from itertools import accumulate
 from typing import Any
 
@@ -31,6 +32,7 @@ import numpy as np
 from lightning_vit_balance.solvers import tuning
 from lightning_vit_balance.solvers.batch import Batch, Destinations, add_up, rank_loads, rank_patches
 from lightning_vit_balance.solvers.lpt import lpt_blocks
+from lightning_vit_balance.solvers.roomheap import RoomHeap
 
 __all__ = [
     "bring_home",
@@ -59,52 +61,25 @@ def home_first(batch: Batch, target: float, cap: float | None) -> Destinations:
         for k in range(batch.size):
             if pinned[k]:
                 load[home[k]] += cost[k]
-    heap = [(load[r], r) for r in range(batch.num_ranks)]
-    heapq.heapify(heap)
+    # Loads only grow: a rank's entry may be too low until it reaches the top (RoomHeap).
+    ranks = RoomHeap(load, room if room is not None else [math.inf] * batch.num_ranks)
     for k in batch.order:
         if pinned[k]:
             continue
         c, h = cost[k], home[k]
         if load[h] + c <= limit:
-            # Loads only grow, so the heap entry of ``h`` is now too low; it is refreshed when
-            # it reaches the top.
             load[h] += c
             continue
         if room is not None:
             room[h] += patches[k]
-        r = dest[k] = _take_lightest(heap, load, room, patches[k], h, c)
+            ranks.room_changed(h)
+        r = ranks.lightest(patches[k])
+        r = dest[k] = h if r is None else r  # no rank has room: it stays home
+        load[r] += c
         if room is not None:
             room[r] -= patches[k]
+            ranks.room_changed(r)
     return dest
-
-
-def _take_lightest(
-    heap: list[tuple[float, int]],
-    load: list[float],
-    room: list[float] | None,
-    need: int,
-    fallback: int,
-    cost: float,
-) -> int:
-    """Add ``cost`` to the lightest rank with ``need`` patches of room (``fallback`` when none
-    has) and return it. ``heap`` holds ``(load, rank)`` entries that may be stale (too low): a
-    stale entry is refreshed when it reaches the top."""
-    full = []
-    while heap:
-        top_load, top = heap[0]
-        if top_load != load[top]:
-            heapq.heapreplace(heap, (load[top], top))
-        elif room is not None and room[top] < need:
-            full.append(heapq.heappop(heap))
-        else:
-            break
-    r = heap[0][1] if heap else fallback
-    load[r] += cost
-    if heap:
-        heapq.heapreplace(heap, (load[r], r))
-    for item in full:
-        heapq.heappush(heap, item)
-    return r
 
 
 def home_first_blocks(batch: Batch, target: float, block: int = 0) -> Destinations:
@@ -288,9 +263,9 @@ def _place_once(batch: Batch, shed: list[int], dest: Destinations, cap: float | 
     shed_cost = [0.0] * batch.num_ranks
     for k in shed:
         shed_cost[home[k]] += cost[k]
-    heap = [(load - taken, r) for r, (load, taken) in enumerate(zip(batch.loads, shed_cost))]
-    heapq.heapify(heap)
     if cap is None:
+        heap = [(load - taken, r) for r, (load, taken) in enumerate(zip(batch.loads, shed_cost))]
+        heapq.heapify(heap)
         for k in shed:
             top, r = heap[0]
             heapq.heapreplace(heap, (top + cost[k], r))
@@ -300,22 +275,18 @@ def _place_once(batch: Batch, shed: list[int], dest: Destinations, cap: float | 
     for k in shed:
         held[home[k]] -= patches[k]
     room = [cap - n for n in held]
+    load = [load - taken for load, taken in zip(batch.loads, shed_cost)]
+    ranks = RoomHeap(load, room)
     stayed: list[int] = []
     for k in shed:
-        full = []
-        while heap and room[heap[0][1]] < patches[k]:
-            full.append(heapq.heappop(heap))
-        if heap:
-            top, r = heapq.heappop(heap)
-            heapq.heappush(heap, (top + cost[k], r))
-            dest[k] = r
-        else:
+        r = ranks.lightest(patches[k])
+        if r is None:  # no rank has room: it stays home
             r = dest[k]
             stayed.append(k)
-            full = [(top + cost[k] if rr == r else top, rr) for top, rr in full]
+        dest[k] = r
+        load[r] += cost[k]
         room[r] -= patches[k]
-        for item in full:
-            heapq.heappush(heap, item)
+        ranks.room_changed(r)
     return stayed
 
 

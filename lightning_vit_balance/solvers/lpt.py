@@ -17,6 +17,7 @@ its own candidates.
 from __future__ import annotations
 
 import heapq
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -24,6 +25,7 @@ import numpy as np
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.solvers import tuning
 from lightning_vit_balance.solvers.batch import Batch, Destinations, add_up, rank_patches
+from lightning_vit_balance.solvers.roomheap import RoomHeap
 
 __all__ = ["lpt", "lpt_blocks", "lpt_reference", "refine", "relabel", "solve_lpt"]
 
@@ -62,24 +64,39 @@ def lpt(batch: Batch, cap: float | None) -> tuple[Destinations, list[float]]:
         dest = np.empty(batch.size, dtype=np.int64)
         lpt_blocks(arrays.order, arrays.cost, load, dest)
         return dest, load.tolist()
-    cost, patches = batch.cost, batch.patches
-    heap = [(0.0, r) for r in range(batch.num_ranks)]
-    held = [0] * batch.num_ranks
+    if cap is not None:
+        return _lpt_capped(batch, math.floor(cap))
+    cost = batch.cost
     dest = [0] * batch.size
+    heap = [(0.0, r) for r in range(batch.num_ranks)]
     for k in batch.order:
-        full = []
-        while cap is not None and heap and held[heap[0][1]] + patches[k] > cap:
-            full.append(heapq.heappop(heap))
-        load, r = heapq.heappop(heap) if heap else full.pop(0)
-        heapq.heappush(heap, (load + cost[k], r))
-        for item in full:
-            heapq.heappush(heap, item)
-        held[r] += patches[k]
+        load, r = heap[0]
+        heapq.heapreplace(heap, (load + cost[k], r))
         dest[k] = r
     loads = [0.0] * batch.num_ranks
     for load, r in heap:
         loads[r] = load
     return dest, loads
+
+
+def _lpt_capped(batch: Batch, cap: int) -> tuple[Destinations, list[float]]:
+    """:func:`lpt` under a cap of ``cap`` patches (the cap rounded down: patch counts are whole,
+    so ``held + patches > cap`` either way): each image to the lightest rank with room for it,
+    else, when no rank has, to the lightest of all."""
+    cost, patches = batch.cost, batch.patches
+    load = [0.0] * batch.num_ranks
+    room = [cap] * batch.num_ranks
+    ranks = RoomHeap(load, room)
+    dest = [0] * batch.size
+    for k in batch.order:
+        r = ranks.lightest(patches[k])
+        if r is None:
+            r = ranks.lightest_of_all()
+        load[r] += cost[k]
+        room[r] -= patches[k]
+        ranks.room_changed(r)
+        dest[k] = r
+    return dest, load
 
 
 def lpt_blocks(items: np.ndarray, cost: np.ndarray, load: np.ndarray, dest: np.ndarray) -> None:
@@ -272,6 +289,8 @@ def relabel(batch: Batch, dest: Destinations) -> Destinations:
     """
     if isinstance(dest, np.ndarray):
         return _relabel_arrays(batch, dest)
+    if batch.size > tuning.VECTORISE_ABOVE:  # a list from the capped heaps: the numpy rounds too
+        return _relabel_arrays(batch, np.array(dest, dtype=np.int64)).tolist()
     num_ranks = batch.num_ranks
     overlap: dict[int, int] = {}
     for d, h, n in zip(dest, batch.home, batch.patches):

@@ -37,6 +37,8 @@ class RoomHeap:
         #: back without room would be set aside again.
         self.aside: list[tuple[float, int]] = []
         self.is_aside = [False] * len(load)
+        #: ``(load, rank)`` of every rank, entries refreshed at the top as in ``heap``.
+        self.every = list(self.heap)
 
     def lightest(self, need: float) -> int | None:
         """The lowest ``(load, rank)`` among the ranks with at least ``need`` room (``None``:
@@ -61,7 +63,10 @@ class RoomHeap:
 
     def lightest_of_all(self) -> int:
         """The lowest ``(load, rank)`` of every rank, room or not (when no rank has room)."""
-        return min(range(len(self.load)), key=lambda r: (self.load[r], r))
+        every, load = self.every, self.load
+        while every[0][0] != load[every[0][1]]:
+            heapq.heapreplace(every, (load[every[0][1]], every[0][1]))
+        return every[0][1]
 
     def room_changed(self, rank: int) -> None:
         """Note that ``room[rank]`` changed (a rank not set aside needs no note)."""

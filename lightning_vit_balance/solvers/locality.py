@@ -404,8 +404,8 @@ def fill_empty_ranks(batch: Batch, dest: Destinations, cap: float | None) -> boo
 
 
 def _donor_order(batch: Batch, dest: list[int], pinned: list[bool]) -> list[int]:
-    """Images by (pinned, already away from home, cost, index): :func:`fill_empty_ranks`'s
-    preference without its empty-rank term."""
+    """Images by (pinned, at home, cost, index), least first (so images within the cap, then those
+    already away from home): :func:`fill_empty_ranks`'s preference without its empty-rank term."""
     if batch.prebuilt is not None:  # many images: numpy's stable sort, the same order
         at_home = np.asarray(dest) == batch.prebuilt.home
         return np.lexsort((batch.prebuilt.cost, at_home, np.asarray(pinned))).tolist()

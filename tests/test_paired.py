@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 
 import numpy as np
@@ -167,6 +168,23 @@ def test_similar_sizes_on_hundreds_of_ranks_plan_near_the_bound(
         assert plan.makespan_after <= batch.tight_bound * (1.0 + tuning.SLACK) * (1 + 1e-9)
         assert plan.makespan_after <= seed.makespan_after * (1.0 + tuning.SLACK) * (1 + 1e-9)
         assert plan.moved_patches <= 0.5 * plan.total_patches
+
+
+def test_few_similar_images_per_rank_on_hundreds_of_ranks_plan_within_the_lean_limit() -> None:
+    # 1-8 images of similar sizes on 512 ranks (fewer than PAIRED_FROM_PER_RANK on average): the
+    # plans stayed 4-7% above the bound. The paired exchanges and the repair, aimed at the lean
+    # limit, bring the median within it, none above the seed's makespan by more than the slack.
+    rng = np.random.default_rng(8)
+    ratios = []
+    for _ in range(3):
+        counts = [rng.integers(784, 1297, n).tolist() for n in rng.integers(1, 9, 512)]
+        batch = Batch.build(_validate_patch_counts(counts), CostModel())
+        assert batch.size < tuning.PAIRED_FROM_PER_RANK * batch.num_ranks
+        plan = plan_rebalance(counts, FORCED)
+        seed = plan_rebalance(counts, replace(FORCED, solver="seed"))
+        assert plan.makespan_after <= seed.makespan_after * (1.0 + tuning.SLACK) * (1 + 1e-9)
+        ratios.append(plan.makespan_after / batch.tight_bound)
+    assert statistics.median(ratios) <= (1.0 + tuning.LEAN_SLACK) * (1 + 1e-9)
 
 
 def test_mixed_batches_on_hundreds_of_ranks_skip_the_paired_exchanges(

@@ -15,10 +15,10 @@ It does the least work that finds a good plan, in steps:
    :data:`~tuning.LEAN_SLACK` of it. With many images (up to :data:`~tuning.REPAIR_UP_TO`
    images and :data:`~tuning.REPAIR_RANKS_UP_TO` ranks) it repairs shed-and-place's placement,
    which moves fewer rows than the numpy variants' plans. Beyond those sizes, up to
-   :data:`~tuning.PAIRED_UP_TO` images and from :data:`~tuning.PAIRED_FROM_PER_RANK` per rank,
-   paired exchanges (:func:`~.paired.paired_exchanges`, numpy rounds over every pair of a loaded
-   and a roomy rank at once) relieve most ranks of the numpy plan first, and the repair relieves
-   the few left.
+   :data:`~tuning.PAIRED_UP_TO` images, paired exchanges (:func:`~.paired.paired_exchanges`,
+   numpy rounds over every pair of a loaded and a roomy rank at once) relieve most ranks of the
+   numpy plan first, and the repair relieves the few left; below
+   :data:`~tuning.PAIRED_FROM_PER_RANK` images per rank both aim at the lean limit alone.
 3. *At the LPT*: when the bound is still out of reach, the seed's LPT (bins renamed to home
    ranks) joins the plans and sets the acceptance limit, and home-first is retried against it.
 4. *Selection*: every finished plan (a :class:`Candidate`) is scored by its patches above the
@@ -178,11 +178,8 @@ def _repair_start(batch: Batch, closest: Candidate) -> Destinations | None:
 
 def _pairs_follow(batch: Batch, cap: float | None) -> bool:
     """Whether a numpy plan is repaired with paired exchanges first: beyond the Python repair's
-    sizes (:func:`_paired_first`), up to :data:`~tuning.PAIRED_UP_TO` images, at least
-    :data:`~tuning.PAIRED_FROM_PER_RANK` images per rank on average, and no cap."""
-    if cap is not None or not _paired_first(batch) or batch.size > tuning.PAIRED_UP_TO:
-        return False
-    return batch.size >= tuning.PAIRED_FROM_PER_RANK * batch.num_ranks
+    sizes (:func:`_paired_first`), up to :data:`~tuning.PAIRED_UP_TO` images, and no cap."""
+    return cap is None and _paired_first(batch) and batch.size <= tuning.PAIRED_UP_TO
 
 
 def _paired_first(batch: Batch) -> bool:
@@ -212,18 +209,24 @@ def _repaired(batch: Batch, dest: Destinations, accept: float) -> Candidate | No
 
 def _paired_and_repaired(batch: Batch, dest: Destinations, accept: float) -> Candidate | None:
     """:func:`_repaired` beyond the Python repair's sizes: paired exchanges relieve most ranks,
-    and the repair runs only when at most :data:`~tuning.REPAIR_LEFT_UP_TO` are left above
-    ``accept``. Not brought home: a Python pass over 8,000 images took 23 ms, three times the rest
-    of the plan."""
-    paired = paired_exchanges(batch, np.asarray(dest), accept, tuning.PAIRED_ROUNDS)
+    and the repair runs only when at most :data:`~tuning.REPAIR_LEFT_UP_TO` are left above the
+    target. With fewer than :data:`~tuning.PAIRED_FROM_PER_RANK` images per rank on average both
+    aim at the lean limit alone (:data:`~tuning.PAIRED_ROUNDS_FEW` rounds): whole images that
+    coarse rarely reach ``accept``. Not brought home: a Python pass over 8,000 images took 23 ms,
+    three times the rest of the plan."""
+    targets = _repair_targets(batch, accept)
+    rounds = tuning.PAIRED_ROUNDS
+    if batch.size < tuning.PAIRED_FROM_PER_RANK * batch.num_ranks:
+        targets, rounds = targets[1:], tuning.PAIRED_ROUNDS_FEW
+    paired = paired_exchanges(batch, np.asarray(dest), targets[0], rounds)
     loads = rank_loads(batch, paired)
-    left = sum(load > accept * (1.0 + tuning.EPS) for load in loads)
+    left = sum(load > targets[0] * (1.0 + tuning.EPS) for load in loads)
     if left == 0:
         return _measure(batch, paired)
     if left > tuning.REPAIR_LEFT_UP_TO:
         return None
     repaired = paired.tolist()
-    if repair(batch, repaired, loads, _repair_targets(batch, accept)) is None:
+    if repair(batch, repaired, loads, targets) is None:
         return None
     return _measure(batch, np.array(repaired, dtype=np.int64))
 

@@ -521,7 +521,8 @@ class _PixelTripFunction(torch.autograd.Function):
         a, b = trip.received_rows
         back = _exchange(grad_batch[a:b], list(trip.receive_splits), list(trip.send_splits), ctx.group)
         covered = sum(stop - start for start, stop in (*trip.local, *trip.sent))
-        grad = gradient_buffer(ctx.pixel_shape, ctx.pixel_dtype, grad_batch.device, covered)
+        every_row = covered == ctx.pixel_shape[0]
+        grad = gradient_buffer(ctx.pixel_shape, ctx.pixel_dtype, grad_batch.device, every_row)
         for source, at, runs in ((back, 0, trip.sent), (grad_batch, trip.local_at, trip.local)):
             for start, stop in runs:
                 grad[start:stop] = source[at : at + stop - start]
@@ -530,13 +531,12 @@ class _PixelTripFunction(torch.autograd.Function):
 
 
 def gradient_buffer(
-    shape: torch.Size, dtype: torch.dtype, device: torch.device, covered_rows: int
+    shape: torch.Size, dtype: torch.dtype, device: torch.device, every_row: bool
 ) -> torch.Tensor:
-    """A gradient buffer of ``shape`` that pieces fill row by row, ``covered_rows`` rows in all:
-    left uninitialised when they cover every row (no zero-fill pass), zeros otherwise (a row no
-    piece covers has no gradient)."""
-    make = torch.empty if covered_rows == shape[0] else torch.zeros
-    return make(shape, dtype=dtype, device=device)
+    """A gradient buffer of ``shape`` that pieces fill row by row: left uninitialised when they
+    cover ``every_row`` (no zero-fill pass), zeros otherwise (a row no piece covers has no
+    gradient)."""
+    return (torch.empty if every_row else torch.zeros)(shape, dtype=dtype, device=device)
 
 
 def start_pixel_trip(

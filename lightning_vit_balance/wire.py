@@ -120,7 +120,7 @@ class _PackFunction(torch.autograd.Function):
         for k, a, b, _ in ctx.places:
             covered[k] += b - a
         grads = [
-            gradient_buffer(shape, dtype, device, rows) if _is_float(dtype) else None
+            gradient_buffer(shape, dtype, device, rows == shape[0]) if _is_float(dtype) else None
             for (shape, dtype, device), rows in zip(ctx.leaves, covered)
         ]
         at = 0
@@ -194,13 +194,8 @@ class _UnpackFunction(torch.autograd.Function):
             for k, grad in enumerate(grads)
         ]
         shape, dtype, device = ctx.back
-        covered = sum(
-            rows * ctx.elements[k]
-            for rows_from_worker in layout.receive_rows
-            for k, rows in enumerate(rows_from_worker)
-            if ordered[k] is not None
-        )
-        grad_back = gradient_buffer(shape, dtype, device, covered)
+        # The pieces cover the whole buffer exactly when every output has a gradient.
+        grad_back = gradient_buffer(shape, dtype, device, all(g is not None for g in ordered))
         at, first = 0, [0] * len(grads)
         for rows_from_worker in layout.receive_rows:
             for k, rows in enumerate(rows_from_worker):

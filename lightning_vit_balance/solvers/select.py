@@ -165,12 +165,10 @@ def _worth_repairing(batch: Batch, closest: Candidate, cap: float | None) -> boo
 def _repair_start(batch: Batch, closest: Candidate) -> Destinations | None:
     """Where the repair starts: the closest plan, or with many images (the numpy variants, whose
     plans move more rows) shed-and-place's placement, as in the lean order, up to the Python
-    repair's sizes (:func:`_paired_first`); beyond them the closest plan again. ``None`` when the
-    start is more than :data:`~tuning.REPAIR_FROM_WITHIN` above the bound."""
-    if not _vectorised(batch, None):
+    repair's sizes (:func:`_paired_first`); beyond them the closest plan again. ``None`` when that
+    placement is more than :data:`~tuning.REPAIR_FROM_WITHIN` above the bound."""
+    if not _vectorised(batch, None) or _paired_first(batch):
         return closest.dest
-    if _paired_first(batch):
-        return closest.dest if _pairs_follow(batch, None) else None
     start = shed_and_place(batch, batch.lower_bound * (1.0 + tuning.SHED_AIM), None)
     within = max(rank_loads(batch, start)) <= batch.tight_bound * (1.0 + tuning.REPAIR_FROM_WITHIN)
     return start if within else None
@@ -246,10 +244,11 @@ def _aim_at_the_bound(
     lower = batch.tight_bound
     if _vectorised(batch, cap):
         placed = home_first_blocks(batch, lower)
+        scored = score(batch, placed)
         # Far above the bound (images of similar sizes) the seed's refinement, one rank at a time,
         # rarely reaches it: the paired exchanges take the plan as placed (tuning.PAIRED_ABOVE).
-        far = _pairs_follow(batch, cap) and max(rank_loads(batch, placed)) > lower * (1 + tuning.PAIRED_ABOVE)
-        return [_finish(batch, placed, cap, config, None if far else accept)]
+        far = _pairs_follow(batch, cap) and max(scored[0]) > lower * (1.0 + tuning.PAIRED_ABOVE)
+        return [_finish(batch, placed, cap, config, None if far else accept, scored)]
     shed = _finish(batch, shed_and_place(batch, lower * (1.0 + tuning.SHED_AIM), cap), cap, config, accept)
     candidates = [shed]
     # Many images per rank: home-first in coarse blocks keeps more of them at home.

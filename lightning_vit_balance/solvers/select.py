@@ -4,10 +4,9 @@ It does the least work that finds a good plan, in steps:
 
 1. *At the bound*: shed-and-place aims at the lower bound ``max(total / P, largest image)``
    (or the pigeonhole bound, :attr:`~.batch.Batch.tight_bound`, when higher), refined only until
-   it is within :data:`~tuning.SLACK` of it. With many images per rank (*thorough*: more than
-   :data:`~tuning.THOROUGH_ABOVE_PER_RANK` on average) home-first in coarse blocks joins it, and
-   when no plan reaches the bound, home-first gets its try. With many images (numpy variants)
-   home-first in blocks of ``P`` replaces all of these.
+   it is within :data:`~tuning.SLACK` of it; when it misses the bound by many ranks and the
+   largest images are a large share of it, home-first aimed at the bound gets its try. With many
+   images (numpy variants) home-first in blocks of ``P`` replaces both.
 2. *Repair* (no cap): when the closest plan is more than :data:`~tuning.LEAN_SLACK` above the
    bound (images of similar sizes, which whole images cannot spread evenly), it is repaired
    (:func:`~.repair.repair`): ranks above the bound exchange images with ranks below it until
@@ -24,14 +23,15 @@ It does the least work that finds a good plan, in steps:
 4. *Selection*: every finished plan (a :class:`Candidate`) is scored by its patches above the
    cap, its makespan and the pixel rows it moves. Among the plans that honour the cap best, those
    within the slack of the target; of those, the one that moves the fewest rows (ties: the lower
-   makespan), after :func:`~.locality.bring_home` when it may have images to send back.
+   makespan), after :func:`~.locality.bring_home` when it may have images to send back (every
+   plan, with more than :data:`~tuning.POLISH_ABOVE_PER_RANK` images per rank).
 
-A plan that reached the bound untouched (no refinement, no fix-up) is final at once. With few
-images per rank (the lean order, :func:`_solve_lean`) step 1 is shed-and-place alone, against the
-simple bound: most batches end there, at about the cost of one heap LPT. When it misses the bound
-by many ranks and the largest images are a large share of it, home-first aimed at the bound is
-tried before the refinement and the repair. The seed's LPT runs only when the repair cannot reach
-the pigeonhole bound, so no plan is kept that is more than the slack above the seed's makespan.
+Up to :data:`~tuning.VECTORISE_ABOVE` images the steps run in the lean order
+(:func:`_solve_lean`), each only when the one before missed the bound: shed-and-place alone
+against the simple bound first, where most batches end at about the cost of one heap LPT. A plan
+that reached the bound untouched (no refinement, no fix-up) is final at once. The seed's LPT runs
+only when the repair cannot reach the pigeonhole bound, so no plan is kept that is more than the
+slack above the seed's makespan.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Candidate(NamedTuple):
 def solve_locality(batch: Batch, config: ViTBalanceConfig) -> Destinations:
     """The default solver: destinations of the flat images (see the module docstring)."""
     cap = batch.cap(config.max_len_ratio)
-    if not (_thorough(batch, cap) or _vectorised(batch, cap)):
+    if not _vectorised(batch, cap):
         return _solve_lean(batch, config, cap)
     accept = batch.tight_bound * (1.0 + tuning.SLACK)
     candidates = _aim_at_the_bound(batch, config, cap, accept)
@@ -89,8 +89,8 @@ def solve_locality(batch: Batch, config: ViTBalanceConfig) -> Destinations:
 
 
 def _solve_lean(batch: Batch, config: ViTBalanceConfig, cap: float | None) -> Destinations:
-    """Few images per rank: shed-and-place, refined or repaired when it misses the bound, and the
-    seed's LPT only when neither reaches the bound.
+    """Up to :data:`~tuning.VECTORISE_ABOVE` images: shed-and-place, refined or repaired when it
+    misses the bound, and the seed's LPT only when neither reaches the bound.
 
     The steps of :func:`solve_locality`, ordered for the least work. Most batches end after
     shed-and-place, which reaches the simple bound, or after its refinement (the seed's pairwise
@@ -184,11 +184,11 @@ def _worth_repairing(batch: Batch, closest: Candidate, cap: float | None) -> boo
 
 
 def _repair_start(batch: Batch, closest: Candidate) -> Destinations | None:
-    """Where the repair starts: the closest plan, or with many images (the numpy variants, whose
-    plans move more rows) shed-and-place's placement, as in the lean order, up to the Python
-    repair's sizes (:func:`_paired_first`); beyond them the closest plan again. ``None`` when that
-    placement is more than :data:`~tuning.REPAIR_FROM_WITHIN` above the bound."""
-    if not _vectorised(batch, None) or _paired_first(batch):
+    """Where the repair of a numpy variant's plan starts: shed-and-place's placement, as in the
+    lean order (the numpy plans move more rows), up to the Python repair's sizes
+    (:func:`_paired_first`); beyond them the closest plan. ``None`` when that placement is more
+    than :data:`~tuning.REPAIR_FROM_WITHIN` above the bound."""
+    if _paired_first(batch):
         return closest.dest
     start = shed_and_place(batch, batch.lower_bound * (1.0 + tuning.SHED_AIM), None)
     within = max(rank_loads(batch, start)) <= batch.tight_bound * (1.0 + tuning.REPAIR_FROM_WITHIN)
@@ -258,28 +258,15 @@ def _repair_targets(batch: Batch, accept: float) -> tuple[float, float]:
 def _aim_at_the_bound(
     batch: Batch, config: ViTBalanceConfig, cap: float | None, accept: float
 ) -> list[Candidate]:
-    """Plans aimed at the lower bound (step 1), for many images per rank (thorough) or many
-    images (numpy variants). Home-first fills the gaps with small images and often reaches the
-    bound when the others miss it; when they reach it, it rarely moves fewer rows, so it is not
-    tried then."""
+    """The numpy variants' plan aimed at the lower bound (step 1): home-first in blocks of ``P``
+    images, refined towards ``accept``."""
     lower = batch.tight_bound
-    if _vectorised(batch, cap):
-        placed = home_first_blocks(batch, lower)
-        scored = score(batch, placed)
-        # Far above the bound (images of similar sizes) the seed's refinement, one rank at a time,
-        # rarely reaches it: the paired exchanges take the plan as placed (tuning.PAIRED_ABOVE).
-        far = _pairs_follow(batch, cap) and max(scored[0]) > lower * (1.0 + tuning.PAIRED_ABOVE)
-        return [_finish(batch, placed, cap, config, None if far else accept, scored)]
-    shed = _finish(batch, shed_and_place(batch, lower * (1.0 + tuning.SHED_AIM), cap), cap, config, accept)
-    candidates = [shed]
-    # Many images per rank: home-first in coarse blocks keeps more of them at home.
-    for block in sorted({batch.num_ranks, max(1, batch.num_ranks // 2), max(1, batch.num_ranks // 4)}):
-        plan = home_first_blocks(batch, lower, block)
-        candidates.append(_finish(batch, plan, cap, config, accept))
-    if any(_within(c, accept) for c in candidates):
-        return candidates
-    fallback = home_first(batch, lower * (1.0 + tuning.AIM), cap)
-    return [*candidates, _finish(batch, fallback, cap, config, None)]
+    placed = home_first_blocks(batch, lower)
+    scored = score(batch, placed)
+    # Far above the bound (images of similar sizes) the seed's refinement, one rank at a time,
+    # rarely reaches it: the paired exchanges take the plan as placed (tuning.PAIRED_ABOVE).
+    far = _pairs_follow(batch, cap) and max(scored[0]) > lower * (1.0 + tuning.PAIRED_ABOVE)
+    return [_finish(batch, placed, cap, config, None if far else accept, scored)]
 
 
 def _aim_at_the_lpt(
@@ -293,11 +280,7 @@ def _aim_at_the_lpt(
     accept = best * (1.0 + tuning.SLACK)
     candidates = [*candidates, reference]
     if closest <= accept * (1.0 + tuning.RELAX_WITHIN):
-        relaxed = best * (1.0 + tuning.AIM)
-        if _vectorised(batch, cap):
-            retry = home_first_blocks(batch, relaxed)
-        else:
-            retry = home_first(batch, relaxed, cap)
+        retry = home_first_blocks(batch, best * (1.0 + tuning.AIM))
         candidates.append(_finish(batch, retry, cap, config, accept))
     return candidates, accept
 
@@ -308,9 +291,9 @@ def _seed_reference(batch: Batch, config: ViTBalanceConfig, cap: float | None) -
     return _measure(batch, _filled(batch, lpt_reference(batch, config, cap), cap))
 
 
-def _thorough(batch: Batch, cap: float | None) -> bool:
-    """Ranks hold many images (and fit the Python paths): more candidates, each brought home."""
-    many = tuning.THOROUGH_ABOVE_PER_RANK * batch.num_ranks < batch.size
+def _polish(batch: Batch, cap: float | None) -> bool:
+    """Ranks hold many images (and fit the Python paths): selection brings every plan home."""
+    many = tuning.POLISH_ABOVE_PER_RANK * batch.num_ranks < batch.size
     return cap is None and many and batch.size <= tuning.BRING_HOME_UP_TO
 
 
@@ -326,7 +309,7 @@ def _within(candidate: Candidate, accept: float) -> bool:
 def _select(batch: Batch, candidates: list[Candidate], accept: float, cap: float | None) -> Destinations:
     """Plans that honour the cap best first; among them, the fewest rows moved within the limit.
     The best few get :func:`bring_home` first when they may have images to bring back."""
-    polish = _thorough(batch, cap)
+    polish = _polish(batch, cap)
     if len(candidates) == 1 and not (candidates[0].adjusted or polish):
         return candidates[0].dest
     excess = [cap_excess(batch, c.dest, cap) for c in candidates]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -82,33 +81,21 @@ def home_first(batch: Batch, target: float, cap: float | None) -> Destinations:
     return dest
 
 
-def home_first_blocks(batch: Batch, target: float, block: int = 0) -> Destinations:
-    """:func:`home_first` in blocks of ``block`` images (default ``P``); no cap.
+def home_first_blocks(batch: Batch, target: float) -> np.ndarray:
+    """:func:`home_first` for many images (the numpy variants), in blocks of ``P`` images; no cap.
 
     Within a block (images largest first) an image stays home when its home rank's load plus the
     block's earlier images bound for the same home stays within ``target``; the rest of the block
-    goes to the lightest ranks by :func:`~.lpt.lpt_blocks`. Blocks of fewer than ``P`` images
-    balance less finely and keep more images at home.
-
-    Vectorised (an int64 array) for many images; for at most :data:`~tuning.VECTORISE_ABOVE` the
-    same steps in plain Python (a list, the same destinations: the sums are formed in the same
-    order), as a dozen numpy calls per block cost more than the images themselves.
+    goes to the lightest ranks by :func:`~.lpt.lpt_blocks`. A few numpy calls per block, so
+    destinations come back as an int64 array.
     """
-    block = block or batch.num_ranks
-    if batch.size <= tuning.VECTORISE_ABOVE:
-        return _home_first_blocks_listed(batch, target, block)
-    return _home_first_blocks_arrays(batch, target, block)
-
-
-def _home_first_blocks_arrays(batch: Batch, target: float, block: int) -> np.ndarray:
-    """:func:`home_first_blocks` in numpy, a few calls per block of ``block`` images."""
     arrays, num_ranks = batch.arrays, batch.num_ranks
     cost, home = arrays.cost, arrays.home
     limit = target * (1.0 + tuning.EPS)
     load = np.zeros(num_ranks)
     dest = home.copy()
-    for start in range(0, batch.size, block):
-        ids = arrays.order[start : start + block]
+    for start in range(0, batch.size, num_ranks):
+        ids = arrays.order[start : start + num_ranks]
         by_home = np.argsort(home[ids], kind="stable")
         homes = home[ids][by_home]
         running = np.cumsum(cost[ids][by_home])
@@ -122,39 +109,6 @@ def _home_first_blocks_arrays(batch: Batch, target: float, block: int) -> np.nda
         leaving = ids[~stays]
         if leaving.size:
             lpt_blocks(leaving, cost, load, dest)
-    return dest
-
-
-def _home_first_blocks_listed(batch: Batch, target: float, block: int) -> list[int]:
-    """:func:`home_first_blocks` in Python, step for step: a block's images grouped by home (in
-    order), their running sum over the whole block less the sum before the group (as the
-    cumulative sum there), each home's stays summed from 0.0 before adding them (as ``bincount``),
-    then the leaving images by a heap LPT (what ``lpt_blocks`` reproduces)."""
-    cost, home, order = batch.cost, batch.home, batch.order
-    limit = target * (1.0 + tuning.EPS)
-    load = [0.0] * batch.num_ranks
-    dest = list(home)
-    for start in range(0, batch.size, block):
-        ids = sorted(order[start : start + block], key=home.__getitem__)  # stable: by home, then order
-        running = [*accumulate(map(cost.__getitem__, ids))]
-        stays: dict[int, bool] = {}
-        added, before, group = [0.0] * batch.num_ranks, 0.0, -1
-        for j, k in enumerate(ids):
-            if home[k] != group:
-                group, before = home[k], running[j - 1] if j else 0.0
-            stays[k] = load[group] + (running[j] - before) <= limit
-        for k in order[start : start + block]:  # bincount's order: the block's
-            if stays[k]:
-                added[home[k]] += cost[k]
-        load = [a + b for a, b in zip(load, added)]
-        heap = [(value, r) for r, value in enumerate(load)]
-        heapq.heapify(heap)
-        for k in order[start : start + block]:
-            if not stays[k]:
-                value, r = heap[0]
-                heapq.heapreplace(heap, (value + cost[k], r))
-                load[r] = value + cost[k]
-                dest[k] = r
     return dest
 
 

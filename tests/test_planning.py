@@ -75,6 +75,27 @@ def recomputed_loads(plan: RebalancePlan) -> tuple[float, ...]:
 @property_settings
 @given(counts=batches, config=configs)
 def test_plan_invariants(counts: list[list[int]], config: ViTBalanceConfig) -> None:
+    _check_plan_invariants(counts, config)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(
+    counts=st.lists(
+        st.lists(st.integers(min_value=1, max_value=4000), min_size=6, max_size=32), min_size=2, max_size=6
+    ),
+    config=configs,
+)
+def test_plan_invariants_with_many_images_per_rank(counts: list[list[int]], config: ViTBalanceConfig) -> None:
+    # Above 8 images per rank the lean order runs too, and selection brings every plan home: the
+    # same invariants, and the locality solver within the slack of the seed's makespan.
+    plan = _check_plan_invariants(counts, config)
+    seed = plan_rebalance(counts, replace(config, solver="seed"))
+    if config.solver == "locality" and config.max_len_ratio is None and plan.applied and seed.applied:
+        assert plan.makespan_after <= seed.makespan_after * (1 + tuning.SLACK) * (1 + 1e-9)
+
+
+def _check_plan_invariants(counts: list[list[int]], config: ViTBalanceConfig) -> RebalancePlan:
+    """The plan of ``counts`` under ``config``, after checking what every plan must satisfy."""
     plan = plan_rebalance(counts, config)
     assert plan.reason in REASONS
     assert plan.patch_counts == tuple(tuple(row) for row in counts)
@@ -95,7 +116,7 @@ def test_plan_invariants(counts: list[list[int]], config: ViTBalanceConfig) -> N
         assert plan.destinations == tuple((r,) * len(row) for r, row in enumerate(counts))
         assert plan.loads_after == plan.loads_before
         assert plan.moved_patches == 0
-        return
+        return plan
     if config.solver == "locality":
         # Never worse than no balancing, and better by at least min_gain.
         gain = (plan.makespan_before - plan.makespan_after) / plan.makespan_before
@@ -106,6 +127,7 @@ def test_plan_invariants(counts: list[list[int]], config: ViTBalanceConfig) -> N
             assert min(held) >= 1
         else:
             assert all(held[r] >= 1 for r, row in enumerate(counts) if row)
+    return plan
 
 
 @property_settings

@@ -308,7 +308,8 @@ def _within(candidate: Candidate, accept: float) -> bool:
 
 def _select(batch: Batch, candidates: list[Candidate], accept: float, cap: float | None) -> Destinations:
     """Plans that honour the cap best first; among them, the fewest rows moved within the limit.
-    The best few get :func:`bring_home` first when they may have images to bring back."""
+    The best few (every plan, with many images per rank) get :func:`bring_home` first when they may
+    have images to bring back."""
     polish = _polish(batch, cap)
     if len(candidates) == 1 and not (candidates[0].adjusted or polish):
         return candidates[0].dest
@@ -319,7 +320,7 @@ def _select(batch: Batch, candidates: list[Candidate], accept: float, cap: float
     if cap is None and batch.size <= tuning.BRING_HOME_UP_TO:
         feasible = [
             _measure(batch, bring_home(batch, c.dest, limit, batch.must_hold)) if polish or c.adjusted else c
-            for c in feasible[: tuning.BRING_HOME_CANDIDATES if polish else tuning.BRING_HOME_CANDIDATES_LEAN]
+            for c in (feasible if polish else feasible[: tuning.BRING_HOME_CANDIDATES_LEAN])
         ]
     return min(feasible, key=_rows_then_makespan).dest
 

@@ -67,14 +67,10 @@ BRING_HOME_UP_TO = VECTORISE_ABOVE
 #: (of 353 calls, passes 1 to 5 changed 307, 111, 41, 16 and 2); three bound the cost.
 BRING_HOME_PASSES = 3
 
-#: At most this many plans, fewest rows moved first, get :func:`~.locality.bring_home`: a bound on
-#: the work (a pass over a plan costs about a heuristic's time); the solver has up to seven plans.
-BRING_HOME_CANDIDATES = 5
-
-#: The same bound in the lean order (few images per rank), where at most three plans compete:
-#: the two that move the fewest rows. Bringing the third home too changed none of 960 plans
-#: (1-8 images per rank, P=2-64, ``make bench``'s four scenarios), and its pass costs about a
-#: heap LPT.
+#: At most this many plans, fewest rows moved first, get :func:`~.locality.bring_home` in the lean
+#: order, where at most three plans compete (a pass over a plan costs about a heap LPT). Bringing
+#: the third home too changed none of 960 plans (1-8 images per rank, P=2-64, ``make bench``'s four
+#: scenarios). With more than :data:`POLISH_ABOVE_PER_RANK` images per rank every plan gets it.
 BRING_HOME_CANDIDATES_LEAN = 2
 
 #: Proposal rounds of the greedy matching that renames LPT bins to home ranks. Every round matches

@@ -37,8 +37,9 @@ class RoomHeap:
         #: back without room would be set aside again.
         self.aside: list[tuple[float, int]] = []
         self.is_aside = [False] * len(load)
-        #: ``(load, rank)`` of every rank, entries refreshed at the top as in ``heap``.
-        self.every = list(self.heap)
+        #: ``(load, rank)`` of every rank, entries refreshed at the top as in ``heap``; built on
+        #: the first :meth:`lightest_of_all` (only the seed's LPT asks, when no rank has room).
+        self.every: list[tuple[float, int]] | None = None
 
     def lightest(self, need: float) -> int | None:
         """The lowest ``(load, rank)`` among the ranks with at least ``need`` room (``None``:
@@ -63,7 +64,11 @@ class RoomHeap:
 
     def lightest_of_all(self) -> int:
         """The lowest ``(load, rank)`` of every rank, room or not (when no rank has room)."""
-        every, load = self.every, self.load
+        load = self.load
+        if self.every is None:
+            self.every = [(value, r) for r, value in enumerate(load)]
+            heapq.heapify(self.every)
+        every = self.every
         while every[0][0] != load[every[0][1]]:
             heapq.heapreplace(every, (load[every[0][1]], every[0][1]))
         return every[0][1]

@@ -75,8 +75,8 @@ def solve_locality(batch: Batch, config: ViTBalanceConfig) -> Destinations:
     if not _vectorised(batch, cap):
         return _solve_lean(batch, config, cap)
     accept = batch.tight_bound * (1.0 + tuning.SLACK)
-    candidates = _aim_at_the_bound(batch, config, cap, accept)
-    closest = min(candidates, key=lambda c: c.makespan)
+    closest = _aim_at_the_bound(batch, config, cap, accept)
+    candidates = [closest]
     if _worth_repairing(batch, closest, cap):
         start = _repair_start(batch, closest)
         repaired = _repaired(batch, start, accept) if start is not None else None
@@ -255,9 +255,7 @@ def _repair_targets(batch: Batch, accept: float) -> tuple[float, float]:
     return accept, max(accept, batch.tight_bound * (1.0 + tuning.LEAN_SLACK))
 
 
-def _aim_at_the_bound(
-    batch: Batch, config: ViTBalanceConfig, cap: float | None, accept: float
-) -> list[Candidate]:
+def _aim_at_the_bound(batch: Batch, config: ViTBalanceConfig, cap: float | None, accept: float) -> Candidate:
     """The numpy variants' plan aimed at the lower bound (step 1): home-first in blocks of ``P``
     images, refined towards ``accept``."""
     lower = batch.tight_bound
@@ -266,7 +264,7 @@ def _aim_at_the_bound(
     # Far above the bound (images of similar sizes) the seed's refinement, one rank at a time,
     # rarely reaches it: the paired exchanges take the plan as placed (tuning.PAIRED_ABOVE).
     far = _pairs_follow(batch, cap) and max(scored[0]) > lower * (1.0 + tuning.PAIRED_ABOVE)
-    return [_finish(batch, placed, cap, config, None if far else accept, scored)]
+    return _finish(batch, placed, cap, config, None if far else accept, scored)
 
 
 def _aim_at_the_lpt(

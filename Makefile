@@ -6,7 +6,7 @@ TORCH_REQUIREMENTS ?= requirements/torch-cpu.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench bench-e2e bench-engine lint clean
+.PHONY: install test demo bench bench-e2e bench-engine gpu-check lint clean
 
 install: $(STAMP)
 
@@ -38,6 +38,12 @@ bench-e2e: $(STAMP)
 # and the overlapped pixel trip (2 gloo CPU ranks).
 bench-engine: $(STAMP)
 	$(PY) benchmarks/bench_engine.py
+
+# The CUDA paths (tests/test_cuda.py) on a machine with a GPU, with that machine's own Python and
+# CUDA build of torch (no venv: this repo's pins the CPU wheel). Two ranks share the first GPU.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_cuda.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

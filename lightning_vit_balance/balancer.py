@@ -51,6 +51,7 @@ from lightning_vit_balance.exchange import (
     collective_device,
     gather_metadata,
     host_device,
+    host_to_device,
     row_slices,
     start_pixel_trip,
     start_status,
@@ -476,7 +477,7 @@ class ViTBalancer:
     ) -> BalancedBatch:
         """The batch of ``images`` (``(rank, index)`` each), grid rows from the gather, not the wire."""
         rows = np.asarray([metadata[src].grids[i] for src, i in images], dtype=np.int64).reshape(-1, 3)
-        grid = torch.from_numpy(rows).to(dtype=grid_thw.dtype, device=grid_thw.device)
+        grid = host_to_device(torch.from_numpy(rows), grid_thw.device, grid_thw.dtype)
         counts = tuple(metadata[src].patch_counts[i] for src, i in images)
         return BalancedBatch(pixels, grid, counts, False, received)
 

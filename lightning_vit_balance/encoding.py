@@ -23,6 +23,7 @@ from lightning_vit_balance.exchange import (
     StatusReport,
     ViTStatus,
     device_problem,
+    host_to_device,
     rows_per_image,
 )
 from lightning_vit_balance.outputs import (
@@ -258,7 +259,7 @@ class BalancedBatch:
     ) -> BalancedBatch:
         """One ``(1, merge, merge)`` image of zeros: a ViT is never called on an empty batch."""
         pixels = torch.zeros((merge * merge, channels), dtype=dtype, device=device)
-        grid = torch.tensor([[1, merge, merge]], dtype=like_grid.dtype, device=like_grid.device)
+        grid = host_to_device(torch.tensor([[1, merge, merge]]), like_grid.device, like_grid.dtype)
         return cls(pixels, grid, (merge * merge,), is_dummy=True)
 
 

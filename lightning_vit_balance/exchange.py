@@ -53,6 +53,7 @@ __all__ = [
     "gather_metadata",
     "gradient_buffer",
     "host_device",
+    "host_to_device",
     "row_slices",
     "rows_per_image",
     "start_pixel_trip",
@@ -144,6 +145,22 @@ def host_device(group: Any) -> torch.device:
     if _backend_device_type(group) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def host_to_device(
+    values: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A small host tensor (``dtype``: cast first) on ``device``, without making the host wait.
+
+    A plain ``.to("cuda")`` of pageable memory waits for every kernel already queued on the stream
+    before it copies, so the host stops running ahead of the GPU in the middle of the forward.
+    Staged in pinned memory the copy is queued like a kernel; the caching host allocator keeps the
+    pinned buffer alive until the copy has run.
+    """
+    values = values if dtype is None else values.to(dtype)
+    if device.type != "cuda" or values.device.type != "cpu":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
 
 
 def device_problem(group: Any, device: torch.device) -> tuple[int, ...] | None:

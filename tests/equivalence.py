@@ -101,11 +101,11 @@ def tolerances(dtype: torch.dtype) -> dict[str, float]:
     return {"rtol": 1e-4, "atol": 1e-5}
 
 
-def _model(name: str, dtype: torch.dtype) -> torch.nn.Module:
-    key = (name, str(dtype))
+def _model(name: str, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
+    key = (name, str(dtype), device)
     if key not in _MODELS:
         torch.manual_seed(0)
-        _MODELS[key] = TOWERS[name]().to(dtype)
+        _MODELS[key] = TOWERS[name]().to(dtype=dtype, device=device)
     return _MODELS[key]
 
 
@@ -116,8 +116,8 @@ def probe_loss(output: Any, seed: int, skip: tuple[str, ...] = ()) -> torch.Tens
     for k, (path, leaf) in enumerate(leaves):
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and path not in skip:
             generator = torch.Generator().manual_seed(seed * 1000 + k)
-            weights = torch.randn(leaf.shape, generator=generator)
-            loss = loss + (leaf.float() * weights).sum()
+            weights = torch.randn(leaf.shape, generator=generator).to(leaf.device)
+            loss = loss.to(leaf.device) + (leaf.float() * weights).sum()
     return loss
 
 
@@ -156,9 +156,11 @@ def _check_empty(
 ) -> None:
     """A rank without images gets the tower's structure with zero rows (passthrough outputs as is)."""
     merge = getattr(tower, "spatial_merge_size", None) or tower.config.spatial_merge_size
-    grid = torch.tensor([[1, merge, merge]])
+    grid = torch.tensor([[1, merge, merge]], device=pixels.device)
     with torch.no_grad():
-        dummy = tower(torch.zeros(merge * merge, pixels.shape[1], dtype=pixels.dtype), grid)
+        dummy = tower(
+            torch.zeros(merge * merge, pixels.shape[1], dtype=pixels.dtype, device=pixels.device), grid
+        )
     dummy_leaves, dummy_structure = flatten_output(dummy)
     leaves, structure = flatten_output(balanced)
     assert type(balanced) is type(dummy) and structure == dummy_structure, f"{where}: structure differs"
@@ -179,6 +181,9 @@ def run_cases(
     config: dict[str, Any] | None = None,
     output_layout: dict[str, str] | None = None,
     prepared: bool = False,
+    device: str = "cpu",
+    group: Any = None,
+    tol: dict[str, float] | None = None,
 ) -> list[dict[str, Any]] | None:
     """Check balanced == direct for each case on this rank (call on every rank of the pool).
 
@@ -190,7 +195,11 @@ def run_cases(
         dtype: Tower and pixel dtype name.
         config: ``ViTBalanceConfig`` keyword arguments.
         output_layout: Passed to the balancer.
-        prepared: Plan each case with ``balancer.prepare`` first (outside the counted forward).
+        prepared: Plan each case with ``balancer.prepare`` first (outside the counted forward),
+            from the batch while it is still on the host.
+        device: Where the tower, the pixels and the grids live.
+        group: The process group of the first ``n`` ranks (default :func:`multirank.subgroup`).
+        tol: Tolerances of outputs and gradients (default :func:`tolerances` of ``dtype``).
 
     Returns:
         None on ranks outside the first ``n``; else per case: ``applied``, ``reason``,
@@ -198,24 +207,25 @@ def run_cases(
         during the balanced forward), ``all_grads`` (every parameter got a gradient on this rank),
         ``moved_images``.
     """
-    group = subgroup(n)
+    group = subgroup(n) if group is None else group
     rank = dist.get_rank()
     if rank >= n:
         return None
     torch_dtype = getattr(torch, dtype)
-    tol = tolerances(torch_dtype)
-    model = _model(tower_name, torch_dtype)
+    tol = tolerances(torch_dtype) if tol is None else tol
+    model = _model(tower_name, torch_dtype, device)
     balancer = ViTBalancer(ViTBalanceConfig(**(config or {})), group, output_layout=output_layout)
     results = []
     for index, case in enumerate(cases):
         where = f"{tower_name}/{dtype} case {index} rank {rank} grids={case['grids']}"
         grids = [tuple(g) for g in case["grids"][rank]]
-        pixels, grid = towers.make_batch(
+        host_pixels, host_grid = towers.make_batch(
             grids,
             seed=7919 * index + rank,
             dtype=torch_dtype,
             grid_dtype=getattr(torch, case.get("grid_dtype", "int64")),
         )
+        pixels, grid = host_pixels.to(device), host_grid.to(device)
         pixel_grad = bool(case.get("pixel_grad", False))
         seed = 31 * index + rank
 
@@ -231,7 +241,10 @@ def run_cases(
 
         model.zero_grad(set_to_none=True)
         bal_pixels = pixels.clone().requires_grad_(pixel_grad)
-        ticket = balancer.prepare(bal_pixels, grid, model) if prepared else None
+        # Prepared from the host batch, as before it moves to the device (shapes, dtype and
+        # requires_grad must match the call's).
+        host = host_pixels.detach().requires_grad_(pixel_grad)
+        ticket = balancer.prepare(host, host_grid, model) if prepared else None
         counter = CollectiveCounter()
         with counter.active():
             balanced = balancer(model, bal_pixels, grid, prepared=ticket)

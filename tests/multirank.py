@@ -179,23 +179,29 @@ class World:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-_SUBGROUPS: dict[int, Any] = {}
+_SUBGROUPS: dict[tuple[int, str | None], Any] = {}
 
 
-def subgroup(size: int) -> Any:
+def subgroup(size: int, backend: str | None = None) -> Any:
     """In a worker: the process group of ranks ``0 .. size-1`` of the pool, or None (the default
-    group) when ``size`` is the pool's size; members are those with ``dist.get_rank() < size``.
+    group) when ``size`` is the pool's size and no ``backend`` is asked for; members are those with
+    ``dist.get_rank() < size``.
 
-    Created on first use; call it on every rank of the pool with the same ``size`` (as
+    ``backend``: e.g. ``"cpu:gloo,cuda:gloo"``, a group that carries CUDA tensors too (the pool's
+    default group is plain gloo, which the balancer uses for CPU tensors only).
+
+    Created on first use; call it on every rank of the pool with the same arguments (as
     :meth:`World.run` does), because creating a group is collective.
     """
     import torch.distributed as dist
 
-    if size == dist.get_world_size():
+    if size == dist.get_world_size() and backend is None:
         return None
-    if size not in _SUBGROUPS:
-        _SUBGROUPS[size] = dist.new_group(list(range(size)), timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    return _SUBGROUPS[size]
+    key = (size, backend)
+    if key not in _SUBGROUPS:
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        _SUBGROUPS[key] = dist.new_group(list(range(size)), timeout=timeout, backend=backend)
+    return _SUBGROUPS[key]
 
 
 _POOLS: OrderedDict[int, World] = OrderedDict()

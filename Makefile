@@ -6,7 +6,7 @@ TORCH_REQUIREMENTS ?= requirements/torch-cpu.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench bench-e2e bench-engine gpu-check lint clean
+.PHONY: install test demo bench bench-e2e bench-engine gpu-check bench-gpu lint clean
 
 install: $(STAMP)
 
@@ -39,11 +39,23 @@ bench-e2e: $(STAMP)
 bench-engine: $(STAMP)
 	$(PY) benchmarks/bench_engine.py
 
-# The CUDA paths (tests/test_cuda.py) on a machine with a GPU, with that machine's own Python and
-# CUDA build of torch (no venv: this repo's pins the CPU wheel). Two ranks share the first GPU.
+# On a machine with a GPU, with that machine's own Python and CUDA build of torch (no venv: this
+# repo's pins the CPU wheel). gpu-check: the CUDA paths (tests/test_cuda.py), two ranks sharing the
+# first GPU. bench-gpu: per-image times of a Qwen2-VL-2B-sized tower on the GPU, and the simulator's
+# gains in those times for the default solver and the seed's.
 GPU_PYTHON ?= python3
+GPU_OUT ?= demo_output
+GPU_RUN := PYTHONPATH=$(CURDIR) $(GPU_PYTHON)
 gpu-check:
-	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_cuda.py
+	$(GPU_RUN) -m pytest -q -p no:cacheprovider tests/test_cuda.py
+
+bench-gpu:
+	$(GPU_RUN) benchmarks/bench_gpu.py --out $(GPU_OUT)/gpu_timings.csv
+	for solver in locality lpt; do \
+		$(GPU_RUN) -m lightning_vit_balance.simulate examples/sample_visual_sizes.jsonl --progress never \
+			--timings $(GPU_OUT)/gpu_timings.csv --ranks 8 64 512 --steps 300 --solver $$solver \
+			--json $(GPU_OUT)/simulate_$$solver.json; \
+	done
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -1,0 +1,197 @@
+"""Per-image forward+backward times of a real-sized vision tower on this machine's accelerator.
+
+One process and one device: no second GPU needed. The tower is Hugging Face's Qwen2-VL vision
+tower with Qwen2-VL-2B's vision shape (32 blocks of width 1280, 16 heads, MLP 5120, 14-pixel patches
+of 2 frames, 2x2 merge: about 0.6 B parameters) and random weights (nothing is downloaded), in
+bfloat16 on the GPU. ``--size tiny`` builds a two-block toy in float32 instead, which is what runs on
+a CPU (the tests).
+
+For a ladder of image sizes from 64 to 16,384 patches it times forward and backward of one image
+and of two equal images in one call (the median of ``--repeats`` runs after two warm-ups; CUDA
+events on a GPU, the host clock on a CPU): the difference is one image's cost, the rest each
+call's. It
+
+* writes them as ``patch_count,milliseconds`` rows (``--out``), the format the simulator fits a
+  cost model to::
+
+      python -m lightning_vit_balance.simulate examples/sample_visual_sizes.jsonl \\
+          --timings gpu_timings.csv --ranks 8 64 512 --solver locality   # and --solver lpt
+
+  which turns the gains and plan quality of ``make bench`` into this device's milliseconds;
+* prints how far each cost model is from the measured times: the seed's ``l**2`` and the
+  shape-derived ``CostModel.from_vit`` (each scaled by its best single factor: plans depend on cost
+  ratios only), and a fit to these timings (as fitted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from lightning_vit_balance import CostModel
+
+#: Image grids (T, H, W) in patches, 64 to 16,384 patches; H and W are multiples of the 2x2 merge.
+GRIDS: tuple[tuple[int, int, int], ...] = (
+    (1, 8, 8),
+    (1, 16, 16),
+    (1, 16, 32),
+    (1, 32, 32),
+    (1, 32, 64),
+    (1, 48, 64),
+    (1, 64, 64),
+    (1, 64, 96),
+    (1, 96, 96),
+    (1, 96, 128),
+    (1, 128, 128),
+)
+
+
+def build_tower(size: str, device: torch.device) -> tuple[torch.nn.Module, int, torch.dtype]:
+    """The vision tower, its pixel row width and its dtype."""
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    if size == "2b":
+        config = Qwen2VLVisionConfig(
+            depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4, in_channels=3,
+            patch_size=14, temporal_patch_size=2, spatial_merge_size=2,
+        )  # fmt: skip
+        dtype = torch.bfloat16
+    else:
+        config = Qwen2VLVisionConfig(
+            depth=2, embed_dim=32, hidden_size=48, num_heads=2, in_channels=3, patch_size=2,
+            temporal_patch_size=1, spatial_merge_size=2,
+        )  # fmt: skip
+        dtype = torch.float32
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    tower = Qwen2VisionTransformerPretrainedModel(config).to(device=device, dtype=dtype)
+    width = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    return tower, width, dtype
+
+
+def _clock(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    """A timer of one call in milliseconds: CUDA events on a GPU, the host clock elsewhere."""
+
+    def on_gpu(fn: Callable[[], object]) -> float:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end)
+
+    def on_host(fn: Callable[[], object]) -> float:
+        start = time.perf_counter()
+        fn()
+        return 1000.0 * (time.perf_counter() - start)
+
+    return on_gpu if device.type == "cuda" else on_host
+
+
+def time_images(
+    tower: torch.nn.Module,
+    width: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    repeats: int,
+    grids: Sequence[tuple[int, int, int]] = GRIDS,
+) -> list[tuple[int, float, float]]:
+    """``(patch_count, ms per image, ms per call)`` of forward and backward.
+
+    A call of one image and a call of two equal images are timed: the difference is what one more
+    image costs (its share of the rank's ViT time, what a plan moves), the rest is what every call
+    pays once (kernel launches of the layers that run on the whole batch).
+    """
+    clock = _clock(device)
+    timings = []
+    for grid in grids:
+        patches = grid[0] * grid[1] * grid[2]
+        medians = []
+        for copies in (1, 2):
+            pixels = torch.randn(copies * patches, width, device=device, dtype=dtype)
+            grid_thw = torch.tensor([grid] * copies, device=device)
+            for _ in range(2):
+                _forward_backward(tower, pixels, grid_thw)
+            runs = [
+                clock(lambda p=pixels, g=grid_thw: _forward_backward(tower, p, g)) for _ in range(repeats)
+            ]
+            tower.zero_grad(set_to_none=True)
+            medians.append(statistics.median(runs))
+        one, two = medians
+        timings.append((patches, max(two - one, 0.0), max(2.0 * one - two, 0.0)))
+    return timings
+
+
+def _forward_backward(tower: torch.nn.Module, pixels: torch.Tensor, grid_thw: torch.Tensor) -> None:
+    output = tower(pixels, grid_thw=grid_thw)
+    hidden = output if isinstance(output, torch.Tensor) else output[0]
+    hidden.float().square().mean().backward()
+
+
+def _errors(predicted: Sequence[float], measured: Sequence[float], scaled: bool) -> float:
+    """Median ``|predicted / measured - 1|``, after the best single factor when ``scaled``."""
+    factor = 1.0
+    if scaled:
+        ratios = sorted(m / p for p, m in zip(predicted, measured) if p > 0)
+        factor = statistics.median(ratios) if ratios else 1.0
+    return statistics.median(abs(factor * p / m - 1.0) for p, m in zip(predicted, measured) if m > 0)
+
+
+def report(tower: torch.nn.Module, timings: list[tuple[int, float, float]]) -> None:
+    """Print the timings and each cost model's error on them."""
+    counts = [n for n, _, _ in timings]
+    measured = [ms for _, ms, _ in timings]
+    print("  patches   ms per image   us per patch   ms per call")
+    for n, ms, call in timings:
+        print(f"  {n:>7}   {ms:>12.3f}   {1000.0 * ms / n:>12.3f}   {call:>11.3f}")
+    fitted = CostModel.fit(counts, measured)
+    models = {
+        "l^2 (seed default), best factor": (CostModel(), True),
+        "shape FLOPs (CostModel.from_vit), best factor": (CostModel.from_vit(tower), True),
+        "fit to these timings, as fitted": (fitted, False),
+    }
+    print("\nCost model error per image: median |predicted / measured - 1|")
+    for name, (model, scaled) in models.items():
+        predicted = model.costs(counts)
+        print(f"  {name:<48} {100.0 * _errors(predicted, measured, scaled):6.1f}%")
+    terms = f"{fitted.quadratic:.3g}*l^2 + {fitted.linear:.3g}*l + {fitted.constant:.3g}"
+    print(f"  fit (ms): {terms}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
+    parser.add_argument(
+        "--size", choices=("2b", "tiny"), default=None, help="default: 2b on a GPU, tiny on a CPU"
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per image size")
+    parser.add_argument("--max-patches", type=int, default=None, help="time only images up to this size")
+    parser.add_argument("--out", type=Path, default=Path("demo_output/gpu_timings.csv"))
+    args = parser.parse_args(argv)
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if args.device == "auto" else args.device)
+    size = args.size or ("2b" if device.type == "cuda" else "tiny")
+    if device.type == "cuda":
+        # Full float32 where float32 is used; the 2b tower runs in bfloat16 anyway.
+        torch.backends.cuda.matmul.allow_tf32 = False
+    tower, width, dtype = build_tower(size, device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    parameters = sum(p.numel() for p in tower.parameters())
+    print(f"{size} tower ({parameters / 1e6:.1f} M parameters, {dtype}) on {where}, median of {args.repeats}")
+    grids = [g for g in GRIDS if args.max_patches is None or g[0] * g[1] * g[2] <= args.max_patches]
+    timings = time_images(tower, width, dtype, device, args.repeats, grids)
+    report(tower, timings)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    rows = "".join(f"{n},{ms:.6f}\n" for n, ms, _ in timings)
+    args.out.write_text("patch_count,milliseconds\n" + rows)
+    print(f"\ntimings written to {args.out} (the simulator's --timings)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""benchmarks/bench_gpu.py on the CPU's toy tower: it times, writes what the simulator reads, and
+splits each image's cost from each call's."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from lightning_vit_balance.simulate import main as simulate
+from lightning_vit_balance.simulate import read_timings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "benchmarks" / "bench_gpu.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpu"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_timings_feed_the_simulator(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "gpu_timings.csv"
+    _bench().main(
+        ["--device", "cpu", "--size", "tiny", "--max-patches", "1024", "--repeats", "1", "--out", str(out)]
+    )
+    printed = capsys.readouterr().out
+    assert "fit to these timings, as fitted" in printed and "ms per call" in printed
+    counts, milliseconds = read_timings(out)
+    assert counts == [64, 256, 512, 1024]
+    assert all(ms >= 0.0 for ms in milliseconds) and max(milliseconds) > 0.0
+    dataset = ROOT / "examples" / "sample_visual_sizes.jsonl"
+    status = simulate(
+        [str(dataset), "--timings", str(out), "--ranks", "4", "--steps", "20", "--progress", "never"]
+    )
+    assert status == 0
+    assert "cost model fitted to" in capsys.readouterr().out
+
+
+def test_one_more_image_and_the_call_split_the_time() -> None:
+    bench = _bench()
+    calls = iter([10.0, 16.0])  # one image: 10 ms; two: 16 ms -> 6 ms an image, 4 ms a call
+    bench._clock = lambda device: lambda fn: next(calls)
+    tower, width, dtype = bench.build_tower("tiny", bench.torch.device("cpu"))
+    timings = bench.time_images(tower, width, dtype, bench.torch.device("cpu"), 1, [(1, 4, 4)])
+    assert timings == [(16, 6.0, 4.0)]

@@ -20,20 +20,34 @@ call's. It
   which turns the gains and plan quality of ``make bench`` into this device's milliseconds;
 * prints how far each cost model is from the measured times: the seed's ``l**2`` and the
   shape-derived ``CostModel.from_vit`` (each scaled by its best single factor: plans depend on cost
-  ratios only), and a fit to these timings (as fitted).
+  ratios only), and a fit to these timings (as fitted);
+* prints what the default solver's search near the lower bound is worth in this device's
+  milliseconds: on micro-batches drawn from ``examples/sample_visual_sizes.jsonl`` (images and
+  videos costed as whole items by the fit), the slowest rank's forward and backward under the
+  default plan against under shed-and-place's placement alone (the search's first step, about one
+  heap LPT of host time) and under a plain heap LPT (which moves nearly every image), next to the
+  host time the first two take to plan.
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from lightning_vit_balance import CostModel
+from lightning_vit_balance import CostModel, ViTBalanceConfig, plan_rebalance
+from lightning_vit_balance.simulate import draw_batches, read_dataset
+from lightning_vit_balance.solvers import tuning
+from lightning_vit_balance.solvers.batch import Batch, rank_loads
+from lightning_vit_balance.solvers.locality import shed_and_place
+
+DATASET = Path(__file__).resolve().parents[1] / "examples" / "sample_visual_sizes.jsonl"
 
 #: Image grids (T, H, W) in patches, 64 to 16,384 patches; H and W are multiples of the 2x2 merge.
 GRIDS: tuple[tuple[int, int, int], ...] = (
@@ -143,8 +157,8 @@ def _errors(predicted: Sequence[float], measured: Sequence[float], scaled: bool)
     return statistics.median(abs(factor * p / m - 1.0) for p, m in zip(predicted, measured) if m > 0)
 
 
-def report(tower: torch.nn.Module, timings: list[tuple[int, float, float]]) -> None:
-    """Print the timings and each cost model's error on them."""
+def report(tower: torch.nn.Module, timings: list[tuple[int, float, float]]) -> CostModel:
+    """Print the timings and each cost model's error on them; returns the fit."""
     counts = [n for n, _, _ in timings]
     measured = [ms for _, ms, _ in timings]
     print("  patches   ms per image   us per patch   ms per call")
@@ -162,6 +176,58 @@ def report(tower: torch.nn.Module, timings: list[tuple[int, float, float]]) -> N
         print(f"  {name:<48} {100.0 * _errors(predicted, measured, scaled):6.1f}%")
     terms = f"{fitted.quadratic:.3g}*l^2 + {fitted.linear:.3g}*l + {fitted.constant:.3g}"
     print(f"  fit (ms): {terms}")
+    return fitted
+
+
+def _heap_lpt_makespan(costs: Sequence[float], num_ranks: int) -> float:
+    """The slowest rank of a plain LPT: largest first, each to the least loaded rank."""
+    heap = [(0.0, r) for r in range(num_ranks)]
+    for cost in sorted(costs, reverse=True):
+        load, rank = heapq.heappop(heap)
+        heapq.heappush(heap, (load + cost, rank))
+    return max(load for load, _ in heap)
+
+
+def search_worth(model: CostModel, ranks: Sequence[int], samples_per_rank: int, steps: int) -> None:
+    """Print the slowest rank under the default plan, under shed-and-place's placement alone and
+    under a plain heap LPT, in the model's units (milliseconds, when fitted to timings), and the
+    host time of the first two (CPU time, medians). Each plan counts only where it shortens the
+    slowest rank, as the default's skip rules do."""
+    samples = read_dataset(DATASET).samples
+    config = ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0)
+    print(
+        f"\nThe search near the bound, {samples_per_rank} samples per rank, {steps} steps"
+        " (means; plan ms: medians)"
+    )
+    print(
+        "  ranks | unbalanced  heap LPT  placement   default     bound | search saves"
+        " | plan ms: placement  default"
+    )
+    for num_ranks in ranks:
+        figures: dict[str, list[float]] = {k: [] for k in ("before", "lpt", "placed", "default", "bound")}
+        seconds: dict[str, list[float]] = {"placed": [], "default": []}
+        for counts in draw_batches(samples, num_ranks, samples_per_rank, steps, seed=num_ranks):
+            start = time.process_time()
+            plan = plan_rebalance(counts, config, cost_model=model)
+            middle = time.process_time()
+            batch = Batch.build(tuple(map(tuple, counts)), model)
+            placed = shed_and_place(batch, batch.lower_bound * (1.0 + tuning.SHED_AIM), None)
+            placed_makespan = max(rank_loads(batch, placed), default=0.0)
+            seconds["placed"].append(time.process_time() - middle)
+            seconds["default"].append(middle - start)
+            before = plan.makespan_before
+            figures["before"].append(before)
+            figures["lpt"].append(min(_heap_lpt_makespan(batch.cost, num_ranks), before))
+            figures["placed"].append(min(placed_makespan, before))
+            figures["default"].append(plan.makespan_after)
+            figures["bound"].append(plan.lower_bound)
+        mean = {k: float(np.mean(v)) for k, v in figures.items()}
+        plan_ms = {k: 1000.0 * statistics.median(v) for k, v in seconds.items()}
+        print(
+            f"  {num_ranks:>5} | {mean['before']:>10.2f} {mean['lpt']:>9.2f} {mean['placed']:>10.2f} "
+            f"{mean['default']:>9.2f} {mean['bound']:>9.2f} | {mean['placed'] - mean['default']:>12.3f} "
+            f"| {plan_ms['placed']:>18.3f} {plan_ms['default']:>8.3f}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -172,6 +238,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per image size")
     parser.add_argument("--max-patches", type=int, default=None, help="time only images up to this size")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 64], help="search-worth DP sizes")
+    parser.add_argument("--steps", type=int, default=200, help="search-worth steps per DP size")
     parser.add_argument("--out", type=Path, default=Path("demo_output/gpu_timings.csv"))
     args = parser.parse_args(argv)
     auto = "cuda" if torch.cuda.is_available() else "cpu"
@@ -186,7 +254,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"{size} tower ({parameters / 1e6:.1f} M parameters, {dtype}) on {where}, median of {args.repeats}")
     grids = [g for g in GRIDS if args.max_patches is None or g[0] * g[1] * g[2] <= args.max_patches]
     timings = time_images(tower, width, dtype, device, args.repeats, grids)
-    report(tower, timings)
+    fitted = report(tower, timings)
+    search_worth(fitted, args.ranks, samples_per_rank=4, steps=args.steps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = "".join(f"{n},{ms:.6f}\n" for n, ms, _ in timings)
     args.out.write_text("patch_count,milliseconds\n" + rows)

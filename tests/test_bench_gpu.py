@@ -27,11 +27,16 @@ def _bench() -> ModuleType:
 
 def test_timings_feed_the_simulator(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "gpu_timings.csv"
-    _bench().main(
-        ["--device", "cpu", "--size", "tiny", "--max-patches", "1024", "--repeats", "1", "--out", str(out)]
-    )
+    arguments = ["--device", "cpu", "--size", "tiny", "--max-patches", "1024", "--repeats", "1"]
+    _bench().main([*arguments, "--ranks", "2", "8", "--steps", "20", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "fit to these timings, as fitted" in printed and "ms per call" in printed
+    # The search table, a row per DP size: no plan is slower than none, none beats the bound.
+    rows = [line.split() for line in printed.splitlines() if line.strip().startswith(("2 |", "8 |"))]
+    assert [row[0] for row in rows] == ["2", "8"], printed
+    for row in rows:
+        before, lpt, placed, default, bound = map(float, row[2:7])
+        assert bound <= min(lpt, placed, default) and max(lpt, placed, default) <= before, row
     counts, milliseconds = read_timings(out)
     assert counts == [64, 256, 512, 1024]
     assert all(ms >= 0.0 for ms in milliseconds) and max(milliseconds) > 0.0

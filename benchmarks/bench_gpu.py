@@ -32,7 +32,6 @@ call's. It
 from __future__ import annotations
 
 import argparse
-import heapq
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +45,7 @@ from lightning_vit_balance.simulate import draw_batches, read_dataset
 from lightning_vit_balance.solvers import tuning
 from lightning_vit_balance.solvers.batch import Batch, rank_loads
 from lightning_vit_balance.solvers.locality import shed_and_place
+from lightning_vit_balance.solvers.lpt import lpt
 
 DATASET = Path(__file__).resolve().parents[1] / "examples" / "sample_visual_sizes.jsonl"
 
@@ -179,19 +179,12 @@ def report(tower: torch.nn.Module, timings: list[tuple[int, float, float]]) -> C
     return fitted
 
 
-def _heap_lpt_makespan(costs: Sequence[float], num_ranks: int) -> float:
-    """The slowest rank of a plain LPT: largest first, each to the least loaded rank."""
-    heap = [(0.0, r) for r in range(num_ranks)]
-    for cost in sorted(costs, reverse=True):
-        load, rank = heapq.heappop(heap)
-        heapq.heappush(heap, (load + cost, rank))
-    return max(load for load, _ in heap)
-
-
 def search_worth(model: CostModel, ranks: Sequence[int], samples_per_rank: int, steps: int) -> None:
     """Print the slowest rank under the default plan, under shed-and-place's placement alone and
-    under a plain heap LPT, in the model's units (milliseconds, when fitted to timings), and the
-    host time of the first two (CPU time, medians). Each plan counts only where it shortens the
+    under a plain heap LPT (the seed's, without its refinement), in the model's units
+    (milliseconds, when fitted to timings), and the host time of the first two (CPU time,
+    medians): ``plan_rebalance`` whole, and for the placement only building the batch, placing
+    and its loads (no validation, no plan value). Each plan counts only where it shortens the
     slowest rank, as the default's skip rules do."""
     samples = read_dataset(DATASET).samples
     config = ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0)
@@ -217,7 +210,7 @@ def search_worth(model: CostModel, ranks: Sequence[int], samples_per_rank: int, 
             seconds["default"].append(middle - start)
             before = plan.makespan_before
             figures["before"].append(before)
-            figures["lpt"].append(min(_heap_lpt_makespan(batch.cost, num_ranks), before))
+            figures["lpt"].append(min(max(lpt(batch, None)[1]), before))
             figures["placed"].append(min(placed_makespan, before))
             figures["default"].append(plan.makespan_after)
             figures["bound"].append(plan.lower_bound)

@@ -3,22 +3,30 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_REQUIREMENTS ?= requirements/torch-cpu.txt
+TRANSFORMERS_REQUIREMENTS ?= requirements/transformers.txt
+# Tested versions of the other dependencies; `CONSTRAINTS=` installs the newest instead.
+CONSTRAINTS ?= requirements/constraints.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench bench-e2e bench-engine gpu-check bench-gpu lint clean
+.PHONY: install test test-transformers4 demo bench bench-e2e bench-engine gpu-check bench-gpu lint clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml $(TORCH_REQUIREMENTS)
+$(STAMP): pyproject.toml $(TORCH_REQUIREMENTS) $(TRANSFORMERS_REQUIREMENTS) $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -r $(TORCH_REQUIREMENTS)
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev]" -r $(TRANSFORMERS_REQUIREMENTS) $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+
+# The same suite against transformers 4.57 (the last 4.x), in its own virtual environment; CI runs
+# it after `make test`.
+test-transformers4:
+	$(MAKE) test VENV=.venv-transformers4 TRANSFORMERS_REQUIREMENTS=requirements/transformers4.txt
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
@@ -61,4 +69,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) demo_output .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-transformers4 demo_output .pytest_cache .ruff_cache

@@ -62,7 +62,8 @@ def tiny_qwen2_5_vl(seed: int = 0) -> torch.nn.Module:
         text_config={
             "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "bos_token_id": 0, "eos_token_id": 1,
-            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]},
+            # transformers 5 reads this as rope_parameters; 4.x wants "type" next to the sections.
+            "rope_scaling": {"type": "mrope", "rope_type": "default", "mrope_section": [2, 3, 3]},
         },
         vision_config={
             "depth": 4, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "out_hidden_size": 64,

@@ -1,10 +1,11 @@
 """ViT balancing with Hugging Face's Qwen2-VL and Qwen3-VL vision towers, unchanged.
 
-The towers are built from tiny random configs (nothing is downloaded). They return a
-``BaseModelOutputWithPooling``: ``last_hidden_state`` (one row per patch), ``pooler_output``
-(one row per merged token) and, for Qwen3-VL, ``deepstack_features`` (a list of merged-token
-tensors). ``self.encode_images`` returns the same object, with every row back on its original
-rank and in its original order.
+The towers are built from tiny random configs (nothing is downloaded). With transformers 5 they
+return a ``BaseModelOutputWithPooling``: ``last_hidden_state`` (one row per patch),
+``pooler_output`` (one row per merged token) and, for Qwen3-VL, ``deepstack_features`` (a list of
+merged-token tensors). With transformers 4.x they return the merged tokens, and Qwen3-VL a tuple
+of them and the deepstack list. ``self.encode_images`` returns the same structure, with every row
+back on its original rank and in its original order.
 
     python examples/hf_qwen_vit_balance.py --steps 4        # both towers, 2 ranks, CPU
 
@@ -30,7 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plot_vit_balance import read_csv
 from tiny_vlm import SyntheticVLMDataset, TinyTextDecoder, collate_vlm
 
-__all__ = ["FAMILIES", "HFQwenVLM", "main", "tiny_qwen2_vl_tower", "tiny_qwen3_vl_tower", "tower_patch_dim"]
+__all__ = [
+    "FAMILIES",
+    "HFQwenVLM",
+    "main",
+    "tiny_qwen2_vl_tower",
+    "tiny_qwen3_vl_tower",
+    "tower_patch_dim",
+    "vision_features",
+]
 
 FAMILIES = ("qwen2_vl", "qwen3_vl")
 PATCH_SIZE = 14
@@ -86,6 +95,16 @@ def tiny_qwen3_vl_tower(seed: int = 0) -> nn.Module:
     return Qwen3VLVisionModel(config)
 
 
+def vision_features(output: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(merged tokens [n_tokens, OUT_DIM], deepstack features)`` of a tower's output, from a
+    ``ModelOutput`` (transformers 5), a tensor or a ``(merged, deepstack)`` tuple (4.x)."""
+    if isinstance(output, torch.Tensor):
+        return output, []
+    if isinstance(output, tuple):
+        return output[0], list(output[1])
+    return output.pooler_output, list(getattr(output, "deepstack_features", None) or [])
+
+
 class HFQwenVLM(ViTBalanceMixin, L.LightningModule):
     """A Hugging Face Qwen vision tower feeding a tiny text decoder, balanced by the mixin.
 
@@ -114,14 +133,13 @@ class HFQwenVLM(ViTBalanceMixin, L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         grid_thw = batch["image_grid_thw"]  # [n_images, 3]
-        vision = self.encode_images(self.visual, batch["pixel_values"], grid_thw)
-        deepstack = getattr(vision, "deepstack_features", None) or []
+        merged, deepstack = vision_features(self.encode_images(self.visual, batch["pixel_values"], grid_thw))
         merged_per_image = (grid_thw.prod(-1) // 4).tolist()
         tokens_per_sample, first = [], 0
         for count in batch["images_per_sample"].tolist():
             tokens_per_sample.append(sum(merged_per_image[first : first + count]))
             first += count
-        loss = self.decoder(vision.pooler_output, tokens_per_sample, batch["input_ids"], deepstack)
+        loss = self.decoder(merged, tokens_per_sample, batch["input_ids"], deepstack)
         self.log("train_loss", loss.detach(), prog_bar=False)
         return loss
 

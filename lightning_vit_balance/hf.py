@@ -25,7 +25,7 @@ forward is a collective: every rank of the group must make it, as with any train
 Evaluation (``model.eval()``), ``torch.no_grad()`` / ``torch.inference_mode()`` and so
 ``generate()`` call the tower directly, so ranks may make different numbers of those forwards.
 
-**The contract relied on** (verified against transformers 5.24, ``modeling_qwen2_vl.py``,
+**The contract relied on** (verified against transformers 5.24 and 4.57.6, ``modeling_qwen2_vl.py``,
 ``modeling_qwen2_5_vl.py``, ``modeling_qwen3_vl.py``; :func:`balance_vision_tower` checks the
 static part and names what is missing):
 
@@ -39,17 +39,20 @@ static part and names what is missing):
    ``pixels.type(visual.dtype)`` and ``grid`` its whole grid (Qwen2/2.5-VL: ``get_image_features``
    then ``get_video_features``; Qwen3-VL: both through ``get_image_features``, with
    ``return_dict=True``). Calls are matched to the modality by grid and row count, in any order.
-3. The tower is called as ``visual(pixels, grid_thw, **kwargs)`` and returns a ``ModelOutput``
-   whose tensors have one row per patch (``last_hidden_state``) or per merged token
-   (``pooler_output``, each layer of Qwen3-VL's ``deepstack_features``); an image's rows depend
-   on that image alone (attention never crosses images, Qwen2.5-VL's windows included). HF then
-   splits the merged rows by ``grid.prod(-1) // spatial_merge_size**2``.
+3. The tower is called as ``visual(pixels, grid_thw, **kwargs)`` and returns tensors with one
+   row per patch or per merged token, alone or in a tuple or ``ModelOutput`` (transformers 5:
+   ``last_hidden_state`` per patch, ``pooler_output`` and each layer of Qwen3-VL's
+   ``deepstack_features`` per merged token; 4.x: the merged tokens, and Qwen3-VL's deepstack
+   list after them in a tuple); an image's rows depend on that image alone (attention never
+   crosses images, Qwen2.5-VL's windows included). HF then splits the merged rows by
+   ``grid.prod(-1) // spatial_merge_size**2``.
 4. The tower has ``dtype``, an int ``spatial_merge_size``, and ``config.in_channels``,
    ``config.temporal_patch_size``, ``config.patch_size`` (ints), which give ``C`` for the zero
    rows a rank without images sends.
 5. The base ``forward`` returns a ``ModelOutput`` with a tensor ``last_hidden_state`` (or a tuple
    starting with it) that the loss depends on, as ``*ForConditionalGeneration`` computes logits
-   from it.
+   from it. So the base takes no ``labels``: before 4.52, transformers kept the tower on the
+   ``*ForConditionalGeneration``, which computes the loss itself.
 
 Precomputed tower keyword arguments (``image_cu_seqlens``, ``video_position_ids``, ... and
 ``output_attentions`` / ``output_hidden_states`` of the tower) describe the local batch; the
@@ -150,6 +153,13 @@ def _contract_problems(base: nn.Module, tower: nn.Module) -> list[str]:
         for name in (pixels, grid):
             if name not in parameters:
                 problems.append(f"{base_name}.forward has no parameter {name!r}")
+    if "labels" in parameters:
+        # The loss is computed inside, before the drop-in can tie it to the balanced call (a
+        # *ForConditionalGeneration holding the tower itself: transformers before 4.52).
+        problems.append(
+            f"{base_name}.forward takes 'labels', so it computes the loss itself: the tower must sit in a "
+            "base model whose output the loss is computed from (transformers >= 4.57)"
+        )
     if "grid_thw" not in inspect.signature(type(tower).forward).parameters:
         problems.append(f"{tower_name}.forward has no parameter 'grid_thw'")
     if not isinstance(getattr(tower, "dtype", None), torch.dtype):

@@ -33,6 +33,12 @@ _TEXT = {
 _VISION = {"in_channels": 3, "patch_size": 2, "temporal_patch_size": 1, "spatial_merge_size": MERGE}
 
 
+def _rope(**extra: Any) -> dict[str, Any]:
+    """Multimodal rotary settings under the key every supported transformers reads: 5.x turns
+    ``rope_scaling`` into ``rope_parameters``, 4.x reads it as it is (and wants ``type``)."""
+    return {"type": "mrope", "rope_type": "default", "mrope_section": [2, 3, 3], **extra}
+
+
 def tiny_config(family: str) -> Any:
     """The model config of ``family`` (one of :data:`FAMILIES`)."""
     special = {
@@ -44,13 +50,13 @@ def tiny_config(family: str) -> Any:
     if family == "qwen2_vl":
         from transformers import Qwen2VLConfig
 
-        text = {**_TEXT, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}}
+        text = {**_TEXT, "rope_scaling": _rope()}
         vision = {**_VISION, "depth": 2, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2}
         return Qwen2VLConfig(text_config=text, vision_config=vision, **special)
     if family == "qwen2_5_vl":
         from transformers import Qwen2_5_VLConfig
 
-        text = {**_TEXT, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]}}
+        text = {**_TEXT, "rope_scaling": _rope()}
         vision = {
             **_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
             "out_hidden_size": 32, "window_size": 8, "fullatt_block_indexes": [1],
@@ -59,8 +65,7 @@ def tiny_config(family: str) -> Any:
     if family == "qwen3_vl":
         from transformers import Qwen3VLConfig
 
-        rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}
-        text = {**_TEXT, "head_dim": 16, "rope_parameters": rope}
+        text = {**_TEXT, "head_dim": 16, "rope_scaling": _rope(mrope_interleaved=True)}
         vision = {
             **_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
             "out_hidden_size": 32, "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1],

@@ -399,6 +399,27 @@ class _NoVideosModel(nn.Module):
         return input_ids
 
 
+class _LossInsideModel(nn.Module):
+    """The layout of transformers before 4.52: the tower on a model that computes the loss itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import towers
+
+        self.visual = towers.qwen2_vl_tower()
+
+    def forward(
+        self,
+        input_ids: Any = None,
+        pixel_values: Any = None,
+        pixel_values_videos: Any = None,
+        image_grid_thw: Any = None,
+        video_grid_thw: Any = None,
+        labels: Any = None,
+    ) -> Any:
+        return input_ids
+
+
 def test_a_model_breaking_the_contract_gets_an_error_naming_what_is_missing() -> None:
     with pytest.raises(ValueError, match="no submodule with a child module named 'visual'"):
         balance_vision_tower(nn.Sequential(nn.Linear(2, 2)))
@@ -415,6 +436,10 @@ def test_a_model_breaking_the_contract_gets_an_error_naming_what_is_missing() ->
         "Linear.config has no int 'in_channels'",
     ):
         assert missing in message
+    with pytest.raises(ValueError) as info:
+        balance_vision_tower(_LossInsideModel())
+    assert "forward takes 'labels', so it computes the loss itself" in str(info.value)
+    assert "has no" not in str(info.value)  # the tower and the other parameters meet the contract
     with pytest.raises(TypeError, match=r"expected a torch\.nn\.Module"):
         balance_vision_tower("model")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="expected a ViTBalanceConfig"):
@@ -550,7 +575,7 @@ def _mixin_worker() -> dict[str, Any]:
     images = towers.make_batch([(1, 4, 4)] * 4 if rank == 0 else [(1, 2, 2)], seed=rank)
     videos = towers.make_batch([(2, 2, 4)], seed=9) if rank == 1 else None
     image_out, video_out = module.encode_visual(vit, images=images, videos=videos)
-    torch.testing.assert_close(image_out.pooler_output, vit(*images).pooler_output, **TOL)
+    torch.testing.assert_close(towers.merged_tokens(image_out), towers.merged_tokens(vit(*images)), **TOL)
     first = module.last_vit_balance_stats
     model = tiny_model("qwen2_vl")
     handle = module.balance_vision_tower(model)
@@ -558,7 +583,7 @@ def _mixin_worker() -> dict[str, Any]:
         **make_inputs("qwen2_vl", [{"images": [(1, 8, 8)]}] if rank == 0 else [{}], seed=rank)
     ).loss.backward()
     return {
-        "video_rows": video_out.pooler_output.shape[0],
+        "video_rows": towers.merged_tokens(video_out).shape[0],
         "applied": first.applied,
         "handle_calls": handle.calls,
         "stats_from_handle": module.last_vit_balance_stats is handle.last_stats,

@@ -92,14 +92,22 @@ def test_resize_rejects_bad_sizes_and_settings() -> None:
 
 def test_smart_resize_matches_transformers() -> None:
     """Extra check against transformers' own function and image processor, when installed."""
-    module = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+    pytest.importorskip("transformers")
+    try:  # transformers 5 keeps the PIL-based processor (and smart_resize) here
+        from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as module
+
+        processor_class = module.Qwen2VLImageProcessorPil
+    except ImportError:  # 4.x
+        from transformers.models.qwen2_vl import image_processing_qwen2_vl as module
+
+        processor_class = module.Qwen2VLImageProcessor
     rng = np.random.default_rng(0)
     sides = np.unique(np.concatenate([rng.integers(1, 9000, 400), [14, 27, 28, 42, 70, 98, 126]]))
     pairs = [(int(h), int(w)) for h in sides[::7] for w in sides[::5] if max(h, w) / min(h, w) <= 200]
     for limits in (QWEN2, {"factor": 28, "min_pixels": 128 * 28 * 28, "max_pixels": 28 * 28 * 768}):
         for h, w in pairs:
             assert smart_resize(h, w, **limits) == module.smart_resize(h, w, **limits), (h, w, limits)
-    processor = module.Qwen2VLImageProcessorPil()
+    processor = processor_class()
     images = [np.zeros((h, w, 3), dtype=np.uint8) for h, w in [(37, 501), (20, 30), (300, 200)]]
     grids = processor(images=images, return_tensors="np")["image_grid_thw"].tolist()
     assert grids == [list(ResizeRule().image_grid(im.shape[1], im.shape[0])) for im in images]

@@ -194,6 +194,27 @@ def make_batch(
     return pixels, grid
 
 
+def hf_towers_return_model_outputs() -> bool:
+    """Whether this transformers' vision towers return a ``ModelOutput`` (5.x) rather than the
+    merged tokens (4.x); the balancer takes either."""
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) >= 5
+
+
+def merged_tokens(output: Any) -> torch.Tensor:
+    """The merged-token rows of a Hugging Face tower's output, whatever its transformers version.
+
+    transformers 5 returns a ``ModelOutput`` (``pooler_output``); 4.x returns the merged tokens
+    themselves (Qwen2-VL, Qwen2.5-VL) or a tuple starting with them (Qwen3-VL, then deepstack).
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, tuple):
+        return output[0]
+    return output.pooler_output
+
+
 def qwen2_vl_tower() -> nn.Module:
     """Hugging Face Qwen2-VL vision tower, tiny random config (patch 2, temporal patch 1, merge 2)."""
     from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig

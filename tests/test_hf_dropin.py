@@ -179,6 +179,46 @@ def test_model_forward_matches_plain_model(multirank: Any, family: str) -> None:
     assert per_rank[0]["one_big_image_others_text_only"]["steps"][0]["reason"] != "applied"
 
 
+def _ddp_with_checkpointing(family: str) -> dict[str, Any]:
+    """The balanced model under DDP with one bucket per layer and HF's gradient checkpointing."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    plain = tiny_model(family)
+    plain.gradient_checkpointing_enable()  # HF's default: torch's reentrant checkpoint
+    balanced = copy.deepcopy(plain)
+    handle = balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG))
+    # Tiny buckets: from the second backward on (DDP rebuilds its buckets after the first), the
+    # all-reduces start while the backward runs, in between the drop-in's backward exchange.
+    model = DistributedDataParallel(balanced, bucket_cap_mb=0.0005)
+    for step, name in enumerate(["text_only_rank", "images_and_videos_next_to_images"] * 2):
+        where = f"{family}/{name} step {step} rank {rank}"
+        batch = make_inputs(family, CASES[name][rank], seed=100 * step + rank)
+        plain(**batch).loss.backward()
+        model(**batch).loss.backward()
+        expected = _summed_grads(plain)
+        for key, param in balanced.named_parameters():
+            assert param.grad is not None, f"{where}: {key} got no gradient under DDP"
+            # DDP averages over ranks; the plain model's gradients were summed.
+            torch.testing.assert_close(
+                param.grad * size, expected[key], **TOL, msg=lambda m, w=where, k=key: f"{w}: grad {k}: {m}"
+            )
+        _sgd(plain, expected)
+        _sgd(balanced, expected)
+    return {
+        "applied_calls": handle.applied_calls,
+        "buckets_reduced": int(model._get_ddp_logging_data()["num_buckets_reduced"]),
+    }
+
+
+def test_ddp_buckets_and_gradient_checkpointing_interleave_with_the_exchange(multirank: Any) -> None:
+    """DDP's all-reduces fire during the backward next to the return trip's: same gradients, no hang."""
+    with multirank(RANKS) as w:
+        results = w.run(_ddp_with_checkpointing, "qwen2_5_vl", timeout=180)
+    assert all(r["applied_calls"] == 4 and r["buckets_reduced"] > 1 for r in results), results
+
+
 def _eval_and_no_grad_are_direct(family: str) -> dict[str, Any]:
     """Rank 0 alone runs an eval forward and a no-grad training-mode forward: nothing collective."""
     import torch.distributed as dist

@@ -66,7 +66,10 @@ it found), never a hang.
 forward (on its balanced batch, or the engine's dummy image), so FSDP / ZeRO-3 units around the
 blocks (HF's ``_no_split_modules``) gather their parameters the same number of times on every
 rank. A unit around the tower module itself would gather once per served call, which differs
-between ranks: wrap the blocks, not the tower. (Only DDP is tested here.)
+between ranks: wrap the blocks, not the tower. A tower that is an FSDP2 unit, or that was replaced
+by a wrapper (FSDP1) after :func:`balance_vision_tower`, raises a ``ValueError`` on every rank
+before any collective. DDP, and FSDP2 with each block and decoder layer sharded, are tested here
+(CPU, gloo); ZeRO-3 is not.
 
 For code that calls the tower itself, :func:`encode_visual` encodes a rank's images and videos in
 one balanced call and returns the two outputs separately.
@@ -74,6 +77,7 @@ one balanced call and returns the two outputs separately.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -171,6 +175,45 @@ def _contract_problems(base: nn.Module, tower: nn.Module) -> list[str]:
         if not _positive_int(getattr(config, name, None)):
             problems.append(f"{tower_name}.config has no int {name!r}")
     return problems
+
+
+@functools.cache
+def _fsdp_module_type() -> type | None:
+    """FSDP2's ``FSDPModule`` (the class ``fully_shard`` mixes into a module), or None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch before 2.6 keeps it here, if anywhere
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
+        except ImportError:
+            return None
+    return FSDPModule
+
+
+def _sharding_problem(base: nn.Module, tower: nn.Module) -> str | None:
+    """Why the model's own tower calls would make collectives (then ranks hang), or None.
+
+    The model calls the tower once per modality present on the rank, so a sharding unit around
+    the tower module gathers its parameters a different number of times on different ranks. The
+    same holds for a wrapper put in its place after :func:`balance_vision_tower` (FSDP1 wraps the
+    tower in a new module).
+    """
+    tower_name = type(tower).__name__
+    if base._modules.get("visual") is not tower:
+        replaced = type(base._modules.get("visual")).__name__
+        return (
+            f"{type(base).__name__}.visual was replaced by a {replaced} after balance_vision_tower; "
+            f"apply the wrapper to the blocks of the {tower_name} instead (FSDP: shard each block)"
+        )
+    fsdp_module = _fsdp_module_type()
+    if fsdp_module is not None and isinstance(tower, fsdp_module):
+        return (
+            f"the vision tower {tower_name} is itself an FSDP unit (fully_shard(visual)): the model calls "
+            "it once per modality a rank has, so its parameters would be gathered a different number of "
+            "times on different ranks; shard each of its blocks instead (fully_shard(block) for block in "
+            "visual.blocks), as Hugging Face's _no_split_modules does"
+        )
+    return None
 
 
 def _tower_channels(tower: Any) -> int | None:
@@ -477,6 +520,8 @@ class BalancedVisionTower:
             )
         base, tower = _find_base(model)
         problems = _contract_problems(base, tower)
+        sharding = _sharding_problem(base, tower)
+        problems += [sharding] if sharding is not None else []
         if problems:
             raise ValueError(
                 f"balance_vision_tower: {type(model).__name__} does not meet the drop-in's contract: "
@@ -588,6 +633,9 @@ class BalancedVisionTower:
         settings = self.settings() if self.base.training and torch.is_grad_enabled() else None
         if settings is None or self._pending is not None:
             return original(*args, **kwargs)
+        sharding = _sharding_problem(self.base, self.tower)
+        if sharding is not None:  # the same on every rank: all raise before any collective
+            raise ValueError(f"balance_vision_tower: {sharding}.")
         # Bind to the class's signature: a forward patched in before us may take (*args, **kwargs).
         signature = inspect.signature(type(self.base).forward)
         bound = signature.bind_partial(self.base, *args, **kwargs).arguments

@@ -219,6 +219,74 @@ def test_ddp_buckets_and_gradient_checkpointing_interleave_with_the_exchange(mul
     assert all(r["applied_calls"] == 4 and r["buckets_reduced"] > 1 for r in results), results
 
 
+def _fsdp2_blocks_sharded(family: str) -> dict[str, Any]:
+    """FSDP2: each vision block and decoder layer a unit, then the root; then the tower itself."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    plain = tiny_model(family)
+    balanced = copy.deepcopy(plain)
+    handle = balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG))
+    for unit in [*balanced.model.visual.blocks, *balanced.model.language_model.layers, balanced]:
+        fully_shard(unit)
+    for step, name in enumerate(["text_only_rank", "images_and_videos_next_to_images"] * 2):
+        where = f"{family}/{name} step {step} rank {rank}"
+        batch = make_inputs(family, CASES[name][rank], seed=100 * step + rank)
+        plain(**batch).loss.backward()
+        balanced(**batch).loss.backward()
+        expected = _summed_grads(plain)
+        with torch.no_grad():
+            for key, param in balanced.named_parameters():
+                # FSDP averages over ranks; each rank holds a shard (a DTensor) of the gradient.
+                got, label = param.grad.full_tensor() * size, f"{where}: {key}"
+                torch.testing.assert_close(got, expected[key], **TOL, msg=lambda m, x=label: f"{x}: {m}")
+                param -= distribute_tensor(SGD_LR * expected[key], param.device_mesh, param.placements)
+                param.grad = None
+        _sgd(plain, expected)
+    errors = []
+    # The tower as a unit: its own tower calls differ in number between ranks, so it must raise,
+    # whether it was sharded before balance_vision_tower or after.
+    batch = make_inputs(family, CASES["images_and_videos_next_to_images"][rank], seed=rank)
+    for when in ("before", "after", "wrapped after"):
+        model = tiny_model(family)
+        if when == "before":
+            fully_shard(model.model.visual)
+        try:
+            balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
+            if when == "after":
+                fully_shard(model.model.visual)
+            elif when == "wrapped after":  # what FSDP1 does: a new module in the tower's place
+                model.model.visual = _Wrapper(model.model.visual)
+            model(**batch)
+        except ValueError as err:
+            errors.append(str(err))
+    return {"applied_calls": handle.applied_calls, "errors": errors}
+
+
+class _Wrapper(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
+
+def test_fsdp2_with_sharded_blocks_and_a_tower_that_is_a_unit(multirank: Any) -> None:
+    """Blocks as FSDP2 units: the plain model's gradients. The tower as one: an error, not a hang."""
+    if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
+        pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    with multirank(RANKS) as w:
+        results = w.run(_fsdp2_blocks_sharded, "qwen2_5_vl", timeout=180)
+    for r in results:
+        assert r["applied_calls"] == 4
+        assert len(r["errors"]) == 3, r["errors"]
+        assert all("is itself an FSDP unit" in e and "fully_shard(block)" in e for e in r["errors"][:2]), r
+        assert "visual was replaced by a _Wrapper after balance_vision_tower" in r["errors"][2], r
+
+
 def _eval_and_no_grad_are_direct(family: str) -> dict[str, Any]:
     """Rank 0 alone runs an eval forward and a no-grad training-mode forward: nothing collective."""
     import torch.distributed as dist

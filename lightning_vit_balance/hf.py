@@ -68,8 +68,8 @@ blocks (HF's ``_no_split_modules``) gather their parameters the same number of t
 rank. A unit around the tower module itself would gather once per served call, which differs
 between ranks: wrap the blocks, not the tower. A tower that is an FSDP2 unit, or that was replaced
 by a wrapper (FSDP1) after :func:`balance_vision_tower`, raises a ``ValueError`` on every rank
-before any collective. DDP, and FSDP2 with each block and decoder layer sharded, are tested here
-(CPU, gloo); ZeRO-3 is not.
+before any collective. DDP, and FSDP2 with each block and decoder layer sharded (also under
+Lightning's ``ModelParallelStrategy``), are tested here (CPU, gloo); ZeRO-3 is not.
 
 For code that calls the tower itself, :func:`encode_visual` encodes a rank's images and videos in
 one balanced call and returns the two outputs separately.

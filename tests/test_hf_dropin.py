@@ -15,6 +15,8 @@ import csv
 import inspect
 import json
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -665,6 +667,38 @@ def test_lightning_ddp_fit_without_find_unused_parameters(tmp_path: Path, plan_a
         assert any(float(r["vit_balance/applied"]) for r in rows), rows
 
 
+@pytest.mark.timeout(240)
+def test_lightning_model_parallel_strategy_with_fsdp2_units(tmp_path: Path) -> None:
+    """ModelParallelStrategy (a (2, 1) mesh), FSDP2 units in configure_model: DDP's losses.
+
+    Run as a script (the strategy's launcher starts rank 1 by running it again); FSDP2 averages
+    the ranks' gradients as DDP does, so the reference is DDP by hand.
+    """
+    import hf_fsdp2_fit_script as script
+
+    if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
+        pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    command = [sys.executable, str(Path(script.__file__)), str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    model = tiny_model(script.FAMILY)
+    optimizer = torch.optim.SGD(model.parameters(), lr=script.SGD_LR)
+    expected = []
+    for step in range(script.STEPS):
+        optimizer.zero_grad()
+        per_rank = [model(**script.batch_for(step, rank)).loss for rank in range(script.RANKS)]
+        (sum(per_rank) / script.RANKS).backward()
+        optimizer.step()
+        expected.append([float(loss.detach()) for loss in per_rank])
+    for rank in range(script.RANKS):
+        got = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        assert got["num_ranks"] == script.RANKS  # the mesh's data-parallel group
+        assert got["calls"] == got["applied_calls"] == script.STEPS, got
+        torch.testing.assert_close(
+            torch.tensor(got["losses"]), torch.tensor([step[rank] for step in expected]), **TOL
+        )
+
+
 class _MixinOnly(ViTBalanceMixin, L.LightningModule):
     """A module with the mixin and an explicit group, used outside a Trainer."""
 
@@ -723,8 +757,6 @@ def test_mixin_balance_vision_tower_is_idempotent() -> None:
 @pytest.mark.timeout(240)
 def test_finetune_example_short_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``examples/hf_qwen_finetune.py --steps 3``: two 2-rank fits, same losses, images moved."""
-    import sys
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import hf_qwen_finetune
 

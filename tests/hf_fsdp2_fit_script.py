@@ -1,0 +1,108 @@
+"""A Hugging Face Qwen-VL fine-tuned under Lightning's ``ModelParallelStrategy`` (FSDP2), balanced.
+
+Run by ``test_hf_dropin.py`` as a script: the strategy's launcher starts the other rank by running
+this same script again. Two CPU ranks, a ``(2, 1)`` mesh (data parallel only); ``configure_model``
+makes each vision block and decoder layer an FSDP2 unit, then the whole model, as Hugging Face's
+``_no_split_modules`` suggests. Each rank writes its losses and the drop-in's counts::
+
+    python tests/hf_fsdp2_fit_script.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hf_models import make_inputs, tiny_model
+
+from lightning_vit_balance import ViTBalanceCallback, ViTBalanceConfig, ViTBalanceMixin
+
+FAMILY = "qwen2_5_vl"
+STEPS = 3
+RANKS = 2
+SGD_LR = 0.5
+#: Per step, each rank's samples: a text-only rank, images next to videos; images move every step.
+BATCHES: list[list[list[dict[str, Any]]]] = [
+    [[{"images": [(1, 8, 8)], "videos": [(2, 4, 4)]}], [{}]],
+    [[{}], [{"videos": [(2, 4, 4)]}, {"images": [(1, 4, 4)]}]],
+    [[{"images": [(1, 4, 4)]}], [{"images": [(1, 8, 4), (1, 4, 4)]}]],
+]
+
+
+def batch_for(step: int, rank: int) -> dict[str, Any]:
+    return make_inputs(FAMILY, BATCHES[step][rank], seed=2000 + 10 * step + rank)
+
+
+def _first(items: list[Any]) -> Any:
+    return items[0]
+
+
+class ShardedFinetune(ViTBalanceMixin, L.LightningModule):
+    """``self.model(**batch).loss`` with ``balance_vision_tower``; FSDP2 units in ``configure_model``."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+        self.vit_balance_config = ViTBalanceConfig(trigger_threshold=0.0)
+        self.model = tiny_model(FAMILY)
+        self.handle = self.balance_vision_tower(self.model)
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        inner = self.model.model
+        for unit in [*inner.visual.blocks, *inner.language_model.layers, self.model]:
+            fully_shard(unit, mesh=mesh)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def on_train_end(self) -> None:
+        stats = self.last_vit_balance_stats
+        summary = {
+            "losses": self.losses,
+            "calls": self.handle.calls,
+            "applied_calls": self.handle.applied_calls,
+            "num_ranks": stats.num_ranks if stats is not None else None,
+        }
+        (Path(self.out_dir) / f"rank_{self.global_rank}.json").write_text(json.dumps(summary))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=SGD_LR)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        batches = [batch_for(step, self.global_rank) for step in range(STEPS)]
+        return torch.utils.data.DataLoader(batches, batch_size=1, collate_fn=_first)
+
+
+def main(out_dir: str) -> None:
+    torch.set_num_threads(1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=RANKS,
+        strategy=ModelParallelStrategy(data_parallel_size=RANKS, tensor_parallel_size=1),
+        max_steps=STEPS,
+        callbacks=[ViTBalanceCallback(log_every_n_steps=0)],
+        logger=False,
+        use_distributed_sampler=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(ShardedFinetune(out_dir))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

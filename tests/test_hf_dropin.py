@@ -17,6 +17,7 @@ import json
 import pickle
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,27 @@ def test_model_forward_matches_plain_model(multirank: Any, family: str) -> None:
     assert per_rank[0]["one_big_image_others_text_only"]["steps"][0]["reason"] != "applied"
 
 
+def _mixed_steps(family: str, rank: int) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Four steps of this rank's batches, a text-only rank and images next to videos in turn."""
+    for step, name in enumerate(["text_only_rank", "images_and_videos_next_to_images"] * 2):
+        batch = make_inputs(family, CASES[name][rank], seed=100 * step + rank)
+        yield f"{family}/{name} step {step} rank {rank}", batch
+
+
+def _assert_averaged(
+    where: str,
+    params: dict[str, nn.Parameter],
+    expected: dict[str, torch.Tensor],
+    size: int,
+    full: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """Gradients averaged over ranks (DDP, FSDP) against the plain model's gradients summed over them."""
+    for key, param in params.items():
+        assert param.grad is not None, f"{where}: {key} got no gradient"
+        got = full(param.grad) * size
+        torch.testing.assert_close(got, expected[key], **TOL, msg=lambda m, k=key: f"{where}: grad {k}: {m}")
+
+
 def _ddp_with_checkpointing(family: str) -> dict[str, Any]:
     """The balanced model under DDP with one bucket per layer and HF's gradient checkpointing."""
     import torch.distributed as dist
@@ -194,18 +216,11 @@ def _ddp_with_checkpointing(family: str) -> dict[str, Any]:
     # Tiny buckets: from the second backward on (DDP rebuilds its buckets after the first), the
     # all-reduces start while the backward runs, in between the drop-in's backward exchange.
     model = DistributedDataParallel(balanced, bucket_cap_mb=0.0005)
-    for step, name in enumerate(["text_only_rank", "images_and_videos_next_to_images"] * 2):
-        where = f"{family}/{name} step {step} rank {rank}"
-        batch = make_inputs(family, CASES[name][rank], seed=100 * step + rank)
+    for where, batch in _mixed_steps(family, rank):
         plain(**batch).loss.backward()
         model(**batch).loss.backward()
         expected = _summed_grads(plain)
-        for key, param in balanced.named_parameters():
-            assert param.grad is not None, f"{where}: {key} got no gradient under DDP"
-            # DDP averages over ranks; the plain model's gradients were summed.
-            torch.testing.assert_close(
-                param.grad * size, expected[key], **TOL, msg=lambda m, w=where, k=key: f"{w}: grad {k}: {m}"
-            )
+        _assert_averaged(where, dict(balanced.named_parameters()), expected, size, lambda grad: grad)
         _sgd(plain, expected)
         _sgd(balanced, expected)
     return {
@@ -233,17 +248,14 @@ def _fsdp2_blocks_sharded(family: str) -> dict[str, Any]:
     handle = balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG))
     for unit in [*balanced.model.visual.blocks, *balanced.model.language_model.layers, balanced]:
         fully_shard(unit)
-    for step, name in enumerate(["text_only_rank", "images_and_videos_next_to_images"] * 2):
-        where = f"{family}/{name} step {step} rank {rank}"
-        batch = make_inputs(family, CASES[name][rank], seed=100 * step + rank)
+    for where, batch in _mixed_steps(family, rank):
         plain(**batch).loss.backward()
         balanced(**batch).loss.backward()
         expected = _summed_grads(plain)
+        # Each rank holds a shard (a DTensor) of every gradient.
+        _assert_averaged(where, dict(balanced.named_parameters()), expected, size, lambda g: g.full_tensor())
         with torch.no_grad():
             for key, param in balanced.named_parameters():
-                # FSDP averages over ranks; each rank holds a shard (a DTensor) of the gradient.
-                got, label = param.grad.full_tensor() * size, f"{where}: {key}"
-                torch.testing.assert_close(got, expected[key], **TOL, msg=lambda m, x=label: f"{x}: {m}")
                 param -= distribute_tensor(SGD_LR * expected[key], param.device_mesh, param.placements)
                 param.grad = None
         _sgd(plain, expected)

@@ -210,7 +210,7 @@ def _ddp_with_checkpointing(family: str) -> dict[str, Any]:
 
     rank, size = dist.get_rank(), dist.get_world_size()
     plain = tiny_model(family)
-    plain.gradient_checkpointing_enable()  # HF's default: torch's reentrant checkpoint
+    plain.gradient_checkpointing_enable()  # HF's default: reentrant in transformers 4.x, not in 5
     balanced = copy.deepcopy(plain)
     handle = balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG))
     # Tiny buckets: from the second backward on (DDP rebuilds its buckets after the first), the

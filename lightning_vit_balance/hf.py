@@ -71,6 +71,11 @@ by a wrapper (FSDP1) after :func:`balance_vision_tower`, raises a ``ValueError``
 before any collective. DDP, and FSDP2 with each block and decoder layer sharded (also under
 Lightning's ``ModelParallelStrategy``), are tested here (CPU, gloo); ZeRO-3 is not.
 
+**Compiling.** Compile the tower's blocks (``block.compile()`` for each of ``visual.blocks``):
+the balanced call runs them as they are (checked with Qwen2.5-VL on CPU: the plain model's losses
+and gradients). A tower compiled as a whole (``visual.compile()`` or ``torch.compile(visual)``)
+would compile the drop-in's own bookkeeping with it; it raises a ``ValueError`` instead.
+
 For code that calls the tower itself, :func:`encode_visual` encodes a rank's images and videos in
 one balanced call and returns the two outputs separately.
 """
@@ -190,20 +195,22 @@ def _fsdp_module_type() -> type | None:
     return FSDPModule
 
 
-def _sharding_problem(base: nn.Module, tower: nn.Module) -> str | None:
-    """Why the model's own tower calls would make collectives (then ranks hang), or None.
+def _wrapping_problem(base: nn.Module, tower: nn.Module) -> str | None:
+    """Why the tower, as wrapped, cannot answer the model's own tower calls (or None).
 
     The model calls the tower once per modality present on the rank, so a sharding unit around
-    the tower module gathers its parameters a different number of times on different ranks. The
-    same holds for a wrapper put in its place after :func:`balance_vision_tower` (FSDP1 wraps the
-    tower in a new module).
+    the tower module gathers its parameters a different number of times on different ranks (then
+    ranks hang). The same holds for a wrapper put in its place after :func:`balance_vision_tower`
+    (FSDP1 wraps the tower in a new module, ``torch.compile`` returns one). A tower compiled as a
+    whole would compile the drop-in's own bookkeeping, which fails; its blocks compile fine.
     """
     tower_name = type(tower).__name__
     if base._modules.get("visual") is not tower:
         replaced = type(base._modules.get("visual")).__name__
         return (
             f"{type(base).__name__}.visual was replaced by a {replaced} after balance_vision_tower; "
-            f"apply the wrapper to the blocks of the {tower_name} instead (FSDP: shard each block)"
+            f"apply the wrapper to the blocks of the {tower_name} instead (FSDP: shard each block; "
+            "torch.compile: compile each block)"
         )
     fsdp_module = _fsdp_module_type()
     if fsdp_module is not None and isinstance(tower, fsdp_module):
@@ -212,6 +219,14 @@ def _sharding_problem(base: nn.Module, tower: nn.Module) -> str | None:
             "it once per modality a rank has, so its parameters would be gathered a different number of "
             "times on different ranks; shard each of its blocks instead (fully_shard(block) for block in "
             "visual.blocks), as Hugging Face's _no_split_modules does"
+        )
+    # visual.compile() sets _compiled_call_impl; torch.compile(visual) returns a module wrapping _orig_mod.
+    in_place = getattr(tower, "_compiled_call_impl", None) is not None
+    if in_place or isinstance(getattr(tower, "_orig_mod", None), nn.Module):
+        return (
+            f"the vision tower {tower_name} is compiled as a whole (visual.compile() or "
+            "torch.compile(visual)); compile each of its blocks instead (block.compile() for block in "
+            "visual.blocks), which the balanced call runs as they are"
         )
     return None
 
@@ -520,8 +535,8 @@ class BalancedVisionTower:
             )
         base, tower = _find_base(model)
         problems = _contract_problems(base, tower)
-        sharding = _sharding_problem(base, tower)
-        problems += [sharding] if sharding is not None else []
+        wrapping = _wrapping_problem(base, tower)
+        problems += [wrapping] if wrapping is not None else []
         if problems:
             raise ValueError(
                 f"balance_vision_tower: {type(model).__name__} does not meet the drop-in's contract: "
@@ -633,9 +648,9 @@ class BalancedVisionTower:
         settings = self.settings() if self.base.training and torch.is_grad_enabled() else None
         if settings is None or self._pending is not None:
             return original(*args, **kwargs)
-        sharding = _sharding_problem(self.base, self.tower)
-        if sharding is not None:  # the same on every rank: all raise before any collective
-            raise ValueError(f"balance_vision_tower: {sharding}.")
+        wrapping = _wrapping_problem(self.base, self.tower)
+        if wrapping is not None:  # the same on every rank: all raise before any collective
+            raise ValueError(f"balance_vision_tower: {wrapping}.")
         # Bind to the class's signature: a forward patched in before us may take (*args, **kwargs).
         signature = inspect.signature(type(self.base).forward)
         bound = signature.bind_partial(self.base, *args, **kwargs).arguments

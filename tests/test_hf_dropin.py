@@ -263,7 +263,7 @@ def _fsdp2_blocks_sharded(family: str) -> dict[str, Any]:
     # The tower as a unit: its own tower calls differ in number between ranks, so it must raise,
     # whether it was sharded before balance_vision_tower or after.
     batch = make_inputs(family, CASES["images_and_videos_next_to_images"][rank], seed=rank)
-    for when in ("before", "after", "wrapped after"):
+    for when in ("before", "after", "wrapped after", "compiled after"):
         model = tiny_model(family)
         if when == "before":
             fully_shard(model.model.visual)
@@ -273,6 +273,8 @@ def _fsdp2_blocks_sharded(family: str) -> dict[str, Any]:
                 fully_shard(model.model.visual)
             elif when == "wrapped after":  # what FSDP1 does: a new module in the tower's place
                 model.model.visual = _Wrapper(model.model.visual)
+            elif when == "compiled after":  # lazy: nothing compiles before the first call
+                model.model.visual.compile()
             model(**batch)
         except ValueError as err:
             errors.append(str(err))
@@ -289,16 +291,18 @@ class _Wrapper(nn.Module):
 
 
 def test_fsdp2_with_sharded_blocks_and_a_tower_that_is_a_unit(multirank: Any) -> None:
-    """Blocks as FSDP2 units: the plain model's gradients. The tower as one: an error, not a hang."""
+    """Blocks as FSDP2 units: the plain model's gradients. The tower as one (or replaced, or compiled
+    whole after balance_vision_tower): an error on every rank, not a hang."""
     if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
         pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
     with multirank(RANKS) as w:
         results = w.run(_fsdp2_blocks_sharded, "qwen2_5_vl", timeout=180)
     for r in results:
         assert r["applied_calls"] == 4
-        assert len(r["errors"]) == 3, r["errors"]
+        assert len(r["errors"]) == 4, r["errors"]
         assert all("is itself an FSDP unit" in e and "fully_shard(block)" in e for e in r["errors"][:2]), r
         assert "visual was replaced by a _Wrapper after balance_vision_tower" in r["errors"][2], r
+        assert "is compiled as a whole" in r["errors"][3] and "block.compile()" in r["errors"][3], r
 
 
 def _eval_and_no_grad_are_direct(family: str) -> dict[str, Any]:
@@ -562,6 +566,14 @@ def test_a_model_breaking_the_contract_gets_an_error_naming_what_is_missing() ->
         balance_vision_tower(_LossInsideModel())
     assert "forward takes 'labels', so it computes the loss itself" in str(info.value)
     assert "has no" not in str(info.value)  # the tower and the other parameters meet the contract
+    for in_place in (True, False):  # lazy either way: nothing compiles before the first call
+        model = tiny_model("qwen2_vl")
+        if in_place:
+            model.model.visual.compile()
+        else:
+            model.model.visual = torch.compile(model.model.visual)
+        with pytest.raises(ValueError, match="is compiled as a whole"):
+            balance_vision_tower(model)
     with pytest.raises(TypeError, match=r"expected a torch\.nn\.Module"):
         balance_vision_tower("model")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="expected a ViTBalanceConfig"):

@@ -631,14 +631,22 @@ class HFFinetune(ViTBalanceMixin, L.LightningModule):
         return torch.utils.data.DataLoader(batches, batch_size=1, collate_fn=_first)
 
 
-def _reference(model: nn.Module) -> list[list[float]]:
-    """DDP by hand: each step, the mean of the ranks' losses (DDP averages gradients), then SGD."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+def _reference(
+    model: nn.Module,
+    batch_for: Callable[[int, int], dict[str, Any]] = fit_batch,
+    steps: int = FIT_STEPS,
+    ranks: int = FIT_RANKS,
+    lr: float = SGD_LR,
+) -> list[list[float]]:
+    """DDP by hand: each step, the mean of the ranks' losses (DDP averages gradients), then SGD.
+
+    Returns ``losses[step][rank]``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
-    for step in range(FIT_STEPS):
+    for step in range(steps):
         optimizer.zero_grad()
-        per_rank = [model(**fit_batch(step, rank)).loss for rank in range(FIT_RANKS)]
-        (sum(per_rank) / FIT_RANKS).backward()
+        per_rank = [model(**batch_for(step, rank)).loss for rank in range(ranks)]
+        (sum(per_rank) / ranks).backward()
         optimizer.step()
         losses.append([float(loss.detach()) for loss in per_rank])
     return losses
@@ -698,22 +706,15 @@ def test_lightning_model_parallel_strategy_with_fsdp2_units(tmp_path: Path) -> N
     Run as a script (the strategy's launcher starts rank 1 by running it again); FSDP2 averages
     the ranks' gradients as DDP does, so the reference is DDP by hand.
     """
-    import hf_fsdp2_fit_script as script
-
     if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
         pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    import hf_fsdp2_fit_script as script
+
     command = [sys.executable, str(Path(script.__file__)), str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
     model = tiny_model(script.FAMILY)
-    optimizer = torch.optim.SGD(model.parameters(), lr=script.SGD_LR)
-    expected = []
-    for step in range(script.STEPS):
-        optimizer.zero_grad()
-        per_rank = [model(**script.batch_for(step, rank)).loss for rank in range(script.RANKS)]
-        (sum(per_rank) / script.RANKS).backward()
-        optimizer.step()
-        expected.append([float(loss.detach()) for loss in per_rank])
+    expected = _reference(model, script.batch_for, script.STEPS, script.RANKS, script.SGD_LR)
     for rank in range(script.RANKS):
         got = json.loads((tmp_path / f"rank_{rank}.json").read_text())
         assert got["num_ranks"] == script.RANKS  # the mesh's data-parallel group

@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_REQUIREMENTS ?= requirements/torch-cpu.txt
 TRANSFORMERS_REQUIREMENTS ?= requirements/transformers.txt
+# DeepSpeed for the ZeRO tests; `DEEPSPEED_REQUIREMENTS=` skips it (those tests are then skipped).
+DEEPSPEED_REQUIREMENTS ?= requirements/deepspeed.txt
 # Tested versions of the other dependencies; `CONSTRAINTS=` installs the newest (use another VENV).
 CONSTRAINTS ?= requirements/constraints.txt
 PY := $(VENV)/bin/python
@@ -13,10 +15,11 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml $(TORCH_REQUIREMENTS) $(TRANSFORMERS_REQUIREMENTS) $(CONSTRAINTS)
+$(STAMP): pyproject.toml $(TORCH_REQUIREMENTS) $(TRANSFORMERS_REQUIREMENTS) $(DEEPSPEED_REQUIREMENTS) $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -r $(TORCH_REQUIREMENTS)
 	$(PY) -m pip install --quiet -e ".[dev]" -r $(TRANSFORMERS_REQUIREMENTS) $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(if $(DEEPSPEED_REQUIREMENTS),$(PY) -m pip install --quiet --no-build-isolation -r $(DEEPSPEED_REQUIREMENTS) $(if $(CONSTRAINTS),-c $(CONSTRAINTS)))
 	touch $(STAMP)
 
 test: $(STAMP)

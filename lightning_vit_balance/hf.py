@@ -65,11 +65,15 @@ it found), never a hang.
 **Sharded training.** Every rank runs each of the tower's blocks exactly once per balanced
 forward (on its balanced batch, or the engine's dummy image), so FSDP / ZeRO-3 units around the
 blocks (HF's ``_no_split_modules``) gather their parameters the same number of times on every
-rank. A unit around the tower module itself would gather once per served call, which differs
-between ranks: wrap the blocks, not the tower. A tower that is an FSDP2 unit, or that was replaced
-by a wrapper (FSDP1) after :func:`balance_vision_tower`, raises a ``ValueError`` on every rank
-before any collective. DDP, and FSDP2 with each block and decoder layer sharded (also under
-Lightning's ``ModelParallelStrategy``), are tested here (CPU, gloo); ZeRO-3 is not.
+rank. The model's own tower calls (one per modality a rank has, so a different number on different
+ranks) run none of the tower module's own hooks while the drop-in answers them: ZeRO-3, which
+hooks every module and requires the same module calls in the same order on every rank, then sees
+the tower called once per forward everywhere. A forward hook on the tower therefore runs once per
+balanced forward, for the balanced call. Wrap the blocks, not the tower: a tower that is an FSDP2
+unit, or that was replaced by a wrapper (FSDP1) after :func:`balance_vision_tower`, raises a
+``ValueError`` on every rank before any collective. DDP, FSDP2 with each block and decoder layer
+sharded (also under Lightning's ``ModelParallelStrategy``) and DeepSpeed ZeRO-2 and ZeRO-3 (its
+CPU accelerator) are tested here (CPU, gloo).
 
 **Compiling.** Compile the tower's blocks (``block.compile()`` for each of ``visual.blocks``):
 the balanced call runs them as they are (checked with Qwen2.5-VL on CPU: the plain model's losses
@@ -82,9 +86,11 @@ one balanced call and returns the two outputs separately.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -656,7 +662,8 @@ class BalancedVisionTower:
         bound = signature.bind_partial(self.base, *args, **kwargs).arguments
         pending = self._pending = self._encode(bound, *settings)
         try:
-            output = original(*args, **kwargs)
+            with _hooks_held_back(self.tower):
+                output = original(*args, **kwargs)
         finally:
             self._pending = None
         return _add_zero(output, pending.zero, type(self.base).__name__)
@@ -722,6 +729,31 @@ class BalancedVisionTower:
             f"({', '.join(expected) or 'none left'}): the model does not encode each modality's "
             "pixel_values/grid in one tower call, as the drop-in's contract requires."
         )
+
+
+#: A module's own hook registries, as ``nn.Module.__call__`` reads them.
+_HOOK_REGISTRIES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+@contextlib.contextmanager
+def _hooks_held_back(tower: nn.Module) -> Iterator[None]:
+    """The tower's own hooks do not run inside the block: the model's per-modality tower calls,
+    which the drop-in answers from the balanced call, then run no hooks on any rank.
+
+    Those calls differ in number between ranks (one per modality a rank has), while the balanced
+    call runs the hooks once on every rank. ZeRO-3 records the order of module calls in the first
+    step and requires it identical on every rank; hooks that gather parameters per call would issue
+    a different number of collectives. Hooks registered inside the block are kept.
+    """
+    held = {name: getattr(tower, name) for name in _HOOK_REGISTRIES}
+    for name in _HOOK_REGISTRIES:
+        setattr(tower, name, OrderedDict())
+    try:
+        yield
+    finally:
+        for name, hooks in held.items():
+            hooks.update(getattr(tower, name))
+            setattr(tower, name, hooks)
 
 
 def _add_zero(output: Any, zero: torch.Tensor | None, base_name: str) -> Any:

@@ -305,6 +305,54 @@ def test_fsdp2_with_sharded_blocks_and_a_tower_that_is_a_unit(multirank: Any) ->
         assert "is compiled as a whole" in r["errors"][3] and "block.compile()" in r["errors"][3], r
 
 
+def _tower_hooks(family: str) -> list[dict[str, Any]]:
+    """Forward hooks on the tower module itself, counted per balanced forward on this rank."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = tiny_model(family)
+    handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
+    tower = model.model.visual
+    calls: dict[str, int] = {"pre": 0, "post": 0, "late": 0}
+
+    def count(name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            calls[name] += 1
+
+        return hook
+
+    tower.register_forward_pre_hook(count("pre"))
+    tower.register_forward_hook(count("post"))
+    late: list[Any] = []
+
+    def register_late(*_: Any) -> None:
+        # A hook registered on the tower while the model's own tower calls are answered is kept.
+        if not late:
+            late.append(tower.register_forward_hook(count("late")))
+
+    model.model.language_model.layers[0].register_forward_pre_hook(register_late)
+    seen = []
+    for where, batch in _mixed_steps(family, rank):
+        before = dict(calls)
+        model(**batch).loss.backward()
+        seen.append({"where": where, **{k: calls[k] - before[k] for k in calls}})
+    return [*seen, {"applied_calls": handle.applied_calls}]
+
+
+def test_tower_hooks_run_once_per_forward_on_every_rank(multirank: Any) -> None:
+    """The tower's own hooks run for the balanced call only, not for the model's per-modality tower
+    calls the drop-in answers (one per modality a rank has): the same count on every rank, as
+    ZeRO-3, which records the order of module calls and requires it identical on every rank, needs."""
+    with multirank(RANKS) as w:
+        results = w.run(_tower_hooks, "qwen2_5_vl", timeout=120)
+    for per_rank in results:
+        *steps, summary = per_rank
+        assert summary["applied_calls"] == 4, per_rank
+        for i, step in enumerate(steps):
+            # Registered during the first forward, so it runs from the second on.
+            assert (step["pre"], step["post"], step["late"]) == (1, 1, int(i > 0)), step
+
+
 def _eval_and_no_grad_are_direct(family: str) -> dict[str, Any]:
     """Rank 0 alone runs an eval forward and a no-grad training-mode forward: nothing collective."""
     import torch.distributed as dist

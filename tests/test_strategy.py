@@ -71,9 +71,11 @@ class _FakeEngine:
 
 
 @pytest.mark.usefixtures("one_rank_world")
-def test_deepspeed_without_deepspeed_installed() -> None:
+def test_deepspeed_strategies_without_a_deepspeed_engine() -> None:
     own = dist.new_group([0])
-    # Built without __init__: the real one refuses to construct without deepspeed installed.
+    # Built without __init__: the real one refuses to construct without deepspeed installed; with
+    # it installed, DeepSpeed's own communication layer is not started here (the ZeRO-3 tests in
+    # test_hf_deepspeed.py give the adapter a real engine).
     trainer_strategy = object.__new__(DeepSpeedStrategy)
     trainer_strategy._model = _FakeEngine(own)
     trainer_strategy._lightning_module = None

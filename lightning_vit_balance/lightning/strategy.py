@@ -53,10 +53,12 @@ def _deepspeed_group(engine: Any) -> dist.ProcessGroup:
     if isinstance(group, dist.ProcessGroup):
         return group
     try:
+        from deepspeed import comm as deepspeed_comm  # type: ignore[import-not-found]
         from deepspeed.utils import groups as deepspeed_groups  # type: ignore[import-not-found]
     except ImportError:
-        deepspeed_groups = None
-    if deepspeed_groups is not None:
+        deepspeed_comm = deepspeed_groups = None
+    # DeepSpeed's group registry asserts that its own communication layer has started.
+    if deepspeed_groups is not None and deepspeed_comm.is_initialized():
         group = deepspeed_groups._get_data_parallel_group()
         if isinstance(group, dist.ProcessGroup):
             return group

@@ -1,0 +1,135 @@
+"""The Hugging Face drop-in under DeepSpeed ZeRO-3 and ZeRO-2, on 3 real gloo ranks (DeepSpeed's CPU
+accelerator).
+
+ZeRO-3 gathers each module's parameters in that module's forward hooks and records the order of
+module calls in the first step, which must then be identical on every rank; ZeRO-2 reduces every
+gradient from hooks, as DDP does. The plain model breaks both whenever ranks differ in modalities
+(a text-only rank never calls the tower; a rank with images and videos calls it twice): a rank
+aborts (checked by hand, both stages). With the drop-in, every rank runs the tower's blocks once per
+step and the model's own per-modality tower calls run no hooks, so each step's full gradients
+equal the plain model's: ZeRO-3 for each family, ZeRO-2 for Qwen2.5-VL, 8 steps each of text-only
+ranks, images next to videos, one large image and images on every rank, in turn.
+
+Runs where ``deepspeed`` is installed (``make`` installs it, see ``requirements/deepspeed.txt``),
+in a pool of its own: DeepSpeed keeps process-wide state (its communication backend, the
+``LOCAL_RANK`` it requires), so the shared pools of the other tests never see it.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+if importlib.util.find_spec("deepspeed") is None:
+    pytest.skip("deepspeed is not installed", allow_module_level=True)
+
+from hf_models import FAMILIES, make_inputs, tiny_model
+from multirank import World
+from test_hf_dropin import CASES, CONFIG, TOL, _summed_grads
+
+from lightning_vit_balance import ViTBalanceConfig, balance_vision_tower
+
+RANKS = 3
+STEPS = [
+    "text_only_rank",
+    "images_and_videos_next_to_images",
+    "one_big_image_others_text_only",
+    "every_rank_images",
+]
+
+
+def _deepspeed_on_cpu() -> Any:
+    """DeepSpeed on the CPU accelerator over the pool's gloo group (already initialised)."""
+    import torch.distributed as dist
+
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    rank = dist.get_rank()
+    # What a launcher sets; DeepSpeed refuses to start without LOCAL_RANK.
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(dist.get_world_size()))
+    import logging
+
+    import deepspeed
+    import deepspeed.comm.torch
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # Its shared-memory all-reduce kernel is compiled with a C++ compiler at first use; ZeRO-3's
+    # parameter gathers do not need it, and gloo's collectives serve in its place.
+    deepspeed.comm.torch.build_shm_op = lambda: None
+    return deepspeed
+
+
+def _zero_steps(family: str, stage: int) -> dict[str, Any]:
+    """Plain model and balanced ZeRO model side by side; per step, loss and full gradients."""
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+    from lightning.fabric.strategies import DeepSpeedStrategy
+
+    from lightning_vit_balance import dp_group_from_strategy
+
+    deepspeed = _deepspeed_on_cpu()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    plain = tiny_model(family)
+    handle = balance_vision_tower(copy.deepcopy(plain), ViTBalanceConfig(**CONFIG))
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    optimizer = torch.optim.SGD(handle.model.parameters(), lr=0.05)
+    engine, *_ = deepspeed.initialize(model=handle.model, optimizer=optimizer, config=config)
+    # The strategy adapter, given the real engine (Lightning's DeepSpeed strategies need CUDA).
+    strategy = object.__new__(DeepSpeedStrategy)
+    strategy._deepspeed_engine = engine
+    handle.group = dp_group_from_strategy(strategy)
+    plain_params = dict(plain.named_parameters())
+    applied = []
+    for step, name in enumerate(STEPS * 2):
+        where = f"{family}/{name} step {step} rank {rank}"
+        batch = make_inputs(family, CASES[name][rank], seed=100 * step + rank)
+        plain_loss = plain(**batch).loss
+        plain_loss.backward()
+        expected = _summed_grads(plain)
+        loss = engine(**batch).loss
+        torch.testing.assert_close(loss, plain_loss, **TOL, msg=lambda m, w=where: f"{w}: loss {m}")
+        engine.backward(loss)
+        for key, param in engine.module.named_parameters():
+            grad = safe_get_full_grad(param)  # averaged over ranks
+            assert grad is not None, f"{where}: {key} got no gradient"
+            torch.testing.assert_close(
+                grad * size, expected[key], **TOL, msg=lambda m, w=where, k=key: f"{w}: grad {k}: {m}"
+            )
+        engine.step()
+        # The next step starts from the same weights: the plain model takes ZeRO-3's.
+        plain.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for key, param in engine.module.named_parameters():
+                plain_params[key].copy_(safe_get_full_fp32_param(param))
+        applied.append(handle.last_stats.applied)
+    return {"applied": applied, "group_size": dist.get_world_size(handle.group)}
+
+
+@pytest.fixture(scope="module")
+def deepspeed_world() -> Iterator[World]:
+    pool = World(RANKS)
+    try:
+        yield pool
+    finally:
+        pool.close(kill=True)
+
+
+@pytest.mark.parametrize(("family", "stage"), [*((family, 3) for family in FAMILIES), ("qwen2_5_vl", 2)])
+def test_zero_gradients_match_the_plain_model(deepspeed_world: World, family: str, stage: int) -> None:
+    results = deepspeed_world.run(_zero_steps, family, stage, timeout=180)
+    assert all(r["group_size"] == RANKS for r in results), results
+    applied = [r["applied"] for r in results]
+    assert all(a == applied[0] for a in applied), applied  # every rank made the same plans
+    # The large image outweighs the mean load: that step skips; the others move images.
+    assert applied[0] == [True, True, False, True] * 2, applied

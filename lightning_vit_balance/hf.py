@@ -66,14 +66,16 @@ it found), never a hang.
 forward (on its balanced batch, or the engine's dummy image), so FSDP / ZeRO-3 units around the
 blocks (HF's ``_no_split_modules``) gather their parameters the same number of times on every
 rank. The model's own tower calls (one per modality a rank has, so a different number on different
-ranks) run none of the tower module's own hooks while the drop-in answers them: ZeRO-3, which
-hooks every module and requires the same module calls in the same order on every rank, then sees
-the tower called once per forward everywhere. A forward hook on the tower therefore runs once per
-balanced forward, for the balanced call. Wrap the blocks, not the tower: a tower that is an FSDP2
-unit, or that was replaced by a wrapper (FSDP1) after :func:`balance_vision_tower`, raises a
-``ValueError`` on every rank before any collective. DDP, FSDP2 with each block and decoder layer
-sharded (also under Lightning's ``ModelParallelStrategy``) and DeepSpeed ZeRO-2 and ZeRO-3 (its
-CPU accelerator) are tested here (CPU, gloo).
+ranks) run none of the tower module's own hooks while the drop-in answers them, so hooks on the
+tower run once per forward on every rank too: an FSDP2 unit around the tower gathers its
+parameters once, and ZeRO-3, which hooks every module and requires the same module calls in the
+same order on every rank, sees the tower called once everywhere. A forward hook on the tower
+therefore runs once per balanced forward, for the balanced call. A wrapper module put in the
+tower's place after :func:`balance_vision_tower` (FSDP1's) would run once per served call: it
+raises a ``ValueError`` on every rank before any collective; wrap the tower's blocks with FSDP1
+instead. DDP, FSDP2 (each block and decoder layer a unit, also under Lightning's
+``ModelParallelStrategy``, or the tower as one unit) and DeepSpeed ZeRO-2 and ZeRO-3 (its CPU
+accelerator) are tested here (CPU, gloo).
 
 **Compiling.** Compile the tower's blocks (``block.compile()`` for each of ``visual.blocks``):
 the balanced call runs them as they are (checked with Qwen2.5-VL on CPU: the plain model's losses
@@ -87,7 +89,6 @@ one balanced call and returns the two outputs separately.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -188,27 +189,17 @@ def _contract_problems(base: nn.Module, tower: nn.Module) -> list[str]:
     return problems
 
 
-@functools.cache
-def _fsdp_module_type() -> type | None:
-    """FSDP2's ``FSDPModule`` (the class ``fully_shard`` mixes into a module), or None."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch before 2.6 keeps it here, if anywhere
-        try:
-            from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
-        except ImportError:
-            return None
-    return FSDPModule
-
-
 def _wrapping_problem(base: nn.Module, tower: nn.Module) -> str | None:
     """Why the tower, as wrapped, cannot answer the model's own tower calls (or None).
 
-    The model calls the tower once per modality present on the rank, so a sharding unit around
-    the tower module gathers its parameters a different number of times on different ranks (then
-    ranks hang). The same holds for a wrapper put in its place after :func:`balance_vision_tower`
-    (FSDP1 wraps the tower in a new module, ``torch.compile`` returns one). A tower compiled as a
-    whole would compile the drop-in's own bookkeeping, which fails; its blocks compile fine.
+    The model calls ``base.visual`` once per modality present on the rank. The drop-in answers
+    those calls through the tower's patched ``forward``, with the tower's own hooks held back
+    (:func:`_hooks_held_back`), so hooks that gather parameters (FSDP2, ZeRO-3) run once per
+    forward on every rank. A wrapper put in the tower's place after :func:`balance_vision_tower`
+    (FSDP1 wraps the tower in a new module, ``torch.compile`` returns one) would run its own
+    machinery once per call, a different number of times on different ranks (then ranks hang). A
+    tower compiled as a whole would compile the drop-in's own bookkeeping, which fails; its blocks
+    compile fine.
     """
     tower_name = type(tower).__name__
     if base._modules.get("visual") is not tower:
@@ -217,14 +208,6 @@ def _wrapping_problem(base: nn.Module, tower: nn.Module) -> str | None:
             f"{type(base).__name__}.visual was replaced by a {replaced} after balance_vision_tower; "
             f"apply the wrapper to the blocks of the {tower_name} instead (FSDP: shard each block; "
             "torch.compile: compile each block)"
-        )
-    fsdp_module = _fsdp_module_type()
-    if fsdp_module is not None and isinstance(tower, fsdp_module):
-        return (
-            f"the vision tower {tower_name} is itself an FSDP unit (fully_shard(visual)): the model calls "
-            "it once per modality a rank has, so its parameters would be gathered a different number of "
-            "times on different ranks; shard each of its blocks instead (fully_shard(block) for block in "
-            "visual.blocks), as Hugging Face's _no_split_modules does"
         )
     # visual.compile() sets _compiled_call_impl; torch.compile(visual) returns a module wrapping _orig_mod.
     in_place = getattr(tower, "_compiled_call_impl", None) is not None

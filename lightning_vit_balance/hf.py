@@ -19,11 +19,18 @@ infinities and NaNs included), so nothing changes numerically, but the loss now 
 balanced call on every rank: its backward exchange runs on every rank, and DDP with
 ``find_unused_parameters=False`` sees the tower's parameters used on text-only ranks too.
 
-**Which forwards are balanced.** Exactly those with ``base.training`` set and gradients enabled
+**Which forwards are balanced.** Those with ``base.training`` set and gradients enabled
 (``torch.is_grad_enabled()``), when balancing is on and the group has more than one rank. Such a
 forward is a collective: every rank of the group must make it, as with any training step.
-Evaluation (``model.eval()``), ``torch.no_grad()`` / ``torch.inference_mode()`` and so
-``generate()`` call the tower directly, so ranks may make different numbers of those forwards.
+Evaluation forwards (``model.eval()``, ``torch.no_grad()`` / ``torch.inference_mode()``) call
+the tower directly, so ranks may make different numbers of them, unless the handle's
+``evaluation`` is set (the Lightning mixin sets it, and balances them in the loops where every
+rank makes the same calls). ``generate()``'s forwards always call the tower directly: they carry
+its cache (``past_key_values``, or ``cache`` in transformers 5), the first one included, and ranks
+generate different numbers of tokens (``generate(use_cache=False)`` passes no cache: with
+``evaluation`` its forwards are balanced, and need ``synced_gpus=True``).
+Under FSDP or ZeRO-3 an evaluation forward gathers parameters in the tower too, so evaluation
+with ranks that differ in modalities needs ``evaluation`` (as it needs the drop-in in training).
 
 **The contract relied on** (verified against transformers 5.24 and 4.57.6, ``modeling_qwen2_vl.py``,
 ``modeling_qwen2_5_vl.py``, ``modeling_qwen3_vl.py``; :func:`balance_vision_tower` checks the
@@ -121,6 +128,8 @@ _MODALITIES: tuple[tuple[str, str, str], ...] = (
     ("videos", "pixel_values_videos", "video_grid_thw"),
 )
 _CHANNEL_FIELDS = ("in_channels", "temporal_patch_size", "patch_size")
+#: The base model's forward parameters that carry ``generate()``'s cache (transformers 4.x, 5.x).
+_CACHE_ARGUMENTS = ("past_key_values", "cache")
 
 Grid = tuple[int, int, int]
 
@@ -507,6 +516,7 @@ class BalancedVisionTower:
         config: Balancing settings (``None``: ``ViTBalanceConfig()`` with the cost model of the tower,
             ``CostModel.from_vit(tower)``: its FLOPs, attention within each temporal step).
         group: The data-parallel process group (``None``: the default group).
+        evaluation: Whether evaluation forwards are balanced too (see the module docstring).
         last_stats: Diagnostics of the latest balanced forward (``None`` before the first).
         calls: Balanced forwards so far (one exchange each).
         applied_calls: Those in which images moved between ranks.
@@ -517,7 +527,14 @@ class BalancedVisionTower:
     the copy balances over the default group unless its ``group`` is set again.
     """
 
-    def __init__(self, model: nn.Module, config: ViTBalanceConfig | None = None, group: Any = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ViTBalanceConfig | None = None,
+        group: Any = None,
+        *,
+        evaluation: bool = False,
+    ) -> None:
         if config is not None and not isinstance(config, ViTBalanceConfig):
             raise TypeError(
                 f"balance_vision_tower(config={config!r}) is invalid: expected a ViTBalanceConfig or None."
@@ -541,6 +558,7 @@ class BalancedVisionTower:
         self.model, self.base, self.tower = model, base, tower
         self.config = config
         self.group = group
+        self.evaluation = bool(evaluation)
         self._derived: ViTBalanceConfig | None = None
         self.last_stats: BalanceStats | None = None
         self.calls = 0
@@ -634,15 +652,17 @@ class BalancedVisionTower:
 
     def _base_forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self._original("base")
-        settings = self.settings() if self.base.training and torch.is_grad_enabled() else None
-        if settings is None or self._pending is not None:
+        if self._pending is not None:
+            return original(*args, **kwargs)
+        # Bind to the class's signature: a forward patched in before us may take (*args, **kwargs).
+        signature = inspect.signature(type(self.base).forward)
+        bound = signature.bind_partial(self.base, *args, **kwargs).arguments
+        settings = self.settings() if self._balances(bound) else None
+        if settings is None:
             return original(*args, **kwargs)
         wrapping = _wrapping_problem(self.base, self.tower)
         if wrapping is not None:  # the same on every rank: all raise before any collective
             raise ValueError(f"balance_vision_tower: {wrapping}.")
-        # Bind to the class's signature: a forward patched in before us may take (*args, **kwargs).
-        signature = inspect.signature(type(self.base).forward)
-        bound = signature.bind_partial(self.base, *args, **kwargs).arguments
         pending = self._pending = self._encode(bound, *settings)
         try:
             with _hooks_held_back(self.tower):
@@ -650,6 +670,15 @@ class BalancedVisionTower:
         finally:
             self._pending = None
         return _add_zero(output, pending.zero, type(self.base).__name__)
+
+    def _balances(self, bound: Mapping[str, Any]) -> bool:
+        """Whether a forward with these arguments is balanced: training with gradients; with
+        :attr:`evaluation`, also evaluation forwards other than ``generate()``'s steps."""
+        if self.base.training and torch.is_grad_enabled():
+            return True
+        # generate() hands its cache to every step, the first included, and ranks generate
+        # different numbers of steps: those stay direct.
+        return self.evaluation and all(bound.get(name) is None for name in _CACHE_ARGUMENTS)
 
     def _tower_forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self._original("tower")
@@ -756,15 +785,16 @@ def _add_zero(output: Any, zero: torch.Tensor | None, base_name: str) -> Any:
 
 
 def balance_vision_tower(
-    model: nn.Module, config: ViTBalanceConfig | None = None, group: Any = None
+    model: nn.Module, config: ViTBalanceConfig | None = None, group: Any = None, *, evaluation: bool = False
 ) -> BalancedVisionTower:
     """Balance the vision tower of a Hugging Face Qwen2-VL / Qwen2.5-VL / Qwen3-VL model.
 
     After the call, ``model(**batch)`` in training (``model.training`` and gradients enabled)
     encodes every rank's images and videos in one balanced exchange across ``group``; losses,
     logits and gradients stay those of the plain model. Ranks with text only take part, so
-    nothing hangs and DDP needs no ``find_unused_parameters``. Evaluation and ``generate()``
-    call the tower directly. See :mod:`lightning_vit_balance.hf` for the contract.
+    nothing hangs and DDP needs no ``find_unused_parameters``. Evaluation forwards call the tower
+    directly unless ``evaluation``; ``generate()`` always does. See :mod:`lightning_vit_balance.hf`
+    for the contract.
 
     Example::
 
@@ -778,6 +808,10 @@ def balance_vision_tower(
         model: The model (or any module containing exactly one ``visual`` tower).
         config: Balancing settings; None: ``ViTBalanceConfig()``.
         group: The data-parallel process group; None: the default group.
+        evaluation: Balance evaluation forwards too (``model.eval()`` or no gradients; not
+            ``generate()``). Then every rank must make the same evaluation forwards, as in a
+            validation loop over a ``DistributedSampler``. Needed for evaluation under FSDP or
+            ZeRO-3 when ranks differ in modalities: their tower calls gather parameters.
 
     Returns:
         The handle: ``last_stats``, ``calls``, ``applied_calls`` and ``remove()``.
@@ -786,4 +820,4 @@ def balance_vision_tower(
         ValueError: ``model`` breaks the contract (the message names what is missing) or is already
             balanced.
     """
-    return BalancedVisionTower(model, config, group)
+    return BalancedVisionTower(model, config, group, evaluation=evaluation)

@@ -3,7 +3,10 @@
 Run by ``test_hf_dropin.py`` as a script: the strategy's launcher starts the other rank by running
 this same script again. Two CPU ranks, a ``(2, 1)`` mesh (data parallel only); ``configure_model``
 makes each vision block and decoder layer an FSDP2 unit, then the whole model, as Hugging Face's
-``_no_split_modules`` suggests. Each rank writes its losses and the drop-in's counts::
+``_no_split_modules`` suggests. After the last step, validation runs ``model(**batch).loss`` on
+the same batches (a ``DistributedSampler`` hands each rank its own, so the mixin balances them:
+without that, a text-only rank would skip the tower's parameter gathers). Each rank writes its
+training and validation losses and the drop-in's counts::
 
     python tests/hf_fsdp2_fit_script.py OUT_DIR
 """
@@ -55,6 +58,7 @@ class ShardedFinetune(ViTBalanceMixin, L.LightningModule):
         self.model = tiny_model(FAMILY)
         self.handle = self.balance_vision_tower(self.model)
         self.losses: list[float] = []
+        self.val_losses: list[float] = []
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -69,10 +73,14 @@ class ShardedFinetune(ViTBalanceMixin, L.LightningModule):
         self.losses.append(float(loss.detach()))
         return loss
 
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self.val_losses.append(float(self.model(**batch).loss))
+
     def on_train_end(self) -> None:
         stats = self.last_vit_balance_stats
         summary = {
             "losses": self.losses,
+            "val_losses": self.val_losses,
             "calls": self.handle.calls,
             "applied_calls": self.handle.applied_calls,
             "num_ranks": stats.num_ranks if stats is not None else None,
@@ -86,6 +94,12 @@ class ShardedFinetune(ViTBalanceMixin, L.LightningModule):
         batches = [batch_for(step, self.global_rank) for step in range(STEPS)]
         return torch.utils.data.DataLoader(batches, batch_size=1, collate_fn=_first)
 
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        # Item i is rank i % RANKS's batch of step i // RANKS: the sampler hands each rank its own.
+        batches = [batch_for(step, rank) for step in range(STEPS) for rank in range(RANKS)]
+        sampler = torch.utils.data.DistributedSampler(batches, RANKS, self.global_rank, shuffle=False)
+        return torch.utils.data.DataLoader(batches, batch_size=1, sampler=sampler, collate_fn=_first)
+
 
 def main(out_dir: str) -> None:
     torch.set_num_threads(1)
@@ -97,6 +111,7 @@ def main(out_dir: str) -> None:
         callbacks=[ViTBalanceCallback(log_every_n_steps=0)],
         logger=False,
         use_distributed_sampler=False,
+        num_sanity_val_steps=0,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -362,13 +362,16 @@ def test_tower_hooks_run_once_per_forward_on_every_rank(multirank: Any) -> None:
 
 
 def _eval_and_no_grad_are_direct(family: str) -> dict[str, Any]:
-    """Rank 0 alone runs an eval forward and a no-grad training-mode forward: nothing collective."""
+    """Rank 0 alone runs an eval forward and a no-grad training-mode forward, then ``generate()``
+    with evaluation forwards balanced: nothing collective."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
     plain = tiny_model(family)
     balanced = copy.deepcopy(plain)
     handle = balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG))
+    generating = copy.deepcopy(plain)
+    generating_handle = balance_vision_tower(generating, ViTBalanceConfig(**CONFIG), evaluation=True)
     counter = CollectiveCounter()
     if rank == 0:
         batch = make_inputs(family, [{"images": [(1, 4, 4)], "videos": [(2, 2, 2)]}], seed=5)
@@ -381,13 +384,51 @@ def _eval_and_no_grad_are_direct(family: str) -> dict[str, Any]:
         reference = plain(**batch).logits
         assert torch.equal(eval_mode, reference)
         torch.testing.assert_close(train_mode, reference, **TOL)
-    return {"collectives": len(counter.calls), "calls": handle.calls}
+        # transformers 4.x's generate() refuses inputs its forward does not name.
+        accepted = inspect.signature(generating.forward).parameters
+        prompt = {k: v for k, v in batch.items() if k != "labels" and k in accepted}
+        generating.eval()
+        with counter.active():
+            tokens = generating.generate(**prompt, max_new_tokens=3, do_sample=False)
+        assert torch.equal(tokens, plain.generate(**prompt, max_new_tokens=3, do_sample=False))
+    calls = handle.calls + generating_handle.calls
+    return {"collectives": len(counter.calls), "calls": calls}
 
 
-def test_eval_and_no_grad_forwards_are_not_balanced(multirank: Any) -> None:
+def test_eval_no_grad_and_generate_forwards_are_not_balanced(multirank: Any) -> None:
     with multirank(RANKS) as w:
         results = w.run(_eval_and_no_grad_are_direct, "qwen2_vl", timeout=120)
     assert results == [{"collectives": 0, "calls": 0}] * RANKS
+
+
+def _evaluation_under_fsdp2(family: str) -> dict[str, Any]:
+    """FSDP2 (blocks and layers as units) and ``evaluation=True``: eval and no-grad forwards of a
+    text-only rank next to images and videos are balanced, with the plain model's losses."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    plain = tiny_model(family).eval()
+    balanced = copy.deepcopy(plain)
+    handle = balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG), evaluation=True)
+    for unit in [*balanced.model.visual.blocks, *balanced.model.language_model.layers, balanced]:
+        fully_shard(unit)
+    for where, batch in _mixed_steps(family, rank):
+        expected = plain(**batch).loss
+        with torch.no_grad():
+            got = balanced(**batch).loss
+        torch.testing.assert_close(got, expected, **TOL, msg=lambda m, w=where: f"{w}: loss {m}")
+    return {"calls": handle.calls, "applied_calls": handle.applied_calls}
+
+
+def test_evaluation_forwards_balanced_under_fsdp2(multirank: Any) -> None:
+    """Without ``evaluation`` these forwards crash (a text-only rank skips the tower's parameter
+    gathers), as with the plain model."""
+    if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
+        pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    with multirank(RANKS) as w:
+        results = w.run(_evaluation_under_fsdp2, "qwen2_5_vl", timeout=120)
+    assert results == [{"calls": 4, "applied_calls": 4}] * RANKS
 
 
 def _bad_input_on_rank_1(family: str) -> str:
@@ -757,7 +798,9 @@ def test_lightning_ddp_fit_without_find_unused_parameters(tmp_path: Path, plan_a
 
 @pytest.mark.timeout(240)
 def test_lightning_model_parallel_strategy_with_fsdp2_units(tmp_path: Path) -> None:
-    """ModelParallelStrategy (a (2, 1) mesh), FSDP2 units in configure_model: DDP's losses.
+    """ModelParallelStrategy (a (2, 1) mesh), FSDP2 units in configure_model: DDP's losses, then the
+    plain model's validation losses (balanced too: a text-only rank must gather the tower's
+    parameters with the others).
 
     Run as a script (the strategy's launcher starts rank 1 by running it again); FSDP2 averages
     the ranks' gradients as DDP does, so the reference is DDP by hand.
@@ -771,13 +814,21 @@ def test_lightning_model_parallel_strategy_with_fsdp2_units(tmp_path: Path) -> N
     assert done.returncode == 0, done.stderr[-3000:]
     model = tiny_model(script.FAMILY)
     expected = _reference(model, script.batch_for, script.STEPS, script.RANKS, script.SGD_LR)
+    model.eval()  # validation after the last step: the trained weights
+    with torch.no_grad():
+        validation = [
+            [float(model(**script.batch_for(step, rank)).loss) for step in range(script.STEPS)]
+            for rank in range(script.RANKS)
+        ]
     for rank in range(script.RANKS):
         got = json.loads((tmp_path / f"rank_{rank}.json").read_text())
         assert got["num_ranks"] == script.RANKS  # the mesh's data-parallel group
-        assert got["calls"] == got["applied_calls"] == script.STEPS, got
+        # Training and validation forwards, each balanced.
+        assert got["calls"] == got["applied_calls"] == 2 * script.STEPS, got
         torch.testing.assert_close(
             torch.tensor(got["losses"]), torch.tensor([step[rank] for step in expected]), **TOL
         )
+        torch.testing.assert_close(torch.tensor(got["val_losses"]), torch.tensor(validation[rank]), **TOL)
 
 
 class _MixinOnly(ViTBalanceMixin, L.LightningModule):

@@ -148,8 +148,8 @@ class _ModuleTowerBalance(BalancedVisionTower):
     puts them, so :class:`ViTBalanceCallback` logs them.
     """
 
-    def __init__(self, model: torch.nn.Module, module: ViTBalanceMixin) -> None:
-        super().__init__(model)
+    def __init__(self, model: torch.nn.Module, module: ViTBalanceMixin, evaluation: bool) -> None:
+        super().__init__(model, evaluation=evaluation)
         self.module = module
 
     def settings(self) -> tuple[ViTBalanceConfig, Any] | None:
@@ -406,14 +406,17 @@ class ViTBalanceMixin:
         if state.record and stats is not None:
             state.records.append(stats)
 
-    def balance_vision_tower(self, model: torch.nn.Module) -> BalancedVisionTower:
+    def balance_vision_tower(self, model: torch.nn.Module, *, evaluation: bool = True) -> BalancedVisionTower:
         """Balance a Hugging Face Qwen2-VL / Qwen2.5-VL / Qwen3-VL model's vision tower.
 
         Call it in ``__init__`` or ``configure_model()`` (calling it again for the same model returns
         the same handle); ``model(**batch)`` in ``training_step`` is then balanced, one exchange per
         forward for a rank's images and videos together, text-only ranks included, with the group
         and configuration :meth:`encode_images` uses. :class:`ViTBalanceCallback` logs the stats.
-        See :func:`~lightning_vit_balance.balance_vision_tower`.
+        With ``evaluation``, so is ``model(**batch)`` in ``validation_step`` and ``test_step`` where
+        :meth:`encode_images` balances (every dataloader of the loop with a ``DistributedSampler``),
+        which FSDP and ZeRO-3 need when ranks differ in modalities; ``generate()`` and predict call
+        the tower directly. See :func:`~lightning_vit_balance.balance_vision_tower`.
 
         Example::
 
@@ -431,8 +434,9 @@ class ViTBalanceMixin:
         """
         existing = BalancedVisionTower.of(model)
         if isinstance(existing, _ModuleTowerBalance) and existing.module is self:
+            existing.evaluation = evaluation
             return existing
-        return _ModuleTowerBalance(model, self)
+        return _ModuleTowerBalance(model, self, evaluation)
 
     def encode_visual(
         self,

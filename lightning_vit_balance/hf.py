@@ -652,12 +652,16 @@ class BalancedVisionTower:
 
     def _base_forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self._original("base")
-        if self._pending is not None:
+        training = self.base.training and torch.is_grad_enabled()
+        if self._pending is not None or not (training or self.evaluation):
             return original(*args, **kwargs)
         # Bind to the class's signature: a forward patched in before us may take (*args, **kwargs).
         signature = inspect.signature(type(self.base).forward)
         bound = signature.bind_partial(self.base, *args, **kwargs).arguments
-        settings = self.settings() if self._balances(bound) else None
+        # generate() hands its cache to every step, the first included, and ranks generate
+        # different numbers of steps: those stay direct.
+        generating = any(bound.get(name) is not None for name in _CACHE_ARGUMENTS)
+        settings = None if generating and not training else self.settings()
         if settings is None:
             return original(*args, **kwargs)
         wrapping = _wrapping_problem(self.base, self.tower)
@@ -670,15 +674,6 @@ class BalancedVisionTower:
         finally:
             self._pending = None
         return _add_zero(output, pending.zero, type(self.base).__name__)
-
-    def _balances(self, bound: Mapping[str, Any]) -> bool:
-        """Whether a forward with these arguments is balanced: training with gradients; with
-        :attr:`evaluation`, also evaluation forwards other than ``generate()``'s steps."""
-        if self.base.training and torch.is_grad_enabled():
-            return True
-        # generate() hands its cache to every step, the first included, and ranks generate
-        # different numbers of steps: those stay direct.
-        return self.evaluation and all(bound.get(name) is None for name in _CACHE_ARGUMENTS)
 
     def _tower_forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self._original("tower")

@@ -8,7 +8,8 @@ gradient from hooks, as DDP does. The plain model breaks both whenever ranks dif
 aborts (checked by hand, both stages). With the drop-in, every rank runs the tower's blocks once per
 step and the model's own per-modality tower calls run no hooks, so each step's full gradients
 equal the plain model's: ZeRO-3 for each family, ZeRO-2 for Qwen2.5-VL, 8 steps each of text-only
-ranks, images next to videos, one large image and images on every rank, in turn.
+ranks, images next to videos, one large image and images on every rank, in turn; then the same
+four cases as evaluation forwards (``evaluation=True``), with the plain model's losses.
 
 Runs where ``deepspeed`` is installed (``make`` installs it, see ``requirements/deepspeed.txt``),
 in a pool of its own: DeepSpeed keeps process-wide state (its communication backend, the
@@ -76,7 +77,7 @@ def _zero_steps(family: str, stage: int) -> dict[str, Any]:
     deepspeed = _deepspeed_on_cpu()
     rank, size = dist.get_rank(), dist.get_world_size()
     plain = tiny_model(family)
-    handle = balance_vision_tower(copy.deepcopy(plain), ViTBalanceConfig(**CONFIG))
+    handle = balance_vision_tower(copy.deepcopy(plain), ViTBalanceConfig(**CONFIG), evaluation=True)
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": {"stage": stage},
@@ -113,7 +114,15 @@ def _zero_steps(family: str, stage: int) -> dict[str, Any]:
             for key, param in engine.module.named_parameters():
                 plain_params[key].copy_(safe_get_full_fp32_param(param))
         applied.append(handle.last_stats.applied)
-    return {"applied": applied, "group_size": dist.get_world_size(handle.group)}
+    # Evaluation forwards gather the tower's parameters too: balanced, every rank calls it.
+    engine.eval()
+    plain.eval()
+    for name in STEPS:
+        batch = make_inputs(family, CASES[name][rank], seed=7 + rank)
+        with torch.no_grad():
+            loss, plain_loss = engine(**batch).loss, plain(**batch).loss
+        torch.testing.assert_close(loss, plain_loss, **TOL, msg=lambda m, n=name: f"eval {n}: loss {m}")
+    return {"applied": applied, "calls": handle.calls, "group_size": dist.get_world_size(handle.group)}
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +142,4 @@ def test_zero_gradients_match_the_plain_model(deepspeed_world: World, family: st
     assert all(a == applied[0] for a in applied), applied  # every rank made the same plans
     # The large image outweighs the mean load: that step skips; the others move images.
     assert applied[0] == [True, True, False, True] * 2, applied
+    assert all(r["calls"] == 2 * len(STEPS) + len(STEPS) for r in results), results

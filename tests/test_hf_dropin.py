@@ -249,6 +249,10 @@ def _fsdp2_units(family: str) -> dict[str, Any]:
     from torch.distributed.tensor import distribute_tensor
 
     rank, size = dist.get_rank(), dist.get_world_size()
+
+    def full(grad: torch.Tensor) -> torch.Tensor:  # each rank holds a shard (a DTensor) of every gradient
+        return grad.full_tensor()
+
     applied = {}
     for layout in FSDP2_LAYOUTS:
         plain = tiny_model(family)
@@ -264,8 +268,6 @@ def _fsdp2_units(family: str) -> dict[str, Any]:
             plain(**batch).loss.backward()
             balanced(**batch).loss.backward()
             expected = _summed_grads(plain)
-            # Each rank holds a shard (a DTensor) of every gradient.
-            full = lambda grad: grad.full_tensor()  # noqa: E731
             _assert_averaged(f"{layout}: {where}", dict(balanced.named_parameters()), expected, size, full)
             with torch.no_grad():
                 for key, param in balanced.named_parameters():

@@ -1,10 +1,11 @@
 """Hugging Face drop-in: balance a whole Qwen2-VL / Qwen2.5-VL / Qwen3-VL model called as ``model(**batch)``.
 
-:func:`balance_vision_tower` patches two *instances*, nothing else: the base model (the module
+:func:`balance_vision_tower` patches *instances*, nothing else: the base model (the module
 holding the vision tower as ``.visual``, e.g. ``model.model``) and the tower get an instance
-attribute ``forward``. Classes, parameters, buffers, ``state_dict`` keys and every attribute HF
-or PEFT/FSDP reads stay as they were; :meth:`BalancedVisionTower.remove` deletes the two
-attributes again.
+attribute ``forward`` (and, in transformers 5, the model an instance attribute for
+``generate()``'s image encoding, see below). Classes, parameters, buffers, ``state_dict`` keys and
+every attribute HF or PEFT/FSDP reads stay as they were; :meth:`BalancedVisionTower.remove`
+deletes those attributes again.
 
 **One exchange per forward.** In a balanced forward the base model's patched ``forward``
 concatenates this rank's image rows and video rows (and their grids) and runs the tower once,
@@ -25,12 +26,18 @@ forward is a collective: every rank of the group must make it, as with any train
 Evaluation forwards (``model.eval()``, ``torch.no_grad()`` / ``torch.inference_mode()``) call
 the tower directly, so ranks may make different numbers of them, unless the handle's
 ``evaluation`` is set (the Lightning mixin sets it, and balances them in the loops where every
-rank makes the same calls). ``generate()``'s forwards always call the tower directly: they carry
-its cache (``past_key_values``, or ``cache`` in transformers 5), the first one included, and ranks
-generate different numbers of tokens (``generate(use_cache=False)`` passes no cache: with
-``evaluation`` its forwards are balanced, and need ``synced_gpus=True``).
+rank makes the same calls). ``generate()``'s forwards call the tower directly: they carry its
+cache (``past_key_values``, or ``cache`` in transformers 5), the first one included, and ranks
+generate different numbers of tokens, or one rank generates alone (``generate(use_cache=False)``
+passes no cache: with ``evaluation`` its forwards are balanced, and need ``synced_gpus=True``).
 Under FSDP or ZeRO-3 an evaluation forward gathers parameters in the tower too, so evaluation
 with ranks that differ in modalities needs ``evaluation`` (as it needs the drop-in in training).
+So does ``generate()``: with ``evaluation`` and the tower's parameters sharded (FSDP2's
+``DTensor``s, ZeRO-3's partitioned parameters), its image encoding is balanced, where every rank
+generates together anyway (``synced_gpus=True``): in transformers 5 the step that encodes images
+and videos before the first forward (``_prepare_multimodal_encoder_kwargs_for_generation``,
+patched on the model's instance like the two forwards), in transformers 4 the first forward
+(an empty cache).
 
 **The contract relied on** (verified against transformers 5.24 and 4.57.6, ``modeling_qwen2_vl.py``,
 ``modeling_qwen2_5_vl.py``, ``modeling_qwen3_vl.py``; :func:`balance_vision_tower` checks the
@@ -130,6 +137,9 @@ _MODALITIES: tuple[tuple[str, str, str], ...] = (
 _CHANNEL_FIELDS = ("in_channels", "temporal_patch_size", "patch_size")
 #: The base model's forward parameters that carry ``generate()``'s cache (transformers 4.x, 5.x).
 _CACHE_ARGUMENTS = ("past_key_values", "cache")
+#: The ``generate()`` step of transformers 5 that encodes images and videos before the first
+#: forward, through ``base_model.get_image_features`` / ``get_video_features``.
+_GENERATION_ENCODE = "_prepare_multimodal_encoder_kwargs_for_generation"
 
 Grid = tuple[int, int, int]
 
@@ -163,6 +173,35 @@ def _find_base(model: Any) -> tuple[nn.Module, nn.Module]:
         )
     base = found[0][1]
     return base, base._modules["visual"]
+
+
+def _generation_owner(model: nn.Module, base: nn.Module) -> nn.Module | None:
+    """The module whose ``generate()`` encodes ``base``'s images and videos before the first forward
+    (transformers 5: :data:`_GENERATION_ENCODE`, through ``base_model.get_image_features``), or None
+    (transformers 4: the first forward encodes them)."""
+    for module in model.modules():
+        encodes = callable(getattr(type(module), _GENERATION_ENCODE, None))
+        if encodes and getattr(module, "base_model", None) is base:
+            return module
+    return None
+
+
+def _parameters_sharded(tower: nn.Module) -> bool:
+    """Whether the tower's parameters are sharded across ranks (FSDP2's ``DTensor``s, ZeRO-3's
+    partitioned parameters): then every call of the tower is a collective."""
+    dtensor = _dtensor_type()
+    return any(
+        hasattr(param, "ds_id") or (dtensor is not None and isinstance(param, dtensor))
+        for param in tower.parameters()
+    )
+
+
+def _dtensor_type() -> type | None:
+    if not dist.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
 def _positive_int(value: Any) -> bool:
@@ -469,7 +508,8 @@ def _encode_combined(
 
 
 class _Forward:
-    """The instance-level ``forward`` of the base model or tower: calls the handle's method.
+    """The instance-level ``forward`` of the base model or tower (or ``generate()``'s encoding step
+    of the model): calls the handle's method.
 
     A plain picklable object (not a closure), so the patched model pickles (``ddp_spawn``) and
     deep-copies with its handle. ``inspect.signature`` sees the original forward's signature.
@@ -482,6 +522,8 @@ class _Forward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.which == "base":
             return self.handle._base_forward(*args, **kwargs)
+        if self.which == "generation":
+            return self.handle._generation_encode(*args, **kwargs)
         return self.handle._tower_forward(*args, **kwargs)
 
     @property
@@ -564,10 +606,15 @@ class BalancedVisionTower:
         self.calls = 0
         self.applied_calls = 0
         self._reset_runtime()
-        # Instance forwards set before us (e.g. by accelerate hooks) are kept and called.
-        self._saved = {"base": base.__dict__.get("forward"), "tower": tower.__dict__.get("forward")}
-        base.forward = _Forward(self, "base")
-        tower.forward = _Forward(self, "tower")
+        # The patched methods: (module, attribute name) by role.
+        self._patched = {"base": (base, "forward"), "tower": (tower, "forward")}
+        owner = _generation_owner(model, base)
+        if owner is not None:
+            self._patched["generation"] = (owner, _GENERATION_ENCODE)
+        # Instance attributes set before us (e.g. accelerate's forward hooks) are kept and called.
+        self._saved = {which: module.__dict__.get(name) for which, (module, name) in self._patched.items()}
+        for which, (module, name) in self._patched.items():
+            setattr(module, name, _Forward(self, which))
 
     @classmethod
     def of(cls, model: nn.Module) -> BalancedVisionTower | None:
@@ -632,23 +679,23 @@ class BalancedVisionTower:
     def remove(self) -> None:
         """Undo :func:`balance_vision_tower`: the two instance ``forward`` attributes go (or the ones
         found at install time come back). Calling it again does nothing."""
-        for which, module in (("base", self.base), ("tower", self.tower)):
-            current = module.__dict__.get("forward")
+        for which, (module, name) in self._patched.items():
+            current = module.__dict__.get(name)
             if not (isinstance(current, _Forward) and current.handle is self):
                 continue
             saved = self._saved[which]
             if saved is None:
-                del module.forward
+                delattr(module, name)
             else:
-                module.forward = saved
+                setattr(module, name, saved)
         self._reset_runtime()
 
     # -- the patched forwards ------------------------------------------------------------------
 
     def _original(self, which: str) -> Any:
-        module = self.base if which == "base" else self.tower
+        module, name = self._patched[which]
         saved = self._saved[which]
-        return saved if saved is not None else type(module).forward.__get__(module)
+        return saved if saved is not None else getattr(type(module), name).__get__(module)
 
     def _base_forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self._original("base")
@@ -658,22 +705,60 @@ class BalancedVisionTower:
         # Bind to the class's signature: a forward patched in before us may take (*args, **kwargs).
         signature = inspect.signature(type(self.base).forward)
         bound = signature.bind_partial(self.base, *args, **kwargs).arguments
-        # generate() hands its cache to every step, the first included, and ranks generate
-        # different numbers of steps: those stay direct.
-        generating = any(bound.get(name) is not None for name in _CACHE_ARGUMENTS)
-        settings = None if generating and not training else self.settings()
+        if not training and not self._balances_generation_step(bound):
+            return original(*args, **kwargs)
+        settings = self.settings()
         if settings is None:
             return original(*args, **kwargs)
-        wrapping = _wrapping_problem(self.base, self.tower)
-        if wrapping is not None:  # the same on every rank: all raise before any collective
-            raise ValueError(f"balance_vision_tower: {wrapping}.")
-        pending = self._pending = self._encode(bound, *settings)
+        pending = self._encode(bound, *settings)
+        output = self._answered(pending, original, *args, **kwargs)
+        return _add_zero(output, pending.zero, type(self.base).__name__)
+
+    def _balances_generation_step(self, bound: Mapping[str, Any]) -> bool:
+        """Whether an evaluation forward is balanced: yes, unless it is a step of ``generate()``.
+
+        ``generate()`` hands its cache to every step, the first included, and ranks generate
+        different numbers of steps: those stay direct. Except the first (an empty cache) where
+        the tower is sharded and the first forward encodes the images (transformers 4): then
+        every rank generates together anyway (``synced_gpus``) and a text-only rank must run the
+        tower too.
+        """
+        caches = [bound.get(name) for name in _CACHE_ARGUMENTS if bound.get(name) is not None]
+        if not caches:
+            return True
+        if "generation" in self._patched:
+            return False
+        length = getattr(caches[0], "get_seq_length", None)
+        return callable(length) and length() == 0 and _parameters_sharded(self.tower)
+
+    def _generation_encode(self, *args: Any, **kwargs: Any) -> Any:
+        """``generate()``'s encoding of images and videos before the first forward (transformers 5),
+        balanced where the tower is sharded and evaluation forwards are balanced.
+
+        It calls ``get_image_features`` and ``get_video_features`` for the modalities a rank has
+        (so a different number of tower calls on different ranks): with sharded parameters every
+        rank must run the tower once, as in a balanced forward. Unsharded, it stays direct, so one
+        rank may generate alone (sample logging on rank 0).
+        """
+        original = self._original("generation")
+        if self._pending is not None or not self.evaluation or not _parameters_sharded(self.tower):
+            return original(*args, **kwargs)
+        settings = self.settings()
+        if settings is None:
+            return original(*args, **kwargs)
+        model_kwargs = args[0] if args else kwargs["model_kwargs"]
+        bound = {name: model_kwargs.get(name) for _, pixels, grid in _MODALITIES for name in (pixels, grid)}
+        return self._answered(self._encode(bound, *settings), original, *args, **kwargs)
+
+    def _answered(self, pending: _Pending, original: Any, *args: Any, **kwargs: Any) -> Any:
+        """``original(*args, **kwargs)`` with its tower calls answered from ``pending``, the tower's
+        own hooks held back."""
+        self._pending = pending
         try:
             with _hooks_held_back(self.tower):
-                output = original(*args, **kwargs)
+                return original(*args, **kwargs)
         finally:
             self._pending = None
-        return _add_zero(output, pending.zero, type(self.base).__name__)
 
     def _tower_forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self._original("tower")
@@ -693,6 +778,9 @@ class BalancedVisionTower:
 
     def _encode(self, bound: Mapping[str, Any], config: ViTBalanceConfig, group: Any) -> _Pending:
         """The forward's one balanced tower call over this rank's images and videos."""
+        wrapping = _wrapping_problem(self.base, self.tower)
+        if wrapping is not None:  # the same on every rank: all raise before any collective
+            raise ValueError(f"balance_vision_tower: {wrapping}.")
         tower = self.tower
         inputs = [
             (name, pixels, bound.get(pixels), grid, bound.get(grid)) for name, pixels, grid in _MODALITIES
@@ -788,8 +876,9 @@ def balance_vision_tower(
     encodes every rank's images and videos in one balanced exchange across ``group``; losses,
     logits and gradients stay those of the plain model. Ranks with text only take part, so
     nothing hangs and DDP needs no ``find_unused_parameters``. Evaluation forwards call the tower
-    directly unless ``evaluation``; ``generate()`` always does. See :mod:`lightning_vit_balance.hf`
-    for the contract.
+    directly unless ``evaluation``; ``generate()`` does too, unless ``evaluation`` is set and the
+    tower's parameters are sharded (FSDP2, ZeRO-3). See :mod:`lightning_vit_balance.hf` for the
+    contract.
 
     Example::
 
@@ -804,9 +893,11 @@ def balance_vision_tower(
         config: Balancing settings; None: ``ViTBalanceConfig()``.
         group: The data-parallel process group; None: the default group.
         evaluation: Balance evaluation forwards too (``model.eval()`` or no gradients; not
-            ``generate()``). Then every rank must make the same evaluation forwards, as in a
-            validation loop over a ``DistributedSampler``. Needed for evaluation under FSDP or
-            ZeRO-3 when ranks differ in modalities: their tower calls gather parameters.
+            ``generate()``'s, but its image encoding where the tower's parameters are sharded).
+            Then every rank must make the same evaluation forwards and ``generate()`` calls, as in
+            a validation loop over a ``DistributedSampler`` (``synced_gpus=True`` when sharded).
+            Needed for evaluation and generation under FSDP or ZeRO-3 when ranks differ in
+            modalities: their tower calls gather parameters.
 
     Returns:
         The handle: ``last_stats``, ``calls``, ``applied_calls`` and ``remove()``.

@@ -2,11 +2,11 @@
 
 Run by ``test_hf_dropin.py`` as a script: the strategy's launcher starts the other rank by running
 this same script again. Two CPU ranks, a ``(2, 1)`` mesh (data parallel only); ``configure_model``
-makes each vision block and decoder layer an FSDP2 unit, then the whole model, as Hugging Face's
-``_no_split_modules`` suggests. After the last step, validation runs ``model(**batch).loss`` on
-the same batches (a ``DistributedSampler`` hands each rank its own, so the mixin balances them:
-without that, a text-only rank would skip the tower's parameter gathers). Each rank writes its
-training and validation losses and the drop-in's counts::
+makes each vision block, the tower and each decoder layer an FSDP2 unit, then the whole model.
+After the last step, validation runs ``generate()`` and ``model(**batch).loss`` on the same
+batches (a ``DistributedSampler`` hands each rank its own, so the mixin balances them: without
+that, a text-only rank would skip the tower's parameter gathers). Each rank writes its training
+and validation losses, its generated tokens and the drop-in's counts::
 
     python tests/hf_fsdp2_fit_script.py OUT_DIR
 """
@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hf_models import make_inputs, tiny_model
+from hf_models import generation_prompt, make_inputs, tiny_model
 
 from lightning_vit_balance import ViTBalanceCallback, ViTBalanceConfig, ViTBalanceMixin
 
@@ -44,6 +44,10 @@ def batch_for(step: int, rank: int) -> dict[str, Any]:
     return make_inputs(FAMILY, BATCHES[step][rank], seed=2000 + 10 * step + rank)
 
 
+def generation_settings(rank: int) -> dict[str, Any]:
+    return {"max_new_tokens": 2 + rank, "do_sample": False}
+
+
 def _first(items: list[Any]) -> Any:
     return items[0]
 
@@ -59,13 +63,16 @@ class ShardedFinetune(ViTBalanceMixin, L.LightningModule):
         self.handle = self.balance_vision_tower(self.model)
         self.losses: list[float] = []
         self.val_losses: list[float] = []
+        self.generated: list[list[list[int]]] = []
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
         inner = self.model.model
-        for unit in [*inner.visual.blocks, *inner.language_model.layers, self.model]:
+        # The tower a unit too, around its blocks: transformers 5's generate() encodes images
+        # outside the model's forward, where only the tower's own unit gathers its parameters.
+        for unit in [*inner.visual.blocks, inner.visual, *inner.language_model.layers, self.model]:
             fully_shard(unit, mesh=mesh)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
@@ -74,6 +81,11 @@ class ShardedFinetune(ViTBalanceMixin, L.LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        # Every rank generates (synced_gpus, as sharded parameters need), a different number of
+        # tokens on each rank: the image encoding is balanced. The first right after training.
+        prompt = generation_prompt(self.model, batch)
+        tokens = self.model.generate(**prompt, **generation_settings(self.global_rank), synced_gpus=True)
+        self.generated.append(tokens.tolist())
         self.val_losses.append(float(self.model(**batch).loss))
 
     def on_train_end(self) -> None:
@@ -81,6 +93,7 @@ class ShardedFinetune(ViTBalanceMixin, L.LightningModule):
         summary = {
             "losses": self.losses,
             "val_losses": self.val_losses,
+            "generated": self.generated,
             "calls": self.handle.calls,
             "applied_calls": self.handle.applied_calls,
             "num_ranks": stats.num_ranks if stats is not None else None,

@@ -11,12 +11,13 @@ pixel rows and grids, ``None`` where a modality is absent, as a Qwen-VL collator
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["CHANNELS", "FAMILIES", "IDS", "make_inputs", "tiny_config", "tiny_model"]
+__all__ = ["CHANNELS", "FAMILIES", "IDS", "generation_prompt", "make_inputs", "tiny_config", "tiny_model"]
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 #: Pixel values per patch row: 3 colours x 2x2 patch x temporal patch 1.
@@ -154,3 +155,12 @@ def make_inputs(
         batch[pixels_key] = torch.randn(rows_needed, CHANNELS, generator=generator) if found else None
         batch[grid_key] = torch.tensor(found, dtype=torch.long) if found else None
     return batch
+
+
+def generation_prompt(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` as ``generate()`` inputs: no labels, only what the model's forward names
+    (transformers 4.x's ``generate()`` refuses the rest), and no key for an absent modality, as a
+    processor gives them (transformers 5.24's ``generate()`` encodes a modality whose key is there,
+    even as None, and fails)."""
+    accepted = inspect.signature(model.forward).parameters
+    return {k: v for k, v in batch.items() if k != "labels" and k in accepted and v is not None}

@@ -9,7 +9,9 @@ aborts (checked by hand, both stages). With the drop-in, every rank runs the tow
 step and the model's own per-modality tower calls run no hooks, so each step's full gradients
 equal the plain model's: ZeRO-3 for each family, ZeRO-2 for Qwen2.5-VL, 8 steps each of text-only
 ranks, images next to videos, one large image and images on every rank, in turn; then the same
-four cases as evaluation forwards (``evaluation=True``), with the plain model's losses.
+four cases as evaluation forwards (``evaluation=True``), with the plain model's losses; then
+``generate()`` on every rank (``synced_gpus``) with a text-only rank and a rank with videos, with
+the plain model's tokens (under ZeRO-3 its image encoding is balanced too).
 
 Runs where ``deepspeed`` is installed (``make`` installs it, see ``requirements/deepspeed.txt``),
 in a pool of its own: DeepSpeed keeps process-wide state (its communication backend, the
@@ -31,7 +33,7 @@ pytest.importorskip("transformers")
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed", allow_module_level=True)
 
-from hf_models import FAMILIES, make_inputs, tiny_model
+from hf_models import FAMILIES, generation_prompt, make_inputs, tiny_model
 from multirank import World
 from test_hf_dropin import CASES, CONFIG, TOL, _summed_grads
 
@@ -44,6 +46,9 @@ STEPS = [
     "one_big_image_others_text_only",
     "every_rank_images",
 ]
+
+#: Cases generated from after the steps.
+GENERATE = ["text_only_rank", "images_and_videos_next_to_images"]
 
 
 def _deepspeed_on_cpu() -> Any:
@@ -122,6 +127,14 @@ def _zero_steps(family: str, stage: int) -> dict[str, Any]:
         with torch.no_grad():
             loss, plain_loss = engine(**batch).loss, plain(**batch).loss
         torch.testing.assert_close(loss, plain_loss, **TOL, msg=lambda m, n=name: f"eval {n}: loss {m}")
+    # generate() on every rank, as ZeRO-3 needs (synced_gpus), ranks generating different numbers
+    # of tokens: under ZeRO-3 its encoding of the images is balanced, under ZeRO-2 it stays direct.
+    for name in GENERATE:
+        prompt = generation_prompt(plain, make_inputs(family, CASES[name][rank], seed=11 + rank))
+        settings = {"max_new_tokens": 2 + rank, "do_sample": False}
+        with torch.no_grad():
+            tokens = engine.module.generate(**prompt, **settings, synced_gpus=True)
+            assert torch.equal(tokens, plain.generate(**prompt, **settings)), f"generate {name}"
     return {"applied": applied, "calls": handle.calls, "group_size": dist.get_world_size(handle.group)}
 
 
@@ -142,4 +155,6 @@ def test_zero_gradients_match_the_plain_model(deepspeed_world: World, family: st
     assert all(a == applied[0] for a in applied), applied  # every rank made the same plans
     # The large image outweighs the mean load: that step skips; the others move images.
     assert applied[0] == [True, True, False, True] * 2, applied
-    assert all(r["calls"] == 2 * len(STEPS) + len(STEPS) for r in results), results
+    # A balanced call per step and per evaluation forward; per generate() under ZeRO-3 one more.
+    generated = len(GENERATE) if stage == 3 else 0
+    assert all(r["calls"] == 2 * len(STEPS) + len(STEPS) + generated for r in results), results

@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 
 import lightning as L
 from equivalence import CollectiveCounter
-from hf_models import CHANNELS, FAMILIES, make_inputs, tiny_model
+from hf_models import CHANNELS, FAMILIES, generation_prompt, make_inputs, tiny_model
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -386,9 +386,7 @@ def _eval_and_no_grad_are_direct(family: str) -> dict[str, Any]:
         reference = plain(**batch).logits
         assert torch.equal(eval_mode, reference)
         torch.testing.assert_close(train_mode, reference, **TOL)
-        # transformers 4.x's generate() refuses inputs its forward does not name.
-        accepted = inspect.signature(generating.forward).parameters
-        prompt = {k: v for k, v in batch.items() if k != "labels" and k in accepted}
+        prompt = generation_prompt(generating, batch)
         generating.eval()
         with counter.active():
             tokens = generating.generate(**prompt, max_new_tokens=3, do_sample=False)
@@ -405,7 +403,8 @@ def test_eval_no_grad_and_generate_forwards_are_not_balanced(multirank: Any) -> 
 
 def _evaluation_under_fsdp2(family: str) -> dict[str, Any]:
     """FSDP2 (blocks and layers as units) and ``evaluation=True``: eval and no-grad forwards of a
-    text-only rank next to images and videos are balanced, with the plain model's losses."""
+    text-only rank next to images and videos are balanced, with the plain model's losses; so is
+    ``generate()``'s image encoding, with the plain model's tokens."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -420,17 +419,26 @@ def _evaluation_under_fsdp2(family: str) -> dict[str, Any]:
         with torch.no_grad():
             got = balanced(**batch).loss
         torch.testing.assert_close(got, expected, **TOL, msg=lambda m, w=where: f"{w}: loss {m}")
+    # generate() on every rank (synced_gpus), ranks generating different numbers of tokens: its
+    # image encoding (before the first forward in transformers 5, in it in 4) is balanced.
+    for name in ("text_only_rank", "images_and_videos_next_to_images"):
+        prompt = generation_prompt(plain, make_inputs(family, CASES[name][rank], seed=11 + rank))
+        settings = {"max_new_tokens": 2 + rank, "do_sample": False}
+        with torch.no_grad():
+            tokens = balanced.generate(**prompt, **settings, synced_gpus=True)
+        assert torch.equal(tokens, plain.generate(**prompt, **settings)), f"generate {name}"
     return {"calls": handle.calls, "applied_calls": handle.applied_calls}
 
 
 def test_evaluation_forwards_balanced_under_fsdp2(multirank: Any) -> None:
-    """Without ``evaluation`` these forwards crash (a text-only rank skips the tower's parameter
-    gathers), as with the plain model."""
+    """Without ``evaluation`` these forwards and ``generate()`` calls crash (a text-only rank skips
+    the tower's parameter gathers), as with the plain model."""
     if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
         pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
     with multirank(RANKS) as w:
         results = w.run(_evaluation_under_fsdp2, "qwen2_5_vl", timeout=120)
-    assert results == [{"calls": 4, "applied_calls": 4}] * RANKS
+    # 4 forwards and 2 generate() encodings, all balanced (images move in every one).
+    assert results == [{"calls": 6, "applied_calls": 6}] * RANKS
 
 
 def _bad_input_on_rank_1(family: str) -> str:
@@ -561,7 +569,12 @@ def _snapshot(module: nn.Module) -> dict[str, Any]:
 def test_remove_restores_the_model_bit_for_bit() -> None:
     model = tiny_model("qwen3_vl").eval()
     base, tower = model.model, model.model.visual
-    before = {"state": _snapshot(model), "base": dict(base.__dict__), "tower": dict(tower.__dict__)}
+    before = {
+        "state": _snapshot(model),
+        "model": dict(model.__dict__),
+        "base": dict(base.__dict__),
+        "tower": dict(tower.__dict__),
+    }
     batch = make_inputs("qwen3_vl", [{"images": [(1, 4, 4)], "videos": [(2, 2, 2)]}], seed=3)
     logits = model(**batch).logits
 
@@ -588,6 +601,8 @@ def test_remove_restores_the_model_bit_for_bit() -> None:
     assert BalancedVisionTower.of(model) is None
     assert base.__dict__.keys() == before["base"].keys() and "forward" not in base.__dict__
     assert tower.__dict__.keys() == before["tower"].keys() and "forward" not in tower.__dict__
+    # transformers 5: generate()'s encoding step, patched on the model, is gone too.
+    assert model.__dict__.keys() == before["model"].keys()
     after = model.state_dict()
     assert list(after) == list(before["state"])
     assert all(torch.equal(after[k], v) for k, v in before["state"].items())
@@ -817,20 +832,24 @@ def test_lightning_model_parallel_strategy_with_fsdp2_units(tmp_path: Path) -> N
     model = tiny_model(script.FAMILY)
     expected = _reference(model, script.batch_for, script.STEPS, script.RANKS, script.SGD_LR)
     model.eval()  # validation after the last step: the trained weights
+    validation, generated = [], []
     with torch.no_grad():
-        validation = [
-            [float(model(**script.batch_for(step, rank)).loss) for step in range(script.STEPS)]
-            for rank in range(script.RANKS)
-        ]
+        for rank in range(script.RANKS):
+            batches = [script.batch_for(step, rank) for step in range(script.STEPS)]
+            validation.append([float(model(**batch).loss) for batch in batches])
+            settings = script.generation_settings(rank)
+            prompts = [generation_prompt(model, batch) for batch in batches]
+            generated.append([model.generate(**prompt, **settings).tolist() for prompt in prompts])
     for rank in range(script.RANKS):
         got = json.loads((tmp_path / f"rank_{rank}.json").read_text())
         assert got["num_ranks"] == script.RANKS  # the mesh's data-parallel group
-        # Training and validation forwards, each balanced.
-        assert got["calls"] == got["applied_calls"] == 2 * script.STEPS, got
+        # Training and validation forwards and generate()'s encodings, each balanced.
+        assert got["calls"] == got["applied_calls"] == 3 * script.STEPS, got
         torch.testing.assert_close(
             torch.tensor(got["losses"]), torch.tensor([step[rank] for step in expected]), **TOL
         )
         torch.testing.assert_close(torch.tensor(got["val_losses"]), torch.tensor(validation[rank]), **TOL)
+        assert got["generated"] == generated[rank]
 
 
 class _MixinOnly(ViTBalanceMixin, L.LightningModule):

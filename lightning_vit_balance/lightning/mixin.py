@@ -415,8 +415,10 @@ class ViTBalanceMixin:
         and configuration :meth:`encode_images` uses. :class:`ViTBalanceCallback` logs the stats.
         With ``evaluation``, so is ``model(**batch)`` in ``validation_step`` and ``test_step`` where
         :meth:`encode_images` balances (every dataloader of the loop with a ``DistributedSampler``),
-        which FSDP and ZeRO-3 need when ranks differ in modalities; ``generate()`` and predict call
-        the tower directly. See :func:`~lightning_vit_balance.balance_vision_tower`.
+        which FSDP and ZeRO-3 need when ranks differ in modalities; there, with the tower's
+        parameters sharded, so is ``generate()``'s image encoding (call it on every rank with
+        ``synced_gpus=True``, as sharding requires anyway). Otherwise ``generate()``, and predict
+        always, call the tower directly. See :func:`~lightning_vit_balance.balance_vision_tower`.
 
         Example::
 

@@ -226,11 +226,11 @@ class CostModel:
         ``get_window_index`` and no config saying it needs ``window_layers``.
 
         Whether attention runs per temporal step (:attr:`per_frame_attention`): ``True`` for
-        Hugging Face's Qwen2-VL, Qwen2.5-VL and Qwen3-VL towers (their ``config.model_type``, on
-        ``vit`` or on a module inside it), which split a video into one attention sequence per
-        temporal step; ``False`` for any other tower, whose forward code cannot be read from its
-        modules (``examples/tiny_vlm.py``'s tower, for one, attends over a whole video). Pass
-        ``per_frame_attention`` to say otherwise.
+        Hugging Face's Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and -MoE) and Qwen3.5 (and -MoE) towers
+        (their ``config.model_type``, on ``vit`` or on a module inside it), which split a video
+        into one attention sequence per temporal step; ``False`` for any other tower, whose
+        forward code cannot be read from its modules (``examples/tiny_vlm.py``'s tower, for one,
+        attends over a whole video). Pass ``per_frame_attention`` to say otherwise.
 
         Args:
             vit: The vision tower.
@@ -339,8 +339,9 @@ def _short(value: Any) -> str:
 #: within each temporal step (``get_vision_cu_seqlens(..., merge_temporal=False)``).
 _PER_FRAME_MODEL_TYPES = frozenset(
     {
-        *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"),
+        *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
         *("qwen2_vl_vision", "qwen2_5_vl_vision", "qwen3_vl_vision", "qwen3_vl_moe_vision"),
+        *("qwen3_5_vision", "qwen3_5_moe_vision"),
     }
 )
 

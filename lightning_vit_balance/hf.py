@@ -1,4 +1,4 @@
-"""Hugging Face drop-in: balance a whole Qwen2-VL / Qwen2.5-VL / Qwen3-VL model called as ``model(**batch)``.
+"""Hugging Face drop-in: balance a Qwen2-VL / 2.5-VL / 3-VL / 3.5 model called as ``model(**batch)``.
 
 :func:`balance_vision_tower` patches *instances*, nothing else: the base model (the module
 holding the vision tower as ``.visual``, e.g. ``model.model``) and the tower get an instance
@@ -40,8 +40,9 @@ patched on the model's instance like the two forwards), in transformers 4 the fi
 (an empty cache).
 
 **The contract relied on** (verified against transformers 5.24 and 4.57.6, ``modeling_qwen2_vl.py``,
-``modeling_qwen2_5_vl.py``, ``modeling_qwen3_vl.py``; :func:`balance_vision_tower` checks the
-static part and names what is missing):
+``modeling_qwen2_5_vl.py``, ``modeling_qwen3_vl.py``, ``modeling_qwen3_vl_moe.py``, and in 5.24
+``modeling_qwen3_5.py`` and ``modeling_qwen3_5_moe.py``, whose towers are Qwen3-VL's;
+:func:`balance_vision_tower` checks the static part and names what is missing):
 
 1. Exactly one submodule of the model has a child module named ``visual`` (the tower); that
    submodule is the base model. Its ``forward`` has parameters named ``pixel_values``,
@@ -870,7 +871,7 @@ def _add_zero(output: Any, zero: torch.Tensor | None, base_name: str) -> Any:
 def balance_vision_tower(
     model: nn.Module, config: ViTBalanceConfig | None = None, group: Any = None, *, evaluation: bool = False
 ) -> BalancedVisionTower:
-    """Balance the vision tower of a Hugging Face Qwen2-VL / Qwen2.5-VL / Qwen3-VL model.
+    """Balance the vision tower of a Hugging Face Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 model.
 
     After the call, ``model(**batch)`` in training (``model.training`` and gradients enabled)
     encodes every rank's images and videos in one balanced exchange across ``group``; losses,

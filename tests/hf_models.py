@@ -17,9 +17,30 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHANNELS", "FAMILIES", "IDS", "generation_prompt", "make_inputs", "tiny_config", "tiny_model"]
+__all__ = [
+    "CHANNELS",
+    "FAMILIES",
+    "IDS",
+    "NEWER_FAMILIES",
+    "available",
+    "generation_prompt",
+    "make_inputs",
+    "tiny_config",
+    "tiny_model",
+]
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+#: Families of newer transformers only (5.x): Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE (their
+#: decoders mix linear and full attention), each with a Qwen3-VL-style tower.
+NEWER_FAMILIES = ("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+_CLASSES = {
+    "qwen2_vl": "Qwen2VL",
+    "qwen2_5_vl": "Qwen2_5_VL",
+    "qwen3_vl": "Qwen3VL",
+    "qwen3_vl_moe": "Qwen3VLMoe",
+    "qwen3_5": "Qwen3_5",
+    "qwen3_5_moe": "Qwen3_5Moe",
+}
 #: Pixel values per patch row: 3 colours x 2x2 patch x temporal patch 1.
 CHANNELS = 12
 MERGE = 2
@@ -72,21 +93,43 @@ def tiny_config(family: str) -> Any:
             "out_hidden_size": 32, "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1],
         }  # fmt: skip
         return Qwen3VLConfig(text_config=text, vision_config=vision, **special)
-    raise ValueError(f"family={family!r} is unknown: expected one of {FAMILIES}.")
+    if family in NEWER_FAMILIES:
+        import transformers
+
+        text = {**_TEXT, "head_dim": 16, "rope_scaling": _rope(mrope_interleaved=True)}
+        if family.startswith("qwen3_5"):
+            # One linear-attention (gated delta rule) layer and one full-attention layer.
+            text.update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+            text.update(linear_key_head_dim=8, linear_value_head_dim=8)
+            text.update(linear_num_key_heads=2, linear_num_value_heads=2)
+        if family.endswith("moe"):
+            text.update(moe_intermediate_size=16, num_experts_per_tok=2, num_experts=4)
+            text.update(shared_expert_intermediate_size=16, decoder_sparse_step=1)
+        vision = {
+            **_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+            "out_hidden_size": 32, "num_position_embeddings": 16,
+        }  # fmt: skip
+        if family == "qwen3_vl_moe":
+            vision["deepstack_visual_indexes"] = [0, 1]
+        config = getattr(transformers, f"{_CLASSES[family]}Config")
+        return config(text_config=text, vision_config=vision, **special)
+    raise ValueError(f"family={family!r} is unknown: expected one of {FAMILIES + NEWER_FAMILIES}.")
+
+
+def available(family: str) -> bool:
+    """Whether the installed transformers has ``family``'s model."""
+    import transformers
+
+    return hasattr(transformers, f"{_CLASSES[family]}ForConditionalGeneration")
 
 
 def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     """A randomly initialised ``*ForConditionalGeneration`` of ``family``, in training mode."""
     import transformers
 
-    classes = {
-        "qwen2_vl": "Qwen2VLForConditionalGeneration",
-        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-        "qwen3_vl": "Qwen3VLForConditionalGeneration",
-    }
     config = tiny_config(family)
     torch.manual_seed(seed)
-    model = getattr(transformers, classes[family])(config)
+    model = getattr(transformers, f"{_CLASSES[family]}ForConditionalGeneration")(config)
     return model.train()
 
 
@@ -98,8 +141,9 @@ def _tokens(family: str, kind: str, grid: Grid) -> tuple[list[int], list[int]]:
     t, h, w = grid
     per_frame = h * w // MERGE**2
     code = 1 if kind == "image" else 2
-    # Qwen3-VL places each video frame in its own start/end pair (timestamps separate them).
-    frames = [per_frame] * t if family == "qwen3_vl" and kind == "video" else [t * per_frame]
+    # Qwen3-VL and its successors place each video frame in its own start/end pair (timestamps
+    # separate them).
+    frames = [per_frame] * t if family.startswith("qwen3") and kind == "video" else [t * per_frame]
     ids: list[int] = []
     types: list[int] = []
     for count in frames:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hf_models import NEWER_FAMILIES, available, tiny_model
 
 from lightning_vit_balance import CostModel, ViTBalanceConfig
 from lightning_vit_balance.cost import CostCalibrator
@@ -157,6 +158,19 @@ def test_from_vit_reads_hugging_face_vision_configs() -> None:
     )
     with pytest.raises(ValueError, match="from_vit_shape"):
         CostModel.from_vit(object())
+
+
+@pytest.mark.parametrize("family", NEWER_FAMILIES)
+def test_from_vit_prices_newer_qwen_towers_like_qwen3_vl(family: str) -> None:
+    """Qwen3-VL-MoE's and Qwen3.5's towers are Qwen3-VL's, attention per temporal step included (a
+    whole-video price would make a 16-step video 16 times too heavy)."""
+    pytest.importorskip("transformers")
+    if not available(family):
+        pytest.skip(f"this transformers has no {family}")
+    tower = tiny_model(family).model.visual
+    expected = CostModel.from_vit(tiny_model("qwen3_vl").model.visual)
+    assert expected.per_frame_attention
+    assert CostModel.from_vit(tower) == expected
 
 
 def test_fit_recovers_known_coefficients() -> None:

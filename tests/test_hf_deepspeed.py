@@ -7,11 +7,11 @@ gradient from hooks, as DDP does. The plain model breaks both whenever ranks dif
 (a text-only rank never calls the tower; a rank with images and videos calls it twice): a rank
 aborts (checked by hand, both stages). With the drop-in, every rank runs the tower's blocks once per
 step and the model's own per-modality tower calls run no hooks, so each step's full gradients
-equal the plain model's: ZeRO-3 for each family, ZeRO-2 for Qwen2.5-VL, 8 steps each of text-only
-ranks, images next to videos, one large image and images on every rank, in turn; then the same
-four cases as evaluation forwards (``evaluation=True``), with the plain model's losses; then
-``generate()`` on every rank (``synced_gpus``) with a text-only rank and a rank with videos, with
-the plain model's tokens (under ZeRO-3 its image encoding is balanced too).
+equal the plain model's: ZeRO-3 for each family and Qwen3-VL-MoE, ZeRO-2 for Qwen2.5-VL, 8 steps
+each of text-only ranks, images next to videos, one large image and images on every rank, in turn;
+then the same four cases as evaluation forwards (``evaluation=True``), with the plain model's
+losses; then ``generate()`` on every rank (``synced_gpus``) with a text-only rank and a rank with
+videos, with the plain model's tokens (under ZeRO-3 its image encoding is balanced too).
 
 Runs where ``deepspeed`` is installed (``make`` installs it, see ``requirements/deepspeed.txt``),
 in a pool of its own: DeepSpeed keeps process-wide state (its communication backend, the
@@ -33,7 +33,7 @@ pytest.importorskip("transformers")
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed", allow_module_level=True)
 
-from hf_models import FAMILIES, generation_prompt, make_inputs, tiny_model
+from hf_models import FAMILIES, available, generation_prompt, make_inputs, tiny_model
 from multirank import World
 from test_hf_dropin import CASES, CONFIG, TOL, _summed_grads
 
@@ -89,6 +89,12 @@ def _zero_steps(family: str, stage: int) -> dict[str, Any]:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
+    # What DeepSpeed asks of a mixture of experts under ZeRO-3: ranks route their tokens to
+    # different experts, so each block is gathered whole (without this, transformers 4.57's
+    # Qwen3-VL-MoE, which runs only the experts its tokens hit, hangs in the gradient reduction).
+    moe_blocks = {type(m) for m in handle.model.modules() if type(m).__name__.endswith("SparseMoeBlock")}
+    if moe_blocks:
+        deepspeed.utils.set_z3_leaf_modules(handle.model, sorted(moe_blocks, key=lambda c: c.__name__))
     optimizer = torch.optim.SGD(handle.model.parameters(), lr=0.05)
     engine, *_ = deepspeed.initialize(model=handle.model, optimizer=optimizer, config=config)
     # The strategy adapter, given the real engine (Lightning's DeepSpeed strategies need CUDA).
@@ -147,8 +153,14 @@ def deepspeed_world() -> Iterator[World]:
         pool.close(kill=True)
 
 
-@pytest.mark.parametrize(("family", "stage"), [*((family, 3) for family in FAMILIES), ("qwen2_5_vl", 2)])
+# Qwen3-VL-MoE (transformers 5): experts next to the tower, under ZeRO-3.
+ZERO_RUNS = [*((family, 3) for family in FAMILIES), ("qwen2_5_vl", 2), ("qwen3_vl_moe", 3)]
+
+
+@pytest.mark.parametrize(("family", "stage"), ZERO_RUNS)
 def test_zero_gradients_match_the_plain_model(deepspeed_world: World, family: str, stage: int) -> None:
+    if not available(family):
+        pytest.skip(f"this transformers has no {family}")
     results = deepspeed_world.run(_zero_steps, family, stage, timeout=180)
     assert all(r["group_size"] == RANKS for r in results), results
     applied = [r["applied"] for r in results]

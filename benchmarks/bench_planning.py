@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from lightning_vit_balance import ViTBalanceConfig, plan_rebalance
+from lightning_vit_balance import CostModel, ViTBalanceConfig, plan_rebalance
 
 PATCH_PX = 14
 MERGE = 2
@@ -273,6 +273,42 @@ def small_p(sizes: list[int], batches: int, per_rank: tuple[int, int] = (1, 8)) 
         )
 
 
+def video_samples(rng: np.random.Generator, count: int) -> list[tuple[int, int]]:
+    """``(T, H*W)`` of ``count`` samples: one video in two (4-32 temporal steps of frames from 224x224
+    to 448x448 pixels), otherwise an image (448x448 to ~1.6 MP)."""
+    videos = rng.random(count) < 0.5
+    steps = rng.integers(4, 33, count)
+    frames = image_patches(rng, 224, 448, count)
+    images = image_patches(rng, 448, 1260, count)
+    return [(int(t), int(f)) if v else (1, int(i)) for v, t, f, i in zip(videos, steps, frames, images)]
+
+
+def videos_by_step(sizes: list[int], per_rank: list[int], batches: int) -> None:
+    """The slowest rank's ViT cost / the mean, videos whole or split into temporal steps."""
+    print("\nVideos whole or by temporal step (split_videos): slowest rank / mean load, median over")
+    print(f"{batches} batches; half the samples videos of 4-32 steps; cost of a Qwen2-VL-sized tower")
+    print(f"{'P':>4} {'samples/rank':>12} | {'unbalanced':>10} {'whole':>6} {'by step':>7}")
+    shape = {"hidden_size": 1280, "depth": 32, "patch_input_dim": 1176}
+    config = CostModel.from_vit_shape(**shape, per_frame_attention=True).to_config(ViTBalanceConfig(**FORCED))
+    for num_ranks in sizes:
+        for count in per_rank:
+            rng = np.random.default_rng(1000 * num_ranks + count)
+            ratios: dict[str, list[float]] = collections.defaultdict(list)
+            for _ in range(batches):
+                samples = [video_samples(rng, count) for _ in range(num_ranks)]
+                counts = [[t * hw for t, hw in row] for row in samples]
+                frames = [[t for t, _ in row] for row in samples]
+                whole = plan_rebalance(counts, config, frames=frames)
+                steps = [[hw for t, hw in row for _ in range(t)] for row in samples]
+                split = plan_rebalance(steps, config)
+                mean = sum(whole.loads_before) / num_ranks
+                ratios["none"].append(whole.makespan_before / mean)
+                ratios["whole"].append(whole.makespan_after / mean)
+                ratios["split"].append(split.makespan_after / mean)
+            none, whole, split = (statistics.median(ratios[k]) for k in ("none", "whole", "split"))
+            print(f"{num_ranks:>4} {count:>12} | {none:>9.2f}x {whole:>5.2f}x {split:>6.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer draws, for a smoke run")
@@ -282,6 +318,7 @@ def main() -> None:
         plan_time([8, 64, 256], repeats=2)
         small_p([2, 8], batches=3)
         small_p([2, 8], batches=3, per_rank=(8, 8))
+        videos_by_step([8], [1, 2], batches=3)
         return
     points = [
         (8, 40, True),
@@ -298,6 +335,7 @@ def main() -> None:
     # A full batch of 8 on every rank, the edge of the target's range: with 8 images per rank the
     # largest documents are near the mean load, the hard case for reaching the bound.
     small_p([2, 4, 8, 16, 32, 64], batches=12, per_rank=(8, 8))
+    videos_by_step([2, 8, 64, 512], [1, 2, 4], batches=30)
     print(f"\n(benchmark took {time.perf_counter() - start:.0f} s)")
 
 

@@ -87,8 +87,9 @@ class BalanceStats:
         loads_after: Cost per rank under the plan.
         imbalance_before: ``max(load) / mean(load) - 1`` before.
         imbalance_after: The same under the plan.
-        num_images: Images over all ranks (this rank's only when nothing was gathered).
-        moved_images: Images encoded away from their own rank.
+        num_images: Images over all ranks (this rank's only when nothing was gathered); with
+            ``split_videos``, each temporal step of a video counts as an image.
+        moved_images: Images (with ``split_videos``, video steps) encoded away from their own rank.
         moved_patches: Pixel rows sent to another rank.
         total_patches: Patches over all ranks (this rank's only when nothing was gathered).
         bytes_sent: Bytes this rank sent to other ranks in both trips (its own rows excluded).
@@ -331,6 +332,10 @@ class ViTBalancer:
         )
         metadata, reference = self._gather(call, pixel_values, grid_thw, check_device=False)
         plan = self._plan(call, metadata)
+        # With split_videos the plan's items are temporal steps; the call passes the videos whole.
+        call_grids = _grid_rows(grid_thw) if self.config.split_videos else None
+        if call_grids == metadata[call.rank].grids:
+            call_grids = None
         return PreparedPlan(
             plan=plan,
             metadata=metadata,
@@ -341,6 +346,7 @@ class ViTBalancer:
             gather_seconds=call.seconds.get("gather", 0.0),
             plan_seconds=call.seconds.get("plan", 0.0),
             collectives=call.collectives,
+            call_grids=call_grids,
         )
 
     # -- the balanced call -------------------------------------------------------------------
@@ -527,6 +533,8 @@ class ViTBalancer:
             vit_us=self._clock.read(),
             check_device=check_device,
         )
+        if self.config.split_videos:
+            local = local.frames_as_items()
         metadata, collectives = gather_metadata(
             local, capacity=GATHER_CAPACITY, device=host_device(call.host), group=call.host
         )
@@ -863,6 +871,11 @@ class _ReturnBuffer(NamedTuple):
 
 def _print_line(line: str) -> None:
     print(line, flush=True)
+
+
+def _grid_rows(grid_thw: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
+    """``grid_thw`` (validated) as ``(T, H, W)`` tuples."""
+    return tuple((int(t), int(h), int(w)) for t, h, w in grid_thw.tolist())
 
 
 def _window_index(vit: Any, grid_thw: torch.Tensor) -> Any:

@@ -116,6 +116,12 @@ class ViTBalanceConfig:
             ``on_before_batch_transfer``, while the batch is on the host, so the step's balanced call
             makes no metadata gather and no device-to-host sync (see ``ViTBalanceMixin``). Without
             Lightning, call ``ViTBalancer.prepare`` yourself.
+        split_videos: Plan and move each temporal step of a video (a grid row ``(T, H, W)``) as an
+            item of its own, ``T`` items ``(1, H, W)``: a long video no longer bounds the slowest
+            rank. Only for a ViT whose output rows for a temporal step depend on that step alone
+            (attention within each step and no temporal position embedding), as in Hugging Face's
+            Qwen-VL towers, for which the drop-in's default configuration sets it: elsewhere the
+            outputs would change. Default ``False``.
     """
 
     enabled: bool = True
@@ -137,6 +143,7 @@ class ViTBalanceConfig:
     overlap_pixel_trip: bool = False
     calibrate_cost: bool = False
     plan_ahead: bool = False
+    split_videos: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -145,6 +152,7 @@ class ViTBalanceConfig:
             "overlap_pixel_trip",
             "calibrate_cost",
             "plan_ahead",
+            "split_videos",
             "cost_per_frame_attention",
         ):
             if not isinstance(getattr(self, name), bool):

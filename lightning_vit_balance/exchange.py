@@ -104,6 +104,15 @@ class RankMetadata:
         """``T*H*W`` of every image (computed once: the balancer reads it per arriving image)."""
         return tuple(t * h * w for t, h, w in self.grids)
 
+    def frames_as_items(self) -> RankMetadata:
+        """The same rows with each video's temporal steps as images of their own: a grid row
+        ``(T, H, W)`` becomes ``T`` rows ``(1, H, W)``, in order (a video's patch rows run step by
+        step, so each step's rows stay contiguous). See ``ViTBalanceConfig.split_videos``."""
+        if all(t == 1 for t, _, _ in self.grids):
+            return self
+        items = tuple((1, h, w) for t, h, w in self.grids for _ in range(t))
+        return dataclasses.replace(self, grids=items)
+
 
 def rows_per_image(kind: str, patch_count: int, merge_size: int) -> int:
     """Rows an image of ``patch_count`` patches has in an output of ``kind`` ("patch" or "merged")."""

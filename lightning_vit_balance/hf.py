@@ -60,7 +60,10 @@ patched on the model's instance like the two forwards), in transformers 4 the fi
    ``deepstack_features`` per merged token; 4.x: the merged tokens, and Qwen3-VL's deepstack
    list after them in a tuple); an image's rows depend on that image alone (attention never
    crosses images, Qwen2.5-VL's windows included). HF then splits the merged rows by
-   ``grid.prod(-1) // spatial_merge_size**2``.
+   ``grid.prod(-1) // spatial_merge_size**2``. A video's rows for one temporal step depend on that
+   step alone (attention within each step, no temporal position embedding), so the default
+   configuration plans each step as an item of its own (``split_videos``; its cost model prices
+   attention per step): ``CostModel.from_vit`` recognises the Qwen-VL towers by their type.
 4. The tower has ``dtype``, an int ``spatial_merge_size``, and ``config.in_channels``,
    ``config.temporal_patch_size``, ``config.patch_size`` (ints), which give ``C`` for the zero
    rows a rank without images sends.
@@ -662,10 +665,13 @@ class BalancedVisionTower:
         """Called with each balanced forward's stats (after :attr:`last_stats` is set)."""
 
     def _default_config(self) -> ViTBalanceConfig:
-        """``ViTBalanceConfig()`` priced by the tower's own shape (the same on every rank: the same model)."""
+        """``ViTBalanceConfig()`` priced by the tower's own shape (the same on every rank: the same
+        model), with ``split_videos`` for Hugging Face's Qwen-VL towers, which encode each temporal
+        step of a video on its own (what ``CostModel.from_vit`` reads from their type)."""
         if self._derived is None:
             try:
-                self._derived = CostModel.from_vit(self.tower).to_config(ViTBalanceConfig())
+                model = CostModel.from_vit(self.tower)
+                self._derived = model.to_config(ViTBalanceConfig(split_videos=model.per_frame_attention))
             except ValueError:  # a tower whose shape cannot be read: the seed's l**2
                 self._derived = ViTBalanceConfig()
         return self._derived

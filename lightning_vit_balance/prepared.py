@@ -39,6 +39,9 @@ class PreparedPlan:
         gather_seconds: Host seconds the gather took (outside the forward).
         plan_seconds: Host seconds planning took (outside the forward).
         collectives: Collectives the preparation issued.
+        call_grids: The grid rows the call passes, where they differ from the plan's items (with
+            ``split_videos``, a video is one row there and one item per temporal step here);
+            ``None``: the items' rows.
     """
 
     plan: RebalancePlan
@@ -50,6 +53,7 @@ class PreparedPlan:
     gather_seconds: float
     plan_seconds: float
     collectives: int
+    call_grids: tuple[tuple[int, int, int], ...] | None = None
 
     def mismatch(self, pixel_values: Any, grid_thw: Any) -> str | None:
         """Why this call's input is not the prepared batch, or None when it is.
@@ -57,7 +61,7 @@ class PreparedPlan:
         Reads only shapes and dtypes, and the grid values when ``grid_thw`` is on the CPU, so it never
         waits for the device.
         """
-        grids = self.metadata[self.rank].grids
+        grids = self.call_grids if self.call_grids is not None else self.metadata[self.rank].grids
         if not isinstance(pixel_values, torch.Tensor) or not isinstance(grid_thw, torch.Tensor):
             return "pixel_values and grid_thw must be tensors, as when the plan was prepared"
         if tuple(grid_thw.shape) != (len(grids), 3):

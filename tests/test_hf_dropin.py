@@ -53,8 +53,9 @@ from lightning_vit_balance import (
 from lightning_vit_balance.outputs import flatten_output
 
 RANKS = 3
-# Balance whenever the plan lowers the makespan at all, so most cases move images.
-CONFIG = {"trigger_threshold": 0.0}
+# Balance whenever the plan lowers the makespan at all, so most cases move images; each temporal
+# step of a video is an item of its own, as in the drop-in's default configuration.
+CONFIG = {"trigger_threshold": 0.0, "split_videos": True}
 # The same per-image maths runs in batches of other sizes (matmul blocking) and the gradient sums
 # over images and ranks add in another order: float32 rounding (~1e-7 relative per operation)
 # over these tiny models stays far below 1e-5; a misrouted row changes results at O(1).
@@ -451,6 +452,49 @@ def test_evaluation_forwards_balanced_under_fsdp2(multirank: Any) -> None:
     assert results == [{"calls": 6, "applied_calls": 6}] * RANKS
 
 
+#: One long video on rank 0 and little elsewhere: whole, it outweighs the mean load on its own.
+LONG_VIDEO = [[{"videos": [(4, 4, 4)]}], [{}], [{"images": [(1, 2, 2)]}]]
+
+
+def _long_video(families: tuple[str, ...]) -> dict[str, Any]:
+    """The drop-in's default configuration (``split_videos``) spreads the video's temporal steps
+    over the ranks, with the plain model's loss and gradients; with whole videos the step skips."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    seen = {}
+    for family in families:
+        plain = tiny_model(family)
+        batch = make_inputs(family, LONG_VIDEO[rank], seed=rank)
+        plain_loss, _ = _step(plain, batch)
+        expected = _summed_grads(plain)
+        for name, config in (("default", None), ("whole videos", ViTBalanceConfig())):
+            model = copy.deepcopy(plain)
+            model.zero_grad(set_to_none=True)
+            handle = balance_vision_tower(model, config)
+            loss, _ = _step(model, batch)
+            where = f"{family}, {name}"
+            torch.testing.assert_close(loss, plain_loss, **TOL, msg=lambda m, w=where: f"{w}: loss {m}")
+            for key, grad in _summed_grads(model).items():
+                message = f"{where}: grad {key}"
+                torch.testing.assert_close(grad, expected[key], **TOL, msg=lambda m, w=message: f"{w}: {m}")
+            stats = handle.last_stats
+            seen[where] = (stats.reason, stats.num_images, stats.moved_images)
+    return seen
+
+
+def test_a_long_video_is_spread_step_by_step(multirank: Any) -> None:
+    with multirank(RANKS) as w:
+        results = w.run(_long_video, ("qwen2_5_vl", "qwen3_vl"), timeout=120)
+    assert all(r == results[0] for r in results), results
+    for family in ("qwen2_5_vl", "qwen3_vl"):
+        reason, items, moved = results[0][f"{family}, default"]
+        # 4 temporal steps and 1 image; the steps go where the load is lowest.
+        assert (reason, items) == ("applied", 5) and moved >= 2, results[0]
+        # Whole, the video outweighs the mean load: no plan lowers the makespan enough.
+        assert results[0][f"{family}, whole videos"] == ("no-gain", 2, 0), results[0]
+
+
 def _bad_input_on_rank_1(family: str) -> str:
     """Rank 1 passes image pixels without their grid; every rank must raise, none may hang."""
     import torch.distributed as dist
@@ -499,7 +543,8 @@ def _encode_visual_worker(tower_name: str) -> dict[str, Any]:
             inputs[kind] = (torch.zeros(0, CHANNELS), torch.zeros(0, 3, dtype=torch.long))
         else:
             inputs[kind] = None
-    balancer = ViTBalancer(ViTBalanceConfig(**CONFIG))
+    # The test tower attends over a whole video: its videos must stay whole.
+    balancer = ViTBalancer(ViTBalanceConfig(**{**CONFIG, "split_videos": tower_name != "window"}))
     counter = CollectiveCounter()
     with counter.active():
         image_out, video_out = encode_visual(vit, inputs["images"], inputs["videos"], balancer=balancer)

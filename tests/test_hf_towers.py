@@ -51,6 +51,35 @@ def test_hf_vision_towers_equivalence(multirank: Any, n: int, towers: tuple[str,
                 assert r["collectives"] == r["counted"] == expected, (name, r)
 
 
+#: Each temporal step of a video is an item of its own (Hugging Face's towers attend per step).
+SPLIT_VIDEOS = {**THRESHOLD_0, "split_videos": True}
+
+
+def _split_videos_suite(n: int, towers: tuple[str, ...]) -> dict[str, Any]:
+    # The standard cases (videos of 2 and 3 steps among them), then one 6-step video that, whole,
+    # would outweigh the mean load.
+    cases = [*standard_cases(n), {"grids": [[(6, 4, 4)], *[[] for _ in range(n - 2)], [(1, 2, 2)]]}]
+    return {
+        f"{name}/{mode}": run_cases(n, name, cases, "float32", SPLIT_VIDEOS, prepared=mode == "prepared")
+        for name in towers
+        for mode in ("in the forward", "prepared")
+    }
+
+
+def test_hf_vision_towers_with_split_videos(multirank: Any) -> None:
+    """``split_videos``: balanced == direct, a video's steps spread over the ranks, planned in the
+    forward or before it."""
+    names = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+    with multirank(POOL) as w:
+        per_rank = w.run(_split_videos_suite, 3, names, timeout=240)[:3]
+    for rank_results in per_rank:
+        assert len(rank_results) == 2 * len(names)
+        for name, results in rank_results.items():
+            long_video = results[-1]
+            # 6 steps of 16 patches and one image of 4: 4 steps go to the other two ranks.
+            assert long_video["applied"] and long_video["moved_images"] == 4, (name, long_video)
+
+
 def _hf_drop(n: int) -> bool | None:
     import torch
     import torch.distributed as dist

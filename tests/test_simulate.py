@@ -485,6 +485,29 @@ def test_simulate_passes_frames_to_the_planner() -> None:
         simulate(VIDEOS, [3], samples_per_rank=2, steps=2, frames=((1,),))
 
 
+def test_split_videos_plans_each_temporal_step(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``split_videos``: the planner sees each step of a video as an item of 100 patches."""
+    config = replace(ViTBalanceConfig(trigger_threshold=0.0), cost_per_frame_attention=True)
+    frames = _frames_of(VIDEOS)
+    run = {"samples_per_rank": 1, "steps": 30, "seed": 5, "frames": frames}
+    (split,) = simulate(VIDEOS, [3], config=replace(config, split_videos=True), **run)
+    (whole,) = simulate(VIDEOS, [3], config=config, **run)
+    batches = list(draw_batches(VIDEOS, 3, 1, 30, 5))
+    steps = [[[100 for n in row for _ in range(n // 100)] for row in batch] for batch in batches]
+    plans = [plan_rebalance(b, config) for b in steps]
+    np.testing.assert_array_equal(split.makespan_after, [p.makespan_after for p in plans])
+    # Priced per step, the loads before are the same either way; by step the plans do better.
+    np.testing.assert_allclose(split.makespan_before, whole.makespan_before)
+    assert split.makespan_after.mean() < 0.8 * whole.makespan_after.mean()
+    dataset = tmp_path / "videos.jsonl"
+    dataset.write_text('{"videos": [{"width": 56, "height": 56, "frames": 64}]}\n{"images": []}\n')
+    args = ["--ranks", "2", "--samples-per-rank", "1", "--steps", "5", "--cost-model", "qwen2-vl"]
+    assert main([str(dataset), *args, "--split-videos", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["settings"]["split_videos"] is True
+    assert main([str(dataset), *args, "--split-videos"]) == 0
+    assert "videos move by temporal step" in capsys.readouterr().out
+
+
 def test_command_prices_videos_per_frame(tiny_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--ranks", "2", "--samples-per-rank", "2", "--steps", "20", "--trigger-threshold", "0.0"]
     assert main([str(tiny_file), *args, "--json", "--cost-model", "qwen2-vl"]) == 0

@@ -73,6 +73,12 @@ def _add_simulation_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--min-gain", type=float, default=_DEFAULTS.min_gain, metavar="X", help="skip rule")
     group.add_argument("--max-len-ratio", type=float, metavar="X", help="patch cap (default: none)")
+    group.add_argument(
+        "--split-videos",
+        action="store_true",
+        help="plan each temporal step of a video as an item (ViTBalanceConfig.split_videos, the HF "
+        "drop-in's default for Qwen-VL towers); compare with a cost model that prices attention per step",
+    )
 
 
 def _add_cost_args(parser: argparse.ArgumentParser) -> None:
@@ -203,6 +209,7 @@ def _prepare(args: argparse.Namespace) -> _Setup:
         trigger_threshold=args.trigger_threshold,
         min_gain=args.min_gain,
         max_len_ratio=args.max_len_ratio,
+        split_videos=args.split_videos,
     )
     config = model.to_config(base)
     dataset = read_dataset(args.dataset, rule)
@@ -246,6 +253,7 @@ def _settings(args: argparse.Namespace, setup: _Setup) -> dict[str, Any]:
         "trigger_threshold": config.trigger_threshold,
         "min_gain": config.min_gain,
         "max_len_ratio": config.max_len_ratio,
+        "split_videos": config.split_videos,
         "cost_model": {"name": setup.cost_name, **dataclasses.asdict(CostModel.from_config(config))},
         "resize": dataclasses.asdict(setup.rule),
         "channels": setup.channels,

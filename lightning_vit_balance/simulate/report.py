@@ -127,6 +127,13 @@ def _context_lines(report: dict[str, Any]) -> list[str]:
     return [*textwrap.wrap(dataset, _WIDTH), *textwrap.wrap(run, _WIDTH)]
 
 
+def _units(settings: dict[str, Any]) -> str:
+    """What the plans move whole."""
+    if settings.get("split_videos"):
+        return "images are never split; videos move by temporal step, --split-videos"
+    return "images and videos are never split"
+
+
 def render_table(report: dict[str, Any]) -> str:
     """The text report: context, one row per DP size, skip reasons, and what the columns mean."""
     settings = report["settings"]
@@ -136,7 +143,7 @@ def render_table(report: dict[str, Any]) -> str:
     legend = (
         "imbalance: max/mean - 1 of the rank costs, mean / p90 over steps. speed-up: predicted ViT "
         "speed-up, the mean slowest-rank cost without balancing over the mean with it; bound: the most any "
-        "plan could give (images are never split). rows/rank, MB/rank: patch rows one rank sends per step, "
+        f"plan could give ({_units(settings)}). rows/rank, MB/rank: patch rows one rank sends per step, "
         f"on average ({settings['row_bytes']:,} bytes a row: {settings['channels']} values of "
         f"{settings['dtype']}); max MB: the most one rank sends or receives in a step, on average. "
         "plan ms: plan_rebalance time per step."

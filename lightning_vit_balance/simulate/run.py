@@ -135,6 +135,16 @@ def _traffic(plan: RebalancePlan, counts: np.ndarray, home: np.ndarray) -> tuple
     return int(counts[away].sum()), int(max(sent.max(), received.max()))
 
 
+def _steps_as_items(
+    batch: list[list[int]], counts: np.ndarray, home: np.ndarray, frames: list[list[int]]
+) -> tuple[list[list[int]], np.ndarray, np.ndarray, list[list[int]]]:
+    """A drawn step with each visual of ``T`` temporal steps as ``T`` items of ``1/T`` of its patches,
+    as the balancer gathers them with ``split_videos``; ``draw``'s four values."""
+    steps = np.fromiter(chain.from_iterable(frames), dtype=np.int64, count=counts.size)
+    rows = [[n // t for n, t in zip(row, ts) for _ in range(t)] for row, ts in zip(batch, frames)]
+    return rows, np.repeat(counts // steps, steps), np.repeat(home, steps), [[1] * len(row) for row in rows]
+
+
 def _simulate_size(
     samples: Sequence[Sequence[int]],
     ranks: int,
@@ -150,6 +160,8 @@ def _simulate_size(
     sampler = _Sampler(samples, ranks, samples_per_rank, seed, frames)
     for step in range(steps):
         batch, counts, home, batch_frames = sampler.draw()
+        if config.split_videos and batch_frames is not None:
+            batch, counts, home, batch_frames = _steps_as_items(batch, counts, home, batch_frames)
         start = time.perf_counter()
         plan = plan_rebalance(batch, config, frames=batch_frames)
         elapsed = time.perf_counter() - start

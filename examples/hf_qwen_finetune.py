@@ -253,7 +253,8 @@ def run(label: str, balanced: bool, args: argparse.Namespace) -> list[dict[str, 
     """One 2-rank fit; each rank's records."""
     out = Path(args.output) / label
     L.seed_everything(args.seed, verbose=False)
-    module = QwenVLFinetune(ViTBalanceConfig(enabled=balanced))
+    # Balanced: the drop-in's default configuration (the tower's cost model, videos by temporal step).
+    module = QwenVLFinetune(None if balanced else ViTBalanceConfig(enabled=False))
     loader = torch.utils.data.DataLoader(
         MixedVisionDataset(args.steps * 2 * args.batch_size, seed=args.seed),
         batch_size=args.batch_size,

@@ -684,8 +684,8 @@ class BalancedVisionTower:
     # -- removal -------------------------------------------------------------------------------
 
     def remove(self) -> None:
-        """Undo :func:`balance_vision_tower`: the two instance ``forward`` attributes go (or the ones
-        found at install time come back). Calling it again does nothing."""
+        """Undo :func:`balance_vision_tower`: the patched instance attributes go (or the ones found
+        at install time come back). Calling it again does nothing."""
         for which, (module, name) in self._patched.items():
             current = module.__dict__.get(name)
             if not (isinstance(current, _Forward) and current.handle is self):
@@ -712,7 +712,7 @@ class BalancedVisionTower:
         # Bind to the class's signature: a forward patched in before us may take (*args, **kwargs).
         signature = inspect.signature(type(self.base).forward)
         bound = signature.bind_partial(self.base, *args, **kwargs).arguments
-        if not training and not self._balances_generation_step(bound):
+        if not training and not self._balances_evaluation_forward(bound):
             return original(*args, **kwargs)
         settings = self.settings()
         if settings is None:
@@ -721,7 +721,7 @@ class BalancedVisionTower:
         output = self._answered(pending, original, *args, **kwargs)
         return _add_zero(output, pending.zero, type(self.base).__name__)
 
-    def _balances_generation_step(self, bound: Mapping[str, Any]) -> bool:
+    def _balances_evaluation_forward(self, bound: Mapping[str, Any]) -> bool:
         """Whether an evaluation forward is balanced: yes, unless it is a step of ``generate()``.
 
         ``generate()`` hands its cache to every step, the first included, and ranks generate

@@ -88,6 +88,9 @@ def _equivalence(device: str, tower: str, dtype: str, config: dict[str, Any], pr
         ("dict", "float32", {"overlap_pixel_trip": True}, False),
         ("qwen2_5_vl", "float32", {"overlap_pixel_trip": True}, True),
         ("dict", "float32", {"empty_rank_forward": "no_grad"}, False),
+        # Each temporal step of a video an item (the Hugging Face towers attend per step).
+        ("qwen3_vl", "float32", {"split_videos": True}, False),
+        ("qwen2_5_vl", "float32", {"split_videos": True}, True),
     ],
 )
 def test_balanced_equals_direct_on_the_device(

@@ -50,6 +50,7 @@ from lightning_vit_balance.exchange import (
     all_to_all,
     collective_device,
     gather_metadata,
+    grid_rows,
     host_device,
     host_to_device,
     row_slices,
@@ -333,7 +334,7 @@ class ViTBalancer:
         metadata, reference = self._gather(call, pixel_values, grid_thw, check_device=False)
         plan = self._plan(call, metadata)
         # With split_videos the plan's items are temporal steps; the call passes the videos whole.
-        call_grids = _grid_rows(grid_thw) if self.config.split_videos else None
+        call_grids = grid_rows(grid_thw) if self.config.split_videos else None
         if call_grids == metadata[call.rank].grids:
             call_grids = None
         return PreparedPlan(
@@ -871,11 +872,6 @@ class _ReturnBuffer(NamedTuple):
 
 def _print_line(line: str) -> None:
     print(line, flush=True)
-
-
-def _grid_rows(grid_thw: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
-    """``grid_thw`` (validated) as ``(T, H, W)`` tuples."""
-    return tuple((int(t), int(h), int(w)) for t, h, w in grid_thw.tolist())
 
 
 def _window_index(vit: Any, grid_thw: torch.Tensor) -> Any:

@@ -52,6 +52,7 @@ __all__ = [
     "exchange_status",
     "gather_metadata",
     "gradient_buffer",
+    "grid_rows",
     "host_device",
     "host_to_device",
     "row_slices",
@@ -112,6 +113,12 @@ class RankMetadata:
             return self
         items = tuple((1, h, w) for t, h, w in self.grids for _ in range(t))
         return dataclasses.replace(self, grids=items)
+
+
+def grid_rows(grid_thw: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
+    """A ``[n, 3]`` integer ``grid_thw`` as ``(T, H, W)`` tuples, the form :attr:`RankMetadata.grids`
+    holds (reads the values: a device-to-host copy for a grid on a device)."""
+    return tuple((int(t), int(h), int(w)) for t, h, w in grid_thw.tolist())
 
 
 def rows_per_image(kind: str, patch_count: int, merge_size: int) -> int:

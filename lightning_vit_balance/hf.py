@@ -120,6 +120,7 @@ from torch import nn
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
+from lightning_vit_balance.exchange import grid_rows
 from lightning_vit_balance.outputs import (
     classify_output,
     describe_output_problem,
@@ -316,10 +317,6 @@ class _Combined:
     problems: list[str] = field(default_factory=list)
 
 
-def _grid_rows(grid: torch.Tensor) -> tuple[Grid, ...]:
-    return tuple((int(t), int(h), int(w)) for t, h, w in grid.tolist())
-
-
 def _combine(inputs: Sequence[tuple[str, str, Any, str, Any]], vit: Any, cast: bool) -> _Combined:
     """Concatenate the given modalities' rows and grids (``(name, pixels_name, pixels, grid_name,
     grid)`` each, ``pixels`` None when absent), rows cast to ``vit.dtype`` when ``cast``.
@@ -345,7 +342,7 @@ def _combine(inputs: Sequence[tuple[str, str, Any, str, Any]], vit: Any, cast: b
         if grid.is_floating_point() or grid.is_complex() or grid.dtype == torch.bool:
             problems.append(f"{grid_name} has dtype {grid.dtype}: expected an integer tensor [n, 3]")
             continue
-        found = _grid_rows(grid)
+        found = grid_rows(grid)
         expected = sum(t * h * w for t, h, w in found)
         if rows.shape[0] != expected:
             problems.append(f"{pixels_name} has {rows.shape[0]} rows: {grid_name} says {expected}")
@@ -753,9 +750,8 @@ class BalancedVisionTower:
         settings = self.settings()
         if settings is None:
             return original(*args, **kwargs)
-        model_kwargs = args[0] if args else kwargs["model_kwargs"]
-        bound = {name: model_kwargs.get(name) for _, pixels, grid in _MODALITIES for name in (pixels, grid)}
-        return self._answered(self._encode(bound, *settings), original, *args, **kwargs)
+        model_kwargs = args[0] if args else kwargs["model_kwargs"]  # the pixels and grids, by name
+        return self._answered(self._encode(model_kwargs, *settings), original, *args, **kwargs)
 
     def _answered(self, pending: _Pending, original: Any, *args: Any, **kwargs: Any) -> Any:
         """``original(*args, **kwargs)`` with its tower calls answered from ``pending``, the tower's
@@ -813,7 +809,7 @@ class BalancedVisionTower:
         """Answer one of the model's own tower calls from the pending balanced result."""
         pending = self._pending
         assert pending is not None
-        grid = _grid_rows(grid_thw) if isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 else None
+        grid = grid_rows(grid_thw) if isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 else None
         rows = pixels.shape[0] if isinstance(pixels, torch.Tensor) else None
         for k, part in enumerate(pending.parts):
             if not pending.served[k] and part.grid == grid and rows == part.stop - part.start:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lightning_vit_balance.exchange import RankMetadata
+from lightning_vit_balance.exchange import RankMetadata, grid_rows
 from lightning_vit_balance.planning import RebalancePlan
 
 __all__ = ["PreparedPlan"]
@@ -85,6 +85,6 @@ class PreparedPlan:
             )
         if bool(pixel_values.requires_grad) and not self.pixels_require_grad:
             return "pixel_values requires grad, but did not when the plan was prepared"
-        if grid_thw.device.type == "cpu" and tuple(map(tuple, grid_thw.tolist())) != grids:
+        if grid_thw.device.type == "cpu" and grid_rows(grid_thw) != grids:
             return "grid_thw holds other values than the prepared plan: pass the plan prepared for this batch"
         return None

@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hf_models import generation_prompt, make_inputs, tiny_model
+from hf_models import generation_prompt, generation_settings, make_inputs, tiny_model
 
 from lightning_vit_balance import ViTBalanceCallback, ViTBalanceConfig, ViTBalanceMixin
 
@@ -42,10 +42,6 @@ BATCHES: list[list[list[dict[str, Any]]]] = [
 
 def batch_for(step: int, rank: int) -> dict[str, Any]:
     return make_inputs(FAMILY, BATCHES[step][rank], seed=2000 + 10 * step + rank)
-
-
-def generation_settings(rank: int) -> dict[str, Any]:
-    return {"max_new_tokens": 2 + rank, "do_sample": False}
 
 
 def _first(items: list[Any]) -> Any:

@@ -24,14 +24,16 @@ __all__ = [
     "NEWER_FAMILIES",
     "available",
     "generation_prompt",
+    "generation_settings",
     "make_inputs",
     "tiny_config",
     "tiny_model",
 ]
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-#: Families of newer transformers only (5.x): Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE (their
-#: decoders mix linear and full attention), each with a Qwen3-VL-style tower.
+#: Newer families, each with a Qwen3-VL-style tower: Qwen3-VL-MoE (transformers 4.57 and 5), Qwen3.5
+#: and Qwen3.5-MoE (transformers 5; their decoders mix linear and full attention). :func:`available`
+#: says which the installed transformers has.
 NEWER_FAMILIES = ("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 _CLASSES = {
     "qwen2_vl": "Qwen2VL",
@@ -208,3 +210,8 @@ def generation_prompt(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str
     even as None, and fails)."""
     accepted = inspect.signature(model.forward).parameters
     return {k: v for k, v in batch.items() if k != "labels" and k in accepted and v is not None}
+
+
+def generation_settings(rank: int) -> dict[str, Any]:
+    """Greedy ``generate()`` settings under which each rank generates a different number of tokens."""
+    return {"max_new_tokens": 2 + rank, "do_sample": False}

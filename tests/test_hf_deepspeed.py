@@ -33,9 +33,9 @@ pytest.importorskip("transformers")
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed", allow_module_level=True)
 
-from hf_models import FAMILIES, available, generation_prompt, make_inputs, tiny_model
+from hf_models import FAMILIES, available, make_inputs, tiny_model
 from multirank import World
-from test_hf_dropin import CASES, CONFIG, TOL, _summed_grads
+from test_hf_dropin import CASES, CONFIG, GENERATE, TOL, _summed_grads, assert_generates_as_plain
 
 from lightning_vit_balance import ViTBalanceConfig, balance_vision_tower
 
@@ -46,10 +46,6 @@ STEPS = [
     "one_big_image_others_text_only",
     "every_rank_images",
 ]
-
-#: Cases generated from after the steps.
-GENERATE = ["text_only_rank", "images_and_videos_next_to_images"]
-
 
 def _deepspeed_on_cpu() -> Any:
     """DeepSpeed on the CPU accelerator over the pool's gloo group (already initialised)."""
@@ -133,14 +129,8 @@ def _zero_steps(family: str, stage: int) -> dict[str, Any]:
         with torch.no_grad():
             loss, plain_loss = engine(**batch).loss, plain(**batch).loss
         torch.testing.assert_close(loss, plain_loss, **TOL, msg=lambda m, n=name: f"eval {n}: loss {m}")
-    # generate() on every rank, as ZeRO-3 needs (synced_gpus), ranks generating different numbers
-    # of tokens: under ZeRO-3 its encoding of the images is balanced, under ZeRO-2 it stays direct.
-    for name in GENERATE:
-        prompt = generation_prompt(plain, make_inputs(family, CASES[name][rank], seed=11 + rank))
-        settings = {"max_new_tokens": 2 + rank, "do_sample": False}
-        with torch.no_grad():
-            tokens = engine.module.generate(**prompt, **settings, synced_gpus=True)
-            assert torch.equal(tokens, plain.generate(**prompt, **settings)), f"generate {name}"
+    # generate(): under ZeRO-3 its encoding of the images is balanced, under ZeRO-2 it stays direct.
+    assert_generates_as_plain(engine.module, plain, family)
     return {"applied": applied, "calls": handle.calls, "group_size": dist.get_world_size(handle.group)}
 
 

@@ -35,6 +35,7 @@ from hf_models import (
     NEWER_FAMILIES,
     available,
     generation_prompt,
+    generation_settings,
     make_inputs,
     tiny_model,
 )
@@ -101,6 +102,12 @@ def _summed_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
+def _assert_same_grads(where: str, got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Every gradient of ``got`` equals ``expected``'s (both as :func:`_summed_grads` gives them)."""
+    for key, grad in expected.items():
+        torch.testing.assert_close(got[key], grad, **TOL, msg=lambda m, k=key: f"{where}: grad {k}: {m}")
+
+
 def _sgd(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -142,10 +149,7 @@ def _check_case(family: str, name: str) -> dict[str, Any]:
         assert handle.calls == calls_before + 1, f"{where}: {handle.calls - calls_before} exchanges"
         torch.testing.assert_close(balanced_loss, plain_loss, **TOL, msg=lambda m, w=where: f"{w}: loss {m}")
         plain_grads, balanced_grads = _summed_grads(plain), _summed_grads(balanced)
-        for key, expected in plain_grads.items():
-            torch.testing.assert_close(
-                balanced_grads[key], expected, **TOL, msg=lambda m, w=where, k=key: f"{w}: grad {k}: {m}"
-            )
+        _assert_same_grads(where, balanced_grads, plain_grads)
         tower_grads = [g for k, g in plain_grads.items() if k.startswith("model.visual.")]
         stats = handle.last_stats
         steps.append(
@@ -412,6 +416,24 @@ def test_eval_no_grad_and_generate_forwards_are_not_balanced(multirank: Any) -> 
     assert results == [{"collectives": 0, "calls": 0}] * RANKS
 
 
+#: Cases ``generate()`` runs from in the sharded tests: a text-only rank, videos on one rank only.
+GENERATE = ("text_only_rank", "images_and_videos_next_to_images")
+
+
+def assert_generates_as_plain(model: nn.Module, plain: nn.Module, family: str) -> None:
+    """``generate()`` of the :data:`GENERATE` cases on every rank (``synced_gpus``, as sharded
+    parameters need), each rank a different number of tokens: ``model``'s tokens are ``plain``'s."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    for name in GENERATE:
+        prompt = generation_prompt(plain, make_inputs(family, CASES[name][rank], seed=11 + rank))
+        settings = generation_settings(rank)
+        with torch.no_grad():
+            tokens = model.generate(**prompt, **settings, synced_gpus=True)
+            assert torch.equal(tokens, plain.generate(**prompt, **settings)), f"generate {name}"
+
+
 def _evaluation_under_fsdp2(family: str) -> dict[str, Any]:
     """FSDP2 (blocks and layers as units) and ``evaluation=True``: eval and no-grad forwards of a
     text-only rank next to images and videos are balanced, with the plain model's losses; so is
@@ -430,14 +452,8 @@ def _evaluation_under_fsdp2(family: str) -> dict[str, Any]:
         with torch.no_grad():
             got = balanced(**batch).loss
         torch.testing.assert_close(got, expected, **TOL, msg=lambda m, w=where: f"{w}: loss {m}")
-    # generate() on every rank (synced_gpus), ranks generating different numbers of tokens: its
-    # image encoding (before the first forward in transformers 5, in it in 4) is balanced.
-    for name in ("text_only_rank", "images_and_videos_next_to_images"):
-        prompt = generation_prompt(plain, make_inputs(family, CASES[name][rank], seed=11 + rank))
-        settings = {"max_new_tokens": 2 + rank, "do_sample": False}
-        with torch.no_grad():
-            tokens = balanced.generate(**prompt, **settings, synced_gpus=True)
-        assert torch.equal(tokens, plain.generate(**prompt, **settings)), f"generate {name}"
+    # Its image encoding (before the first forward in transformers 5, in it in 4) is balanced.
+    assert_generates_as_plain(balanced, plain, family)
     return {"calls": handle.calls, "applied_calls": handle.applied_calls}
 
 
@@ -475,9 +491,7 @@ def _long_video(families: tuple[str, ...]) -> dict[str, Any]:
             loss, _ = _step(model, batch)
             where = f"{family}, {name}"
             torch.testing.assert_close(loss, plain_loss, **TOL, msg=lambda m, w=where: f"{w}: loss {m}")
-            for key, grad in _summed_grads(model).items():
-                message = f"{where}: grad {key}"
-                torch.testing.assert_close(grad, expected[key], **TOL, msg=lambda m, w=message: f"{w}: {m}")
+            _assert_same_grads(where, _summed_grads(model), expected)
             stats = handle.last_stats
             seen[where] = (stats.reason, stats.num_images, stats.moved_images)
     return seen
@@ -892,7 +906,7 @@ def test_lightning_model_parallel_strategy_with_fsdp2_units(tmp_path: Path) -> N
         for rank in range(script.RANKS):
             batches = [script.batch_for(step, rank) for step in range(script.STEPS)]
             validation.append([float(model(**batch).loss) for batch in batches])
-            settings = script.generation_settings(rank)
+            settings = generation_settings(rank)
             prompts = [generation_prompt(model, batch) for batch in batches]
             generated.append([model.generate(**prompt, **settings).tolist() for prompt in prompts])
     for rank in range(script.RANKS):

@@ -53,6 +53,7 @@ __all__ = [
     "gather_metadata",
     "gradient_buffer",
     "grid_rows",
+    "grid_steps",
     "host_device",
     "host_to_device",
     "row_slices",
@@ -119,6 +120,15 @@ def grid_rows(grid_thw: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
     """A ``[n, 3]`` integer ``grid_thw`` as ``(T, H, W)`` tuples, the form :attr:`RankMetadata.grids`
     holds (reads the values: a device-to-host copy for a grid on a device)."""
     return tuple((int(t), int(h), int(w)) for t, h, w in grid_thw.tolist())
+
+
+def grid_steps(grid_thw: torch.Tensor) -> torch.Tensor:
+    """A ``[n, 3]`` integer ``grid_thw`` with each temporal step as a row of its own: ``(T, H, W)``
+    becomes ``T`` rows ``(1, H, W)``, in order, on the grid's device (the tensor form of
+    :meth:`RankMetadata.frames_as_items`; what GLM-4.xV models pass their towers for videos)."""
+    steps = grid_thw.repeat_interleave(grid_thw[:, 0], dim=0)
+    steps[:, 0] = 1
+    return steps
 
 
 def rows_per_image(kind: str, patch_count: int, merge_size: int) -> int:

@@ -1,4 +1,5 @@
-"""Hugging Face drop-in: balance a Qwen2-VL / 2.5-VL / 3-VL / 3.5 model called as ``model(**batch)``.
+"""Hugging Face drop-in: balance a Qwen2-VL / 2.5-VL / 3-VL / 3.5 or GLM-4.xV model called as
+``model(**batch)``.
 
 :func:`balance_vision_tower` patches *instances*, nothing else: the base model (the module
 holding the vision tower as ``.visual``, e.g. ``model.model``) and the tower get an instance
@@ -54,6 +55,9 @@ patched on the model's instance like the two forwards), in transformers 4 the fi
    ``pixels.type(visual.dtype)`` and ``grid`` its whole grid (Qwen2/2.5-VL: ``get_image_features``
    then ``get_video_features``; Qwen3-VL: both through ``get_image_features``, with
    ``return_dict=True``). Calls are matched to the modality by grid and row count, in any order.
+   GLM-4.1V, GLM-4.5V, GLM-4.6V and GLM-OCR (:data:`_VIDEO_STEPS_AS_IMAGES`) pass the tower a
+   video grid with one row ``(1, H, W)`` per temporal step (their towers take no ``T > 1``): for
+   those the drop-in encodes videos with that grid too (:attr:`BalancedVisionTower.frame_grid_keys`).
 3. The tower is called as ``visual(pixels, grid_thw, **kwargs)`` and returns tensors with one
    row per patch or per merged token, alone or in a tuple or ``ModelOutput`` (transformers 5:
    ``last_hidden_state`` per patch, ``pooler_output`` and each layer of Qwen3-VL's
@@ -120,7 +124,7 @@ from torch import nn
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
-from lightning_vit_balance.exchange import grid_rows
+from lightning_vit_balance.exchange import grid_rows, grid_steps
 from lightning_vit_balance.outputs import (
     classify_output,
     describe_output_problem,
@@ -146,6 +150,12 @@ _CACHE_ARGUMENTS = ("past_key_values", "cache")
 #: forward, through ``base_model.get_image_features`` / ``get_video_features``.
 _GENERATION_ENCODE = "_prepare_multimodal_encoder_kwargs_for_generation"
 
+#: Model types (the base model's ``config.model_type``) whose ``get_video_features`` calls the tower
+#: with each temporal step of a video as a grid row ``(1, H, W)`` of its own, in order: GLM-4.1V,
+#: GLM-4.5V (transformers 4.57 and 5.24), GLM-4.6V and GLM-OCR (5.24). Their towers fail on a row
+#: with ``T > 1``.
+_VIDEO_STEPS_AS_IMAGES = frozenset({"glm4v", "glm4v_moe", "glm46v", "glm_ocr"})
+
 Grid = tuple[int, int, int]
 
 
@@ -157,7 +167,7 @@ def _find_base(model: Any) -> tuple[nn.Module, nn.Module]:
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"balance_vision_tower(model={type(model).__name__}) is invalid: expected a torch.nn.Module "
-            "(a Hugging Face Qwen2-VL, Qwen2.5-VL or Qwen3-VL model)."
+            "(a Hugging Face Qwen-VL or GLM-4.xV model)."
         )
     found = [
         (name, module)
@@ -168,7 +178,7 @@ def _find_base(model: Any) -> tuple[nn.Module, nn.Module]:
         raise ValueError(
             f"balance_vision_tower: {type(model).__name__} has no submodule with a child module named "
             "'visual' (looked for model.model.visual, model.visual and below): expected a Hugging Face "
-            "Qwen2-VL, Qwen2.5-VL or Qwen3-VL model."
+            "Qwen-VL or GLM-4.xV model."
         )
     if len(found) > 1:
         names = ", ".join(f"{name or '<model>'}.visual" for name, _ in found)
@@ -271,6 +281,25 @@ def _wrapping_problem(base: nn.Module, tower: nn.Module) -> str | None:
             "visual.blocks), which the balanced call runs as they are"
         )
     return None
+
+
+def _frame_grid_keys(base: nn.Module) -> tuple[str, ...]:
+    """The base forward's grid arguments whose grids the model passes its tower one temporal step
+    per row (:data:`_VIDEO_STEPS_AS_IMAGES`): the video grid, or none."""
+    if getattr(getattr(base, "config", None), "model_type", None) not in _VIDEO_STEPS_AS_IMAGES:
+        return ()
+    return tuple(grid for name, _, grid in _MODALITIES if name == "videos")
+
+
+def _any_keyword(parameters: Mapping[str, inspect.Parameter]) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def _integer_grid(grid: Any) -> bool:
+    """Whether ``grid`` is an integer tensor ``[n, 3]``."""
+    if not isinstance(grid, torch.Tensor) or grid.dim() != 2 or grid.shape[1] != 3:
+        return False
+    return not (grid.is_floating_point() or grid.is_complex() or grid.dtype == torch.bool)
 
 
 def _tower_channels(tower: Any) -> int | None:
@@ -560,6 +589,9 @@ class BalancedVisionTower:
             ``CostModel.from_vit(tower)``: its FLOPs, attention within each temporal step).
         group: The data-parallel process group (``None``: the default group).
         evaluation: Whether evaluation forwards are balanced too (see the module docstring).
+        frame_grid_keys: The base forward's grid arguments (``"video_grid_thw"``, or none) whose
+            videos the model passes its tower one temporal step per grid row, and the drop-in
+            encodes so (GLM-4.xV). A plan made ahead of the forward must be made from those rows.
         last_stats: Diagnostics of the latest balanced forward (``None`` before the first).
         calls: Balanced forwards so far (one exchange each).
         applied_calls: Those in which images moved between ranks.
@@ -599,6 +631,10 @@ class BalancedVisionTower:
                     "its handle (BalancedVisionTower.of(model)) first."
                 )
         self.model, self.base, self.tower = model, base, tower
+        self.frame_grid_keys = _frame_grid_keys(base)
+        # transformers 5's towers return a ModelOutput when asked; 4.57's GLM tower takes no keyword.
+        takes = inspect.signature(type(tower).forward).parameters
+        self._tower_keywords = {"return_dict": True} if "return_dict" in takes or _any_keyword(takes) else {}
         self.config = config
         self.group = group
         self.evaluation = bool(evaluation)
@@ -767,7 +803,7 @@ class BalancedVisionTower:
         original = self._original("tower")
         if self._encoding:
             # The balanced call itself (or the engine's dummy forward on a rank with no images).
-            return original(*args, return_dict=True)
+            return original(*args, **self._tower_keywords)
         if self._pending is None:
             return original(*args, **kwargs)
         return self._serve(*args, **kwargs)
@@ -786,7 +822,8 @@ class BalancedVisionTower:
             raise ValueError(f"balance_vision_tower: {wrapping}.")
         tower = self.tower
         inputs = [
-            (name, pixels, bound.get(pixels), grid, bound.get(grid)) for name, pixels, grid in _MODALITIES
+            (name, pixels, bound.get(pixels), grid, self._tower_grid(grid, bound.get(grid)))
+            for name, pixels, grid in _MODALITIES
         ]
         combined = _combine(inputs, tower, cast=True)  # the cast HF applies: pixels.type(visual.dtype)
         balancer = self._balancer_for(config, group)
@@ -804,6 +841,14 @@ class BalancedVisionTower:
         total = int(combined.pixels.shape[0])
         outputs = _split(output, combined.parts, total, tower.spatial_merge_size, tower)
         return _Pending(combined.parts, outputs, [False] * len(combined.parts), _exact_zero(output))
+
+    def _tower_grid(self, key: str, grid: Any) -> Any:
+        """The grid the model passes its tower for its forward's grid argument ``key``: each
+        temporal step a row of its own for :attr:`frame_grid_keys` (a valid grid only: the input
+        checks name the caller's own)."""
+        if key not in self.frame_grid_keys or not _integer_grid(grid) or bool((grid[:, 0] < 1).any()):
+            return grid
+        return grid_steps(grid)
 
     def _serve(self, pixels: Any, grid_thw: Any = None, **kwargs: Any) -> Any:
         """Answer one of the model's own tower calls from the pending balanced result."""
@@ -873,7 +918,7 @@ def _add_zero(output: Any, zero: torch.Tensor | None, base_name: str) -> Any:
 def balance_vision_tower(
     model: nn.Module, config: ViTBalanceConfig | None = None, group: Any = None, *, evaluation: bool = False
 ) -> BalancedVisionTower:
-    """Balance the vision tower of a Hugging Face Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 model.
+    """Balance the vision tower of a Hugging Face Qwen2-VL / 2.5-VL / 3-VL / 3.5 or GLM-4.xV model.
 
     After the call, ``model(**batch)`` in training (``model.training`` and gradients enabled)
     encodes every rank's images and videos in one balanced exchange across ``group``; losses,

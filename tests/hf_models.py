@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face Qwen-VL models (``*ForConditionalGeneration``) and batches for them.
+"""Tiny random Hugging Face Qwen-VL and GLM-4.xV models (``*ForConditionalGeneration``) and batches.
 
 Built from configs, nothing downloaded. :func:`tiny_model` gives a Qwen2-VL, Qwen2.5-VL or
 Qwen3-VL model (text hidden 32, one or two layers, vision tower of depth 2 with patch 2,
@@ -20,6 +20,7 @@ import torch
 __all__ = [
     "CHANNELS",
     "FAMILIES",
+    "GLM_FAMILIES",
     "IDS",
     "NEWER_FAMILIES",
     "available",
@@ -35,6 +36,10 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 #: and Qwen3.5-MoE (transformers 5; their decoders mix linear and full attention). :func:`available`
 #: says which the installed transformers has.
 NEWER_FAMILIES = ("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+#: GLM-4.1V, GLM-4.5V (MoE), GLM-4.6V and GLM-OCR (those two transformers 5 only): their models pass
+#: the tower a video one temporal step per grid row, and take no rank batch with images and videos
+#: together (a video's frames are image tokens, which the image features must match in number).
+GLM_FAMILIES = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
 _CLASSES = {
     "qwen2_vl": "Qwen2VL",
     "qwen2_5_vl": "Qwen2_5_VL",
@@ -42,13 +47,17 @@ _CLASSES = {
     "qwen3_vl_moe": "Qwen3VLMoe",
     "qwen3_5": "Qwen3_5",
     "qwen3_5_moe": "Qwen3_5Moe",
+    "glm4v": "Glm4v",
+    "glm4v_moe": "Glm4vMoe",
+    "glm46v": "Glm46V",
+    "glm_ocr": "GlmOcr",
 }
 #: Pixel values per patch row: 3 colours x 2x2 patch x temporal patch 1.
 CHANNELS = 12
 MERGE = 2
 VOCAB = 64
-#: Special token ids (the tiny vocabulary's last four).
-IDS = {"image": 60, "video": 61, "vision_start": 62, "vision_end": 63}
+#: Special token ids (the tiny vocabulary's last six; GLM's video start/end only for GLM).
+IDS = {"image": 60, "video": 61, "vision_start": 62, "vision_end": 63, "video_start": 58, "video_end": 59}
 _TEXT = {
     "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
     "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512,
@@ -95,6 +104,8 @@ def tiny_config(family: str) -> Any:
             "out_hidden_size": 32, "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1],
         }  # fmt: skip
         return Qwen3VLConfig(text_config=text, vision_config=vision, **special)
+    if family in GLM_FAMILIES:
+        return _glm_config(family)
     if family in NEWER_FAMILIES:
         import transformers
 
@@ -115,7 +126,32 @@ def tiny_config(family: str) -> Any:
             vision["deepstack_visual_indexes"] = [0, 1]
         config = getattr(transformers, f"{_CLASSES[family]}Config")
         return config(text_config=text, vision_config=vision, **special)
-    raise ValueError(f"family={family!r} is unknown: expected one of {FAMILIES + NEWER_FAMILIES}.")
+    raise ValueError(
+        f"family={family!r} is unknown: expected one of {FAMILIES + NEWER_FAMILIES + GLM_FAMILIES}."
+    )
+
+
+def _glm_config(family: str) -> Any:
+    """A GLM-4.xV config: the image tokens frame by frame between GLM's own start/end tokens."""
+    import transformers
+
+    # The MoE decoder rotates half of each head (partial_rotary_factor 0.5): 4 frequencies, not 8.
+    section = [2, 1, 1] if family == "glm4v_moe" else [2, 3, 3]
+    text = {**_TEXT, "head_dim": 16, "rope_scaling": {"rope_type": "default", "mrope_section": section}}
+    if family == "glm4v_moe":
+        text.update(moe_intermediate_size=16, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1)
+        text.update(first_k_dense_replace=0, n_group=1, topk_group=1)
+    vision = {
+        **_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+        "out_hidden_size": 32, "image_size": 8,
+    }  # fmt: skip
+    special = {
+        "image_token_id": IDS["image"], "video_token_id": IDS["video"],
+        "image_start_token_id": IDS["vision_start"], "image_end_token_id": IDS["vision_end"],
+        "video_start_token_id": IDS["video_start"], "video_end_token_id": IDS["video_end"],
+    }  # fmt: skip
+    config = getattr(transformers, f"{_CLASSES[family]}Config")
+    return config(text_config=text, vision_config=vision, **special)
 
 
 def available(family: str) -> bool:
@@ -143,6 +179,11 @@ def _tokens(family: str, kind: str, grid: Grid) -> tuple[list[int], list[int]]:
     t, h, w = grid
     per_frame = h * w // MERGE**2
     code = 1 if kind == "image" else 2
+    if family in GLM_FAMILIES and kind == "video":
+        # GLM: each frame's image tokens (typed as video) between image start/end, inside video start/end.
+        frame = [IDS["vision_start"], *[IDS["image"]] * per_frame, IDS["vision_end"]]
+        kinds = [0, *[code] * per_frame, 0]
+        return [IDS["video_start"], *frame * t, IDS["video_end"]], [0, *kinds * t, 0]
     # Qwen3-VL and its successors place each video frame in its own start/end pair (timestamps
     # separate them).
     frames = [per_frame] * t if family.startswith("qwen3") and kind == "video" else [t * per_frame]
@@ -174,7 +215,7 @@ def make_inputs(
                 ids += more_ids
                 types += more_types
                 grids[kind].append(tuple(grid))
-        ids += torch.randint(0, VOCAB - 4, (text_len,), generator=generator).tolist()
+        ids += torch.randint(0, VOCAB - len(IDS), (text_len,), generator=generator).tolist()
         types += [0] * text_len
         rows.append((ids, types))
     length = max(len(ids) for ids, _ in rows)

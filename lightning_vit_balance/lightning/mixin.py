@@ -15,6 +15,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
+from lightning_vit_balance.exchange import grid_steps
 from lightning_vit_balance.hf import BalancedVisionTower, encode_visual
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
 from lightning_vit_balance.lightning.strategy import dp_group_from_strategy
@@ -75,15 +76,20 @@ def _allow_configs_in_checkpoints() -> None:
     torch.serialization.add_safe_globals([ViTBalanceConfig, CostModel])
 
 
-def _rows_to_plan(batch: Any, keys: tuple[tuple[str, str], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows_to_plan(
+    batch: Any, keys: tuple[tuple[str, str], ...], step_keys: tuple[str, ...] = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``ViTBalancer.prepare`` needs of a host batch: a meta tensor of the pixel rows' shape and
-    dtype (nothing is read or copied) and the grid rows, for the keys present, in order."""
+    dtype (nothing is read or copied) and the grid rows, for the keys present, in order; the grids
+    of ``step_keys`` one temporal step per row, as the drop-in passes them to a GLM-4.xV tower."""
     rows, width, dtype, grids = 0, 1, torch.float32, []
     for pixel_key, grid_key in keys:
         pixels = batch.get(pixel_key) if isinstance(batch, Mapping) else None
         if isinstance(pixels, torch.Tensor) and pixels.dim() == 2:
             rows, width, dtype = rows + int(pixels.shape[0]), int(pixels.shape[1]), pixels.dtype
-            grids.append(torch.as_tensor(batch.get(grid_key)).reshape(-1, 3).to("cpu", torch.long))
+            grid = torch.as_tensor(batch.get(grid_key)).reshape(-1, 3).to("cpu", torch.long)
+            steps = grid_key in step_keys and bool((grid[:, 0] >= 1).all())
+            grids.append(grid_steps(grid) if steps else grid)
     grid = torch.cat(grids) if grids else torch.empty((0, 3), dtype=torch.long)
     return torch.empty((rows, width), dtype=dtype, device="meta"), grid
 
@@ -390,6 +396,10 @@ class ViTBalanceMixin:
         ("pixel_values_videos", "video_grid_thw"),
     )
 
+    #: Grid keys whose videos a drop-in encodes one temporal step per grid row (see
+    #: :meth:`balance_vision_tower`).
+    _vit_balance_step_keys: tuple[str, ...] = ()
+
     def _vit_balance_plan_ahead(self, batch: Any) -> None:
         state = self._vit_balance_state_object()
         state.ticket = None
@@ -397,7 +407,7 @@ class ViTBalanceMixin:
         settings = self._vit_balance_settings() if trainer is not None and trainer.training else None
         if settings is None or not settings[0].plan_ahead:
             return
-        pixels, grid = _rows_to_plan(batch, self.vit_balance_prepare_keys)
+        pixels, grid = _rows_to_plan(batch, self.vit_balance_prepare_keys, self._vit_balance_step_keys)
         state.ticket = self._vit_balance_balancer(*settings).prepare(pixels, grid)
 
     def _vit_balance_keep(self, stats: BalanceStats | None) -> None:
@@ -407,7 +417,7 @@ class ViTBalanceMixin:
             state.records.append(stats)
 
     def balance_vision_tower(self, model: torch.nn.Module, *, evaluation: bool = True) -> BalancedVisionTower:
-        """Balance a Hugging Face Qwen2-VL / Qwen2.5-VL / Qwen3-VL model's vision tower.
+        """Balance a Hugging Face Qwen-VL or GLM-4.xV model's vision tower.
 
         Call it in ``__init__`` or ``configure_model()`` (calling it again for the same model returns
         the same handle); ``model(**batch)`` in ``training_step`` is then balanced, one exchange per
@@ -438,7 +448,11 @@ class ViTBalanceMixin:
         if isinstance(existing, _ModuleTowerBalance) and existing.module is self:
             existing.evaluation = evaluation
             return existing
-        return _ModuleTowerBalance(model, self, evaluation)
+        handle = _ModuleTowerBalance(model, self, evaluation)
+        # Plans made ahead must see the grids the drop-in passes the tower (GLM-4.xV: video steps).
+        keys = (*self._vit_balance_step_keys, *handle.frame_grid_keys)
+        object.__setattr__(self, "_vit_balance_step_keys", tuple(dict.fromkeys(keys)))
+        return handle
 
     def encode_visual(
         self,

@@ -363,6 +363,73 @@ def test_fsdp2_units_on_the_blocks_or_the_tower(multirank: Any) -> None:
         assert "is compiled as a whole" in r["errors"][1] and "block.compile()" in r["errors"][1], r
 
 
+#: LoRA on the decoder's attention and the vision blocks' ``qkv``, both adapters random (PEFT's
+#: default zero ``B`` would leave ``A`` without a gradient in the first step).
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "qkv"], "init_lora_weights": False}
+
+
+def _with_lora(model: nn.Module) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(5)  # the same adapters for the plain and the balanced model
+    return get_peft_model(model, LoraConfig(**LORA))
+
+
+def _lora_steps(family: str) -> dict[str, Any]:
+    """PEFT LoRA applied before and after :func:`balance_vision_tower`: the plain LoRA model's losses
+    and summed gradients over two steps of each mixed case; only the adapters train."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    results = {}
+    for order in ("before", "after"):
+        base = tiny_model(family)
+        plain = _with_lora(copy.deepcopy(base))
+        if order == "before":
+            balanced = _with_lora(base)
+            handle = balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG))
+        else:
+            handle = balance_vision_tower(base, ViTBalanceConfig(**CONFIG))
+            balanced = _with_lora(base)
+        assert BalancedVisionTower.of(balanced) is handle
+        applied, tower_grad = [], 0.0
+        for step, batch in _mixed_steps(family, rank):
+            where = f"LoRA {order} {step}"
+            plain_loss, _ = _step(plain, batch)
+            balanced_loss, _ = _step(balanced, batch)
+            torch.testing.assert_close(
+                balanced_loss, plain_loss, **TOL, msg=lambda m, w=where: f"{w}: loss {m}"
+            )
+            plain_grads, balanced_grads = _summed_grads(plain), _summed_grads(balanced)
+            _assert_same_grads(where, balanced_grads, plain_grads)
+            tower_grad += sum(
+                float(g.norm()) for k, g in balanced_grads.items() if ".visual." in k and "lora_" in k
+            )
+            applied.append(handle.last_stats.applied)
+            _sgd(plain, plain_grads)
+            _sgd(balanced, balanced_grads)
+        trainable = sorted(k for k, p in balanced.named_parameters() if p.requires_grad)
+        results[order] = {"applied": applied, "tower_lora_grad": tower_grad, "trainable": trainable}
+    return results
+
+
+@pytest.mark.timeout(180)
+def test_peft_lora_before_or_after_the_drop_in(multirank: Any) -> None:
+    """LoRA adapters in the vision blocks train through the balanced call, whichever is applied first."""
+    pytest.importorskip("peft")
+    with multirank(RANKS) as w:
+        results = w.run(_lora_steps, "qwen2_5_vl", timeout=150)
+    for order in ("before", "after"):
+        per_rank = [r[order] for r in results]
+        assert len({tuple(r["applied"]) for r in per_rank}) == 1  # every rank made the same plans
+        assert any(per_rank[0]["applied"]), per_rank[0]
+        assert all(r["tower_lora_grad"] > 0 for r in per_rank), per_rank
+        # Only adapters train, in the decoder and in the tower.
+        trainable = per_rank[0]["trainable"]
+        assert trainable and all("lora_" in k for k in trainable), trainable
+        assert any(".visual." in k for k in trainable), trainable
+
+
 def _tower_hooks(family: str) -> list[dict[str, Any]]:
     """Forward hooks on the tower module itself, counted per balanced forward on this rank."""
     import torch.distributed as dist

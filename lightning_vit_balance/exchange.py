@@ -125,7 +125,10 @@ def grid_rows(grid_thw: torch.Tensor) -> tuple[tuple[int, int, int], ...]:
 def grid_steps(grid_thw: torch.Tensor) -> torch.Tensor:
     """A ``[n, 3]`` integer ``grid_thw`` with each temporal step as a row of its own: ``(T, H, W)``
     becomes ``T`` rows ``(1, H, W)``, in order, on the grid's device (the tensor form of
-    :meth:`RankMetadata.frames_as_items`; what GLM-4.xV models pass their towers for videos)."""
+    :meth:`RankMetadata.frames_as_items`; what GLM-4.xV models pass their towers for videos).
+    A grid with a ``T < 1`` comes back as it is, for the input checks to name."""
+    if bool((grid_thw[:, 0] < 1).any()):
+        return grid_thw
     steps = grid_thw.repeat_interleave(grid_thw[:, 0], dim=0)
     steps[:, 0] = 1
     return steps

@@ -57,7 +57,7 @@ patched on the model's instance like the two forwards), in transformers 4 the fi
    ``return_dict=True``). Calls are matched to the modality by grid and row count, in any order.
    GLM-4.1V, GLM-4.5V, GLM-4.6V and GLM-OCR (:data:`_VIDEO_STEPS_AS_IMAGES`) pass the tower a
    video grid with one row ``(1, H, W)`` per temporal step (their towers take no ``T > 1``): for
-   those the drop-in encodes videos with that grid too (:attr:`BalancedVisionTower.frame_grid_keys`).
+   those the drop-in encodes videos with that grid too (:attr:`BalancedVisionTower.step_grid_keys`).
 3. The tower is called as ``visual(pixels, grid_thw, **kwargs)`` and returns tensors with one
    row per patch or per merged token, alone or in a tuple or ``ModelOutput`` (transformers 5:
    ``last_hidden_state`` per patch, ``pooler_output`` and each layer of Qwen3-VL's
@@ -283,7 +283,7 @@ def _wrapping_problem(base: nn.Module, tower: nn.Module) -> str | None:
     return None
 
 
-def _frame_grid_keys(base: nn.Module) -> tuple[str, ...]:
+def _step_grid_keys(base: nn.Module) -> tuple[str, ...]:
     """The base forward's grid arguments whose grids the model passes its tower one temporal step
     per row (:data:`_VIDEO_STEPS_AS_IMAGES`): the video grid, or none."""
     if getattr(getattr(base, "config", None), "model_type", None) not in _VIDEO_STEPS_AS_IMAGES:
@@ -589,7 +589,7 @@ class BalancedVisionTower:
             ``CostModel.from_vit(tower)``: its FLOPs, attention within each temporal step).
         group: The data-parallel process group (``None``: the default group).
         evaluation: Whether evaluation forwards are balanced too (see the module docstring).
-        frame_grid_keys: The base forward's grid arguments (``"video_grid_thw"``, or none) whose
+        step_grid_keys: The base forward's grid arguments (``"video_grid_thw"``, or none) whose
             videos the model passes its tower one temporal step per grid row, and the drop-in
             encodes so (GLM-4.xV). A plan made ahead of the forward must be made from those rows.
         last_stats: Diagnostics of the latest balanced forward (``None`` before the first).
@@ -631,7 +631,7 @@ class BalancedVisionTower:
                     "its handle (BalancedVisionTower.of(model)) first."
                 )
         self.model, self.base, self.tower = model, base, tower
-        self.frame_grid_keys = _frame_grid_keys(base)
+        self.step_grid_keys = _step_grid_keys(base)
         # transformers 5's towers return a ModelOutput when asked; 4.57's GLM tower takes no keyword.
         takes = inspect.signature(type(tower).forward).parameters
         self._tower_keywords = {"return_dict": True} if "return_dict" in takes or _any_keyword(takes) else {}
@@ -844,9 +844,9 @@ class BalancedVisionTower:
 
     def _tower_grid(self, key: str, grid: Any) -> Any:
         """The grid the model passes its tower for its forward's grid argument ``key``: each
-        temporal step a row of its own for :attr:`frame_grid_keys` (a valid grid only: the input
+        temporal step a row of its own for :attr:`step_grid_keys` (a valid grid only: the input
         checks name the caller's own)."""
-        if key not in self.frame_grid_keys or not _integer_grid(grid) or bool((grid[:, 0] < 1).any()):
+        if key not in self.step_grid_keys or not _integer_grid(grid):
             return grid
         return grid_steps(grid)
 

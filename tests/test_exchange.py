@@ -15,6 +15,7 @@ from lightning_vit_balance.exchange import (
     all_to_all,
     collective_device,
     gather_metadata,
+    grid_steps,
 )
 from lightning_vit_balance.planning import RebalancePlan
 from lightning_vit_balance.problems import DTYPES, InputProblem, describe_problem
@@ -184,3 +185,15 @@ def test_route_from_plan() -> None:
     assert empty.send_order == () and empty.arrivals == () and empty.send_patches == (0, 0, 0)
     last = ExchangeRoute.from_plan(plan, 2)
     assert last.arrivals == ((0, 0), (0, 2), (2, 1)) and last.receive_patches == (13, 0, 1)
+
+
+def test_grid_steps_gives_each_temporal_step_a_row_like_frames_as_items() -> None:
+    grid = torch.tensor([[2, 4, 6], [1, 2, 2], [3, 8, 4]])
+    steps = grid_steps(grid)
+    assert steps.tolist() == [[1, 4, 6], [1, 4, 6], [1, 2, 2], [1, 8, 4], [1, 8, 4], [1, 8, 4]]
+    assert grid.tolist() == [[2, 4, 6], [1, 2, 2], [3, 8, 4]]  # the caller's grid is left alone
+    metadata = RankMetadata(0, (), 12, 0, False, tuple(map(tuple, grid.tolist())))
+    assert metadata.frames_as_items().grids == tuple(map(tuple, steps.tolist()))
+    # A grid the input checks reject comes back unchanged, so the error names the caller's rows.
+    bad = torch.tensor([[0, 4, 4], [2, 2, 2]])
+    assert grid_steps(bad) is bad

@@ -88,8 +88,7 @@ def _rows_to_plan(
         if isinstance(pixels, torch.Tensor) and pixels.dim() == 2:
             rows, width, dtype = rows + int(pixels.shape[0]), int(pixels.shape[1]), pixels.dtype
             grid = torch.as_tensor(batch.get(grid_key)).reshape(-1, 3).to("cpu", torch.long)
-            steps = grid_key in step_keys and bool((grid[:, 0] >= 1).all())
-            grids.append(grid_steps(grid) if steps else grid)
+            grids.append(grid_steps(grid) if grid_key in step_keys else grid)
     grid = torch.cat(grids) if grids else torch.empty((0, 3), dtype=torch.long)
     return torch.empty((rows, width), dtype=dtype, device="meta"), grid
 
@@ -450,7 +449,7 @@ class ViTBalanceMixin:
             return existing
         handle = _ModuleTowerBalance(model, self, evaluation)
         # Plans made ahead must see the grids the drop-in passes the tower (GLM-4.xV: video steps).
-        keys = (*self._vit_balance_step_keys, *handle.frame_grid_keys)
+        keys = (*self._vit_balance_step_keys, *handle.step_grid_keys)
         object.__setattr__(self, "_vit_balance_step_keys", tuple(dict.fromkeys(keys)))
         return handle
 

@@ -341,7 +341,11 @@ _PER_FRAME_MODEL_TYPES = frozenset(
     {
         *("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
         *("qwen2_vl_vision", "qwen2_5_vl_vision", "qwen3_vl_vision", "qwen3_vl_moe_vision"),
-        *("qwen3_5_vision", "qwen3_5_moe_vision"),
+        *("qwen3_5_vision", "qwen3_5_moe_vision", "qwen4_exp", "qwen4_exp_vision"),
+        # Towers of the same design in transformers 5.24 (Cosmos3-Omni's is Qwen3-VL's).
+        *("exaone4_5", "exaone4_5_vision", "cohere_compass", "cohere_compass_vision"),
+        *("cosmos3_edge", "cosmos3_edge_vision", "qwen2_5_omni_thinker", "qwen2_5_omni_vision_encoder"),
+        *("qwen3_omni_moe_thinker", "qwen3_omni_moe_vision_encoder"),
     }
 )
 
@@ -382,7 +386,9 @@ def _shape_from_config(config: Any) -> dict[str, Any] | None:
     if config is None or not width or not depth:
         return None
     patch = int(getattr(config, "patch_size", 14))
-    in_dim = int(getattr(config, "in_channels", 3)) * int(getattr(config, "temporal_patch_size", 2))
+    # SigLIP-style configs name the channels num_channels and have no temporal patches.
+    channels = getattr(config, "in_channels", None) or getattr(config, "num_channels", 3)
+    in_dim = int(channels) * int(getattr(config, "temporal_patch_size", 1))
     full_indexes = getattr(config, "fullatt_block_indexes", None)
     window_px = getattr(config, "window_size", None)
     window_layers: list[int] = []

@@ -41,9 +41,12 @@ patched on the model's instance like the two forwards), in transformers 4 the fi
 (an empty cache).
 
 **The contract relied on** (verified against transformers 5.24 and 4.57.6, ``modeling_qwen2_vl.py``,
-``modeling_qwen2_5_vl.py``, ``modeling_qwen3_vl.py``, ``modeling_qwen3_vl_moe.py``, and in 5.24
-``modeling_qwen3_5.py`` and ``modeling_qwen3_5_moe.py``, whose towers are Qwen3-VL's;
-:func:`balance_vision_tower` checks the static part and names what is missing):
+``modeling_qwen2_5_vl.py``, ``modeling_qwen3_vl.py``, ``modeling_qwen3_vl_moe.py``,
+``modeling_glm4v.py``, ``modeling_glm4v_moe.py``, and in 5.24 ``modeling_qwen3_5.py`` and
+``modeling_qwen3_5_moe.py``, whose towers are Qwen3-VL's, GLM-4.6V's, GLM-OCR's, Qwen4-Exp's, the
+Qwen2.5-Omni and Qwen3-Omni-MoE thinkers', EXAONE 4.5's, Cohere Compass's, Cosmos3-Omni's,
+Cosmos3-Edge's and GLM-5-Next's; :func:`balance_vision_tower` checks the static part and names
+what is missing):
 
 1. Exactly one submodule of the model has a child module named ``visual`` (the tower); that
    submodule is the base model. Its ``forward`` has parameters named ``pixel_values``,
@@ -55,9 +58,10 @@ patched on the model's instance like the two forwards), in transformers 4 the fi
    ``pixels.type(visual.dtype)`` and ``grid`` its whole grid (Qwen2/2.5-VL: ``get_image_features``
    then ``get_video_features``; Qwen3-VL: both through ``get_image_features``, with
    ``return_dict=True``). Calls are matched to the modality by grid and row count, in any order.
-   GLM-4.1V, GLM-4.5V, GLM-4.6V and GLM-OCR (:data:`_VIDEO_STEPS_AS_IMAGES`) pass the tower a
-   video grid with one row ``(1, H, W)`` per temporal step (their towers take no ``T > 1``): for
-   those the drop-in encodes videos with that grid too (:attr:`BalancedVisionTower.step_grid_keys`).
+   GLM-4.1V, GLM-4.5V, GLM-4.6V, GLM-OCR and GLM-5-Next (:data:`_VIDEO_STEPS_AS_IMAGES`) pass the
+   tower a video grid with one row ``(1, H, W)`` per temporal step (GLM-4.xV's towers take no
+   ``T > 1``): for those the drop-in encodes videos with that grid too
+   (:attr:`BalancedVisionTower.step_grid_keys`).
 3. The tower is called as ``visual(pixels, grid_thw, **kwargs)`` and returns tensors with one
    row per patch or per merged token, alone or in a tuple or ``ModelOutput`` (transformers 5:
    ``last_hidden_state`` per patch, ``pooler_output`` and each layer of Qwen3-VL's
@@ -68,9 +72,9 @@ patched on the model's instance like the two forwards), in transformers 4 the fi
    step alone (attention within each step, no temporal position embedding), so the default
    configuration plans each step as an item of its own (``split_videos``; its cost model prices
    attention per step): ``CostModel.from_vit`` recognises the Qwen-VL towers by their type.
-4. The tower has ``dtype``, an int ``spatial_merge_size``, and ``config.in_channels``,
-   ``config.temporal_patch_size``, ``config.patch_size`` (ints), which give ``C`` for the zero
-   rows a rank without images sends.
+4. The tower has ``dtype``, an int ``spatial_merge_size``, and ``config.in_channels`` (or
+   ``num_channels``), ``config.temporal_patch_size`` (1 when absent) and ``config.patch_size``
+   (ints), which give ``C`` for the zero rows a rank without images sends.
 5. The base ``forward`` returns a ``ModelOutput`` with a tensor ``last_hidden_state`` (or a tuple
    starting with it) that the loss depends on, as ``*ForConditionalGeneration`` computes logits
    from it. So the base takes no ``labels``: before 4.52, transformers kept the tower on the
@@ -143,7 +147,6 @@ _MODALITIES: tuple[tuple[str, str, str], ...] = (
     ("images", "pixel_values", "image_grid_thw"),
     ("videos", "pixel_values_videos", "video_grid_thw"),
 )
-_CHANNEL_FIELDS = ("in_channels", "temporal_patch_size", "patch_size")
 #: The base model's forward parameters that carry ``generate()``'s cache (transformers 4.x, 5.x).
 _CACHE_ARGUMENTS = ("past_key_values", "cache")
 #: The ``generate()`` step of transformers 5 that encodes images and videos before the first
@@ -152,9 +155,9 @@ _GENERATION_ENCODE = "_prepare_multimodal_encoder_kwargs_for_generation"
 
 #: Model types (the base model's ``config.model_type``) whose ``get_video_features`` calls the tower
 #: with each temporal step of a video as a grid row ``(1, H, W)`` of its own, in order: GLM-4.1V,
-#: GLM-4.5V (transformers 4.57 and 5.24), GLM-4.6V and GLM-OCR (5.24). Their towers fail on a row
-#: with ``T > 1``.
-_VIDEO_STEPS_AS_IMAGES = frozenset({"glm4v", "glm4v_moe", "glm46v", "glm_ocr"})
+#: GLM-4.5V (transformers 4.57 and 5.24), GLM-4.6V, GLM-OCR and GLM-5-Next (5.24). GLM-4.xV's towers
+#: fail on a row with ``T > 1``.
+_VIDEO_STEPS_AS_IMAGES = frozenset({"glm4v", "glm4v_moe", "glm46v", "glm_ocr", "glm5_next"})
 
 Grid = tuple[int, int, int]
 
@@ -245,9 +248,8 @@ def _contract_problems(base: nn.Module, tower: nn.Module) -> list[str]:
         problems.append(f"{tower_name} has no attribute 'dtype' (a torch.dtype)")
     if not _positive_int(getattr(tower, "spatial_merge_size", None)):
         problems.append(f"{tower_name} has no int attribute 'spatial_merge_size'")
-    config = getattr(tower, "config", None)
-    for name in _CHANNEL_FIELDS:
-        if not _positive_int(getattr(config, name, None)):
+    for name, value in _row_factors(getattr(tower, "config", None)).items():
+        if not _positive_int(value):
             problems.append(f"{tower_name}.config has no int {name!r}")
     return problems
 
@@ -302,10 +304,21 @@ def _integer_grid(grid: Any) -> bool:
     return not (grid.is_floating_point() or grid.is_complex() or grid.dtype == torch.bool)
 
 
+def _row_factors(config: Any) -> dict[str, Any]:
+    """The factors of a pixel row's width ``C = channels * temporal_patch_size * patch_size**2`` in a
+    Hugging Face tower's config, by name: ``in_channels`` (``num_channels`` in SigLIP-style
+    configs), ``temporal_patch_size`` (1 in a config without temporal patches) and ``patch_size``."""
+    channels = getattr(config, "in_channels", None)
+    return {
+        "in_channels": channels if channels is not None else getattr(config, "num_channels", None),
+        "temporal_patch_size": getattr(config, "temporal_patch_size", 1) if config is not None else None,
+        "patch_size": getattr(config, "patch_size", None),
+    }
+
+
 def _tower_channels(tower: Any) -> int | None:
     """``C`` of a pixel row from a Hugging Face tower's config, or None when it does not say."""
-    config = getattr(unwrap_module(tower), "config", None)
-    values = [getattr(config, name, None) for name in _CHANNEL_FIELDS]
+    values = list(_row_factors(getattr(unwrap_module(tower), "config", None)).values())
     if not all(_positive_int(v) for v in values):
         return None
     in_channels, temporal, patch = values

@@ -22,6 +22,7 @@ __all__ = [
     "FAMILIES",
     "GLM_FAMILIES",
     "IDS",
+    "LATEST_FAMILIES",
     "NEWER_FAMILIES",
     "available",
     "generation_prompt",
@@ -40,6 +41,15 @@ NEWER_FAMILIES = ("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 #: the tower a video one temporal step per grid row, and take no rank batch with images and videos
 #: together (a video's frames are image tokens, which the image features must match in number).
 GLM_FAMILIES = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
+#: More families of transformers 5.24 whose models meet the drop-in's contract: Qwen4-Exp, EXAONE 4.5,
+#: Cohere Compass, Cosmos3-Omni and Cosmos3-Edge (a SigLIP-style tower), the Qwen2.5-Omni and
+#: Qwen3-Omni-MoE thinkers (no audio here), and GLM-5-Next (GLM's video steps).
+LATEST_FAMILIES = (
+    "qwen4_exp", "exaone4_5", "cohere_compass", "cosmos3_omni", "cosmos3_edge", "qwen2_5_omni",
+    "qwen3_omni_moe", "glm5_next",
+)  # fmt: skip
+#: Families whose processors put a video's tokens in one block (no ``mm_token_type_ids``).
+_ONE_VIDEO_BLOCK = ("exaone4_5", "qwen2_5_omni", "qwen3_omni_moe")
 _CLASSES = {
     "qwen2_vl": "Qwen2VL",
     "qwen2_5_vl": "Qwen2_5_VL",
@@ -51,13 +61,25 @@ _CLASSES = {
     "glm4v_moe": "Glm4vMoe",
     "glm46v": "Glm46V",
     "glm_ocr": "GlmOcr",
+    "qwen4_exp": "Qwen4Exp",
+    "exaone4_5": "Exaone4_5_",
+    "cohere_compass": "CohereCompass",
+    "cosmos3_omni": "Cosmos3Omni",
+    "cosmos3_edge": "Cosmos3Edge",
+    "qwen2_5_omni": "Qwen2_5OmniThinker",
+    "qwen3_omni_moe": "Qwen3OmniMoeThinker",
+    "glm5_next": "Glm5Next",
 }
 #: Pixel values per patch row: 3 colours x 2x2 patch x temporal patch 1.
 CHANNELS = 12
 MERGE = 2
 VOCAB = 64
-#: Special token ids (the tiny vocabulary's last six; GLM's video start/end only for GLM).
-IDS = {"image": 60, "video": 61, "vision_start": 62, "vision_end": 63, "video_start": 58, "video_end": 59}
+#: Special token ids (the tiny vocabulary's last nine; GLM's video start/end and the Omni thinkers'
+#: audio ids only for those).
+IDS = {
+    "image": 60, "video": 61, "vision_start": 62, "vision_end": 63, "video_start": 58, "video_end": 59,
+    "audio": 55, "audio_start": 56, "audio_end": 57,
+}  # fmt: skip
 _TEXT = {
     "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
     "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512,
@@ -106,6 +128,8 @@ def tiny_config(family: str) -> Any:
         return Qwen3VLConfig(text_config=text, vision_config=vision, **special)
     if family in GLM_FAMILIES:
         return _glm_config(family)
+    if family in LATEST_FAMILIES:
+        return _latest_config(family)
     if family in NEWER_FAMILIES:
         import transformers
 
@@ -126,9 +150,139 @@ def tiny_config(family: str) -> Any:
             vision["deepstack_visual_indexes"] = [0, 1]
         config = getattr(transformers, f"{_CLASSES[family]}Config")
         return config(text_config=text, vision_config=vision, **special)
-    raise ValueError(
-        f"family={family!r} is unknown: expected one of {FAMILIES + NEWER_FAMILIES + GLM_FAMILIES}."
+    known = FAMILIES + NEWER_FAMILIES + GLM_FAMILIES + LATEST_FAMILIES
+    raise ValueError(f"family={family!r} is unknown: expected one of {known}.")
+
+
+_QWEN_IDS = {
+    "image_token_id": IDS["image"], "video_token_id": IDS["video"],
+    "vision_start_token_id": IDS["vision_start"], "vision_end_token_id": IDS["vision_end"],
+}  # fmt: skip
+_GLM_IDS = {
+    "image_token_id": IDS["image"], "video_token_id": IDS["video"],
+    "image_start_token_id": IDS["vision_start"], "image_end_token_id": IDS["vision_end"],
+    "video_start_token_id": IDS["video_start"], "video_end_token_id": IDS["video_end"],
+}  # fmt: skip
+#: A Qwen3-VL-style tower (learned position embeddings, deepstack after both blocks).
+_QWEN3_TOWER = {
+    **_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+    "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1],
+}  # fmt: skip
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+
+
+def _latest_config(family: str) -> Any:
+    """The config of one of :data:`LATEST_FAMILIES` (transformers 5: ``rope_parameters``)."""
+    import transformers
+
+    config = getattr(transformers, f"{_CLASSES[family]}Config")
+    text: dict[str, Any] = {**_TEXT, "head_dim": 16, "rope_parameters": _MROPE}
+    if family == "qwen4_exp":
+        # One gated-delta-rule layer and one QSA-indexed layer, MoE, hyper-connections.
+        text.update(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"])
+        text.update(
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2
+        )
+        text.update(
+            moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2
+        )
+        text.update(hc_count=2, hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16)
+        text.update(
+            indexer_budget=4, indexer_compress_ratio=2, rope_parameters={**_MROPE, "mrope_interleaved": True}
+        )
+        vision = {key: value for key, value in _QWEN3_TOWER.items() if key != "deepstack_visual_indexes"}
+        return config(text_config=text, vision_config=vision, **_QWEN_IDS)
+    if family == "exaone4_5":
+        # Sliding and full attention, 1-D positions; a Qwen2.5-VL-style tower with GQA and windows.
+        text = {**_TEXT, "model_type": "exaone4", "num_hidden_layers": 2, "sliding_window": 8}
+        text.update(sliding_window_pattern=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        vision = {**_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2}
+        vision.update(num_key_value_heads=1, out_hidden_size=32, window_size=8, fullatt_block_indexes=[1])
+        return config(
+            text_config=text, vision_config=vision, image_token_id=IDS["image"], video_token_id=IDS["video"]
+        )
+    if family == "cohere_compass":
+        text = {
+            **_TEXT,
+            "model_type": "cohere_compass_text",
+            "pad_token_id": 0,
+            "layer_types": ["full_attention"],
+        }
+        text["rope_parameters"] = {"full_attention": _MROPE}
+        vision = {**_QWEN3_TOWER, "model_type": "cohere_compass_vision"}
+        vision["rope_parameters"] = {"rope_type": "axial", "rope_theta": 10000.0}
+        return config(text_config=text, vision_config=vision, **_QWEN_IDS)
+    if family == "cosmos3_omni":
+        text.update(model_type="qwen3_vl_text", rope_parameters={**_MROPE, "mrope_interleaved": True})
+        return config(
+            text_config=text, vision_config={**_QWEN3_TOWER, "model_type": "qwen3_vl_vision"}, **_QWEN_IDS
+        )
+    if family == "cosmos3_edge":
+        # A SigLIP-style tower: num_channels, no temporal patches, the projector outside the tower.
+        vision = {
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+        }
+        vision.update(num_channels=3, patch_size=2, num_patches=16, spatial_merge_size=MERGE)
+        return config(
+            text_config={**text, "pad_token_id": 0},
+            vision_config=vision,
+            projector_hidden_size=32,
+            **_QWEN_IDS,
+        )
+    if family in ("qwen2_5_omni", "qwen3_omni_moe"):
+        return _omni_thinker_config(family, config)
+    # glm5_next: linear and indexed (MLA, NoPE) attention, MoE, hyper-connections; GLM's tower.
+    text = {**_TEXT, "num_hidden_layers": 2, "num_key_value_heads": 2, "pad_token_id": None}
+    text.update(layer_types=["linear_attention", "indexed_attention"], mlp_layer_types=["dense", "sparse"])
+    text.update(moe_intermediate_size=16, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2)
+    text.update(n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=0)
+    text.update(
+        qk_nope_head_dim=16, v_head_dim=16, index_topk=8, index_kpool=4, index_head_dim=8, index_n_heads=2
     )
+    text.update(
+        linear_head_dim=8, linear_num_heads=2, linear_conv_kernel_dim=4, hc_mult=2, hc_sinkhorn_iters=3
+    )
+    vision = {
+        **_VISION,
+        "depth": 2,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_heads": 2,
+        "image_size": 8,
+    }
+    vision.update(out_hidden_size=32, projection_intermediate_size=32)
+    return config(text_config=text, vision_config=vision, **_GLM_IDS)
+
+
+def _omni_thinker_config(family: str, config: Any) -> Any:
+    """A Qwen2.5-Omni or Qwen3-Omni-MoE thinker: a tiny audio tower that these tests never feed."""
+    text: dict[str, Any] = {**_TEXT, "rope_parameters": _MROPE}
+    audio = {"num_mel_bins": 8, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 32}
+    audio.update(d_model=16, output_dim=32, max_source_positions=64, n_window=4)
+    if family == "qwen2_5_omni":
+        vision = {**_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2}
+        vision.update(out_hidden_size=32, window_size=8, fullatt_block_indexes=[1])
+        ids = {
+            "image_token_index": IDS["image"],
+            "video_token_index": IDS["video"],
+            "audio_token_index": IDS["audio"],
+        }
+    else:
+        text.update(
+            head_dim=16, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1
+        )
+        text["rope_parameters"] = {**_MROPE, "interleaved": True}
+        vision = dict(_QWEN3_TOWER)
+        audio.update(n_window_infer=8, downsample_hidden_size=8)
+        ids = {"image_token_id": IDS["image"], "video_token_id": IDS["video"], "audio_token_id": IDS["audio"]}
+    return config(
+        text_config=text, vision_config=vision, audio_config=audio, **ids, user_token_id=1,
+        audio_start_token_id=IDS["audio_start"], audio_end_token_id=IDS["audio_end"],
+        vision_start_token_id=IDS["vision_start"], vision_end_token_id=IDS["vision_end"],
+    )  # fmt: skip
 
 
 def _glm_config(family: str) -> Any:
@@ -145,13 +299,8 @@ def _glm_config(family: str) -> Any:
         **_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
         "out_hidden_size": 32, "image_size": 8,
     }  # fmt: skip
-    special = {
-        "image_token_id": IDS["image"], "video_token_id": IDS["video"],
-        "image_start_token_id": IDS["vision_start"], "image_end_token_id": IDS["vision_end"],
-        "video_start_token_id": IDS["video_start"], "video_end_token_id": IDS["video_end"],
-    }  # fmt: skip
     config = getattr(transformers, f"{_CLASSES[family]}Config")
-    return config(text_config=text, vision_config=vision, **special)
+    return config(text_config=text, vision_config=vision, **_GLM_IDS)
 
 
 def available(family: str) -> bool:
@@ -168,6 +317,11 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     config = tiny_config(family)
     torch.manual_seed(seed)
     model = getattr(transformers, f"{_CLASSES[family]}ForConditionalGeneration")(config)
+    if family == "glm5_next":
+        # Its tower in float64 (the model casts the pixels to it): in float32 its patch embedding's
+        # gradient, a sum with much cancellation, differs by up to 3e-4 relative between two batch
+        # layouts of the same images; in float64 the balanced model's stays within 1e-9.
+        model.model.visual.double()
     return model.train()
 
 
@@ -179,14 +333,15 @@ def _tokens(family: str, kind: str, grid: Grid) -> tuple[list[int], list[int]]:
     t, h, w = grid
     per_frame = h * w // MERGE**2
     code = 1 if kind == "image" else 2
-    if family in GLM_FAMILIES and kind == "video":
+    if family in (*GLM_FAMILIES, "glm5_next") and kind == "video":
         # GLM: each frame's image tokens (typed as video) between image start/end, inside video start/end.
         frame = [IDS["vision_start"], *[IDS["image"]] * per_frame, IDS["vision_end"]]
         kinds = [0, *[code] * per_frame, 0]
         return [IDS["video_start"], *frame * t, IDS["video_end"]], [0, *kinds * t, 0]
-    # Qwen3-VL and its successors place each video frame in its own start/end pair (timestamps
-    # separate them).
-    frames = [per_frame] * t if family.startswith("qwen3") and kind == "video" else [t * per_frame]
+    # Qwen3-VL, its successors and the latest families place each video frame in its own start/end
+    # pair (timestamps separate them).
+    whole = family in _ONE_VIDEO_BLOCK or not family.startswith(("qwen3", *LATEST_FAMILIES))
+    frames = [t * per_frame] if whole or kind != "video" else [per_frame] * t
     ids: list[int] = []
     types: list[int] = []
     for count in frames:
@@ -233,6 +388,12 @@ def make_inputs(
         "mm_token_type_ids": types,
         "labels": labels,
     }
+    if family in _ONE_VIDEO_BLOCK:
+        # Their forwards take no token types; the Omni thinkers' rotary index wants each video's
+        # seconds per temporal patch.
+        del batch["mm_token_type_ids"]
+        if family != "exaone4_5":
+            batch["video_second_per_grid"] = torch.ones(len(grids["video"])) if grids["video"] else None
     for kind, pixels_key, grid_key in (
         ("image", "pixel_values", "image_grid_thw"),
         ("video", "pixel_values_videos", "video_grid_thw"),

@@ -34,6 +34,7 @@ from hf_models import (
     CHANNELS,
     FAMILIES,
     GLM_FAMILIES,
+    LATEST_FAMILIES,
     NEWER_FAMILIES,
     available,
     generation_prompt,
@@ -211,8 +212,38 @@ def test_model_forward_matches_plain_model(multirank: Any, family: str) -> None:
         pytest.skip(f"this transformers has no {family}")
     with multirank(RANKS) as w:
         per_rank = w.run(_check_family, family, timeout=240)
+    applied = _assert_cases(per_rank, tuple(cases_for(family)))
+    assert applied >= 6, "most cases should move images, else the equivalence proves little"
+    assert per_rank[0]["one_big_image_others_text_only"]["steps"][0]["reason"] != "applied"
+
+
+#: The cases the latest families run: videos next to images, and a text-only rank.
+LATEST_CASES = ("images_and_videos_next_to_images", "text_only_rank")
+
+
+def _check_latest(family: str) -> dict[str, Any]:
+    return {name: _check_case(family, name) for name in LATEST_CASES}
+
+
+@pytest.mark.parametrize("family", LATEST_FAMILIES)
+def test_latest_families_match_the_plain_model(multirank: Any, family: str) -> None:
+    """transformers 5.24's other families that meet the contract: the checks above on two cases. The
+    drop-in's default configuration splits their videos by temporal step (GLM-5-Next's model passes
+    its tower the steps itself), as their towers attend within each step."""
+    if not available(family):
+        pytest.skip(f"this transformers has no {family}")
+    handle = balance_vision_tower(tiny_model(family))
+    assert handle._default_config().split_videos == (family != "glm5_next")
+    assert handle.step_grid_keys == (("video_grid_thw",) if family == "glm5_next" else ())
+    with multirank(RANKS) as w:
+        per_rank = w.run(_check_latest, family, timeout=240)
+    assert _assert_cases(per_rank, LATEST_CASES) >= 2, "images should move, else equality proves little"
+
+
+def _assert_cases(per_rank: list[dict[str, Any]], names: tuple[str, ...]) -> int:
+    """The checks every case's result passes (see :func:`_check_case`); returns the applied calls."""
     applied = 0
-    for name in cases_for(family):
+    for name in names:
         results = [r[name] for r in per_rank]
         for rank_result in results:
             assert rank_result["calls"] == 2
@@ -226,8 +257,7 @@ def test_model_forward_matches_plain_model(multirank: Any, family: str) -> None:
         applied += results[0]["applied_calls"]
         if name != "every_rank_text_only":
             assert results[0]["steps"][0]["tower_grad_norm"] > 0, name  # the tower was trained
-    assert applied >= 6, "most cases should move images, else the equivalence proves little"
-    assert per_rank[0]["one_big_image_others_text_only"]["steps"][0]["reason"] != "applied"
+    return applied
 
 
 def _mixed_steps(family: str, rank: int) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -83,8 +83,12 @@ what is missing):
 Precomputed tower keyword arguments (``image_cu_seqlens``, ``video_position_ids``, ... and
 ``output_attentions`` / ``output_hidden_states`` of the tower) describe the local batch; the
 balanced call never uses them (the tower recomputes what it needs from the balanced grid) and
-the served calls ignore them. A forward whose served calls do not match (contract broken at run
-time) raises a ``RuntimeError`` naming the call. Bad inputs on any rank raise a ``ValueError`` on
+the served calls ignore them. A tower call that matches no modality (contract broken at run time:
+a model that encodes videos frame by frame, or image by image) is encoded directly on its rank,
+as the plain model does, with a ``RuntimeWarning`` naming the call (once per handle): the same
+outputs and gradients, that part unbalanced, and no rank left waiting. With the tower's parameters
+sharded (FSDP2, ZeRO-3) that direct call would gather them on one rank only: it raises a
+``RuntimeError`` instead. Bad inputs on any rank raise a ``ValueError`` on
 every rank (the engine's metadata gather carries the problem; the rank at fault also says what
 it found), never a hang.
 
@@ -116,6 +120,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -608,6 +613,9 @@ class BalancedVisionTower:
         last_stats: Diagnostics of the latest balanced forward (``None`` before the first).
         calls: Balanced forwards so far (one exchange each).
         applied_calls: Those in which images moved between ranks.
+        unmatched_calls: The model's own tower calls that matched no modality of the balanced call
+            (contract broken at run time), which this rank encoded directly, as the plain model
+            does; with sharded tower parameters such a call raises instead.
 
     Subclasses may override :meth:`settings` (where the configuration and group come from at each
     forward) and :meth:`record` (what happens to each forward's stats), as the Lightning mixin does.
@@ -655,6 +663,7 @@ class BalancedVisionTower:
         self.last_stats: BalanceStats | None = None
         self.calls = 0
         self.applied_calls = 0
+        self.unmatched_calls = 0
         self._reset_runtime()
         # The patched methods: (module, attribute name) by role.
         self._patched = {"base": (base, "forward"), "tower": (tower, "forward")}
@@ -879,12 +888,22 @@ class BalancedVisionTower:
             for part, served in zip(pending.parts, pending.served)
             if not served
         ]
-        raise RuntimeError(
+        problem = (
             f"balance_vision_tower: {type(self.base).__name__} called its vision tower with "
             f"{rows} rows and grid {grid}, which is none of this forward's modalities still to encode "
             f"({', '.join(expected) or 'none left'}): the model does not encode each modality's "
-            "pixel_values/grid in one tower call, as the drop-in's contract requires."
+            "pixel_values/grid in one tower call, as the drop-in's contract requires"
         )
+        if _parameters_sharded(self.tower):
+            # Encoding here would gather the tower's parameters on this rank alone.
+            raise RuntimeError(problem + "; with sharded parameters it cannot be encoded apart either.")
+        # Unsharded, this rank encodes the call itself, as the plain model would: the same outputs
+        # and gradients, no collective (the balanced call's backward still runs on every rank).
+        self.unmatched_calls += 1
+        if self.unmatched_calls == 1:
+            message = problem + ": encoded directly, unbalanced (warned once)."
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return self._original("tower")(pixels, grid_thw=grid_thw, **kwargs)
 
 
 #: A module's own hook registries, as ``nn.Module.__call__`` reads them.

@@ -637,6 +637,53 @@ def test_a_long_video_is_spread_step_by_step(multirank: Any) -> None:
         assert results[0][f"{family}, whole videos"] == ("no-gain", 2, 0), results[0]
 
 
+def _videos_step_by_step(family: str) -> dict[str, Any]:
+    """A model that breaks the contract at run time: it passes the tower its videos one temporal
+    step per grid row (GLM's way) where the drop-in expects the whole grid. That call matches no
+    modality, and the video rank encodes it directly: the plain model's losses and gradients."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from lightning_vit_balance.exchange import grid_steps
+
+    rank = dist.get_rank()
+    plain = tiny_model(family)
+    balanced = copy.deepcopy(plain)
+    for model in (plain, balanced):
+        base = model.model
+        encode = type(base).get_video_features
+        base.get_video_features = lambda pixels, grid, *a, b=base, f=encode, **k: f(
+            b, pixels, grid_steps(grid), *a, **k
+        )
+    handle = balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            batch = make_inputs(
+                family, CASES["images_and_videos_next_to_images"][rank], seed=10 * step + rank
+            )
+            plain_loss, _ = _step(plain, batch)
+            balanced_loss, _ = _step(balanced, batch)
+            torch.testing.assert_close(balanced_loss, plain_loss, **TOL)
+            plain_grads, balanced_grads = _summed_grads(plain), _summed_grads(balanced)
+            _assert_same_grads(f"step {step} rank {rank}", balanced_grads, plain_grads)
+            _sgd(plain, plain_grads)
+            _sgd(balanced, balanced_grads)
+    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return {"unmatched": handle.unmatched_calls, "calls": handle.calls, "warned": warned}
+
+
+def test_a_tower_call_matching_no_modality_is_encoded_directly(multirank: Any) -> None:
+    """No error and no rank left waiting: only the rank with videos makes such a call, and warns once."""
+    with multirank(RANKS) as w:
+        results = w.run(_videos_step_by_step, "qwen2_vl", timeout=120)
+    assert [r["calls"] for r in results] == [2] * RANKS
+    assert [r["unmatched"] for r in results] == [2, 0, 0]
+    assert len(results[0]["warned"]) == 1 and "encoded directly" in results[0]["warned"][0], results[0]
+    assert results[1]["warned"] == results[2]["warned"] == []
+
+
 def _bad_input_on_rank_1(family: str) -> str:
     """Rank 1 passes image pixels without their grid; every rank must raise, none may hang."""
     import torch.distributed as dist

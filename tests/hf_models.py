@@ -304,9 +304,13 @@ def _glm_config(family: str) -> Any:
 
 
 def available(family: str) -> bool:
-    """Whether the installed transformers has ``family``'s model."""
+    """Whether the installed transformers has ``family``'s model (:data:`LATEST_FAMILIES`: as in 5.x;
+    4.57's Omni thinkers keep the tower on the model that computes the loss, which the drop-in
+    refuses)."""
     import transformers
 
+    if family in LATEST_FAMILIES and int(transformers.__version__.split(".")[0]) < 5:
+        return False
     return hasattr(transformers, f"{_CLASSES[family]}ForConditionalGeneration")
 
 

@@ -201,8 +201,8 @@ def _check_case(family: str, name: str) -> dict[str, Any]:
     return {"steps": steps, "calls": handle.calls, "applied_calls": handle.applied_calls}
 
 
-def _check_family(family: str) -> dict[str, Any]:
-    return {name: _check_case(family, name) for name in cases_for(family)}
+def _check_cases(family: str, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: _check_case(family, name) for name in names}
 
 
 @pytest.mark.parametrize("family", FAMILIES + NEWER_FAMILIES + GLM_FAMILIES)
@@ -211,7 +211,7 @@ def test_model_forward_matches_plain_model(multirank: Any, family: str) -> None:
     if not available(family):
         pytest.skip(f"this transformers has no {family}")
     with multirank(RANKS) as w:
-        per_rank = w.run(_check_family, family, timeout=240)
+        per_rank = w.run(_check_cases, family, tuple(cases_for(family)), timeout=240)
     applied = _assert_cases(per_rank, tuple(cases_for(family)))
     assert applied >= 6, "most cases should move images, else the equivalence proves little"
     assert per_rank[0]["one_big_image_others_text_only"]["steps"][0]["reason"] != "applied"
@@ -219,10 +219,6 @@ def test_model_forward_matches_plain_model(multirank: Any, family: str) -> None:
 
 #: The cases the latest families run: videos next to images, and a text-only rank.
 LATEST_CASES = ("images_and_videos_next_to_images", "text_only_rank")
-
-
-def _check_latest(family: str) -> dict[str, Any]:
-    return {name: _check_case(family, name) for name in LATEST_CASES}
 
 
 @pytest.mark.parametrize("family", LATEST_FAMILIES)
@@ -236,7 +232,7 @@ def test_latest_families_match_the_plain_model(multirank: Any, family: str) -> N
     assert handle._default_config().split_videos == (family != "glm5_next")
     assert handle.step_grid_keys == (("video_grid_thw",) if family == "glm5_next" else ())
     with multirank(RANKS) as w:
-        per_rank = w.run(_check_latest, family, timeout=240)
+        per_rank = w.run(_check_cases, family, LATEST_CASES, timeout=240)
     assert _assert_cases(per_rank, LATEST_CASES) >= 2, "images should move, else equality proves little"
 
 
@@ -1058,10 +1054,14 @@ def test_lightning_ddp_fit_without_find_unused_parameters(
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor([step[rank] for step in expected]), **TOL
         )
-    # ddp_spawn hands the trained weights back to this process's module.
+    # ddp_spawn hands the trained weights back to this process's module. They carry three steps'
+    # gradient rounding times the learning rate: GLM-4.1V's MLP weights differ by 3.8e-6 here, and
+    # by 3.8e-9 with the model in float64 (rounding, where a misrouted row would differ at O(1)).
     trained = module.model.state_dict()
     for key, value in reference_model.state_dict().items():
-        torch.testing.assert_close(trained[key], value, **TOL, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(
+            trained[key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}"
+        )
     # The callback logged the handle's stats: one balanced call per step.
     with open(tmp_path / "fit" / "metrics.csv") as f:
         rows = [row for row in csv.DictReader(f) if row.get("vit_balance/calls")]

@@ -35,7 +35,7 @@ if importlib.util.find_spec("deepspeed") is None:
 
 from hf_models import FAMILIES, available, make_inputs, tiny_model
 from multirank import World
-from test_hf_dropin import CASES, CONFIG, TOL, _summed_grads, assert_generates_as_plain, generate_cases
+from test_hf_dropin import CASES, CONFIG, TOL, _summed_grads, assert_generates_as_plain, mixed_cases
 
 from lightning_vit_balance import ViTBalanceConfig, balance_vision_tower
 
@@ -159,5 +159,5 @@ def test_zero_gradients_match_the_plain_model(deepspeed_world: World, family: st
     # The large image outweighs the mean load: that step skips; the others move images.
     assert applied[0] == [True, True, False, True] * 2, applied
     # A balanced call per step and per evaluation forward; per generate() under ZeRO-3 one more.
-    generated = len(generate_cases(family)) if stage == 3 else 0
+    generated = len(mixed_cases(family)) if stage == 3 else 0
     assert all(r["calls"] == 2 * len(STEPS) + len(STEPS) + generated for r in results), results

@@ -107,9 +107,10 @@ def cases_for(family: str) -> dict[str, list[list[dict[str, Any]]]]:
     return GLM_CASES if family in GLM_FAMILIES else CASES
 
 
-def generate_cases(family: str) -> tuple[str, str]:
-    """The cases of the sharded tests' ``generate()`` calls and mixed steps: a text-only rank, then
-    videos on one rank only (with images there too, but in GLM)."""
+def mixed_cases(family: str) -> tuple[str, str]:
+    """Two cases that mix modalities across ranks: a text-only rank, then videos on one rank only
+    (with images there too, but in GLM). The sharded tests' ``generate()`` calls and mixed steps run
+    them, and so do the families tested on two cases."""
     return (
         "text_only_rank",
         "videos_next_to_images" if family in GLM_FAMILIES else "images_and_videos_next_to_images",
@@ -205,7 +206,7 @@ def _check_cases(family: str, names: tuple[str, ...]) -> dict[str, Any]:
     return {name: _check_case(family, name) for name in names}
 
 
-@pytest.mark.parametrize("family", FAMILIES + NEWER_FAMILIES + GLM_FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, *NEWER_FAMILIES, "glm4v"])
 def test_model_forward_matches_plain_model(multirank: Any, family: str) -> None:
     """Each case: no hang, one exchange per forward, equal losses and summed gradients, 2 steps."""
     if not available(family):
@@ -217,23 +218,23 @@ def test_model_forward_matches_plain_model(multirank: Any, family: str) -> None:
     assert per_rank[0]["one_big_image_others_text_only"]["steps"][0]["reason"] != "applied"
 
 
-#: The cases the latest families run: videos next to images, and a text-only rank.
-LATEST_CASES = ("images_and_videos_next_to_images", "text_only_rank")
-
-
-@pytest.mark.parametrize("family", LATEST_FAMILIES)
-def test_latest_families_match_the_plain_model(multirank: Any, family: str) -> None:
-    """transformers 5.24's other families that meet the contract: the checks above on two cases. The
-    drop-in's default configuration splits their videos by temporal step (GLM-5-Next's model passes
-    its tower the steps itself), as their towers attend within each step."""
+@pytest.mark.parametrize("family", [*GLM_FAMILIES[1:], *LATEST_FAMILIES])
+def test_more_families_match_the_plain_model(multirank: Any, family: str) -> None:
+    """The other GLM-4.xV models (GLM-4.1V's code) and transformers 5.24's other families that meet
+    the contract: the checks above on the two :func:`mixed_cases`. The GLM models pass their tower a
+    video's temporal steps themselves; for the others, whose towers attend within each step, the
+    drop-in's default configuration splits videos by step."""
     if not available(family):
         pytest.skip(f"this transformers has no {family}")
     handle = balance_vision_tower(tiny_model(family))
-    assert handle._default_config().split_videos == (family != "glm5_next")
-    assert handle.step_grid_keys == (("video_grid_thw",) if family == "glm5_next" else ())
+    steps = family.startswith("glm")
+    assert handle.step_grid_keys == (("video_grid_thw",) if steps else ())
+    assert handle._default_config().split_videos is not steps
     with multirank(RANKS) as w:
-        per_rank = w.run(_check_cases, family, LATEST_CASES, timeout=240)
-    assert _assert_cases(per_rank, LATEST_CASES) >= 2, "images should move, else equality proves little"
+        per_rank = w.run(_check_cases, family, mixed_cases(family), timeout=240)
+    assert _assert_cases(per_rank, mixed_cases(family)) >= 2, (
+        "images should move, else equality proves little"
+    )
 
 
 def _assert_cases(per_rank: list[dict[str, Any]], names: tuple[str, ...]) -> int:
@@ -258,7 +259,7 @@ def _assert_cases(per_rank: list[dict[str, Any]], names: tuple[str, ...]) -> int
 
 def _mixed_steps(family: str, rank: int) -> Iterator[tuple[str, dict[str, Any]]]:
     """Four steps of this rank's batches, a text-only rank and images next to videos in turn."""
-    for step, name in enumerate(generate_cases(family) * 2):
+    for step, name in enumerate(mixed_cases(family) * 2):
         batch = make_inputs(family, cases_for(family)[name][rank], seed=100 * step + rank)
         yield f"{family}/{name} step {step} rank {rank}", batch
 
@@ -543,12 +544,12 @@ def test_eval_no_grad_and_generate_forwards_are_not_balanced(multirank: Any) -> 
 
 
 def assert_generates_as_plain(model: nn.Module, plain: nn.Module, family: str) -> None:
-    """``generate()`` of the :func:`generate_cases` on every rank (``synced_gpus``, as sharded
+    """``generate()`` of the :func:`mixed_cases` on every rank (``synced_gpus``, as sharded
     parameters need), each rank a different number of tokens: ``model``'s tokens are ``plain``'s."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    for name in generate_cases(family):
+    for name in mixed_cases(family):
         prompt = generation_prompt(plain, make_inputs(family, cases_for(family)[name][rank], seed=11 + rank))
         settings = generation_settings(rank)
         with torch.no_grad():

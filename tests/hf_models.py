@@ -94,38 +94,51 @@ def _rope(**extra: Any) -> dict[str, Any]:
     return {"type": "mrope", "rope_type": "default", "mrope_section": [2, 3, 3], **extra}
 
 
+_QWEN_IDS = {
+    "image_token_id": IDS["image"], "video_token_id": IDS["video"],
+    "vision_start_token_id": IDS["vision_start"], "vision_end_token_id": IDS["vision_end"],
+}  # fmt: skip
+_GLM_IDS = {
+    "image_token_id": IDS["image"], "video_token_id": IDS["video"],
+    "image_start_token_id": IDS["vision_start"], "image_end_token_id": IDS["vision_end"],
+    "video_start_token_id": IDS["video_start"], "video_end_token_id": IDS["video_end"],
+}  # fmt: skip
+#: A Qwen2.5-VL-style tower (windows of 2x2 merged tokens, block 1 full attention).
+_QWEN2_5_TOWER = {
+    **_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+    "window_size": 8, "fullatt_block_indexes": [1],
+}  # fmt: skip
+#: A Qwen3-VL-style tower (learned position embeddings, deepstack after both blocks).
+_QWEN3_TOWER = {
+    **_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+    "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1],
+}  # fmt: skip
+#: GLM-4.xV's tower (its position embedding interpolated from a 4x4 table).
+_GLM_TOWER = {
+    **_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
+    "image_size": 8,
+}  # fmt: skip
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+
+
 def tiny_config(family: str) -> Any:
     """The model config of ``family`` (one of :data:`FAMILIES`)."""
-    special = {
-        "image_token_id": IDS["image"],
-        "video_token_id": IDS["video"],
-        "vision_start_token_id": IDS["vision_start"],
-        "vision_end_token_id": IDS["vision_end"],
-    }
     if family == "qwen2_vl":
         from transformers import Qwen2VLConfig
 
         text = {**_TEXT, "rope_scaling": _rope()}
         vision = {**_VISION, "depth": 2, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "mlp_ratio": 2}
-        return Qwen2VLConfig(text_config=text, vision_config=vision, **special)
+        return Qwen2VLConfig(text_config=text, vision_config=vision, **_QWEN_IDS)
     if family == "qwen2_5_vl":
         from transformers import Qwen2_5_VLConfig
 
         text = {**_TEXT, "rope_scaling": _rope()}
-        vision = {
-            **_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
-            "out_hidden_size": 32, "window_size": 8, "fullatt_block_indexes": [1],
-        }  # fmt: skip
-        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **special)
+        return Qwen2_5_VLConfig(text_config=text, vision_config=_QWEN2_5_TOWER, **_QWEN_IDS)
     if family == "qwen3_vl":
         from transformers import Qwen3VLConfig
 
         text = {**_TEXT, "head_dim": 16, "rope_scaling": _rope(mrope_interleaved=True)}
-        vision = {
-            **_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
-            "out_hidden_size": 32, "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1],
-        }  # fmt: skip
-        return Qwen3VLConfig(text_config=text, vision_config=vision, **special)
+        return Qwen3VLConfig(text_config=text, vision_config=_QWEN3_TOWER, **_QWEN_IDS)
     if family in GLM_FAMILIES:
         return _glm_config(family)
     if family in LATEST_FAMILIES:
@@ -142,33 +155,11 @@ def tiny_config(family: str) -> Any:
         if family.endswith("moe"):
             text.update(moe_intermediate_size=16, num_experts_per_tok=2, num_experts=4)
             text.update(shared_expert_intermediate_size=16, decoder_sparse_step=1)
-        vision = {
-            **_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
-            "out_hidden_size": 32, "num_position_embeddings": 16,
-        }  # fmt: skip
-        if family == "qwen3_vl_moe":
-            vision["deepstack_visual_indexes"] = [0, 1]
+        vision = _QWEN3_TOWER if family == "qwen3_vl_moe" else _without_deepstack(_QWEN3_TOWER)
         config = getattr(transformers, f"{_CLASSES[family]}Config")
-        return config(text_config=text, vision_config=vision, **special)
+        return config(text_config=text, vision_config=vision, **_QWEN_IDS)
     known = FAMILIES + NEWER_FAMILIES + GLM_FAMILIES + LATEST_FAMILIES
     raise ValueError(f"family={family!r} is unknown: expected one of {known}.")
-
-
-_QWEN_IDS = {
-    "image_token_id": IDS["image"], "video_token_id": IDS["video"],
-    "vision_start_token_id": IDS["vision_start"], "vision_end_token_id": IDS["vision_end"],
-}  # fmt: skip
-_GLM_IDS = {
-    "image_token_id": IDS["image"], "video_token_id": IDS["video"],
-    "image_start_token_id": IDS["vision_start"], "image_end_token_id": IDS["vision_end"],
-    "video_start_token_id": IDS["video_start"], "video_end_token_id": IDS["video_end"],
-}  # fmt: skip
-#: A Qwen3-VL-style tower (learned position embeddings, deepstack after both blocks).
-_QWEN3_TOWER = {
-    **_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32,
-    "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1],
-}  # fmt: skip
-_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
 
 
 def _latest_config(family: str) -> Any:
@@ -190,14 +181,12 @@ def _latest_config(family: str) -> Any:
         text.update(
             indexer_budget=4, indexer_compress_ratio=2, rope_parameters={**_MROPE, "mrope_interleaved": True}
         )
-        vision = {key: value for key, value in _QWEN3_TOWER.items() if key != "deepstack_visual_indexes"}
-        return config(text_config=text, vision_config=vision, **_QWEN_IDS)
+        return config(text_config=text, vision_config=_without_deepstack(_QWEN3_TOWER), **_QWEN_IDS)
     if family == "exaone4_5":
         # Sliding and full attention, 1-D positions; a Qwen2.5-VL-style tower with GQA and windows.
         text = {**_TEXT, "model_type": "exaone4", "num_hidden_layers": 2, "sliding_window": 8}
         text.update(sliding_window_pattern=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-        vision = {**_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2}
-        vision.update(num_key_value_heads=1, out_hidden_size=32, window_size=8, fullatt_block_indexes=[1])
+        vision = {**_QWEN2_5_TOWER, "num_key_value_heads": 1}
         return config(
             text_config=text, vision_config=vision, image_token_id=IDS["image"], video_token_id=IDS["video"]
         )
@@ -245,15 +234,7 @@ def _latest_config(family: str) -> Any:
     text.update(
         linear_head_dim=8, linear_num_heads=2, linear_conv_kernel_dim=4, hc_mult=2, hc_sinkhorn_iters=3
     )
-    vision = {
-        **_VISION,
-        "depth": 2,
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "num_heads": 2,
-        "image_size": 8,
-    }
-    vision.update(out_hidden_size=32, projection_intermediate_size=32)
+    vision = {**_GLM_TOWER, "projection_intermediate_size": 32}
     return config(text_config=text, vision_config=vision, **_GLM_IDS)
 
 
@@ -263,8 +244,7 @@ def _omni_thinker_config(family: str, config: Any) -> Any:
     audio = {"num_mel_bins": 8, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 32}
     audio.update(d_model=16, output_dim=32, max_source_positions=64, n_window=4)
     if family == "qwen2_5_omni":
-        vision = {**_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2}
-        vision.update(out_hidden_size=32, window_size=8, fullatt_block_indexes=[1])
+        vision = _QWEN2_5_TOWER
         ids = {
             "image_token_index": IDS["image"],
             "video_token_index": IDS["video"],
@@ -275,7 +255,7 @@ def _omni_thinker_config(family: str, config: Any) -> Any:
             head_dim=16, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1
         )
         text["rope_parameters"] = {**_MROPE, "interleaved": True}
-        vision = dict(_QWEN3_TOWER)
+        vision = _QWEN3_TOWER
         audio.update(n_window_infer=8, downsample_hidden_size=8)
         ids = {"image_token_id": IDS["image"], "video_token_id": IDS["video"], "audio_token_id": IDS["audio"]}
     return config(
@@ -295,12 +275,12 @@ def _glm_config(family: str) -> Any:
     if family == "glm4v_moe":
         text.update(moe_intermediate_size=16, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1)
         text.update(first_k_dense_replace=0, n_group=1, topk_group=1)
-    vision = {
-        **_VISION, "depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
-        "out_hidden_size": 32, "image_size": 8,
-    }  # fmt: skip
     config = getattr(transformers, f"{_CLASSES[family]}Config")
-    return config(text_config=text, vision_config=vision, **_GLM_IDS)
+    return config(text_config=text, vision_config=_GLM_TOWER, **_GLM_IDS)
+
+
+def _without_deepstack(tower: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in tower.items() if key != "deepstack_visual_indexes"}
 
 
 def available(family: str) -> bool:

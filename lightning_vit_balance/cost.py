@@ -31,7 +31,7 @@ import numpy as np
 
 from lightning_vit_balance.config import ViTBalanceConfig, _check_int, _check_number
 
-__all__ = ["CostCalibrator", "CostModel"]
+__all__ = ["CostCalibrator", "CostModel", "pixel_row_factors"]
 
 
 @dataclass(frozen=True)
@@ -378,6 +378,19 @@ def _attends_per_frame(vit: Any) -> bool:
     )
 
 
+def pixel_row_factors(config: Any) -> dict[str, Any]:
+    """The factors of a pixel row's width ``C = channels * temporal_patch_size * patch_size**2`` in a
+    Hugging Face vision config, by name (None where it does not say): ``in_channels``
+    (``num_channels`` in SigLIP-style configs), ``temporal_patch_size`` (1 in a config without
+    temporal patches) and ``patch_size``."""
+    channels = getattr(config, "in_channels", None)
+    return {
+        "in_channels": channels if channels is not None else getattr(config, "num_channels", None),
+        "temporal_patch_size": getattr(config, "temporal_patch_size", 1) if config is not None else None,
+        "patch_size": getattr(config, "patch_size", None),
+    }
+
+
 def _shape_from_config(config: Any) -> dict[str, Any] | None:
     """:meth:`CostModel.from_vit_shape` arguments from a Qwen-VL style vision config, if it has a
     width and a depth."""
@@ -386,9 +399,8 @@ def _shape_from_config(config: Any) -> dict[str, Any] | None:
     if config is None or not width or not depth:
         return None
     patch = int(getattr(config, "patch_size", 14))
-    # SigLIP-style configs name the channels num_channels and have no temporal patches.
-    channels = getattr(config, "in_channels", None) or getattr(config, "num_channels", 3)
-    in_dim = int(channels) * int(getattr(config, "temporal_patch_size", 1))
+    factors = pixel_row_factors(config)
+    in_dim = int(factors["in_channels"] or 3) * int(factors["temporal_patch_size"])
     full_indexes = getattr(config, "fullatt_block_indexes", None)
     window_px = getattr(config, "window_size", None)
     window_layers: list[int] = []

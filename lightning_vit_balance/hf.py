@@ -132,7 +132,7 @@ from torch import nn
 
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
-from lightning_vit_balance.cost import CostModel
+from lightning_vit_balance.cost import CostModel, pixel_row_factors
 from lightning_vit_balance.exchange import grid_rows, grid_steps
 from lightning_vit_balance.outputs import (
     classify_output,
@@ -253,7 +253,7 @@ def _contract_problems(base: nn.Module, tower: nn.Module) -> list[str]:
         problems.append(f"{tower_name} has no attribute 'dtype' (a torch.dtype)")
     if not _positive_int(getattr(tower, "spatial_merge_size", None)):
         problems.append(f"{tower_name} has no int attribute 'spatial_merge_size'")
-    for name, value in _row_factors(getattr(tower, "config", None)).items():
+    for name, value in pixel_row_factors(getattr(tower, "config", None)).items():
         if not _positive_int(value):
             problems.append(f"{tower_name}.config has no int {name!r}")
     return problems
@@ -302,28 +302,19 @@ def _any_keyword(parameters: Mapping[str, inspect.Parameter]) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
-def _integer_grid(grid: Any) -> bool:
-    """Whether ``grid`` is an integer tensor ``[n, 3]``."""
+def _grid_problem(grid_name: str, grid: Any) -> str | None:
+    """What is wrong with ``grid``, the forward's argument ``grid_name``, unless it is an integer
+    tensor ``[n, 3]`` (None)."""
     if not isinstance(grid, torch.Tensor) or grid.dim() != 2 or grid.shape[1] != 3:
-        return False
-    return not (grid.is_floating_point() or grid.is_complex() or grid.dtype == torch.bool)
-
-
-def _row_factors(config: Any) -> dict[str, Any]:
-    """The factors of a pixel row's width ``C = channels * temporal_patch_size * patch_size**2`` in a
-    Hugging Face tower's config, by name: ``in_channels`` (``num_channels`` in SigLIP-style
-    configs), ``temporal_patch_size`` (1 in a config without temporal patches) and ``patch_size``."""
-    channels = getattr(config, "in_channels", None)
-    return {
-        "in_channels": channels if channels is not None else getattr(config, "num_channels", None),
-        "temporal_patch_size": getattr(config, "temporal_patch_size", 1) if config is not None else None,
-        "patch_size": getattr(config, "patch_size", None),
-    }
+        return f"{grid_name} is {_describe(grid)}: expected an integer tensor [n, 3]"
+    if grid.is_floating_point() or grid.is_complex() or grid.dtype == torch.bool:
+        return f"{grid_name} has dtype {grid.dtype}: expected an integer tensor [n, 3]"
+    return None
 
 
 def _tower_channels(tower: Any) -> int | None:
     """``C`` of a pixel row from a Hugging Face tower's config, or None when it does not say."""
-    values = list(_row_factors(getattr(unwrap_module(tower), "config", None)).values())
+    values = list(pixel_row_factors(getattr(unwrap_module(tower), "config", None)).values())
     if not all(_positive_int(v) for v in values):
         return None
     in_channels, temporal, patch = values
@@ -383,11 +374,9 @@ def _combine(inputs: Sequence[tuple[str, str, Any, str, Any]], vit: Any, cast: b
         if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
             problems.append(f"{pixels_name} is {_describe(rows)}: expected a 2-D tensor [sum(T*H*W), C]")
             continue
-        if not isinstance(grid, torch.Tensor) or grid.dim() != 2 or grid.shape[1] != 3:
-            problems.append(f"{grid_name} is {_describe(grid)}: expected an integer tensor [n, 3]")
-            continue
-        if grid.is_floating_point() or grid.is_complex() or grid.dtype == torch.bool:
-            problems.append(f"{grid_name} has dtype {grid.dtype}: expected an integer tensor [n, 3]")
+        problem = _grid_problem(grid_name, grid)
+        if problem is not None:
+            problems.append(problem)
             continue
         found = grid_rows(grid)
         expected = sum(t * h * w for t, h, w in found)
@@ -868,7 +857,7 @@ class BalancedVisionTower:
         """The grid the model passes its tower for its forward's grid argument ``key``: each
         temporal step a row of its own for :attr:`step_grid_keys` (a valid grid only: the input
         checks name the caller's own)."""
-        if key not in self.step_grid_keys or not _integer_grid(grid):
+        if key not in self.step_grid_keys or _grid_problem(key, grid) is not None:
             return grid
         return grid_steps(grid)
 

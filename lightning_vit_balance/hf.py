@@ -664,6 +664,12 @@ class BalancedVisionTower:
         for which, (module, name) in self._patched.items():
             setattr(module, name, _Forward(self, which))
 
+    @property
+    def pixel_dtype(self) -> torch.dtype:
+        """The dtype pixel rows are encoded in: the tower's, as the model casts them
+        (``pixels.type(visual.dtype)``); a plan made ahead of the forward is made for it."""
+        return _placement(self.tower)[1]
+
     @classmethod
     def of(cls, model: nn.Module) -> BalancedVisionTower | None:
         """The handle balancing ``model``'s vision tower, or None."""

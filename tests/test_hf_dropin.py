@@ -54,6 +54,8 @@ from lightning_vit_balance import (
     balance_vision_tower,
     encode_visual,
 )
+from lightning_vit_balance.exchange import grid_steps
+from lightning_vit_balance.lightning.mixin import _rows_to_plan
 from lightning_vit_balance.outputs import flatten_output
 
 RANKS = 3
@@ -1019,6 +1021,32 @@ def _reference(
     return losses
 
 
+@pytest.mark.parametrize(("family", "tower_dtype"), [(FIT_FAMILY, torch.bfloat16), ("glm4v", torch.float64)])
+def test_plans_made_ahead_are_for_the_rows_the_tower_gets(
+    tmp_path: Path, family: str, tower_dtype: torch.dtype
+) -> None:
+    """The mixin plans ahead for the rows the drop-in passes the tower: in the tower's dtype at the
+    time (a bf16 tower's pixel rows travel as bf16, half the bytes of the batch's float32, and a
+    float64 tower's are not refused as a dtype float32 cannot hold), and GLM-4.1V's videos one
+    temporal step per row. A module without a drop-in plans the batch's own rows."""
+    batch = make_inputs(family, [{"images": [(1, 4, 4)], "videos": [(3, 4, 2)]}], seed=0)
+    if family in GLM_FAMILIES:  # its model takes no batch with images and videos together
+        batch = make_inputs(family, [{"videos": [(3, 4, 2)]}], seed=0)
+    module = HFFinetune(str(tmp_path), balanced=True, family=family)
+    module.model.model.visual.to(tower_dtype)
+    plain = HFFinetune(str(tmp_path), balanced=False, family=family)
+    keys = module.vit_balance_prepare_keys
+    pixels, grid = _rows_to_plan(batch, keys, module._vit_balance_towers)
+    own_pixels, own_grid = _rows_to_plan(batch, keys, plain._vit_balance_towers)
+    rows = sum(batch[k].shape[0] for k, _ in keys if batch.get(k) is not None)
+    assert pixels.shape == own_pixels.shape == (rows, batch["pixel_values_videos"].shape[1])
+    assert (pixels.dtype, own_pixels.dtype) == (tower_dtype, torch.float32)
+    grids = [batch[g] for k, g in keys if batch.get(k) is not None]
+    assert torch.equal(own_grid, torch.cat(grids))
+    steps = [grid_steps(g) if g is batch.get("video_grid_thw") else g for g in grids]
+    assert torch.equal(grid, torch.cat(steps) if family in GLM_FAMILIES else torch.cat(grids))
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("family", "plan_ahead"), [(FIT_FAMILY, False), (FIT_FAMILY, True), ("glm4v", True)])
 def test_lightning_ddp_fit_without_find_unused_parameters(
@@ -1028,10 +1056,14 @@ def test_lightning_ddp_fit_without_find_unused_parameters(
 
     With ``plan_ahead`` each step's one balanced call uses the plan made in
     ``on_before_batch_transfer`` from the batch's image and video grids (GLM-4.1V: its video grids
-    one temporal step per row, as its model passes them to the tower).
+    one temporal step per row, as its model passes them to the tower). GLM-4.1V's tower runs in
+    float64 there, set after ``balance_vision_tower``, while the batch holds float32 pixels: the
+    plan is made for the rows the model passes its tower, cast to the tower's dtype at the time.
     """
     torch.set_num_threads(1)
     module = HFFinetune(str(tmp_path), balanced=True, plan_ahead=plan_ahead, family=family)
+    if family == "glm4v":
+        module.model.model.visual.double()
     reference_model = copy.deepcopy(module.model)
     BalancedVisionTower.of(reference_model).remove()
     trainer = L.Trainer(

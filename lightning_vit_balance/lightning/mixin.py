@@ -77,11 +77,18 @@ def _allow_configs_in_checkpoints() -> None:
 
 
 def _rows_to_plan(
-    batch: Any, keys: tuple[tuple[str, str], ...], step_keys: tuple[str, ...] = ()
+    batch: Any,
+    keys: tuple[tuple[str, str], ...],
+    towers: tuple[BalancedVisionTower, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``ViTBalancer.prepare`` needs of a host batch: a meta tensor of the pixel rows' shape and
-    dtype (nothing is read or copied) and the grid rows, for the keys present, in order; the grids
-    of ``step_keys`` one temporal step per row, as the drop-in passes them to a GLM-4.xV tower."""
+    dtype (nothing is read or copied) and the grid rows, for the keys present, in order.
+
+    With drop-in ``towers``, the rows their forwards pass the tower: the grids of their
+    ``step_grid_keys`` one temporal step per row (GLM-4.xV), and the pixels in the towers' dtype
+    when they share one (the model casts them to it; a bf16 tower's rows then travel as bf16)."""
+    step_keys = {key for tower in towers for key in tower.step_grid_keys}
+    tower_dtypes = {tower.pixel_dtype for tower in towers}
     rows, width, dtype, grids = 0, 1, torch.float32, []
     for pixel_key, grid_key in keys:
         pixels = batch.get(pixel_key) if isinstance(batch, Mapping) else None
@@ -90,6 +97,7 @@ def _rows_to_plan(
             grid = torch.as_tensor(batch.get(grid_key)).reshape(-1, 3).to("cpu", torch.long)
             grids.append(grid_steps(grid) if grid_key in step_keys else grid)
     grid = torch.cat(grids) if grids else torch.empty((0, 3), dtype=torch.long)
+    dtype = tower_dtypes.pop() if len(tower_dtypes) == 1 else dtype
     return torch.empty((rows, width), dtype=dtype, device="meta"), grid
 
 
@@ -395,9 +403,9 @@ class ViTBalanceMixin:
         ("pixel_values_videos", "video_grid_thw"),
     )
 
-    #: Grid keys whose videos a drop-in encodes one temporal step per grid row (see
-    #: :meth:`balance_vision_tower`).
-    _vit_balance_step_keys: tuple[str, ...] = ()
+    #: The drop-in handles :meth:`balance_vision_tower` made: a plan made ahead is made for the rows
+    #: their forwards pass the tower (video steps, dtype).
+    _vit_balance_towers: tuple[BalancedVisionTower, ...] = ()
 
     def _vit_balance_plan_ahead(self, batch: Any) -> None:
         state = self._vit_balance_state_object()
@@ -406,7 +414,7 @@ class ViTBalanceMixin:
         settings = self._vit_balance_settings() if trainer is not None and trainer.training else None
         if settings is None or not settings[0].plan_ahead:
             return
-        pixels, grid = _rows_to_plan(batch, self.vit_balance_prepare_keys, self._vit_balance_step_keys)
+        pixels, grid = _rows_to_plan(batch, self.vit_balance_prepare_keys, self._vit_balance_towers)
         state.ticket = self._vit_balance_balancer(*settings).prepare(pixels, grid)
 
     def _vit_balance_keep(self, stats: BalanceStats | None) -> None:
@@ -448,9 +456,7 @@ class ViTBalanceMixin:
             existing.evaluation = evaluation
             return existing
         handle = _ModuleTowerBalance(model, self, evaluation)
-        # Plans made ahead must see the grids the drop-in passes the tower (GLM-4.xV: video steps).
-        keys = (*self._vit_balance_step_keys, *handle.step_grid_keys)
-        object.__setattr__(self, "_vit_balance_step_keys", tuple(dict.fromkeys(keys)))
+        object.__setattr__(self, "_vit_balance_towers", (*self._vit_balance_towers, handle))
         return handle
 
     def encode_visual(

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -17,6 +18,22 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from multirank import World, close_all, world
+
+#: Lightning's launchers keep the rendezvous address and port they chose in this process's
+#: environment, so the first fit's port would serve every later fit of the session (and every
+#: script those start) and fail them all once any socket, say a worker pool's, holds it. Each
+#: test leaves them as the session found them.
+_RENDEZVOUS = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_rendezvous_port() -> Iterator[None]:
+    yield
+    for name, value in _RENDEZVOUS.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,7 @@ passes no cache: with ``evaluation`` its forwards are balanced, and need ``synce
 Under FSDP or ZeRO-3 an evaluation forward gathers parameters in the tower too, so evaluation
 with ranks that differ in modalities needs ``evaluation`` (as it needs the drop-in in training).
 So does ``generate()``: with ``evaluation`` and the tower's parameters sharded (FSDP2's
-``DTensor``s, ZeRO-3's partitioned parameters), its image encoding is balanced, where every rank
+``DTensor``s, FSDP1 units, ZeRO-3's partitioned parameters), its image encoding is balanced, where every rank
 generates together anyway (``synced_gpus=True``): in transformers 5 the step that encodes images
 and videos before the first forward (``_prepare_multimodal_encoder_kwargs_for_generation``,
 patched on the model's instance like the two forwards), in transformers 4 the first forward
@@ -87,7 +87,7 @@ the served calls ignore them. A tower call that matches no modality (contract br
 a model that encodes videos frame by frame, or image by image) is encoded directly on its rank,
 as the plain model does, with a ``RuntimeWarning`` naming the call (once per handle): the same
 outputs and gradients, that part unbalanced, and no rank left waiting. With the tower's parameters
-sharded (FSDP2, ZeRO-3) that direct call would gather them on one rank only: it raises a
+sharded (FSDP2, FSDP1, ZeRO-3) that direct call would gather them on one rank only: it raises a
 ``RuntimeError`` instead. Bad inputs on any rank raise a ``ValueError`` on
 every rank (the engine's metadata gather carries the problem; the rank at fault also says what
 it found), never a hang.
@@ -211,20 +211,16 @@ def _generation_owner(model: nn.Module, base: nn.Module) -> nn.Module | None:
 
 def _parameters_sharded(tower: nn.Module) -> bool:
     """Whether the tower's parameters are sharded across ranks (FSDP2's ``DTensor``s, ZeRO-3's
-    partitioned parameters): then every call of the tower is a collective."""
-    dtensor = _dtensor_type()
-    return any(
-        hasattr(param, "ds_id") or (dtensor is not None and isinstance(param, dtensor))
-        for param in tower.parameters()
-    )
-
-
-def _dtensor_type() -> type | None:
+    partitioned parameters, FSDP1 units inside the tower): then every call of the tower is a
+    collective."""
     if not dist.is_available():
-        return None
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 
-    return DTensor
+    if any(hasattr(param, "ds_id") or isinstance(param, DTensor) for param in tower.parameters()):
+        return True
+    return any(isinstance(module, FullyShardedDataParallel) for module in tower.modules())
 
 
 def _positive_int(value: Any) -> bool:
@@ -952,7 +948,7 @@ def balance_vision_tower(
     logits and gradients stay those of the plain model. Ranks with text only take part, so
     nothing hangs and DDP needs no ``find_unused_parameters``. Evaluation forwards call the tower
     directly unless ``evaluation``; ``generate()`` does too, unless ``evaluation`` is set and the
-    tower's parameters are sharded (FSDP2, ZeRO-3). See :mod:`lightning_vit_balance.hf` for the
+    tower's parameters are sharded (FSDP2, FSDP1, ZeRO-3). See :mod:`lightning_vit_balance.hf` for the
     contract.
 
     Example::

@@ -392,6 +392,74 @@ def test_fsdp2_units_on_the_blocks_or_the_tower(multirank: Any) -> None:
         assert "is compiled as a whole" in r["errors"][1] and "block.compile()" in r["errors"][1], r
 
 
+def _fsdp1_units(family: str, use_orig_params: bool) -> dict[str, Any]:
+    """FSDP1 (``FullyShardedDataParallel`` on the CPU device, gloo) with each vision block and decoder
+    layer a unit: the plain model's losses over four SGD steps, with ``use_orig_params`` its
+    gradients too, then its evaluation losses and ``generate()`` tokens; then the tower's class in
+    the wrap policy."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    plain = tiny_model(family)
+    inner = copy.deepcopy(plain)
+    handle = balance_vision_tower(inner, ViTBalanceConfig(**CONFIG), evaluation=True)
+    units = {type(inner.model.visual.blocks[0]), type(inner.model.language_model.layers[0])}
+    cpu = torch.device("cpu")  # FSDP1 looks for an accelerator unless told the device
+    policy = ModuleWrapPolicy(units)
+    model = FSDP(inner, auto_wrap_policy=policy, use_orig_params=use_orig_params, device_id=cpu)
+    for where, batch in _mixed_steps(family, rank):
+        plain_loss, _ = _step(plain, batch)
+        loss, _ = _step(model, batch)
+        torch.testing.assert_close(loss, plain_loss, **TOL, msg=lambda m, w=where: f"{w}: loss {m}")
+        expected = _summed_grads(plain)
+        if use_orig_params:  # the full gradients, averaged over ranks, under their own names
+            with FSDP.summon_full_params(model, with_grads=True):
+                _assert_averaged(where, _unwrapped_names(inner), expected, size, lambda g: g)
+        with torch.no_grad():  # SGD on the summed gradients, as for the plain model
+            for param in model.parameters():
+                if param.grad is not None:  # None: no element of this rank's shard is used
+                    param -= SGD_LR * size * param.grad
+        model.zero_grad(set_to_none=True)
+        _sgd(plain, expected)
+    model.eval()
+    plain.eval()
+    with torch.no_grad():  # evaluation forwards gather the blocks too: balanced, every rank calls
+        for where, batch in _mixed_steps(family, rank):
+            torch.testing.assert_close(model(**batch).loss, plain(**batch).loss, **TOL, msg=where)
+    # generate() on the wrapped module, the root's parameters gathered around it (the blocks gather
+    # their own): its image encoding is balanced, as FSDP1's units are collectives.
+    with FSDP.summon_full_params(model, recurse=False, writeback=False):
+        assert_generates_as_plain(inner, plain, family)
+    tower_unit = ModuleWrapPolicy({*units, type(inner.model.visual)})
+    wrapped = FSDP(balance_vision_tower(tiny_model(family)).model, auto_wrap_policy=tower_unit, device_id=cpu)
+    try:
+        wrapped(**make_inputs(family, CASES["text_only_rank"][rank], seed=rank))
+        error = None
+    except ValueError as err:
+        error = str(err)
+    return {"calls": handle.calls, "applied_calls": handle.applied_calls, "error": error}
+
+
+def _unwrapped_names(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {key.replace("_fsdp_wrapped_module.", ""): param for key, param in model.named_parameters()}
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+def test_fsdp1_units_on_the_blocks(multirank: Any, use_orig_params: bool) -> None:
+    """FSDP1 with the blocks and decoder layers as units: the plain model's losses, gradients,
+    evaluation losses and generated tokens where ranks differ in modalities (the plain model aborts
+    there: its text-only rank skips the blocks' parameter gathers). The tower's class in the wrap
+    policy: an error naming the fix."""
+    with multirank(RANKS) as w:
+        results = w.run(_fsdp1_units, "qwen2_5_vl", use_orig_params, timeout=240)
+    generated = len(mixed_cases("qwen2_5_vl"))
+    for r in results:  # four training and four evaluation forwards, and each generate()
+        assert r["calls"] == 2 * 4 + generated and r["applied_calls"] >= 2 * 4, r
+        assert "visual was replaced by a FullyShardedDataParallel" in r["error"], r
+
+
 #: LoRA on the decoder's attention and the vision blocks' ``qkv``, both adapters random (PEFT's
 #: default zero ``B`` would leave ``A`` without a gradient in the first step).
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "qkv"], "init_lora_weights": False}

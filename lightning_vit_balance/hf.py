@@ -34,11 +34,11 @@ passes no cache: with ``evaluation`` its forwards are balanced, and need ``synce
 Under FSDP or ZeRO-3 an evaluation forward gathers parameters in the tower too, so evaluation
 with ranks that differ in modalities needs ``evaluation`` (as it needs the drop-in in training).
 So does ``generate()``: with ``evaluation`` and the tower's parameters sharded (FSDP2's
-``DTensor``s, FSDP1 units, ZeRO-3's partitioned parameters), its image encoding is balanced, where every rank
-generates together anyway (``synced_gpus=True``): in transformers 5 the step that encodes images
-and videos before the first forward (``_prepare_multimodal_encoder_kwargs_for_generation``,
-patched on the model's instance like the two forwards), in transformers 4 the first forward
-(an empty cache).
+``DTensor``s, FSDP1 units, ZeRO-3's partitioned parameters), its image encoding is balanced,
+where every rank generates together anyway (``synced_gpus=True``): in transformers 5 the step
+that encodes images and videos before the first forward
+(``_prepare_multimodal_encoder_kwargs_for_generation``, patched on the model's instance like the
+two forwards), in transformers 4 the first forward (an empty cache).
 
 **The contract relied on** (verified against transformers 5.24 and 4.57.6, ``modeling_qwen2_vl.py``,
 ``modeling_qwen2_5_vl.py``, ``modeling_qwen3_vl.py``, ``modeling_qwen3_vl_moe.py``,
@@ -948,8 +948,8 @@ def balance_vision_tower(
     logits and gradients stay those of the plain model. Ranks with text only take part, so
     nothing hangs and DDP needs no ``find_unused_parameters``. Evaluation forwards call the tower
     directly unless ``evaluation``; ``generate()`` does too, unless ``evaluation`` is set and the
-    tower's parameters are sharded (FSDP2, FSDP1, ZeRO-3). See :mod:`lightning_vit_balance.hf` for the
-    contract.
+    tower's parameters are sharded (FSDP2, FSDP1, ZeRO-3). See :mod:`lightning_vit_balance.hf` for
+    the contract.
 
     Example::
 

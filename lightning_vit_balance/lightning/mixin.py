@@ -84,9 +84,11 @@ def _rows_to_plan(
     """What ``ViTBalancer.prepare`` needs of a host batch: a meta tensor of the pixel rows' shape and
     dtype (nothing is read or copied) and the grid rows, for the keys present, in order.
 
-    With drop-in ``towers``, the rows their forwards pass the tower: the grids of their
-    ``step_grid_keys`` one temporal step per row (GLM-4.xV), and the pixels in the towers' dtype
-    when they share one (the model casts them to it; a bf16 tower's rows then travel as bf16)."""
+    With drop-in ``towers`` (those still installed), the rows their forwards pass the tower: the
+    grids of their ``step_grid_keys`` one temporal step per row (GLM-4.xV), and the pixels in the
+    towers' dtype when they share one (the model casts them to it; a bf16 tower's rows then travel
+    as bf16)."""
+    towers = tuple(tower for tower in towers if BalancedVisionTower.of(tower.model) is tower)
     step_keys = {key for tower in towers for key in tower.step_grid_keys}
     tower_dtypes = {tower.pixel_dtype for tower in towers}
     rows, width, dtype, grids = 0, 1, torch.float32, []

@@ -44,6 +44,7 @@ from hf_models import (
 )
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
+from multirank import World
 
 from lightning_vit_balance import (
     BalancedVisionTower,
@@ -1171,6 +1172,76 @@ def test_lightning_ddp_fit_without_find_unused_parameters(
     if plan_ahead:  # no metadata gather in the forward: the trips and the status gather only
         assert all(float(r["vit_balance/collectives"]) in (0.0, 3.0) for r in rows), rows
         assert any(float(r["vit_balance/applied"]) for r in rows), rows
+
+
+def _hf_trainer_fit(out_dir: str) -> dict[str, Any]:
+    """Hugging Face's ``Trainer`` (DDP over the pool's gloo group, which accelerate takes as it
+    finds it) on the drop-in: each rank's batches of :data:`FIT_BATCHES` in order, SGD at a
+    constant rate, no clipping; the loss of each step and the handle's counts."""
+    import os
+
+    import torch.distributed as dist
+    from transformers import Trainer, TrainingArguments
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    # What a launcher sets; accelerate reads them (the group exists, so the port is never used).
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(size))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    model = tiny_model(FIT_FAMILY)
+    handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
+    losses: list[float] = []
+
+    class InOrder(Trainer):
+        """Item ``step * size + r`` is rank ``r``'s batch of that step: accelerate's shards of a
+        sequential sampler hand each rank its own."""
+
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> torch.utils.data.Sampler:
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+        def compute_loss(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            losses.append(float(loss.detach()))
+            return loss
+
+    arguments = TrainingArguments(
+        output_dir=out_dir,
+        use_cpu=True,
+        ddp_backend="gloo",
+        per_device_train_batch_size=1,
+        max_steps=FIT_STEPS,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+    batches = [fit_batch(step, r) for step in range(FIT_STEPS) for r in range(size)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    trainer = InOrder(
+        model=model, args=arguments, train_dataset=batches, data_collator=_first, optimizers=(optimizer, None)
+    )
+    trainer.train()
+    return {"losses": losses, "calls": handle.calls, "applied_calls": handle.applied_calls}
+
+
+@pytest.mark.timeout(180)
+def test_hugging_face_trainer_trains_as_the_plain_model(tmp_path: Path) -> None:
+    """``balance_vision_tower(model)`` then Hugging Face's ``Trainer`` under DDP, 2 ranks with a
+    text-only rank and images next to videos: each rank's loss of every step is the plain model's
+    (DDP by hand). In a pool of its own: accelerate's state and the launcher's variables are
+    process-wide."""
+    pool = World(FIT_RANKS)
+    try:
+        results = pool.run(_hf_trainer_fit, str(tmp_path), timeout=150)
+    finally:
+        pool.close(kill=True)
+    expected = _reference(tiny_model(FIT_FAMILY))
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]), torch.tensor([step[rank] for step in expected]), **TOL
+        )
+        assert result["calls"] == FIT_STEPS and result["applied_calls"] >= 1, result
 
 
 @pytest.mark.timeout(240)

@@ -511,6 +511,42 @@ def _lora_steps(family: str) -> dict[str, Any]:
     return results
 
 
+def _autocast_steps(family: str) -> dict[str, Any]:
+    """Each mixed step under CPU bf16 autocast (what Lightning's ``bf16-mixed`` runs), from the same
+    weights: the plain model's loss and summed gradients at bf16's precision."""
+    import torch.distributed as dist
+
+    plain = tiny_model(family)
+    balanced = copy.deepcopy(plain)
+    handle = balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG))
+    for where, batch in _mixed_steps(family, dist.get_rank()):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected_loss, got_loss = plain(**batch).loss, balanced(**batch).loss
+        expected_loss.backward()
+        got_loss.backward()
+        # Matmuls round to bf16 (8 significant bits, 3.9e-3) and the balanced batches sum in
+        # another order: losses agree to 1e-3 and each gradient to 4% of its largest entry (0.9%
+        # at most seen); a misrouted image moves either at O(1).
+        torch.testing.assert_close(got_loss, expected_loss, rtol=1e-3, atol=0.0, msg=where)
+        got, expected = _summed_grads(balanced), _summed_grads(plain)
+        for key, grad in expected.items():
+            atol = 0.04 * float(grad.abs().max())
+            label = f"{where}: grad {key}"
+            torch.testing.assert_close(got[key], grad, rtol=0, atol=atol, msg=lambda m, w=label: f"{w}: {m}")
+        plain.zero_grad(set_to_none=True)
+        balanced.zero_grad(set_to_none=True)
+    return {"applied_calls": handle.applied_calls}
+
+
+def test_bf16_autocast_matches_the_plain_model(multirank: Any) -> None:
+    """Under bf16 autocast the towers' outputs are bf16 on every rank (a text-only rank's dummy
+    call too), so they travel back as bf16; losses and gradients are the plain model's at bf16's
+    precision (Qwen2.5-VL: window attention)."""
+    with multirank(RANKS) as w:
+        results = w.run(_autocast_steps, "qwen2_5_vl", timeout=120)
+    assert all(r["applied_calls"] == 4 for r in results), results
+
+
 @pytest.mark.timeout(180)
 def test_peft_lora_before_or_after_the_drop_in(multirank: Any) -> None:
     """LoRA adapters in the vision blocks train through the balanced call, whichever is applied first."""

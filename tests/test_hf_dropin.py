@@ -1113,10 +1113,10 @@ def _reference(
     steps: int = FIT_STEPS,
     ranks: int = FIT_RANKS,
     lr: float = SGD_LR,
-) -> list[list[float]]:
+) -> list[torch.Tensor]:
     """DDP by hand: each step, the mean of the ranks' losses (DDP averages gradients), then SGD.
 
-    Returns ``losses[step][rank]``."""
+    Returns ``losses[rank]``: that rank's loss at each step, as a tensor."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
@@ -1125,7 +1125,7 @@ def _reference(
         (sum(per_rank) / ranks).backward()
         optimizer.step()
         losses.append([float(loss.detach()) for loss in per_rank])
-    return losses
+    return list(torch.tensor(losses).T)
 
 
 @pytest.mark.parametrize(("family", "tower_dtype"), [(FIT_FAMILY, torch.bfloat16), ("glm4v", torch.float64)])
@@ -1191,9 +1191,7 @@ def test_lightning_ddp_fit_without_find_unused_parameters(
     expected = _reference(reference_model, functools.partial(fit_batch, family=family))
     for rank in range(FIT_RANKS):
         losses = json.loads((tmp_path / f"losses_rank_{rank}.json").read_text())
-        torch.testing.assert_close(
-            torch.tensor(losses), torch.tensor([step[rank] for step in expected]), **TOL
-        )
+        torch.testing.assert_close(torch.tensor(losses), expected[rank], **TOL)
     # ddp_spawn hands the trained weights back to this process's module. They carry three steps'
     # gradient rounding times the learning rate: GLM-4.1V's MLP weights differ by 3.8e-6 here, and
     # by 3.8e-9 with the model in float64 (rounding, where a misrouted row would differ at O(1)).
@@ -1276,9 +1274,7 @@ def test_hugging_face_trainer_trains_as_the_plain_model(tmp_path: Path) -> None:
         pool.close(kill=True)
     expected = _reference(tiny_model(FIT_FAMILY))
     for rank, result in enumerate(results):
-        torch.testing.assert_close(
-            torch.tensor(result["losses"]), torch.tensor([step[rank] for step in expected]), **TOL
-        )
+        torch.testing.assert_close(torch.tensor(result["losses"]), expected[rank], **TOL)
         assert result["calls"] == FIT_STEPS and result["applied_calls"] >= 1, result
 
 
@@ -1314,9 +1310,7 @@ def test_lightning_model_parallel_strategy_with_fsdp2_units(tmp_path: Path) -> N
         assert got["num_ranks"] == script.RANKS  # the mesh's data-parallel group
         # Training and validation forwards and generate()'s encodings, each balanced.
         assert got["calls"] == got["applied_calls"] == 3 * script.STEPS, got
-        torch.testing.assert_close(
-            torch.tensor(got["losses"]), torch.tensor([step[rank] for step in expected]), **TOL
-        )
+        torch.testing.assert_close(torch.tensor(got["losses"]), expected[rank], **TOL)
         torch.testing.assert_close(torch.tensor(got["val_losses"]), torch.tensor(validation[rank]), **TOL)
         assert got["generated"] == generated[rank]
 

@@ -19,6 +19,7 @@ import math
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["find_metric_files", "load_metrics", "main", "plot_dashboard", "read_csv", "read_tensorboard"]
 
@@ -190,62 +191,17 @@ def plot_dashboard(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    before = metrics.get(f"{PREFIX}imbalance_before", [])
-    after = metrics.get(f"{PREFIX}imbalance_after", [])
-    applied = dict(metrics.get(f"{PREFIX}applied", []))
     loads = {"before": _rank_series(metrics, "load_before"), "after": _rank_series(metrics, "load_after")}
     measured = _rank_series(metrics, "vit_ms")
     panels = 3 + (1 if measured else 0) + (1 if timings else 0)
     fig, axes = plt.subplots(panels, 1, figsize=(10, 2.6 * panels + 0.6), sharex=False)
     fig.suptitle(title, fontsize=13)
-
-    ax = axes[0]
-    if before:
-        ax.plot(*zip(*before), color="tab:red", marker="o", ms=3, label="before (as the data came)")
-    if after:
-        ax.plot(*zip(*after), color="tab:green", marker="o", ms=3, label="after balancing")
-    applied_steps = [step for step, value in applied.items() if value > 0.5]
-    if applied_steps and before:
-        lookup = dict(before)
-        marks = [(s, lookup[s]) for s in applied_steps if s in lookup]
-        if marks:
-            ax.scatter(*zip(*marks), s=60, facecolors="none", edgecolors="black", label="applied", zorder=3)
-    ax.set_ylabel("max/mean - 1")
-    ax.set_title("Imbalance of ViT load across ranks, per step")
-    top = max((v for _, v in [*before, *after]), default=1.0)
-    ax.set_ylim(0, top * 1.35 + 1e-9)  # headroom for the legend
-    ax.legend(loc="upper center", fontsize=8, ncol=3)
-    ax.grid(alpha=0.3)
-
-    peak = max(
-        (value for series in loads.values() for pairs in series.values() for _, value in pairs), default=1.0
-    )
-    for ax, kind, label in (
-        (axes[1], "before", "without balancing"),
-        (axes[2], "after", "with balancing"),
-    ):
-        series = loads[kind]
-        for rank, pairs in series.items():
-            if pairs:
-                ax.plot(*zip(*pairs), marker=".", lw=1.2, label=f"rank {rank}")
-        ax.set_ylim(0, peak * 1.25)
-        ax.set_ylabel("ViT load (cost units)")
-        ax.set_title(f"ViT load per rank, {label}")
-        ax.grid(alpha=0.3)
-        if series:
-            ax.legend(loc="upper right", fontsize=8, ncol=min(len(series), 8))
+    _plot_imbalance(axes[0], metrics)
+    _plot_loads(axes[1:3], loads)
     if measured:
         _plot_measured(axes[3], measured, metrics.get(f"{PREFIX}vit_ms_max", []))
     if timings:
-        ax = axes[-1]
-        for label, pairs in timings.items():
-            if pairs:
-                steps, seconds = zip(*pairs)
-                ax.plot(steps, [1000 * s for s in seconds], marker=".", label=label)
-        ax.set_ylabel("ms")
-        ax.set_title(timings_title)
-        ax.legend(loc="upper right", fontsize=8)
-        ax.grid(alpha=0.3)
+        _plot_timings(axes[-1], timings, timings_title)
     for ax in axes:
         ax.set_xlabel("step")
     fig.tight_layout()
@@ -256,17 +212,69 @@ def plot_dashboard(
     return out
 
 
-def _plot_measured(ax: object, measured: Mapping[int, list], slowest: Sequence[tuple[int, float]]) -> None:
+def _plot_imbalance(ax: Any, metrics: Mapping[str, Sequence[tuple[int, float]]]) -> None:
+    """Imbalance before and after balancing per step, the applied steps circled."""
+    before = metrics.get(f"{PREFIX}imbalance_before", [])
+    after = metrics.get(f"{PREFIX}imbalance_after", [])
+    if before:
+        ax.plot(*zip(*before), color="tab:red", marker="o", ms=3, label="before (as the data came)")
+    if after:
+        ax.plot(*zip(*after), color="tab:green", marker="o", ms=3, label="after balancing")
+    applied = dict(metrics.get(f"{PREFIX}applied", []))  # one value per step, the last logged
+    applied_steps = [step for step, value in applied.items() if value > 0.5]
+    lookup = dict(before)
+    marks = [(s, lookup[s]) for s in applied_steps if s in lookup]
+    if marks:
+        ax.scatter(*zip(*marks), s=60, facecolors="none", edgecolors="black", label="applied", zorder=3)
+    ax.set_ylabel("max/mean - 1")
+    ax.set_title("Imbalance of ViT load across ranks, per step")
+    top = max((v for _, v in [*before, *after]), default=1.0)
+    ax.set_ylim(0, top * 1.35 + 1e-9)  # headroom for the legend
+    ax.legend(loc="upper center", fontsize=8, ncol=3)
+    ax.grid(alpha=0.3)
+
+
+def _plot_loads(axes: Sequence[Any], loads: Mapping[str, Mapping[int, list]]) -> None:
+    """Each rank's load without and with balancing, on one scale so the two panels compare."""
+    peak = max(
+        (value for series in loads.values() for pairs in series.values() for _, value in pairs), default=1.0
+    )
+    for ax, kind, label in ((axes[0], "before", "without balancing"), (axes[1], "after", "with balancing")):
+        series = loads[kind]
+        for rank, pairs in series.items():
+            if pairs:
+                ax.plot(*zip(*pairs), marker=".", lw=1.2, label=f"rank {rank}")
+        ax.set_ylim(0, peak * 1.25)
+        ax.set_ylabel("ViT load (cost units)")
+        ax.set_title(f"ViT load per rank, {label}")
+        ax.grid(alpha=0.3)
+        if series:
+            ax.legend(loc="upper right", fontsize=8, ncol=min(len(series), 8))
+
+
+def _plot_timings(ax: Any, timings: Mapping[str, Sequence[tuple[int, float]]], title: str) -> None:
+    """Seconds per step of each labelled run, drawn in milliseconds."""
+    for label, pairs in timings.items():
+        if pairs:
+            steps, seconds = zip(*pairs)
+            ax.plot(steps, [1000 * s for s in seconds], marker=".", label=label)
+    ax.set_ylabel("ms")
+    ax.set_title(title)
+    ax.legend(loc="upper right", fontsize=8)
+    ax.grid(alpha=0.3)
+
+
+def _plot_measured(ax: Any, measured: Mapping[int, list], slowest: Sequence[tuple[int, float]]) -> None:
     """The measured ViT milliseconds of every rank, and the slowest rank's: the straggler itself."""
     for rank, pairs in measured.items():
         if pairs:
-            ax.plot(*zip(*pairs), marker=".", lw=1.0, label=f"rank {rank}")  # type: ignore[attr-defined]
+            ax.plot(*zip(*pairs), marker=".", lw=1.0, label=f"rank {rank}")
     if slowest:
-        ax.plot(*zip(*slowest), color="black", ls="--", lw=1.5, label="slowest rank")  # type: ignore[attr-defined]
-    ax.set_ylabel("ms")  # type: ignore[attr-defined]
-    ax.set_title("Measured ViT time per rank (vit_balance/vit_ms: each step shows the previous call)")  # type: ignore[attr-defined]
-    ax.legend(loc="upper right", fontsize=8, ncol=min(len(measured) + 1, 8))  # type: ignore[attr-defined]
-    ax.grid(alpha=0.3)  # type: ignore[attr-defined]
+        ax.plot(*zip(*slowest), color="black", ls="--", lw=1.5, label="slowest rank")
+    ax.set_ylabel("ms")
+    ax.set_title("Measured ViT time per rank (vit_balance/vit_ms: each step shows the previous call)")
+    ax.legend(loc="upper right", fontsize=8, ncol=min(len(measured) + 1, 8))
+    ax.grid(alpha=0.3)
 
 
 def main(argv: Sequence[str] | None = None) -> Path:

@@ -154,12 +154,14 @@ class CostModel:
         window_layers: Iterable[int] = (),
         window_patches: int = 0,
         per_frame_attention: bool = False,
+        kv_size: int | None = None,
     ) -> CostModel:
         """FLOPs of a pre-norm ViT forward per image, as a cost model.
 
-        Per layer and patch, the projections cost ``2 * 4 * d**2`` and the MLP ``2 * k * d * m``
-        (``k`` = 2, or 3 for a gated MLP); full attention costs ``4 * d * l`` more per patch (scores
-        and weighted sum), windowed attention ``4 * d * min(l, window)``.
+        Per layer and patch, the projections cost ``2 * (2 * d**2 + 2 * d * kv)`` (query and output
+        ``d`` wide, key and value ``kv``) and the MLP ``2 * k * d * m`` (``k`` = 2, or 3 for a gated
+        MLP); full attention costs ``4 * d * l`` more per patch (scores and weighted sum over every
+        query head), windowed attention ``4 * d * min(l, window)``.
 
         Args:
             hidden_size: Width ``d`` of the transformer blocks.
@@ -172,6 +174,8 @@ class CostModel:
             window_patches: Patches per attention window in those blocks.
             per_frame_attention: Attention runs within each temporal step of a video (see
                 :attr:`per_frame_attention`).
+            kv_size: Width ``kv`` of the key and the value projections: ``num_key_value_heads *
+                head_dim`` under grouped-query attention (EXAONE 4.5's tower); ``None``: ``d``.
         """
         if hidden_size <= 0 or depth <= 0:
             raise ValueError(
@@ -185,9 +189,16 @@ class CostModel:
             raise ValueError(
                 f"window_patches={window_patches!r} must be > 0 when window_layers={windowed_layers!r}."
             )
+        if kv_size is not None and kv_size <= 0:
+            raise ValueError(
+                f"from_vit_shape: kv_size={kv_size!r} is invalid: expected a width > 0, or None "
+                "for hidden_size."
+            )
+        kv_width = hidden_size if kv_size is None else kv_size
         mlp_width = intermediate_size if intermediate_size is not None else round(hidden_size * mlp_ratio)
         mlp_mats = 3 if gated_mlp else 2
-        per_layer_linear = 2.0 * (4 * hidden_size**2 + mlp_mats * hidden_size * mlp_width)
+        projections = 2 * hidden_size**2 + 2 * hidden_size * kv_width
+        per_layer_linear = 2.0 * (projections + mlp_mats * hidden_size * mlp_width)
         full_layers = depth - len(windowed_layers)
         return cls(
             quadratic=4.0 * hidden_size * full_layers,
@@ -212,11 +223,14 @@ class CostModel:
         With a ``config``, reads Qwen2-VL (``embed_dim``, ``mlp_ratio``), Qwen2.5-VL
         (``hidden_size``, ``intermediate_size``, gated MLP, ``window_size`` in pixels with
         ``fullatt_block_indexes``) and Qwen3-VL (``hidden_size``, ``intermediate_size``) vision
-        configs. Without one (or one lacking a width and a depth), reads the module tree:
+        configs, and ``num_key_value_heads`` where it is below the heads (EXAONE 4.5's grouped-query
+        attention). Without one (or one lacking a width and a depth), reads the module tree:
 
-        * every attention layer is an ``nn.Linear`` named ``*qkv*`` with ``out = 3 * in`` (a
-          fused projection), a ``q_proj`` / ``query`` / ``q`` linear, or an ``nn.MultiheadAttention``;
-          their count is the depth and their input width the hidden size ``d``;
+        * every attention layer is an ``nn.Linear`` named ``*qkv*`` with ``out = in + 2 * kv``,
+          ``0 < kv <= in`` (a fused projection; ``kv < in``: grouped-query attention), a ``q_proj`` /
+          ``query`` / ``q`` linear (its sibling ``k_proj`` / ``key`` / ``k`` gives ``kv``), or an
+          ``nn.MultiheadAttention``; their count is the depth and their input width the hidden
+          size ``d``;
         * a block is the largest module holding one attention layer; its other linears from ``d`` to
           a width other than ``d`` are the MLP (two of them: a gated MLP; none: no MLP);
         * the patch embedding is the first linear (or convolution) into ``d`` from a width other
@@ -417,12 +431,24 @@ def _shape_from_config(config: Any) -> dict[str, Any] | None:
         "patch_input_dim": in_dim * patch * patch,
         "window_layers": window_layers,
         "window_patches": window_patches,
+        "kv_size": _kv_size_from_config(config, int(width)),
     }
+
+
+def _kv_size_from_config(config: Any, width: int) -> int | None:
+    """Width of the key and value projections under grouped-query attention (fewer key-value
+    heads than query heads, as EXAONE 4.5's tower has); ``None`` when they are ``width`` wide."""
+    heads = getattr(config, "num_heads", None) or getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    if not heads or not kv_heads or int(kv_heads) == int(heads):
+        return None
+    return int(kv_heads) * (width // int(heads))
 
 
 # Linears of an attention layer with separate projections; never part of an MLP.
 _QUERY_NAMES = frozenset({"q_proj", "query", "q"})
-_ATTENTION_PART_NAMES = _QUERY_NAMES | {"k_proj", "v_proj", "o_proj", "out_proj", "key", "value", "k", "v"}
+_KEY_NAMES = frozenset({"k_proj", "key", "k"})
+_ATTENTION_PART_NAMES = _QUERY_NAMES | _KEY_NAMES | {"v_proj", "o_proj", "out_proj", "value", "v"}
 
 
 def _is_linear(module: Any) -> bool:
@@ -436,13 +462,39 @@ def _attention_width(name: str, module: Any) -> int | None:
     """The hidden size an attention layer marked by ``module`` reads, or ``None`` if it is none."""
     leaf = name.rsplit(".", 1)[-1]
     if _is_linear(module):
-        if "qkv" in leaf and module.out_features == 3 * module.in_features:
+        if "qkv" in leaf and _fused_kv_size(module) is not None:
             return int(module.in_features)
         if leaf in _QUERY_NAMES:
             return int(module.in_features)
     if type(module).__name__ == "MultiheadAttention":
         return int(module.embed_dim)
     return None
+
+
+def _fused_kv_size(module: Any) -> int | None:
+    """``kv`` of a fused query-key-value linear, ``d`` in and ``d + 2 * kv`` out with
+    ``0 < kv <= d`` (``kv < d``: grouped-query attention); ``None`` for any other shape."""
+    extra = int(module.out_features) - int(module.in_features)
+    if extra <= 0 or extra % 2 or extra > 2 * int(module.in_features):
+        return None
+    return extra // 2
+
+
+def _kv_size(name: str, module: Any, modules: list[tuple[str, Any]]) -> int:
+    """Width of the key and value projections of the attention layer marked by ``module``: from
+    the fused linear's shape, or the key linear next to a separate query linear (none found, or
+    an ``nn.MultiheadAttention``: the hidden size)."""
+    width = int(_attention_width(name, module) or 0)  # an attention layer's: never 0
+    leaf = name.rsplit(".", 1)[-1]
+    if _is_linear(module) and "qkv" in leaf:
+        return _fused_kv_size(module) or width
+    if leaf in _QUERY_NAMES:
+        parent = name.rpartition(".")[0]
+        for other, m in modules:
+            sibling, _, other_leaf = other.rpartition(".")
+            if sibling == parent and other_leaf in _KEY_NAMES and _is_linear(m):
+                return int(m.out_features)
+    return width
 
 
 def _inside(name: str, block: str) -> bool:
@@ -490,9 +542,11 @@ def _shape_from_modules(vit: Any) -> dict[str, Any] | None:
     if not callable(named):
         return None
     modules = list(named())
-    attention = [(n, w) for n, m in modules if (w := _attention_width(n, m)) is not None]
-    if not attention:
+    layers = [(n, m, w) for n, m in modules if (w := _attention_width(n, m)) is not None]
+    if not layers:
         return None
+    attention = [(n, w) for n, _, w in layers]
+    kv_sizes = sorted({_kv_size(n, m, modules) for n, m, _ in layers})
     widths = sorted({w for _, w in attention})
     if len(widths) != 1:
         raise ValueError(
@@ -500,6 +554,12 @@ def _shape_from_modules(vit: Any) -> dict[str, Any] | None:
             f"{widths}; build the model with CostModel.from_vit_shape(...) instead."
         )
     width = widths[0]
+    if len(kv_sizes) != 1:
+        raise ValueError(
+            f"CostModel.from_vit: the attention layers of {type(vit).__name__} have key and value "
+            f"projections of different widths {kv_sizes}; build the model with "
+            "CostModel.from_vit_shape(...) instead."
+        )
     mlps = set()
     for name, _ in attention:
         # The block: the largest ancestor that holds this attention layer and no other.
@@ -520,6 +580,7 @@ def _shape_from_modules(vit: Any) -> dict[str, Any] | None:
         "intermediate_size": intermediate,
         "gated_mlp": gated,
         "patch_input_dim": _patch_input_dim(modules, width, intermediate),
+        "kv_size": kv_sizes[0] if kv_sizes[0] != width else None,
     }
 
 

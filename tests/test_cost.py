@@ -3,6 +3,7 @@ offline and online (:class:`CostCalibrator`)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import math
@@ -88,6 +89,20 @@ def test_from_vit_shape_counts_flops() -> None:
     assert model.linear == 3 * 2 * (4 * 8 * 8 + 2 * 8 * 32) + 2 * 12 * 8
     # The MLP term dominates small images: for l below ~6 d the linear part is larger.
     assert model.linear * 16 > model.quadratic * 16**2
+
+
+def test_from_vit_shape_prices_grouped_query_attention() -> None:
+    full = CostModel.from_vit_shape(hidden_size=8, depth=3, intermediate_size=32)
+    grouped = CostModel.from_vit_shape(hidden_size=8, depth=3, intermediate_size=32, kv_size=2)
+    # Key and value projections 8 -> 2 instead of 8 -> 8: 2 * 2 * 8 * (8 - 2) fewer FLOPs per
+    # layer and patch; every query head still attends over all l patches.
+    assert full.linear - grouped.linear == 3 * 2 * 2 * 8 * (8 - 2)
+    assert grouped.quadratic == full.quadratic
+    assert CostModel.from_vit_shape(hidden_size=8, depth=3, kv_size=8) == CostModel.from_vit_shape(
+        hidden_size=8, depth=3
+    )
+    with pytest.raises(ValueError, match="kv_size=0"):
+        CostModel.from_vit_shape(hidden_size=8, depth=3, kv_size=0)
 
 
 def _tiny_configs() -> dict[str, object]:
@@ -183,6 +198,36 @@ def test_from_vit_prices_newer_qwen_towers_like_qwen3_vl(family: str) -> None:
     assert CostModel.from_vit(tower) == expected
 
 
+def test_from_vit_prices_exaone_grouped_query_attention() -> None:
+    """EXAONE 4.5's tower has fewer key-value heads than query heads (here 1 of 2): its config and
+    its modules (a fused qkv of d + 2 * kv outputs) both give the narrower key and value
+    projections, which a model priced as full attention overstates."""
+    pytest.importorskip("transformers")
+    if not available("exaone4_5"):
+        pytest.skip("this transformers has no exaone4_5")
+    from torch import nn
+
+    tower = tiny_model("exaone4_5").model.visual
+    config = tower.config
+    kv = config.num_key_value_heads * (config.hidden_size // config.num_heads)
+    assert kv < config.hidden_size
+    model = CostModel.from_vit(tower)
+    holder = nn.Module()  # the same modules, no config
+    holder.tower = tower
+    windows = [i for i in range(config.depth) if i not in config.fullatt_block_indexes]
+    assert CostModel.from_vit(holder, window_layers=windows, window_patches=model.window_patches) == model
+    ungrouped = copy.deepcopy(config)
+    ungrouped.num_key_value_heads = config.num_heads
+
+    class Tower:
+        def __init__(self, config: object) -> None:
+            self.config = config
+
+    full = CostModel.from_vit(Tower(ungrouped))
+    assert full.linear - model.linear == config.depth * 2 * 2 * config.hidden_size * (config.hidden_size - kv)
+    assert (full.quadratic, full.windowed) == (model.quadratic, model.windowed)
+
+
 def test_fit_recovers_known_coefficients() -> None:
     truth = CostModel(quadratic=2e-9, linear=3e-6, constant=1e-4)
     counts = np.array([16, 64, 256, 1024, 2048, 4096, 8192, 16384], dtype=np.float64)
@@ -272,6 +317,31 @@ def test_from_vit_multihead_attention_and_clear_errors() -> None:
     mixed.a.qkv, mixed.b.qkv = nn.Linear(8, 24), nn.Linear(16, 48)
     with pytest.raises(ValueError, match=r"different widths \[8, 16\]"):
         CostModel.from_vit(mixed)
+
+
+def test_from_vit_reads_grouped_key_value_projections_from_the_modules() -> None:
+    from torch import nn
+
+    def block(kv: int, fused: bool) -> nn.Module:
+        attention = nn.Module()
+        if fused:
+            attention.qkv = nn.Linear(16, 16 + 2 * kv)
+        else:
+            attention.q_proj, attention.k_proj = nn.Linear(16, 16), nn.Linear(16, kv)
+            attention.v_proj = nn.Linear(16, kv)
+        attention.proj = nn.Linear(16, 16)
+        layer = nn.Module()
+        layer.attn, layer.fc1, layer.fc2 = attention, nn.Linear(16, 32), nn.Linear(32, 16)
+        return layer
+
+    expected = CostModel.from_vit_shape(hidden_size=16, depth=2, intermediate_size=32, kv_size=4)
+    for fused in (True, False):
+        tower = nn.Module()
+        tower.blocks = nn.ModuleList([block(4, fused), block(4, fused)])
+        assert CostModel.from_vit(tower) == expected, fused
+    tower.blocks[1] = block(8, fused=True)
+    with pytest.raises(ValueError, match=r"key and value projections of different widths \[4, 8\]"):
+        CostModel.from_vit(tower)
 
 
 # -- CostCalibrator ------------------------------------------------------------------------------

@@ -83,6 +83,7 @@ _SHAPE_TYPES: dict[str, Callable[[str], Any]] = {
     "window_layers": _as_layers,
     "window_patches": int,
     "per_frame_attention": _as_bool,
+    "kv_size": int,
 }
 _COEFFICIENT_TYPES: dict[str, Callable[[str], Any]] = {
     "quadratic": float,

@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["MAX_POOLS", "MultiRankError", "World", "close_all", "subgroup", "world"]
+__all__ = ["MAX_POOLS", "MultiRankError", "World", "close_all", "set_launcher_variables", "subgroup", "world"]
 
 #: Pools kept alive at once.
 MAX_POOLS = 3
@@ -202,6 +202,16 @@ def subgroup(size: int, backend: str | None = None) -> Any:
         timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         _SUBGROUPS[key] = dist.new_group(list(range(size)), timeout=timeout, backend=backend)
     return _SUBGROUPS[key]
+
+
+def set_launcher_variables(**extra: str) -> None:
+    """In a worker: the environment a launcher (``torchrun``) gives this rank, for libraries that
+    read it even when the process group exists already (DeepSpeed refuses to start without
+    ``LOCAL_RANK``; accelerate reads the rendezvous address too, passed in ``extra``)."""
+    import torch.distributed as dist
+
+    rank = str(dist.get_rank())
+    os.environ.update(LOCAL_RANK=rank, RANK=rank, WORLD_SIZE=str(dist.get_world_size()), **extra)
 
 
 _POOLS: OrderedDict[int, World] = OrderedDict()

@@ -34,7 +34,7 @@ if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed", allow_module_level=True)
 
 from hf_models import FAMILIES, available, make_inputs, tiny_model
-from multirank import World
+from multirank import World, set_launcher_variables
 from test_hf_dropin import CASES, CONFIG, TOL, _summed_grads, assert_generates_as_plain, mixed_cases
 
 from lightning_vit_balance import ViTBalanceConfig, balance_vision_tower
@@ -50,12 +50,9 @@ STEPS = [
 
 def _deepspeed_on_cpu() -> Any:
     """DeepSpeed on the CPU accelerator over the pool's gloo group (already initialised)."""
-    import torch.distributed as dist
 
     os.environ["DS_ACCELERATOR"] = "cpu"
-    rank = dist.get_rank()
-    # What a launcher sets; DeepSpeed refuses to start without LOCAL_RANK.
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(dist.get_world_size()))
+    set_launcher_variables()
     import logging
 
     import deepspeed

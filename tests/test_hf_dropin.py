@@ -45,7 +45,7 @@ from hf_models import (
 )
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
-from multirank import World
+from multirank import World, set_launcher_variables
 
 from lightning_vit_balance import (
     BalancedVisionTower,
@@ -1214,15 +1214,13 @@ def _hf_trainer_fit(out_dir: str) -> dict[str, Any]:
     """Hugging Face's ``Trainer`` (DDP over the pool's gloo group, which accelerate takes as it
     finds it) on the drop-in: each rank's batches of :data:`FIT_BATCHES` in order, SGD at a
     constant rate, no clipping; the loss of each step and the handle's counts."""
-    import os
 
     import torch.distributed as dist
     from transformers import Trainer, TrainingArguments
 
-    rank, size = dist.get_rank(), dist.get_world_size()
-    # What a launcher sets; accelerate reads them (the group exists, so the port is never used).
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(size))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    size = dist.get_world_size()
+    # The group exists, so accelerate never uses the port.
+    set_launcher_variables(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
     model = tiny_model(FIT_FAMILY)
     handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
     losses: list[float] = []

@@ -229,7 +229,12 @@ def test_teardown_lets_go_of_the_runs_process_groups() -> None:
         results = w.run(_two_rank_teardown)
     for result in results:
         assert result == {
-            "held": True, "released": True, "kept": True, "stages": ["fit"], "again": True, "rebuilt": True
+            "held": True,
+            "released": True,
+            "kept": True,
+            "stages": ["fit"],
+            "again": True,
+            "rebuilt": True,
         }
 
 

@@ -50,18 +50,19 @@ STEPS = [
 
 def _deepspeed_on_cpu() -> Any:
     """DeepSpeed on the CPU accelerator over the pool's gloo group (already initialised)."""
-
     os.environ["DS_ACCELERATOR"] = "cpu"
     set_launcher_variables()
+    import importlib
     import logging
 
     import deepspeed
-    import deepspeed.comm.torch
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    # Its shared-memory all-reduce kernel is compiled with a C++ compiler at first use; ZeRO-3's
-    # parameter gathers do not need it, and gloo's collectives serve in its place.
-    deepspeed.comm.torch.build_shm_op = lambda: None
+    # Its shared-memory all-reduce kernel is compiled with a C++ compiler at first use in each new
+    # environment (about a minute on 2 cores); ZeRO-3's parameter gathers do not need it, and gloo's
+    # collectives serve in its place. Reached by module name: the attribute deepspeed.comm.torch is
+    # PyTorch itself (deepspeed.comm re-exports its comm module's names, `torch` among them).
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     return deepspeed
 
 

@@ -177,23 +177,8 @@ class CostModel:
             kv_size: Width ``kv`` of the key and the value projections: ``num_key_value_heads *
                 head_dim`` under grouped-query attention (EXAONE 4.5's tower); ``None``: ``d``.
         """
-        if hidden_size <= 0 or depth <= 0:
-            raise ValueError(
-                f"from_vit_shape needs hidden_size > 0 and depth > 0, got hidden_size={hidden_size!r}, "
-                f"depth={depth!r}."
-            )
         windowed_layers = sorted({int(i) for i in window_layers})
-        if any(not 0 <= i < depth for i in windowed_layers):
-            raise ValueError(f"window_layers={windowed_layers!r} must lie in [0, depth={depth}).")
-        if windowed_layers and window_patches <= 0:
-            raise ValueError(
-                f"window_patches={window_patches!r} must be > 0 when window_layers={windowed_layers!r}."
-            )
-        if kv_size is not None and kv_size <= 0:
-            raise ValueError(
-                f"from_vit_shape: kv_size={kv_size!r} is invalid: expected a width > 0, or None "
-                "for hidden_size."
-            )
+        _check_vit_shape(hidden_size, depth, windowed_layers, window_patches, kv_size)
         kv_width = hidden_size if kv_size is None else kv_size
         mlp_width = intermediate_size if intermediate_size is not None else round(hidden_size * mlp_ratio)
         mlp_mats = 3 if gated_mlp else 2
@@ -403,6 +388,27 @@ def pixel_row_factors(config: Any) -> dict[str, Any]:
         "temporal_patch_size": getattr(config, "temporal_patch_size", 1) if config is not None else None,
         "patch_size": getattr(config, "patch_size", None),
     }
+
+
+def _check_vit_shape(
+    hidden_size: int, depth: int, windowed_layers: list[int], window_patches: int, kv_size: int | None
+) -> None:
+    """:meth:`CostModel.from_vit_shape`'s arguments checked: a ``ValueError`` naming the first bad one."""
+    if hidden_size <= 0 or depth <= 0:
+        raise ValueError(
+            f"from_vit_shape needs hidden_size > 0 and depth > 0, got hidden_size={hidden_size!r}, "
+            f"depth={depth!r}."
+        )
+    if any(not 0 <= i < depth for i in windowed_layers):
+        raise ValueError(f"window_layers={windowed_layers!r} must lie in [0, depth={depth}).")
+    if windowed_layers and window_patches <= 0:
+        raise ValueError(
+            f"window_patches={window_patches!r} must be > 0 when window_layers={windowed_layers!r}."
+        )
+    if kv_size is not None and kv_size <= 0:
+        raise ValueError(
+            f"from_vit_shape: kv_size={kv_size!r} is invalid: expected a width > 0, or None for hidden_size."
+        )
 
 
 def _shape_from_config(config: Any) -> dict[str, Any] | None:

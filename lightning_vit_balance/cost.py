@@ -453,8 +453,9 @@ def _kv_size_from_config(config: Any, width: int) -> int | None:
 
 # Linears of an attention layer with separate projections; never part of an MLP.
 _QUERY_NAMES = frozenset({"q_proj", "query", "q"})
-_KEY_NAMES = frozenset({"k_proj", "key", "k"})
-_ATTENTION_PART_NAMES = _QUERY_NAMES | _KEY_NAMES | {"v_proj", "o_proj", "out_proj", "value", "v"}
+# Looked up in this order beside a query linear (a tuple: the order must not depend on hashing).
+_KEY_NAMES = ("k_proj", "key", "k")
+_ATTENTION_PART_NAMES = _QUERY_NAMES | set(_KEY_NAMES) | {"v_proj", "o_proj", "out_proj", "value", "v"}
 
 
 def _is_linear(module: Any) -> bool:
@@ -486,20 +487,18 @@ def _fused_kv_size(module: Any) -> int | None:
     return extra // 2
 
 
-def _kv_size(name: str, module: Any, modules: list[tuple[str, Any]]) -> int:
-    """Width of the key and value projections of the attention layer marked by ``module``: from
-    the fused linear's shape, or the key linear next to a separate query linear (none found, or
-    an ``nn.MultiheadAttention``: the hidden size)."""
-    width = int(_attention_width(name, module) or 0)  # an attention layer's: never 0
-    leaf = name.rsplit(".", 1)[-1]
+def _kv_size(name: str, module: Any, width: int, by_name: Mapping[str, Any]) -> int:
+    """Width of the key and value projections of the attention layer marked by ``module`` (of
+    hidden size ``width``): from the fused linear's shape, or the key linear next to a separate
+    query linear (none found, or an ``nn.MultiheadAttention``: ``width``)."""
+    parent, _, leaf = name.rpartition(".")
     if _is_linear(module) and "qkv" in leaf:
         return _fused_kv_size(module) or width
     if leaf in _QUERY_NAMES:
-        parent = name.rpartition(".")[0]
-        for other, m in modules:
-            sibling, _, other_leaf = other.rpartition(".")
-            if sibling == parent and other_leaf in _KEY_NAMES and _is_linear(m):
-                return int(m.out_features)
+        for key_name in _KEY_NAMES:
+            key = by_name.get(f"{parent}.{key_name}" if parent else key_name)
+            if key is not None and _is_linear(key):
+                return int(key.out_features)
     return width
 
 
@@ -552,7 +551,8 @@ def _shape_from_modules(vit: Any) -> dict[str, Any] | None:
     if not layers:
         return None
     attention = [(n, w) for n, _, w in layers]
-    kv_sizes = sorted({_kv_size(n, m, modules) for n, m, _ in layers})
+    by_name = dict(modules)
+    kv_sizes = sorted({_kv_size(n, m, w, by_name) for n, m, w in layers})
     widths = sorted({w for _, w in attention})
     if len(widths) != 1:
         raise ValueError(

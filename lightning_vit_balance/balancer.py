@@ -350,6 +350,32 @@ class ViTBalancer:
             call_grids=call_grids,
         )
 
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this balancer: with ``config.calibrate_cost``, the online
+        cost fit (:meth:`CostCalibrator.state_dict`), so a resumed run plans with the fitted
+        model from its first step; otherwise nothing (an empty dict). Plain Python values, the
+        same on every rank."""
+        if self._calibrator is None:
+            return {}
+        return {"cost_calibrator": self._calibrator.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from :meth:`state_dict` (call it on every rank with the same state, before the
+        first call). A state without a cost fit, or a balancer that does not calibrate, changes
+        nothing: turning ``calibrate_cost`` on or off between runs is allowed.
+
+        Raises:
+            ValueError: the saved cost fit cannot continue here (see
+                :meth:`CostCalibrator.load_state_dict`); nothing changes then.
+        """
+        if not isinstance(state, Mapping):
+            raise ValueError(f"ViTBalancer.load_state_dict: state={state!r} is invalid: expected a mapping.")
+        saved = state.get("cost_calibrator")
+        if self._calibrator is not None and saved is not None:
+            self._calibrator.load_state_dict(saved)
+
     # -- the balanced call -------------------------------------------------------------------
 
     def _balanced_prepared(

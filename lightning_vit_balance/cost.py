@@ -827,6 +827,45 @@ class CostCalibrator:
             self.fits += 1
         return self._model
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps so that a resumed run goes on calibrating where this one stopped:
+        the model, the counters and the window of observed rows, in plain Python numbers (it loads
+        with ``torch.load(weights_only=True)``). Every rank holds the same state, so rank 0's
+        checkpoint restores every rank alike."""
+        return {
+            "version": _STATE_VERSION,
+            "window_patches": self.window_patches,
+            "per_frame_attention": self.per_frame_attention,
+            "model": dataclasses.asdict(self._model),
+            "call_overhead_ms": self._overhead,
+            "steps_observed": self.steps_observed,
+            "fits": self.fits,
+            "history": [rows.tolist() for rows, _ in self._steps],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from :meth:`state_dict` of a calibrator that fits the same terms.
+
+        The fitted model, the counters and the observed rows (the newest ``history`` steps) are
+        restored; before any fit (``fits == 0``) this calibrator keeps its own ``initial`` model.
+        The warm-up starts again: a new process allocates and compiles again, so its first
+        ``warmup_steps`` measured steps are left out as a fresh calibrator's are. Nothing changes
+        when it raises.
+
+        Raises:
+            ValueError: ``state`` is not such a state, or its calibrator fitted another
+                ``window_patches`` or ``per_frame_attention`` (its rows hold other terms).
+        """
+        model, history = _parse_state(state, self.window_patches, self.per_frame_attention)
+        if state["fits"]:
+            self._model, self._overhead = model, float(state["call_overhead_ms"])
+        self._steps.clear()
+        for rows in history:
+            self._steps.append((rows, self._equations(rows)))
+        self._measured_steps = 0
+        self.steps_observed = state["steps_observed"]
+        self.fits = state["fits"]
+
     def _rows(self, ranks: list[np.ndarray], times: np.ndarray, steps: list[np.ndarray] | None) -> np.ndarray:
         """One row per rank with images and a time: the columns of :data:`_ROW`."""
         used = [r for r, counts in enumerate(ranks) if counts.size and times[r] > 0]  # NaN > 0 is False
@@ -937,6 +976,39 @@ def _parse_step(
     return ranks, times, steps
 
 
+def _parse_state(
+    state: Mapping[str, Any], window_patches: int, per_frame_attention: bool
+) -> tuple[CostModel, list[np.ndarray]]:
+    """:meth:`CostCalibrator.load_state_dict`'s input, checked: the model and the rows per step."""
+    where = "CostCalibrator.load_state_dict"
+    if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+        got = state.get("version") if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(
+            f"{where}: expected a CostCalibrator.state_dict() of version {_STATE_VERSION}, got {got!r}."
+        )
+    for name, expected in (("window_patches", window_patches), ("per_frame_attention", per_frame_attention)):
+        if state.get(name) != expected:
+            raise ValueError(
+                f"{where}: state[{name!r}]={state.get(name)!r}, but this calibrator fits "
+                f"{name}={expected!r}: expected a state saved with the same setting (its rows hold other "
+                "terms)."
+            )
+    for name in ("steps_observed", "fits"):
+        value = state.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{where}: state[{name!r}]={value!r} is invalid: expected an int >= 0.")
+    try:
+        model = CostModel(**state["model"])
+        overhead = float(state["call_overhead_ms"])
+        history = [np.asarray(rows, dtype=np.float64).reshape(-1, len(_ROW)) for rows in state["history"]]
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{where}: state holds no valid model, overhead or history ({error!r}).") from None
+    bad_rows = any(not np.isfinite(rows).all() or (rows[:, -1] <= 0).any() for rows in history)
+    if bad_rows or not math.isfinite(overhead):
+        raise ValueError(f"{where}: state holds a non-finite value or a time <= 0: expected a saved state.")
+    return model, history
+
+
 def _int_rows(name: str, rows: Sequence[Sequence[int]], milliseconds: Sequence[float]) -> list[np.ndarray]:
     """``rows`` as one int64 array per rank, every value > 0, or a ValueError naming ``name``."""
     try:
@@ -958,3 +1030,5 @@ def _int_rows(name: str, rows: Sequence[Sequence[int]], milliseconds: Sequence[f
 # Columns of a calibration row (one rank in one step): the model's terms summed over the rank's
 # images (the first five; "overhead" is 1, one ViT call), then its image sizes and measured time.
 _ROW = ("quadratic", "linear", "constant", "overhead", "windowed", "smallest", "largest", "ms")
+#: :meth:`CostCalibrator.state_dict`'s layout; a state of another version is refused.
+_STATE_VERSION = 1

@@ -125,8 +125,9 @@ def fit(
 # ---------------------------------------------------------------------------- other loops, checkpoints
 
 #: Not the defaults, so a configuration read back from a checkpoint is told from a fresh one; the
-#: locality solver does not read these fields, so the plans are the default ones.
-LOOP_CONFIG = ViTBalanceConfig(refine_iterations=7, refine_tolerance=0.01)
+#: locality solver does not read the refine fields, so the plans are the default ones. The online
+#: cost fit keeps the initial model too: the loops' calls give it at most 8 rows, and a fit needs 12.
+LOOP_CONFIG = ViTBalanceConfig(refine_iterations=7, refine_tolerance=0.01, calibrate_cost=True)
 #: Seconds a collective may wait before gloo raises: a hang fails the test quickly.
 COLLECTIVE_TIMEOUT_S = 30
 #: Samples to predict: 5 on 2 ranks, which Lightning's predict sampler splits 3 / 2.

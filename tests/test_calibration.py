@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import towers
@@ -48,3 +49,19 @@ def test_every_rank_fits_the_same_cost_model(multirank: Any) -> None:
     assert results[0]["fits"] > 0, "no fit after 16 steps of varied image sizes"
     assert results[0]["models"][-1] != results[0]["models"][0], "the model never left its initial value"
     assert len(results[0]["vit_ms"]) == RANKS and all(v >= 0 for v in results[0]["vit_ms"])
+
+
+def test_a_balancer_checkpoints_its_cost_fit_only_when_it_calibrates() -> None:
+    plain, calibrating = ViTBalancer(ViTBalanceConfig()), ViTBalancer(ViTBalanceConfig(calibrate_cost=True))
+    assert plain.state_dict() == {}
+    state = calibrating.state_dict()
+    assert list(state) == ["cost_calibrator"] and state["cost_calibrator"]["steps_observed"] == 0
+    plain.load_state_dict(state)  # calibrate_cost turned off since: nothing to go on with
+    assert plain.state_dict() == {}
+    calibrating.load_state_dict({})  # turned on since: the fit starts afresh
+    assert calibrating.state_dict() == state
+    with pytest.raises(ValueError, match=r"ViTBalancer\.load_state_dict: state=.* expected a mapping"):
+        calibrating.load_state_dict([("cost_calibrator", {})])  # type: ignore[arg-type]
+    windowed = ViTBalancer(ViTBalanceConfig(calibrate_cost=True, cost_windowed=1.0, cost_window_patches=4))
+    with pytest.raises(ValueError, match="fits window_patches=4"):
+        windowed.load_state_dict(state)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import io
 import math
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hf_models import LATEST_FAMILIES, NEWER_FAMILIES, available, tiny_model
 
 from lightning_vit_balance import CostModel, ViTBalanceConfig
@@ -478,6 +480,78 @@ def test_calibrator_invalid_input() -> None:
         CostCalibrator(min_spread=0.5)
     with pytest.raises(ValueError, match=r"CostCalibrator\.outlier_factor=1"):
         CostCalibrator(outlier_factor=1)
+
+
+def _saved_and_loaded(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` through ``torch.save`` and a ``weights_only`` load, as a Lightning checkpoint."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_calibrator_state_resumes_the_fit_bit_for_bit() -> None:
+    rng = np.random.default_rng(11)
+    noisy = [(c, [t * rng.uniform(0.8, 1.25) for t in ms]) for c, ms in _steps(12, 24)]
+    whole, first = CostCalibrator(history=16), CostCalibrator(history=16)
+    for counts, ms in noisy[:12]:
+        whole.observe(counts, ms)
+        first.observe(counts, ms)
+    state = _saved_and_loaded(first.state_dict())
+    assert state == first.state_dict() and first.fits > 0
+    resumed, fresh = CostCalibrator(history=16), CostCalibrator(history=16)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state
+    assert (resumed.fingerprint(), resumed.call_overhead_ms) == (first.fingerprint(), first.call_overhead_ms)
+    # A new process warms up again: its first two measured steps are left out, as a fresh one's.
+    for counts, ms in noisy[12:14]:
+        assert resumed.observe(counts, ms) == first.model
+    fingerprints, afresh = set(), set()
+    for counts, ms in noisy[14:]:
+        assert whole.observe(counts, ms) == resumed.observe(counts, ms)
+        assert whole.call_overhead_ms == resumed.call_overhead_ms
+        fresh.observe(counts, ms)
+        fingerprints.add(whole.fingerprint())
+        afresh.add(fresh.fingerprint())
+    # Noisy times move every refit, and the restored rows count in each: a calibrator started
+    # afresh on the same steps fits other coefficients at every step.
+    assert len(fingerprints) == len(noisy[14:]) and not fingerprints & afresh
+    assert resumed.steps_observed == whole.steps_observed + 2 and resumed.fits == whole.fits
+
+
+def test_calibrator_state_of_other_terms_is_refused_and_changes_nothing() -> None:
+    fitted = CostCalibrator(warmup_steps=0)
+    for counts, ms in _steps(13, 4):
+        fitted.observe(counts, ms)
+    windowed = CostCalibrator(CostModel(windowed=1.0, window_patches=64))
+    before = windowed.state_dict()
+    with pytest.raises(
+        ValueError, match=r"state\['window_patches'\]=0, but this calibrator fits window_patches=64"
+    ):
+        windowed.load_state_dict(fitted.state_dict())
+    per_frame = CostCalibrator(CostModel(per_frame_attention=True))
+    with pytest.raises(ValueError, match=r"state\['per_frame_attention'\]=False"):
+        per_frame.load_state_dict(fitted.state_dict())
+    bad_time = fitted.state_dict()
+    bad_time["history"][0][0][-1] = 0.0
+    broken = [
+        {"version": 2},
+        "state",
+        {**fitted.state_dict(), "fits": -1},
+        {**fitted.state_dict(), "model": {}},
+    ]
+    for state in [*broken, bad_time]:
+        with pytest.raises(ValueError, match=r"CostCalibrator\.load_state_dict"):
+            windowed.load_state_dict(state)  # type: ignore[arg-type]
+    assert windowed.state_dict() == before
+    # Saved before any fit: the counters and rows come back, the model stays this one's own.
+    early = CostCalibrator(warmup_steps=1)
+    for counts, ms in _steps(14, 2):
+        early.observe(counts, ms)
+    own = CostCalibrator(CostModel(quadratic=3.0), warmup_steps=1)
+    own.load_state_dict(early.state_dict())
+    assert own.model == CostModel(quadratic=3.0) and own.steps_observed == 2
+    assert own.state_dict()["history"] == early.state_dict()["history"]
 
 
 # -- Attention per temporal step (Qwen-VL videos) -------------------------------------------------

@@ -101,6 +101,12 @@ def test_resuming_continues_training_and_the_cumulative_counts(resumed: dict[str
         assert row["vit_balance/skipped/no-gain"] == step + 1
     state = resumed["last"]["callbacks"]["ViTBalanceCallback"]
     assert (state["applied_total"], state["calls_total"]) == (STEPS, CALLS_PER_STEP * STEPS)
+    # The online cost fit (`calibrate_cost`) goes on from the checkpoint: the resumed fit's rows
+    # follow the first fit's, and its observations add to the first fit's count.
+    first = resumed["first_last"]["vit_balance"]["cost_calibrator"]
+    last = resumed["last"]["vit_balance"]["cost_calibrator"]
+    assert first["history"] and last["history"][: len(first["history"])] == first["history"]
+    assert last["steps_observed"] > first["steps_observed"] and last["fits"] == first["fits"] == 0
     # Two 2-step fits trained exactly as one 4-step fit would have.
     losses, weights = _reference()
     logged = _by_step(resumed["rows"], "train_loss")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 import pickle
 import warnings
 from pathlib import Path
@@ -236,6 +237,71 @@ def test_teardown_lets_go_of_the_runs_process_groups() -> None:
             "again": True,
             "rebuilt": True,
         }
+
+
+def _checkpoint_round_trip(module: MixinFirst, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """``module.on_save_checkpoint`` into ``checkpoint``, through a ``weights_only`` load."""
+    module.on_save_checkpoint(checkpoint)
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def _two_rank_checkpoints() -> dict[str, Any]:
+    rank = dist.get_rank()
+    calibrating = ViTBalanceConfig(calibrate_cost=True)
+    images = [_images(4 - 3 * rank + step % 2, seed=step) for step in range(4)]
+    module = MixinFirst(calibrating)
+    module.vit_balance_group = dist.group.WORLD
+    for pixel_values, grid_thw in images:
+        module.encode_images(module.visual, pixel_values, grid_thw)
+    saved = _checkpoint_round_trip(module, {"epoch": 0})
+    # Saved after the run (Trainer.save_checkpoint after fit): the state outlives the run's balancer.
+    module.teardown("fit")
+    after_run = _checkpoint_round_trip(module, {"epoch": 0})
+    resumed = MixinFirst(calibrating)
+    resumed.vit_balance_group = dist.group.WORLD
+    resumed.on_load_checkpoint(saved)
+    for pixel_values, grid_thw in images[:2]:  # the first call carries no time yet
+        resumed.encode_images(resumed.visual, pixel_values, grid_thw)
+    continued = _checkpoint_round_trip(resumed, {})
+    # A tower priced with a windowed term fits other terms: the state is left behind, with a warning.
+    windowed = MixinFirst(ViTBalanceConfig(calibrate_cost=True, cost_windowed=1.0, cost_window_patches=4))
+    windowed.vit_balance_group = dist.group.WORLD
+    windowed.on_load_checkpoint(saved)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        windowed.encode_images(windowed.visual, *images[0])
+    plain = MixinFirst()
+    plain.vit_balance_group = dist.group.WORLD
+    plain.encode_images(plain.visual, *images[0])
+    return {
+        "saved": saved["vit_balance"]["cost_calibrator"],
+        "after_run": after_run == saved,
+        "continued": continued["vit_balance"]["cost_calibrator"],
+        "warned": [str(w.message) for w in caught if "saved balancer state" in str(w.message)],
+        "windowed_steps": _checkpoint_round_trip(windowed, {})["vit_balance"]["cost_calibrator"][
+            "steps_observed"
+        ],
+        "plain": _checkpoint_round_trip(plain, {}),
+    }
+
+
+def test_checkpoints_carry_the_online_cost_fit() -> None:
+    with world(2) as w:
+        first, second = w.run(_two_rank_checkpoints)
+    # Every rank fed its calibrator the same gathered figures: rank 0's checkpoint is every rank's.
+    assert first == second
+    saved, continued = first["saved"], first["continued"]
+    # 4 calls: 3 carried the previous call's times, 2 of them warm-up, 1 step of rows kept.
+    assert saved["steps_observed"] == 3 and len(saved["history"]) == 1
+    assert first["after_run"]
+    # Resumed: 2 more calls, 1 observation (a new process warms up again), the rows go on.
+    assert continued["steps_observed"] == 4 and continued["history"] == saved["history"]
+    assert len(first["warned"]) == 1 and "window_patches=4" in first["warned"][0]
+    assert first["windowed_steps"] == 0
+    assert first["plain"] == {}
 
 
 def test_fabric_module_asks_fabrics_strategy_once() -> None:

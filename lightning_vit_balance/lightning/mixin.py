@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
@@ -21,6 +21,9 @@ from lightning_vit_balance.lightning.callback import ViTBalanceCallback
 from lightning_vit_balance.lightning.strategy import dp_group_from_strategy
 
 __all__ = ["ViTBalanceMixin"]
+
+#: Where a checkpoint keeps the balancer's state (:meth:`ViTBalancer.state_dict`).
+CHECKPOINT_KEY = "vit_balance"
 
 
 def _ref(obj: object) -> weakref.ref | None:
@@ -103,6 +106,19 @@ def _rows_to_plan(
     return torch.empty((rows, width), dtype=dtype, device="meta"), grid
 
 
+def _continue_from(balancer: ViTBalancer, saved: Mapping[str, Any]) -> None:
+    """Start ``balancer`` from a saved state; one the balancer cannot go on from (a cost fit of
+    other terms, after the configuration changed between runs) is left behind with a warning, and
+    the fit starts afresh. Every rank holds the same state and configuration, so all decide alike."""
+    try:
+        balancer.load_state_dict(saved)
+    except ValueError as error:
+        rank_zero_warn(
+            f"ViTBalanceMixin: the saved balancer state (from a checkpoint or an earlier run) is not "
+            f"used ({error}); the cost fit starts afresh."
+        )
+
+
 def _host_group_for(group: Any, size: int) -> dist.ProcessGroup | None:
     """A gloo group over the same ranks for the balancer's small host-side gathers, when ``group``
     is an NCCL group spanning the world (DDP, FSDP): the grid rows and status words then never go
@@ -137,13 +153,20 @@ class _State:
         self.last_stats: BalanceStats | None = None
         self.ticket: PreparedPlan | None = None
         self.host_group: dist.ProcessGroup | None = None
+        #: A balancer state the next balancer starts from: a loaded checkpoint's, or the last
+        #: run's (what a checkpoint saved between runs keeps).
+        self.carried: Mapping[str, Any] | None = None
+
+    def balancer_state(self) -> Mapping[str, Any] | None:
+        """What a checkpoint keeps now: the balancer's state, else the one carried to the next."""
+        return self.balancer.state_dict() if self.balancer is not None else self.carried
 
     def release(self) -> None:
         """Forget the run: its groups, balancer and pending plan (the next call starts afresh);
-        the last stats are kept."""
-        last_stats = self.last_stats
+        the last stats are kept, and the balancer's state is carried to the next run's."""
+        last_stats, carried = self.last_stats, self.balancer_state()
         self.__init__()  # type: ignore[misc]
-        self.last_stats = last_stats
+        self.last_stats, self.carried = last_stats, carried
 
     def __getstate__(self) -> dict[str, Any]:
         return {}
@@ -223,7 +246,9 @@ class ViTBalanceMixin:
     Checkpoints: ``save_hyperparameters()`` may keep the ``ViTBalanceConfig`` (or a
     ``CostModel``) in ``hparams``. Defining a class that uses this mixin allows both types under
     the default ``weights_only`` loading, so ``Trainer.fit(ckpt_path=...)`` and
-    ``load_from_checkpoint`` work, also in a fresh or spawned process.
+    ``load_from_checkpoint`` work, also in a fresh or spawned process. With ``calibrate_cost`` the
+    online cost fit is saved under ``checkpoint["vit_balance"]`` and a resumed fit goes on from it
+    (:meth:`on_save_checkpoint`, :meth:`on_load_checkpoint`).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -308,6 +333,8 @@ class ViTBalanceMixin:
         callbacks = trainer.callbacks if trainer is not None else ()
         state.record = any(isinstance(cb, ViTBalanceCallback) for cb in callbacks)
         state.records = []
+        if state.carried is None:
+            state.carried = state.balancer_state()
         state.balancer = None
 
     def encode_images(self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
@@ -355,8 +382,12 @@ class ViTBalanceMixin:
         state = self._vit_balance_state_object()
         if state.balancer is None or state.balancer_config != config:
             host = state.host_group if group is state.group else None
+            carried = state.balancer_state()
             state.balancer = ViTBalancer(config, group, report=rank_zero_info, host_group=host)
             state.balancer_config = config
+            state.carried = None
+            if carried:
+                _continue_from(state.balancer, carried)
         return state.balancer
 
     def _vit_balance_take_ticket(self) -> PreparedPlan | None:
@@ -382,6 +413,32 @@ class ViTBalanceMixin:
             batch = parent(batch, dataloader_idx)
         self._vit_balance_plan_ahead(batch)
         return batch
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the balancer's state in the checkpoint under ``"vit_balance"``: with
+        ``calibrate_cost``, the online cost fit, so a fit resumed from it plans with the fitted
+        model from its first step. An override of the hook must call ``super().on_save_checkpoint``.
+        """
+        parent = getattr(super(), "on_save_checkpoint", None)
+        if parent is not None:
+            parent(checkpoint)
+        state = self.__dict__.get("_vit_balance_state")
+        saved = state.balancer_state() if state is not None else None
+        if saved:
+            checkpoint[CHECKPOINT_KEY] = dict(saved)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Take the balancer's state from a checkpoint (see :meth:`on_save_checkpoint`); the run's
+        balancer starts from it. An override of the hook must call ``super().on_load_checkpoint``.
+        """
+        parent = getattr(super(), "on_load_checkpoint", None)
+        if parent is not None:
+            parent(checkpoint)
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if saved is not None:
+            state = self._vit_balance_state_object()
+            state.carried = saved
+            state.balancer = None
 
     def teardown(self, stage: str) -> None:
         """At the end of a fit, validate, test or predict run: let go of that run's process groups.

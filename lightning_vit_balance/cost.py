@@ -737,6 +737,10 @@ class CostCalibrator:
         min_spread: Smallest ``max(l) / min(l)`` over the kept images for a fit.
         outlier_factor: Rows off by more than this times the median relative error are outliers.
 
+    Checkpoints: :meth:`state_dict` holds the model, the counters and the kept rows in plain
+    numbers, and :meth:`load_state_dict` goes on from them in a new process (``ViTBalanceMixin``
+    saves it in Lightning checkpoints).
+
     Attributes:
         steps_observed: Calls of :meth:`observe`, warm-up included.
         fits: Successful fits so far.

@@ -1007,7 +1007,8 @@ def _parse_state(
         history = [np.asarray(rows, dtype=np.float64).reshape(-1, len(_ROW)) for rows in state["history"]]
     except (KeyError, TypeError, ValueError) as error:
         raise ValueError(f"{where}: state holds no valid model, overhead or history ({error!r}).") from None
-    bad_rows = any(not np.isfinite(rows).all() or (rows[:, -1] <= 0).any() for rows in history)
+    ms = _ROW.index("ms")
+    bad_rows = any(not np.isfinite(rows).all() or (rows[:, ms] <= 0).any() for rows in history)
     if bad_rows or not math.isfinite(overhead):
         raise ValueError(f"{where}: state holds a non-finite value or a time <= 0: expected a saved state.")
     return model, history

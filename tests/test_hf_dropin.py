@@ -1214,7 +1214,6 @@ def _hf_trainer_fit(out_dir: str) -> dict[str, Any]:
     """Hugging Face's ``Trainer`` (DDP over the pool's gloo group, which accelerate takes as it
     finds it) on the drop-in: each rank's batches of :data:`FIT_BATCHES` in order, SGD at a
     constant rate, no clipping; the loss of each step and the handle's counts."""
-
     import torch.distributed as dist
     from transformers import Trainer, TrainingArguments
 

@@ -2,8 +2,9 @@
 
 The engine (configuration, cost model, planning, exchange, balanced encode) needs only torch.
 The Lightning face (:class:`ViTBalanceMixin`, :class:`ViTBalanceCallback`,
-:func:`dp_group_from_strategy`) is imported on first use, so plain ``torch.distributed`` programs
-and the spawned processes of a job never pay for importing Lightning.
+:func:`dp_group_from_strategy`) and the Hugging Face ``Trainer`` callback
+(:class:`ViTBalanceTrainerCallback`) are imported on first use, so plain ``torch.distributed``
+programs and the spawned processes of a job never pay for importing Lightning or transformers.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from lightning_vit_balance.outputs import OutputLayout
 from lightning_vit_balance.planning import REASONS, RebalancePlan, plan_rebalance
 
 if TYPE_CHECKING:
+    from lightning_vit_balance.hf_trainer import ViTBalanceTrainerCallback
     from lightning_vit_balance.lightning import (
         ViTBalanceCallback,
         ViTBalanceMixin,
@@ -37,6 +39,7 @@ __all__ = [
     "ViTBalanceCallback",
     "ViTBalanceConfig",
     "ViTBalanceMixin",
+    "ViTBalanceTrainerCallback",
     "ViTBalancer",
     "add_vit_balance_args",
     "balance_vision_tower",
@@ -46,12 +49,18 @@ __all__ = [
     "plan_rebalance",
 ]
 
-_LIGHTNING_NAMES = frozenset({"ViTBalanceCallback", "ViTBalanceMixin", "dp_group_from_strategy"})
+#: Names imported on first use, and the module each comes from.
+_LAZY_NAMES = {
+    "ViTBalanceCallback": "lightning_vit_balance.lightning",
+    "ViTBalanceMixin": "lightning_vit_balance.lightning",
+    "dp_group_from_strategy": "lightning_vit_balance.lightning",
+    "ViTBalanceTrainerCallback": "lightning_vit_balance.hf_trainer",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LIGHTNING_NAMES:
-        value = getattr(importlib.import_module("lightning_vit_balance.lightning"), name)
+    if name in _LAZY_NAMES:
+        value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'lightning_vit_balance' has no attribute {name!r}")

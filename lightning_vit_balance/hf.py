@@ -727,6 +727,33 @@ class BalancedVisionTower:
         ``ViTBalancer.prepare``), or None to gather and plan in the forward (the default)."""
         return None
 
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the balancing: with ``calibrate_cost``, the online cost fit
+        (``ViTBalancer.state_dict``), so a resumed run plans with the fitted model from its first
+        step; an empty dict otherwise, or before the first balanced forward unless a state was
+        loaded. Plain Python values (JSON and ``torch.load(weights_only=True)`` alike take them),
+        the same on every rank. Hugging Face's ``Trainer`` saves it with
+        ``ViTBalanceTrainerCallback``."""
+        return self._balancer.state_dict() if self._balancer is not None else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from :meth:`state_dict`: call it on every rank with the same state, before the
+        next balanced forward, which then plans with the saved cost fit. A state without a cost
+        fit, or a configuration without ``calibrate_cost``, changes nothing.
+
+        Raises:
+            ValueError: ``state`` is not a mapping, or its cost fit cannot continue under this
+                handle's configuration (another window or per-frame attention); nothing changes.
+        """
+        state = saved_state(state)
+        config = self.config if self.config is not None else self._default_config()
+        key = (config, id(self.group))
+        balancer = self._balancer if self._balancer_key == key else ViTBalancer(config, self.group)
+        balancer.load_state_dict(state)
+        self._balancer, self._balancer_key = balancer, key
+
     # -- removal -------------------------------------------------------------------------------
 
     def remove(self) -> None:
@@ -824,8 +851,11 @@ class BalancedVisionTower:
     def _balancer_for(self, config: ViTBalanceConfig, group: Any) -> ViTBalancer:
         key = (config, id(group))
         if self._balancer is None or self._balancer_key != key:
+            previous = self._balancer
             self._balancer = ViTBalancer(config, group)
             self._balancer_key = key
+            if previous is not None:
+                _continue_fit(self._balancer, previous.state_dict())
         return self._balancer
 
     def _encode(self, bound: Mapping[str, Any], config: ViTBalanceConfig, group: Any) -> _Pending:
@@ -895,6 +925,31 @@ class BalancedVisionTower:
             message = problem + ": encoded directly, unbalanced (warned once)."
             warnings.warn(message, RuntimeWarning, stacklevel=2)
         return self._original("tower")(pixels, grid_thw=grid_thw, **kwargs)
+
+
+def saved_state(state: Any) -> dict[str, Any]:
+    """``state`` for :meth:`BalancedVisionTower.load_state_dict`, checked to be a mapping and copied."""
+    if not isinstance(state, Mapping):
+        raise ValueError(
+            f"BalancedVisionTower.load_state_dict: state={state!r} is invalid: expected a mapping "
+            "(a state_dict() of a balanced model)."
+        )
+    return dict(state)
+
+
+def _continue_fit(balancer: ViTBalancer, saved: Mapping[str, Any]) -> None:
+    """Start a rebuilt balancer (its configuration or group changed) from the previous one's cost
+    fit; a fit of other terms (another window or per-frame attention) is left behind with a
+    warning. Every rank holds the same state and configuration, so all decide alike."""
+    try:
+        balancer.load_state_dict(saved)
+    except ValueError as error:
+        warnings.warn(
+            f"balance_vision_tower: the cost fit of the previous configuration is not carried over "
+            f"({error}); it starts afresh.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 #: A module's own hook registries, as ``nn.Module.__call__`` reads them.
@@ -971,7 +1026,9 @@ def balance_vision_tower(
             modalities: their tower calls gather parameters.
 
     Returns:
-        The handle: ``last_stats``, ``calls``, ``applied_calls`` and ``remove()``.
+        The handle: ``last_stats``, ``calls``, ``applied_calls``, ``remove()``, and
+        ``state_dict()`` / ``load_state_dict()`` for checkpoints (with ``calibrate_cost``, the
+        online cost fit; Hugging Face's ``Trainer`` keeps it with ``ViTBalanceTrainerCallback``).
 
     Raises:
         ValueError: ``model`` breaks the contract (the message names what is missing) or is already

@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import importlib
 import io
+import json
 import math
 import sys
 from pathlib import Path
@@ -482,22 +483,26 @@ def test_calibrator_invalid_input() -> None:
         CostCalibrator(outlier_factor=1)
 
 
-def _saved_and_loaded(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` through ``torch.save`` and a ``weights_only`` load, as a Lightning checkpoint."""
+def _saved_and_loaded(state: dict[str, Any], through: str = "torch.save") -> dict[str, Any]:
+    """``state`` through ``torch.save`` and a ``weights_only`` load, as a Lightning checkpoint, or
+    through JSON, as Hugging Face's ``trainer_state.json``."""
+    if through == "json":
+        return json.loads(json.dumps(state))
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
 
 
-def test_calibrator_state_resumes_the_fit_bit_for_bit() -> None:
+@pytest.mark.parametrize("through", ["torch.save", "json"])
+def test_calibrator_state_resumes_the_fit_bit_for_bit(through: str) -> None:
     rng = np.random.default_rng(11)
     noisy = [(c, [t * rng.uniform(0.8, 1.25) for t in ms]) for c, ms in _steps(12, 24)]
     whole, first = CostCalibrator(history=16), CostCalibrator(history=16)
     for counts, ms in noisy[:12]:
         whole.observe(counts, ms)
         first.observe(counts, ms)
-    state = _saved_and_loaded(first.state_dict())
+    state = _saved_and_loaded(first.state_dict(), through)
     assert state == first.state_dict() and first.fits > 0
     resumed, fresh = CostCalibrator(history=16), CostCalibrator(history=16)
     resumed.load_state_dict(state)

@@ -49,10 +49,13 @@ from multirank import World, set_launcher_variables
 
 from lightning_vit_balance import (
     BalancedVisionTower,
+    CostCalibrator,
+    CostModel,
     ViTBalanceCallback,
     ViTBalanceConfig,
     ViTBalanceMixin,
     ViTBalancer,
+    ViTBalanceTrainerCallback,
     balance_vision_tower,
     encode_visual,
 )
@@ -1273,6 +1276,166 @@ def test_hugging_face_trainer_trains_as_the_plain_model(tmp_path: Path) -> None:
     for rank, result in enumerate(results):
         torch.testing.assert_close(torch.tensor(result["losses"]), expected[rank], **TOL)
         assert result["calls"] == FIT_STEPS and result["applied_calls"] >= 1, result
+
+
+# Saved at step 5, resumed to step 10: enough calls for each run to warm up and record rows.
+RESUME_SAVED_AT, RESUME_STEPS = 5, 10
+
+
+def _hf_trainer_run(
+    out_dir: str, max_steps: int, resume_from: str | None, restore_callbacks: bool = False
+) -> dict[str, Any]:
+    """A calibrating drop-in under Hugging Face's ``Trainer`` with the checkpoint callback, the
+    batches of :data:`FIT_BATCHES` in turn: saves at :data:`RESUME_SAVED_AT` when not resuming;
+    the handle's state at the end."""
+    from transformers import Trainer, TrainingArguments
+
+    size = torch.distributed.get_world_size()
+    model = tiny_model(FIT_FAMILY)
+    handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG, calibrate_cost=True))
+    arguments = TrainingArguments(
+        output_dir=out_dir,
+        use_cpu=True,
+        ddp_backend="gloo",
+        per_device_train_batch_size=1,
+        max_steps=max_steps,
+        save_strategy="no" if resume_from else "steps",
+        save_steps=RESUME_SAVED_AT,
+        restore_callback_states_from_checkpoint=restore_callbacks,
+        report_to=[],
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+    batches = [fit_batch(step % FIT_STEPS, r) for step in range(max_steps) for r in range(size)]
+    # Plain SGD keeps no tensors in its state: transformers 4.57 loads an optimizer state saved on
+    # several CPU ranks to the device "cpu:0", which torch cannot restore.
+    optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    trainer = Trainer(
+        model=model,
+        args=arguments,
+        train_dataset=batches,
+        data_collator=_first,
+        optimizers=(optimizer, None),
+        callbacks=[ViTBalanceTrainerCallback()],
+    )
+    trainer.train(resume_from_checkpoint=resume_from)
+    torch.distributed.barrier()  # rank 0 has written its checkpoint before any rank reads it
+    return handle.state_dict()
+
+
+def _hf_trainer_resume(out_dir: str) -> dict[str, Any]:
+    """Train to the checkpoint, then resume from it twice: with Hugging Face's callback restore
+    off (its default) and on."""
+    set_launcher_variables(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    first = _hf_trainer_run(out_dir, RESUME_SAVED_AT, None)
+    checkpoint = Path(out_dir) / f"checkpoint-{RESUME_SAVED_AT}"
+    trainer_state = json.loads((checkpoint / "trainer_state.json").read_text())
+    saved = trainer_state["stateful_callbacks"]["ViTBalanceTrainerCallback"]["attributes"]["balancer_state"]
+    resumed = [_hf_trainer_run(out_dir, RESUME_STEPS, str(checkpoint), flag) for flag in (False, True)]
+    return {"first": first, "saved": saved, "resumed": resumed}
+
+
+@pytest.mark.timeout(180)
+def test_hugging_face_trainer_checkpoints_carry_the_cost_fit(tmp_path: Path) -> None:
+    """``ViTBalanceTrainerCallback`` keeps the calibrating handle's state in ``trainer_state.json``
+    and a resumed run goes on from it on every rank: the same counters, the saved rows first.
+    In a pool of its own (accelerate's state is process-wide)."""
+    pool = World(FIT_RANKS)
+    try:
+        results = pool.run(_hf_trainer_resume, str(tmp_path), timeout=150)
+    finally:
+        pool.close(kill=True)
+    saved = results[0]["saved"]["cost_calibrator"]
+    # Every call of a run but its first observes the time of the call before (so 4 of 5), and
+    # after two warm-up observations with a time the steps give rows.
+    assert saved["steps_observed"] == RESUME_SAVED_AT - 1 and saved["history"], saved
+    for result in results:
+        assert result["first"] == result["saved"]  # every rank held what rank 0 saved
+        for resumed in result["resumed"]:
+            fit = resumed["cost_calibrator"]
+            # The resumed process counts on (4 more) and warms up again; its rows follow the saved.
+            assert fit["steps_observed"] == saved["steps_observed"] + 4, fit
+            kept = len(saved["history"])
+            assert fit["history"][:kept] == saved["history"] and len(fit["history"]) > kept, fit
+
+
+def _calibrator_state(window_patches: int = 0) -> dict[str, Any]:
+    """A fitted calibrator's state (l**2 images, 2 ranks, 6 steps), as ``ViTBalancer`` keeps it."""
+    calibrator = CostCalibrator(CostModel(window_patches=window_patches), warmup_steps=0, min_rank_steps=4)
+    for step in range(6):
+        counts = [[64 * (step + 1), 16], [256 + 32 * step]]
+        calibrator.observe(counts, [1e-4 * sum(n * n for n in row) + 0.5 for row in counts])
+    assert calibrator.fits > 0
+    return {"cost_calibrator": calibrator.state_dict()}
+
+
+def test_handle_state_round_trips_and_refuses_a_fit_of_other_terms() -> None:
+    """``BalancedVisionTower.state_dict`` / ``load_state_dict`` without a process group: a loaded
+    fit is what the next balancer starts from, also after the configuration changes; a fit of
+    other terms is refused (nothing changes) or, on a configuration change, left behind with a
+    warning."""
+    model = tiny_model(FIT_FAMILY)
+    config = ViTBalanceConfig(**CONFIG, calibrate_cost=True)
+    handle = balance_vision_tower(model, config)
+    assert handle.state_dict() == {}
+    state = _calibrator_state()
+    handle.load_state_dict(json.loads(json.dumps(state)))
+    assert handle.state_dict() == state
+    with pytest.raises(ValueError, match=r"load_state_dict: state='fit' is invalid: expected a mapping"):
+        handle.load_state_dict("fit")  # type: ignore[arg-type]
+    refused = r"state\['window_patches'\]=64, but this calibrator fits window_patches=0"
+    with pytest.raises(ValueError, match=refused):
+        handle.load_state_dict(_calibrator_state(window_patches=64))
+    assert handle.state_dict() == state
+    # Another configuration (or group) rebuilds the balancer, which goes on from the fit.
+    handle.config = ViTBalanceConfig(**CONFIG, calibrate_cost=True, min_gain=0.1)
+    assert handle._balancer_for(handle.config, None).state_dict() == state
+    handle.config = ViTBalanceConfig(**CONFIG, calibrate_cost=True, cost_window_patches=64)
+    with pytest.warns(RuntimeWarning, match=r"cost fit of the previous configuration is not carried over"):
+        handle._balancer_for(handle.config, None)
+    assert handle.state_dict()["cost_calibrator"]["steps_observed"] == 0
+    # Without calibration there is nothing to keep.
+    plain = balance_vision_tower(tiny_model(FIT_FAMILY), ViTBalanceConfig(**CONFIG))
+    plain.load_state_dict(state)
+    assert plain.state_dict() == {}
+
+
+def test_trainer_callback_goes_on_from_the_resumed_state_or_says_why_not() -> None:
+    """``ViTBalanceTrainerCallback.on_train_begin`` with a resumed ``TrainerState``: a state the
+    handle can go on from is loaded, one of other terms warns and changes nothing, and a model
+    without a balanced tower is an error naming the fix."""
+    from transformers import TrainerState
+
+    model = tiny_model(FIT_FAMILY)
+    handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG, calibrate_cost=True))
+    callback = ViTBalanceTrainerCallback()
+
+    def resumed(state: dict[str, Any]) -> Any:
+        saved = {"args": {}, "attributes": {"balancer_state": json.loads(json.dumps(state))}}
+        return TrainerState(stateful_callbacks={"ViTBalanceTrainerCallback": saved})
+
+    callback.on_train_begin(None, resumed(_calibrator_state()), None, model=model)  # type: ignore[arg-type]
+    assert handle.state_dict() == _calibrator_state()
+    assert callback.state() == {"args": {}, "attributes": {"balancer_state": _calibrator_state()}}
+    with pytest.warns(RuntimeWarning, match=r"checkpoint's balancer state is not used .*window_patches"):
+        callback.on_train_begin(None, resumed(_calibrator_state(64)), None, model=model)  # type: ignore[arg-type]
+    assert handle.state_dict() == _calibrator_state()
+    with pytest.raises(ValueError, match=r"has no balanced vision tower: call balance_vision_tower\(model\)"):
+        callback.on_train_begin(None, TrainerState(), None, model=tiny_model(FIT_FAMILY))  # type: ignore[arg-type]
+
+
+def test_mixin_handle_state_is_the_modules_checkpoint_state() -> None:
+    """The mixin's handle reads and sets the state the module's checkpoints keep."""
+    module = HFFinetune("unused", balanced=True)
+    handle = BalancedVisionTower.of(module.model)
+    assert handle.state_dict() == {}
+    state = _calibrator_state()
+    handle.load_state_dict(state)
+    checkpoint: dict[str, Any] = {}
+    module.on_save_checkpoint(checkpoint)
+    assert checkpoint["vit_balance"] == state and handle.state_dict() == state
+    with pytest.raises(ValueError, match=r"state=None is invalid"):
+        handle.load_state_dict(None)  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(240)

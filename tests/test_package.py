@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "balancer": 6,
     "hf": 7,
     "lightning": 8,
+    "hf_trainer": 8,  # Hugging Face's Trainer: the drop-in's state in its checkpoints
 }
 
 
@@ -72,6 +73,8 @@ def test_layers_import_only_earlier_layers() -> None:
                 assert LAYERS[target] <= level, f"{path.name} ({name}) imports the later layer {target}"
             elif imported.split(".")[0] in {"lightning", "pytorch_lightning", "torchmetrics"}:
                 assert name == "lightning", f"{path} imports {imported}; only lightning/ may"
+            elif imported.split(".")[0] == "transformers":
+                assert name == "hf_trainer", f"{path} imports {imported}; only hf_trainer may"
         checked += 1
     assert checked >= len(LAYERS)
 
@@ -91,6 +94,8 @@ def test_importing_the_engine_does_not_import_lightning() -> None:
         "m.plan_rebalance([[4], [16]]); "
         "assert 'lightning' not in sys.modules, 'eager lightning import'; "
         "assert 'torchmetrics' not in sys.modules, 'eager torchmetrics import'; "
-        "m.ViTBalanceMixin; assert 'lightning' in sys.modules"
+        "assert 'transformers' not in sys.modules, 'eager transformers import'; "
+        "m.ViTBalanceMixin; assert 'lightning' in sys.modules; "
+        "m.ViTBalanceTrainerCallback; assert 'transformers' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -16,7 +16,7 @@ from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalanc
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.exchange import grid_steps
-from lightning_vit_balance.hf import BalancedVisionTower, encode_visual
+from lightning_vit_balance.hf import BalancedVisionTower, encode_visual, saved_state
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
 from lightning_vit_balance.lightning.strategy import dp_group_from_strategy
 
@@ -207,6 +207,16 @@ class _ModuleTowerBalance(BalancedVisionTower):
     def _balancer_for(self, config: ViTBalanceConfig, group: Any) -> ViTBalancer:
         # The module's balancer: the one its plan-ahead hook prepared with.
         return self.module._vit_balance_balancer(config, group)
+
+    def state_dict(self) -> dict[str, Any]:
+        # The module's balancer calibrates (its checkpoints keep this state too).
+        saved = self.module._vit_balance_state_object().balancer_state()
+        return dict(saved) if saved else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        carried = saved_state(state)
+        module_state = self.module._vit_balance_state_object()
+        module_state.carried, module_state.balancer = carried, None
 
 
 class ViTBalanceMixin:

@@ -1,10 +1,13 @@
 """Costs of the engine's own machinery, each next to its floor, measured side by side in one run.
 
-``make bench-engine`` spawns 2 gloo ranks on CPU (file-store rendezvous) and prints three tables:
+``make bench-engine`` spawns 2 gloo ranks on CPU (file-store rendezvous) and prints four tables:
 
 * **status**: the status gather after the ViT (the check that turns a ViT failure on one rank into
   one error on every rank) per call, next to a whole applied balanced call on the demo's tower and
   batches, and next to a raw ``all_gather`` of the same three int64 values;
+* **skipped**: a call the plan skips, prepared before the forward, without and with
+  ``check_skipped_calls`` (the status gather after the ViT), the two settings alternating call by
+  call; the slowest rank's wall time per call, which is what the step waits for;
 * **scale**: thousands of tiny images on a rank: one applied balanced call (rank 0 holds ``n``
   images, rank 1 a quarter of that) against the direct call on the same images, with the host
   bookkeeping split out (gather + plan + the trips' host work);
@@ -18,6 +21,7 @@ Every figure is a median over repeats. The numbers depend on the machine; the ra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -95,6 +99,33 @@ def _status_table(repeats: int) -> list[str]:
     ]
 
 
+def _skipped_table(repeats: int) -> list[str]:
+    tower, batches, config = _demo_tower(0.8)
+    pixels, grid = batches[0]["pixel_values"], batches[0]["image_grid_thw"]
+    skipping = dataclasses.replace(config, trigger_threshold=100.0)
+    balancers = {
+        checked: ViTBalancer(dataclasses.replace(skipping, check_skipped_calls=checked))
+        for checked in (False, True)
+    }
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(repeats):
+        for checked, balancer in balancers.items():
+            ticket = balancer.prepare(pixels, grid, tower)
+            dist.barrier()
+            started = time.perf_counter()
+            balancer(tower, pixels, grid, prepared=ticket)
+            times[checked].append(_slowest((time.perf_counter() - started) * 1e3))
+            assert balancer.last_stats is not None and not balancer.last_stats.applied
+    off, on = (statistics.median(times[checked]) for checked in (False, True))
+    return [
+        "| skipped call, prepared, demo tower | slowest rank's ms per call (median) |",
+        "|---|---|",
+        f"| unchecked (no collective) | {off:.2f} |",
+        f"| check_skipped_calls (the status gather) | {on:.2f} |",
+        f"| difference | {on - off:.3f} ({100 * (on - off) / off:.2f}%) |",
+    ]
+
+
 class _PerImageTower(torch.nn.Module):
     """A tiny tower that, like Hugging Face's, walks the images of its batch one by one."""
 
@@ -168,6 +199,7 @@ def _worker(rank: int, store: str, args: argparse.Namespace, queue: Any) -> None
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=RANKS)
     tables = {
         "status": _status_table(args.repeats),
+        "skipped": _skipped_table(args.skipped_repeats),
         "scale": _scale_table(args.images),
         "overlap": _overlap_table(args.steps),
     }
@@ -179,6 +211,7 @@ def _worker(rank: int, store: str, args: argparse.Namespace, queue: Any) -> None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=200, help="status gathers timed")
+    parser.add_argument("--skipped-repeats", type=int, default=40, help="skipped calls timed per setting")
     parser.add_argument("--images", type=int, nargs="+", default=[2_000, 20_000], help="images on rank 0")
     parser.add_argument("--steps", type=int, default=12, help="overlap steps per setting")
     args = parser.parse_args()

@@ -10,9 +10,10 @@ moves images, one ``all_to_all_single`` of pixel rows (dispatch), the ViT, a tin
 all_gather (so a ViT that raised or returned unusable outputs on one rank fails every rank at
 once instead of leaving them waiting), and one ``all_to_all_single`` for all token-aligned
 outputs together (combine: embeddings and every deepstack layer). A skipped call costs the gather
-alone. The backward pass runs the combine and (when ``pixel_values`` requires grad) the dispatch in
-reverse: every rank must backpropagate through the outputs it got (as a VLM does when it scatters
-them into its input embeddings, even with zero rows), because those exchanges are collectives too.
+alone (and the status gather after the ViT, with ``check_skipped_calls``). The backward pass runs
+the combine and (when ``pixel_values`` requires grad) the dispatch in reverse: every rank must
+backpropagate through the outputs it got (as a VLM does when it scatters them into its input
+embeddings, even with zero rows), because those exchanges are collectives too.
 """
 
 from __future__ import annotations
@@ -204,8 +205,9 @@ class ViTBalancer:
       device, ``C`` or dtype differing between ranks) and settings that differ between ranks
       (the :class:`~lightning_vit_balance.ViTBalanceConfig`, the package version) raise a
       ``ValueError`` before anything moves;
-    * when the ViT raises on some rank during an applied call, that rank re-raises its own
-      exception and every other rank raises a ``RuntimeError`` naming the rank and the exception;
+    * when the ViT raises on some rank during an applied call (or a skipped one, with
+      ``config.check_skipped_calls``), that rank re-raises its own exception and every other rank
+      raises a ``RuntimeError`` naming the rank and the exception;
     * an output whose rows fit no kind, or outputs whose dtype or trailing shape differ between
       ranks, raise a ``ValueError`` after the ViT, before the return trip.
 
@@ -392,12 +394,9 @@ class ViTBalancer:
             output = self._exchange_and_encode(
                 call, vit, pixel_values, grid_thw, plan, prepared.metadata, reference, problem
             )
-        elif problem is not None:
-            raise ValueError(f"Invalid prepared balanced ViT call on rank {call.rank}: {problem}.")
-        elif prepared.metadata[call.rank].grids:
-            output = self._timed_direct(call, vit, pixel_values, grid_thw)
         else:
-            output = self._empty_output(vit, pixel_values, grid_thw, call.merge, reference)
+            has_images = bool(prepared.metadata[call.rank].grids)
+            output = self._at_home(call, vit, pixel_values, grid_thw, has_images, reference, problem)
         self._record(plan, call, prepared.metadata)
         return output
 
@@ -407,10 +406,9 @@ class ViTBalancer:
         plan = self._plan(call, metadata)
         if plan.applied:
             output = self._exchange_and_encode(call, vit, pixel_values, grid_thw, plan, metadata, reference)
-        elif metadata[call.rank].grids:
-            output = self._timed_direct(call, vit, pixel_values, grid_thw)
         else:
-            output = self._empty_output(vit, pixel_values, grid_thw, call.merge, reference)
+            has_images = bool(metadata[call.rank].grids)
+            output = self._at_home(call, vit, pixel_values, grid_thw, has_images, reference)
         self._record(plan, call, metadata)
         return output
 
@@ -759,6 +757,54 @@ class ViTBalancer:
         return rebuild_output(encoded.structure, result)
 
     # -- calls that encode at home -----------------------------------------------------------
+
+    def _at_home(
+        self,
+        call: _Call,
+        vit: Any,
+        pixel_values: torch.Tensor,
+        grid_thw: torch.Tensor,
+        has_images: bool,
+        reference: _Reference,
+        problem: str | None = None,
+    ) -> Any:
+        """A call the plan skips: this rank encodes its own images (a dummy one when it has none).
+
+        With ``check_skipped_calls`` (and a host-side group for the word), the status gather
+        follows, so that a ViT that raised, or a prepared call whose input does not match its plan
+        (``problem``), fails every rank at once, as in a call that moves images.
+        """
+        if not (self.config.check_skipped_calls and host_device(call.host).type == "cpu"):
+            if problem is not None:
+                raise ValueError(f"Invalid prepared balanced ViT call on rank {call.rank}: {problem}.")
+            return self._encode_at_home(call, vit, pixel_values, grid_thw, has_images, reference)
+        error: BaseException | None = ValueError(problem) if problem is not None else None
+        output = None
+        if error is None:
+            try:
+                output = self._encode_at_home(call, vit, pixel_values, grid_thw, has_images, reference)
+            except Exception as caught:  # every rank must hear of it before this one re-raises
+                error = caught
+        started = time.perf_counter()
+        encoded = EncodedBatch([], None, [], error, 0.0, input_problem=problem is not None)
+        report = start_status(encoded.status(), call.host).wait()
+        call.collectives += report.collectives
+        call.timed("status", started)
+        raise_for_vit(report, encoded, call.merge)
+        return output
+
+    def _encode_at_home(
+        self,
+        call: _Call,
+        vit: Any,
+        pixel_values: torch.Tensor,
+        grid_thw: torch.Tensor,
+        has_images: bool,
+        reference: _Reference,
+    ) -> Any:
+        if has_images:
+            return self._timed_direct(call, vit, pixel_values, grid_thw)
+        return self._empty_output(vit, pixel_values, grid_thw, call.merge, reference)
 
     def _timed_direct(self, call: _Call, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
         started = time.perf_counter()

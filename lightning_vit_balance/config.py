@@ -122,6 +122,15 @@ class ViTBalanceConfig:
             (attention within each step and no temporal position embedding), as in Hugging Face's
             Qwen-VL towers, for which the drop-in's default configuration sets it: elsewhere the
             outputs would change. Default ``False``.
+        check_skipped_calls: In a call the plan skips (every rank encodes its own images), gather
+            a status word from every rank after the ViT too, as a call that moves images does:
+            a ViT that raises on one rank (out of memory, say) then fails every rank at once with
+            the same error. Off (default), such a call makes no collective after the ViT (none at
+            all with a prepared plan), and the other ranks meet the failure at their next
+            collective (DDP's gradient all-reduce), which waits for the backend's timeout unless
+            the launcher ends the job first. The word travels on the host-side group (gloo); where
+            the data-parallel group has none (an NCCL-only subgroup), reading it would wait for
+            the device, so skipped calls there stay unchecked.
     """
 
     enabled: bool = True
@@ -144,6 +153,7 @@ class ViTBalanceConfig:
     calibrate_cost: bool = False
     plan_ahead: bool = False
     split_videos: bool = False
+    check_skipped_calls: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -153,6 +163,7 @@ class ViTBalanceConfig:
             "calibrate_cost",
             "plan_ahead",
             "split_videos",
+            "check_skipped_calls",
             "cost_per_frame_attention",
         ):
             if not isinstance(getattr(self, name), bool):

@@ -52,9 +52,9 @@ def _equivalence_suite(n: int) -> dict[str, Any]:
     return {name: run_cases(n, name, cases, "float32", THRESHOLD_0) for name in ("tensor", "window", "dict")}
 
 
-def _check_collectives(results: list[dict[str, Any]]) -> None:
+def _check_collectives(results: list[dict[str, Any]], skipped: int = 1) -> None:
     for r in results:
-        expected = APPLIED_COLLECTIVES if r["applied"] else 1
+        expected = APPLIED_COLLECTIVES if r["applied"] else skipped
         assert r["collectives"] == expected and r["counted"] == expected, r
 
 
@@ -89,22 +89,25 @@ def test_equivalence_bf16(multirank: Any, n: int) -> None:
             _check_collectives(results)
 
 
-def _decisions(n: int) -> list[dict[str, Any]] | None:
+def _decisions(n: int, config: dict[str, Any]) -> list[dict[str, Any]] | None:
     heavy = {"grids": [[(1, 8, 8)] * 4, *[[(1, 2, 2)] for _ in range(n - 1)]]}
     even = {"grids": [[(1, 4, 4), (1, 4, 4)] for _ in range(n)]}
     empty = {"grids": [[] for _ in range(n)]}
-    return run_cases(n, "window", [heavy, even, empty], "float32", {})
+    return run_cases(n, "window", [heavy, even, empty], "float32", config)
 
 
-def test_plan_applied_and_skipped(multirank: Any) -> None:
-    """Default config: an unbalanced step is applied (4 collectives), a balanced one skipped (1)."""
+@pytest.mark.parametrize("checked", [False, True])
+def test_plan_applied_and_skipped(multirank: Any, checked: bool) -> None:
+    """Default config: an unbalanced step is applied (4 collectives), a balanced one skipped (1);
+    ``check_skipped_calls`` adds the status gather after the ViT to a skipped one (2), and the
+    outputs and gradients stay the direct call's."""
     with multirank(POOL) as w:
-        per_rank = w.run(_decisions, 3)[:3]
+        per_rank = w.run(_decisions, 3, {"check_skipped_calls": checked})[:3]
     for results in per_rank:
         assert [r["applied"] for r in results] == [True, False, False]
         assert [r["reason"] for r in results] == ["applied", "below-threshold", "no-images"]
         assert results[0]["moved_images"] > 0
-        _check_collectives(results)
+        _check_collectives(results, skipped=2 if checked else 1)
 
 
 def _no_grad_policy(n: int) -> list[dict[str, Any]] | None:

@@ -78,6 +78,7 @@ def _config_case(field: str, value: Any) -> tuple[str, str, float] | None:
         ("trigger_threshold", 0.9),
         ("min_gain", 0.5),
         ("empty_rank_forward", "no_grad"),
+        ("check_skipped_calls", True),
     ],
 )
 def test_settings_that_differ_raise_on_every_rank(multirank: Any, field: str, value: Any) -> None:
@@ -174,6 +175,39 @@ def test_vit_exception_on_one_rank(multirank: Any) -> None:
     assert {r["kind"] for r in others} == {"RuntimeError"}
     assert len({r["message"] for r in others}) == 1
     assert "rank 1" in others[0]["message"] and "OutOfMemoryError" in others[0]["message"]
+    assert all(r["seconds"] < FAST_S for r in results), results
+
+
+def _skipped_vit_case(prepared: bool) -> dict[str, Any] | None:
+    """A call every rank's plan skips, checked; rank 1's ViT raises."""
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    torch.manual_seed(0)
+    tower = _FailingTower(1, "raise")
+    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=100.0, check_skipped_calls=True), group)
+
+    def call() -> None:
+        ticket = balancer.prepare(pixels, grid, tower) if prepared else None
+        assert ticket is None or not ticket.plan.applied
+        balancer(tower, pixels, grid, prepared=ticket).sum().backward()
+
+    kind, message, seconds = _outcome(call)
+    _still_in_step(group, rank)
+    return {"kind": kind, "message": message, "seconds": seconds}
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_vit_exception_in_a_checked_skipped_call(multirank: Any, prepared: bool) -> None:
+    """With ``check_skipped_calls`` a call that moves nothing fails on every rank at once too."""
+    with multirank(POOL) as w:
+        results = w.run(_skipped_vit_case, prepared)[:RANKS]
+    assert results[1]["kind"] == "OutOfMemoryError", results[1]
+    others = [results[0], results[2]]
+    assert {r["kind"] for r in others} == {"RuntimeError"} and len({r["message"] for r in others}) == 1
+    assert "rank 1: the ViT raised OutOfMemoryError" in others[0]["message"], others[0]["message"]
     assert all(r["seconds"] < FAST_S for r in results), results
 
 

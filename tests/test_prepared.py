@@ -20,29 +20,34 @@ POOL = 4
 PREPARED_APPLIED = 3
 
 
-def _prepared_suite(n: int) -> dict[str, Any] | None:
+def _prepared_suite(n: int, checked: bool) -> dict[str, Any] | None:
     cases = standard_cases(n)
+    config = {**THRESHOLD_0, "check_skipped_calls": checked}
     results = {
-        name: run_cases(n, name, cases, "float32", THRESHOLD_0, prepared=True)
-        for name in ("tensor", "window")
+        name: run_cases(n, name, cases, "float32", config, prepared=True) for name in ("tensor", "window")
     }
     return None if results["tensor"] is None else results
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_prepared_calls_equal_the_direct_call(multirank: Any, n: int) -> None:
-    """Outputs and summed gradients as the direct call; no gather and no plan in the forward."""
+@pytest.mark.parametrize(("n", "checked"), [(2, False), (3, False), (3, True)])
+def test_prepared_calls_equal_the_direct_call(multirank: Any, n: int, checked: bool) -> None:
+    """Outputs and summed gradients as the direct call; no gather and no plan in the forward, and
+    in a skipped call nothing at all, or only the status gather with ``check_skipped_calls``."""
     with multirank(POOL) as w:
-        per_rank = w.run(_prepared_suite, n)[:n]
+        per_rank = w.run(_prepared_suite, n, checked)[:n]
     for rank_results in per_rank:
         for results in rank_results.values():
-            assert results[0]["applied"]
+            assert results[0]["applied"] and not all(r["applied"] for r in results)
             for r in results:
-                expected = PREPARED_APPLIED if r["applied"] else 0
+                expected = PREPARED_APPLIED if r["applied"] else int(checked)
                 assert r["counted"] == r["collectives"] == expected, r
 
 
-def _mismatch(kind: str) -> tuple[str, str, float] | None:
+#: Every plan of :func:`_mismatch`'s batches skips, and skipped calls are checked.
+SKIPPED_CHECKED = {"trigger_threshold": 100.0, "check_skipped_calls": True}
+
+
+def _mismatch(kind: str, skipped: bool) -> tuple[str, str, float] | None:
     group = subgroup(3)
     rank = dist.get_rank()
     if rank >= 3:
@@ -51,8 +56,9 @@ def _mismatch(kind: str) -> tuple[str, str, float] | None:
     tower = towers.TensorTower()
     grids = [[(1, 8, 8), (1, 8, 8)], [(1, 2, 2)], [(1, 4, 4)]][rank]
     pixels, grid = towers.make_batch(grids, seed=rank)
-    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group)
+    balancer = ViTBalancer(ViTBalanceConfig(**(SKIPPED_CHECKED if skipped else THRESHOLD_0)), group)
     ticket = balancer.prepare(pixels, grid, tower)
+    assert ticket is not None and ticket.plan.applied is not skipped
     if rank == 1 and kind == "rows":
         pixels, grid = towers.make_batch([(1, 2, 4)], seed=rank)  # another batch than prepared
     if rank == 1 and kind == "values":
@@ -72,13 +78,20 @@ def _mismatch(kind: str) -> tuple[str, str, float] | None:
 
 
 @pytest.mark.parametrize(
-    ("kind", "fragment"), [("rows", "shape"), ("values", "other values"), ("dtype", "float64")]
+    ("kind", "fragment", "skipped"),
+    [
+        ("rows", "shape", False),
+        ("values", "other values", False),
+        ("dtype", "float64", False),
+        ("rows", "shape", True),
+    ],
 )
 def test_a_call_that_does_not_match_its_plan_fails_everywhere(
-    multirank: Any, kind: str, fragment: str
+    multirank: Any, kind: str, fragment: str, skipped: bool
 ) -> None:
+    """Also in a skipped call, with ``check_skipped_calls`` (which the status gather reports)."""
     with multirank(POOL) as w:
-        outcomes = w.run(_mismatch, kind)[:3]
+        outcomes = w.run(_mismatch, kind, skipped)[:3]
     assert {o[0] for o in outcomes} == {"ValueError"}, outcomes
     assert len({o[1] for o in outcomes}) == 1, outcomes
     assert "rank 1" in outcomes[0][1] and fragment in outcomes[0][1], outcomes[0][1]

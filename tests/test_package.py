@@ -89,13 +89,14 @@ def test_planning_has_no_torch_distributed() -> None:
 
 
 def test_importing_the_engine_does_not_import_lightning() -> None:
+    # The lazy names resolve (test_every_public_name_resolves); importing Lightning and transformers
+    # here only to see them load would cost this fresh interpreter about 10 s.
     code = (
         "import sys, lightning_vit_balance as m; "
         "m.plan_rebalance([[4], [16]]); "
         "assert 'lightning' not in sys.modules, 'eager lightning import'; "
         "assert 'torchmetrics' not in sys.modules, 'eager torchmetrics import'; "
         "assert 'transformers' not in sys.modules, 'eager transformers import'; "
-        "m.ViTBalanceMixin; assert 'lightning' in sys.modules; "
-        "m.ViTBalanceTrainerCallback; assert 'transformers' in sys.modules"
+        "assert {'ViTBalanceMixin', 'ViTBalanceTrainerCallback'} <= set(m.__all__) - set(vars(m))"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -387,9 +387,11 @@ class ViTBalancer:
         call = self._start(vit, pixel_values)
         problem = prepared.mismatch(pixel_values, grid_thw)
         plan = prepared.plan
-        reference = _Reference(
-            prepared.channels, prepared.dtype, prepared.pixels_require_grad and torch.is_grad_enabled()
-        )
+        differentiable = prepared.pixels_require_grad and torch.is_grad_enabled()
+        reference = _Reference(prepared.channels, prepared.dtype, differentiable)
+        if problem is None and not prepared.holds_images:
+            # No rank has images: each makes its dummy image from its own rows, as unprepared.
+            reference = _Reference(int(pixel_values.shape[1]), pixel_values.dtype, differentiable)
         if plan.applied:
             output = self._exchange_and_encode(
                 call, vit, pixel_values, grid_thw, plan, prepared.metadata, reference, problem

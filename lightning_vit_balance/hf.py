@@ -152,6 +152,8 @@ _MODALITIES: tuple[tuple[str, str, str], ...] = (
     ("images", "pixel_values", "image_grid_thw"),
     ("videos", "pixel_values_videos", "video_grid_thw"),
 )
+#: The batch keys a plan made ahead reads, (pixels, grid) per modality, in the encoding order.
+_PREPARE_KEYS: tuple[tuple[str, str], ...] = tuple((pixels, grid) for _, pixels, grid in _MODALITIES)
 #: The base model's forward parameters that carry ``generate()``'s cache (transformers 4.x, 5.x).
 _CACHE_ARGUMENTS = ("past_key_values", "cache")
 #: The ``generate()`` step of transformers 5 that encodes images and videos before the first
@@ -678,10 +680,11 @@ class BalancedVisionTower:
         self._balancer_key: tuple[Any, ...] | None = None
         self._pending: _Pending | None = None
         self._encoding = False
+        self._ticket: PreparedPlan | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("_balancer", "_balancer_key", "_pending", "_encoding", "last_stats"):
+        for name in ("_balancer", "_balancer_key", "_pending", "_encoding", "_ticket", "last_stats"):
             state.pop(name, None)
         state["group"] = None  # a process group belongs to one run of processes
         return state
@@ -724,8 +727,35 @@ class BalancedVisionTower:
 
     def prepared_plan(self) -> PreparedPlan | None:
         """The plan made before this forward for its images' rows followed by its videos' (see
-        ``ViTBalancer.prepare``), or None to gather and plan in the forward (the default)."""
-        return None
+        ``ViTBalancer.prepare``), or None to gather and plan in the forward: the plan
+        :meth:`prepare` made, once."""
+        ticket, self._ticket = self._ticket, None
+        return ticket
+
+    def prepare(self, batch: Mapping[str, Any]) -> PreparedPlan | None:
+        """Plan the next balanced forward from its batch while the batch is still on the host.
+
+        Call it on every rank with the batch of its next ``model(**batch)`` (its
+        ``pixel_values``/``image_grid_thw`` and ``pixel_values_videos``/``video_grid_thw``; a
+        text-only batch too), before the batch moves to the device. That forward then makes no
+        metadata gather and no plan, and reads no grid from the device. It must encode exactly
+        those rows; anything else fails on every rank with a clear error. ``prepare`` is itself a
+        collective (the gather of every rank's grid rows).
+
+        Returns:
+            The plan (the next forward takes it), or None when forwards are not balanced now
+            (balancing disabled, no process group, or one rank).
+
+        Raises:
+            ValueError: On every rank, for invalid input or settings on any rank.
+        """
+        self._ticket = None
+        settings = self.settings()
+        if settings is None:
+            return None
+        pixels, grid = rows_to_plan(batch, _PREPARE_KEYS, (self,))
+        self._ticket = self._balancer_for(*settings).prepare(pixels, grid, self.tower)
+        return self._ticket
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -927,6 +957,37 @@ class BalancedVisionTower:
         return self._original("tower")(pixels, grid_thw=grid_thw, **kwargs)
 
 
+def rows_to_plan(
+    batch: Any,
+    keys: tuple[tuple[str, str], ...],
+    towers: tuple[BalancedVisionTower, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``ViTBalancer.prepare`` needs of a host batch: a meta tensor of the pixel rows' shape and
+    dtype (nothing is read or copied) and the grid rows, for the keys present, in order.
+
+    With drop-in ``towers`` (those still installed), the rows their forwards pass the tower: the
+    grids of their ``step_grid_keys`` one temporal step per row (GLM-4.xV), and the pixels in the
+    towers' dtype when they share one (the model casts them to it; a bf16 tower's rows then travel
+    as bf16), and of the towers' width when the batch has no pixels (a text-only batch)."""
+    towers = tuple(tower for tower in towers if BalancedVisionTower.of(tower.model) is tower)
+    step_keys = {key for tower in towers for key in tower.step_grid_keys}
+    tower_dtypes = {tower.pixel_dtype for tower in towers}
+    rows, width, dtype, grids = 0, 1, torch.float32, []
+    for pixel_key, grid_key in keys:
+        pixels = batch.get(pixel_key) if isinstance(batch, Mapping) else None
+        if isinstance(pixels, torch.Tensor) and pixels.dim() == 2:
+            rows, width, dtype = rows + int(pixels.shape[0]), int(pixels.shape[1]), pixels.dtype
+            grid = torch.as_tensor(batch.get(grid_key)).reshape(-1, 3).to("cpu", torch.long)
+            grids.append(grid_steps(grid) if grid_key in step_keys else grid)
+    grid = torch.cat(grids) if grids else torch.empty((0, 3), dtype=torch.long)
+    dtype = tower_dtypes.pop() if len(tower_dtypes) == 1 else dtype
+    widths = {_tower_channels(tower.tower) for tower in towers}
+    if not grids and len(widths) == 1 and None not in widths:
+        # No rows at all: a drop-in's call then passes [0, C] rows of its tower's width.
+        width = widths.pop()
+    return torch.empty((rows, width), dtype=dtype, device="meta"), grid
+
+
 def saved_state(state: Any) -> dict[str, Any]:
     """``state`` for :meth:`BalancedVisionTower.load_state_dict`, checked to be a mapping and copied."""
     if not isinstance(state, Mapping):
@@ -1026,9 +1087,10 @@ def balance_vision_tower(
             modalities: their tower calls gather parameters.
 
     Returns:
-        The handle: ``last_stats``, ``calls``, ``applied_calls``, ``remove()``, and
-        ``state_dict()`` / ``load_state_dict()`` for checkpoints (with ``calibrate_cost``, the
-        online cost fit; Hugging Face's ``Trainer`` keeps it with ``ViTBalanceTrainerCallback``).
+        The handle: ``last_stats``, ``calls``, ``applied_calls``, ``remove()``, ``prepare(batch)``
+        to plan the next forward while its batch is on the host, and ``state_dict()`` /
+        ``load_state_dict()`` for checkpoints (with ``calibrate_cost``, the online cost fit;
+        Hugging Face's ``Trainer`` keeps it with ``ViTBalanceTrainerCallback``).
 
     Raises:
         ValueError: ``model`` breaks the contract (the message names what is missing) or is already

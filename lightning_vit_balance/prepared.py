@@ -55,6 +55,12 @@ class PreparedPlan:
     collectives: int
     call_grids: tuple[tuple[int, int, int], ...] | None = None
 
+    @property
+    def holds_images(self) -> bool:
+        """Whether any rank has images: otherwise no pixel row travels, and a call's rows may have
+        any width and dtype (a text-only step, where each rank makes its own empty rows)."""
+        return any(m.grids for m in self.metadata)
+
     def mismatch(self, pixel_values: Any, grid_thw: Any) -> str | None:
         """Why this call's input is not the prepared batch, or None when it is.
 
@@ -70,14 +76,15 @@ class PreparedPlan:
                 f"{len(grids)} images on this rank: pass the ticket prepared for this batch"
             )
         rows = sum(self.metadata[self.rank].patch_counts)
-        if pixel_values.dim() != 2 or pixel_values.shape[0] != rows or pixel_values.shape[1] != self.channels:
+        # With no images on any rank, only the row count is the batch's.
+        width = self.channels if self.holds_images or pixel_values.dim() != 2 else pixel_values.shape[1]
+        if pixel_values.dim() != 2 or pixel_values.shape[0] != rows or pixel_values.shape[1] != width:
             return (
                 f"pixel_values has shape {tuple(pixel_values.shape)} while the prepared plan expects "
                 f"[{rows}, {self.channels}] on this rank"
             )
-        if (
-            not pixel_values.is_floating_point()
-            or torch.promote_types(pixel_values.dtype, self.dtype) != self.dtype
+        if not pixel_values.is_floating_point() or (
+            self.holds_images and torch.promote_types(pixel_values.dtype, self.dtype) != self.dtype
         ):
             return (
                 f"pixel_values has dtype {pixel_values.dtype}, which the prepared dtype {self.dtype} does "

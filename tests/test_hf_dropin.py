@@ -60,7 +60,7 @@ from lightning_vit_balance import (
     encode_visual,
 )
 from lightning_vit_balance.exchange import grid_steps
-from lightning_vit_balance.lightning.mixin import _rows_to_plan
+from lightning_vit_balance.hf import rows_to_plan
 from lightning_vit_balance.outputs import flatten_output
 
 RANKS = 3
@@ -171,8 +171,9 @@ def _step(model: nn.Module, batch: dict[str, Any], counter: CollectiveCounter | 
     return loss.detach(), (len(forward.calls), len(backward.calls))
 
 
-def _check_case(family: str, name: str) -> dict[str, Any]:
-    """Two training steps of the plain and the balanced model on this rank; compare; summarise."""
+def _check_case(family: str, name: str, prepared: bool = False) -> dict[str, Any]:
+    """Two training steps of the plain and the balanced model on this rank; compare; summarise.
+    ``prepared``: each balanced forward's plan made ahead, by ``handle.prepare(batch)``."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -187,6 +188,8 @@ def _check_case(family: str, name: str) -> dict[str, Any]:
         batch = make_inputs(family, cases_for(family)[name][source], seed=100 * step + rank)
         plain_loss, _ = _step(plain, batch)
         calls_before = handle.calls
+        if prepared:
+            assert handle.prepare(batch) is not None, where
         balanced_loss, counts = _step(balanced, batch, CollectiveCounter())
         assert handle.calls == calls_before + 1, f"{where}: {handle.calls - calls_before} exchanges"
         torch.testing.assert_close(balanced_loss, plain_loss, **TOL, msg=lambda m, w=where: f"{w}: loss {m}")
@@ -209,8 +212,8 @@ def _check_case(family: str, name: str) -> dict[str, Any]:
     return {"steps": steps, "calls": handle.calls, "applied_calls": handle.applied_calls}
 
 
-def _check_cases(family: str, names: tuple[str, ...]) -> dict[str, Any]:
-    return {name: _check_case(family, name) for name in names}
+def _check_cases(family: str, names: tuple[str, ...], prepared: bool = False) -> dict[str, Any]:
+    return {name: _check_case(family, name, prepared) for name in names}
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, *NEWER_FAMILIES, "glm4v"])
@@ -242,6 +245,20 @@ def test_more_families_match_the_plain_model(multirank: Any, family: str) -> Non
     assert _assert_cases(per_rank, mixed_cases(family)) >= 2, (
         "images should move, else equality proves little"
     )
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "glm4v"])
+def test_plans_made_ahead_by_the_handle_train_as_the_plain_model(multirank: Any, family: str) -> None:
+    """``handle.prepare(batch)`` before each forward, without Lightning: the same losses and
+    gradients as the plain model, and the forward makes no metadata gather (its balanced call
+    makes only the trips and the status gather, or nothing when the plan skips)."""
+    names = tuple(cases_for(family))
+    with multirank(RANKS) as w:
+        per_rank = w.run(_check_cases, family, names, True, timeout=240)
+    assert _assert_cases(per_rank, names) >= 6
+    for result in per_rank:
+        for step in (s for case in result.values() for s in case["steps"]):
+            assert step["forward_collectives"] == (3 if step["applied"] else 0), step
 
 
 def _assert_cases(per_rank: list[dict[str, Any]], names: tuple[str, ...]) -> int:
@@ -1146,8 +1163,8 @@ def test_plans_made_ahead_are_for_the_rows_the_tower_gets(
     module.model.model.visual.to(tower_dtype)
     plain = HFFinetune(str(tmp_path), balanced=False, family=family)
     keys = module.vit_balance_prepare_keys
-    pixels, grid = _rows_to_plan(batch, keys, module._vit_balance_towers)
-    own_pixels, own_grid = _rows_to_plan(batch, keys, plain._vit_balance_towers)
+    pixels, grid = rows_to_plan(batch, keys, module._vit_balance_towers)
+    own_pixels, own_grid = rows_to_plan(batch, keys, plain._vit_balance_towers)
     rows = sum(batch[k].shape[0] for k, _ in keys if batch.get(k) is not None)
     assert pixels.shape == own_pixels.shape == (rows, batch["pixel_values_videos"].shape[1])
     assert (pixels.dtype, own_pixels.dtype) == (tower_dtype, torch.float32)
@@ -1155,6 +1172,10 @@ def test_plans_made_ahead_are_for_the_rows_the_tower_gets(
     assert torch.equal(own_grid, torch.cat(grids))
     steps = [grid_steps(g) if g is batch.get("video_grid_thw") else g for g in grids]
     assert torch.equal(grid, torch.cat(steps) if family in GLM_FAMILIES else torch.cat(grids))
+    # A text-only batch: no rows, of the width the drop-in's empty call passes the tower.
+    text_only = make_inputs(family, [{}], seed=0)
+    empty, empty_grid = rows_to_plan(text_only, keys, module._vit_balance_towers)
+    assert empty.shape == (0, pixels.shape[1]) and empty.dtype == tower_dtype and empty_grid.shape == (0, 3)
 
 
 @pytest.mark.timeout(240)

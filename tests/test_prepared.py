@@ -98,6 +98,32 @@ def test_a_call_that_does_not_match_its_plan_fails_everywhere(
     assert all(o[2] < 10.0 for o in outcomes), outcomes
 
 
+def _text_only_step() -> dict[str, Any] | None:
+    """A step without images on any rank, prepared from batches without pixel keys (rows of width 1,
+    float32) and called with the ``[0, C]`` bf16 rows a model makes for its empty call."""
+    group = subgroup(2)
+    if dist.get_rank() >= 2:
+        return None
+    torch.manual_seed(0)
+    tower = towers.TensorTower().to(torch.bfloat16)
+    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group)
+    empty_grid = torch.empty((0, 3), dtype=torch.long)
+    ticket = balancer.prepare(torch.empty((0, 1), device="meta"), empty_grid)
+    assert ticket is not None and not ticket.holds_images
+    pixels = torch.empty((0, towers.CHANNELS), dtype=torch.bfloat16)
+    out = balancer(tower, pixels, empty_grid, prepared=ticket)
+    unprepared = balancer(tower, pixels, empty_grid)
+    return {"shape": tuple(out.shape), "dtype": str(out.dtype), "unprepared": tuple(unprepared.shape)}
+
+
+def test_a_text_only_step_needs_no_pixel_width_in_its_plan(multirank: Any) -> None:
+    """No rank has images: the prepared plan does not hold the rows' width or dtype to the batch's
+    (it had no pixels), and each rank's empty call encodes its dummy image from its own rows."""
+    with multirank(POOL) as w:
+        results = w.run(_text_only_step)[:2]
+    assert results == [{"shape": (0, 24), "dtype": "torch.bfloat16", "unprepared": (0, 24)}] * 2, results
+
+
 def _bad_prepare() -> str | None:
     group = subgroup(3)
     rank = dist.get_rank()

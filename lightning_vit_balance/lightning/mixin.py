@@ -15,8 +15,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
-from lightning_vit_balance.exchange import grid_steps
-from lightning_vit_balance.hf import BalancedVisionTower, encode_visual, saved_state
+from lightning_vit_balance.hf import BalancedVisionTower, encode_visual, rows_to_plan, saved_state
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
 from lightning_vit_balance.lightning.strategy import dp_group_from_strategy
 
@@ -77,33 +76,6 @@ def _allow_configs_in_checkpoints() -> None:
     allowing them cannot run arbitrary code. Idempotent (torch keeps a set).
     """
     torch.serialization.add_safe_globals([ViTBalanceConfig, CostModel])
-
-
-def _rows_to_plan(
-    batch: Any,
-    keys: tuple[tuple[str, str], ...],
-    towers: tuple[BalancedVisionTower, ...] = (),
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``ViTBalancer.prepare`` needs of a host batch: a meta tensor of the pixel rows' shape and
-    dtype (nothing is read or copied) and the grid rows, for the keys present, in order.
-
-    With drop-in ``towers`` (those still installed), the rows their forwards pass the tower: the
-    grids of their ``step_grid_keys`` one temporal step per row (GLM-4.xV), and the pixels in the
-    towers' dtype when they share one (the model casts them to it; a bf16 tower's rows then travel
-    as bf16)."""
-    towers = tuple(tower for tower in towers if BalancedVisionTower.of(tower.model) is tower)
-    step_keys = {key for tower in towers for key in tower.step_grid_keys}
-    tower_dtypes = {tower.pixel_dtype for tower in towers}
-    rows, width, dtype, grids = 0, 1, torch.float32, []
-    for pixel_key, grid_key in keys:
-        pixels = batch.get(pixel_key) if isinstance(batch, Mapping) else None
-        if isinstance(pixels, torch.Tensor) and pixels.dim() == 2:
-            rows, width, dtype = rows + int(pixels.shape[0]), int(pixels.shape[1]), pixels.dtype
-            grid = torch.as_tensor(batch.get(grid_key)).reshape(-1, 3).to("cpu", torch.long)
-            grids.append(grid_steps(grid) if grid_key in step_keys else grid)
-    grid = torch.cat(grids) if grids else torch.empty((0, 3), dtype=torch.long)
-    dtype = tower_dtypes.pop() if len(tower_dtypes) == 1 else dtype
-    return torch.empty((rows, width), dtype=dtype, device="meta"), grid
 
 
 def _continue_from(balancer: ViTBalancer, saved: Mapping[str, Any]) -> None:
@@ -207,6 +179,13 @@ class _ModuleTowerBalance(BalancedVisionTower):
     def _balancer_for(self, config: ViTBalanceConfig, group: Any) -> ViTBalancer:
         # The module's balancer: the one its plan-ahead hook prepared with.
         return self.module._vit_balance_balancer(config, group)
+
+    def prepare(self, batch: Mapping[str, Any]) -> PreparedPlan | None:
+        # The module's calls take the module's plan (as its plan_ahead hook makes it).
+        ticket = super().prepare(batch)
+        self._ticket = None
+        self.module._vit_balance_state_object().ticket = ticket
+        return ticket
 
     def state_dict(self) -> dict[str, Any]:
         # The module's balancer calibrates (its checkpoints keep this state too).
@@ -483,7 +462,7 @@ class ViTBalanceMixin:
         settings = self._vit_balance_settings() if trainer is not None and trainer.training else None
         if settings is None or not settings[0].plan_ahead:
             return
-        pixels, grid = _rows_to_plan(batch, self.vit_balance_prepare_keys, self._vit_balance_towers)
+        pixels, grid = rows_to_plan(batch, self.vit_balance_prepare_keys, self._vit_balance_towers)
         state.ticket = self._vit_balance_balancer(*settings).prepare(pixels, grid)
 
     def _vit_balance_keep(self, stats: BalanceStats | None) -> None:

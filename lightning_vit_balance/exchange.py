@@ -56,6 +56,7 @@ __all__ = [
     "grid_steps",
     "host_device",
     "host_to_device",
+    "host_twin",
     "row_slices",
     "rows_per_image",
     "start_pixel_trip",
@@ -174,6 +175,30 @@ def host_device(group: Any) -> torch.device:
     if _backend_device_type(group) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _nccl_only(group: Any) -> bool:
+    """Whether the group's backend carries CUDA tensors alone (NCCL), so that reading a host value
+    gathered over it waits for the device."""
+    return _backend_device_type(group) == "cuda"
+
+
+def host_twin(group: Any) -> dist.ProcessGroup | None:
+    """A gloo group over the same ranks, for the balancer's small host-side gathers (metadata and
+    status words), when ``group`` (``None``: the default group) is an NCCL group spanning the world
+    (DDP, FSDP, DeepSpeed, Hugging Face's ``Trainer``): those words then never go through a CUDA
+    buffer, so neither planning ahead nor the status gather makes the host wait for the device.
+    Else ``None``: the group carries them itself (gloo), or it is a subgroup, whose twin would need
+    every process to create every data-parallel group's twin.
+
+    Every process of the world must make this call at the same point: ``new_group`` is collective.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    size = dist.get_world_size(group)
+    if size < 2 or size != dist.get_world_size() or not _nccl_only(group):
+        return None
+    return dist.new_group(ranks=list(range(size)), backend="gloo")
 
 
 def host_to_device(

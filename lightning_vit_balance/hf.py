@@ -133,7 +133,7 @@ from torch import nn
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel, pixel_row_factors
-from lightning_vit_balance.exchange import grid_rows, grid_steps
+from lightning_vit_balance.exchange import grid_rows, grid_steps, host_twin
 from lightning_vit_balance.outputs import (
     classify_output,
     describe_output_problem,
@@ -681,10 +681,15 @@ class BalancedVisionTower:
         self._pending: _Pending | None = None
         self._encoding = False
         self._ticket: PreparedPlan | None = None
+        #: A loaded state the next balancer starts from (plain values: kept by pickling too).
+        self._carried: dict[str, Any] | None = getattr(self, "_carried", None)
+        self._twin: Any = None
+        self._twin_of: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("_balancer", "_balancer_key", "_pending", "_encoding", "_ticket", "last_stats"):
+        runtime = ("_balancer", "_balancer_key", "_pending", "_encoding", "_ticket", "_twin", "_twin_of")
+        for name in (*runtime, "last_stats"):
             state.pop(name, None)
         state["group"] = None  # a process group belongs to one run of processes
         return state
@@ -766,7 +771,9 @@ class BalancedVisionTower:
         loaded. Plain Python values (JSON and ``torch.load(weights_only=True)`` alike take them),
         the same on every rank. Hugging Face's ``Trainer`` saves it with
         ``ViTBalanceTrainerCallback``."""
-        return self._balancer.state_dict() if self._balancer is not None else {}
+        if self._balancer is not None:
+            return self._balancer.state_dict()
+        return dict(self._carried) if self._carried else {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Go on from :meth:`state_dict`: call it on every rank with the same state, before the
@@ -778,11 +785,13 @@ class BalancedVisionTower:
                 handle's configuration (another window or per-frame attention); nothing changes.
         """
         state = saved_state(state)
+        if self._balancer is not None:
+            self._balancer.load_state_dict(state)
+            return
+        # Checked now against the configuration; the next forward's balancer starts from it.
         config = self.config if self.config is not None else self._default_config()
-        key = (config, id(self.group))
-        balancer = self._balancer if self._balancer_key == key else ViTBalancer(config, self.group)
-        balancer.load_state_dict(state)
-        self._balancer, self._balancer_key = balancer, key
+        ViTBalancer(config).load_state_dict(state)
+        self._carried = state if config.calibrate_cost else None
 
     # -- removal -------------------------------------------------------------------------------
 
@@ -879,14 +888,23 @@ class BalancedVisionTower:
         return self._serve(*args, **kwargs)
 
     def _balancer_for(self, config: ViTBalanceConfig, group: Any) -> ViTBalancer:
+        """The balancer for ``config`` and ``group``: built at the first balanced forward (or
+        :meth:`prepare`) and again when either changes, going on from the cost fit before."""
         key = (config, id(group))
         if self._balancer is None or self._balancer_key != key:
-            previous = self._balancer
-            self._balancer = ViTBalancer(config, group)
-            self._balancer_key = key
-            if previous is not None:
-                _continue_fit(self._balancer, previous.state_dict())
+            carried = self._balancer.state_dict() if self._balancer is not None else self._carried
+            self._balancer = ViTBalancer(config, group, host_group=self._host_group(group))
+            self._balancer_key, self._carried = key, None
+            if carried:
+                _continue_fit(self._balancer, carried)
         return self._balancer
+
+    def _host_group(self, group: Any) -> Any:
+        """The gloo twin of an NCCL ``group`` spanning the world (see ``host_twin``), made once per
+        group, at a balanced forward or a :meth:`prepare`, which every rank makes alike."""
+        if self._twin_of != id(group):
+            self._twin, self._twin_of = host_twin(group), id(group)
+        return self._twin
 
     def _encode(self, bound: Mapping[str, Any], config: ViTBalanceConfig, group: Any) -> _Pending:
         """The forward's one balanced tower call over this rank's images and videos."""

@@ -261,6 +261,44 @@ def test_plans_made_ahead_by_the_handle_train_as_the_plain_model(multirank: Any,
             assert step["forward_collectives"] == (3 if step["applied"] else 0), step
 
 
+def _with_a_host_twin() -> dict[str, Any]:
+    """The drop-in on a group taken for an NCCL group (``exchange._nccl_only`` patched, this
+    process only): its balancer makes its small gathers on the gloo twin it creates."""
+    import torch.distributed as dist
+
+    from lightning_vit_balance import exchange
+
+    rank = dist.get_rank()
+    original = exchange._nccl_only
+    exchange._nccl_only = lambda group: True
+    try:
+        plain = tiny_model(FIT_FAMILY)
+        balanced = copy.deepcopy(plain)
+        handle = balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG))
+        batch = make_inputs(FIT_FAMILY, CASES["every_rank_images"][rank], seed=rank)
+        handle.prepare(batch)
+        plain_loss, _ = _step(plain, batch)
+        balanced_loss, _ = _step(balanced, batch)
+        host = handle._balancer.host_group
+        twin_ranks = dist.get_process_group_ranks(host) if host is not None else None
+        handle._balancer_for(ViTBalanceConfig(**CONFIG, min_gain=0.1), None)  # another configuration
+        same_twin = handle._balancer.host_group is host
+    finally:
+        exchange._nccl_only = original
+    torch.testing.assert_close(balanced_loss, plain_loss, **TOL)
+    _assert_same_grads(f"twin rank {rank}", _summed_grads(balanced), _summed_grads(plain))
+    return {"twin_ranks": twin_ranks, "same_twin": same_twin, "applied": handle.last_stats.applied}
+
+
+def test_the_drop_in_gathers_on_a_gloo_twin_of_an_nccl_group(multirank: Any) -> None:
+    """Where the group is NCCL (every process of the world), the handle's metadata and status
+    gathers go through a gloo twin made once at its first plan, so none waits for the device."""
+    with multirank(RANKS) as w:
+        results = w.run(_with_a_host_twin, timeout=120)
+    assert all(r["twin_ranks"] == list(range(RANKS)) and r["same_twin"] for r in results), results
+    assert all(r["applied"] for r in results), results
+
+
 def _assert_cases(per_rank: list[dict[str, Any]], names: tuple[str, ...]) -> int:
     """The checks every case's result passes (see :func:`_check_case`); returns the applied calls."""
     applied = 0

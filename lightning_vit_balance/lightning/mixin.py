@@ -15,6 +15,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
+from lightning_vit_balance.exchange import host_twin
 from lightning_vit_balance.hf import BalancedVisionTower, encode_visual, rows_to_plan, saved_state
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
 from lightning_vit_balance.lightning.strategy import dp_group_from_strategy
@@ -89,22 +90,6 @@ def _continue_from(balancer: ViTBalancer, saved: Mapping[str, Any]) -> None:
             f"ViTBalanceMixin: the saved balancer state (from a checkpoint or an earlier run) is not "
             f"used ({error}); the cost fit starts afresh."
         )
-
-
-def _host_group_for(group: Any, size: int) -> dist.ProcessGroup | None:
-    """A gloo group over the same ranks for the balancer's small host-side gathers, when ``group``
-    is an NCCL group spanning the world (DDP, FSDP): the grid rows and status words then never go
-    through a CUDA buffer, so planning ahead costs no device-to-host copy.
-
-    Every process makes this call at the same point (the first balanced call or plan of a fit), as
-    ``new_group`` requires. Subgroups (model parallelism) keep their own group: a gloo twin of each
-    would need every process to create every data-parallel group's twin.
-    """
-    if group is None or size < 2 or not (dist.is_available() and dist.is_initialized()):
-        return None
-    if str(dist.get_backend(group)).lower() != "nccl" or size != dist.get_world_size():
-        return None
-    return dist.new_group(ranks=list(range(size)), backend="gloo")
 
 
 class _State:
@@ -317,7 +302,7 @@ class ViTBalanceMixin:
         state.fit_key = key
         state.group = group
         state.group_size = size
-        state.host_group = _host_group_for(group, size)
+        state.host_group = host_twin(group) if group is not None else None
         # Queue records only for a callback that drains them, so they never pile up.
         callbacks = trainer.callbacks if trainer is not None else ()
         state.record = any(isinstance(cb, ViTBalanceCallback) for cb in callbacks)

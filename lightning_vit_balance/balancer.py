@@ -776,15 +776,21 @@ class ViTBalancer:
         follows, so that a ViT that raised, or a prepared call whose input does not match its plan
         (``problem``), fails every rank at once, as in a call that moves images.
         """
+
+        def encode() -> Any:
+            if has_images:
+                return self._timed_direct(call, vit, pixel_values, grid_thw)
+            return self._empty_output(vit, pixel_values, grid_thw, call.merge, reference)
+
         if not (self.config.check_skipped_calls and host_device(call.host).type == "cpu"):
             if problem is not None:
                 raise ValueError(f"Invalid prepared balanced ViT call on rank {call.rank}: {problem}.")
-            return self._encode_at_home(call, vit, pixel_values, grid_thw, has_images, reference)
+            return encode()
         error: BaseException | None = ValueError(problem) if problem is not None else None
         output = None
         if error is None:
             try:
-                output = self._encode_at_home(call, vit, pixel_values, grid_thw, has_images, reference)
+                output = encode()
             except Exception as caught:  # every rank must hear of it before this one re-raises
                 error = caught
         started = time.perf_counter()
@@ -794,19 +800,6 @@ class ViTBalancer:
         call.timed("status", started)
         raise_for_vit(report, encoded, call.merge)
         return output
-
-    def _encode_at_home(
-        self,
-        call: _Call,
-        vit: Any,
-        pixel_values: torch.Tensor,
-        grid_thw: torch.Tensor,
-        has_images: bool,
-        reference: _Reference,
-    ) -> Any:
-        if has_images:
-            return self._timed_direct(call, vit, pixel_values, grid_thw)
-        return self._empty_output(vit, pixel_values, grid_thw, call.merge, reference)
 
     def _timed_direct(self, call: _Call, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
         started = time.perf_counter()

@@ -1272,12 +1272,30 @@ def test_lightning_ddp_fit_without_find_unused_parameters(
         assert any(float(r["vit_balance/applied"]) for r in rows), rows
 
 
+def _training_arguments(out_dir: str, max_steps: int, **settings: Any) -> Any:
+    """Hugging Face's ``TrainingArguments`` on the pool's gloo CPU ranks: one batch per rank and
+    step, nothing logged or reported; ``settings`` add to them."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out_dir,
+        use_cpu=True,
+        ddp_backend="gloo",
+        per_device_train_batch_size=1,
+        max_steps=max_steps,
+        report_to=[],
+        logging_strategy="no",
+        disable_tqdm=True,
+        **settings,
+    )
+
+
 def _hf_trainer_fit(out_dir: str) -> dict[str, Any]:
     """Hugging Face's ``Trainer`` (DDP over the pool's gloo group, which accelerate takes as it
     finds it) on the drop-in: each rank's batches of :data:`FIT_BATCHES` in order, SGD at a
     constant rate, no clipping; the loss of each step and the handle's counts."""
     import torch.distributed as dist
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     size = dist.get_world_size()
     # The group exists, so accelerate never uses the port.
@@ -1298,18 +1316,8 @@ def _hf_trainer_fit(out_dir: str) -> dict[str, Any]:
             losses.append(float(loss.detach()))
             return loss
 
-    arguments = TrainingArguments(
-        output_dir=out_dir,
-        use_cpu=True,
-        ddp_backend="gloo",
-        per_device_train_batch_size=1,
-        max_steps=FIT_STEPS,
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
+    arguments = _training_arguments(
+        out_dir, FIT_STEPS, lr_scheduler_type="constant", max_grad_norm=0.0, save_strategy="no"
     )
     batches = [fit_batch(step, r) for step in range(FIT_STEPS) for r in range(size)]
     optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
@@ -1347,23 +1355,17 @@ def _hf_trainer_run(
     """A calibrating drop-in under Hugging Face's ``Trainer`` with the checkpoint callback, the
     batches of :data:`FIT_BATCHES` in turn: saves at :data:`RESUME_SAVED_AT` when not resuming;
     the handle's state at the end."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     size = torch.distributed.get_world_size()
     model = tiny_model(FIT_FAMILY)
     handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG, calibrate_cost=True))
-    arguments = TrainingArguments(
-        output_dir=out_dir,
-        use_cpu=True,
-        ddp_backend="gloo",
-        per_device_train_batch_size=1,
-        max_steps=max_steps,
+    arguments = _training_arguments(
+        out_dir,
+        max_steps,
         save_strategy="no" if resume_from else "steps",
         save_steps=RESUME_SAVED_AT,
         restore_callback_states_from_checkpoint=restore_callbacks,
-        report_to=[],
-        logging_strategy="no",
-        disable_tqdm=True,
     )
     batches = [fit_batch(step % FIT_STEPS, r) for step in range(max_steps) for r in range(size)]
     # Plain SGD keeps no tensors in its state: transformers 4.57 loads an optimizer state saved on

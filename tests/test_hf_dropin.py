@@ -1105,22 +1105,25 @@ def test_a_model_breaking_the_contract_gets_an_error_naming_what_is_missing() ->
 # --------------------------------------------------------------------------- Lightning
 
 
-FIT_STEPS = 3
+FIT_STEPS = 4
 FIT_RANKS = 2
 FIT_FAMILY = "qwen3_vl"
-# Per step, each rank's samples: text-only ranks, images next to videos, videos alone.
+# Per step, each rank's samples: text-only ranks, images next to videos, videos alone, then a step
+# of text alone on every rank (its batches hold no pixel keys at all).
 FIT_BATCHES: list[list[list[dict[str, Any]]]] = [
     [[{"images": [(1, 8, 8)], "videos": [(2, 4, 4)]}], [{}]],
     [[{}], [{"videos": [(2, 4, 4)]}, {"images": [(1, 2, 2)]}]],
     [[{"images": [(1, 4, 4)]}], [{"images": [(1, 8, 4), (1, 2, 2)]}]],
+    [[{}], [{}]],
 ]
 
 
-# GLM-4.1V: one long video next to a text-only rank, then videos alone, then images.
+# GLM-4.1V: one long video next to a text-only rank, then videos alone, then images, then text.
 GLM_FIT_BATCHES: list[list[list[dict[str, Any]]]] = [
     [[{"videos": [(3, 8, 4)]}], [{}]],
     [[{}], [{"videos": [(2, 4, 4)]}, {"videos": [(1, 2, 2)]}]],
     [[{"images": [(1, 4, 4)]}], [{"images": [(1, 8, 4), (1, 2, 2)]}]],
+    [[{}], [{}]],
 ]
 
 

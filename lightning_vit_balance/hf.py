@@ -122,7 +122,7 @@ import contextlib
 import inspect
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -896,7 +896,8 @@ class BalancedVisionTower:
             self._balancer = ViTBalancer(config, group, host_group=self._host_group(group))
             self._balancer_key, self._carried = key, None
             if carried:
-                _continue_fit(self._balancer, carried)
+                source = "balance_vision_tower: the cost fit of the previous configuration"
+                continue_fit(self._balancer, carried, source, _warn_at_caller)
         return self._balancer
 
     def _host_group(self, group: Any) -> Any:
@@ -1016,19 +1017,19 @@ def saved_state(state: Any) -> dict[str, Any]:
     return dict(state)
 
 
-def _continue_fit(balancer: ViTBalancer, saved: Mapping[str, Any]) -> None:
-    """Start a rebuilt balancer (its configuration or group changed) from the previous one's cost
-    fit; a fit of other terms (another window or per-frame attention) is left behind with a
-    warning. Every rank holds the same state and configuration, so all decide alike."""
+def continue_fit(target: Any, saved: Mapping[str, Any], source: str, warn: Callable[[str], None]) -> None:
+    """Go on from a saved cost fit: ``target.load_state_dict(saved)`` (a ``ViTBalancer`` or a
+    handle). A fit the target cannot go on from (of other terms: another window or per-frame
+    attention) is left behind, ``warn`` says so (``source`` names where it came from), and the fit
+    starts afresh. Every rank holds the same state and configuration, so all decide alike."""
     try:
-        balancer.load_state_dict(saved)
+        target.load_state_dict(saved)
     except ValueError as error:
-        warnings.warn(
-            f"balance_vision_tower: the cost fit of the previous configuration is not carried over "
-            f"({error}); it starts afresh.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        warn(f"{source} is not used ({error}); the cost fit starts afresh.")
+
+
+def _warn_at_caller(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 #: A module's own hook registries, as ``nn.Module.__call__`` reads them.

@@ -13,7 +13,7 @@ from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
-from lightning_vit_balance.hf import BalancedVisionTower
+from lightning_vit_balance.hf import BalancedVisionTower, continue_fit
 
 __all__ = ["ViTBalanceTrainerCallback"]
 
@@ -59,16 +59,16 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         # A fresh run holds this callback's own state of a moment ago: nothing to go on from.
         if not saved or saved == self._handle.state_dict():
             return
-        try:
-            self._handle.load_state_dict(saved)
-        except ValueError as error:
-            if state.is_world_process_zero:
-                warnings.warn(
-                    f"ViTBalanceTrainerCallback: the checkpoint's balancer state is not used ({error}); "
-                    "the cost fit starts afresh.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+        source = "ViTBalanceTrainerCallback: the checkpoint's balancer state"
+        continue_fit(self._handle, saved, source, _warn if state.is_world_process_zero else _quiet)
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _quiet(message: str) -> None:
+    """Every rank decides alike; rank 0 alone says so."""
 
 
 def _handle_of(model: Any, required: bool) -> BalancedVisionTower | None:

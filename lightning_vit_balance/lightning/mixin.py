@@ -16,7 +16,13 @@ from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalanc
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.exchange import host_twin
-from lightning_vit_balance.hf import BalancedVisionTower, encode_visual, rows_to_plan, saved_state
+from lightning_vit_balance.hf import (
+    BalancedVisionTower,
+    continue_fit,
+    encode_visual,
+    rows_to_plan,
+    saved_state,
+)
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
 from lightning_vit_balance.lightning.strategy import dp_group_from_strategy
 
@@ -77,19 +83,6 @@ def _allow_configs_in_checkpoints() -> None:
     allowing them cannot run arbitrary code. Idempotent (torch keeps a set).
     """
     torch.serialization.add_safe_globals([ViTBalanceConfig, CostModel])
-
-
-def _continue_from(balancer: ViTBalancer, saved: Mapping[str, Any]) -> None:
-    """Start ``balancer`` from a saved state; one the balancer cannot go on from (a cost fit of
-    other terms, after the configuration changed between runs) is left behind with a warning, and
-    the fit starts afresh. Every rank holds the same state and configuration, so all decide alike."""
-    try:
-        balancer.load_state_dict(saved)
-    except ValueError as error:
-        rank_zero_warn(
-            f"ViTBalanceMixin: the saved balancer state (from a checkpoint or an earlier run) is not "
-            f"used ({error}); the cost fit starts afresh."
-        )
 
 
 class _State:
@@ -361,7 +354,8 @@ class ViTBalanceMixin:
             state.balancer_config = config
             state.carried = None
             if carried:
-                _continue_from(state.balancer, carried)
+                source = "ViTBalanceMixin: the saved balancer state (from a checkpoint or an earlier run)"
+                continue_fit(state.balancer, carried, source, rank_zero_warn)
         return state.balancer
 
     def _vit_balance_take_ticket(self) -> PreparedPlan | None:

@@ -1,12 +1,13 @@
 """A Hugging Face Qwen-VL fine-tuned under Lightning's ``ModelParallelStrategy`` (FSDP2), balanced.
 
-Run by ``test_hf_dropin.py`` as a script: the strategy's launcher starts the other rank by running
-this same script again. Two CPU ranks, a ``(2, 1)`` mesh (data parallel only); ``configure_model``
-makes each vision block, the tower and each decoder layer an FSDP2 unit, then the whole model.
-After the last step, validation runs ``generate()`` and ``model(**batch).loss`` on the same
-batches (a ``DistributedSampler`` hands each rank its own, so the mixin balances them: without
-that, a text-only rank would skip the tower's parameter gathers). Each rank writes its training
-and validation losses, its generated tokens and the drop-in's counts::
+Run by ``test_hf_dropin.py`` on the test pool's ranks, launched as ``torchrun`` would; as a
+script, the strategy's launcher starts the other rank by running this same script again. Two CPU
+ranks, a ``(2, 1)`` mesh (data parallel only); ``configure_model`` makes each vision block, the
+tower and each decoder layer an FSDP2 unit, then the whole model. After the last step, validation
+runs ``generate()`` and ``model(**batch).loss`` on the same batches (a ``DistributedSampler``
+hands each rank its own, so the mixin balances them: without that, a text-only rank would skip
+the tower's parameter gathers). Each rank writes its training and validation losses, its
+generated tokens and the drop-in's counts::
 
     python tests/hf_fsdp2_fit_script.py OUT_DIR
 """

@@ -1,11 +1,11 @@
 """A tiny VLM trained with ViTBalanceMixin and ViTBalanceCallback on 2 CPU ranks.
 
-Imported by ``test_lightning_fit.py`` and ``test_lightning_loops.py`` (``ddp_spawn`` fits) and run
+Imported by ``test_lightning_fit.py`` (a ``ddp_spawn`` fit) and ``test_lightning_loops.py``
+(fits, resumes and predictions on the test pool's ranks, launched as ``torchrun`` would), and run
 as a script for the ``ddp`` strategy, whose launcher starts the other rank by running this same
-script again, and for prediction from a checkpoint in a fresh process::
+script again::
 
     python tests/lightning_fit_script.py OUT_DIR
-    python tests/lightning_fit_script.py predict CHECKPOINT OUT_DIR
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -128,15 +126,8 @@ def fit(
 #: locality solver does not read the refine fields, so the plans are the default ones. The online
 #: cost fit keeps the initial model too: the loops' calls give it at most 8 rows, and a fit needs 12.
 LOOP_CONFIG = ViTBalanceConfig(refine_iterations=7, refine_tolerance=0.01, calibrate_cost=True)
-#: Seconds a collective may wait before gloo raises: a hang fails the test quickly.
-COLLECTIVE_TIMEOUT_S = 30
 #: Samples to predict: 5 on 2 ranks, which Lightning's predict sampler splits 3 / 2.
 PREDICT_SAMPLES = 5
-
-
-def _spawn() -> DDPStrategy:
-    """``ddp_spawn`` with a short collective timeout."""
-    return DDPStrategy(start_method="spawn", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
 def eval_samples(count: int, offset: int) -> list[dict[str, torch.Tensor]]:
@@ -195,7 +186,8 @@ class PredictionFiles(BasePredictionWriter):
 
 
 def fit_with_checkpoints(out_dir: str, version: str, max_steps: int, ckpt_path: str | None = None) -> LoopVLM:
-    """Fit :class:`LoopVLM` to ``max_steps``, from ``ckpt_path`` if given, checkpointing every step.
+    """Fit :class:`LoopVLM` to ``max_steps``, from ``ckpt_path`` if given, checkpointing every step,
+    on ranks launched and joined in a process group already (``torchrun``, or the test pool).
 
     The checkpoint callback monitors ``vit_balance/imbalance_after``; ``out_dir/checkpoints/last.ckpt``
     is the latest step.
@@ -213,7 +205,7 @@ def fit_with_checkpoints(out_dir: str, version: str, max_steps: int, ckpt_path: 
     trainer = L.Trainer(
         accelerator="cpu",
         devices=RANKS,
-        strategy=_spawn(),
+        strategy="ddp",
         max_steps=max_steps,
         logger=CSVLogger(out_dir, name="", version=version),
         callbacks=[ViTBalanceCallback(), checkpoints],
@@ -229,7 +221,8 @@ def fit_with_checkpoints(out_dir: str, version: str, max_steps: int, ckpt_path: 
 
 
 def predict_from_checkpoint(ckpt_path: str, out_dir: str) -> None:
-    """Load :class:`LoopVLM` with default (``weights_only``) loading and predict on uneven data."""
+    """Load :class:`LoopVLM` with default (``weights_only``) loading and predict on uneven data, on
+    ranks launched and joined in a process group already."""
     torch.set_num_threads(1)
     model = LoopVLM.load_from_checkpoint(ckpt_path)
     config = model.vit_balance_config
@@ -238,7 +231,7 @@ def predict_from_checkpoint(ckpt_path: str, out_dir: str) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=RANKS,
-        strategy=_spawn(),
+        strategy="ddp",
         logger=False,
         callbacks=[PredictionFiles(out_dir)],
         enable_progress_bar=False,
@@ -250,12 +243,14 @@ def predict_from_checkpoint(ckpt_path: str, out_dir: str) -> None:
     trainer.predict(model, loader, return_predictions=False)
 
 
-if __name__ == "__main__" and sys.argv[1] == "predict":
-    predict_from_checkpoint(sys.argv[2], sys.argv[3])
-elif __name__ == "__main__":
-    # Both fits run in the same two processes: the launcher starts rank 1 once, at the first fit.
+if __name__ == "__main__":
+    # The fits run in the same two processes: the launcher starts rank 1 once, at the first fit.
     out = sys.argv[1]
-    for run_version, run_enabled in (("ddp_disabled", False), ("ddp", True)):
-        trained = fit(out, run_version, run_enabled, "ddp", verbose=True)
+    for run_version, enabled, plan_ahead in (
+        ("ddp_disabled", False, False),
+        ("ddp", True, False),
+        ("planned", True, True),
+    ):
+        trained = fit(out, run_version, enabled, "ddp", verbose=not plan_ahead, plan_ahead=plan_ahead)
         if trained.global_rank == 0:
             torch.save(trained.state_dict(), Path(out) / run_version / "weights.pt")

@@ -50,7 +50,16 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["MAX_POOLS", "MultiRankError", "World", "close_all", "set_launcher_variables", "subgroup", "world"]
+__all__ = [
+    "MAX_POOLS",
+    "MultiRankError",
+    "World",
+    "close_all",
+    "launched_by_torchrun",
+    "set_launcher_variables",
+    "subgroup",
+    "world",
+]
 
 #: Pools kept alive at once.
 MAX_POOLS = 3
@@ -221,6 +230,39 @@ def set_launcher_variables(**extra: str) -> None:
 
     rank = str(dist.get_rank())
     os.environ.update(LOCAL_RANK=rank, RANK=rank, WORLD_SIZE=str(dist.get_world_size()), **extra)
+
+
+@contextlib.contextmanager
+def launched_by_torchrun() -> Iterator[None]:
+    """In a worker, for the duration: the environment ``torchrun`` gives this rank (one node, every
+    rank of the pool on it), so a Lightning ``Trainer`` runs on the pool's ranks as under
+    ``torchrun``: its ``TorchElasticEnvironment`` starts no processes and its strategy takes the
+    process group that exists. A fit then costs no process start-up (each fresh rank imports
+    torch, Lightning and transformers, 8-10 s of CPU time on the test machine). The previous
+    environment is restored afterwards, so later calls on the pool see none of it."""
+    import torch.distributed as dist
+
+    rank, size = str(dist.get_rank()), str(dist.get_world_size())
+    values = {
+        "RANK": rank,
+        "LOCAL_RANK": rank,
+        "GROUP_RANK": "0",
+        "WORLD_SIZE": size,
+        "LOCAL_WORLD_SIZE": size,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",  # never dialled: the process group exists
+        "TORCHELASTIC_RUN_ID": "multirank",  # how torch (and Lightning) tell a torchrun launch
+    }
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 _POOLS: OrderedDict[int, World] = OrderedDict()

@@ -17,7 +17,6 @@ import inspect
 import itertools
 import json
 import pickle
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,7 +44,7 @@ from hf_models import (
 )
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
-from multirank import World, set_launcher_variables
+from multirank import World, launched_by_torchrun, set_launcher_variables
 
 from lightning_vit_balance import (
     BalancedVisionTower,
@@ -1219,12 +1218,41 @@ def test_plans_made_ahead_are_for_the_rows_the_tower_gets(
     assert empty.shape == (0, pixels.shape[1]) and empty.dtype == tower_dtype and empty_grid.shape == (0, 3)
 
 
+def _lightning_ddp_fit(out_dir: str, family: str, plan_ahead: bool) -> dict[str, torch.Tensor] | None:
+    """Worker: the fit of :func:`test_lightning_ddp_fit_without_find_unused_parameters`, on the
+    pool's ranks as under ``torchrun``; rank 0 returns the trained weights."""
+    import torch.distributed as dist
+
+    module = HFFinetune(out_dir, balanced=True, plan_ahead=plan_ahead, family=family)
+    if family == "glm4v":
+        module.model.model.visual.double()
+    with launched_by_torchrun():
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=FIT_RANKS,
+            # Tiny buckets: several all-reduces interleave with the return trip's backward exchange.
+            strategy=DDPStrategy(find_unused_parameters=False, bucket_cap_mb=0.02),
+            max_steps=FIT_STEPS,
+            logger=CSVLogger(out_dir, name="", version="fit"),
+            callbacks=[ViTBalanceCallback()],
+            log_every_n_steps=1,
+            use_distributed_sampler=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module)
+    return module.model.state_dict() if dist.get_rank() == 0 else None
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("family", "plan_ahead"), [(FIT_FAMILY, False), (FIT_FAMILY, True), ("glm4v", True)])
 def test_lightning_ddp_fit_without_find_unused_parameters(
-    tmp_path: Path, family: str, plan_ahead: bool
+    tmp_path: Path, family: str, plan_ahead: bool, multirank: Any
 ) -> None:
-    """ddp_spawn, 2 CPU ranks, find_unused_parameters=False, small DDP buckets; text-only ranks.
+    """Lightning's DDP, 2 CPU ranks under ``torchrun``, find_unused_parameters=False, small DDP
+    buckets; text-only ranks. (``ddp_spawn`` runs the same module in README.md's test and the
+    fine-tuning example's.)
 
     With ``plan_ahead`` each step's one balanced call uses the plan made in
     ``on_before_batch_transfer`` from the batch's image and video grids (GLM-4.1V: its video grids
@@ -1232,35 +1260,18 @@ def test_lightning_ddp_fit_without_find_unused_parameters(
     float64 there, set after ``balance_vision_tower``, while the batch holds float32 pixels: the
     plan is made for the rows the model passes its tower, cast to the tower's dtype at the time.
     """
-    torch.set_num_threads(1)
-    module = HFFinetune(str(tmp_path), balanced=True, plan_ahead=plan_ahead, family=family)
+    reference_model = tiny_model(family)  # the fit's initial weights (seeded)
     if family == "glm4v":
-        module.model.model.visual.double()
-    reference_model = copy.deepcopy(module.model)
-    BalancedVisionTower.of(reference_model).remove()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=FIT_RANKS,
-        # Tiny buckets: several all-reduces interleave with the return trip's backward exchange.
-        strategy=DDPStrategy(start_method="spawn", find_unused_parameters=False, bucket_cap_mb=0.02),
-        max_steps=FIT_STEPS,
-        logger=CSVLogger(str(tmp_path), name="", version="fit"),
-        callbacks=[ViTBalanceCallback()],
-        log_every_n_steps=1,
-        use_distributed_sampler=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(module)
+        reference_model.model.visual.double()
+    with multirank(FIT_RANKS) as pool:
+        trained, _ = pool.run(_lightning_ddp_fit, str(tmp_path), family, plan_ahead, timeout=200)
     expected = _reference(reference_model, functools.partial(fit_batch, family=family))
     for rank in range(FIT_RANKS):
         losses = json.loads((tmp_path / f"losses_rank_{rank}.json").read_text())
         torch.testing.assert_close(torch.tensor(losses), expected[rank], **TOL)
-    # ddp_spawn hands the trained weights back to this process's module. They carry three steps'
-    # gradient rounding times the learning rate: GLM-4.1V's MLP weights differ by 3.8e-6 here, and
-    # by 3.8e-9 with the model in float64 (rounding, where a misrouted row would differ at O(1)).
-    trained = module.model.state_dict()
+    # The trained weights carry four steps' gradient rounding times the learning rate: GLM-4.1V's
+    # MLP weights differ by 3.8e-6 here, and by 3.8e-9 with the model in float64 (rounding, where
+    # a misrouted row would differ at O(1)).
     for key, value in reference_model.state_dict().items():
         torch.testing.assert_close(
             trained[key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}"
@@ -1503,22 +1514,29 @@ def test_mixin_handle_state_is_the_modules_checkpoint_state() -> None:
         handle.load_state_dict(None)  # type: ignore[arg-type]
 
 
+def _fsdp2_fit(out_dir: str) -> None:
+    """Worker: ``hf_fsdp2_fit_script``'s fit, on the pool's ranks as under ``torchrun``."""
+    import hf_fsdp2_fit_script as script
+
+    with launched_by_torchrun():
+        script.main(out_dir)
+
+
 @pytest.mark.timeout(240)
-def test_lightning_model_parallel_strategy_with_fsdp2_units(tmp_path: Path) -> None:
+def test_lightning_model_parallel_strategy_with_fsdp2_units(tmp_path: Path, multirank: Any) -> None:
     """ModelParallelStrategy (a (2, 1) mesh), FSDP2 units in configure_model: DDP's losses, then the
     plain model's validation losses (balanced too: a text-only rank must gather the tower's
     parameters with the others).
 
-    Run as a script (the strategy's launcher starts rank 1 by running it again); FSDP2 averages
-    the ranks' gradients as DDP does, so the reference is DDP by hand.
+    On the pool's 2 ranks, launched as ``torchrun`` would; FSDP2 averages the ranks' gradients as
+    DDP does, so the reference is DDP by hand.
     """
     if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
         pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
     import hf_fsdp2_fit_script as script
 
-    command = [sys.executable, str(Path(script.__file__)), str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=200)
-    assert done.returncode == 0, done.stderr[-3000:]
+    with multirank(script.RANKS) as pool:
+        pool.run(_fsdp2_fit, str(tmp_path), timeout=200)
     model = tiny_model(script.FAMILY)
     expected = _reference(model, script.batch_for, script.STEPS, script.RANKS, script.SGD_LR)
     model.eval()  # validation after the last step: the trained weights

@@ -76,7 +76,8 @@ def spawn_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``strategy="ddp"`` relaunches the script for rank 1, so it runs as its own program.
 
-    It fits twice in the same processes: balancing disabled, then enabled with verbose reports.
+    It fits three times in the same processes: balancing disabled, then enabled with verbose
+    reports, then enabled with ``plan_ahead``.
     """
     out = tmp_path_factory.mktemp("ddp")
     env = {
@@ -153,19 +154,11 @@ def test_balanced_training_matches_the_unbalanced_run(
     )
 
 
-@pytest.fixture(scope="module")
-def plan_ahead_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("plan_ahead")
-    model = fit(str(out), "planned", True, "ddp_spawn", plan_ahead=True)
-    return {"dir": out / "planned", "weights": {k: v.clone() for k, v in model.state_dict().items()}}
-
-
 @pytest.mark.timeout(240)
-def test_plans_made_before_the_forward_train_the_same(
-    plan_ahead_run: dict[str, Any], ddp_run: dict[str, Any]
-) -> None:
+def test_plans_made_before_the_forward_train_the_same(ddp_run: dict[str, Any]) -> None:
     """plan_ahead: the images call uses the plan made before the forward, the same training."""
-    rows = _balance_rows(plan_ahead_run["dir"])
+    planned = ddp_run["out"] / "planned"
+    rows = _balance_rows(planned)
     assert sorted(rows) == list(range(STEPS))
     for row in rows.values():
         assert row["vit_balance/calls"] == CALLS_PER_STEP and row["vit_balance/applied"] == 0.5
@@ -173,6 +166,6 @@ def test_plans_made_before_the_forward_train_the_same(
         # return trip (its gather ran in on_before_batch_transfer); the videos call gathers and skips.
         assert row["vit_balance/collectives"] == 3 + 1
     reference = _losses(ddp_run["out"] / "ddp_disabled")
-    torch.testing.assert_close(_losses(plan_ahead_run["dir"]), reference, **TOLERANCE)
+    torch.testing.assert_close(_losses(planned), reference, **TOLERANCE)
     reference_weights = torch.load(ddp_run["out"] / "ddp_disabled" / "weights.pt")
-    torch.testing.assert_close(plan_ahead_run["weights"], reference_weights, **TOLERANCE)
+    torch.testing.assert_close(torch.load(planned / "weights.pt"), reference_weights, **TOLERANCE)

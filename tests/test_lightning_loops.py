@@ -1,9 +1,10 @@
 """Lightning loops beyond training on 2 real CPU ranks: resume, validation, predict on uneven data.
 
-One module fixture fits 2 steps (``ddp_spawn``, checkpointing every step while monitoring
-``vit_balance/imbalance_after``), then resumes to 4 steps from ``last.ckpt``; a fresh process
-loads the final checkpoint with ``load_from_checkpoint`` and predicts 5 samples on 2 ranks.
-Checkpoints are loaded the default way (``weights_only``) throughout.
+One module fixture fits 2 steps (``ddp`` on the test pool's 2 ranks, launched as ``torchrun``
+would; checkpointing every step while monitoring ``vit_balance/imbalance_after``), then resumes to
+4 steps from ``last.ckpt``; 2 fresh processes load the final checkpoint with
+``load_from_checkpoint`` and predict 5 samples. Checkpoints are loaded the default way
+(``weights_only``) throughout.
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +27,13 @@ from lightning_fit_script import (
     eval_samples,
     fit_with_checkpoints,
     make_sample,
+    predict_from_checkpoint,
 )
+from multirank import World, launched_by_torchrun
 from towers import TensorTower
 
 from lightning_vit_balance import CostModel, ViTBalanceConfig
 
-SCRIPT = Path(__file__).resolve().parent / "lightning_fit_script.py"
 CALLS_PER_STEP = 2  # images (applied) and videos (skipped: no-gain), as in test_lightning_fit.py
 # Balanced and unbalanced training differ only in the batches images are encoded in: fp32 matmul
 # blocking may change the last bits (~1e-7 relative), compounded over a few SGD steps.
@@ -49,20 +49,38 @@ def _by_step(rows: list[dict[str, float]], key: str) -> dict[int, dict[str, floa
     return {int(row["step"]): row for row in rows if key in row}
 
 
+def _fit_and_resume(out: str) -> dict[str, torch.Tensor] | None:
+    """Worker: 2 steps, then a resumed fit to :data:`STEPS` from ``last.ckpt``; rank 0 returns the
+    trained weights."""
+    import torch.distributed as dist
+
+    last = Path(out) / "checkpoints" / "last.ckpt"
+    with launched_by_torchrun():
+        fit_with_checkpoints(out, "first", max_steps=2)
+        if dist.get_rank() == 0:  # the resumed fit writes over it
+            shutil.copyfile(last, Path(out) / "first_last.ckpt")
+        model = fit_with_checkpoints(out, "resumed", max_steps=STEPS, ckpt_path=str(last))
+    return model.state_dict() if dist.get_rank() == 0 else None
+
+
+def _predict(ckpt_path: str, out: str) -> None:
+    """Worker: :func:`predict_from_checkpoint` on ranks launched as ``torchrun`` would."""
+    with launched_by_torchrun():
+        predict_from_checkpoint(ckpt_path, out)
+
+
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def resumed(tmp_path_factory: pytest.TempPathFactory, multirank: Any) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("loops")
-    last = out / "checkpoints" / "last.ckpt"
-    fit_with_checkpoints(str(out), "first", max_steps=2)
-    first_last = torch.load(last)
-    model = fit_with_checkpoints(str(out), "resumed", max_steps=STEPS, ckpt_path=str(last))
+    with multirank(RANKS) as pool:
+        weights, _ = pool.run(_fit_and_resume, str(out), timeout=200)
     rows = _rows(out / "first") + _rows(out / "resumed")
     return {
         "out": out,
         "rows": rows,
-        "first_last": first_last,
-        "last": torch.load(last),
-        "weights": {k: v.clone() for k, v in model.state_dict().items()},
+        "first_last": torch.load(out / "first_last.ckpt"),
+        "last": torch.load(out / "checkpoints" / "last.ckpt"),
+        "weights": weights,
     }
 
 
@@ -139,19 +157,16 @@ def test_validation_on_a_distributed_sampler_balances_with_exact_outputs(resumed
 
 
 @pytest.mark.timeout(240)
-def test_a_fresh_process_loads_the_checkpoint_and_predicts_uneven_data(
+def test_fresh_processes_load_the_checkpoint_and_predict_uneven_data(
     resumed: dict[str, Any], tmp_path: Path
 ) -> None:
     ckpt = resumed["out"] / "checkpoints" / "last.ckpt"
-    path = os.pathsep.join([str(SCRIPT.parent), os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "predict", str(ckpt), str(tmp_path)],
-        env={**os.environ, "PYTHONPATH": path},
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    # Ranks of their own, which never built a module: only the checkpoint carries the configuration.
+    pool = World(RANKS)
+    try:
+        pool.run(_predict, str(ckpt), str(tmp_path), timeout=180)
+    finally:
+        pool.close()
     loaded = json.loads((tmp_path / "loaded.json").read_text())
     assert loaded["type"] == "ViTBalanceConfig"
     assert ViTBalanceConfig(**loaded["fields"]) == LOOP_CONFIG

@@ -42,6 +42,7 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -254,6 +255,10 @@ def launched_by_torchrun() -> Iterator[None]:
         "TORCHELASTIC_RUN_ID": "multirank",  # how torch (and Lightning) tell a torchrun launch
     }
     saved = {key: os.environ.get(key) for key in values}
+    # A strategy's setup tells Lightning's rank-zero helpers this rank: put back what they held, so
+    # later calls warn and print as before (every rank as rank 0, the pool's state from its start).
+    deciders = {id(d): d for d in map(_rank_zero_decider, _RANK_ZERO_MODULES) if d is not None}
+    ranks = {key: decider.rank for key, decider in deciders.items() if hasattr(decider, "rank")}
     os.environ.update(values)
     try:
         yield
@@ -263,6 +268,21 @@ def launched_by_torchrun() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        for key, rank in ranks.items():
+            deciders[key].rank = rank
+
+
+#: The modules whose ``rank_zero_only`` a Lightning strategy sets the rank of.
+_RANK_ZERO_MODULES = (
+    "lightning_utilities.core.rank_zero",
+    "lightning.fabric.utilities.rank_zero",
+    "lightning.pytorch.utilities.rank_zero",
+)
+
+
+def _rank_zero_decider(module_name: str) -> Any:
+    """``rank_zero_only`` of ``module_name``, where that module is imported."""
+    return getattr(sys.modules.get(module_name), "rank_zero_only", None)
 
 
 _POOLS: OrderedDict[int, World] = OrderedDict()

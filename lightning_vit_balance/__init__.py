@@ -16,6 +16,7 @@ from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalanc
 from lightning_vit_balance.config import ViTBalanceConfig, add_vit_balance_args
 from lightning_vit_balance.cost import CostCalibrator, CostModel
 from lightning_vit_balance.hf import BalancedVisionTower, balance_vision_tower, encode_visual
+from lightning_vit_balance.metrics import BalanceMetrics
 from lightning_vit_balance.outputs import OutputLayout
 from lightning_vit_balance.planning import REASONS, RebalancePlan, plan_rebalance
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REASONS",
+    "BalanceMetrics",
     "BalanceStats",
     "BalancedVisionTower",
     "CostCalibrator",

@@ -118,6 +118,7 @@ one balanced call and returns the two outputs separately.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import warnings
@@ -145,6 +146,9 @@ from lightning_vit_balance.outputs import (
 )
 
 __all__ = ["BalancedVisionTower", "balance_vision_tower", "encode_visual"]
+
+#: The most balanced forwards' stats :meth:`BalancedVisionTower.pop_stats` keeps between reads.
+KEPT_STATS = 1024
 
 #: The base model's forward parameters the drop-in reads: (pixels, grid) per modality, in the
 #: order the base model encodes them.
@@ -685,10 +689,21 @@ class BalancedVisionTower:
         self._carried: dict[str, Any] | None = getattr(self, "_carried", None)
         self._twin: Any = None
         self._twin_of: int | None = None
+        #: Stats kept for :meth:`pop_stats`, once it was called (None: nobody reads them).
+        self._kept: collections.deque[BalanceStats] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        runtime = ("_balancer", "_balancer_key", "_pending", "_encoding", "_ticket", "_twin", "_twin_of")
+        runtime = (
+            "_balancer",
+            "_balancer_key",
+            "_pending",
+            "_encoding",
+            "_ticket",
+            "_twin",
+            "_twin_of",
+            "_kept",
+        )
         for name in (*runtime, "last_stats"):
             state.pop(name, None)
         state["group"] = None  # a process group belongs to one run of processes
@@ -717,6 +732,17 @@ class BalancedVisionTower:
 
     def record(self, stats: BalanceStats) -> None:
         """Called with each balanced forward's stats (after :attr:`last_stats` is set)."""
+
+    def pop_stats(self) -> list[BalanceStats]:
+        """Return and forget the stats of the balanced forwards since the previous call, oldest
+        first (for :class:`~lightning_vit_balance.BalanceMetrics`).
+
+        Forwards are kept from the first call on (a reader that drains them), the latest
+        :data:`KEPT_STATS` at most; the first call returns an empty list.
+        """
+        kept = list(self._kept) if self._kept is not None else []
+        self._kept = collections.deque(maxlen=KEPT_STATS)
+        return kept
 
     def _default_config(self) -> ViTBalanceConfig:
         """``ViTBalanceConfig()`` priced by the tower's own shape (the same on every rank: the same
@@ -930,6 +956,8 @@ class BalancedVisionTower:
             self.applied_calls += int(stats.applied)
             self.last_stats = stats
             self.record(stats)
+            if self._kept is not None:
+                self._kept.append(stats)
         total = int(combined.pixels.shape[0])
         outputs = _split(output, combined.parts, total, tower.spatial_merge_size, tower)
         return _Pending(combined.parts, outputs, [False] * len(combined.parts), _exact_zero(output))

@@ -1,4 +1,5 @@
-"""Hugging Face ``Trainer`` integration: the drop-in's balancer state in the Trainer's checkpoints.
+"""Hugging Face ``Trainer`` integration: the drop-in's ``vit_balance/*`` metrics in the Trainer's
+logs, and its balancer state in the Trainer's checkpoints.
 
 Imported on first use of :class:`ViTBalanceTrainerCallback` (it imports transformers).
 """
@@ -6,6 +7,7 @@ Imported on first use of :class:`ViTBalanceTrainerCallback` (it imports transfor
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,15 +16,14 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_callback import ExportableState
 
 from lightning_vit_balance.hf import BalancedVisionTower, continue_fit
+from lightning_vit_balance.metrics import BalanceMetrics
 
 __all__ = ["ViTBalanceTrainerCallback"]
 
 
 class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
-    """Carries the balancer's state of a model given to ``balance_vision_tower`` through Hugging
-    Face ``Trainer`` checkpoints: with ``calibrate_cost``, the online cost fit, so a run resumed
-    from a checkpoint plans with the fitted model from its first step instead of fitting again
-    (a warm-up and a dozen rank-steps of measurements on the initial model).
+    """The drop-in's diagnostics in a Hugging Face ``Trainer``'s logs, and its state in the
+    Trainer's checkpoints, for a model given to ``balance_vision_tower``.
 
     Example::
 
@@ -30,21 +31,57 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         trainer = Trainer(model=model, args=args, ..., callbacks=[ViTBalanceTrainerCallback()])
         trainer.train(resume_from_checkpoint=True)
 
-    The state (plain numbers, :meth:`BalancedVisionTower.state_dict`) rides in the checkpoint's
+    **Metrics.** Every training log of the Trainer (``logging_steps``) gets the ``vit_balance/*``
+    figures of the balanced forwards since the previous one, keyed and aggregated as
+    :class:`~lightning_vit_balance.ViTBalanceCallback` documents them (:class:`BalanceMetrics`):
+    imbalance before and after, loads and measured ViT milliseconds per rank, images, patches and
+    bytes moved, time spent, and the counts since training started. They go into ``logs`` (printed
+    by the progress callback, seen by the callbacks after this one) and the Trainer's
+    ``state.log_history`` (``trainer_state.json``). Reporting integrations (``report_to``: W&B,
+    TensorBoard, MLflow...) run before callbacks passed to the Trainer; to have them log the
+    metrics too, add the callback with :meth:`attach` instead::
+
+        ViTBalanceTrainerCallback().attach(trainer)
+
+    **Checkpoints.** The state (plain numbers: :meth:`BalancedVisionTower.state_dict`, with
+    ``calibrate_cost`` the online cost fit, and the metrics' counts) rides in each checkpoint's
     ``trainer_state.json`` under ``stateful_callbacks``, written by the process that saves: every
     rank holds the same state. At the start of training every rank goes on from the state the
-    Trainer resumed, with or without ``restore_callback_states_from_checkpoint``. A state the
-    model's configuration cannot go on from (a cost fit of another window or per-frame attention)
-    is left behind with a warning, and the fit starts afresh.
+    Trainer resumed, with or without ``restore_callback_states_from_checkpoint``: a resumed run
+    plans with the fitted model from its first step instead of fitting again, and counts on. A
+    state the model's configuration cannot go on from (a cost fit of another window or per-frame
+    attention) is left behind with a warning, and the fit starts afresh.
+
+    Args:
+        log_per_rank_loads: Log the ``load_before/rank_{r}``, ``load_after/rank_{r}`` and
+            ``vit_ms/rank_{r}`` series, three per DP rank: turn off at large DP sizes.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, log_per_rank_loads: bool = True) -> None:
+        self.log_per_rank_loads = bool(log_per_rank_loads)
+        self.metrics = BalanceMetrics(self.log_per_rank_loads)
         self._handle: BalancedVisionTower | None = None
+
+    def attach(self, trainer: Any) -> ViTBalanceTrainerCallback:
+        """Add this callback to ``trainer`` (unless it holds it already), with its metrics put in
+        each training log ahead of the Trainer's reporting integrations, which then log them too.
+
+        Returns this callback.
+        """
+        handler = trainer.callback_handler
+        if self not in handler.callbacks:
+            trainer.add_callback(self)
+        if not any(isinstance(callback, _MetricsFirst) for callback in handler.callbacks):
+            # The callbacks run in list order: first of all. A Trainer that restores callback
+            # states replaces this callback by a copy at the end; the helper finds that one.
+            handler.callbacks.insert(0, _MetricsFirst(trainer))
+        return self
 
     def state(self) -> dict[str, Any]:
         """What ``trainer_state.json`` keeps (Hugging Face's ``ExportableState``)."""
         balancer = self._handle.state_dict() if self._handle is not None else {}
-        return {"args": {}, "attributes": {"balancer_state": balancer}}
+        attributes = {"balancer_state": balancer, "metric_counts": self.metrics.state_dict()}
+        return {"args": {"log_per_rank_loads": self.log_per_rank_loads}, "attributes": attributes}
 
     def on_init_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -55,12 +92,86 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._handle = _handle_of(kwargs.get("model"), required=True)
-        saved = _resumed_state(state.stateful_callbacks, type(self).__name__)
+        self._handle.pop_stats()  # from here on the handle keeps each forward's stats for us
+        saved = _resumed_attributes(state.stateful_callbacks, type(self).__name__)
+        self._count_on(saved.get("metric_counts"), state.is_world_process_zero)
+        balancer = saved.get("balancer_state")
         # A fresh run holds this callback's own state of a moment ago: nothing to go on from.
-        if not saved or saved == self._handle.state_dict():
+        if not isinstance(balancer, Mapping) or not balancer or balancer == self._handle.state_dict():
             return
         source = "ViTBalanceTrainerCallback: the checkpoint's balancer state"
-        continue_fit(self._handle, saved, source, _warn if state.is_world_process_zero else _quiet)
+        continue_fit(self._handle, balancer, source, _warn if state.is_world_process_zero else _quiet)
+
+    def _count_on(self, counts: Any, warn: bool) -> None:
+        """Start the metrics afresh, counting on from a resumed checkpoint's ``counts``."""
+        self.metrics = BalanceMetrics(self.log_per_rank_loads)
+        if counts is None:
+            return
+        try:
+            self.metrics.load_state_dict(counts)
+        except ValueError as error:
+            if warn:
+                _warn(f"ViTBalanceTrainerCallback: the checkpoint's metric counts are not used ({error}).")
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._handle is not None:
+            self._handle.pop_stats()  # forwards between steps (evaluation) are not training's
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._handle is not None:
+            for stats in self._handle.pop_stats():  # every micro-batch of the step
+                self.metrics.add(stats)
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.publish(state, logs)
+
+    def publish(self, state: TrainerState, logs: dict[str, Any] | None) -> None:
+        """Put the window's metrics into a training log (one with ``"loss"``) and the log history's
+        entry of it, and start the next window; nothing when the window has no calls."""
+        if logs is None or "loss" not in logs:
+            return
+        metrics = self.metrics.metrics()
+        self.metrics.reset_window()
+        if not metrics:
+            return
+        logs.update(metrics)
+        latest = state.log_history[-1] if state.log_history else None
+        if isinstance(latest, dict) and latest.get("step") == state.global_step and "loss" in latest:
+            latest.update(metrics)
+
+
+class _MetricsFirst(TrainerCallback):
+    """Runs first in ``on_log``: the trainer's :class:`ViTBalanceTrainerCallback` publishes there,
+    before the reporting integrations read the log."""
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = weakref.ref(trainer)  # the trainer holds this callback
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        trainer = self._trainer()
+        callbacks = trainer.callback_handler.callbacks if trainer is not None else ()
+        for callback in callbacks:
+            if isinstance(callback, ViTBalanceTrainerCallback):
+                callback.publish(state, logs)
+                return
 
 
 def _warn(message: str) -> None:
@@ -88,11 +199,10 @@ def _handle_of(model: Any, required: bool) -> BalancedVisionTower | None:
     return handle
 
 
-def _resumed_state(stateful_callbacks: Any, name: str) -> Mapping[str, Any] | None:
-    """The balancer state saved under ``name`` in a TrainerState's ``stateful_callbacks``."""
+def _resumed_attributes(stateful_callbacks: Any, name: str) -> Mapping[str, Any]:
+    """The attributes saved under ``name`` in a TrainerState's ``stateful_callbacks`` (empty when none)."""
     entry = stateful_callbacks.get(name) if isinstance(stateful_callbacks, Mapping) else None
     if isinstance(entry, list):  # several callbacks of one class: the first is ours
         entry = entry[0] if entry else None
     attributes = entry.get("attributes") if isinstance(entry, Mapping) else None
-    saved = attributes.get("balancer_state") if isinstance(attributes, Mapping) else None
-    return saved if isinstance(saved, Mapping) else None
+    return attributes if isinstance(attributes, Mapping) else {}

@@ -45,6 +45,7 @@ from hf_models import (
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from multirank import World, launched_by_torchrun, set_launcher_variables
+from transformers import TrainerCallback
 
 from lightning_vit_balance import (
     BalancedVisionTower,
@@ -1291,17 +1292,30 @@ def _training_arguments(out_dir: str, max_steps: int, **settings: Any) -> Any:
     step, nothing logged or reported; ``settings`` add to them."""
     from transformers import TrainingArguments
 
+    defaults: dict[str, Any] = {"report_to": [], "logging_strategy": "no", "disable_tqdm": True}
     return TrainingArguments(
         output_dir=out_dir,
         use_cpu=True,
         ddp_backend="gloo",
         per_device_train_batch_size=1,
         max_steps=max_steps,
-        report_to=[],
-        logging_strategy="no",
-        disable_tqdm=True,
-        **settings,
+        **{**defaults, **settings},
     )
+
+
+class _LogRecorder(TrainerCallback):
+    """Stands in for a reporting integration (W&B, TensorBoard): records each log's
+    ``vit_balance/*`` figures as it receives them."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict[str, float]] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        self.logs.append(_balance_figures(logs or {}))
+
+
+def _balance_figures(log: dict[str, Any]) -> dict[str, float]:
+    return {key: value for key, value in log.items() if key.startswith("vit_balance/")}
 
 
 def _hf_trainer_fit(out_dir: str) -> dict[str, Any]:
@@ -1331,15 +1345,35 @@ def _hf_trainer_fit(out_dir: str) -> dict[str, Any]:
             return loss
 
     arguments = _training_arguments(
-        out_dir, FIT_STEPS, lr_scheduler_type="constant", max_grad_norm=0.0, save_strategy="no"
+        out_dir,
+        FIT_STEPS,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        save_strategy="no",
+        logging_strategy="steps",
+        logging_steps=2,
     )
     batches = [fit_batch(step, r) for step in range(FIT_STEPS) for r in range(size)]
     optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    reporter = _LogRecorder()  # passed to the Trainer: it runs before callbacks added later
     trainer = InOrder(
-        model=model, args=arguments, train_dataset=batches, data_collator=_first, optimizers=(optimizer, None)
+        model=model,
+        args=arguments,
+        train_dataset=batches,
+        data_collator=_first,
+        optimizers=(optimizer, None),
+        callbacks=[reporter],
     )
+    ViTBalanceTrainerCallback().attach(trainer)
     trainer.train()
-    return {"losses": losses, "calls": handle.calls, "applied_calls": handle.applied_calls}
+    history = [_balance_figures(entry) for entry in trainer.state.log_history]
+    return {
+        "losses": losses,
+        "calls": handle.calls,
+        "applied_calls": handle.applied_calls,
+        "reported": reporter.logs,
+        "history": history,
+    }
 
 
 @pytest.mark.timeout(180)
@@ -1357,6 +1391,20 @@ def test_hugging_face_trainer_trains_as_the_plain_model(tmp_path: Path) -> None:
     for rank, result in enumerate(results):
         torch.testing.assert_close(torch.tensor(result["losses"]), expected[rank], **TOL)
         assert result["calls"] == FIT_STEPS and result["applied_calls"] >= 1, result
+    # ViTBalanceTrainerCallback.attach: the reporter the Trainer holds from its start (as it holds
+    # W&B's or TensorBoard's) gets every training log's vit_balance/* metrics: 2 steps a log.
+    reported = [[log for log in r["reported"] if log] for r in results]
+    first, last = reported[0]
+    assert (first["vit_balance/calls"], first["vit_balance/calls_total"]) == (2.0, 2.0), first
+    assert (last["vit_balance/calls"], last["vit_balance/calls_total"]) == (2.0, FIT_STEPS), last
+    assert last["vit_balance/applied_total"] == results[0]["applied_calls"]
+    assert last["vit_balance/skipped/no-images"] == 1.0  # the last step: text alone on every rank
+    assert {"vit_balance/load_before/rank_1", "vit_balance/vit_ms_max"} <= set(last), last
+    # The same plans on every rank: the same figures, but each rank's own bytes.
+    for key in ("vit_balance/imbalance_before", "vit_balance/imbalance_after", "vit_balance/moved_patches"):
+        assert reported[1][0][key] == first[key] and reported[1][1][key] == last[key], key
+    # And the Trainer's log history (trainer_state.json) keeps them.
+    assert [entry for entry in results[0]["history"] if entry] == reported[0]
 
 
 # Saved at step 5, resumed to step 10: enough calls for each run to warm up and record rows.
@@ -1367,8 +1415,8 @@ def _hf_trainer_run(
     out_dir: str, max_steps: int, resume_from: str | None, restore_callbacks: bool = False
 ) -> dict[str, Any]:
     """A calibrating drop-in under Hugging Face's ``Trainer`` with the checkpoint callback, the
-    batches of :data:`FIT_BATCHES` in turn: saves at :data:`RESUME_SAVED_AT` when not resuming;
-    the handle's state at the end."""
+    batches of :data:`FIT_BATCHES` in turn, logging every step: saves at :data:`RESUME_SAVED_AT`
+    when not resuming; the handle's state at the end, and the logged ``calls_total`` counts."""
     from transformers import Trainer
 
     size = torch.distributed.get_world_size()
@@ -1380,6 +1428,8 @@ def _hf_trainer_run(
         save_strategy="no" if resume_from else "steps",
         save_steps=RESUME_SAVED_AT,
         restore_callback_states_from_checkpoint=restore_callbacks,
+        logging_strategy="steps",
+        logging_steps=1,
     )
     batches = [fit_batch(step % FIT_STEPS, r) for step in range(max_steps) for r in range(size)]
     # Plain SGD keeps no tensors in its state: transformers 4.57 loads an optimizer state saved on
@@ -1395,7 +1445,8 @@ def _hf_trainer_run(
     )
     trainer.train(resume_from_checkpoint=resume_from)
     torch.distributed.barrier()  # rank 0 has written its checkpoint before any rank reads it
-    return handle.state_dict()
+    counts = [e["vit_balance/calls_total"] for e in trainer.state.log_history if "vit_balance/calls" in e]
+    return {**handle.state_dict(), "calls_total": counts}
 
 
 def _hf_trainer_resume(out_dir: str) -> dict[str, Any]:
@@ -1425,6 +1476,10 @@ def test_hugging_face_trainer_checkpoints_carry_the_cost_fit(tmp_path: Path) -> 
     # after two warm-up observations with a time the steps give rows.
     assert saved["steps_observed"] == RESUME_SAVED_AT - 1 and saved["history"], saved
     for result in results:
+        # The metrics' counts go on from the checkpoint's too, with the callback restore off or on.
+        assert result["first"].pop("calls_total") == list(range(1, RESUME_SAVED_AT + 1))
+        for resumed in result["resumed"]:  # the checkpoint's log history, then the resumed steps
+            assert resumed.pop("calls_total") == list(range(1, RESUME_STEPS + 1))
         assert result["first"] == result["saved"]  # every rank held what rank 0 saved
         for resumed in result["resumed"]:
             fit = resumed["cost_calibrator"]
@@ -1486,13 +1541,22 @@ def test_trainer_callback_goes_on_from_the_resumed_state_or_says_why_not() -> No
     handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG, calibrate_cost=True))
     callback = ViTBalanceTrainerCallback()
 
-    def resumed(state: dict[str, Any]) -> Any:
-        saved = {"args": {}, "attributes": {"balancer_state": json.loads(json.dumps(state))}}
+    counts = {"applied_total": 3, "calls_total": 7, "skipped_total": {"no-gain": 4}}
+
+    def resumed(state: dict[str, Any], metric_counts: Any = counts) -> Any:
+        attributes = {"balancer_state": state, "metric_counts": metric_counts}
+        saved = {"args": {"log_per_rank_loads": True}, "attributes": json.loads(json.dumps(attributes))}
         return TrainerState(stateful_callbacks={"ViTBalanceTrainerCallback": saved})
 
     callback.on_train_begin(None, resumed(_calibrator_state()), None, model=model)  # type: ignore[arg-type]
     assert handle.state_dict() == _calibrator_state()
-    assert callback.state() == {"args": {}, "attributes": {"balancer_state": _calibrator_state()}}
+    attributes = callback.state()["attributes"]
+    assert attributes["balancer_state"] == _calibrator_state()
+    kept = attributes["metric_counts"]
+    assert kept["calls_total"] == 7 and kept["skipped_total"]["no-gain"] == 4
+    with pytest.warns(RuntimeWarning, match=r"checkpoint's metric counts are not used .*calls_total"):
+        callback.on_train_begin(None, resumed({}, {"applied_total": 1}), None, model=model)  # type: ignore[arg-type]
+    assert callback.state()["attributes"]["metric_counts"]["calls_total"] == 0  # counting afresh
     with pytest.warns(RuntimeWarning, match=r"checkpoint's balancer state is not used .*window_patches"):
         callback.on_train_begin(None, resumed(_calibrator_state(64)), None, model=model)  # type: ignore[arg-type]
     assert handle.state_dict() == _calibrator_state()

@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "prepared": 5,  # a plan made before the forward
     "balancer": 6,
     "hf": 7,
+    "metrics": 7,  # balanced calls' stats as vit_balance/* metrics, for any loop's logger
     "lightning": 8,
     "hf_trainer": 8,  # Hugging Face's Trainer: the drop-in's state in its checkpoints
 }

@@ -10,7 +10,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_vit_balance.planning import REASONS
+from lightning_vit_balance.metrics import PREFIX, BalanceMetrics
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -18,119 +18,6 @@ if TYPE_CHECKING:
     from lightning_vit_balance.balancer import BalanceStats
 
 __all__ = ["ViTBalanceCallback"]
-
-_PREFIX = "vit_balance/"
-#: Every reason a call can be skipped for, logged as ``vit_balance/skipped/{reason}``.
-_SKIP_REASONS: tuple[str, ...] = tuple(reason for reason in REASONS if reason != "applied")
-#: Per-call figures averaged over the calls of a record.
-_MEANS: tuple[str, ...] = ("applied", "imbalance_before", "imbalance_after")
-#: Per-call figures summed over the calls of a record.
-_SUMS: tuple[str, ...] = (
-    "moved_images",
-    "moved_patches",
-    "total_patches",
-    "bytes_sent",
-    "bytes_received",
-    "plan_ms",
-    "exchange_ms",
-    "collectives",
-)
-
-
-def _call_figures(stats: BalanceStats) -> dict[str, float]:
-    """The figures of one call that a record averages (:data:`_MEANS`) or sums (:data:`_SUMS`)."""
-    return {
-        "applied": 1.0 if stats.applied else 0.0,
-        "imbalance_before": float(stats.imbalance_before),
-        "imbalance_after": float(stats.imbalance_after),
-        "moved_images": float(stats.moved_images),
-        "moved_patches": float(stats.moved_patches),
-        "total_patches": float(stats.total_patches),
-        "bytes_sent": float(stats.bytes_sent),
-        "bytes_received": float(stats.bytes_received),
-        "plan_ms": 1000.0 * float(stats.plan_seconds),
-        "exchange_ms": 1000.0 * float(stats.exchange_seconds),
-        "collectives": float(stats.collectives),
-    }
-
-
-class _Window:
-    """The calls of a span of optimizer steps: one step, or the steps since the last logged one.
-
-    Python floats are float64: byte and patch sums pass 2**24, where float32 stops counting
-    exactly. Nothing is synchronised: plans and loads are the same on every DP rank.
-    """
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.totals: dict[str, float] = dict.fromkeys(_MEANS + _SUMS, 0.0)
-        self.load_calls = 0
-        self.loads: dict[str, list[float]] = {}
-        self.vit_calls = 0
-        self.vit_max = 0.0
-        self.vit_mean = 0.0
-        self.vit_per_rank: list[list[float]] = []
-
-    def add(self, stats: BalanceStats, per_rank_loads: bool) -> None:
-        self.calls += 1
-        for name, value in _call_figures(stats).items():
-            self.totals[name] += value
-        self._add_vit_ms(tuple(getattr(stats, "vit_ms", ())))
-        if not per_rank_loads:
-            return
-        before, after = tuple(stats.loads_before), tuple(stats.loads_after)
-        if len(before) != len(self.loads.get("before", before)):
-            # A new DP size starts a fresh series.
-            self.load_calls, self.loads = 0, {}
-        self.load_calls += 1
-        for side, values in (("before", before), ("after", after)):
-            sums = self.loads.setdefault(side, [0.0] * len(values))
-            self.loads[side] = [s + float(v) for s, v in zip(sums, values)]
-
-    def _add_vit_ms(self, vit_ms: tuple[float, ...]) -> None:
-        """Every rank's measured ViT milliseconds (of its previous call; -1 where none yet)."""
-        known = [v for v in vit_ms if v >= 0]
-        if not known or len(known) != len(vit_ms):
-            return
-        if len(self.vit_per_rank) != len(vit_ms):
-            self.vit_calls, self.vit_max, self.vit_mean = 0, 0.0, 0.0
-            self.vit_per_rank = [[0.0, 0.0] for _ in vit_ms]
-        self.vit_calls += 1
-        self.vit_max += max(known)
-        self.vit_mean += sum(known) / len(known)
-        for total, value in zip(self.vit_per_rank, vit_ms):
-            total[0] += value
-
-    def _vit_metrics(self, per_rank: bool) -> dict[str, float]:
-        if self.vit_calls == 0:
-            return {}
-        metrics = {
-            _PREFIX + "vit_ms_max": self.vit_max / self.vit_calls,
-            _PREFIX + "vit_ms_mean": self.vit_mean / self.vit_calls,
-        }
-        if per_rank:
-            for r, (total, _) in enumerate(self.vit_per_rank):
-                metrics[f"{_PREFIX}vit_ms/rank_{r}"] = total / self.vit_calls
-        return metrics
-
-    def metrics(self) -> dict[str, float]:
-        """The record's metrics (without the cumulative counts); empty without calls."""
-        if self.calls == 0:
-            return {}
-        metrics = {_PREFIX + "calls": float(self.calls)}
-        metrics.update({_PREFIX + name: self.totals[name] / self.calls for name in _MEANS})
-        for side in ("before", "after"):
-            for r, total in enumerate(self.loads.get(side, ())):
-                metrics[f"{_PREFIX}load_{side}/rank_{r}"] = total / self.load_calls
-        patches = self.totals["total_patches"]
-        for name in ("moved_images", "moved_patches"):
-            metrics[_PREFIX + name] = self.totals[name]
-        moved = self.totals["moved_patches"]
-        metrics[_PREFIX + "moved_patch_fraction"] = moved / patches if patches > 0 else 0.0
-        for name in ("bytes_sent", "bytes_received", "plan_ms", "exchange_ms", "collectives"):
-            metrics[_PREFIX + name] = self.totals[name]
-        metrics.update(self._vit_metrics(per_rank=bool(self.loads)))
-        return metrics
 
 
 class ViTBalanceCallback(Callback):
@@ -245,11 +132,10 @@ class ViTBalanceCallback(Callback):
         self._reset_totals()
 
     def _reset_totals(self) -> None:
-        self.applied_total = 0
-        self.calls_total = 0
-        self.skipped_total: dict[str, int] = dict.fromkeys(_SKIP_REASONS, 0)
-        self._step = _Window()
-        self._interval = _Window()
+        # The interval since the last logged step, with the counts since the fit started; and the
+        # optimizer step, for callback_metrics (its counts are the interval's).
+        self._interval = BalanceMetrics(self.log_per_rank_loads)
+        self._step = BalanceMetrics(self.log_per_rank_loads)
 
     # ------------------------------------------------------------------ draining the module
 
@@ -266,31 +152,17 @@ class ViTBalanceCallback(Callback):
         return list(pop())
 
     def _add(self, stats: BalanceStats) -> None:
-        self.calls_total += 1
-        if stats.applied:
-            self.applied_total += 1
-        else:
-            self.skipped_total[stats.reason] = self.skipped_total.get(stats.reason, 0) + 1
-        self._step.add(stats, self.log_per_rank_loads)
-        self._interval.add(stats, self.log_per_rank_loads)
+        self._step.add(stats)
+        self._interval.add(stats)
 
     # ------------------------------------------------------------------ metrics
-
-    def _with_totals(self, metrics: dict[str, float]) -> dict[str, float]:
-        if not metrics:
-            return {}
-        metrics[_PREFIX + "applied_total"] = float(self.applied_total)
-        metrics[_PREFIX + "calls_total"] = float(self.calls_total)
-        for reason in sorted(self.skipped_total):
-            metrics[f"{_PREFIX}skipped/{reason}"] = float(self.skipped_total[reason])
-        return metrics
 
     def window_metrics(self) -> dict[str, float]:
         """The metrics of the calls since the last logged step, as the loggers receive them.
 
         Returns an empty dict when no call was recorded since then.
         """
-        return self._with_totals(self._interval.metrics())
+        return self._interval.metrics()
 
     def _should_log(self, trainer: Trainer) -> bool:
         if self.log_every_n_steps is None:
@@ -304,16 +176,17 @@ class ViTBalanceCallback(Callback):
 
     def _publish_step(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Put the finished step's values in ``callback_metrics`` (and the progress bar)."""
-        metrics = self._with_totals(self._step.metrics())
-        self._step = _Window()
-        if not metrics:
+        window = self._step.window_metrics()
+        self._step.reset_window()
+        if not window:
             return
+        metrics = {**window, **self._interval.total_metrics()}
         # CPU float64 scalars: exact counts, and no device copy per metric and step. Monitors
         # (ModelCheckpoint, EarlyStopping) compare them on any device.
         values = torch.tensor(list(metrics.values()), dtype=torch.float64)
         trainer.callback_metrics.update(zip(metrics, values.unbind()))
         if self.prog_bar:
-            for key in (_PREFIX + "imbalance_before", _PREFIX + "imbalance_after"):
+            for key in (PREFIX + "imbalance_before", PREFIX + "imbalance_after"):
                 pl_module.log(key, metrics[key], prog_bar=True, logger=False, on_step=True)
 
     # ------------------------------------------------------------------ hooks
@@ -351,7 +224,7 @@ class ViTBalanceCallback(Callback):
         if not self._should_log(trainer):
             return
         metrics = self.window_metrics()
-        self._interval = _Window()
+        self._interval.reset_window()
         if metrics:
             # The step every `self.log` value of this batch is logged at (not yet advanced here).
             step = trainer.fit_loop.epoch_loop._batches_that_stepped
@@ -395,15 +268,8 @@ class ViTBalanceCallback(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "applied_total": self.applied_total,
-            "calls_total": self.calls_total,
-            "skipped_total": dict(sorted(self.skipped_total.items())),
-        }
+        return self._interval.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.applied_total = int(state_dict["applied_total"])
-        self.calls_total = int(state_dict["calls_total"])
-        self.skipped_total = dict.fromkeys(_SKIP_REASONS, 0)
-        self.skipped_total.update({str(k): int(v) for k, v in state_dict["skipped_total"].items()})
+        self._interval.load_state_dict(state_dict)

@@ -1,0 +1,235 @@
+"""Balanced calls' diagnostics as ``vit_balance/*`` metrics, for any training loop's logger.
+
+:class:`BalanceMetrics` aggregates the :class:`~lightning_vit_balance.BalanceStats` of a span of
+calls (a window: one optimizer step, or the steps since the last logged one) and counts every call
+since training started. The Lightning callback and the Hugging Face ``Trainer`` callback log what
+it gives; a plain PyTorch loop can log it too::
+
+    metrics = BalanceMetrics()
+    for step, batch in enumerate(loader):
+        loss = model(**batch).loss  # a model given to balance_vision_tower
+        ...
+        for stats in handle.pop_stats():
+            metrics.add(stats)
+        if step % 10 == 0:
+            logger.log(metrics.metrics(), step=step)
+            metrics.reset_window()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from lightning_vit_balance.planning import REASONS
+
+if TYPE_CHECKING:
+    from lightning_vit_balance.balancer import BalanceStats
+
+__all__ = ["BalanceMetrics"]
+
+PREFIX = "vit_balance/"
+#: Every reason a call can be skipped for, counted as ``vit_balance/skipped/{reason}``.
+SKIP_REASONS: tuple[str, ...] = tuple(reason for reason in REASONS if reason != "applied")
+#: Per-call figures averaged over the calls of a window.
+_MEANS: tuple[str, ...] = ("applied", "imbalance_before", "imbalance_after")
+#: Per-call figures summed over the calls of a window.
+_SUMS: tuple[str, ...] = (
+    "moved_images",
+    "moved_patches",
+    "total_patches",
+    "bytes_sent",
+    "bytes_received",
+    "plan_ms",
+    "exchange_ms",
+    "collectives",
+)
+
+
+def _call_figures(stats: BalanceStats) -> dict[str, float]:
+    """The figures of one call that a window averages (:data:`_MEANS`) or sums (:data:`_SUMS`)."""
+    return {
+        "applied": 1.0 if stats.applied else 0.0,
+        "imbalance_before": float(stats.imbalance_before),
+        "imbalance_after": float(stats.imbalance_after),
+        "moved_images": float(stats.moved_images),
+        "moved_patches": float(stats.moved_patches),
+        "total_patches": float(stats.total_patches),
+        "bytes_sent": float(stats.bytes_sent),
+        "bytes_received": float(stats.bytes_received),
+        "plan_ms": 1000.0 * float(stats.plan_seconds),
+        "exchange_ms": 1000.0 * float(stats.exchange_seconds),
+        "collectives": float(stats.collectives),
+    }
+
+
+class _Window:
+    """The calls of a span of optimizer steps.
+
+    Python floats are float64: byte and patch sums pass 2**24, where float32 stops counting
+    exactly. Nothing is synchronised: plans and loads are the same on every DP rank.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.totals: dict[str, float] = dict.fromkeys(_MEANS + _SUMS, 0.0)
+        self.load_calls = 0
+        self.loads: dict[str, list[float]] = {}
+        self.vit_calls = 0
+        self.vit_max = 0.0
+        self.vit_mean = 0.0
+        self.vit_per_rank: list[float] = []
+
+    def add(self, stats: BalanceStats, per_rank_loads: bool) -> None:
+        self.calls += 1
+        for name, value in _call_figures(stats).items():
+            self.totals[name] += value
+        self._add_vit_ms(tuple(getattr(stats, "vit_ms", ())))
+        if not per_rank_loads:
+            return
+        before, after = tuple(stats.loads_before), tuple(stats.loads_after)
+        if len(before) != len(self.loads.get("before", before)):
+            # A new DP size starts a fresh series.
+            self.load_calls, self.loads = 0, {}
+        self.load_calls += 1
+        for side, values in (("before", before), ("after", after)):
+            sums = self.loads.setdefault(side, [0.0] * len(values))
+            self.loads[side] = [s + float(v) for s, v in zip(sums, values)]
+
+    def _add_vit_ms(self, vit_ms: tuple[float, ...]) -> None:
+        """Every rank's measured ViT milliseconds (of its previous call; -1 where none yet)."""
+        known = [v for v in vit_ms if v >= 0]
+        if not known or len(known) != len(vit_ms):
+            return
+        if len(self.vit_per_rank) != len(vit_ms):
+            self.vit_calls, self.vit_max, self.vit_mean = 0, 0.0, 0.0
+            self.vit_per_rank = [0.0] * len(vit_ms)
+        self.vit_calls += 1
+        self.vit_max += max(known)
+        self.vit_mean += sum(known) / len(known)
+        self.vit_per_rank = [total + value for total, value in zip(self.vit_per_rank, vit_ms)]
+
+    def _vit_metrics(self, per_rank: bool) -> dict[str, float]:
+        if self.vit_calls == 0:
+            return {}
+        metrics = {
+            PREFIX + "vit_ms_max": self.vit_max / self.vit_calls,
+            PREFIX + "vit_ms_mean": self.vit_mean / self.vit_calls,
+        }
+        if per_rank:
+            for r, total in enumerate(self.vit_per_rank):
+                metrics[f"{PREFIX}vit_ms/rank_{r}"] = total / self.vit_calls
+        return metrics
+
+    def metrics(self) -> dict[str, float]:
+        """The window's metrics (without the cumulative counts); empty without calls."""
+        if self.calls == 0:
+            return {}
+        metrics = {PREFIX + "calls": float(self.calls)}
+        metrics.update({PREFIX + name: self.totals[name] / self.calls for name in _MEANS})
+        for side in ("before", "after"):
+            for r, total in enumerate(self.loads.get(side, ())):
+                metrics[f"{PREFIX}load_{side}/rank_{r}"] = total / self.load_calls
+        patches = self.totals["total_patches"]
+        for name in ("moved_images", "moved_patches"):
+            metrics[PREFIX + name] = self.totals[name]
+        moved = self.totals["moved_patches"]
+        metrics[PREFIX + "moved_patch_fraction"] = moved / patches if patches > 0 else 0.0
+        for name in ("bytes_sent", "bytes_received", "plan_ms", "exchange_ms", "collectives"):
+            metrics[PREFIX + name] = self.totals[name]
+        metrics.update(self._vit_metrics(per_rank=bool(self.loads)))
+        return metrics
+
+
+class BalanceMetrics:
+    """The ``vit_balance/*`` metrics of balanced calls: a window of calls, and counts since the start.
+
+    :meth:`add` each call's :class:`~lightning_vit_balance.BalanceStats` (on every rank: plans and
+    loads are the same on each, only ``bytes_sent`` and ``bytes_received`` are the rank's own);
+    :meth:`metrics` gives the window's figures with the cumulative counts, keyed as
+    :class:`~lightning_vit_balance.ViTBalanceCallback` documents them, and :meth:`reset_window`
+    starts the next window. The counts (:meth:`state_dict`) belong in checkpoints, so a resumed
+    run counts on.
+
+    Args:
+        per_rank_loads: Include the ``load_before/rank_{r}``, ``load_after/rank_{r}`` and
+            ``vit_ms/rank_{r}`` series, three per DP rank: turn off at large DP sizes.
+    """
+
+    def __init__(self, per_rank_loads: bool = True) -> None:
+        self.per_rank_loads = bool(per_rank_loads)
+        self.applied_total = 0
+        self.calls_total = 0
+        self.skipped_total: dict[str, int] = dict.fromkeys(SKIP_REASONS, 0)
+        self._window = _Window()
+
+    @property
+    def window_calls(self) -> int:
+        """Calls added since the window started."""
+        return self._window.calls
+
+    def add(self, stats: BalanceStats) -> None:
+        """Count one balanced call, in the window and since the start."""
+        self.calls_total += 1
+        if stats.applied:
+            self.applied_total += 1
+        else:
+            self.skipped_total[stats.reason] = self.skipped_total.get(stats.reason, 0) + 1
+        self._window.add(stats, self.per_rank_loads)
+
+    def window_metrics(self) -> dict[str, float]:
+        """The window's figures, without the cumulative counts; empty when it has no calls."""
+        return self._window.metrics()
+
+    def total_metrics(self) -> dict[str, float]:
+        """``vit_balance/applied_total``, ``calls_total`` and ``skipped/{reason}`` since the start."""
+        metrics = {
+            PREFIX + "applied_total": float(self.applied_total),
+            PREFIX + "calls_total": float(self.calls_total),
+        }
+        for reason in sorted(self.skipped_total):
+            metrics[f"{PREFIX}skipped/{reason}"] = float(self.skipped_total[reason])
+        return metrics
+
+    def metrics(self) -> dict[str, float]:
+        """The window's figures and the cumulative counts; empty when the window has no calls."""
+        window = self.window_metrics()
+        return {**window, **self.total_metrics()} if window else {}
+
+    def reset_window(self) -> None:
+        """Start a new window (the counts since the start go on)."""
+        self._window = _Window()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counts since the start, as plain ints (what a checkpoint keeps)."""
+        return {
+            "applied_total": self.applied_total,
+            "calls_total": self.calls_total,
+            "skipped_total": dict(sorted(self.skipped_total.items())),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Go on counting from :meth:`state_dict`'s counts.
+
+        Raises:
+            ValueError: If ``state_dict`` lacks a count or holds one that is not a whole number.
+        """
+        try:
+            applied = _count(state_dict["applied_total"])
+            calls = _count(state_dict["calls_total"])
+            skipped = {str(k): _count(v) for k, v in dict(state_dict["skipped_total"]).items()}
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(
+                f"BalanceMetrics.load_state_dict(state_dict={state_dict!r}) is invalid: expected the "
+                f"counts of BalanceMetrics.state_dict() ({error})."
+            ) from None
+        self.applied_total, self.calls_total = applied, calls
+        self.skipped_total = dict.fromkeys(SKIP_REASONS, 0)
+        self.skipped_total.update(skipped)
+
+
+def _count(value: Any) -> int:
+    """A count read back from a checkpoint (JSON or torch): a whole number >= 0."""
+    if isinstance(value, bool) or float(value) != int(value) or int(value) < 0:
+        raise ValueError(f"{value!r} is not a count")
+    return int(value)

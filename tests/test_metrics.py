@@ -1,0 +1,105 @@
+"""BalanceMetrics: a window of balanced calls and the counts since the start, as vit_balance/* metrics."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from lightning_vit_balance import BalanceMetrics, BalanceStats
+from lightning_vit_balance.planning import REASONS
+
+
+def _stats(applied: bool, before: tuple[float, ...], after: tuple[float, ...], **fields: Any) -> BalanceStats:
+    values: dict[str, Any] = dict(
+        applied=applied,
+        reason="applied" if applied else "below-threshold",
+        rank=0,
+        num_ranks=len(before),
+        loads_before=before,
+        loads_after=after,
+        imbalance_before=max(before) / (sum(before) / len(before)) - 1.0,
+        imbalance_after=max(after) / (sum(after) / len(after)) - 1.0,
+        num_images=4,
+        moved_images=2 if applied else 0,
+        moved_patches=30 if applied else 0,
+        total_patches=100,
+        bytes_sent=1000 if applied else 0,
+        bytes_received=500 if applied else 0,
+        plan_seconds=0.001,
+        exchange_seconds=0.004,
+        collectives=3 if applied else 1,
+    )
+    values.update(fields)
+    return BalanceStats(**values)
+
+
+APPLIED = _stats(True, (900.0, 100.0), (500.0, 500.0), vit_ms=(30.0, 10.0))
+SKIPPED = _stats(False, (300.0, 200.0), (300.0, 200.0), vit_ms=(20.0, 16.0))
+
+
+def test_a_window_averages_its_calls_and_sums_their_traffic() -> None:
+    metrics = BalanceMetrics()
+    assert metrics.metrics() == {} and metrics.window_calls == 0
+    metrics.add(APPLIED)
+    metrics.add(SKIPPED)
+    got = metrics.metrics()
+    assert got["vit_balance/calls"] == 2.0 and metrics.window_calls == 2
+    assert got["vit_balance/applied"] == 0.5
+    assert got["vit_balance/imbalance_before"] == pytest.approx((0.8 + 0.2) / 2)
+    assert got["vit_balance/imbalance_after"] == pytest.approx((0.0 + 0.2) / 2)
+    assert got["vit_balance/load_before/rank_0"] == 600.0 and got["vit_balance/load_after/rank_1"] == 350.0
+    assert (got["vit_balance/moved_patches"], got["vit_balance/moved_patch_fraction"]) == (30.0, 0.15)
+    assert (got["vit_balance/bytes_sent"], got["vit_balance/collectives"]) == (1000.0, 4.0)
+    assert got["vit_balance/plan_ms"] == pytest.approx(2.0)
+    assert got["vit_balance/exchange_ms"] == pytest.approx(8.0)
+    # Measured: the slowest rank's ViT time per call, averaged (30 and 20), and the ranks' mean.
+    assert got["vit_balance/vit_ms_max"] == 25.0 and got["vit_balance/vit_ms_mean"] == 19.0
+    assert (got["vit_balance/vit_ms/rank_0"], got["vit_balance/vit_ms/rank_1"]) == (25.0, 13.0)
+    assert (got["vit_balance/applied_total"], got["vit_balance/calls_total"]) == (1.0, 2.0)
+    assert got["vit_balance/skipped/below-threshold"] == 1.0
+    assert {f"vit_balance/skipped/{r}" for r in REASONS if r != "applied"} <= set(got)
+
+
+def test_a_new_window_keeps_the_counts() -> None:
+    metrics = BalanceMetrics(per_rank_loads=False)
+    metrics.add(APPLIED)
+    metrics.reset_window()
+    assert metrics.metrics() == {} and metrics.window_metrics() == {}
+    assert metrics.total_metrics()["vit_balance/calls_total"] == 1.0
+    # A call whose earlier call carried no time on some rank (-1) adds no ViT figures.
+    metrics.add(_stats(False, (1.0, 1.0), (1.0, 1.0), vit_ms=(-1.0, 4.0)))
+    got = metrics.metrics()
+    assert got["vit_balance/calls"] == 1.0 and got["vit_balance/calls_total"] == 2.0
+    assert not [k for k in got if "/rank_" in k or k.startswith("vit_balance/vit_ms")], got
+
+
+def test_counts_resume_from_a_checkpoint_through_json() -> None:
+    metrics = BalanceMetrics()
+    for stats in (APPLIED, SKIPPED, APPLIED):
+        metrics.add(stats)
+    saved = json.loads(json.dumps(metrics.state_dict()))
+    resumed = BalanceMetrics()
+    resumed.load_state_dict(saved)
+    assert resumed.state_dict() == metrics.state_dict() and resumed.metrics() == {}
+    resumed.add(SKIPPED)
+    totals = resumed.total_metrics()
+    assert (totals["vit_balance/applied_total"], totals["vit_balance/calls_total"]) == (2.0, 4.0)
+    assert totals["vit_balance/skipped/below-threshold"] == 2.0
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {},
+        {"applied_total": 1, "calls_total": 2},
+        {"applied_total": -1, "calls_total": 2, "skipped_total": {}},
+    ],
+)
+def test_counts_of_another_shape_are_refused(state: dict[str, Any]) -> None:
+    metrics = BalanceMetrics()
+    metrics.add(APPLIED)
+    with pytest.raises(ValueError, match=r"BalanceMetrics.load_state_dict\(state_dict=.*\) is invalid"):
+        metrics.load_state_dict(state)
+    assert metrics.total_metrics()["vit_balance/calls_total"] == 1.0  # unchanged

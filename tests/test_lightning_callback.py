@@ -258,6 +258,9 @@ def test_log_every_n_steps_aggregates_the_window_and_can_drop_rank_series() -> N
     resumed = ViTBalanceCallback()
     resumed.load_state_dict(callback.state_dict())
     assert resumed.state_dict() == callback.state_dict()
+    assert (resumed.applied_total, resumed.calls_total, resumed.skipped_total["no-gain"]) == (2, 4, 1)
+    with pytest.raises(ValueError, match=r"load_state_dict\(state_dict=\{'calls_total': 4\}\) is invalid"):
+        resumed.load_state_dict({"calls_total": 4})
 
 
 def test_zero_means_never_log_and_bad_options_are_named() -> None:

@@ -137,6 +137,21 @@ class ViTBalanceCallback(Callback):
         self._interval = BalanceMetrics(self.log_per_rank_loads)
         self._step = BalanceMetrics(self.log_per_rank_loads)
 
+    @property
+    def applied_total(self) -> int:
+        """Calls that moved images since the fit started (``vit_balance/applied_total``)."""
+        return self._interval.applied_total
+
+    @property
+    def calls_total(self) -> int:
+        """Calls since the fit started (``vit_balance/calls_total``)."""
+        return self._interval.calls_total
+
+    @property
+    def skipped_total(self) -> dict[str, int]:
+        """Calls skipped per reason since the fit started (``vit_balance/skipped/{reason}``)."""
+        return dict(self._interval.skipped_total)
+
     # ------------------------------------------------------------------ draining the module
 
     def _drain(self, pl_module: LightningModule) -> list[BalanceStats]:

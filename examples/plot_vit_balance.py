@@ -1,9 +1,11 @@
 """Draw a ViT-balance dashboard from the metrics that ``ViTBalanceCallback`` logged.
 
 Works on any CSV (Lightning's ``CSVLogger`` ``metrics.csv``) or TensorBoard event file (no
-TensorBoard install needed) that holds the ``vit_balance/...`` keys::
+TensorBoard install needed) that holds the ``vit_balance/...`` keys, and on a Hugging Face
+``Trainer``'s ``trainer_state.json``, whose log history ``ViTBalanceTrainerCallback`` fills::
 
     python examples/plot_vit_balance.py lightning_logs/version_0 -o vit_balance.png
+    python examples/plot_vit_balance.py output_dir -o vit_balance.png  # its latest checkpoint
 
 The picture has three panels: the imbalance ``max/mean - 1`` before and after balancing per step
 (applied steps marked), and the ViT load of every data-parallel rank without and with balancing;
@@ -15,13 +17,22 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["find_metric_files", "load_metrics", "main", "plot_dashboard", "read_csv", "read_tensorboard"]
+__all__ = [
+    "find_metric_files",
+    "load_metrics",
+    "main",
+    "plot_dashboard",
+    "read_csv",
+    "read_tensorboard",
+    "read_trainer_state",
+]
 
 PREFIX = "vit_balance/"
 
@@ -126,18 +137,43 @@ def read_tensorboard(path: str | Path) -> Metrics:
     return {key: sorted(pairs) for key, pairs in metrics.items()}
 
 
+def read_trainer_state(path: str | Path) -> Metrics:
+    """Read a Hugging Face ``trainer_state.json``: the numbers of each ``log_history`` entry."""
+    history = json.loads(Path(path).read_text()).get("log_history", [])
+    metrics: Metrics = {}
+    for entry in history:
+        if "step" not in entry:
+            continue
+        for key, value in entry.items():
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                metrics.setdefault(key, []).append((int(entry["step"]), float(value)))
+    return {key: sorted(pairs) for key, pairs in metrics.items()}
+
+
+def _latest_trainer_state(root: Path) -> list[Path]:
+    """The ``trainer_state.json`` of the latest step under ``root`` (each checkpoint's history
+    holds every earlier one's), as a list of at most one path."""
+    states = sorted(root.rglob("trainer_state.json"))
+    if not states:
+        return []
+    return [max(states, key=lambda state: json.loads(state.read_text()).get("global_step", 0))]
+
+
 def find_metric_files(path: str | Path) -> list[Path]:
-    """The ``metrics.csv`` and ``events.out.tfevents.*`` files at or under ``path``."""
+    """The ``metrics.csv`` and ``events.out.tfevents.*`` files at or under ``path``, or else the
+    latest ``trainer_state.json``."""
     root = Path(path)
     if root.is_file():
         return [root]
     if not root.is_dir():
         raise FileNotFoundError(f"path={str(root)!r} is neither a metrics file nor a log directory.")
     found = sorted(root.rglob("metrics.csv")) + sorted(root.rglob("events.out.tfevents.*"))
+    found = found or _latest_trainer_state(root)
     if not found:
         raise FileNotFoundError(
-            f"path={str(root)!r} holds no metrics.csv or events.out.tfevents.* file; pass the log "
-            "directory of a Trainer that ran with ViTBalanceCallback."
+            f"path={str(root)!r} holds no metrics.csv, events.out.tfevents.* or trainer_state.json "
+            "file; pass the log directory of a Trainer that ran with ViTBalanceCallback (or the "
+            "output directory of a Hugging Face Trainer that ran with ViTBalanceTrainerCallback)."
         )
     return found
 
@@ -146,7 +182,8 @@ def load_metrics(path: str | Path) -> Metrics:
     """All ``vit_balance/...`` series found at or under ``path`` (CSV or TensorBoard)."""
     metrics: Metrics = {}
     for file in find_metric_files(path):
-        part = read_csv(file) if file.suffix == ".csv" else read_tensorboard(file)
+        readers = {".csv": read_csv, ".json": read_trainer_state}
+        part = readers.get(file.suffix, read_tensorboard)(file)
         for key, pairs in part.items():
             if key.startswith(PREFIX):
                 metrics.setdefault(key, []).extend(pairs)
@@ -282,7 +319,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("path", help="metrics.csv, a TensorBoard event file, or a log directory")
+    parser.add_argument(
+        "path", help="metrics.csv, a TensorBoard event file, a trainer_state.json, or a log directory"
+    )
     parser.add_argument("-o", "--output", default="vit_balance_dashboard.png", help="PNG to write")
     parser.add_argument("--title", default="ViT data-parallel balance")
     args = parser.parse_args(argv)

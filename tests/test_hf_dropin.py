@@ -1487,6 +1487,14 @@ def test_hugging_face_trainer_checkpoints_carry_the_cost_fit(tmp_path: Path) -> 
             assert fit["steps_observed"] == saved["steps_observed"] + 4, fit
             kept = len(saved["history"])
             assert fit["history"][:kept] == saved["history"] and len(fit["history"]) > kept, fit
+    # The dashboard draws from the output directory: its latest trainer_state.json's log history.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import plot_vit_balance
+
+    metrics = plot_vit_balance.load_metrics(tmp_path)
+    assert metrics["vit_balance/calls_total"] == [(s, float(s)) for s in range(1, RESUME_SAVED_AT + 1)]
+    assert {"vit_balance/load_after/rank_1", "vit_balance/vit_ms/rank_1"} <= set(metrics)
+    assert plot_vit_balance.main([str(tmp_path), "-o", str(tmp_path / "dash.png")]).stat().st_size > 1000
 
 
 def _calibrator_state(window_patches: int = 0) -> dict[str, Any]:

@@ -158,14 +158,7 @@ class _MetricsFirst(TrainerCallback):
     def __init__(self, trainer: Any) -> None:
         self._trainer = weakref.ref(trainer)  # the trainer holds this callback
 
-    def on_log(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        logs: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def on_log(self, args: Any, state: TrainerState, control: Any, logs: Any = None, **kwargs: Any) -> None:
         trainer = self._trainer()
         callbacks = trainer.callback_handler.callbacks if trainer is not None else ()
         for callback in callbacks:

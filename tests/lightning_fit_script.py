@@ -103,21 +103,27 @@ def fit(
     torch.set_num_threads(1)
     config = ViTBalanceConfig(enabled=enabled, verbose=verbose, plan_ahead=plan_ahead)
     model = PlanAheadVLM(config) if plan_ahead else TinyVLM(config)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=RANKS,
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=CSVLogger(out_dir, name="", version=version),
-        callbacks=[ViTBalanceCallback()],
-        log_every_n_steps=1,
-        use_distributed_sampler=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(out_dir, version, strategy=strategy, max_steps=STEPS)
     trainer.fit(model)
     return model
+
+
+def quiet_trainer(out_dir: str, version: str, **settings: Any) -> L.Trainer:
+    """A Trainer on :data:`RANKS` CPU ranks with :class:`ViTBalanceCallback`, logging every step to
+    ``out_dir/version/metrics.csv``; no sampler added, no checkpoints, progress bar or summary.
+    ``settings`` add to these."""
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": RANKS,
+        "logger": CSVLogger(out_dir, name="", version=version),
+        "callbacks": [ViTBalanceCallback()],
+        "log_every_n_steps": 1,
+        "use_distributed_sampler": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return L.Trainer(**{**defaults, **settings})
 
 
 # ---------------------------------------------------------------------------- other loops, checkpoints

@@ -42,8 +42,8 @@ from hf_models import (
     make_inputs,
     tiny_model,
 )
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
+from lightning_fit_script import quiet_trainer
 from multirank import World, launched_by_torchrun, set_launcher_variables
 from transformers import TrainerCallback
 
@@ -51,7 +51,6 @@ from lightning_vit_balance import (
     BalancedVisionTower,
     CostCalibrator,
     CostModel,
-    ViTBalanceCallback,
     ViTBalanceConfig,
     ViTBalanceMixin,
     ViTBalancer,
@@ -1228,20 +1227,9 @@ def _lightning_ddp_fit(out_dir: str, family: str, plan_ahead: bool) -> dict[str,
     if family == "glm4v":
         module.model.model.visual.double()
     with launched_by_torchrun():
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=FIT_RANKS,
-            # Tiny buckets: several all-reduces interleave with the return trip's backward exchange.
-            strategy=DDPStrategy(find_unused_parameters=False, bucket_cap_mb=0.02),
-            max_steps=FIT_STEPS,
-            logger=CSVLogger(out_dir, name="", version="fit"),
-            callbacks=[ViTBalanceCallback()],
-            log_every_n_steps=1,
-            use_distributed_sampler=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        # Tiny buckets: several all-reduces interleave with the return trip's backward exchange.
+        strategy = DDPStrategy(find_unused_parameters=False, bucket_cap_mb=0.02)
+        trainer = quiet_trainer(out_dir, "fit", devices=FIT_RANKS, strategy=strategy, max_steps=FIT_STEPS)
         trainer.fit(module)
     return module.model.state_dict() if dist.get_rank() == 0 else None
 

@@ -1,9 +1,9 @@
 """A tiny VLM trained with ViTBalanceMixin and ViTBalanceCallback on 2 CPU ranks.
 
-Imported by ``test_lightning_fit.py`` (a ``ddp_spawn`` fit) and ``test_lightning_loops.py``
-(fits, resumes and predictions on the test pool's ranks, launched as ``torchrun`` would), and run
-as a script for the ``ddp`` strategy, whose launcher starts the other rank by running this same
-script again::
+Imported by ``test_lightning_fit.py`` (a ``ddp_spawn`` fit), ``test_lightning_loops.py`` (fits,
+resumes and predictions on the test pool's ranks, launched as ``torchrun`` would) and
+``test_hf_dropin.py`` (:func:`quiet_trainer`), and run as a script for the ``ddp`` strategy,
+whose launcher starts the other rank by running this same script again::
 
     python tests/lightning_fit_script.py OUT_DIR
 """

@@ -1527,6 +1527,39 @@ def test_handle_state_round_trips_and_refuses_a_fit_of_other_terms() -> None:
     assert plain.state_dict() == {}
 
 
+def test_trainer_callback_logs_every_forward_of_a_step_in_training_logs_only() -> None:
+    """Each optimizer step's forwards (every micro-batch of gradient accumulation) go into the
+    next training log; forwards between steps (evaluation) and logs without ``loss`` (evaluation,
+    the run's summary) are left out."""
+    from test_metrics import APPLIED, SKIPPED
+    from transformers import TrainerState
+    from transformers.trainer_callback import TrainerControl
+
+    model = tiny_model(FIT_FAMILY)
+    handle = balance_vision_tower(model)
+    queued: list[Any] = []
+    handle.pop_stats = lambda: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
+    callback, state, control = ViTBalanceTrainerCallback(), TrainerState(), TrainerControl()
+    callback.on_train_begin(None, state, control, model=model)  # type: ignore[arg-type]
+    for step, forwards in enumerate([[APPLIED, SKIPPED], [SKIPPED]], start=1):
+        queued[:] = [APPLIED]  # an evaluation forward before the step: not counted
+        callback.on_step_begin(None, state, control)  # type: ignore[arg-type]
+        queued.extend(forwards)
+        callback.on_step_end(None, state, control)  # type: ignore[arg-type]
+        state.global_step = step
+    evaluation = {"eval_loss": 1.0}
+    callback.on_log(None, state, control, logs=evaluation)  # type: ignore[arg-type]
+    assert evaluation == {"eval_loss": 1.0}
+    state.log_history.append({"loss": 2.0, "step": 2})
+    logs = {"loss": 2.0}
+    callback.on_log(None, state, control, logs=logs)  # type: ignore[arg-type]
+    assert (logs["vit_balance/calls"], logs["vit_balance/applied"]) == (3.0, pytest.approx(1 / 3))
+    assert logs["vit_balance/calls_total"] == 3.0 and state.log_history[-1] == {**logs, "step": 2}
+    later = {"loss": 1.5}
+    callback.on_log(None, state, control, logs=later)  # type: ignore[arg-type]
+    assert later == {"loss": 1.5}  # no forward since the last log
+
+
 def test_trainer_callback_goes_on_from_the_resumed_state_or_says_why_not() -> None:
     """``ViTBalanceTrainerCallback.on_train_begin`` with a resumed ``TrainerState``: a state the
     handle can go on from is loaded, one of other terms warns and changes nothing, and a model

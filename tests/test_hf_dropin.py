@@ -1706,6 +1706,34 @@ def test_mixin_balance_vision_tower_is_idempotent() -> None:
 # --------------------------------------------------------------------------- the example
 
 
+def _trainer_example(out_dir: str) -> dict[str, float]:
+    """Worker: ``examples/hf_trainer_finetune.py --steps 4`` on the pool's ranks, as under ``torchrun``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import hf_trainer_finetune
+
+    with launched_by_torchrun():
+        return hf_trainer_finetune.main(["--steps", "4", "--output", out_dir])
+
+
+@pytest.mark.timeout(180)
+def test_trainer_example_short_run(tmp_path: Path) -> None:
+    """``torchrun --nproc_per_node 2 examples/hf_trainer_finetune.py --steps 4``: the logs' metrics
+    say images moved and the imbalance fell, every rank reads the same, and the dashboard is drawn.
+    In a pool of its own (accelerate's state is process-wide)."""
+    pool = World(2)
+    try:
+        summaries = pool.run(_trainer_example, str(tmp_path), timeout=150)
+    finally:
+        pool.close(kill=True)
+    summary = summaries[0]
+    assert summary["calls_total"] == 4 and summary["applied_total"] >= 1, summary
+    assert summary["imbalance_after"] < summary["imbalance_before"], summary
+    assert summary["vit_ms_max"] >= summary["vit_ms_mean"] > 0, summary
+    assert summaries[1] == summary  # the same plans and measured times on every rank
+    assert (tmp_path / "trainer_state.json").exists()
+    assert (tmp_path / "vit_balance_dashboard.png").stat().st_size > 1000
+
+
 @pytest.mark.timeout(240)
 def test_finetune_example_short_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``examples/hf_qwen_finetune.py --steps 3``: two 2-rank fits, same losses, images moved."""

@@ -1,0 +1,120 @@
+"""Fine-tune a Hugging Face Qwen2.5-VL with Hugging Face's ``Trainer``, ViT work balanced across ranks.
+
+The ``Trainer`` recipe of a Qwen-VL user (a model, a dataset, a collator, ``TrainingArguments``,
+``trainer.train()``), with two lines added, marked ``# <-- vit balance``:
+``balance_vision_tower(model)`` before the ``Trainer`` is built, and
+``ViTBalanceTrainerCallback().attach(trainer)``, which puts the ``vit_balance/*`` metrics in every
+training log (ahead of ``report_to``'s integrations: W&B, TensorBoard...) and the balancer's state
+in every checkpoint. At the end rank 0 prints what the logs say (the imbalance before and after,
+the slowest and the mean rank's measured ViT time, what moved) and draws the dashboard from the
+run's ``trainer_state.json``::
+
+    torchrun --nproc_per_node 2 examples/hf_trainer_finetune.py            # 2 CPU ranks (or GPUs)
+    torchrun --nproc_per_node 2 examples/hf_trainer_finetune.py --steps 4  # a smoke run
+
+The tiny random model, the dataset of documents, videos, photos and text-only samples and the
+collator are those of ``examples/hf_qwen_finetune.py`` (the Lightning version of this recipe);
+with a real checkpoint, ``from_pretrained`` and the processor replace them. Run without
+``torchrun`` it trains on one rank, where there is nothing to balance. Needs the ``hf`` extra
+(``pip install lightning-vit-balance[hf]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hf_qwen_finetune import MixedVisionDataset, collate, tiny_qwen2_5_vl
+from plot_vit_balance import main as draw_dashboard
+
+from lightning_vit_balance import ViTBalanceTrainerCallback, balance_vision_tower
+
+__all__ = ["main", "summarize"]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    parser.add_argument("--batch-size", type=int, default=2, help="samples per rank and step (default 2)")
+    parser.add_argument("--output", default="demo_output/hf_trainer", help="the Trainer's output directory")
+    return parser.parse_args(argv)
+
+
+def summarize(log_history: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """What the training logs' ``vit_balance/*`` metrics say over the run (means over the logs)."""
+    logs = [entry for entry in log_history if "vit_balance/calls" in entry]
+    if not logs:
+        return {}
+
+    def mean(key: str) -> float:
+        values = [entry[key] for entry in logs if key in entry]
+        return statistics.fmean(values) if values else float("nan")
+
+    return {
+        "imbalance_before": mean("vit_balance/imbalance_before"),
+        "imbalance_after": mean("vit_balance/imbalance_after"),
+        "vit_ms_max": mean("vit_balance/vit_ms_max"),
+        "vit_ms_mean": mean("vit_balance/vit_ms_mean"),
+        "moved_patches": sum(entry["vit_balance/moved_patches"] for entry in logs),
+        "applied_total": logs[-1]["vit_balance/applied_total"],
+        "calls_total": logs[-1]["vit_balance/calls_total"],
+    }
+
+
+def _print(summary: dict[str, float], dashboard: Path) -> None:
+    applied, calls = summary["applied_total"], summary["calls_total"]
+    before, after = summary["imbalance_before"], summary["imbalance_after"]
+    print(f"\nBalanced ViT calls: {applied:.0f} of {calls:.0f} moved images")
+    print(f"  load imbalance (max/mean - 1): {before:.3f} -> {after:.3f}")
+    print(
+        f"  measured ViT time per call: slowest rank {summary['vit_ms_max']:.1f} ms, "
+        f"mean over ranks {summary['vit_ms_mean']:.1f} ms"
+    )
+    print(f"  patches encoded away from their rank: {summary['moved_patches']:.0f}")
+    print(f"  dashboard: {dashboard}")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, float]:
+    args = parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    model = tiny_qwen2_5_vl()
+    balance_vision_tower(model)  # <-- vit balance
+    training_args = TrainingArguments(
+        output_dir=args.output,
+        per_device_train_batch_size=args.batch_size,
+        max_steps=args.steps,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        remove_unused_columns=False,  # the collator reads the samples' own keys (images, videos, text)
+        report_to=[],
+        use_cpu=not on_gpu,
+        ddp_backend=None if on_gpu else "gloo",
+        disable_tqdm=True,
+        seed=0,
+    )
+    dataset = MixedVisionDataset(args.steps * args.batch_size * 8)
+    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, data_collator=collate)
+    ViTBalanceTrainerCallback().attach(trainer)  # <-- vit balance
+    trainer.train()
+    summary = summarize(trainer.state.log_history)
+    if trainer.is_world_process_zero() and summary:
+        trainer.save_state()  # trainer_state.json: the log history the dashboard reads
+        dashboard = draw_dashboard([args.output, "-o", str(Path(args.output) / "vit_balance_dashboard.png")])
+        _print(summary, dashboard)
+    elif trainer.is_world_process_zero():
+        print("One rank: nothing was balanced. Run it with torchrun --nproc_per_node 2 (or more).")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

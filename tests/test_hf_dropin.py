@@ -1707,19 +1707,20 @@ def test_mixin_balance_vision_tower_is_idempotent() -> None:
 
 
 def _trainer_example(out_dir: str) -> dict[str, float]:
-    """Worker: ``examples/hf_trainer_finetune.py --steps 4`` on the pool's ranks, as under ``torchrun``."""
+    """Worker: ``examples/hf_trainer_finetune.py`` for 4 steps of 1 sample on the pool's ranks, as
+    under ``torchrun``."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import hf_trainer_finetune
 
     with launched_by_torchrun():
-        return hf_trainer_finetune.main(["--steps", "4", "--output", out_dir])
+        return hf_trainer_finetune.main(["--steps", "4", "--batch-size", "1", "--output", out_dir])
 
 
 @pytest.mark.timeout(180)
 def test_trainer_example_short_run(tmp_path: Path) -> None:
-    """``torchrun --nproc_per_node 2 examples/hf_trainer_finetune.py --steps 4``: the logs' metrics
-    say images moved and the imbalance fell, every rank reads the same, and the dashboard is drawn.
-    In a pool of its own (accelerate's state is process-wide)."""
+    """``torchrun --nproc_per_node 2 examples/hf_trainer_finetune.py --steps 4 --batch-size 1``:
+    the logs' metrics say images moved and the imbalance fell, every rank reads the same, and the
+    dashboard is drawn. In a pool of its own (accelerate's state is process-wide)."""
     pool = World(2)
     try:
         summaries = pool.run(_trainer_example, str(tmp_path), timeout=150)

@@ -923,7 +923,7 @@ class BalancedVisionTower:
             self._balancer_key, self._carried = key, None
             if carried:
                 source = "balance_vision_tower: the cost fit of the previous configuration"
-                continue_fit(self._balancer, carried, source, _warn_at_caller)
+                continue_fit(self._balancer, carried, source, warn_at_caller)
         return self._balancer
 
     def _host_group(self, group: Any) -> Any:
@@ -1056,7 +1056,9 @@ def continue_fit(target: Any, saved: Mapping[str, Any], source: str, warn: Calla
         warn(f"{source} is not used ({error}); the cost fit starts afresh.")
 
 
-def _warn_at_caller(message: str) -> None:
+def warn_at_caller(message: str) -> None:
+    """A ``RuntimeWarning`` pointing at the code that called the method which called
+    :func:`continue_fit` (a forward, a Trainer hook), the ``warn`` of most callers."""
     warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 

@@ -6,16 +6,15 @@ Imported on first use of :class:`ViTBalanceTrainerCallback` (it imports transfor
 
 from __future__ import annotations
 
-import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
-from lightning_vit_balance.hf import BalancedVisionTower, continue_fit
+from lightning_vit_balance.hf import BalancedVisionTower, continue_fit, warn_at_caller
 from lightning_vit_balance.metrics import BalanceMetrics
 
 __all__ = ["ViTBalanceTrainerCallback"]
@@ -94,15 +93,16 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         self._handle = _handle_of(kwargs.get("model"), required=True)
         self._handle.pop_stats()  # from here on the handle keeps each forward's stats for us
         saved = _resumed_attributes(state.stateful_callbacks, type(self).__name__)
-        self._count_on(saved.get("metric_counts"), state.is_world_process_zero)
+        warn = warn_at_caller if state.is_world_process_zero else _quiet
+        self._count_on(saved.get("metric_counts"), warn)
         balancer = saved.get("balancer_state")
         # A fresh run holds this callback's own state of a moment ago: nothing to go on from.
         if not isinstance(balancer, Mapping) or not balancer or balancer == self._handle.state_dict():
             return
         source = "ViTBalanceTrainerCallback: the checkpoint's balancer state"
-        continue_fit(self._handle, balancer, source, _warn if state.is_world_process_zero else _quiet)
+        continue_fit(self._handle, balancer, source, warn)
 
-    def _count_on(self, counts: Any, warn: bool) -> None:
+    def _count_on(self, counts: Any, warn: Callable[[str], None]) -> None:
         """Start the metrics afresh, counting on from a resumed checkpoint's ``counts``."""
         self.metrics = BalanceMetrics(self.log_per_rank_loads)
         if counts is None:
@@ -110,8 +110,7 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         try:
             self.metrics.load_state_dict(counts)
         except ValueError as error:
-            if warn:
-                _warn(f"ViTBalanceTrainerCallback: the checkpoint's metric counts are not used ({error}).")
+            warn(f"ViTBalanceTrainerCallback: the checkpoint's metric counts are not used ({error}).")
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -165,10 +164,6 @@ class _MetricsFirst(TrainerCallback):
             if isinstance(callback, ViTBalanceTrainerCallback):
                 callback.publish(state, logs)
                 return
-
-
-def _warn(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def _quiet(message: str) -> None:

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 
 pytest.importorskip("transformers")
+# The examples (the fine-tuning scripts, the dashboard) import as modules, here and in the pool.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import lightning as L
 from equivalence import CollectiveCounter
@@ -1476,7 +1478,6 @@ def test_hugging_face_trainer_checkpoints_carry_the_cost_fit(tmp_path: Path) -> 
             kept = len(saved["history"])
             assert fit["history"][:kept] == saved["history"] and len(fit["history"]) > kept, fit
     # The dashboard draws from the output directory: its latest trainer_state.json's log history.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import plot_vit_balance
 
     metrics = plot_vit_balance.load_metrics(tmp_path)
@@ -1709,7 +1710,6 @@ def test_mixin_balance_vision_tower_is_idempotent() -> None:
 def _trainer_example(out_dir: str) -> dict[str, float]:
     """Worker: ``examples/hf_trainer_finetune.py`` for 4 steps of 1 sample on the pool's ranks, as
     under ``torchrun``."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import hf_trainer_finetune
 
     with launched_by_torchrun():
@@ -1738,7 +1738,6 @@ def test_trainer_example_short_run(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_finetune_example_short_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``examples/hf_qwen_finetune.py --steps 3``: two 2-rank fits, same losses, images moved."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import hf_qwen_finetune
 
     summary = hf_qwen_finetune.main(["--steps", "3", "--output", str(tmp_path)])

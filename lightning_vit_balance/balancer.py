@@ -222,8 +222,8 @@ class ViTBalancer:
             ``print`` (the mixin passes Lightning's ``rank_zero_info``).
         host_group: A group over the same ranks, in the same order, whose backend carries CPU
             tensors (gloo), for the metadata and status gathers: with an NCCL ``group`` they then
-            cost no device-to-host copy (``ViTBalanceMixin`` makes one when the data-parallel group
-            spans the world). Default: ``group`` itself.
+            cost no device-to-host copy. :func:`~lightning_vit_balance.make_host_group` makes one
+            (as ``ViTBalanceMixin`` and the Hugging Face drop-in do). Default: ``group`` itself.
 
     Attributes:
         last_stats: :class:`BalanceStats` of the last call, ``None`` before the first.

@@ -129,8 +129,9 @@ class ViTBalanceConfig:
             all with a prepared plan), and the other ranks meet the failure at their next
             collective (DDP's gradient all-reduce), which waits for the backend's timeout unless
             the launcher ends the job first. The word travels on the host-side group (gloo); where
-            the data-parallel group has none (an NCCL-only subgroup), reading it would wait for
-            the device, so skipped calls there stay unchecked.
+            the data-parallel group has none (an NCCL group without a twin from
+            ``make_host_group``), reading it would wait for the device, so skipped calls there
+            stay unchecked.
     """
 
     enabled: bool = True

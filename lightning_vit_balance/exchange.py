@@ -56,7 +56,7 @@ __all__ = [
     "grid_steps",
     "host_device",
     "host_to_device",
-    "host_twin",
+    "make_host_group",
     "row_slices",
     "rows_per_image",
     "start_pixel_trip",
@@ -183,22 +183,54 @@ def _nccl_only(group: Any) -> bool:
     return _backend_device_type(group) == "cuda"
 
 
-def host_twin(group: Any) -> dist.ProcessGroup | None:
-    """A gloo group over the same ranks, for the balancer's small host-side gathers (metadata and
-    status words), when ``group`` (``None``: the default group) is an NCCL group spanning the world
-    (DDP, FSDP, DeepSpeed, Hugging Face's ``Trainer``): those words then never go through a CUDA
-    buffer, so neither planning ahead nor the status gather makes the host wait for the device.
-    Else ``None``: the group carries them itself (gloo), or it is a subgroup, whose twin would need
-    every process to create every data-parallel group's twin.
+def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
+    """A gloo group over the ranks of an NCCL data-parallel ``group``, in the same order, for the
+    balancer's small host-side gathers (``ViTBalancer(..., host_group=...)``): the metadata and
+    status words then never go through a CUDA buffer, so neither planning ahead nor the status
+    gather makes the host wait for the device.
 
-    Every process of the world must make this call at the same point: ``new_group`` is collective.
+    ``group`` (``None``: the default group) may span the world (DDP, FSDP, DeepSpeed, Hugging
+    Face's ``Trainer``) or be one of several disjoint data-parallel subgroups (tensor or pipeline
+    parallelism alongside data parallelism: ``device_mesh["data_parallel"]``). For subgroups every
+    process contributes its group's ranks to one all-gather over the world and then creates every
+    subgroup's gloo twin, in one order, since ``new_group`` is collective over the world.
+
+    Every process of the world must make this call at the same point, with its own data-parallel
+    group. ``ViTBalanceMixin`` does so once per fit, and the Hugging Face drop-in at its first
+    balanced forward or ``prepare``.
+
+    Returns:
+        The twin, or ``None`` where none is needed or none can be made, on every rank alike: no
+        process group; a group that carries CPU tensors itself (gloo, ``"cpu:gloo,cuda:nccl"``);
+        a group of one rank; subgroups that overlap (not a partition); a subgroup whose rank order
+        is not ascending (``new_group`` sorts its ranks). The balancer then gathers on ``group``.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
-    size = dist.get_world_size(group)
-    if size < 2 or size != dist.get_world_size() or not _nccl_only(group):
+    world = dist.get_world_size()
+    if not _nccl_only(group):
         return None
-    return dist.new_group(ranks=list(range(size)), backend="gloo")
+    if dist.get_world_size(group) == world:
+        return dist.new_group(ranks=list(range(world)), backend="gloo")
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, tuple(dist.get_process_group_ranks(group)))
+    twins = _twin_ranks(gathered)
+    mine = None
+    for ranks in twins:
+        made = dist.new_group(ranks=list(ranks), backend="gloo")
+        if dist.get_rank() in ranks:
+            mine = made
+    return mine
+
+
+def _twin_ranks(gathered: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The subgroups to twin, from every rank's gathered group ranks, in one order on every rank:
+    none when they overlap; else each distinct subgroup of two or more ranks in ascending order."""
+    distinct = sorted(set(gathered))
+    members = [r for ranks in distinct for r in ranks]
+    if len(members) != len(set(members)):
+        return []
+    return [ranks for ranks in distinct if len(ranks) > 1 and list(ranks) == sorted(ranks)]
 
 
 def host_to_device(

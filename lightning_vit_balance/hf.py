@@ -134,7 +134,7 @@ from torch import nn
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel, pixel_row_factors
-from lightning_vit_balance.exchange import grid_rows, grid_steps, host_twin
+from lightning_vit_balance.exchange import grid_rows, grid_steps, make_host_group
 from lightning_vit_balance.outputs import (
     classify_output,
     describe_output_problem,
@@ -927,10 +927,10 @@ class BalancedVisionTower:
         return self._balancer
 
     def _host_group(self, group: Any) -> Any:
-        """The gloo twin of an NCCL ``group`` spanning the world (see ``host_twin``), made once per
-        group, at a balanced forward or a :meth:`prepare`, which every rank makes alike."""
+        """The gloo twin of an NCCL ``group`` (see ``make_host_group``), made once per group, at a
+        balanced forward or a :meth:`prepare`, which every rank makes alike."""
         if self._twin_of != id(group):
-            self._twin, self._twin_of = host_twin(group), id(group)
+            self._twin, self._twin_of = make_host_group(group), id(group)
         return self._twin
 
     def _encode(self, bound: Mapping[str, Any], config: ViTBalanceConfig, group: Any) -> _Pending:

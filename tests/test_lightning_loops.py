@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning_fit_script import (
     LOOP_CONFIG,
     PREDICT_SAMPLES,
@@ -25,9 +26,11 @@ from lightning_fit_script import (
     STEPS,
     TinyVLM,
     eval_samples,
+    first,
     fit_with_checkpoints,
     make_sample,
     predict_from_checkpoint,
+    quiet_trainer,
 )
 from multirank import World, launched_by_torchrun
 from towers import TensorTower
@@ -210,3 +213,70 @@ def test_configs_in_checkpoints_load_weights_only_across_versions() -> None:
         torch.load(_checkpoint_holding({**vars(LOOP_CONFIG), "bogus": 1}))
     with pytest.raises(ValueError, match=r"ViTBalanceConfig.solver='magic' is invalid"):
         torch.load(_checkpoint_holding({**vars(LOOP_CONFIG), "solver": "magic"}))
+
+
+class _MeshVLM(TinyVLM):
+    """:class:`TinyVLM` under ``ModelParallelStrategy`` on a ``(2, 2)`` mesh: tensor-parallel peers
+    (ranks 0 and 1, 2 and 3) hold the same batches and the data-parallel pairs [0, 2] and [1, 3]
+    balance; the images call is planned before the forward. No tensor parallelism is applied (the
+    layout is what matters here; FSDP2 units on the data-parallel dimension), and each balanced
+    output is checked against the direct call."""
+
+    vit_balance_prepare_keys = (("pixel_values", "image_grid_thw"),)
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        # The pairs' gradients averaged, as data parallelism does: the ranks' towers stay equal.
+        for unit in (self.visual, self.head):
+            fully_shard(unit, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images = self.encode_images(self.visual, batch["pixel_values"], batch["image_grid_thw"])
+        with torch.no_grad():
+            direct = self.visual(batch["pixel_values"], batch["image_grid_thw"])
+        # Same ops on the same rows in another batch: fp32 agrees to a few ulps.
+        torch.testing.assert_close(images, direct, rtol=1e-4, atol=1e-5)
+        stats = self._vit_balance_state_object()
+        last = stats.balancer.last_stats
+        self.calls.append((dist.get_process_group_ranks(stats.host_group), last.collectives, last.applied))
+        return self.head(images).pow(2).mean()
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        data_parallel_rank = self.global_rank // 2
+        samples = [make_sample(step, data_parallel_rank) for step in range(STEPS)]
+        return torch.utils.data.DataLoader(samples, batch_size=1, shuffle=False, collate_fn=first)
+
+
+def _mesh_fit(out: str) -> dict[str, Any]:
+    """Worker: :class:`_MeshVLM` for :data:`STEPS` steps on the pool's 4 ranks, its data-parallel
+    groups taken for NCCL groups (so the mixin makes their gloo twins)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_vit_balance import exchange
+
+    model = _MeshVLM(ViTBalanceConfig(plan_ahead=True))
+    model.calls = []
+    original = exchange._nccl_only
+    exchange._nccl_only = lambda group: True
+    try:
+        with launched_by_torchrun():
+            strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
+            quiet_trainer(out, f"mesh_{dist.get_rank()}", strategy=strategy, devices=4, max_steps=STEPS).fit(
+                model
+            )
+    finally:
+        exchange._nccl_only = original
+    return model.calls
+
+
+@pytest.mark.timeout(240)
+def test_model_parallel_mesh_plans_ahead_on_host_twins(tmp_path: Path, multirank: Any) -> None:
+    """ModelParallelStrategy with tensor parallelism: the data-parallel group is a subgroup of the
+    mesh, and the mixin still gathers on a gloo twin of it, made at the same point on every rank."""
+    with multirank(4) as pool:
+        results = pool.run(_mesh_fit, str(tmp_path), timeout=200)
+    for rank, calls in enumerate(results):
+        # Every step applied on the twin of the rank's pair, planned before the forward: the forward
+        # made only the pixel trip, the status gather and the return trip.
+        assert calls == [([[0, 2], [1, 3]][rank % 2], 3, True)] * STEPS, (rank, calls)

@@ -13,7 +13,8 @@ from equivalence import run_cases
 from multirank import subgroup
 from test_balancer import THRESHOLD_0, standard_cases
 
-from lightning_vit_balance import ViTBalanceConfig, ViTBalancer
+from lightning_vit_balance import ViTBalanceConfig, ViTBalancer, exchange, make_host_group
+from lightning_vit_balance.exchange import _twin_ranks
 
 POOL = 4
 #: In the forward of a prepared applied call: the pixel trip, the status gather, the return trip.
@@ -187,3 +188,69 @@ def test_gathers_on_a_host_group(multirank: Any) -> None:
     assert all(r["applied"] for r in results), results
     assert "host_group holds ranks [0, 1]" in results[0]["refused"], results[0]
     assert all("host_group" in r["refused"] for r in results), results
+
+
+def _with_subgroup_twins() -> dict[str, Any]:
+    """The pool as a 2 x 2 (data x tensor parallel) layout: data-parallel pairs [0, 2] and [1, 3],
+    taken for NCCL groups. Each gets a gloo twin; a plan made ahead and gathered on it gives the
+    direct call's outputs and gradients. Overlapping groups get no twin, on every rank."""
+    rank = dist.get_rank()
+    pairs = [dist.new_group(ranks=[0, 2]), dist.new_group(ranks=[1, 3])]
+    overlapping = [dist.new_group(ranks=[0, 1, 2]), dist.new_group(ranks=[1, 3])]
+    data_parallel = pairs[rank % 2]
+    unpatched = make_host_group(data_parallel)  # gloo carries host values itself: nothing to make
+    original = exchange._nccl_only
+    exchange._nccl_only = lambda group: True
+    try:
+        twin = make_host_group(data_parallel)
+        none_for_overlap = make_host_group(overlapping[rank == 3])
+    finally:
+        exchange._nccl_only = original
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    # Tensor-parallel peers (0 and 1, 2 and 3) hold the same batch; the pairs balance [0, 2], [1, 3].
+    grids = [[(1, 8, 8), (1, 8, 8), (1, 4, 4)], [(1, 2, 2)]][rank // 2]
+    pixels, grid = towers.make_batch(grids, seed=rank // 2)
+    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), data_parallel, host_group=twin)
+    balanced_pixels = pixels.clone().requires_grad_(True)
+    ticket = balancer.prepare(balanced_pixels, grid, tower)
+    out = balancer(tower, balanced_pixels, grid, prepared=ticket)
+    out.square().sum().backward()
+    direct_pixels = pixels.clone().requires_grad_(True)
+    direct = tower(direct_pixels, grid)
+    direct.square().sum().backward()
+    # Same ops on the same rows in another batch: fp32 agrees to a few ulps.
+    torch.testing.assert_close(out, direct, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(balanced_pixels.grad, direct_pixels.grad, rtol=1e-4, atol=1e-5)
+    return {
+        "unpatched": unpatched,
+        "twin": dist.get_process_group_ranks(twin),
+        "backend": str(dist.get_backend(twin)),
+        "gathers_on_twin": balancer._host() is twin,
+        "applied": ticket.plan.applied,
+        "moved": ticket.plan.moved_images,
+        "overlap": none_for_overlap,
+    }
+
+
+def test_data_parallel_subgroups_get_host_twins(multirank: Any) -> None:
+    """With tensor parallelism the data-parallel group is one of several subgroups: each gets its
+    gloo twin, made by every process of the world at the same call, so planning ahead and the
+    status words never wait for an NCCL group's device."""
+    with multirank(POOL) as w:
+        results = w.run(_with_subgroup_twins)
+    for rank, got in enumerate(results):
+        assert got["unpatched"] is None and got["overlap"] is None, got
+        assert got["twin"] == [[0, 2], [1, 3]][rank % 2] and got["backend"] == "gloo", got
+        assert got["gathers_on_twin"] and got["applied"] and got["moved"] > 0, got
+
+
+def test_twins_are_made_for_disjoint_ascending_subgroups_in_one_order() -> None:
+    """Every rank derives the same list from the same gathered ranks, whatever order they came in."""
+    assert _twin_ranks([(1, 3), (0, 2), (1, 3), (0, 2)]) == [(0, 2), (1, 3)]
+    assert _twin_ranks([(0, 2), (1, 3), (0, 2), (1, 3)]) == [(0, 2), (1, 3)]
+    assert _twin_ranks([(0, 1, 2), (0, 1, 2), (0, 1, 2), (1, 3)]) == []  # rank 1 in both: not a partition
+    assert _twin_ranks([(0,), (1,), (2,)]) == []  # data parallelism of one: no group to twin
+    # new_group sorts its ranks: a group in another order could not get a twin in the same order.
+    assert _twin_ranks([(2, 0), (1, 3), (2, 0), (1, 3)]) == [(1, 3)]
+    assert _twin_ranks([(0, 1), (0, 1), (2,)]) == [(0, 1)]

@@ -15,7 +15,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
-from lightning_vit_balance.exchange import host_twin
+from lightning_vit_balance.exchange import make_host_group
 from lightning_vit_balance.hf import (
     BalancedVisionTower,
     continue_fit,
@@ -295,7 +295,7 @@ class ViTBalanceMixin:
         state.fit_key = key
         state.group = group
         state.group_size = size
-        state.host_group = host_twin(group) if group is not None else None
+        state.host_group = make_host_group(group) if group is not None else None
         # Queue records only for a callback that drains them, so they never pile up.
         callbacks = trainer.callbacks if trainer is not None else ()
         state.record = any(isinstance(cb, ViTBalanceCallback) for cb in callbacks)

@@ -190,47 +190,32 @@ def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
     gather makes the host wait for the device.
 
     ``group`` (``None``: the default group) may span the world (DDP, FSDP, DeepSpeed, Hugging
-    Face's ``Trainer``) or be one of several disjoint data-parallel subgroups (tensor or pipeline
-    parallelism alongside data parallelism: ``device_mesh["data_parallel"]``). For subgroups every
-    process contributes its group's ranks to one all-gather over the world and then creates every
-    subgroup's gloo twin, in one order, since ``new_group`` is collective over the world.
-
-    Every process of the world must make this call at the same point, with its own data-parallel
-    group. ``ViTBalanceMixin`` does so once per fit, and the Hugging Face drop-in at its first
-    balanced forward or ``prepare``.
+    Face's ``Trainer``): every process of the world must then make this call at the same point, as
+    ``new_group`` requires. Or it may be one of several data-parallel subgroups (tensor or pipeline
+    parallelism alongside data parallelism: ``device_mesh["data_parallel"]``): only its own ranks
+    make the call, at the same point (a group-local ``new_group``), so pipeline stages without a
+    ViT take no part. ``ViTBalanceMixin`` calls it once per fit, and the Hugging Face drop-in at
+    its first balanced forward or ``prepare``: points every rank of the group reaches alike.
 
     Returns:
-        The twin, or ``None`` where none is needed or none can be made, on every rank alike: no
-        process group; a group that carries CPU tensors itself (gloo, ``"cpu:gloo,cuda:nccl"``);
-        a group of one rank; subgroups that overlap (not a partition); a subgroup whose rank order
-        is not ascending (``new_group`` sorts its ranks). The balancer then gathers on ``group``.
+        The twin, or ``None`` where none is needed or none can be made, on every rank of the
+        group alike: no process group; a group that carries CPU tensors itself (gloo,
+        ``"cpu:gloo,cuda:nccl"``); a group of one rank; a group whose ranks are not in ascending
+        order (``new_group`` sorts them); a subgroup under TorchComms, whose ``new_group`` makes
+        no group-local groups. The balancer then gathers on ``group``.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if not (dist.is_available() and dist.is_initialized()) or not _nccl_only(group):
         return None
     world = dist.get_world_size()
-    if not _nccl_only(group):
+    ranks = list(range(world)) if group is None else list(dist.get_process_group_ranks(group))
+    if len(ranks) < 2 or ranks != sorted(ranks):
         return None
-    if dist.get_world_size(group) == world:
-        return dist.new_group(ranks=list(range(world)), backend="gloo")
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, tuple(dist.get_process_group_ranks(group)))
-    twins = _twin_ranks(gathered)
-    mine = None
-    for ranks in twins:
-        made = dist.new_group(ranks=list(ranks), backend="gloo")
-        if dist.get_rank() in ranks:
-            mine = made
-    return mine
-
-
-def _twin_ranks(gathered: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    """The subgroups to twin, from every rank's gathered group ranks, in one order on every rank:
-    none when they overlap; else each distinct subgroup of two or more ranks in ascending order."""
-    distinct = sorted(set(gathered))
-    members = [r for ranks in distinct for r in ranks]
-    if len(members) != len(set(members)):
-        return []
-    return [ranks for ranks in distinct if len(ranks) > 1 and list(ranks) == sorted(ranks)]
+    if len(ranks) == world:
+        return dist.new_group(ranks=ranks, backend="gloo")
+    try:
+        return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    except NotImplementedError:  # TorchComms: subgroups only by a split that every rank joins
+        return None
 
 
 def host_to_device(

@@ -14,6 +14,7 @@ from multirank import subgroup
 from test_balancer import THRESHOLD_0, standard_cases
 
 from lightning_vit_balance import ViTBalanceConfig, ViTBalancer, exchange, make_host_group
+from lightning_vit_balance.exchange import _twin_ranks
 
 POOL = 4
 #: In the forward of a prepared applied call: the pixel trip, the status gather, the return trip.
@@ -191,18 +192,18 @@ def test_gathers_on_a_host_group(multirank: Any) -> None:
 
 def _with_subgroup_twins() -> dict[str, Any]:
     """The pool as a 2 x 2 (data x tensor parallel) layout: data-parallel pairs [0, 2] and [1, 3],
-    taken for NCCL groups. Each pair makes its gloo twin; a plan made ahead and
-    gathered on it gives the direct call's outputs and gradients. Then as pipeline stages: only the
-    pair [0, 2] (the stage with the ViT) makes a twin, and nothing waits for the others."""
+    taken for NCCL groups. Each gets its gloo twin; a plan made ahead and gathered on it gives the
+    direct call's outputs and gradients. Overlapping groups get no twin, on every rank."""
     rank = dist.get_rank()
     pairs = [dist.new_group(ranks=[0, 2]), dist.new_group(ranks=[1, 3])]
+    overlapping = [dist.new_group(ranks=[0, 1, 2]), dist.new_group(ranks=[1, 3])]
     data_parallel = pairs[rank % 2]
     unpatched = make_host_group(data_parallel)  # gloo carries host values itself: nothing to make
     original = exchange._nccl_only
     exchange._nccl_only = lambda group: True
     try:
         twin = make_host_group(data_parallel)
-        stage = make_host_group(pairs[0]) if rank in (0, 2) else None
+        none_for_overlap = make_host_group(overlapping[rank == 3])
     finally:
         exchange._nccl_only = original
     torch.manual_seed(0)
@@ -221,10 +222,6 @@ def _with_subgroup_twins() -> dict[str, Any]:
     # Same ops on the same rows in another batch: fp32 agrees to a few ulps.
     torch.testing.assert_close(out, direct, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(balanced_pixels.grad, direct_pixels.grad, rtol=1e-4, atol=1e-5)
-    if stage is not None:  # the stage's second twin carries a collective of its own
-        words = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
-        dist.all_gather(words, torch.tensor([rank]), group=stage)
-        stage = [int(w) for w in words]
     return {
         "unpatched": unpatched,
         "twin": dist.get_process_group_ranks(twin),
@@ -232,18 +229,30 @@ def _with_subgroup_twins() -> dict[str, Any]:
         "gathers_on_twin": balancer._host() is twin,
         "applied": ticket.plan.applied,
         "moved": ticket.plan.moved_images,
-        "stage": stage,
+        "overlap": none_for_overlap,
     }
 
 
 def test_data_parallel_subgroups_get_host_twins(multirank: Any) -> None:
     """With tensor or pipeline parallelism the data-parallel group is one of several subgroups:
-    each gets its gloo twin from its own ranks alone, so planning ahead and the status words never
-    wait for an NCCL group's device, and ranks that never balance take no part."""
+    each gets its gloo twin, made by every process of the world at the same call, so planning
+    ahead and the status words never wait for an NCCL group's device. The pool's earlier tests
+    left each rank a member of different groups, which a group-local twin would not survive."""
     with multirank(POOL) as w:
         results = w.run(_with_subgroup_twins)
     for rank, got in enumerate(results):
-        assert got["unpatched"] is None, got
+        assert got["unpatched"] is None and got["overlap"] is None, got
         assert got["twin"] == [[0, 2], [1, 3]][rank % 2] and got["backend"] == "gloo", got
         assert got["gathers_on_twin"] and got["applied"] and got["moved"] > 0, got
-        assert got["stage"] == ([0, 2] if rank in (0, 2) else None), got
+
+
+def test_twins_are_made_for_disjoint_ascending_groups_in_one_order() -> None:
+    """Every rank derives the same list from the same gathered ranks, whatever order they came in."""
+    assert _twin_ranks([(1, 3), (0, 2), (1, 3), (0, 2)]) == [(0, 2), (1, 3)]
+    assert _twin_ranks([(0, 2), (1, 3), (0, 2), (1, 3)]) == [(0, 2), (1, 3)]
+    assert _twin_ranks([(0, 1, 2, 3)] * 4) == [(0, 1, 2, 3)]  # a group spanning the world
+    assert _twin_ranks([(0, 1, 2), (0, 1, 2), (0, 1, 2), (1, 3)]) == []  # rank 1 in both: no partition
+    assert _twin_ranks([(0,), (1,), (2,)]) == []  # data parallelism of one: no group to twin
+    # new_group sorts its ranks: a group in another order could not get a twin in the same order.
+    assert _twin_ranks([(2, 0), (1, 3), (2, 0), (1, 3)]) == [(1, 3)]
+    assert _twin_ranks([(0, 1), (0, 1), (2,)]) == [(0, 1)]

@@ -150,6 +150,7 @@ def test_prepare_without_a_process_group_returns_none() -> None:
     pixels, grid = towers.make_batch([(1, 4, 4)], seed=0)
     balancer = ViTBalancer()
     assert balancer.prepare(pixels, grid) is None
+    assert make_host_group() is None  # nothing to gather over, nothing to twin
     tower = towers.TensorTower()
     torch.testing.assert_close(balancer(tower, pixels, grid, prepared=None), tower(pixels, grid))
 

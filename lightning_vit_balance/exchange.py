@@ -192,11 +192,12 @@ def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
     ``group`` (``None``: the default group) may span the world (DDP, FSDP, DeepSpeed, Hugging
     Face's ``Trainer``) or be one of several disjoint data-parallel subgroups (tensor or pipeline
     parallelism alongside data parallelism: ``device_mesh["data_parallel"]``). Every process of the
-    world must make this call at the same point, with its own data-parallel group: it all-gathers
-    each process's group ranks over the world, then every process creates every group's twin in
-    one order, as ``new_group`` requires. (A group-local ``new_group`` would spare the other ranks,
-    but torch names such groups after how many groups each process belongs to, which differs
-    between ranks that joined different subgroups before: they would wait for each other forever.)
+    world must make this call at the same point, with its own data-parallel group. For subgroups it
+    all-gathers each process's group ranks over the world, then every process creates every
+    group's twin in one order, as ``new_group`` requires. (A group-local ``new_group`` would spare
+    the other ranks, but torch names such groups after how many groups each process belongs to,
+    which differs between ranks that joined different subgroups before: they would wait for each
+    other forever.)
     ``ViTBalanceMixin`` calls it once per fit, and the Hugging Face drop-in at its first balanced
     forward or ``prepare``: points every rank reaches alike.
 
@@ -211,6 +212,9 @@ def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
         return None
     world = dist.get_world_size()
     ranks = tuple(range(world)) if group is None else tuple(dist.get_process_group_ranks(group))
+    if ranks == tuple(range(world)) and world > 1:
+        # Every rank's group: the same on all of them, so no gather is needed to agree.
+        return dist.new_group(ranks=list(ranks), backend="gloo")
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, ranks)
     mine = None

@@ -1,4 +1,5 @@
-"""Lightning loops beyond training on 2 real CPU ranks: resume, validation, predict on uneven data.
+"""Lightning loops beyond training on 2 real CPU ranks: resume, validation, predict on uneven data;
+and training on 4, as a 2 x 2 data x tensor parallel mesh.
 
 One module fixture fits 2 steps (``ddp`` on the test pool's 2 ranks, launched as ``torchrun``
 would; checkpointing every step while monitoring ``vit_balance/imbalance_after``), then resumes to
@@ -248,7 +249,7 @@ class _MeshVLM(TinyVLM):
         return torch.utils.data.DataLoader(samples, batch_size=1, shuffle=False, collate_fn=first)
 
 
-def _mesh_fit(out: str) -> dict[str, Any]:
+def _mesh_fit(out: str) -> list[tuple[list[int], int, bool]]:
     """Worker: :class:`_MeshVLM` for :data:`STEPS` steps on the pool's 4 ranks, its data-parallel
     groups taken for NCCL groups (so the mixin makes their gloo twins)."""
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -262,9 +263,9 @@ def _mesh_fit(out: str) -> dict[str, Any]:
     try:
         with launched_by_torchrun():
             strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
-            quiet_trainer(out, f"mesh_{dist.get_rank()}", strategy=strategy, devices=4, max_steps=STEPS).fit(
-                model
-            )
+            version = f"mesh_{dist.get_rank()}"
+            trainer = quiet_trainer(out, version, strategy=strategy, devices=4, max_steps=STEPS)
+            trainer.fit(model)
     finally:
         exchange._nccl_only = original
     return model.calls
@@ -274,6 +275,8 @@ def _mesh_fit(out: str) -> dict[str, Any]:
 def test_model_parallel_mesh_plans_ahead_on_host_twins(tmp_path: Path, multirank: Any) -> None:
     """ModelParallelStrategy with tensor parallelism: the data-parallel group is a subgroup of the
     mesh, and the mixin still gathers on a gloo twin of it, made at the same point on every rank."""
+    if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
+        pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
     with multirank(4) as pool:
         results = pool.run(_mesh_fit, str(tmp_path), timeout=200)
     for rank, calls in enumerate(results):

@@ -56,6 +56,7 @@ __all__ = [
     "MultiRankError",
     "World",
     "close_all",
+    "groups_taken_for_nccl",
     "launched_by_torchrun",
     "set_launcher_variables",
     "subgroup",
@@ -270,6 +271,21 @@ def launched_by_torchrun() -> Iterator[None]:
                 os.environ[key] = value
         for key, rank in ranks.items():
             deciders[key].rank = rank
+
+
+@contextlib.contextmanager
+def groups_taken_for_nccl() -> Iterator[None]:
+    """In a worker, for the duration: the balancer takes every process group for an NCCL group
+    (its backend check patched, this process only), so it makes and uses the gloo twins
+    (``make_host_group``) it makes on GPUs, on the pool's gloo groups."""
+    from lightning_vit_balance import exchange
+
+    original = exchange._nccl_only
+    exchange._nccl_only = lambda group: True
+    try:
+        yield
+    finally:
+        exchange._nccl_only = original
 
 
 #: The modules whose ``rank_zero_only`` a Lightning strategy sets the rank of.

@@ -46,7 +46,7 @@ from hf_models import (
 )
 from lightning.pytorch.strategies import DDPStrategy
 from lightning_fit_script import quiet_trainer
-from multirank import World, launched_by_torchrun, set_launcher_variables
+from multirank import World, groups_taken_for_nccl, launched_by_torchrun, set_launcher_variables
 from transformers import TrainerCallback
 
 from lightning_vit_balance import (
@@ -263,16 +263,12 @@ def test_plans_made_ahead_by_the_handle_train_as_the_plain_model(multirank: Any,
 
 
 def _with_a_host_twin() -> dict[str, Any]:
-    """The drop-in on a group taken for an NCCL group (``exchange._nccl_only`` patched, this
-    process only): its balancer makes its small gathers on the gloo twin it creates."""
+    """The drop-in on a group taken for an NCCL group (:func:`groups_taken_for_nccl`): its
+    balancer makes its small gathers on the gloo twin it creates."""
     import torch.distributed as dist
 
-    from lightning_vit_balance import exchange
-
     rank = dist.get_rank()
-    original = exchange._nccl_only
-    exchange._nccl_only = lambda group: True
-    try:
+    with groups_taken_for_nccl():
         plain = tiny_model(FIT_FAMILY)
         balanced = copy.deepcopy(plain)
         handle = balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG))
@@ -284,8 +280,6 @@ def _with_a_host_twin() -> dict[str, Any]:
         twin_ranks = dist.get_process_group_ranks(host) if host is not None else None
         handle._balancer_for(ViTBalanceConfig(**CONFIG, min_gain=0.1), None)  # another configuration
         same_twin = handle._balancer.host_group is host
-    finally:
-        exchange._nccl_only = original
     torch.testing.assert_close(balanced_loss, plain_loss, **TOL)
     _assert_same_grads(f"twin rank {rank}", _summed_grads(balanced), _summed_grads(plain))
     return {"twin_ranks": twin_ranks, "same_twin": same_twin, "applied": handle.last_stats.applied}

@@ -33,7 +33,7 @@ from lightning_fit_script import (
     predict_from_checkpoint,
     quiet_trainer,
 )
-from multirank import World, launched_by_torchrun
+from multirank import World, groups_taken_for_nccl, launched_by_torchrun
 from towers import TensorTower
 
 from lightning_vit_balance import CostModel, ViTBalanceConfig
@@ -254,20 +254,13 @@ def _mesh_fit(out: str) -> list[tuple[list[int], int, bool]]:
     groups taken for NCCL groups (so the mixin makes their gloo twins)."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from lightning_vit_balance import exchange
-
     model = _MeshVLM(ViTBalanceConfig(plan_ahead=True))
     model.calls = []
-    original = exchange._nccl_only
-    exchange._nccl_only = lambda group: True
-    try:
-        with launched_by_torchrun():
-            strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
-            version = f"mesh_{dist.get_rank()}"
-            trainer = quiet_trainer(out, version, strategy=strategy, devices=4, max_steps=STEPS)
-            trainer.fit(model)
-    finally:
-        exchange._nccl_only = original
+    with groups_taken_for_nccl(), launched_by_torchrun():
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
+        version = f"mesh_{dist.get_rank()}"
+        trainer = quiet_trainer(out, version, strategy=strategy, devices=4, max_steps=STEPS)
+        trainer.fit(model)
     return model.calls
 
 

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 import towers
 from equivalence import run_cases
-from multirank import subgroup
+from multirank import groups_taken_for_nccl, subgroup
 from test_balancer import THRESHOLD_0, standard_cases
 
-from lightning_vit_balance import ViTBalanceConfig, ViTBalancer, exchange, make_host_group
+from lightning_vit_balance import ViTBalanceConfig, ViTBalancer, make_host_group
 from lightning_vit_balance.exchange import _twin_ranks
 
 POOL = 4
@@ -200,13 +200,9 @@ def _with_subgroup_twins() -> dict[str, Any]:
     overlapping = [dist.new_group(ranks=[0, 1, 2]), dist.new_group(ranks=[1, 3])]
     data_parallel = pairs[rank % 2]
     unpatched = make_host_group(data_parallel)  # gloo carries host values itself: nothing to make
-    original = exchange._nccl_only
-    exchange._nccl_only = lambda group: True
-    try:
+    with groups_taken_for_nccl():
         twin = make_host_group(data_parallel)
         none_for_overlap = make_host_group(overlapping[rank == 3])
-    finally:
-        exchange._nccl_only = original
     torch.manual_seed(0)
     tower = towers.TensorTower()
     # Tensor-parallel peers (0 and 1, 2 and 3) hold the same batch; the pairs balance [0, 2], [1, 3].

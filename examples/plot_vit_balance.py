@@ -181,8 +181,8 @@ def find_metric_files(path: str | Path) -> list[Path]:
 def load_metrics(path: str | Path) -> Metrics:
     """All ``vit_balance/...`` series found at or under ``path`` (CSV or TensorBoard)."""
     metrics: Metrics = {}
+    readers = {".csv": read_csv, ".json": read_trainer_state}
     for file in find_metric_files(path):
-        readers = {".csv": read_csv, ".json": read_trainer_state}
         part = readers.get(file.suffix, read_tensorboard)(file)
         for key, pairs in part.items():
             if key.startswith(PREFIX):

@@ -215,70 +215,109 @@ def run_cases(
     tol = tolerances(torch_dtype) if tol is None else tol
     model = _model(tower_name, torch_dtype, device)
     balancer = ViTBalancer(ViTBalanceConfig(**(config or {})), group, output_layout=output_layout)
-    results = []
-    for index, case in enumerate(cases):
-        where = f"{tower_name}/{dtype} case {index} rank {rank} grids={case['grids']}"
+    run = _CaseRun(model, balancer, group, output_layout, prepared, device, tol)
+    return [run.check(f"{tower_name}/{dtype}", index, case, torch_dtype) for index, case in enumerate(cases)]
+
+
+class _CaseRun:
+    """One rank's side of :func:`run_cases`: each case encoded directly, then balanced, and compared."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        balancer: ViTBalancer,
+        group: Any,
+        output_layout: dict[str, str] | None,
+        prepared: bool,
+        device: str,
+        tol: dict[str, float],
+    ) -> None:
+        self.model, self.balancer, self.group = model, balancer, group
+        self.output_layout, self.prepared, self.device, self.tol = output_layout, prepared, device, tol
+
+    def check(self, name: str, index: int, case: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+        """Compare case ``index``'s balanced outputs and gradients with the direct ones; its stats."""
+        rank = dist.get_rank()
+        where = f"{name} case {index} rank {rank} grids={case['grids']}"
         grids = [tuple(g) for g in case["grids"][rank]]
         host_pixels, host_grid = towers.make_batch(
             grids,
             seed=7919 * index + rank,
-            dtype=torch_dtype,
+            dtype=dtype,
             grid_dtype=getattr(torch, case.get("grid_dtype", "int64")),
         )
-        pixels, grid = host_pixels.to(device), host_grid.to(device)
         pixel_grad = bool(case.get("pixel_grad", False))
         seed = 31 * index + rank
+        reference, ref_pixel_grad, ref_grads = self._direct(host_pixels, host_grid, pixel_grad, seed, grids)
+        balanced, bal_pixel_grad, bal_grads, got_grads, counted = self._balanced(
+            host_pixels, host_grid, pixel_grad, seed, grids
+        )
+        if reference is not None:
+            _compare(reference, balanced, where, self.tol)
+        else:
+            _check_empty(self.model, balanced, host_pixels.to(self.device), where, self.output_layout)
+        grad_tol = dict(self.tol)
+        grad_tol["atol"] = self.tol["atol"] * max(1.0, float(ref_grads.abs().max()))
+        torch.testing.assert_close(bal_grads, ref_grads, **grad_tol, msg=lambda m: f"{where}: grads: {m}")
+        if pixel_grad and ref_pixel_grad is not None:
+            torch.testing.assert_close(
+                bal_pixel_grad, ref_pixel_grad, **self.tol, msg=lambda m: f"{where}: {m}"
+            )
+        stats = self.balancer.last_stats
+        assert stats is not None
+        return {
+            "applied": stats.applied,
+            "reason": stats.reason,
+            "collectives": stats.collectives,
+            "counted": counted,
+            "all_grads": all(got_grads),
+            "moved_images": stats.moved_images,
+        }
 
-        model.zero_grad(set_to_none=True)
-        reference = None
-        ref_pixel_grad = None
+    def _direct(
+        self,
+        host_pixels: torch.Tensor,
+        host_grid: torch.Tensor,
+        pixel_grad: bool,
+        seed: int,
+        grids: list[tuple[int, ...]],
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor]:
+        """The reference: this rank's images encoded directly (none without images), the probe
+        loss's pixel gradient, and the parameter gradients summed over the group."""
+        self.model.zero_grad(set_to_none=True)
+        reference, pixel_gradient = None, None
         if grids:
-            ref_pixels = pixels.clone().requires_grad_(pixel_grad)
-            reference = model(ref_pixels, grid)
+            pixels = host_pixels.to(self.device).clone().requires_grad_(pixel_grad)
+            reference = self.model(pixels, host_grid.to(self.device))
             probe_loss(reference, seed).backward()
-            ref_pixel_grad = ref_pixels.grad
-        ref_grads, _ = _grads(model, group)
+            pixel_gradient = pixels.grad
+        return reference, pixel_gradient, _grads(self.model, self.group)[0]
 
-        model.zero_grad(set_to_none=True)
-        bal_pixels = pixels.clone().requires_grad_(pixel_grad)
+    def _balanced(
+        self,
+        host_pixels: torch.Tensor,
+        host_grid: torch.Tensor,
+        pixel_grad: bool,
+        seed: int,
+        grids: list[tuple[int, ...]],
+    ) -> tuple[Any, torch.Tensor | None, torch.Tensor, list[bool], int]:
+        """The same through the balancer: outputs, pixel gradient, summed parameter gradients,
+        which parameters got one on this rank, and the collectives the forward made."""
+        self.model.zero_grad(set_to_none=True)
+        pixels = host_pixels.to(self.device).clone().requires_grad_(pixel_grad)
         # Prepared from the host batch, as before it moves to the device (shapes, dtype and
         # requires_grad must match the call's).
         host = host_pixels.detach().requires_grad_(pixel_grad)
-        ticket = balancer.prepare(host, host_grid, model) if prepared else None
+        ticket = self.balancer.prepare(host, host_grid, self.model) if self.prepared else None
         counter = CollectiveCounter()
         with counter.active():
-            balanced = balancer(model, bal_pixels, grid, prepared=ticket)
+            balanced = self.balancer(self.model, pixels, host_grid.to(self.device), prepared=ticket)
         # A rank without images has no reference; its passthrough outputs come from the dummy
         # forward and feed no loss in the reference run, so leave them out of the loss.
-        skip = () if grids else tuple(p for p, k in (output_layout or {}).items() if k == "passthrough")
+        layout = self.output_layout or {}
+        skip = () if grids else tuple(p for p, k in layout.items() if k == "passthrough")
         loss = probe_loss(balanced, seed, skip)
         if loss.requires_grad:  # not with empty_rank_forward="no_grad" on a rank that encoded nothing
             loss.backward()
-        bal_grads, got_grads = _grads(model, group)
-
-        if reference is not None:
-            _compare(reference, balanced, where, tol)
-        else:
-            _check_empty(model, balanced, pixels, where, output_layout)
-        grad_tol = dict(tol)
-        grad_tol["atol"] = tol["atol"] * max(1.0, float(ref_grads.abs().max()))
-        torch.testing.assert_close(
-            bal_grads, ref_grads, **grad_tol, msg=lambda m, w=where: f"{w}: grads: {m}"
-        )
-        if pixel_grad and ref_pixel_grad is not None:
-            torch.testing.assert_close(
-                bal_pixels.grad, ref_pixel_grad, **tol, msg=lambda m, w=where: f"{w}: {m}"
-            )
-        stats = balancer.last_stats
-        assert stats is not None
-        results.append(
-            {
-                "applied": stats.applied,
-                "reason": stats.reason,
-                "collectives": stats.collectives,
-                "counted": len(counter.calls),
-                "all_grads": all(got_grads),
-                "moved_images": stats.moved_images,
-            }
-        )
-    return results
+        summed, got_grads = _grads(self.model, self.group)
+        return balanced, pixels.grad, summed, got_grads, len(counter.calls)

@@ -12,7 +12,7 @@ pixel rows and grids, ``None`` where a modality is absent, as a Qwen-VL collator
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -167,63 +167,64 @@ def _latest_config(family: str) -> Any:
     import transformers
 
     config = getattr(transformers, f"{_CLASSES[family]}Config")
-    text: dict[str, Any] = {**_TEXT, "head_dim": 16, "rope_parameters": _MROPE}
-    if family == "qwen4_exp":
-        # One gated-delta-rule layer and one QSA-indexed layer, MoE, hyper-connections.
-        text.update(num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"])
-        text.update(
-            linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2
-        )
-        text.update(
-            moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2
-        )
-        text.update(hc_count=2, hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16)
-        text.update(
-            indexer_budget=4, indexer_compress_ratio=2, rope_parameters={**_MROPE, "mrope_interleaved": True}
-        )
-        return config(text_config=text, vision_config=_without_deepstack(_QWEN3_TOWER), **_QWEN_IDS)
-    if family == "exaone4_5":
-        # Sliding and full attention, 1-D positions; a Qwen2.5-VL-style tower with GQA and windows.
-        text = {**_TEXT, "model_type": "exaone4", "num_hidden_layers": 2, "sliding_window": 8}
-        text.update(sliding_window_pattern=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-        vision = {**_QWEN2_5_TOWER, "num_key_value_heads": 1}
-        return config(
-            text_config=text, vision_config=vision, image_token_id=IDS["image"], video_token_id=IDS["video"]
-        )
-    if family == "cohere_compass":
-        text = {
-            **_TEXT,
-            "model_type": "cohere_compass_text",
-            "pad_token_id": 0,
-            "layer_types": ["full_attention"],
-        }
-        text["rope_parameters"] = {"full_attention": _MROPE}
-        vision = {**_QWEN3_TOWER, "model_type": "cohere_compass_vision"}
-        vision["rope_parameters"] = {"rope_type": "axial", "rope_theta": 10000.0}
-        return config(text_config=text, vision_config=vision, **_QWEN_IDS)
-    if family == "cosmos3_omni":
-        text.update(model_type="qwen3_vl_text", rope_parameters={**_MROPE, "mrope_interleaved": True})
-        return config(
-            text_config=text, vision_config={**_QWEN3_TOWER, "model_type": "qwen3_vl_vision"}, **_QWEN_IDS
-        )
-    if family == "cosmos3_edge":
-        # A SigLIP-style tower: num_channels, no temporal patches, the projector outside the tower.
-        vision = {
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-        }
-        vision.update(num_channels=3, patch_size=2, num_patches=16, spatial_merge_size=MERGE)
-        return config(
-            text_config={**text, "pad_token_id": 0},
-            vision_config=vision,
-            projector_hidden_size=32,
-            **_QWEN_IDS,
-        )
     if family in ("qwen2_5_omni", "qwen3_omni_moe"):
         return _omni_thinker_config(family, config)
-    # glm5_next: linear and indexed (MLA, NoPE) attention, MoE, hyper-connections; GLM's tower.
+    return _LATEST_BUILDERS[family](config)
+
+
+def _qwen4_exp_config(config: Any) -> Any:
+    """One gated-delta-rule layer and one QSA-indexed layer, MoE, hyper-connections."""
+    text: dict[str, Any] = {**_TEXT, "head_dim": 16, "num_hidden_layers": 2}
+    text.update(layer_types=["linear_attention", "indexed_attention"])
+    text.update(
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2
+    )
+    text.update(
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2
+    )
+    text.update(hc_count=2, hc_lowrank=8, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16)
+    text.update(
+        indexer_budget=4, indexer_compress_ratio=2, rope_parameters={**_MROPE, "mrope_interleaved": True}
+    )
+    return config(text_config=text, vision_config=_without_deepstack(_QWEN3_TOWER), **_QWEN_IDS)
+
+
+def _exaone4_5_config(config: Any) -> Any:
+    """Sliding and full attention, 1-D positions; a Qwen2.5-VL-style tower with GQA and windows."""
+    text = {**_TEXT, "model_type": "exaone4", "num_hidden_layers": 2, "sliding_window": 8}
+    text.update(sliding_window_pattern=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    vision = {**_QWEN2_5_TOWER, "num_key_value_heads": 1}
+    return config(
+        text_config=text, vision_config=vision, image_token_id=IDS["image"], video_token_id=IDS["video"]
+    )
+
+
+def _cohere_compass_config(config: Any) -> Any:
+    text = {**_TEXT, "model_type": "cohere_compass_text", "pad_token_id": 0}
+    text.update(layer_types=["full_attention"], rope_parameters={"full_attention": _MROPE})
+    vision = {**_QWEN3_TOWER, "model_type": "cohere_compass_vision"}
+    vision["rope_parameters"] = {"rope_type": "axial", "rope_theta": 10000.0}
+    return config(text_config=text, vision_config=vision, **_QWEN_IDS)
+
+
+def _cosmos3_omni_config(config: Any) -> Any:
+    text = {**_TEXT, "head_dim": 16, "model_type": "qwen3_vl_text"}
+    text["rope_parameters"] = {**_MROPE, "mrope_interleaved": True}
+    return config(
+        text_config=text, vision_config={**_QWEN3_TOWER, "model_type": "qwen3_vl_vision"}, **_QWEN_IDS
+    )
+
+
+def _cosmos3_edge_config(config: Any) -> Any:
+    """A SigLIP-style tower: num_channels, no temporal patches, the projector outside the tower."""
+    text = {**_TEXT, "head_dim": 16, "rope_parameters": _MROPE, "pad_token_id": 0}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    vision.update(num_channels=3, patch_size=2, num_patches=16, spatial_merge_size=MERGE)
+    return config(text_config=text, vision_config=vision, projector_hidden_size=32, **_QWEN_IDS)
+
+
+def _glm5_next_config(config: Any) -> Any:
+    """Linear and indexed (MLA, NoPE) attention, MoE, hyper-connections; GLM's tower."""
     text = {**_TEXT, "num_hidden_layers": 2, "num_key_value_heads": 2, "pad_token_id": None}
     text.update(layer_types=["linear_attention", "indexed_attention"], mlp_layer_types=["dense", "sparse"])
     text.update(moe_intermediate_size=16, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2)
@@ -236,6 +237,17 @@ def _latest_config(family: str) -> Any:
     )
     vision = {**_GLM_TOWER, "projection_intermediate_size": 32}
     return config(text_config=text, vision_config=vision, **_GLM_IDS)
+
+
+#: The builders of :func:`_latest_config`, by family (the omni thinkers have their own).
+_LATEST_BUILDERS: dict[str, Callable[[Any], Any]] = {
+    "qwen4_exp": _qwen4_exp_config,
+    "exaone4_5": _exaone4_5_config,
+    "cohere_compass": _cohere_compass_config,
+    "cosmos3_omni": _cosmos3_omni_config,
+    "cosmos3_edge": _cosmos3_edge_config,
+    "glm5_next": _glm5_next_config,
+}
 
 
 def _omni_thinker_config(family: str, config: Any) -> Any:

@@ -65,18 +65,14 @@ def _deepspeed_on_cpu() -> Any:
     return deepspeed
 
 
-def _zero_steps(family: str, stage: int) -> dict[str, Any]:
-    """Plain model and balanced ZeRO model side by side; per step, loss and full gradients."""
-    import torch.distributed as dist
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+def _zero_engine(handle: Any, stage: int) -> Any:
+    """The balanced model in a DeepSpeed ZeRO-``stage`` engine (SGD), the handle balancing over
+    the data-parallel group the strategy adapter finds in it."""
     from lightning.fabric.strategies import DeepSpeedStrategy
 
     from lightning_vit_balance import dp_group_from_strategy
 
     deepspeed = _deepspeed_on_cpu()
-    rank, size = dist.get_rank(), dist.get_world_size()
-    plain = tiny_model(family)
-    handle = balance_vision_tower(copy.deepcopy(plain), ViTBalanceConfig(**CONFIG), evaluation=True)
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": {"stage": stage},
@@ -97,6 +93,18 @@ def _zero_steps(family: str, stage: int) -> dict[str, Any]:
     strategy = object.__new__(DeepSpeedStrategy)
     strategy._deepspeed_engine = engine
     handle.group = dp_group_from_strategy(strategy)
+    return engine
+
+
+def _zero_steps(family: str, stage: int) -> dict[str, Any]:
+    """Plain model and balanced ZeRO model side by side; per step, loss and full gradients."""
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    plain = tiny_model(family)
+    handle = balance_vision_tower(copy.deepcopy(plain), ViTBalanceConfig(**CONFIG), evaluation=True)
+    engine = _zero_engine(handle, stage)
     plain_params = dict(plain.named_parameters())
     applied = []
     for step, name in enumerate(STEPS * 2):
@@ -121,6 +129,12 @@ def _zero_steps(family: str, stage: int) -> dict[str, Any]:
             for key, param in engine.module.named_parameters():
                 plain_params[key].copy_(safe_get_full_fp32_param(param))
         applied.append(handle.last_stats.applied)
+    _evaluate_as_plain(engine, plain, family, rank)
+    return {"applied": applied, "calls": handle.calls, "group_size": dist.get_world_size(handle.group)}
+
+
+def _evaluate_as_plain(engine: Any, plain: torch.nn.Module, family: str, rank: int) -> None:
+    """Evaluation forwards and ``generate()`` of the engine's model give the plain model's results."""
     # Evaluation forwards gather the tower's parameters too: balanced, every rank calls it.
     engine.eval()
     plain.eval()
@@ -131,7 +145,6 @@ def _zero_steps(family: str, stage: int) -> dict[str, Any]:
         torch.testing.assert_close(loss, plain_loss, **TOL, msg=lambda m, n=name: f"eval {n}: loss {m}")
     # generate(): under ZeRO-3 its encoding of the images is balanced, under ZeRO-2 it stays direct.
     assert_generates_as_plain(engine.module, plain, family)
-    return {"applied": applied, "calls": handle.calls, "group_size": dist.get_world_size(handle.group)}
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 Run with ``make bench`` (or ``python benchmarks/bench_planning.py``; ``--quick`` for a smoke run).
 Batches use Qwen2-VL-style sizes: 14-pixel patches with a 2x2 merge, so image sides are rounded to
 multiples of 28 pixels and an image has ``(H/14) * (W/14)`` patches; videos have 4-16 temporal
-patches. Every rank holds 1-16 images. Costs are the seed's ``l**2``. RNG seeds are fixed, so the
+patches. Every rank holds 1-16 images. Costs are the seed's ``l**2``. One small-P table draws whole
+training samples from ``examples/sample_visual_sizes.jsonl`` instead. RNG seeds are fixed, so the
 table is the same on every run (plan times aside). See BENCHMARKS.md for how to read the output.
 """
 
@@ -16,10 +17,12 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 from lightning_vit_balance import CostModel, ViTBalanceConfig, plan_rebalance
+from lightning_vit_balance.simulate.dataset import read_dataset
 
 PATCH_PX = 14
 MERGE = 2
@@ -273,6 +276,42 @@ def small_p(sizes: list[int], batches: int, per_rank: tuple[int, int] = (1, 8)) 
         )
 
 
+#: The example dataset of the simulator and the demo: photos, documents, videos and text-only samples.
+SAMPLE_SIZES = Path(__file__).resolve().parents[1] / "examples" / "sample_visual_sizes.jsonl"
+
+
+def small_p_real(sizes: list[int], samples_per_rank: list[int], batches: int) -> None:
+    """Plan time at small P on real training samples (target: <= 5x), default config and skip rules
+    off side by side, and how often the default config's plans apply."""
+    dataset = read_dataset(SAMPLE_SIZES)
+    print(
+        f"\nPlan time at small P on {SAMPLE_SIZES.name}'s samples ({len(dataset.samples)}: photos, documents,"
+    )
+    print("videos, text-only), drawn with replacement; vs a plain heap LPT on the same batch as above;")
+    print(f"median over {batches} batches per cell; applied = share of the default config's plans that apply")
+    columns = f"{'default config':>14} {'skip rules off':>14}"
+    print(f"{'samples/rank':>12} {'P':>4} | {'heap LPT us':>11} | {columns} | {'applied':>7}")
+    default, forced = ViTBalanceConfig(), ViTBalanceConfig(**FORCED)
+    for per_rank in samples_per_rank:
+        for num_ranks in sizes:
+            rng = np.random.default_rng(1000 * per_rank + num_ranks)
+            ratios: dict[str, list[float]] = collections.defaultdict(list)
+            for _ in range(batches):
+                picks = rng.integers(0, len(dataset.samples), (num_ranks, per_rank)).tolist()
+                batch = [[n for s in row for n in dataset.samples[s]] for row in picks]
+                heap = best_time(lambda b=batch: heap_lpt(b))
+                ratios["heap"].append(1e6 * heap)
+                ratios["default"].append(best_time(lambda b=batch: plan_rebalance(b, default)) / heap)
+                ratios["forced"].append(best_time(lambda b=batch: plan_rebalance(b, forced)) / heap)
+                ratios["applied"].append(100.0 * plan_rebalance(batch, default).applied)
+            med = {k: statistics.median(v) for k, v in ratios.items()}
+            applied = statistics.mean(ratios["applied"])
+            print(
+                f"{per_rank:>12} {num_ranks:>4} | {med['heap']:>11.1f} | {med['default']:>13.1f}x "
+                f"{med['forced']:>13.1f}x | {applied:>6.0f}%"
+            )
+
+
 def video_samples(rng: np.random.Generator, count: int) -> list[tuple[int, int]]:
     """``(T, H*W)`` of ``count`` samples: one video in two (4-32 temporal steps of frames from 224x224
     to 448x448 pixels), otherwise an image (448x448 to ~1.6 MP)."""
@@ -318,6 +357,7 @@ def main() -> None:
         plan_time([8, 64, 256], repeats=2)
         small_p([2, 8], batches=3)
         small_p([2, 8], batches=3, per_rank=(8, 8))
+        small_p_real([2, 8], [2], batches=3)
         videos_by_step([8], [1, 2], batches=3)
         return
     points = [
@@ -335,6 +375,7 @@ def main() -> None:
     # A full batch of 8 on every rank, the edge of the target's range: with 8 images per rank the
     # largest documents are near the mean load, the hard case for reaching the bound.
     small_p([2, 4, 8, 16, 32, 64], batches=12, per_rank=(8, 8))
+    small_p_real([2, 4, 8, 16, 32, 64], [2, 4, 8], batches=20)
     videos_by_step([2, 8, 64, 512], [1, 2, 4], batches=30)
     print(f"\n(benchmark took {time.perf_counter() - start:.0f} s)")
 

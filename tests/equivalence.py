@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -219,6 +219,16 @@ def run_cases(
     return [run.check(f"{tower_name}/{dtype}", index, case, torch_dtype) for index, case in enumerate(cases)]
 
 
+class _CaseBatch(NamedTuple):
+    """One rank's batch of a case, on the host, and the seed of its probe loss."""
+
+    host_pixels: torch.Tensor  # [sum(T*H*W), channels]
+    host_grid: torch.Tensor  # [images, 3]
+    pixel_grad: bool
+    seed: int
+    has_images: bool
+
+
 class _CaseRun:
     """One rank's side of :func:`run_cases`: each case encoded directly, then balanced, and compared."""
 
@@ -247,11 +257,9 @@ class _CaseRun:
             grid_dtype=getattr(torch, case.get("grid_dtype", "int64")),
         )
         pixel_grad = bool(case.get("pixel_grad", False))
-        seed = 31 * index + rank
-        reference, ref_pixel_grad, ref_grads = self._direct(host_pixels, host_grid, pixel_grad, seed, grids)
-        balanced, bal_pixel_grad, bal_grads, got_grads, counted = self._balanced(
-            host_pixels, host_grid, pixel_grad, seed, grids
-        )
+        batch = _CaseBatch(host_pixels, host_grid, pixel_grad, seed=31 * index + rank, has_images=bool(grids))
+        reference, ref_pixel_grad, ref_grads = self._direct(batch)
+        balanced, bal_pixel_grad, bal_grads, got_grads, counted = self._balanced(batch)
         if reference is not None:
             _compare(reference, balanced, where, self.tol)
         else:
@@ -274,49 +282,35 @@ class _CaseRun:
             "moved_images": stats.moved_images,
         }
 
-    def _direct(
-        self,
-        host_pixels: torch.Tensor,
-        host_grid: torch.Tensor,
-        pixel_grad: bool,
-        seed: int,
-        grids: list[tuple[int, ...]],
-    ) -> tuple[Any, torch.Tensor | None, torch.Tensor]:
+    def _direct(self, batch: _CaseBatch) -> tuple[Any, torch.Tensor | None, torch.Tensor]:
         """The reference: this rank's images encoded directly (none without images), the probe
         loss's pixel gradient, and the parameter gradients summed over the group."""
         self.model.zero_grad(set_to_none=True)
         reference, pixel_gradient = None, None
-        if grids:
-            pixels = host_pixels.to(self.device).clone().requires_grad_(pixel_grad)
-            reference = self.model(pixels, host_grid.to(self.device))
-            probe_loss(reference, seed).backward()
+        if batch.has_images:
+            pixels = batch.host_pixels.to(self.device).clone().requires_grad_(batch.pixel_grad)
+            reference = self.model(pixels, batch.host_grid.to(self.device))
+            probe_loss(reference, batch.seed).backward()
             pixel_gradient = pixels.grad
         return reference, pixel_gradient, _grads(self.model, self.group)[0]
 
-    def _balanced(
-        self,
-        host_pixels: torch.Tensor,
-        host_grid: torch.Tensor,
-        pixel_grad: bool,
-        seed: int,
-        grids: list[tuple[int, ...]],
-    ) -> tuple[Any, torch.Tensor | None, torch.Tensor, list[bool], int]:
+    def _balanced(self, batch: _CaseBatch) -> tuple[Any, torch.Tensor | None, torch.Tensor, list[bool], int]:
         """The same through the balancer: outputs, pixel gradient, summed parameter gradients,
         which parameters got one on this rank, and the collectives the forward made."""
         self.model.zero_grad(set_to_none=True)
-        pixels = host_pixels.to(self.device).clone().requires_grad_(pixel_grad)
+        pixels = batch.host_pixels.to(self.device).clone().requires_grad_(batch.pixel_grad)
         # Prepared from the host batch, as before it moves to the device (shapes, dtype and
         # requires_grad must match the call's).
-        host = host_pixels.detach().requires_grad_(pixel_grad)
-        ticket = self.balancer.prepare(host, host_grid, self.model) if self.prepared else None
+        host = batch.host_pixels.detach().requires_grad_(batch.pixel_grad)
+        ticket = self.balancer.prepare(host, batch.host_grid, self.model) if self.prepared else None
         counter = CollectiveCounter()
         with counter.active():
-            balanced = self.balancer(self.model, pixels, host_grid.to(self.device), prepared=ticket)
+            balanced = self.balancer(self.model, pixels, batch.host_grid.to(self.device), prepared=ticket)
         # A rank without images has no reference; its passthrough outputs come from the dummy
         # forward and feed no loss in the reference run, so leave them out of the loss.
         layout = self.output_layout or {}
-        skip = () if grids else tuple(p for p, k in layout.items() if k == "passthrough")
-        loss = probe_loss(balanced, seed, skip)
+        skip = () if batch.has_images else tuple(p for p, k in layout.items() if k == "passthrough")
+        loss = probe_loss(balanced, batch.seed, skip)
         if loss.requires_grad:  # not with empty_rank_forward="no_grad" on a rank that encoded nothing
             loss.backward()
         summed, got_grads = _grads(self.model, self.group)

@@ -9,8 +9,11 @@ TensorBoard install needed) that holds the ``vit_balance/...`` keys, and on a Hu
 
 The picture has three panels: the imbalance ``max/mean - 1`` before and after balancing per step
 (applied steps marked), and the ViT load of every data-parallel rank without and with balancing;
-a fourth, when the log holds ``vit_balance/vit_ms/rank_{r}``, draws every rank's measured ViT
-milliseconds and the slowest rank's.
+a fourth, when the log holds measured ViT milliseconds, draws every rank's
+(``vit_balance/vit_ms/rank_{r}``), the slowest rank's and the mean, and names the rank that was
+slowest most often (``vit_balance/vit_ms_slowest_rank``). Beyond 64 data-parallel ranks the
+callbacks log no per-rank series by default: the load panels then say so, and the fourth draws the
+slowest rank and the mean alone.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ __all__ = [
 ]
 
 PREFIX = "vit_balance/"
+#: Ranks named in a panel's legend; beyond, their lines are drawn alike, unnamed.
+LEGEND_RANKS = 16
 
 #: ``metrics[key]`` is a list of ``(step, value)`` pairs sorted by step.
 Metrics = dict[str, list[tuple[int, float]]]
@@ -230,13 +235,15 @@ def plot_dashboard(
 
     loads = {"before": _rank_series(metrics, "load_before"), "after": _rank_series(metrics, "load_after")}
     measured = _rank_series(metrics, "vit_ms")
-    panels = 3 + (1 if measured else 0) + (1 if timings else 0)
+    summary = {key: metrics.get(f"{PREFIX}vit_ms_{key}", []) for key in ("max", "mean", "slowest_rank")}
+    show_measured = bool(measured or summary["max"])
+    panels = 3 + (1 if show_measured else 0) + (1 if timings else 0)
     fig, axes = plt.subplots(panels, 1, figsize=(10, 2.6 * panels + 0.6), sharex=False)
     fig.suptitle(title, fontsize=13)
     _plot_imbalance(axes[0], metrics)
     _plot_loads(axes[1:3], loads)
-    if measured:
-        _plot_measured(axes[3], measured, metrics.get(f"{PREFIX}vit_ms_max", []))
+    if show_measured:
+        _plot_measured(axes[3], measured, summary)
     if timings:
         _plot_timings(axes[-1], timings, timings_title)
     for ax in axes:
@@ -278,15 +285,14 @@ def _plot_loads(axes: Sequence[Any], loads: Mapping[str, Mapping[int, list]]) ->
     )
     for ax, kind, label in ((axes[0], "before", "without balancing"), (axes[1], "after", "with balancing")):
         series = loads[kind]
-        for rank, pairs in series.items():
-            if pairs:
-                ax.plot(*zip(*pairs), marker=".", lw=1.2, label=f"rank {rank}")
+        _plot_ranks(ax, series, lw=1.2)
         ax.set_ylim(0, peak * 1.25)
         ax.set_ylabel("ViT load (cost units)")
         ax.set_title(f"ViT load per rank, {label}")
         ax.grid(alpha=0.3)
-        if series:
-            ax.legend(loc="upper right", fontsize=8, ncol=min(len(series), 8))
+        if not series:
+            message = "no per-rank series in this log (log_per_rank_loads; off beyond 64 ranks by default)"
+            ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, fontsize=9)
 
 
 def _plot_timings(ax: Any, timings: Mapping[str, Sequence[tuple[int, float]]], title: str) -> None:
@@ -301,17 +307,47 @@ def _plot_timings(ax: Any, timings: Mapping[str, Sequence[tuple[int, float]]], t
     ax.grid(alpha=0.3)
 
 
-def _plot_measured(ax: Any, measured: Mapping[int, list], slowest: Sequence[tuple[int, float]]) -> None:
-    """The measured ViT milliseconds of every rank, and the slowest rank's: the straggler itself."""
-    for rank, pairs in measured.items():
+def _plot_ranks(ax: Any, series: Mapping[int, list], lw: float) -> None:
+    """One line per rank, named in a legend up to :data:`LEGEND_RANKS` ranks, thin and grey beyond."""
+    few = len(series) <= LEGEND_RANKS
+    for rank, pairs in series.items():
         if pairs:
-            ax.plot(*zip(*pairs), marker=".", lw=1.0, label=f"rank {rank}")
-    if slowest:
-        ax.plot(*zip(*slowest), color="black", ls="--", lw=1.5, label="slowest rank")
+            style = {"marker": ".", "lw": lw, "label": f"rank {rank}"} if few else {"lw": 0.5, "color": "0.7"}
+            ax.plot(*zip(*pairs), **style)
+    if series and few:
+        ax.legend(loc="upper right", fontsize=8, ncol=min(len(series), 8))
+
+
+def _plot_measured(
+    ax: Any, measured: Mapping[int, list], summary: Mapping[str, Sequence[tuple[int, float]]]
+) -> None:
+    """The measured ViT milliseconds of every rank (when logged), the slowest rank's and the mean,
+    and the rank slowest most often: a device slower than the rest stands out there."""
+    _plot_ranks(ax, measured, lw=1.0)
+    if summary["max"]:
+        ax.plot(*zip(*summary["max"]), color="black", ls="--", lw=1.5, label="slowest rank")
+    if summary["mean"] and not measured:
+        ax.plot(*zip(*summary["mean"]), color="tab:blue", lw=1.2, label="mean over ranks")
     ax.set_ylabel("ms")
-    ax.set_title("Measured ViT time per rank (vit_balance/vit_ms: each step shows the previous call)")
-    ax.legend(loc="upper right", fontsize=8, ncol=min(len(measured) + 1, 8))
+    ax.set_title(
+        "Measured ViT time per rank (vit_balance/vit_ms: each step shows the previous call)"
+        + _most_often_slowest(summary["slowest_rank"])
+    )
+    if summary["max"] or len(measured) <= LEGEND_RANKS:
+        handles, labels = ax.get_legend_handles_labels()
+        ax.legend(handles, labels, loc="upper right", fontsize=8, ncol=min(len(labels), 8))
     ax.grid(alpha=0.3)
+
+
+def _most_often_slowest(slowest_rank: Sequence[tuple[int, float]]) -> str:
+    """``"\nslowest most often: rank r (k of n records)"``, or ``""`` without the series."""
+    if not slowest_rank:
+        return ""
+    counts: dict[int, int] = {}
+    for _, value in slowest_rank:
+        counts[int(value)] = counts.get(int(value), 0) + 1
+    rank = max(sorted(counts), key=counts.__getitem__)
+    return f"\nslowest most often: rank {rank} ({counts[rank]} of {len(slowest_rank)} records)"
 
 
 def main(argv: Sequence[str] | None = None) -> Path:

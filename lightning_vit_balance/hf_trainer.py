@@ -53,11 +53,12 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
 
     Args:
         log_per_rank_loads: Log the ``load_before/rank_{r}``, ``load_after/rank_{r}`` and
-            ``vit_ms/rank_{r}`` series, three per DP rank: turn off at large DP sizes.
+            ``vit_ms/rank_{r}`` series, three per DP rank. ``None`` (default): up to 64 DP ranks
+            (:data:`~lightning_vit_balance.metrics.PER_RANK_SERIES_UP_TO`), not beyond.
     """
 
-    def __init__(self, log_per_rank_loads: bool = True) -> None:
-        self.log_per_rank_loads = bool(log_per_rank_loads)
+    def __init__(self, log_per_rank_loads: bool | None = None) -> None:
+        self.log_per_rank_loads = None if log_per_rank_loads is None else bool(log_per_rank_loads)
         self.metrics = BalanceMetrics(self.log_per_rank_loads)
         self._handle: BalancedVisionTower | None = None
 

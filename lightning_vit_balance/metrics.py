@@ -29,6 +29,11 @@ if TYPE_CHECKING:
 __all__ = ["BalanceMetrics"]
 
 PREFIX = "vit_balance/"
+#: Data-parallel sizes up to which the per-rank series are logged by default (``per_rank_loads=None``):
+#: three series per rank, so 192 at this size; beyond it a logger (and a dashboard's legend) would
+#: carry hundreds to thousands of them per record, and the summaries (``vit_ms_max``,
+#: ``vit_ms_mean``, ``vit_ms_slowest_rank``, the imbalances) tell the story.
+PER_RANK_SERIES_UP_TO = 64
 #: Every reason a call can be skipped for, counted as ``vit_balance/skipped/{reason}``.
 SKIP_REASONS: tuple[str, ...] = tuple(reason for reason in REASONS if reason != "applied")
 #: Per-call figures averaged over the calls of a window.
@@ -80,14 +85,14 @@ class _Window:
         self.vit_mean = 0.0
         self.vit_per_rank: list[float] = []
 
-    def add(self, stats: BalanceStats, per_rank_loads: bool) -> None:
+    def add(self, stats: BalanceStats, per_rank_loads: bool | None) -> None:
         self.calls += 1
         for name, value in _call_figures(stats).items():
             self.totals[name] += value
         self._add_vit_ms(tuple(getattr(stats, "vit_ms", ())))
-        if not per_rank_loads:
-            return
         before, after = tuple(stats.loads_before), tuple(stats.loads_after)
+        if not (len(before) <= PER_RANK_SERIES_UP_TO if per_rank_loads is None else per_rank_loads):
+            return
         if len(before) != len(self.loads.get("before", before)):
             # A new DP size starts a fresh series.
             self.load_calls, self.loads = 0, {}
@@ -112,9 +117,12 @@ class _Window:
     def _vit_metrics(self, per_rank: bool) -> dict[str, float]:
         if self.vit_calls == 0:
             return {}
+        # The rank whose calls took longest in all (ties: the lowest): one key at any DP size.
+        slowest = max(range(len(self.vit_per_rank)), key=self.vit_per_rank.__getitem__)
         metrics = {
             PREFIX + "vit_ms_max": self.vit_max / self.vit_calls,
             PREFIX + "vit_ms_mean": self.vit_mean / self.vit_calls,
+            PREFIX + "vit_ms_slowest_rank": float(slowest),
         }
         if per_rank:
             for r, total in enumerate(self.vit_per_rank):
@@ -153,11 +161,12 @@ class BalanceMetrics:
 
     Args:
         per_rank_loads: Include the ``load_before/rank_{r}``, ``load_after/rank_{r}`` and
-            ``vit_ms/rank_{r}`` series, three per DP rank: turn off at large DP sizes.
+            ``vit_ms/rank_{r}`` series, three per DP rank. ``None`` (default): up to
+            :data:`PER_RANK_SERIES_UP_TO` DP ranks, not beyond.
     """
 
-    def __init__(self, per_rank_loads: bool = True) -> None:
-        self.per_rank_loads = bool(per_rank_loads)
+    def __init__(self, per_rank_loads: bool | None = None) -> None:
+        self.per_rank_loads = None if per_rank_loads is None else bool(per_rank_loads)
         self.applied_total = 0
         self.calls_total = 0
         self.skipped_total: dict[str, int] = dict.fromkeys(SKIP_REASONS, 0)

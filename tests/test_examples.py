@@ -207,6 +207,49 @@ def test_dashboard_reads_tensorboard_events(tmp_path: Path) -> None:
     assert out.stat().st_size > 1000
 
 
+def _drawn_figure(monkeypatch: pytest.MonkeyPatch, metrics: dict[str, Any], path: Path) -> Any:
+    """Draw the dashboard of ``metrics`` and return the figure it saved."""
+    from matplotlib.figure import Figure
+
+    saved = []
+    original = Figure.savefig
+    monkeypatch.setattr(
+        Figure, "savefig", lambda self, *a, **k: (saved.append(self), original(self, *a, **k))
+    )
+    plot_vit_balance.plot_dashboard(metrics, path)
+    (figure,) = saved
+    return figure
+
+
+def test_dashboard_at_large_dp_sizes_draws_the_summaries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beyond 64 ranks the log holds no per-rank series: the load panels say so, the measured
+    panel draws the slowest rank and the mean, and its title names the rank slowest most often."""
+    steps = range(4)
+    metrics = {
+        "vit_balance/imbalance_before": [(s, 0.6) for s in steps],
+        "vit_balance/imbalance_after": [(s, 0.1) for s in steps],
+        "vit_balance/vit_ms_max": [(s, 50.0 + s) for s in steps],
+        "vit_balance/vit_ms_mean": [(s, 40.0) for s in steps],
+        "vit_balance/vit_ms_slowest_rank": [(0, 37.0), (1, 5.0), (2, 37.0), (3, 37.0)],
+    }
+    figure = _drawn_figure(monkeypatch, metrics, tmp_path / "large.png")
+    _, before, after, measured = figure.axes
+    for panel in (before, after):
+        assert [t.get_text() for t in panel.texts] == [
+            "no per-rank series in this log (log_per_rank_loads; off beyond 64 ranks by default)"
+        ]
+    assert measured.get_title().endswith("slowest most often: rank 37 (3 of 4 records)")
+    assert [t.get_text() for t in measured.get_legend().get_texts()] == ["slowest rank", "mean over ranks"]
+    # With per-rank series of many ranks, their lines are drawn but not named one by one.
+    many = {f"vit_balance/vit_ms/rank_{r}": [(s, 40.0 + r / 10) for s in steps] for r in range(20)}
+    figure = _drawn_figure(monkeypatch, {**metrics, **many}, tmp_path / "many.png")
+    measured = figure.axes[3]
+    assert len(measured.get_lines()) == 21  # the ranks and the slowest rank's
+    assert [t.get_text() for t in measured.get_legend().get_texts()] == ["slowest rank"]
+
+
 def test_dashboard_errors_name_the_path(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"no metrics\.csv"):
         plot_vit_balance.load_metrics(tmp_path)

@@ -1383,7 +1383,11 @@ def test_hugging_face_trainer_trains_as_the_plain_model(tmp_path: Path) -> None:
     assert (last["vit_balance/calls"], last["vit_balance/calls_total"]) == (2.0, FIT_STEPS), last
     assert last["vit_balance/applied_total"] == results[0]["applied_calls"]
     assert last["vit_balance/skipped/no-images"] == 1.0  # the last step: text alone on every rank
-    assert {"vit_balance/load_before/rank_1", "vit_balance/vit_ms_max"} <= set(last), last
+    assert {
+        "vit_balance/load_before/rank_1",
+        "vit_balance/vit_ms_max",
+        "vit_balance/vit_ms_slowest_rank",
+    } <= set(last), last
     # The same plans on every rank: the same figures, but each rank's own bytes.
     for key in ("vit_balance/imbalance_before", "vit_balance/imbalance_after", "vit_balance/moved_patches"):
         assert reported[1][0][key] == first[key] and reported[1][1][key] == last[key], key

@@ -354,7 +354,8 @@ def test_a_trainer_without_a_logger_is_refused_unless_logging_is_off() -> None:
 
 
 def test_measured_vit_milliseconds_are_logged_per_rank_max_and_mean() -> None:
-    """The straggler itself: every rank's measured ViT time, its maximum and mean over ranks."""
+    """The straggler itself: every rank's measured ViT time, its maximum and mean over ranks, and
+    which rank it was."""
     first = dataclasses.replace(APPLIED_A, vit_ms=(30.0, 10.0))
     second = dataclasses.replace(SKIPPED, vit_ms=(20.0, 20.0))
     unknown = dataclasses.replace(APPLIED_B, vit_ms=(-1.0, 5.0))  # a rank with no earlier call
@@ -364,5 +365,7 @@ def test_measured_vit_milliseconds_are_logged_per_rank_max_and_mean() -> None:
     assert metrics["vit_balance/vit_ms_mean"] == pytest.approx(20.0)
     assert metrics["vit_balance/vit_ms/rank_0"] == pytest.approx(25.0)
     assert metrics["vit_balance/vit_ms/rank_1"] == pytest.approx(15.0)
+    assert metrics["vit_balance/vit_ms_slowest_rank"] == 0.0  # 30 + 20 ms against 10 + 20
+    assert ViTBalanceCallback().log_per_rank_loads is None  # per-rank series up to 64 ranks
     _, quiet = _fit([[first]], ViTBalanceCallback(log_per_rank_loads=False))
     assert not any("vit_ms/rank_" in key for key in quiet.vit_balance_calls()[0][0])

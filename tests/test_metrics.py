@@ -103,3 +103,46 @@ def test_counts_of_another_shape_are_refused(state: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=r"BalanceMetrics.load_state_dict\(state_dict=.*\) is invalid"):
         metrics.load_state_dict(state)
     assert metrics.total_metrics()["vit_balance/calls_total"] == 1.0  # unchanged
+
+
+def _ranks_stats(num_ranks: int, slow: int) -> BalanceStats:
+    """A call on ``num_ranks`` ranks where rank ``slow`` took 50 ms and every other 10 ms."""
+    loads = tuple(float(r + 1) for r in range(num_ranks))
+    vit_ms = tuple(50.0 if r == slow else 10.0 for r in range(num_ranks))
+    return _stats(False, loads, loads, vit_ms=vit_ms)
+
+
+def test_the_slowest_rank_is_named_at_any_dp_size() -> None:
+    metrics = BalanceMetrics()
+    metrics.add(APPLIED)  # rank 0: 30 ms, rank 1: 10 ms
+    metrics.add(SKIPPED)  # rank 0: 20 ms, rank 1: 16 ms
+    assert metrics.metrics()["vit_balance/vit_ms_slowest_rank"] == 0.0
+    # Over a window, the rank whose calls took longest in all (here rank 1: 10 + 50 against 30 + 10).
+    metrics.reset_window()
+    metrics.add(_stats(False, (1.0, 1.0), (1.0, 1.0), vit_ms=(30.0, 10.0)))
+    metrics.add(_stats(False, (1.0, 1.0), (1.0, 1.0), vit_ms=(10.0, 50.0)))
+    assert metrics.metrics()["vit_balance/vit_ms_slowest_rank"] == 1.0
+    metrics.reset_window()
+    metrics.add(_stats(False, (1.0, 1.0), (1.0, 1.0), vit_ms=(7.0, 7.0)))  # a tie: the lowest rank
+    assert metrics.metrics()["vit_balance/vit_ms_slowest_rank"] == 0.0
+    large = BalanceMetrics()
+    large.add(_ranks_stats(512, slow=317))
+    assert large.metrics()["vit_balance/vit_ms_slowest_rank"] == 317.0
+
+
+@pytest.mark.parametrize(
+    ("per_rank_loads", "num_ranks", "series"),
+    [(None, 64, True), (None, 65, False), (True, 65, True), (False, 2, False)],
+)
+def test_per_rank_series_by_default_up_to_64_ranks(
+    per_rank_loads: bool | None, num_ranks: int, series: bool
+) -> None:
+    """Three series per rank up to 64 ranks by default (192 keys), none beyond; the summaries at
+    every size; an explicit choice wins."""
+    metrics = BalanceMetrics(per_rank_loads)
+    metrics.add(_ranks_stats(num_ranks, slow=num_ranks - 1))
+    got = metrics.metrics()
+    per_rank = [key for key in got if "/rank_" in key]
+    assert len(per_rank) == (3 * num_ranks if series else 0)
+    assert got["vit_balance/vit_ms_max"] == 50.0 and got["vit_balance/vit_ms_slowest_rank"] == num_ranks - 1
+    assert got["vit_balance/imbalance_before"] > 0

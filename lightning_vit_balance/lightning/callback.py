@@ -63,7 +63,8 @@ class ViTBalanceCallback(Callback):
                                                     every image on its own rank
         ``vit_balance/imbalance_after``             the same after balancing (equal when skipped)
         ``vit_balance/load_before/rank_{r}``        mean load of DP rank ``r`` before balancing
-                                                    (only with ``log_per_rank_loads``)
+                                                    (with ``log_per_rank_loads``: by default up to
+                                                    64 DP ranks)
         ``vit_balance/load_after/rank_{r}``         mean load of DP rank ``r`` after balancing
         ``vit_balance/moved_images``                images encoded away from their rank, summed
         ``vit_balance/moved_patches``               patches (pixel rows) sent to another rank, summed
@@ -80,6 +81,10 @@ class ViTBalanceCallback(Callback):
                                                     straggler itself
         ``vit_balance/vit_ms_mean``                 the mean over ranks (``max / mean - 1`` is the
                                                     measured imbalance)
+        ``vit_balance/vit_ms_slowest_rank``         the DP rank whose ViT took longest over the
+                                                    record's calls: a rank slow step after step
+                                                    is a slow device, which balancing by cost
+                                                    cannot see
         ``vit_balance/applied_total``               calls that moved images since the fit started
         ``vit_balance/calls_total``                 calls since the fit started
         ``vit_balance/skipped/{reason}``            calls skipped for ``reason`` since the fit
@@ -101,8 +106,10 @@ class ViTBalanceCallback(Callback):
             under the same rule, for this callback only (e.g. less often than the rest at large
             DP sizes); ``0`` never logs (``callback_metrics`` and the progress bar still get every
             step's values, and no logger is needed).
-        log_per_rank_loads: Log the ``load_before/rank_{r}`` and ``load_after/rank_{r}`` series,
-            two per DP rank: turn off at large DP sizes.
+        log_per_rank_loads: Log the ``load_before/rank_{r}``, ``load_after/rank_{r}`` and
+            ``vit_ms/rank_{r}`` series, three per DP rank. ``None`` (default): up to 64 DP ranks
+            (:data:`~lightning_vit_balance.metrics.PER_RANK_SERIES_UP_TO`), not beyond, where the
+            summaries stand for them.
         prog_bar: Show ``vit_balance/imbalance_before`` and ``vit_balance/imbalance_after`` of the
             latest step in the progress bar.
 
@@ -113,7 +120,10 @@ class ViTBalanceCallback(Callback):
     """
 
     def __init__(
-        self, log_every_n_steps: int | None = None, log_per_rank_loads: bool = True, prog_bar: bool = False
+        self,
+        log_every_n_steps: int | None = None,
+        log_per_rank_loads: bool | None = None,
+        prog_bar: bool = False,
     ) -> None:
         super().__init__()
         if log_every_n_steps is not None and (
@@ -126,7 +136,7 @@ class ViTBalanceCallback(Callback):
                 f"or an int >= 0."
             )
         self.log_every_n_steps = log_every_n_steps
-        self.log_per_rank_loads = bool(log_per_rank_loads)
+        self.log_per_rank_loads = None if log_per_rank_loads is None else bool(log_per_rank_loads)
         self.prog_bar = bool(prog_bar)
         self._warned_no_mixin = False
         self._reset_totals()

@@ -606,7 +606,9 @@ class BalancedVisionTower:
         applied_calls: Those in which images moved between ranks.
         unmatched_calls: The model's own tower calls that matched no modality of the balanced call
             (contract broken at run time), which this rank encoded directly, as the plain model
-            does; with sharded tower parameters such a call raises instead.
+            does (with sharded tower parameters such a call raises instead); and tower calls in a
+            training forward outside the base forward (a model that calls its tower itself),
+            encoded directly too. Both warn once.
 
     Subclasses may override :meth:`settings` (where the configuration and group come from at each
     forward) and :meth:`record` (what happens to each forward's stats), as the Lightning mixin does.
@@ -910,8 +912,26 @@ class BalancedVisionTower:
             # The balanced call itself (or the engine's dummy forward on a rank with no images).
             return original(*args, **self._tower_keywords)
         if self._pending is None:
+            if self.base.training and torch.is_grad_enabled() and self.settings() is not None:
+                self._warn_outside()
             return original(*args, **kwargs)
         return self._serve(*args, **kwargs)
+
+    def _warn_outside(self) -> None:
+        """A training call of the tower outside the base forward (ColQwen2, say, calls the tower
+        itself, then the base forward with the embeddings): nothing balances it. It is encoded as
+        the plain model does; say so once, rather than balance an empty call every step unseen."""
+        self.unmatched_calls += 1
+        if self.unmatched_calls == 1:
+            warnings.warn(
+                f"balance_vision_tower: {type(self.model).__name__} called its vision tower outside "
+                f"{type(self.base).__name__}.forward in a training forward: that call is encoded "
+                "directly, unbalanced (warned once). The drop-in balances the tower calls the base "
+                "forward makes from its pixel_values and pixel_values_videos; to balance a tower you "
+                "call yourself, use ViTBalancer or ViTBalanceMixin.encode_images.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _balancer_for(self, config: ViTBalanceConfig, group: Any) -> ViTBalancer:
         """The balancer for ``config`` and ``group``: built at the first balanced forward (or

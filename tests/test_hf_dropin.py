@@ -42,6 +42,7 @@ from hf_models import (
     generation_prompt,
     generation_settings,
     make_inputs,
+    tiny_config,
     tiny_model,
 )
 from lightning.pytorch.strategies import DDPStrategy
@@ -841,6 +842,72 @@ def test_a_tower_call_matching_no_modality_is_encoded_directly(multirank: Any) -
     assert [r["unmatched"] for r in results] == [2, 0, 0]
     assert len(results[0]["warned"]) == 1 and "encoded directly" in results[0]["warned"][0], results[0]
     assert results[1]["warned"] == results[2]["warned"] == []
+
+
+def _retrieval_inputs(rank: int, seed: int) -> dict[str, Any]:
+    """ColQwen2's inputs: a document page (one image per sample, its rows padded to the longest) on
+    ranks 0 and 2, a text query alone on rank 1."""
+    pages = [[(1, 8, 8), (1, 4, 6)], [], [(1, 6, 6)]][rank]
+    batch = make_inputs("qwen2_vl", [{"images": [page]} for page in pages] or [{}], seed=seed)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    if pages:
+        rows = [t * h * w for t, h, w in pages]
+        padded = torch.zeros(len(pages), max(rows), batch["pixel_values"].shape[1])
+        for i, (start, count) in enumerate(zip([0, *itertools.accumulate(rows)], rows)):
+            padded[i, :count] = batch["pixel_values"][start : start + count]
+        inputs.update(pixel_values=padded, image_grid_thw=batch["image_grid_thw"])
+    return inputs
+
+
+def _retrieval_model_steps() -> dict[str, Any]:
+    """ColQwen2 calls its Qwen2-VL tower itself, then the base forward with the embeddings: the
+    drop-in cannot balance that call. It is encoded as the plain model does, with one warning on
+    each rank that makes it, and no rank waits: the plain model's embeddings and gradients."""
+    import warnings
+
+    import torch.distributed as dist
+    import transformers
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    plain = transformers.ColQwen2ForRetrieval(
+        transformers.ColQwen2Config(vlm_config=tiny_config("qwen2_vl"), embedding_dim=8)
+    ).train()
+    balanced = copy.deepcopy(plain)
+    handle = balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            inputs = _retrieval_inputs(rank, seed=10 * step + rank)
+            losses = []
+            for model in (plain, balanced):
+                embeddings = model(**inputs).embeddings
+                weights = torch.randn(embeddings.shape, generator=torch.Generator().manual_seed(step))
+                losses.append((embeddings * weights).sum())
+                losses[-1].backward()
+            torch.testing.assert_close(losses[1], losses[0], **TOL)
+            plain_grads, balanced_grads = _summed_grads(plain), _summed_grads(balanced)
+            _assert_same_grads(f"step {step} rank {rank}", balanced_grads, plain_grads)
+            _sgd(plain, plain_grads)
+            _sgd(balanced, balanced_grads)
+    warned = [str(w.message) for w in caught if "vision tower outside" in str(w.message)]
+    return {"unmatched": handle.unmatched_calls, "calls": handle.calls, "warned": warned}
+
+
+def test_a_model_calling_its_tower_itself_is_told_it_is_not_balanced(multirank: Any) -> None:
+    """No silent no-op: the ranks whose model calls the tower itself (ColQwen2's pages) warn once."""
+    import transformers
+
+    if not hasattr(transformers, "ColQwen2ForRetrieval"):
+        pytest.skip("this transformers has no ColQwen2")
+    with multirank(RANKS) as w:
+        results = w.run(_retrieval_model_steps, timeout=120)
+    assert [r["calls"] for r in results] == [2] * RANKS  # the base forward's call, empty everywhere
+    assert [r["unmatched"] for r in results] == [2, 0, 2]
+    assert [len(r["warned"]) for r in results] == [1, 0, 1], results
+    assert (
+        "ColQwen2ForRetrieval called its vision tower outside Qwen2VLModel.forward" in results[0]["warned"][0]
+    )
 
 
 def _bad_input_on_rank_1(family: str) -> str:

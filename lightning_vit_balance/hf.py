@@ -192,7 +192,7 @@ def _find_base(model: Any) -> tuple[nn.Module, nn.Module]:
         raise ValueError(
             f"balance_vision_tower: {type(model).__name__} has no submodule with a child module named "
             "'visual' (looked for model.model.visual, model.visual and below): expected a Hugging Face "
-            "Qwen-VL or GLM-4.xV model."
+            f"Qwen-VL or GLM-4.xV model.{_other_tower_hint(model)}"
         )
     if len(found) > 1:
         names = ", ".join(f"{name or '<model>'}.visual" for name, _ in found)
@@ -202,6 +202,24 @@ def _find_base(model: Any) -> tuple[nn.Module, nn.Module]:
         )
     base = found[0][1]
     return base, base._modules["visual"]
+
+
+#: Names other models give their vision encoder (ERNIE-4.5-VL, Kimi-K2.5, VideoLLaMA3, ...).
+_OTHER_TOWER_NAMES = ("vision_tower", "vision_model")
+
+
+def _other_tower_hint(model: nn.Module) -> str:
+    """For a model whose vision encoder has another name: where it is, and how to balance it."""
+    for name, module in model.named_modules():
+        for child in _OTHER_TOWER_NAMES:
+            if isinstance(module._modules.get(child), nn.Module):
+                where = f"model.{name}.{child}" if name else f"model.{child}"
+                return (
+                    f" Its vision encoder is {where}, which the drop-in does not balance: if it "
+                    "encodes each image on its own (attention within an image), call it through "
+                    "ViTBalancer or ViTBalanceMixin.encode_images on every rank instead."
+                )
+    return ""
 
 
 def _generation_owner(model: nn.Module, base: nn.Module) -> nn.Module | None:

@@ -1131,8 +1131,18 @@ class _LossInsideModel(nn.Module):
 
 
 def test_a_model_breaking_the_contract_gets_an_error_naming_what_is_missing() -> None:
-    with pytest.raises(ValueError, match="no submodule with a child module named 'visual'"):
+    with pytest.raises(ValueError, match="no submodule with a child module named 'visual'") as info:
         balance_vision_tower(nn.Sequential(nn.Linear(2, 2)))
+    assert "vision encoder" not in str(info.value)
+    # A model whose encoder has another name (ERNIE-4.5-VL's, Kimi-K2.5's vision_tower) is told where
+    # it is and how to balance it.
+    other = nn.Module()
+    other.model = nn.Module()
+    other.model.vision_tower = nn.Linear(2, 2)
+    with pytest.raises(
+        ValueError, match=r"Its vision encoder is model\.model\.vision_tower, which the drop-in"
+    ):
+        balance_vision_tower(other)
     with pytest.raises(ValueError, match="several vision towers"):
         balance_vision_tower(nn.ModuleList([_NoVideosModel(), _NoVideosModel()]))
     with pytest.raises(ValueError) as info:

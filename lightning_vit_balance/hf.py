@@ -938,7 +938,8 @@ class BalancedVisionTower:
     def _warn_outside(self) -> None:
         """A training call of the tower outside the base forward (ColQwen2, say, calls the tower
         itself, then the base forward with the embeddings): nothing balances it. It is encoded as
-        the plain model does; say so once, rather than balance an empty call every step unseen."""
+        the plain model does. Said once: otherwise the base forward's balanced call, empty at every
+        step, would look like balancing at work."""
         self.unmatched_calls += 1
         if self.unmatched_calls == 1:
             warnings.warn(

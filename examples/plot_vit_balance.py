@@ -340,7 +340,8 @@ def _plot_measured(
 
 
 def _most_often_slowest(slowest_rank: Sequence[tuple[int, float]]) -> str:
-    """``"\nslowest most often: rank r (k of n records)"``, or ``""`` without the series."""
+    """A second title line, ``slowest most often: rank r (k of n records)`` (ties: the lowest
+    rank), or ``""`` without the series."""
     if not slowest_rank:
         return ""
     counts: dict[int, int] = {}

@@ -286,6 +286,7 @@ def _plot_loads(axes: Sequence[Any], loads: Mapping[str, Mapping[int, list]]) ->
     for ax, kind, label in ((axes[0], "before", "without balancing"), (axes[1], "after", "with balancing")):
         series = loads[kind]
         _plot_ranks(ax, series, lw=1.2)
+        _legend(ax)
         ax.set_ylim(0, peak * 1.25)
         ax.set_ylabel("ViT load (cost units)")
         ax.set_title(f"ViT load per rank, {label}")
@@ -308,14 +309,19 @@ def _plot_timings(ax: Any, timings: Mapping[str, Sequence[tuple[int, float]]], t
 
 
 def _plot_ranks(ax: Any, series: Mapping[int, list], lw: float) -> None:
-    """One line per rank, named in a legend up to :data:`LEGEND_RANKS` ranks, thin and grey beyond."""
+    """One line per rank, labelled for the legend up to :data:`LEGEND_RANKS` ranks, thin and grey beyond."""
     few = len(series) <= LEGEND_RANKS
     for rank, pairs in series.items():
         if pairs:
             style = {"marker": ".", "lw": lw, "label": f"rank {rank}"} if few else {"lw": 0.5, "color": "0.7"}
             ax.plot(*zip(*pairs), **style)
-    if series and few:
-        ax.legend(loc="upper right", fontsize=8, ncol=min(len(series), 8))
+
+
+def _legend(ax: Any) -> None:
+    """The panel's named lines in a legend, up to 8 columns; none without named lines."""
+    handles, labels = ax.get_legend_handles_labels()
+    if labels:
+        ax.legend(handles, labels, loc="upper right", fontsize=8, ncol=min(len(labels), 8))
 
 
 def _plot_measured(
@@ -333,9 +339,7 @@ def _plot_measured(
         "Measured ViT time per rank (vit_balance/vit_ms: each step shows the previous call)"
         + _most_often_slowest(summary["slowest_rank"])
     )
-    if summary["max"] or len(measured) <= LEGEND_RANKS:
-        handles, labels = ax.get_legend_handles_labels()
-        ax.legend(handles, labels, loc="upper right", fontsize=8, ncol=min(len(labels), 8))
+    _legend(ax)
     ax.grid(alpha=0.3)
 
 

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_vit_balance import CostModel, ViTBalanceConfig, plan_rebalance
+from lightning_vit_balance import CostModel, RebalancePlan, ViTBalanceConfig, plan_rebalance
 from lightning_vit_balance.simulate.dataset import read_dataset
+from lightning_vit_balance.solvers import tuning
 
 PATCH_PX = 14
 MERGE = 2
@@ -348,6 +349,64 @@ def videos_by_step(sizes: list[int], per_rank: list[int], batches: int) -> None:
             print(f"{num_ranks:>4} {count:>12} | {none:>9.2f}x {whole:>5.2f}x {split:>6.2f}x")
 
 
+def long_video_ranks(rng: np.random.Generator, num_ranks: int, steps: int) -> list[list[int]]:
+    """Each rank's one or two videos split by temporal step (``steps / 2`` to ``steps`` steps of
+    frames between 224x224 and 448x448 pixels, each step an item of one frame's patches), then up
+    to three photos (56x56 px to ~0.4 MP)."""
+    counts = []
+    for _ in range(num_ranks):
+        row: list[int] = []
+        for frame in image_patches(rng, 224, 448, int(rng.integers(1, 3))).tolist():
+            row += [frame] * int(rng.integers(steps // 2, steps + 1))
+        counts.append(row + image_patches(rng, 56, 640, int(rng.integers(0, 4))).tolist())
+    return counts
+
+
+def long_videos(points: list[tuple[int, int]], batches: int) -> None:
+    """Many items per rank (long videos split by step): plan time next to the heap LPT, makespan,
+    rows moved next to their bound, and the rows home-first would move (shed-and-fit off)."""
+    print("\nLong videos split by temporal step (1-2 videos of steps/2 to steps steps per rank, up to 3")
+    print(f"photos): medians over {batches} batches; CPU time, best of 3 runs; skip rules off; home-first =")
+    print("the default with shed-and-fit off (what planned these batches before it)")
+    header = f"{'P':>4} {'steps':>5} {'items':>6} | {'heap LPT ms':>11} {'default ms':>10} {'ratio':>6} |"
+    print(header + f" {'mk/LB':>6} {'moved':>6} {'xLB':>5} | {'home-first: moved':>17} {'xLB':>5}")
+    forced = ViTBalanceConfig(**FORCED)
+    for num_ranks, steps in points:
+        rng = np.random.default_rng(7 * num_ranks + steps)
+        rows: dict[str, list[float]] = collections.defaultdict(list)
+        for _ in range(batches):
+            counts = long_video_ranks(rng, num_ranks, steps)
+            heap = best_time(lambda c=counts: heap_lpt(c), inner=1)
+            plan_s = best_time(lambda c=counts: plan_rebalance(c, forced), inner=1)
+            plan = plan_rebalance(counts, forced)
+            before = _without_shed_and_fit(counts, forced)
+            rows["items"].append(sum(map(len, counts)))
+            rows["heap"].append(1e3 * heap)
+            rows["plan"].append(1e3 * plan_s)
+            rows["ratio"].append(plan_s / heap)
+            rows["mk"].append(plan.makespan_after / plan.lower_bound)
+            rows["moved"].append(100.0 * plan.moved_patches / plan.total_patches)
+            rows["xlb"].append(plan.moved_patches / max(plan.moved_patches_lower_bound, 1.0))
+            rows["before"].append(100.0 * before.moved_patches / before.total_patches)
+            rows["before_xlb"].append(before.moved_patches / max(before.moved_patches_lower_bound, 1.0))
+        med = {k: statistics.median(v) for k, v in rows.items()}
+        print(
+            f"{num_ranks:>4} {steps:>5} {med['items']:>6.0f} | {med['heap']:>11.2f} {med['plan']:>10.2f} "
+            f"{med['ratio']:>5.1f}x | {med['mk']:>6.4f} {med['moved']:>5.1f}% {med['xlb']:>5.2f} | "
+            f"{med['before']:>16.1f}% {med['before_xlb']:>5.2f}"
+        )
+
+
+def _without_shed_and_fit(counts: list[list[int]], config: ViTBalanceConfig) -> RebalancePlan:
+    """The default's plan with shed-and-fit off (a tuning constant, set back afterwards)."""
+    saved = tuning.FIT_FROM_PER_RANK
+    tuning.FIT_FROM_PER_RANK = 1 << 62
+    try:
+        return plan_rebalance(counts, config)
+    finally:
+        tuning.FIT_FROM_PER_RANK = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer draws, for a smoke run")
@@ -359,6 +418,7 @@ def main() -> None:
         small_p([2, 8], batches=3, per_rank=(8, 8))
         small_p_real([2, 8], [2], batches=3)
         videos_by_step([8], [1, 2], batches=3)
+        long_videos([(2, 256), (8, 64)], batches=2)
         return
     points = [
         (8, 40, True),
@@ -377,6 +437,8 @@ def main() -> None:
     small_p([2, 4, 8, 16, 32, 64], batches=12, per_rank=(8, 8))
     small_p_real([2, 4, 8, 16, 32, 64], [2, 4, 8], batches=20)
     videos_by_step([2, 8, 64, 512], [1, 2, 4], batches=30)
+    long = [(num_ranks, steps) for num_ranks in (2, 8, 32) for steps in (64, 256, 1024)]
+    long_videos([*long, (128, 64), (128, 256)], batches=5)
     print(f"\n(benchmark took {time.perf_counter() - start:.0f} s)")
 
 

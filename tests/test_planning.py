@@ -33,7 +33,9 @@ from lightning_vit_balance.solvers.locality import (
     fill_empty_ranks,
     home_first,
     home_first_blocks,
+    shed_and_fit,
     shed_and_place,
+    shed_by_cost_per_row,
 )
 from lightning_vit_balance.solvers.lpt import (
     _relabel_arrays,
@@ -644,6 +646,93 @@ def test_vectorised_path_invariants(seed: int) -> None:
     assert min(len(plan.arrivals(r)) for r in range(num_ranks)) >= 1
     assert plan.makespan_after < plan.makespan_before
     assert plan == plan_rebalance(counts, FORCED)
+
+
+def _video_frames(rng: np.random.Generator, num_ranks: int, frames: tuple[int, int]) -> list[list[int]]:
+    """Each rank's one or two videos split by temporal step (runs of one frame size), then up to
+    three small images."""
+    counts = []
+    for _ in range(num_ranks):
+        row: list[int] = []
+        for _ in range(int(rng.integers(1, 3))):
+            row += [int(rng.choice([16, 20, 24, 28, 32, 36])) ** 2] * int(rng.integers(*frames))
+        counts.append(row + (rng.integers(4, 24, int(rng.integers(0, 4))) ** 2).tolist())
+    return counts
+
+
+@pytest.mark.parametrize("fit", [True, False], ids=["shed-and-fit", "home-first"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_many_images_on_few_ranks_invariants(seed: int, fit: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Videos split by step on 3-12 ranks, hundreds of images each, one rank empty: the numpy
+    # variants' plans, by shed-and-fit (many images per rank) or, when it is off, the heaps'
+    # home-first (few ranks) and what follows it.
+    if not fit:
+        monkeypatch.setattr(tuning, "FIT_FROM_PER_RANK", 10**9)
+    rng = np.random.default_rng(seed)
+    num_ranks = (3, 5, 12)[seed]
+    counts = _video_frames(rng, num_ranks, (100, 400))
+    counts[-1] = []
+    plan = plan_rebalance(counts, FORCED)
+    reference = plan_rebalance(counts, SEED_FORCED)
+    assert sum(map(len, counts)) > tuning.VECTORISE_ABOVE
+    assert plan.applied
+    assert recomputed_loads(plan) == plan.loads_after
+    arrivals = sorted(a for rank in range(num_ranks) for a in plan.arrivals(rank))
+    assert arrivals == [(r, i) for r, row in enumerate(counts) for i in range(len(row))]
+    assert min(len(plan.arrivals(r)) for r in range(num_ranks)) >= 1
+    assert plan.makespan_after <= reference.makespan_after * (1.0 + tuning.SLACK) * (1 + 1e-9)
+    assert plan == plan_rebalance(counts, FORCED)
+
+
+def test_shed_by_cost_per_row_by_hand() -> None:
+    # Cost n + 2 per image: the 1-patch images carry 3 per row, the 4-patch one 1.5. Rank 0 (load
+    # 15) must shed 6 to reach 9: two small images (2 rows), not the large one (4 rows) and a
+    # small one. Rank 1 is within the target and sheds nothing.
+    batch = Batch.build(
+        _validate_patch_counts([[4, 1, 1, 1], [1], []]), CostModel(quadratic=0.0, linear=1.0, constant=2.0)
+    )
+    assert shed_by_cost_per_row(batch, 9.0).tolist() == [False, True, True, False, False]
+    # Fitted under 9: rank 1 (room 6) takes both. Under 8, best fit: the first to rank 1 (room 5,
+    # the least that holds 3), the second to the empty rank 2 (room 8), as rank 1 has 2 left.
+    assert shed_and_fit(batch, 9.0, 9.0).tolist() == [0, 1, 1, 0, 1]
+    assert shed_and_fit(batch, 9.0, 8.0).tolist() == [0, 1, 2, 0, 1]
+    # Nowhere room enough: the roomiest rank takes it.
+    assert shed_and_fit(batch, 9.0, 2.0).tolist() == [0, 2, 2, 0, 1]
+
+
+def test_many_images_per_rank_move_about_the_fewest_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Long videos split by step on 4-16 ranks: shed-and-fit plans within the slack of the bound
+    # and moves within 5% of the fewest rows any plan that good must move (measured: within 1%).
+    # Home-first, which planned these batches before, moved 1.7-2.2x as many rows.
+    rng = np.random.default_rng(0)
+    moved, moved_before = 0, 0
+    for num_ranks in (4, 8, 16):
+        counts = _video_frames(rng, num_ranks, (100, 300))
+        plan = plan_rebalance(counts, FORCED)
+        batch = Batch.build(_validate_patch_counts(counts), CostModel())
+        assert batch.size >= tuning.FIT_FROM_PER_RANK * num_ranks
+        assert plan.makespan_after <= batch.tight_bound * (1.0 + tuning.SLACK) * (1 + 1e-9)
+        assert plan.moved_patches <= 1.05 * plan.moved_patches_lower_bound
+        with monkeypatch.context() as patched:
+            patched.setattr(tuning, "FIT_FROM_PER_RANK", 10**9)
+            moved_before += plan_rebalance(counts, FORCED).moved_patches
+        moved += plan.moved_patches
+    assert moved_before >= 1.5 * moved
+
+
+def test_numpy_variants_on_few_ranks_run_home_first_with_the_heaps() -> None:
+    # Blocks of P images cost a dozen numpy calls each: up to HOME_FIRST_HEAPS_UP_TO_RANKS ranks
+    # the exact heaps place the images instead; beyond, the blocks.
+    rng = np.random.default_rng(4)
+    for num_ranks in (3, tuning.HOME_FIRST_HEAPS_UP_TO_RANKS, tuning.HOME_FIRST_HEAPS_UP_TO_RANKS + 1):
+        counts = [rng.integers(1, 3000, 30).tolist() for _ in range(num_ranks)]
+        batch = Batch.build(_validate_patch_counts(counts), CostModel())
+        placed = select._home_first_many(batch, batch.lower_bound)
+        assert isinstance(placed, np.ndarray)
+        if num_ranks <= tuning.HOME_FIRST_HEAPS_UP_TO_RANKS:
+            assert placed.tolist() == home_first(batch, batch.lower_bound, None)
+        else:
+            assert placed.tolist() == home_first_blocks(batch, batch.lower_bound).tolist()
 
 
 def _reference_seed_plan(counts: list[list[int]], ratio: float | None, linear: bool) -> list[list[int]]:

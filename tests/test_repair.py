@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from dataclasses import replace
 
@@ -13,9 +14,18 @@ from hypothesis import strategies as st
 from lightning_vit_balance import CostModel, ViTBalanceConfig, plan_rebalance
 from lightning_vit_balance.planning import _validate_patch_counts
 from lightning_vit_balance.solvers import Batch, select, tuning
+from lightning_vit_balance.solvers import repair as repair_module
 from lightning_vit_balance.solvers.batch import rank_loads
 from lightning_vit_balance.solvers.locality import fill_empty_ranks, shed_and_place
-from lightning_vit_balance.solvers.repair import _best_fit, _best_single, _better, _Exchange, _State, repair
+from lightning_vit_balance.solvers.repair import (
+    _best_exchange,
+    _best_fit,
+    _best_single,
+    _better,
+    _Exchange,
+    _State,
+    repair,
+)
 
 FORCED = ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0)
 LINEAR = CostModel(quadratic=0.0, linear=1.0)  # cost = patches: hand-checkable sums
@@ -196,6 +206,93 @@ def test_single_exchange_search_equals_a_scan(
             if receiver != relieved:
                 found = _best_single(state, relieved, receiver, low, low + width, fill)
                 assert found == _best_single_by_scan(state, relieved, receiver, low, low + width, fill)
+
+
+def _best_exchange_by_scan(state: _State, relieved: int, receiver: int, low: float, high: float, fill: bool):
+    """Every pair of groups in the search's order, none left out: the groups sent as combinations
+    of the relieved rank's images (singles, then pairs), those sent back by cost and then images,
+    nothing back first; with ``fill`` only the first sent back in the window; each kept if it
+    beats the best so far."""
+    cost = state.batch.cost
+
+    def groups(images: list[int]) -> list[tuple[float, tuple[int, ...]]]:
+        found = []
+        for size in range(1, tuning.EXCHANGE_SIZE + 1):
+            found += [(sum(cost[k] for k in ids), ids) for ids in itertools.combinations(images, size)]
+        return found
+
+    mine = state.members[relieved]
+    back = [(0.0, ()), *sorted(groups(state.members[receiver]))]
+    best = None
+    for sent_cost, sent in groups(mine):
+        window = [(c, ids) for c, ids in back if sent_cost - high <= c <= sent_cost - low]
+        if fill:
+            later = [(c, ids) for c, ids in back if c >= sent_cost - high]
+            window = later[:1]
+        for back_cost, returned in window:
+            shift = sent_cost - back_cost
+            if shift <= 0.0 or (state.batch.must_hold[relieved] and not returned and len(sent) == len(mine)):
+                continue
+            rows = sum(state.rows_added(k, relieved, receiver) for k in sent)
+            rows += sum(state.rows_added(k, receiver, relieved) for k in returned)
+            candidate = _Exchange(rows, shift, sent, returned)
+            if _better(candidate, best, fill):
+                best = candidate
+    return best
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    counts=st.lists(st.lists(st.sampled_from([4, 6, 10, 20]), max_size=7), min_size=2, max_size=4),
+    dest_seed=st.integers(0, 2**16),
+    low=st.sampled_from([0.0, 1.0, 6.0, 14.0]),
+    width=st.sampled_from([0.0, 2.0, 10.0, 40.0]),
+    fill=st.booleans(),
+)
+def test_group_exchange_search_equals_a_scan(
+    counts: list[list[int]], dest_seed: int, low: float, width: float, fill: bool
+) -> None:
+    # The search tries only the first of the groups alike in cost, rows and size, which leaves a
+    # handful of the groups of many equal images; a scan of every pair of groups in the same
+    # order must find the same exchange (a later group alike can only tie, and ties go to the
+    # first found). Few sizes, so most groups have twins.
+    batch = _batch(counts)
+    rng = np.random.default_rng(dest_seed)
+    dest = rng.integers(0, batch.num_ranks, batch.size).tolist()
+    state = _State(batch, dest, rank_loads(batch, dest))
+    for relieved in range(batch.num_ranks):
+        for receiver in range(batch.num_ranks):
+            if receiver != relieved:
+                found = _best_exchange(state, relieved, receiver, low, low + width, fill)
+                assert found == _best_exchange_by_scan(state, relieved, receiver, low, low + width, fill)
+
+
+def test_group_exchanges_only_between_ranks_with_few_images(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rank's groups grow as the square of its images and the pairs tried as the square of that.
+    # Beyond GROUP_EXCHANGES_UP_TO images on either side no group exchange is searched.
+    batch = _batch([[19, 5, 2], [11, 2]])
+    state = _State(batch, list(batch.home), list(batch.loads))
+    assert _best_exchange(state, 0, 1, 6.0, 7.0, fill=False) is not None
+    monkeypatch.setattr(tuning, "GROUP_EXCHANGES_UP_TO", 2)
+    assert _best_exchange(state, 0, 1, 6.0, 7.0, fill=False) is None
+    assert _best_exchange(state, 1, 0, 0.0, 20.0, fill=True) is None
+
+
+def test_frames_of_a_few_videos_per_rank_plan_in_few_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Eight ranks with 36-71 frames each of one or two sizes (videos split by step), 418 images:
+    # the lean order repairs, and its group search used to weigh 2.2 million pairs of groups of
+    # equal costs (10 s for one plan). Counted by the scoring rule's calls, it now weighs a few
+    # thousand, and the plan stays within the slack of the seed's makespan.
+    calls = []
+    better = repair_module._better
+    monkeypatch.setattr(repair_module, "_better", lambda *args: calls.append(1) or better(*args))
+    runs = [[(780, 46)], [(512, 71)], [(288, 12), (1368, 24)], [(480, 59)], [(640, 12), (544, 38)]]
+    runs += [[(624, 41)], [(288, 46)], [(520, 69)]]
+    counts = [[size for size, frames in row for _ in range(frames)] for row in runs]
+    plan = plan_rebalance(counts, FORCED)
+    seed = plan_rebalance(counts, replace(FORCED, solver="seed"))
+    assert len(calls) < 50_000
+    assert plan.makespan_after <= seed.makespan_after * (1.0 + tuning.SLACK) * (1 + 1e-9)
 
 
 def test_lean_order_repairs_first_when_many_ranks_are_above(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,6 +12,8 @@ one selection rule:
   grows with ``l``, so they shed the most cost per row), finishing with the image that covers the
   rest of its excess in the fewest rows; the shed images then go, largest first, to the lightest
   rank with room.
+* :func:`shed_and_fit`: for many images per rank, no cap: the shedding in numpy, by cost per row,
+  and the shed images, largest first, each to the rank it fills best under a limit.
 
 :func:`bring_home` and :func:`fill_empty_ranks` adjust a finished plan; :mod:`.select` runs the
 heuristics, finishes their plans and picks one.
@@ -22,6 +24,7 @@ larger than the cap on its own (*pinned*) fits nowhere and stays at home.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from typing import Any
@@ -39,6 +42,7 @@ __all__ = [
     "fill_empty_ranks",
     "home_first",
     "home_first_blocks",
+    "shed_and_fit",
     "shed_and_place",
 ]
 
@@ -141,6 +145,62 @@ def shed_and_place(batch: Batch, target: float, cap: float | None) -> Destinatio
         shed.sort(key=cost.__getitem__, reverse=True)
         _place(batch, shed, dest, cap)
     return dest
+
+
+def shed_and_fit(
+    batch: Batch, target: float, limit: float, give_up_above: float = math.inf
+) -> np.ndarray | None:
+    """Shed every rank down to ``target`` in numpy, then fit the shed images under ``limit``; no cap.
+
+    For many images per rank, where the Python heuristics cost a microsecond or more per image.
+    Shedding (:func:`shed_by_cost_per_row`): each rank above ``target`` sheds the images that carry
+    the most cost per pixel row, until it is within ``target``: the fewest rows for the cost, as
+    the fractional bound on rows moved counts them. Fitting: the shed images, largest first, each
+    go to the rank with the least room under ``limit`` that still holds it (best fit, so the large
+    rooms stay for the large images), or to the roomiest rank when none does (over ``limit``).
+
+    Returns:
+        The destinations, ``[n]`` int64; ``None`` as soon as a rank's load would exceed
+        ``give_up_above`` (loads only grow while fitting, so the plan would too).
+    """
+    arrays, num_ranks = batch.arrays, batch.num_ranks
+    shed = shed_by_cost_per_row(batch, target)
+    dest = arrays.home.copy()
+    ids = arrays.order[shed[arrays.order]]  # largest first
+    if not ids.size:
+        return dest
+    shed_cost = np.bincount(arrays.home[shed], weights=arrays.cost[shed], minlength=num_ranks)
+    left = (np.asarray(batch.loads) - shed_cost).tolist()
+    # (room under the limit, rank), least room first; ties by rank.
+    rooms = sorted((limit - load, r) for r, load in enumerate(left))
+    least_room = limit - give_up_above
+    for k, c in zip(ids.tolist(), arrays.cost[ids].tolist()):
+        i = bisect.bisect_left(rooms, (c, -1))
+        room, r = rooms.pop(min(i, len(rooms) - 1))
+        if room - c < least_room:
+            return None
+        bisect.insort(rooms, (room - c, r))
+        dest[k] = r
+    return dest
+
+
+def shed_by_cost_per_row(batch: Batch, target: float) -> np.ndarray:
+    """Which images the ranks above ``target`` shed (``[n]`` bool): each sheds its images in order
+    of cost per pixel row, most first (ties by index), up to and including the one that brings it
+    within ``target``."""
+    arrays = batch.arrays
+    excess = np.asarray(batch.loads) - target
+    # Images are grouped by home rank already; within each group, most cost per row first.
+    order = arrays.by_cost_per_row
+    ordered_cost = arrays.cost[order]
+    running = np.cumsum(ordered_cost)
+    starts = np.asarray(batch.starts[:-1])
+    before_rank = np.where(starts > 0, running[np.maximum(starts - 1, 0)], 0.0)
+    homes = arrays.home[order]
+    # Shed while what the rank shed before this image does not cover its excess.
+    shed = np.zeros(batch.size, dtype=bool)
+    shed[order] = running - ordered_cost - before_rank[homes] < excess[homes]
+    return shed
 
 
 def _shed(ids: list[int], excess: float, size: list[Any], rows: list[int]) -> set[int]:

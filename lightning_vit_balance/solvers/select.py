@@ -49,6 +49,7 @@ from lightning_vit_balance.solvers.locality import (
     fill_empty_ranks,
     home_first,
     home_first_blocks,
+    shed_and_fit,
     shed_and_place,
 )
 from lightning_vit_balance.solvers.lpt import lpt_reference, refine
@@ -75,6 +76,9 @@ def solve_locality(batch: Batch, config: ViTBalanceConfig) -> Destinations:
     if not _vectorised(batch, cap):
         return _solve_lean(batch, config, cap)
     accept = batch.tight_bound * (1.0 + tuning.SLACK)
+    fitted = _shed_and_fitted(batch, accept)
+    if fitted is not None:
+        return fitted
     closest = _aim_at_the_bound(batch, config, cap, accept)
     candidates = [closest]
     if _worth_repairing(batch, closest, cap):
@@ -255,11 +259,30 @@ def _repair_targets(batch: Batch, accept: float) -> tuple[float, float]:
     return accept, max(accept, batch.tight_bound * (1.0 + tuning.LEAN_SLACK))
 
 
+def _shed_and_fitted(batch: Batch, accept: float) -> np.ndarray | None:
+    """Many images per rank (:data:`~tuning.FIT_FROM_PER_RANK` or more on average; the numpy
+    variants, so no cap): the first plan of :func:`~.locality.shed_and_fit` within ``accept``,
+    aimed as :data:`~tuning.FIT_TRIES` says (a tight fit first, for the lower makespan), each given
+    up as soon as a rank would end above ``accept``; ``None`` when neither is. Such a plan moves
+    about the fewest rows any plan that good must move, so nothing is brought home."""
+    if batch.size < tuning.FIT_FROM_PER_RANK * batch.num_ranks:
+        return None
+    for shed_aim, fit_slack in tuning.FIT_TRIES:
+        target, limit = batch.lower_bound * (1.0 + shed_aim), batch.tight_bound * (1.0 + fit_slack)
+        dest = shed_and_fit(batch, target, limit, give_up_above=accept * (1.0 + tuning.EPS))
+        if dest is None:
+            continue
+        fill_empty_ranks(batch, dest, None)
+        if max(rank_loads(batch, dest)) <= accept * (1.0 + tuning.EPS):
+            return dest
+    return None
+
+
 def _aim_at_the_bound(batch: Batch, config: ViTBalanceConfig, cap: float | None, accept: float) -> Candidate:
     """The numpy variants' plan aimed at the lower bound (step 1): home-first in blocks of ``P``
     images, refined towards ``accept``."""
     lower = batch.tight_bound
-    placed = home_first_blocks(batch, lower)
+    placed = _home_first_many(batch, lower)
     scored = score(batch, placed)
     # Far above the bound (images of similar sizes) the seed's refinement, one rank at a time,
     # rarely reaches it: the paired exchanges take the plan as placed (tuning.PAIRED_ABOVE).
@@ -278,9 +301,18 @@ def _aim_at_the_lpt(
     accept = best * (1.0 + tuning.SLACK)
     candidates = [*candidates, reference]
     if closest <= accept * (1.0 + tuning.RELAX_WITHIN):
-        retry = home_first_blocks(batch, best * (1.0 + tuning.AIM))
+        retry = _home_first_many(batch, best * (1.0 + tuning.AIM))
         candidates.append(_finish(batch, retry, cap, config, accept))
     return candidates, accept
+
+
+def _home_first_many(batch: Batch, target: float) -> np.ndarray:
+    """Home-first for the numpy variants: in blocks of ``P`` images, or with the exact heaps up to
+    :data:`~tuning.HOME_FIRST_HEAPS_UP_TO_RANKS` ranks, where blocks that small cost more than
+    they save."""
+    if batch.num_ranks <= tuning.HOME_FIRST_HEAPS_UP_TO_RANKS:
+        return np.array(home_first(batch, target, None), dtype=np.int64)
+    return home_first_blocks(batch, target)
 
 
 def _seed_reference(batch: Batch, config: ViTBalanceConfig, cap: float | None) -> Candidate:

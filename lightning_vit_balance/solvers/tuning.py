@@ -53,6 +53,30 @@ POLISH_ABOVE_PER_RANK = 8
 #: the solver stays on the heaps at every size: the blocks cannot check the cap.
 VECTORISE_ABOVE = 512
 
+#: Up to this many ranks the numpy variants run home-first with the exact heaps
+#: (:func:`~.locality.home_first`) instead of in blocks of ``P`` images: a block costs a dozen
+#: numpy calls, worth it only when it places many images at once. With few ranks and many images
+#: per rank (videos split by temporal step) the blocks made the plan slow: at P = 2 with ~1,000
+#: images per rank 43-46 ms, with the heaps 1.4-1.6 ms; at P = 8 x 1,000 51-71 ms against 7-10 ms;
+#: at P = 32 x 64-1,000 2-4x faster. At P = 64 the two are within 1.5x either way.
+HOME_FIRST_HEAPS_UP_TO_RANKS = 32
+
+#: With at least this many images per rank on average (and more than :data:`VECTORISE_ABOVE`), the
+#: locality solver tries :func:`~.locality.shed_and_fit` first: long videos split by temporal step,
+#: many small images. On 103 random batches of 513-40,000 images (P = 2-256, 16-512 per rank) it
+#: planned 57 within the slack of the bound, at 0.56x the time of the numpy variants' plans and
+#: moving 0.47x their rows (within 1-2% of the fewest rows any plan that good must move, where
+#: home-first moved 1.4-2.1x that many). Below 32 per rank it rarely fits (images too coarse) and
+#: only adds its time.
+FIT_FROM_PER_RANK = 32
+
+#: The tries of :func:`~.locality.shed_and_fit`, in order: ``(shed aim, fit slack)``, the ranks above
+#: the lower bound shed down to ``(1 + shed aim)`` times it and the shed images fit under
+#: ``(1 + fit slack)`` times the pigeonhole bound. The tight try first: on 48 long-video batches
+#: it fitted 31 at a median makespan 1.0010 of the bound; the loose one (the slack itself) fitted
+#: 37, at 1.0039. The rows moved are the same (0.21 of all rows either way).
+FIT_TRIES = ((0.0, 0.25 * SLACK), (AIM, SLACK))
+
 #: Up to this many images a :class:`~lightning_vit_balance.CostModel` prices them in plain Python
 #: (:meth:`~lightning_vit_balance.CostModel.costs`, the same floats): numpy's fixed cost per call,
 #: a few microseconds for the dozen calls of an array evaluation and its checks, is most of a plan
@@ -136,6 +160,14 @@ EXCHANGE_SIZE = 2
 #: first, once no single move or swap relieves a rank whole: group searches are its costliest
 #: step, and 4 receivers reached the first target in 2 more of those 147 batches than 2 did.
 EXCHANGE_RECEIVERS = 2
+
+#: :func:`~.repair.repair` exchanges groups only between ranks holding at most this many images
+#: each. A rank's groups grow as the square of its images and the pairs of groups tried as the
+#: square of that; only the first of the groups alike in cost and rows is tried, which keeps frames
+#: of one size cheap, but images of many sizes are not alike. Beyond this many single moves and
+#: swaps shift cost in fine steps anyway. At P = 4-16 with 8-48 images of two sizes per rank the
+#: slowest plan took 4-15 ms (before: 6-440 ms), at the same makespans.
+GROUP_EXCHANGES_UP_TO = 32
 
 #: :func:`~.repair.repair` moves on to its next target when a rank is still above the current one
 #: after this many exchanges (each shifts as much cost as its receiver has room for). Of those 147

@@ -9,7 +9,9 @@ exchanges with ranks below it (*receivers*; room: the target minus the load):
   within it. First one image moved, or swapped for a cheaper one, trying the receivers with the
   least room that suffices first (best fit: large rooms stay whole for large excesses); then
   groups of up to :data:`~tuning.EXCHANGE_SIZE` images each way with the
-  :data:`~tuning.EXCHANGE_RECEIVERS` roomiest. Scoring: the pixel rows the exchange adds (an
+  :data:`~tuning.EXCHANGE_RECEIVERS` roomiest, between ranks holding at most
+  :data:`~tuning.GROUP_EXCHANGES_UP_TO` images (of the groups alike in cost and rows, the first
+  alone). Scoring: the pixel rows the exchange adds (an
   image leaving its home adds its rows, one coming home takes them off); selection: the fewest,
   the first found on ties.
 * *Partial relief*, when no exchange relieves the rank whole: the exchange that shifts the most
@@ -237,14 +239,16 @@ def _best_single(
 
 def _groups(state: _State, images: list[int], src: int, dst: int) -> list[_Group]:
     """Every group of up to :data:`~tuning.EXCHANGE_SIZE` of ``images`` with its summed cost
-    (summed in the order of ``images``) and the pixel rows moving it from ``src`` to ``dst`` adds."""
+    (summed in the order of ``images``, from 0.0 as :func:`~.batch.add_up` sums) and the pixel rows
+    moving it from ``src`` to ``dst`` adds."""
     cost = state.batch.cost
-    rows = {k: state.rows_added(k, src, dst) for k in images}
-    return [
-        (add_up(map(cost.__getitem__, ids)), ids, sum(map(rows.__getitem__, ids)))
-        for size in range(1, tuning.EXCHANGE_SIZE + 1)
-        for ids in combinations(images, size)
-    ]
+    singles = [(cost[k], (k,), state.rows_added(k, src, dst)) for k in images]
+    groups = list(singles)
+    for size in range(2, tuning.EXCHANGE_SIZE + 1):
+        for combined in combinations(singles, size):
+            costs, ids, rows = zip(*combined)
+            groups.append((add_up(costs), sum(ids, ()), sum(rows)))
+    return groups
 
 
 def _first_of_each(groups: list[_Group]) -> list[_Group]:

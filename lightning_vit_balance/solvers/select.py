@@ -2,11 +2,17 @@
 
 It does the least work that finds a good plan, in steps:
 
+0. *Shed and fit*: with many images (numpy variants) and at least
+   :data:`~tuning.FIT_FROM_PER_RANK` per rank (long videos split by temporal step), the ranks
+   above the bound shed their images with the most cost per row and the shed images are fitted
+   into the others' room (:func:`~.locality.shed_and_fit`); a plan within :data:`~tuning.SLACK`
+   of the bound is final, and moves about the fewest rows any plan that good must.
 1. *At the bound*: shed-and-place aims at the lower bound ``max(total / P, largest image)``
    (or the pigeonhole bound, :attr:`~.batch.Batch.tight_bound`, when higher), refined only until
    it is within :data:`~tuning.SLACK` of it; when it misses the bound by many ranks and the
    largest images are a large share of it, home-first aimed at the bound gets its try. With many
-   images (numpy variants) home-first in blocks of ``P`` replaces both.
+   images (numpy variants) home-first replaces both: in blocks of ``P`` images, or on the exact
+   heaps up to :data:`~tuning.HOME_FIRST_HEAPS_UP_TO_RANKS` ranks.
 2. *Repair* (no cap): when the closest plan is more than :data:`~tuning.LEAN_SLACK` above the
    bound (images of similar sizes, which whole images cannot spread evenly), it is repaired
    (:func:`~.repair.repair`): ranks above the bound exchange images with ranks below it until
@@ -279,8 +285,8 @@ def _shed_and_fitted(batch: Batch, accept: float) -> np.ndarray | None:
 
 
 def _aim_at_the_bound(batch: Batch, config: ViTBalanceConfig, cap: float | None, accept: float) -> Candidate:
-    """The numpy variants' plan aimed at the lower bound (step 1): home-first in blocks of ``P``
-    images, refined towards ``accept``."""
+    """The numpy variants' plan aimed at the lower bound (step 1): home-first
+    (:func:`_home_first_many`), refined towards ``accept``."""
     lower = batch.tight_bound
     placed = _home_first_many(batch, lower)
     scored = score(batch, placed)

@@ -44,6 +44,7 @@ __all__ = [
     "home_first_blocks",
     "shed_and_fit",
     "shed_and_place",
+    "shed_by_cost_per_row",
 ]
 
 

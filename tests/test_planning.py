@@ -423,6 +423,13 @@ def test_determinism_across_processes() -> None:
         "counts = [rng.integers(784, 1297, rng.integers(4, 13)).tolist() for _ in range(384)]\n"
         "plan = plan_rebalance(counts, ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))\n"
         "out.append([plan.destinations, plan.loads_after, plan.reason])\n"
+        "# many images per rank on few ranks: frames of long videos (shed-and-fit), then photos\n"
+        "videos = (rng.choice([16, 24, 32], 4), rng.integers(100, 300, 4))\n"
+        "for sides, steps in (videos, ([8] * 6, [1] * 6)):\n"
+        "    photos = [rng.integers(1, 3000, 100).tolist() for _ in sides]\n"
+        "    counts = [[int(s) ** 2] * int(t) + p for s, t, p in zip(sides, steps, photos)]\n"
+        "    plan = plan_rebalance(counts, ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))\n"
+        "    out.append([plan.destinations, plan.loads_after, plan.reason])\n"
         "print(json.dumps(out))\n"
     )
     # The three interpreters start side by side: their imports, not the plans, take the time.

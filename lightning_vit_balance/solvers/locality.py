@@ -153,11 +153,12 @@ def shed_and_fit(
 ) -> np.ndarray | None:
     """Shed every rank down to ``target`` in numpy, then fit the shed images under ``limit``; no cap.
 
-    For many images per rank, where the Python heuristics cost a microsecond or more per image.
-    Shedding (:func:`shed_by_cost_per_row`): each rank above ``target`` sheds the images that carry
-    the most cost per pixel row, until it is within ``target``: the fewest rows for the cost, as
-    the fractional bound on rows moved counts them. Fitting: the shed images, largest first, each
-    go to the rank with the least room under ``limit`` that still holds it (best fit, so the large
+    For many images per rank, where the other heuristics' Python loops over every image cost the
+    most: the shedding is vectorised, and only the shed images are fitted one by one. Shedding
+    (:func:`shed_by_cost_per_row`): each rank above ``target`` sheds the images that carry the
+    most cost per pixel row, until it is within ``target``: the fewest rows for the cost, as the
+    fractional bound on rows moved counts them. Fitting: the shed images, largest first, each go
+    to the rank with the least room under ``limit`` that still holds it (best fit, so the large
     rooms stay for the large images), or to the roomiest rank when none does (over ``limit``).
 
     Returns:

@@ -25,6 +25,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -682,7 +683,9 @@ class ReturnLayout:
             ``worker`` encoded.
         receive_splits: Transit elements received from each worker rank.
         restore: ``restore[k]``: row slices of the received rows of output ``k`` that put this rank's
-            images back in their original order; ``None`` when they already are.
+            images back in their original order, adjacent ones merged (images that came back one
+            after the other from one worker: one slice, e.g. a video's temporal steps); ``None``
+            when they already are in order.
     """
 
     send_rows: tuple[tuple[tuple[int, int], ...], ...]
@@ -726,18 +729,20 @@ class ReturnLayout:
             sum((b - a) * e for (a, b), e in zip(ranges, row_elements)) for ranges in send_rows
         )
         mine = plan.patch_counts[route.rank]
-        rows_from = [[0] * len(kinds) for _ in range(plan.num_ranks)]
+        image_rows = {kind: [rows_per_image(kind, n, merge_size) for n in mine] for kind in set(kinds)}
+        rows_from = [dict.fromkeys(image_rows, 0) for _ in range(plan.num_ranks)]
         for i, worker in enumerate(route.destinations):
-            for k, kind in enumerate(kinds):
-                rows_from[worker][k] += rows_per_image(kind, mine[i], merge_size)
-        receive_rows = tuple(tuple(rows) for rows in rows_from)
+            for kind, rows in image_rows.items():
+                rows_from[worker][kind] += rows[i]
+        receive_rows = tuple(tuple(rows[kind] for kind in kinds) for rows in rows_from)
         receive_splits = tuple(sum(r * e for r, e in zip(rows, row_elements)) for rows in receive_rows)
         restore = None
-        if list(route.send_order) != sorted(route.send_order):
-            position = {image: p for p, image in enumerate(route.send_order)}
-            inverse = [position[i] for i in range(len(mine))]
+        if any(a > b for a, b in pairwise(route.send_order)):
+            position = [0] * len(mine)
+            for p, image in enumerate(route.send_order):
+                position[image] = p
             restore = tuple(
-                row_slices([rows_per_image(kind, mine[i], merge_size) for i in route.send_order], inverse)
+                tuple(_runs(row_slices([image_rows[kind][i] for i in route.send_order], position)))
                 for kind in kinds
             )
         return cls(send_rows, send_splits, receive_rows, receive_splits, restore)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -208,15 +209,16 @@ class _UnpackFunction(torch.autograd.Function):
 
 
 def _arrival_order(grad: torch.Tensor, restore: Sequence[tuple[int, int]] | None) -> torch.Tensor:
-    """An output's gradient with its rows back in the order they arrived in (the inverse of restore)."""
+    """An output's gradient with its rows back in the order they arrived in (the inverse of restore).
+
+    The slices of ``restore`` tile the received rows, so sorting them by where they arrived gives
+    the arrival order as one ``cat`` of views of ``grad`` (one copy, not one per slice).
+    """
     if restore is None:
         return grad
-    arrived = torch.empty_like(grad)
-    at = 0
-    for a, b in restore:
-        arrived[a:b] = grad[at : at + b - a]
-        at += b - a
-    return arrived
+    starts = list(accumulate((b - a for a, b in restore), initial=0))
+    by_arrival = sorted(range(len(restore)), key=lambda j: restore[j][0])
+    return torch.cat([grad[starts[j] : starts[j + 1]] for j in by_arrival])
 
 
 def _pick_rows(chunks: Sequence[torch.Tensor], slices: Sequence[tuple[int, int]]) -> list[torch.Tensor]:

@@ -100,6 +100,36 @@ def test_return_layout_sizes_and_order() -> None:
     assert empty.receive_splits == (0, 0, 0) and empty.restore is None
 
 
+def test_restore_merges_images_that_come_back_one_after_the_other() -> None:
+    # Rank 0's six images (frames of a video, say): 1-3 are encoded by rank 1, the rest at home.
+    # They come back as 0, 4, 5 (rank 0's own), then 1, 2, 3: the original order is three runs of
+    # the received rows, not six slices, so the return trip copies three pieces each way.
+    counts = ((4, 4, 4, 4, 8, 4), (16,))
+    plan = _hand_plan(counts, ((0, 1, 1, 1, 0, 0), (1,)), power=1)
+    layout = ReturnLayout.from_plan(plan, 0, ["patch", "merged"], 2, [3, 1])
+    assert layout.restore == (((0, 4), (16, 28), (4, 16)), ((0, 1), (4, 7), (1, 4)))
+    received = torch.cat([torch.full((counts[0][i], 1), i) for i in (0, 4, 5, 1, 2, 3)])
+    expected = [i for i, n in enumerate(counts[0]) for _ in range(n)]
+    assert take_rows(received, layout.restore[0]).reshape(-1).tolist() == expected
+
+    # Through the codec, values and gradients equal slicing and cat under plain autograd.
+    leaves = [torch.randn(28, 3, dtype=torch.float64), torch.randn(7, 1, dtype=torch.float64)]
+    transit = transit_dtype([leaf.dtype for leaf in leaves])
+    elements = [elements_per_row(leaf, transit) for leaf in leaves]
+    back = torch.randn(sum(layout.receive_splits), dtype=transit, requires_grad=True)
+    returned = unpack_return(back, leaves, layout, elements)
+    reference = _plain_unpack(back, leaves, layout)
+    assert all(torch.equal(out, want) for out, want in zip(returned, reference))
+    weights = [torch.randn(leaf.shape, dtype=leaf.dtype) for leaf in leaves]
+
+    def loss(outputs: list[torch.Tensor]) -> torch.Tensor:
+        return sum((out * weight).sum() for out, weight in zip(outputs, weights))
+
+    (got,) = torch.autograd.grad(loss(returned), back)
+    (want,) = torch.autograd.grad(loss(reference), back)
+    assert torch.equal(got, want)
+
+
 def test_return_layout_matches_the_route() -> None:
     plan = _plan()
     for rank in range(plan.num_ranks):

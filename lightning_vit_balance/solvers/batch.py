@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import math
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import reduce
 from itertools import accumulate, chain, pairwise
@@ -26,7 +26,16 @@ from lightning_vit_balance.caching import cached_value
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.solvers import tuning
 
-__all__ = ["Batch", "Destinations", "add_up", "group_order", "rank_loads", "rank_patches", "score"]
+__all__ = [
+    "Batch",
+    "Destinations",
+    "add_up",
+    "first_of_alike",
+    "group_order",
+    "rank_loads",
+    "rank_patches",
+    "score",
+]
 
 #: ``dest[k]``: the rank that encodes image ``k``. A list, or an int64 array in the numpy variants.
 Destinations = list[int] | np.ndarray
@@ -254,6 +263,22 @@ def add_up(values: Iterable[float]) -> float:
 
 #: Whether the builtin :func:`sum` adds floats one by one (before Python 3.12).
 _SUM_ADDS_LEFT_TO_RIGHT = sys.version_info < (3, 12)
+
+
+def first_of_alike(keys: Iterable[Hashable]) -> list[int]:
+    """Positions of the first of ``keys`` equal to each other, ascending (one per distinct key).
+
+    The searches score candidates by what the key holds (cost, pixel rows), keep the first found
+    on ties and replace it only by a strictly better one, so the later candidates alike can only
+    tie: trying the first of each is exact. Frames of one video are alike by the hundred.
+    """
+    seen: set[Hashable] = set()
+    first = []
+    for position, key in enumerate(keys):
+        if key not in seen:
+            seen.add(key)
+            first.append(position)
+    return first
 
 
 def group_order(groups: np.ndarray, num_groups: int) -> np.ndarray:

@@ -324,6 +324,10 @@ def bring_home(batch: Batch, dest: Destinations, limit: float, must_hold: list[b
         # Largest first, ties by index (a stable sort keeps them in index order).
         away = sorted([k for k, d in enumerate(dest) if d != home[k]], key=patches.__getitem__, reverse=True)
         changed = False
+        # ``fruitless[h, d]``: images on ``d`` for which no swap with their home ``h`` was found
+        # since either rank last changed, by what the search reads of them (cost, patches): one
+        # alike (a frame of the same video, say) would find none either.
+        fruitless: dict[tuple[int, int], set[tuple[float, int]]] = {}
         for k in away:
             h, d = home[k], dest[k]
             if d == h:
@@ -331,8 +335,10 @@ def bring_home(batch: Batch, dest: Destinations, limit: float, must_hold: list[b
             if load[h] + cost[k] <= limit and (len(members[d]) > 1 or not must_hold[d]):
                 partner = -1
             else:
-                partner = _best_swap(batch, k, members[h], dest, load, limit)
+                tried, alike = fruitless.setdefault((h, d), set()), (cost[k], patches[k])
+                partner = -1 if alike in tried else _best_swap(batch, k, members[h], dest, load, limit)
                 if partner < 0:
+                    tried.add(alike)
                     continue
             for j, src, dst in ((k, d, h), (partner, h, d)):
                 if j >= 0:
@@ -342,6 +348,8 @@ def bring_home(batch: Batch, dest: Destinations, limit: float, must_hold: list[b
                     load[dst] += cost[j]
                     load[src] -= cost[j]
             changed = True
+            for pair in [pair for pair in fruitless if h in pair or d in pair]:
+                del fruitless[pair]
         if not changed:
             break
     return dest

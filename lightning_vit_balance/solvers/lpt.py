@@ -24,7 +24,7 @@ import numpy as np
 
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.solvers import tuning
-from lightning_vit_balance.solvers.batch import Batch, Destinations, add_up, rank_patches
+from lightning_vit_balance.solvers.batch import Batch, Destinations, add_up, first_of_alike, rank_patches
 from lightning_vit_balance.solvers.roomheap import RoomHeap
 
 __all__ = ["lpt", "lpt_blocks", "lpt_reference", "refine", "relabel", "solve_lpt"]
@@ -217,7 +217,9 @@ def _best_step(batch: Batch, heavy_ids: list[int], light_ids: list[int], pair: _
     light_costs = [cost[k] for k in light_ids]
     best_a, best_b = -1, -1
     bar = high - tuning.REFINE_MIN_STEP  # a step must score below this
-    for a, ka in enumerate(heavy_ids):
+    # Of the heaviest rank's images alike in cost and patches only the first is tried.
+    for a in first_of_alike((cost[k], patches[k]) for k in heavy_ids):
+        ka = heavy_ids[a]
         ca = cost[ka]
         # A move only adds to the lightest rank, whatever both_sides says.
         if cap is None or pair.held_light + patches[ka] <= cap:

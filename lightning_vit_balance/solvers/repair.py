@@ -215,11 +215,24 @@ def _best_single(
     theirs, theirs_costs = state.members[receiver], state.member_costs[receiver]
     may_empty = len(mine) > 1 or not state.batch.must_hold[relieved]
     best: _Exchange | None = None
+    # Of the images alike in cost and rows added only the first is tried: a later one makes the
+    # same exchanges, which can only tie, and ties keep the first found. The scan is by cost, so
+    # alike ones come in runs of one cost (frames of one video, by the hundred); ``tried``: the
+    # rows added by the images of the current run tried so far, read from the run's second on.
+    run_cost, tried = -1.0, ()
     # The costliest first (the cheaper ones shift less), down to the cheapest that shifts ``low``.
     for i in range(len(mine) - 1, bisect_left(mine_costs, low) - 1, -1):
         a, ca = mine[i], mine_costs[i]
         if ca <= 0.0:
             break
+        if ca == run_cost:
+            tried = tried or (state.rows_added(mine[i + 1], relieved, receiver),)
+            rows = state.rows_added(a, relieved, receiver)
+            if rows in tried:
+                continue
+            tried = (*tried, rows)
+        else:
+            run_cost, tried = ca, ()
         if ca <= high and may_empty:
             step = _Exchange(state.rows_added(a, relieved, receiver), ca, (a,), ())
             if _better(step, best, fill):

@@ -54,7 +54,7 @@ from lightning_vit_balance.exchange import (
     grid_rows,
     host_device,
     host_to_device,
-    row_slices,
+    row_runs,
     start_pixel_trip,
     start_status,
     take_rows,
@@ -478,7 +478,7 @@ class ViTBalancer:
         # the home images).
         self._clock.start(pixel_values.device)
         if home:
-            rows = take_rows(pixel_values, row_slices(mine, home))
+            rows = take_rows(pixel_values, row_runs(mine, home))
             home_encoded = self._encode(
                 call, vit, self._batch(rows, rows, [(call.rank, i) for i in home], metadata, grid_thw)
             )
@@ -560,11 +560,13 @@ class ViTBalancer:
             vit_us=self._clock.read(),
             check_device=check_device,
         )
-        if self.config.split_videos:
-            local = local.frames_as_items()
         metadata, collectives = gather_metadata(
             local, capacity=GATHER_CAPACITY, device=host_device(call.host), group=call.host
         )
+        if self.config.split_videos:
+            # After the gather, on every rank alike: a video travels as one grid row, not one per
+            # temporal step (hundreds would overflow the gather's capacity: a second collective).
+            metadata = tuple(m.frames_as_items() for m in metadata)
         call.collectives += collectives
         call.timed("gather", started)
         ref = raise_for_input(metadata, [name for name, _ in fingerprint])

@@ -25,7 +25,6 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -58,7 +57,7 @@ __all__ = [
     "host_device",
     "host_to_device",
     "make_host_group",
-    "row_slices",
+    "row_runs",
     "rows_per_image",
     "start_pixel_trip",
     "start_status",
@@ -139,6 +138,11 @@ def grid_steps(grid_thw: torch.Tensor) -> torch.Tensor:
 def rows_per_image(kind: str, patch_count: int, merge_size: int) -> int:
     """Rows an image of ``patch_count`` patches has in an output of ``kind`` ("patch" or "merged")."""
     return patch_count if kind == "patch" else patch_count // (merge_size * merge_size)
+
+
+def _rows_per_image(kind: str, patch_counts: np.ndarray, merge_size: int) -> np.ndarray:
+    """:func:`rows_per_image` of each of ``patch_counts`` (``[n]`` int64)."""
+    return patch_counts if kind == "patch" else patch_counts // (merge_size * merge_size)
 
 
 # -- devices --------------------------------------------------------------------------------------
@@ -471,7 +475,7 @@ class ExchangeRoute:
         destinations = plan.destinations[rank]
         return cls(
             rank=rank,
-            send_order=tuple(sorted(range(len(destinations)), key=lambda i: (destinations[i], i))),
+            send_order=tuple(np.argsort(np.asarray(destinations, dtype=np.int64), kind="stable").tolist()),
             destinations=tuple(destinations),
             arrivals=plan.arrivals(rank),
             send_patches=plan.send_patches(rank),
@@ -479,12 +483,24 @@ class ExchangeRoute:
         )
 
 
-def row_slices(counts: Sequence[int], order: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """Rows ``[a, b)`` of each item in ``order``; item ``i`` has ``counts[i]`` rows, stored in index order."""
-    offsets = [0]
-    for n in counts:
-        offsets.append(offsets[-1] + n)
-    return tuple((offsets[i], offsets[i + 1]) for i in order)
+def row_runs(
+    counts: Sequence[int] | np.ndarray, order: Sequence[int] | np.ndarray
+) -> tuple[tuple[int, int], ...]:
+    """Rows ``[a, b)`` of the items in ``order`` (item ``i`` has ``counts[i]`` rows, stored in
+    index order), adjacent ones merged (``[a, b)`` then ``[b, c)`` is ``[a, c)``: the frames of a
+    video are one run), items without rows left out. In numpy: one pass for thousands of items."""
+    sizes = np.asarray(counts, dtype=np.int64).reshape(-1)
+    picked = np.asarray(order, dtype=np.int64).reshape(-1)
+    ends = np.cumsum(sizes)
+    starts, stops = (ends - sizes)[picked], ends[picked]
+    kept = stops > starts
+    starts, stops = starts[kept], stops[kept]
+    if not starts.size:
+        return ()
+    # A run starts where an item does not begin where the one before it ended.
+    first = np.flatnonzero(np.concatenate(([True], starts[1:] != stops[:-1])))
+    last = np.concatenate((first[1:], [starts.size])) - 1
+    return tuple(zip(starts[first].tolist(), stops[last].tolist()))
 
 
 def take_rows(tensor: torch.Tensor, slices: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -494,19 +510,6 @@ def take_rows(tensor: torch.Tensor, slices: Sequence[tuple[int, int]]) -> torch.
     if contiguous:
         return tensor[start : slices[-1][1] if slices else start]
     return torch.cat([tensor[a:b] for a, b in slices])
-
-
-def _runs(slices: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``slices`` with adjacent ones merged (``[a, b)`` then ``[b, c)`` is ``[a, c)``), empty ones dropped."""
-    runs: list[tuple[int, int]] = []
-    for a, b in slices:
-        if b <= a:
-            continue
-        if runs and runs[-1][1] == a:
-            runs[-1] = (runs[-1][0], b)
-        else:
-            runs.append((a, b))
-    return runs
 
 
 @dataclass(frozen=True)
@@ -549,24 +552,22 @@ class PixelTrip:
                 other ranks (the overlapped trip encodes the home images apart).
         """
         rank = route.rank
-        image_rows = row_slices(counts, range(len(counts)))
-        stay = [image_rows[i] for i in route.send_order if route.destinations[i] == rank]
-        away = [image_rows[i] for i in route.send_order if route.destinations[i] != rank]
+        order = np.asarray(route.send_order, dtype=np.int64)
+        stays = np.asarray(route.destinations, dtype=np.int64)[order] == rank
         lower, home_rows = sum(route.receive_patches[:rank]), route.receive_patches[rank]
         higher = sum(route.receive_patches[rank + 1 :])
         send, receive = list(route.send_patches), list(route.receive_patches)
         send[rank] = receive[rank] = 0
         if not home:
-            return cls(lower + higher, (), 0, tuple(_runs(away)), tuple(send), tuple(receive), 0)
+            return cls(lower + higher, (), 0, row_runs(counts, order[~stays]), tuple(send), tuple(receive), 0)
         if home_rows and lower and higher:
-            every = [image_rows[i] for i in route.send_order]
             return cls(
-                lower + home_rows + higher, (), 0, tuple(_runs(every)),
+                lower + home_rows + higher, (), 0, row_runs(counts, order),
                 route.send_patches, route.receive_patches, 0,
             )  # fmt: skip
         received_at = home_rows if lower == 0 else 0
         rows = lower + home_rows + higher
-        stay_runs, away_runs = tuple(_runs(stay)), tuple(_runs(away))
+        stay_runs, away_runs = row_runs(counts, order[stays]), row_runs(counts, order[~stays])
         return cls(rows, stay_runs, lower, away_runs, tuple(send), tuple(receive), received_at)
 
     @property
@@ -724,51 +725,45 @@ class ReturnLayout:
         row_elements: Sequence[int],
     ) -> ReturnLayout:
         """:meth:`from_plan` for a rank whose :class:`ExchangeRoute` under ``plan`` is at hand."""
-        send_rows = _send_rows(plan, route, kinds, merge_size)
+        send_rows = _send_rows(route, kinds, merge_size)
         send_splits = tuple(
             sum((b - a) * e for (a, b), e in zip(ranges, row_elements)) for ranges in send_rows
         )
-        mine = plan.patch_counts[route.rank]
-        image_rows = {kind: [rows_per_image(kind, n, merge_size) for n in mine] for kind in set(kinds)}
-        rows_from = [dict.fromkeys(image_rows, 0) for _ in range(plan.num_ranks)]
-        for i, worker in enumerate(route.destinations):
-            for kind, rows in image_rows.items():
-                rows_from[worker][kind] += rows[i]
-        receive_rows = tuple(tuple(rows[kind] for kind in kinds) for rows in rows_from)
+        receive_rows = _rows_by_rank(route.send_patches, kinds, merge_size)
         receive_splits = tuple(sum(r * e for r, e in zip(rows, row_elements)) for rows in receive_rows)
         restore = None
-        if any(a > b for a, b in pairwise(route.send_order)):
-            position = [0] * len(mine)
-            for p, image in enumerate(route.send_order):
-                position[image] = p
-            restore = tuple(
-                tuple(_runs(row_slices([image_rows[kind][i] for i in route.send_order], position)))
-                for kind in kinds
-            )
+        order = np.asarray(route.send_order, dtype=np.int64)
+        if bool((order[1:] < order[:-1]).any()):
+            # The rows come back in sending order; image i's are at its place in it.
+            position = np.empty_like(order)
+            position[order] = np.arange(order.size)
+            mine = np.asarray(plan.patch_counts[route.rank], dtype=np.int64)
+            image_rows = {kind: _rows_per_image(kind, mine, merge_size) for kind in dict.fromkeys(kinds)}
+            runs = {kind: row_runs(rows[order], position) for kind, rows in image_rows.items()}
+            restore = tuple(runs[kind] for kind in kinds)
         return cls(send_rows, send_splits, receive_rows, receive_splits, restore)
 
 
+def _rows_by_rank(
+    patches: Sequence[int], kinds: Sequence[str], merge_size: int
+) -> tuple[tuple[int, ...], ...]:
+    """``[rank][k]``: rows in output ``k`` of the images of ``patches[rank]`` patches. A sum of
+    images' rows is the rows of their summed patches: each image's patches are a multiple of
+    ``merge_size**2`` (its H and W are checked divisible on input)."""
+    return tuple(tuple(rows_per_image(kind, n, merge_size) for kind in kinds) for n in patches)
+
+
 def _send_rows(
-    plan: RebalancePlan, route: ExchangeRoute, kinds: Sequence[str], merge_size: int
+    route: ExchangeRoute, kinds: Sequence[str], merge_size: int
 ) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """``[home][k] -> (a, b)``: the balanced batch's rows of output ``k`` from each home rank."""
-    counts = [plan.patch_counts[src][i] for src, i in route.arrivals]
-    offsets = {kind: [0] for kind in set(kinds)}
-    for n in counts:
-        for kind, acc in offsets.items():
-            acc.append(acc[-1] + rows_per_image(kind, n, merge_size))
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for position, (src, _) in enumerate(route.arrivals):
-        first.setdefault(src, position)
-        last[src] = position + 1
-    return tuple(
-        tuple(
-            (offsets[kind][first[home]], offsets[kind][last[home]]) if home in first else (0, 0)
-            for kind in kinds
-        )
-        for home in range(plan.num_ranks)
-    )
+    """``[home][k] -> (a, b)``: the balanced batch's rows of output ``k`` from each home rank
+    (``(0, 0)`` for a home with none): its images lie one after another, homes in rank order."""
+    sent: list[tuple[tuple[int, int], ...]] = []
+    at = [0] * len(kinds)
+    for patches, rows in zip(route.receive_patches, _rows_by_rank(route.receive_patches, kinds, merge_size)):
+        sent.append(tuple((a, a + n) if patches else (0, 0) for a, n in zip(at, rows)))
+        at = [a + n for a, n in zip(at, rows)]
+    return tuple(sent)
 
 
 # -- the status gather after the ViT --------------------------------------------------------------

@@ -16,6 +16,8 @@ import towers
 from equivalence import APPLIED_COLLECTIVES, run_cases
 from test_balancer import THRESHOLD_0, standard_cases
 
+from lightning_vit_balance.exchange import GATHER_CAPACITY
+
 pytest.importorskip("transformers")
 
 POOL = 4
@@ -57,8 +59,11 @@ SPLIT_VIDEOS = {**THRESHOLD_0, "split_videos": True}
 
 def _split_videos_suite(n: int, towers: tuple[str, ...]) -> dict[str, Any]:
     # The standard cases (videos of 2 and 3 steps among them), then one 6-step video that, whole,
-    # would outweigh the mean load.
+    # would outweigh the mean load, then a video of more steps than the metadata gather carries
+    # rows: it travels as one grid row and is split after the gather, so no second gather.
+    long = [[(GATHER_CAPACITY + 6, 2, 2)], *[[] for _ in range(n - 2)], [(1, 2, 2)]]
     cases = [*standard_cases(n), {"grids": [[(6, 4, 4)], *[[] for _ in range(n - 2)], [(1, 2, 2)]]}]
+    cases.append({"grids": long})
     return {
         f"{name}/{mode}": run_cases(n, name, cases, "float32", SPLIT_VIDEOS, prepared=mode == "prepared")
         for name in towers
@@ -75,9 +80,13 @@ def test_hf_vision_towers_with_split_videos(multirank: Any) -> None:
     for rank_results in per_rank:
         assert len(rank_results) == 2 * len(names)
         for name, results in rank_results.items():
-            long_video = results[-1]
+            long_video, many_steps = results[-2:]
             # 6 steps of 16 patches and one image of 4: 4 steps go to the other two ranks.
             assert long_video["applied"] and long_video["moved_images"] == 4, (name, long_video)
+            # With a plan prepared before the forward, the gather is not in it.
+            gathers = 1 if name.endswith("in the forward") else 0
+            assert many_steps["applied"], (name, many_steps)
+            assert many_steps["collectives"] == APPLIED_COLLECTIVES - 1 + gathers, (name, many_steps)
 
 
 def _hf_drop(n: int) -> bool | None:

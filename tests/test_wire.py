@@ -6,6 +6,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_vit_balance.exchange import (
     ExchangeRoute,
@@ -13,6 +15,7 @@ from lightning_vit_balance.exchange import (
     PixelTrip,
     ReturnLayout,
     ViTStatus,
+    row_runs,
     rows_per_image,
     take_rows,
 )
@@ -98,6 +101,26 @@ def test_return_layout_sizes_and_order() -> None:
     assert take_rows(received, home.restore[0]).reshape(-1).tolist() == [0] * 16 + [1] * 64 + [2] * 4
     empty = ReturnLayout.from_plan(plan, 1, kinds, merge, elements)
     assert empty.receive_splits == (0, 0, 0) and empty.restore is None
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(counts=st.lists(st.integers(0, 5), max_size=12), data=st.data())
+def test_row_runs_are_the_items_slices_merged(counts: list[int], data: st.DataObject) -> None:
+    # Each item's rows [a, b) in the given order (some of the items, shuffled or sorted), then
+    # adjacent ones merged and empty ones dropped, spelled out one item at a time.
+    order = data.draw(st.permutations(range(len(counts))))
+    order = order[: data.draw(st.integers(0, len(order)))]
+    if data.draw(st.booleans()):
+        order = sorted(order)
+    offsets = [sum(counts[:i]) for i in range(len(counts) + 1)]
+    merged: list[tuple[int, int]] = []
+    for i in order:
+        a, b = offsets[i], offsets[i + 1]
+        if b > a and merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        elif b > a:
+            merged.append((a, b))
+    assert row_runs(counts, order) == tuple(merged)
 
 
 def test_restore_merges_images_that_come_back_one_after_the_other() -> None:

@@ -1,6 +1,6 @@
 """Costs of the engine's own machinery, each next to its floor, measured side by side in one run.
 
-``make bench-engine`` spawns 2 gloo ranks on CPU (file-store rendezvous) and prints four tables:
+``make bench-engine`` spawns 2 gloo ranks on CPU (file-store rendezvous) and prints five tables:
 
 * **status**: the status gather after the ViT (the check that turns a ViT failure on one rank into
   one error on every rank) per call, next to a whole applied balanced call on the demo's tower and
@@ -11,6 +11,10 @@
 * **scale**: thousands of tiny images on a rank: one applied balanced call (rank 0 holds ``n``
   images, rank 1 a quarter of that) against the direct call on the same images, with the host
   bookkeeping split out (gather + plan + the trips' host work);
+* **frames**: videos planned by temporal step (``split_videos``: hundreds to thousands of items on
+  a rank) with a four-output tower that has no per-image loop: balanced against direct, forward
+  and backward, main-thread CPU time summed over both ranks (the tower's work only moves between
+  ranks, so the difference is the balancer's own work);
 * **overlap**: ``overlap_pixel_trip`` off and on, forward and backward of the demo's tower on the
   demo's batches, wall time of the slowest rank per step (median), alternating the two settings
   step by step so that machine noise hits both alike.
@@ -21,6 +25,7 @@ Every figure is a median over repeats. The numbers depend on the machine; the ra
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import os
 import statistics
@@ -168,6 +173,70 @@ def _scale_table(counts: list[int]) -> list[str]:
     return rows
 
 
+class _FrameTower(torch.nn.Module):
+    """A tower without a per-image loop (the work is one matmul per layer, as with varlen
+    attention kernels) and four token outputs, Qwen3-VL's merged tokens and three deepstack
+    layers: what is left of a call beyond it is the balancer's own work."""
+
+    spatial_merge_size = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(12, 16)
+        self.merge = torch.nn.Linear(64, 16)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        merged = self.merge(self.embed(pixel_values).reshape(-1, 64))
+        return [merged, *(merged * (k + 2) for k in range(3))]
+
+
+def _frame_times(steps: int, repeats: int) -> dict[str, float]:
+    """Median main-thread CPU ms of the forward (``f``) and backward (``b``), direct and balanced,
+    alternating which runs first; rank 0 holds ``steps`` video steps (a multiple of 100), rank 1
+    a quarter."""
+    torch.manual_seed(0)
+    tower = _FrameTower()
+    # Videos of 100 temporal steps (25 on rank 1) of 8x8 patches each, planned step by step as the
+    # Hugging Face drop-in does for Qwen-VL towers, and three photos of 16x16.
+    length = 100 if dist.get_rank() == 0 else 25
+    grid = torch.tensor([[length, 8, 8]] * (steps // 100) + [[1, 16, 16]] * 3)
+    pixels = torch.randn(int(grid.prod(-1).sum()), 12)
+    balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0, split_videos=True))
+    calls = {"direct": tower, "balanced": lambda p, g: balancer(tower, p, g)}
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    for step in range(repeats + 1):
+        for name in ("direct", "balanced") if step % 2 else ("balanced", "direct"):
+            dist.barrier()
+            started = time.thread_time()
+            outputs = calls[name](pixels, grid)
+            forward = time.thread_time()
+            sum(out.sum() for out in outputs).backward()
+            if step:  # the first is a warm-up
+                times[f"{name} f"].append((forward - started) * 1e3)
+                times[f"{name} b"].append((time.thread_time() - forward) * 1e3)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def _frames_table(counts: list[int], repeats: int) -> list[str]:
+    # Summed over both ranks: the tower's work is linear in the rows, and balancing only moves
+    # rows, so what the sum gains is the balancer's own work (per rank, the busy rank sheds ViT
+    # work and the other takes it on).
+    rows = [
+        "| video steps on rank 0 | direct ms | balanced ms | balanced - direct | of which backward |",
+        "|---|---|---|---|---|",
+    ]
+    for steps in counts:
+        ms = _frame_times(steps, repeats)
+        keys = ("direct f", "direct b", "balanced f", "balanced b")
+        summed = torch.tensor([ms[key] for key in keys], dtype=torch.float64)
+        dist.all_reduce(summed)
+        direct_f, direct_b, balanced_f, balanced_b = summed.tolist()
+        direct, balanced, backward = direct_f + direct_b, balanced_f + balanced_b, balanced_b - direct_b
+        cells = (direct, balanced, balanced - direct, backward)
+        rows.append(f"| {steps:,} | " + " | ".join(f"{value:.1f}" for value in cells) + " |")
+    return rows
+
+
 def _overlap_table(steps: int) -> list[str]:
     tower, batches, config = _demo_tower(1.0)
     settings = {"off": config, "on": ViTBalanceConfig(**{**config.__dict__, "overlap_pixel_trip": True})}
@@ -201,6 +270,7 @@ def _worker(rank: int, store: str, args: argparse.Namespace, queue: Any) -> None
         "status": _status_table(args.repeats),
         "skipped": _skipped_table(args.skipped_repeats),
         "scale": _scale_table(args.images),
+        "frames": _frames_table(args.steps_on_rank, args.frame_repeats),
         "overlap": _overlap_table(args.steps),
     }
     if rank == 0:
@@ -214,6 +284,10 @@ def main() -> None:
     parser.add_argument("--skipped-repeats", type=int, default=40, help="skipped calls timed per setting")
     parser.add_argument("--images", type=int, nargs="+", default=[2_000, 20_000], help="images on rank 0")
     parser.add_argument("--steps", type=int, default=12, help="overlap steps per setting")
+    parser.add_argument(
+        "--steps-on-rank", type=int, nargs="+", default=[100, 600, 5_000], help="video steps on rank 0"
+    )
+    parser.add_argument("--frame-repeats", type=int, default=15, help="calls timed per video setting")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     store = tempfile.mktemp(prefix="bench-engine-")

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Sequence
-from itertools import accumulate, combinations, pairwise
+from itertools import accumulate, pairwise
 from typing import NamedTuple
 
 import numpy as np
 
 from lightning_vit_balance.solvers import tuning
-from lightning_vit_balance.solvers.batch import Batch, add_up, group_order
+from lightning_vit_balance.solvers.batch import Batch, group_order
 
 __all__ = ["repair"]
 
@@ -253,14 +253,20 @@ def _best_single(
 def _groups(state: _State, images: list[int], src: int, dst: int) -> list[_Group]:
     """Every group of up to :data:`~tuning.EXCHANGE_SIZE` of ``images`` with its summed cost
     (summed in the order of ``images``, from 0.0 as :func:`~.batch.add_up` sums) and the pixel rows
-    moving it from ``src`` to ``dst`` adds."""
+    moving it from ``src`` to ``dst`` adds; in the order of :func:`itertools.combinations`, size
+    by size. Each group of a size is one of the size before grown by a later image."""
     cost = state.batch.cost
-    singles = [(cost[k], (k,), state.rows_added(k, src, dst)) for k in images]
-    groups = list(singles)
-    for size in range(2, tuning.EXCHANGE_SIZE + 1):
-        for combined in combinations(singles, size):
-            costs, ids, rows = zip(*combined)
-            groups.append((add_up(costs), sum(ids, ()), sum(rows)))
+    singles = [(cost[k], k, state.rows_added(k, src, dst)) for k in images]
+    groups: list[_Group] = [(c, (k,), rows) for c, k, rows in singles]
+    # (cost, images, rows, position of the last image) of the groups of the current size.
+    grown = [(c, (k,), rows, at) for at, (c, k, rows) in enumerate(singles)]
+    for _ in range(2, tuning.EXCHANGE_SIZE + 1):
+        grown = [
+            (c + c_next, (*ids, k_next), rows + rows_next, at)
+            for c, ids, rows, last in grown
+            for at, (c_next, k_next, rows_next) in enumerate(singles[last + 1 :], last + 1)
+        ]
+        groups += [(c, ids, rows) for c, ids, rows, _ in grown]
     return groups
 
 

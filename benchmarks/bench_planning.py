@@ -349,6 +349,32 @@ def videos_by_step(sizes: list[int], per_rank: list[int], batches: int) -> None:
             print(f"{num_ranks:>4} {count:>12} | {none:>9.2f}x {whole:>5.2f}x {split:>6.2f}x")
 
 
+def video_steps_time(sizes: list[int], per_rank: list[int], batches: int) -> None:
+    """Plan time on video-and-photo samples planned by temporal step: the steps of a video are
+    alike by the dozen, which the searches must not try one by one."""
+    print(f"\nPlan time on samples planned by temporal step (half videos of 4-32 steps; {batches} batches")
+    print("per cell; CPU time, best of 3 x 3 runs; skip rules off): ms and multiple of a heap LPT")
+    header = f"{'P':>4} {'samples/rank':>12} {'items':>6} | {'median ms':>9} {'max ms':>7} |"
+    print(f"{header} {'median x':>8} {'max x':>6}")
+    config = ViTBalanceConfig(**FORCED)
+    for num_ranks in sizes:
+        for count in per_rank:
+            rng = np.random.default_rng(1000 * num_ranks + count)
+            ms, ratios, items = [], [], []
+            for _ in range(batches):
+                samples = [video_samples(rng, count) for _ in range(num_ranks)]
+                steps = [[hw for t, hw in row for _ in range(t)] for row in samples]
+                seconds = best_time(lambda b=steps: plan_rebalance(b, config), inner=3)
+                ms.append(1e3 * seconds)
+                ratios.append(seconds / best_time(lambda b=steps: heap_lpt(b), inner=3))
+                items.append(sum(map(len, steps)))
+            median_ms, median_x = statistics.median(ms), statistics.median(ratios)
+            print(
+                f"{num_ranks:>4} {count:>12} {statistics.median(items):>6.0f} | {median_ms:>9.2f} "
+                f"{max(ms):>7.2f} | {median_x:>7.1f}x {max(ratios):>5.1f}x"
+            )
+
+
 def long_video_ranks(rng: np.random.Generator, num_ranks: int, steps: int) -> list[list[int]]:
     """Each rank's one or two videos split by temporal step (``steps / 2`` to ``steps`` steps of
     frames between 224x224 and 448x448 pixels, each step an item of one frame's patches), then up
@@ -418,6 +444,7 @@ def main() -> None:
         small_p([2, 8], batches=3, per_rank=(8, 8))
         small_p_real([2, 8], [2], batches=3)
         videos_by_step([8], [1, 2], batches=3)
+        video_steps_time([4], [4], batches=2)
         long_videos([(2, 256), (8, 64)], batches=2)
         return
     points = [
@@ -437,6 +464,7 @@ def main() -> None:
     small_p([2, 4, 8, 16, 32, 64], batches=12, per_rank=(8, 8))
     small_p_real([2, 4, 8, 16, 32, 64], [2, 4, 8], batches=20)
     videos_by_step([2, 8, 64, 512], [1, 2, 4], batches=30)
+    video_steps_time([2, 4, 8, 16], [4, 8, 16], batches=10)
     long = [(num_ranks, steps) for num_ranks in (2, 8, 32) for steps in (64, 256, 1024)]
     long_videos([*long, (128, 64), (128, 256)], batches=5)
     print(f"\n(benchmark took {time.perf_counter() - start:.0f} s)")

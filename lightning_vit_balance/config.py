@@ -99,9 +99,9 @@ class ViTBalanceConfig:
             ``find_unused_parameters`` and FSDP keep working); ``"no_grad"`` runs the dummy forward
             without autograd (cheaper, for setups that tolerate unused parameters).
         gather_capacity: No longer used; accepted so that saved configurations still load. The
-            metadata gather now always carries 64 images per rank (one more gather for a rank
-            with more): a fixed size lets ranks whose settings differ still meet in it and raise a
-            clear error instead of hanging.
+            metadata gather now always carries 64 runs of equal grid rows per rank (one more
+            gather for a rank with more): a fixed size lets ranks whose settings differ still meet
+            in it and raise a clear error instead of hanging.
         overlap_pixel_trip: Start the pixel trip asynchronously and encode the images that stay on
             this rank while it is in flight, then the arrivals (two ViT calls instead of one; the
             same outputs and gradients). It pays where the transfer runs beside the computation

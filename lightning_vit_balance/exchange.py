@@ -53,6 +53,8 @@ __all__ = [
     "gather_metadata",
     "gradient_buffer",
     "grid_rows",
+    "grid_rows_of_runs",
+    "grid_runs",
     "grid_steps",
     "host_device",
     "host_to_device",
@@ -64,12 +66,12 @@ __all__ = [
     "take_rows",
 ]
 
-#: Grid rows per rank the metadata gather carries; a rank with more costs one more gather. A package
-#: constant, not a setting: ranks whose settings differ must still meet in a gather of one size, to
-#: learn that they differ.
+#: Runs of equal grid rows per rank the metadata gather carries (see :func:`grid_runs`); a rank with
+#: more costs one more gather. A package constant, not a setting: ranks whose settings differ must
+#: still meet in a gather of one size, to learn that they differ.
 GATHER_CAPACITY = 64
-#: Fixed header fields before the fingerprint and the grid rows in each rank's gather row.
-_HEADER_FIELDS = ("status", "num_images", "channels", "dtype_code", "requires_grad", "vit_us")
+#: Fixed header fields before the fingerprint and the grid runs in each rank's gather row.
+_HEADER_FIELDS = ("status", "num_runs", "channels", "dtype_code", "requires_grad", "vit_us")
 _DETAILS_AT = len(_HEADER_FIELDS)
 _FINGERPRINT_AT = _DETAILS_AT + MAX_DETAILS
 #: Bytes of one rank's detailed status, gathered only when some rank's ViT failed.
@@ -274,12 +276,35 @@ def device_problem(group: Any, device: torch.device) -> tuple[int, ...] | None:
 # -- the metadata gather --------------------------------------------------------------------------
 
 
-def _gather_row(local: RankMetadata, capacity: int) -> torch.Tensor:
+def grid_runs(grids: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """``grids`` as runs ``(count, T, H, W)`` of equal rows one after another: the metadata
+    gather's form. A video passed one row per temporal step, or pages of one size, are one run."""
+    runs: list[tuple[int, int, int, int]] = []
+    for row in grids:
+        if runs and runs[-1][1:] == row:
+            runs[-1] = (runs[-1][0] + 1, *row)
+        else:
+            runs.append((1, *row))
+    return runs
+
+
+def grid_rows_of_runs(values: Sequence[int], runs: int) -> tuple[tuple[int, int, int], ...]:
+    """The inverse of :func:`grid_runs`: the rows of the first ``runs`` runs of flat
+    ``count, T, H, W`` values."""
+    flat = values[: 4 * runs]
+    return tuple(
+        row for count, row in zip(flat[0::4], zip(flat[1::4], flat[2::4], flat[3::4])) for _ in range(count)
+    )
+
+
+def _gather_row(
+    local: RankMetadata, runs: Sequence[tuple[int, int, int, int]], capacity: int
+) -> torch.Tensor:
     details = [int(v) for v in local.details][:MAX_DETAILS]
     details += [0] * (MAX_DETAILS - len(details))
     header = [
         int(local.status),
-        len(local.grids),
+        len(runs),
         int(local.channels),
         int(local.dtype_code),
         int(local.requires_grad),
@@ -287,17 +312,17 @@ def _gather_row(local: RankMetadata, capacity: int) -> torch.Tensor:
         *details,
         *(int(v) for v in local.fingerprint),
     ]
-    row = torch.zeros(len(header) + 3 * capacity, dtype=torch.int64)
+    row = torch.zeros(len(header) + 4 * capacity, dtype=torch.int64)
     row[: len(header)] = torch.tensor(header, dtype=torch.int64)
-    carried = min(len(local.grids), capacity)
+    carried = min(len(runs), capacity)
     if carried:
-        row[len(header) : len(header) + 3 * carried] = _grid_tensor(local.grids[:carried])
+        row[len(header) : len(header) + 4 * carried] = _run_tensor(runs[:carried])
     return row
 
 
-def _grid_tensor(grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
-    """``[3 * len(grids)]`` int64 values (through numpy: much faster than torch.tensor on tuples)."""
-    return torch.from_numpy(np.asarray(grids, dtype=np.int64).reshape(-1))
+def _run_tensor(runs: Sequence[tuple[int, int, int, int]]) -> torch.Tensor:
+    """``[4 * len(runs)]`` int64 values (through numpy: much faster than torch.tensor on tuples)."""
+    return torch.from_numpy(np.asarray(runs, dtype=np.int64).reshape(-1))
 
 
 def _all_gather_rows(row: torch.Tensor, device: torch.device, group: Any) -> list[list[int]]:
@@ -308,11 +333,6 @@ def _all_gather_rows(row: torch.Tensor, device: torch.device, group: Any) -> lis
     return torch.stack(gathered).cpu().tolist()
 
 
-def _grids_of(values: Sequence[int], count: int) -> tuple[tuple[int, int, int], ...]:
-    it = iter(values[: 3 * count])
-    return tuple(zip(it, it, it))
-
-
 def gather_metadata(
     local: RankMetadata,
     *,
@@ -320,16 +340,17 @@ def gather_metadata(
     device: torch.device,
     group: Any,
 ) -> tuple[tuple[RankMetadata, ...], int]:
-    """All-gather every rank's header, fingerprint and grid rows.
+    """All-gather every rank's header, fingerprint and grid rows (as runs of equal rows, see
+    :func:`grid_runs`).
 
-    One all_gather of ``header + fingerprint + capacity * 3`` int64 values per rank; when some rank
-    has more than ``capacity`` images, one more all_gather sized to the largest image count. Every
-    rank must pass the same ``capacity`` and a fingerprint of the same length.
+    One all_gather of ``header + fingerprint + capacity * 4`` int64 values per rank; when some rank
+    has more than ``capacity`` runs, one more all_gather sized to the most runs. Every rank must
+    pass the same ``capacity`` and a fingerprint of the same length.
 
     Args:
         local: This rank's metadata, as validated locally (``grids`` empty when ``status`` is
             not OK; up to four ``details``).
-        capacity: Grid rows per rank carried by the first all_gather.
+        capacity: Runs of grid rows per rank carried by the first all_gather.
         device: Where to put the buffers (see :func:`collective_device`).
         group: The process group.
 
@@ -337,15 +358,16 @@ def gather_metadata(
         Every rank's metadata in rank order (``details`` padded to four), and the number of
         collectives issued (1 or 2).
     """
-    rows = _all_gather_rows(_gather_row(local, capacity), device, group)
+    runs = grid_runs(local.grids)
+    rows = _all_gather_rows(_gather_row(local, runs, capacity), device, group)
     grids_at = _FINGERPRINT_AT + len(local.fingerprint)
     counts = [row[1] for row in rows]
     collectives = 1
     if max(counts) > capacity:
-        # Rare: some rank has more images than the first gather carries; gather them all once more.
-        second = torch.zeros(3 * max(counts), dtype=torch.int64)
-        if local.grids:
-            second[: 3 * len(local.grids)] = _grid_tensor(local.grids)
+        # Rare: some rank has more runs than the first gather carries; gather them all once more.
+        second = torch.zeros(4 * max(counts), dtype=torch.int64)
+        if runs:
+            second[: 4 * len(runs)] = _run_tensor(runs)
         grid_values = _all_gather_rows(second, device, group)
         collectives += 1
     else:
@@ -357,7 +379,7 @@ def gather_metadata(
             channels=row[2],
             dtype_code=row[3],
             requires_grad=bool(row[4]),
-            grids=_grids_of(values, row[1] if row[0] == InputProblem.OK else 0),
+            grids=grid_rows_of_runs(values, row[1] if row[0] == InputProblem.OK else 0),
             fingerprint=tuple(row[_FINGERPRINT_AT:grids_at]),
             vit_us=row[5],
         )

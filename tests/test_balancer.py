@@ -168,17 +168,25 @@ def test_collectives_measured_with_profiler(multirank: Any) -> None:
 
 def _overflow() -> list[dict[str, Any]] | None:
     many = GATHER_CAPACITY + 3
-    cases = [{"grids": [[(1, 4, 4)] * many, [(1, 2, 2)]]}, {"grids": [[(1, 2, 2)] * 2, [(1, 4, 4)]]}]
+    # Sizes alternating: every image a run of its own. Then as many images of one size: one run.
+    alternating = [(1, 4, 4) if i % 2 else (1, 4, 2) for i in range(many)]
+    cases = [
+        {"grids": [alternating, [(1, 2, 2)]]},
+        {"grids": [[(1, 4, 4)] * many, [(1, 2, 2)]]},
+        {"grids": [[(1, 2, 2)] * 2, [(1, 4, 4)]]},
+    ]
     return run_cases(2, "tensor", cases, "float32", THRESHOLD_0)
 
 
 def test_gather_capacity_overflow(multirank: Any) -> None:
-    """More images than the gather carries on a rank costs exactly one extra all_gather."""
+    """More runs of equal grid rows than the gather carries on a rank cost exactly one extra
+    all_gather; as many images of one size are one run and cost none."""
     with multirank(POOL) as w:
         per_rank = w.run(_overflow)[:2]
     for results in per_rank:
-        second = APPLIED_COLLECTIVES if results[1]["applied"] else 1
-        assert [r["collectives"] for r in results] == [APPLIED_COLLECTIVES + 1, second]
+        assert all(r["applied"] for r in results[:2]), results
+        third = APPLIED_COLLECTIVES if results[2]["applied"] else 1
+        assert [r["collectives"] for r in results] == [APPLIED_COLLECTIVES + 1, APPLIED_COLLECTIVES, third]
         assert [r["counted"] for r in results] == [r["collectives"] for r in results]
 
 

@@ -15,6 +15,8 @@ from lightning_vit_balance.exchange import (
     PixelTrip,
     ReturnLayout,
     ViTStatus,
+    grid_rows_of_runs,
+    grid_runs,
     row_runs,
     rows_per_image,
     take_rows,
@@ -121,6 +123,17 @@ def test_row_runs_are_the_items_slices_merged(counts: list[int], data: st.DataOb
         elif b > a:
             merged.append((a, b))
     assert row_runs(counts, order) == tuple(merged)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(grids=st.lists(st.sampled_from([(1, 2, 2), (1, 4, 2), (3, 2, 2)]), max_size=20))
+def test_grid_runs_round_trip(grids: list[tuple[int, int, int]]) -> None:
+    # The metadata gather carries runs of equal rows: as few as there are changes of row, and
+    # the rows come back exactly, from the flat values with whatever follows them.
+    runs = grid_runs(grids)
+    assert len(runs) == sum(1 for i, row in enumerate(grids) if i == 0 or grids[i - 1] != row)
+    flat = [value for run in runs for value in run]
+    assert grid_rows_of_runs([*flat, 9, 9, 9, 9], len(runs)) == tuple(grids)
 
 
 def test_restore_merges_images_that_come_back_one_after_the_other() -> None:

@@ -115,8 +115,10 @@ class RankMetadata:
         step, so each step's rows stay contiguous). See ``ViTBalanceConfig.split_videos``."""
         if all(t == 1 for t, _, _ in self.grids):
             return self
-        items = tuple((1, h, w) for t, h, w in self.grids for _ in range(t))
-        return dataclasses.replace(self, grids=items)
+        items: list[tuple[int, int, int]] = []
+        for t, h, w in self.grids:
+            items += [(1, h, w)] * t  # one tuple shared by the steps: copies of a pointer, in C
+        return dataclasses.replace(self, grids=tuple(items))
 
 
 def grid_rows(grid_thw: torch.Tensor) -> tuple[tuple[int, int, int], ...]:

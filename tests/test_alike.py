@@ -3,11 +3,14 @@
 A video split by temporal step gives a rank hundreds of images of one size. The refinement step,
 the repair's single exchanges and bring-home's swaps score candidates by cost, patches and pixel
 rows only, keep the first found on ties and replace it only by a strictly better one, so they try
-only the first of the candidates alike. These tests hold each to a plain scan of every candidate
-(few sizes, so most have twins) and count the work on frames.
+only the first of the candidates alike; shed-and-fit places a run of alike images on one rank
+while it holds them. These tests hold each to a plain scan of every candidate (few sizes, so most
+have twins) and count the work on frames.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -19,7 +22,7 @@ from lightning_vit_balance.solvers import Batch, tuning
 from lightning_vit_balance.solvers import locality as locality_module
 from lightning_vit_balance.solvers import repair as repair_module
 from lightning_vit_balance.solvers.batch import first_of_alike, rank_loads
-from lightning_vit_balance.solvers.locality import _best_swap, bring_home
+from lightning_vit_balance.solvers.locality import _best_swap, bring_home, shed_and_fit, shed_by_cost_per_row
 from lightning_vit_balance.solvers.lpt import _best_step, _Pair
 
 FORCED = ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0)
@@ -157,3 +160,47 @@ def test_bring_home_searches_again_once_a_rank_changed() -> None:
     batch = _batch([[], [], [9, 4, 10], [4, 6, 10, 9, 6, 6, 20]])
     dest, must_hold = [3, 3, 3, 1, 1, 0, 1, 0, 1, 2], [False, True, False, True]
     assert bring_home(batch, dest, 25.0, must_hold) == _bring_home_by_scan(batch, dest, 25.0, must_hold)
+
+
+def _shed_and_fit_one_by_one(
+    batch: Batch, target: float, limit: float, give_up_above: float
+) -> list[int] | None:
+    """Shed-and-fit placing every shed image alone: the least room that holds it, else the most."""
+    shed = shed_by_cost_per_row(batch, target)
+    dest = list(batch.home)
+    left = [
+        load - sum(batch.cost[k] for k in range(batch.size) if shed[k] and batch.home[k] == r)
+        for r, load in enumerate(batch.loads)
+    ]
+    rooms = sorted((limit - load, r) for r, load in enumerate(left))
+    for k in sorted(np.flatnonzero(shed).tolist(), key=lambda k: (-batch.cost[k], k)):
+        fitting = [entry for entry in rooms if entry[0] >= batch.cost[k]]
+        room, r = fitting[0] if fitting else rooms[-1]
+        if room - batch.cost[k] < limit - give_up_above:
+            return None
+        rooms.remove((room, r))
+        rooms = sorted([*rooms, (room - batch.cost[k], r)])
+        dest[k] = r
+    return dest
+
+
+@SETTINGS
+@given(
+    counts=st.lists(st.lists(st.sampled_from([4, 8, 12]), min_size=0, max_size=40), min_size=2, max_size=5),
+    aim=st.sampled_from([0.0, 0.001, 0.05]),
+    slack=st.sampled_from([0.0, 0.004, 0.1]),
+    give_up=st.sampled_from([1.002, 1.05, math.inf]),
+)
+def test_fit_places_alike_images_as_one_by_one(
+    counts: list[list[int]], aim: float, slack: float, give_up: float
+) -> None:
+    # Shed-and-fit puts a run of images of one cost on the rank it chose for the first while that
+    # rank holds them: placed alone, each would pick it again (its room was the least that held
+    # one and only shrinks).
+    batch = _batch(counts)
+    if not batch.size:
+        return
+    target, limit = batch.lower_bound * (1.0 + aim), batch.tight_bound * (1.0 + slack)
+    got = shed_and_fit(batch, target, limit, give_up_above=batch.lower_bound * give_up)
+    want = _shed_and_fit_one_by_one(batch, target, limit, batch.lower_bound * give_up)
+    assert (got is None and want is None) or (got is not None and got.tolist() == want)

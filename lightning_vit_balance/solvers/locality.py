@@ -176,13 +176,24 @@ def shed_and_fit(
     # (room under the limit, rank), least room first; ties by rank.
     rooms = sorted((limit - load, r) for r, load in enumerate(left))
     least_room = limit - give_up_above
-    for k, c in zip(ids.tolist(), arrays.cost[ids].tolist()):
+    images, costs = ids.tolist(), arrays.cost[ids].tolist()
+    at = 0
+    while at < len(images):
+        c = costs[at]
         i = bisect.bisect_left(rooms, (c, -1))
+        fits = i < len(rooms)
         room, r = rooms.pop(min(i, len(rooms) - 1))
-        if room - c < least_room:
-            return None
-        bisect.insort(rooms, (room - c, r))
-        dest[k] = r
+        # Images alike in cost (a video's steps) go on to the same rank while it holds them: its
+        # room was the least that held one, and only shrinks. Placed one by one, each would pick it.
+        while True:
+            if room - c < least_room:
+                return None
+            room -= c
+            dest[images[at]] = r
+            at += 1
+            if not (fits and at < len(images) and costs[at] == c and room >= c):
+                break
+        bisect.insort(rooms, (room, r))
     return dest
 
 

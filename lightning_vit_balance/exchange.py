@@ -25,7 +25,8 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import groupby
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -139,14 +140,13 @@ def grid_steps(grid_thw: torch.Tensor) -> torch.Tensor:
     return steps
 
 
-def rows_per_image(kind: str, patch_count: int, merge_size: int) -> int:
-    """Rows an image of ``patch_count`` patches has in an output of ``kind`` ("patch" or "merged")."""
+_Count = TypeVar("_Count", int, np.ndarray)
+
+
+def rows_per_image(kind: str, patch_count: _Count, merge_size: int) -> _Count:
+    """Rows an image of ``patch_count`` patches has in an output of ``kind`` ("patch" or "merged");
+    elementwise for an ``[n]`` int64 array of patch counts."""
     return patch_count if kind == "patch" else patch_count // (merge_size * merge_size)
-
-
-def _rows_per_image(kind: str, patch_counts: np.ndarray, merge_size: int) -> np.ndarray:
-    """:func:`rows_per_image` of each of ``patch_counts`` (``[n]`` int64)."""
-    return patch_counts if kind == "patch" else patch_counts // (merge_size * merge_size)
 
 
 # -- devices --------------------------------------------------------------------------------------
@@ -281,13 +281,7 @@ def device_problem(group: Any, device: torch.device) -> tuple[int, ...] | None:
 def grid_runs(grids: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int, int]]:
     """``grids`` as runs ``(count, T, H, W)`` of equal rows one after another: the metadata
     gather's form. A video passed one row per temporal step, or pages of one size, are one run."""
-    runs: list[tuple[int, int, int, int]] = []
-    for row in grids:
-        if runs and runs[-1][1:] == row:
-            runs[-1] = (runs[-1][0] + 1, *row)
-        else:
-            runs.append((1, *row))
-    return runs
+    return [(sum(1 for _ in alike), *row) for row, alike in groupby(grids)]
 
 
 def grid_rows_of_runs(values: Sequence[int], runs: int) -> tuple[tuple[int, int, int], ...]:
@@ -762,7 +756,7 @@ class ReturnLayout:
             position = np.empty_like(order)
             position[order] = np.arange(order.size)
             mine = np.asarray(plan.patch_counts[route.rank], dtype=np.int64)
-            image_rows = {kind: _rows_per_image(kind, mine, merge_size) for kind in dict.fromkeys(kinds)}
+            image_rows = {kind: rows_per_image(kind, mine, merge_size) for kind in dict.fromkeys(kinds)}
             runs = {kind: row_runs(rows[order], position) for kind, rows in image_rows.items()}
             restore = tuple(runs[kind] for kind in kinds)
         return cls(send_rows, send_splits, receive_rows, receive_splits, restore)

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from lightning_vit_balance.solvers import tuning
-from lightning_vit_balance.solvers.batch import Batch, group_order
+from lightning_vit_balance.solvers.batch import Batch, first_of_alike, group_order
 
 __all__ = ["repair"]
 
@@ -278,14 +278,7 @@ def _first_of_each(groups: list[_Group]) -> list[_Group]:
     handful of the thousands of groups: at P = 8 with 52 frames of a few videos per rank one plan
     tried 2.2 million pairs of groups and took 10 s.
     """
-    seen: set[tuple[float, int, int]] = set()
-    first = []
-    for group in groups:
-        key = (group[0], group[2], len(group[1]))
-        if key not in seen:
-            seen.add(key)
-            first.append(group)
-    return first
+    return [groups[i] for i in first_of_alike((cost, rows, len(ids)) for cost, ids, rows in groups)]
 
 
 def _best_exchange(

@@ -35,6 +35,7 @@ __all__ = [
     "rank_loads",
     "rank_patches",
     "score",
+    "split_of_two_within",
 ]
 
 #: ``dest[k]``: the rank that encodes image ``k``. A list, or an int64 array in the numpy variants.
@@ -279,6 +280,40 @@ def first_of_alike(keys: Iterable[Hashable]) -> list[int]:
             seen.add(key)
             first.append(position)
     return first
+
+
+def split_of_two_within(cost: Sequence[float], limit: float) -> bool:
+    """Whether some split of ``cost`` (a few dozen at most) between two ranks keeps both loads
+    within ``limit``.
+
+    Meet in the middle: every subset sum of each half of the images (a product of the half's costs
+    with the ``2**h`` rows of 0/1 masks); a split within the limit pairs a sum ``a`` of the first
+    half with one of the second in ``[total - limit - a, limit - a]``. Exact up to the rounding of
+    float sums (a few ulps).
+    """
+    costs = np.asarray(cost, dtype=np.float64)
+    half = costs.size // 2
+    first = _subset_masks(half) @ costs[:half]
+    second = _subset_masks(costs.size - half) @ costs[half:]
+    second.sort()
+    total = first[-1] + second[-1]
+    low = second.searchsorted(total - limit - first, "left")
+    high = second.searchsorted(limit - first, "right")
+    return bool((low < high).any())
+
+
+def _subset_masks(size: int) -> np.ndarray:
+    """Row ``m``: the bits of ``m``, lowest first, as floats (``[2**size, size]``); the last row
+    is the full set."""
+    masks = _SUBSET_MASKS.get(size)
+    if masks is None:
+        bits = (np.arange(1 << size)[:, None] >> np.arange(size)) & 1
+        masks = _SUBSET_MASKS[size] = bits.astype(np.float64)
+    return masks
+
+
+#: The masks of :func:`_subset_masks`, by the number of images; filled on first use, a few per process.
+_SUBSET_MASKS: dict[int, np.ndarray] = {}
 
 
 def group_order(groups: np.ndarray, num_groups: int) -> np.ndarray:

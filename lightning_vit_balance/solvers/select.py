@@ -48,7 +48,7 @@ import numpy as np
 
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.solvers import tuning
-from lightning_vit_balance.solvers.batch import Batch, Destinations, rank_loads, score
+from lightning_vit_balance.solvers.batch import Batch, Destinations, rank_loads, score, split_of_two_within
 from lightning_vit_balance.solvers.locality import (
     bring_home,
     cap_excess,
@@ -225,8 +225,11 @@ def _repaired(batch: Batch, dest: Destinations, accept: float) -> Candidate | No
     paired exchanges come first (:func:`_paired_and_repaired`)."""
     if _paired_first(batch):
         return _paired_and_repaired(batch, dest, accept)
+    targets = _repair_targets(batch, accept)
+    if _out_of_reach(batch, targets[-1]):
+        return None
     dest = _filled(batch, list(dest), None)
-    reached = repair(batch, dest, rank_loads(batch, dest), _repair_targets(batch, accept))
+    reached = repair(batch, dest, rank_loads(batch, dest), targets)
     if reached is None:
         return None
     if batch.size > tuning.BRING_HOME_UP_TO:
@@ -234,6 +237,20 @@ def _repaired(batch: Batch, dest: Destinations, accept: float) -> Candidate | No
         # target it reached (measured: 0.6-2.3 points fewer rows moved at P = 128-224).
         dest = bring_home(batch, dest, reached * (1.0 + tuning.EPS), batch.must_hold)
     return _measure(batch, dest)
+
+
+def _out_of_reach(batch: Batch, target: float) -> bool:
+    """Two ranks, at most :data:`~tuning.SPLIT_SEARCH_UP_TO` images, the costliest at least
+    :data:`~tuning.SPLIT_SEARCH_FROM` of ``target``: whether no split of them keeps both ranks
+    within ``target``. Then no repair reaches it, and it would search in vain (at P = 2 the
+    repair's futile searches made the slowest plans). The search of every split is exact up to
+    float rounding, which a margin of two :data:`~tuning.EPS` covers many times over, so skipping
+    the repair changes no plan."""
+    if batch.num_ranks != 2 or batch.size > tuning.SPLIT_SEARCH_UP_TO:
+        return False
+    if max(batch.cost) < tuning.SPLIT_SEARCH_FROM * target:
+        return False
+    return not split_of_two_within(batch.cost, target * (1.0 + tuning.EPS) ** 2)
 
 
 def _paired_and_repaired(batch: Batch, dest: Destinations, accept: float) -> Candidate | None:

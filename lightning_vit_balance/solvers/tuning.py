@@ -150,6 +150,18 @@ REPAIR_RANKS_UP_TO = 256
 #: 12-17% above, the repair reached neither target and cost 1.3-3.6 ms for nothing.
 REPAIR_FROM_WITHIN = 0.1
 
+#: At two ranks with at most this many images the repair runs only when some split of the images
+#: reaches its last target (searched exactly, meet in the middle: 2 x 4,096 subsets at 24, 0.4 ms;
+#: 15-25 us at 8-16 images). At 1-12 images per rank 40% of the repairs were skipped, each of which
+#: had searched 0.3-1.5 ms in vain.
+SPLIT_SEARCH_UP_TO = 24
+
+#: ... and only when the costliest image is at least this share of the target: images that small
+#: leave many splits near the middle, and the search cost 20% of the plans of 8 similar sizes per
+#: rank for nothing. Every repair skipped on 1,350 random two-rank batches had its costliest image
+#: at a third of the target or more.
+SPLIT_SEARCH_FROM = 0.25
+
 #: :func:`~.repair.repair` exchanges groups of at most this many images each way between two
 #: ranks. On 147 batches of similar sizes that shed-and-place left above the bound (1-8 images per
 #: rank, P = 2-64), single images alone reached the first target in 34, pairs in 102, triples in

@@ -358,7 +358,8 @@ def test_two_ranks_skip_a_repair_no_split_allows(monkeypatch: pytest.MonkeyPatch
     # Two ranks of document pages and photos (l**2 costs): no split of the four largest pages
     # comes within 2% of the pigeonhole bound, beyond the repair's last target (1% above it). The
     # repair searched in vain, 60% of a 1.6 ms plan (a heap LPT takes 11 us), before the seed's
-    # LPT. Now the exact best split shows it would, and it does not run: the same plan.
+    # LPT. Now a search of every split shows that it would give up, and it does not run: the same
+    # plan.
     counts = [[80, 12528, 924, 7052, 168, 2432, 160, 280], [224, 11408, 7488, 13024, 576, 1200, 8272, 280]]
     batch = _batch(counts, CostModel())
     assert not split_of_two_within(batch.cost, batch.tight_bound * 1.02)

@@ -152,14 +152,14 @@ REPAIR_FROM_WITHIN = 0.1
 
 #: At two ranks with at most this many images the repair runs only when some split of the images
 #: reaches its last target (searched exactly, meet in the middle: 2 x 4,096 subsets at 24, 0.4 ms;
-#: 15-25 us at 8-16 images). At 1-12 images per rank 40% of the repairs were skipped, each of which
-#: had searched 0.3-1.5 ms in vain.
+#: 13-25 us at 8-16 images). On random two-rank batches 43-46% of the repairs were skipped; with 8
+#: images per rank the slowest plans took 0.36-0.62 ms instead of 1.3-2.0 ms.
 SPLIT_SEARCH_UP_TO = 24
 
 #: ... and only when the costliest image is at least this share of the target: images that small
-#: leave many splits near the middle, and the search cost 20% of the plans of 8 similar sizes per
-#: rank for nothing. Every repair skipped on 1,350 random two-rank batches had its costliest image
-#: at a third of the target or more.
+#: leave many splits near the middle, and searching them made plans of 8 similar sizes per rank
+#: 20-27% slower in all, for nothing. Every repair skipped on 1,350 random two-rank batches had
+#: its costliest image at about a third of the target or more.
 SPLIT_SEARCH_FROM = 0.25
 
 #: :func:`~.repair.repair` exchanges groups of at most this many images each way between two

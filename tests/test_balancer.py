@@ -7,6 +7,7 @@ multirank.py); 2- and 3-rank cases balance over a subgroup of it (which also exe
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -524,8 +525,6 @@ def test_pixel_trip_with_home_rows_between_arrivals(multirank: Any) -> None:
 
 def _random_settings(seed: int) -> tuple[int, str, dict[str, Any], bool, list[dict[str, Any]]]:
     """One random run of :func:`run_cases`: ranks, tower, config, prepared or not, and cases."""
-    import random
-
     rng = random.Random(seed)
     n = rng.choice([2, 3, 4])
     tower = rng.choice(["tensor", "window", "dict", "qwen2_5_vl", "qwen3_vl"])

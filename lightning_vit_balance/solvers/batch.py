@@ -15,7 +15,7 @@ import math
 import sys
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import reduce
+from functools import cache, reduce
 from itertools import accumulate, chain, pairwise
 from operator import add
 from typing import Any
@@ -302,18 +302,13 @@ def split_of_two_within(cost: Sequence[float], limit: float) -> bool:
     return bool((low < high).any())
 
 
+@cache
 def _subset_masks(size: int) -> np.ndarray:
     """Row ``m``: the bits of ``m``, lowest first, as floats (``[2**size, size]``); the last row
-    is the full set."""
-    masks = _SUBSET_MASKS.get(size)
-    if masks is None:
-        bits = (np.arange(1 << size)[:, None] >> np.arange(size)) & 1
-        masks = _SUBSET_MASKS[size] = bits.astype(np.float64)
-    return masks
-
-
-#: The masks of :func:`_subset_masks`, by the number of images; filled on first use, a few per process.
-_SUBSET_MASKS: dict[int, np.ndarray] = {}
+    is the full set. Kept per size (a few per process: halves of at most
+    :data:`~tuning.SPLIT_SEARCH_UP_TO` images); callers only read it."""
+    bits = (np.arange(1 << size)[:, None] >> np.arange(size)) & 1
+    return bits.astype(np.float64)
 
 
 def group_order(groups: np.ndarray, num_groups: int) -> np.ndarray:

@@ -37,6 +37,7 @@ from lightning_vit_balance.planning import RebalancePlan
 from lightning_vit_balance.problems import DEVICE_TYPES, MAX_DETAILS, InputProblem
 
 __all__ = [
+    "DOUBLING_FROM_RANKS",
     "GATHER_CAPACITY",
     "ExchangeRoute",
     "LeafSignature",
@@ -63,6 +64,7 @@ __all__ = [
     "row_runs",
     "rows_per_image",
     "start_pixel_trip",
+    "start_row_gather",
     "start_status",
     "take_rows",
 ]
@@ -71,6 +73,13 @@ __all__ = [
 #: more costs one more gather. A package constant, not a setting: ranks whose settings differ must
 #: still meet in a gather of one size, to learn that they differ.
 GATHER_CAPACITY = 64
+#: From this many ranks, gathers of host (CPU) rows take ``ceil(log2 P)`` rounds of messages instead
+#: of gloo's ring of ``P - 1`` hops (:func:`start_row_gather`). Modelled, not measured on a cluster:
+#: a gloo hop costs 10-30 us of network and a round's Python 20-40 us more, so the two tie at about
+#: 8 ranks; on this machine's 2 cores the rounds were 1.2-1.9x faster from 4 to 32 ranks (BENCHMARKS.md).
+DOUBLING_FROM_RANKS = 16
+#: Tags of the doubling rounds' messages (plus the round's distance): apart from a user's own.
+_DOUBLING_TAG = 0x56425400
 #: Fixed header fields before the fingerprint and the grid runs in each rank's gather row.
 _HEADER_FIELDS = ("status", "num_runs", "channels", "dtype_code", "requires_grad", "vit_us")
 _DETAILS_AT = len(_HEADER_FIELDS)
@@ -322,11 +331,75 @@ def _run_tensor(runs: Sequence[tuple[int, int, int, int]]) -> torch.Tensor:
 
 
 def _all_gather_rows(row: torch.Tensor, device: torch.device, group: Any) -> list[list[int]]:
-    world = dist.get_world_size(group)
-    row = row.to(device)
-    gathered = [torch.empty_like(row) for _ in range(world)]
-    dist.all_gather(gathered, row, group=group)
-    return torch.stack(gathered).cpu().tolist()
+    return start_row_gather(row.to(device), group).wait().cpu().tolist()
+
+
+class _RingRows:
+    """``dist.all_gather`` of one row per rank, started asynchronously (NCCL's or gloo's ring)."""
+
+    def __init__(self, row: torch.Tensor, group: Any) -> None:
+        self._gathered = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
+        self._work = dist.all_gather(self._gathered, row, group=group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        return torch.stack(self._gathered)
+
+
+class _DoublingRows:
+    """Bruck's all-gather of one row per rank, from point-to-point messages: ``ceil(log2 P)`` rounds.
+
+    After round ``r`` a rank holds the rows of ranks ``rank, rank + 1, ... rank + 2**(r+1) - 1``
+    (mod ``P``): in each round it sends the rows it holds (as many as the others still lack) to
+    ``rank - 2**r`` and receives as many from ``rank + 2**r``. The first round is posted at once,
+    so :meth:`wait` can come later, as with an asynchronous ``all_gather``.
+    """
+
+    def __init__(self, row: torch.Tensor, group: Any) -> None:
+        self._group = group if group is not None else dist.group.WORLD
+        self._world, self._rank = dist.get_world_size(group), dist.get_rank(group)
+        self._rows = row.new_empty((self._world, *row.shape))  # [P, *row.shape], this rank's first
+        self._rows[0] = row
+        self._held = 1
+        self._round = self._post_round() if self._world > 1 else ([], 0)
+
+    def _post_round(self) -> tuple[list[Any], int]:
+        held, world = self._held, self._world
+        count = min(held, world - held)
+        to_rank = dist.get_global_rank(self._group, (self._rank - held) % world)
+        from_rank = dist.get_global_rank(self._group, (self._rank + held) % world)
+        tag = _DOUBLING_TAG + held
+        requests = [
+            dist.isend(self._rows[:count], to_rank, group=self._group, tag=tag),
+            dist.irecv(self._rows[held : held + count], from_rank, group=self._group, tag=tag),
+        ]
+        return requests, count
+
+    def wait(self) -> torch.Tensor:
+        while self._held < self._world:
+            requests, count = self._round
+            for request in requests:
+                request.wait()
+            self._held += count
+            if self._held < self._world:
+                self._round = self._post_round()
+        # Row i holds rank (rank + i) mod P's: put them in rank order.
+        return torch.roll(self._rows, self._rank, 0)
+
+
+def start_row_gather(row: torch.Tensor, group: Any) -> _RingRows | _DoublingRows:
+    """Start gathering one equal-shaped ``row`` from every rank of ``group``; ``wait()`` returns
+    them stacked in rank order (``[P, *row.shape]``).
+
+    Host (CPU) rows on :data:`DOUBLING_FROM_RANKS` ranks or more take Bruck's doubling rounds
+    (:class:`_DoublingRows`); others one ``all_gather``. Gloo's all_gather is a ring: each of its
+    ``P - 1`` hops waits for the one before, so on 512 ranks a gather of a few bytes waits for 511
+    network latencies, twice per balanced call (metadata and status). NCCL's gathers stay as they
+    are (device buffers; its own algorithms).
+    """
+    if row.device.type == "cpu" and dist.get_world_size(group) >= DOUBLING_FROM_RANKS:
+        return _DoublingRows(row, group)
+    return _RingRows(row, group)
 
 
 def gather_metadata(
@@ -889,20 +962,18 @@ def _decode_detail(values: Sequence[int]) -> ViTStatus:
 class PendingStatus:
     """A status gather in flight (see :func:`start_status`): :meth:`wait` gives the report."""
 
-    def __init__(self, status: ViTStatus, gathered: list[torch.Tensor], work: Any, group: Any) -> None:
+    def __init__(self, status: ViTStatus, words: _RingRows | _DoublingRows, group: Any) -> None:
         self._status = status
-        self._gathered = gathered
-        self._work = work
+        self._words = words
         self._group = group
 
     def wait(self) -> StatusReport:
         """Block until every rank's status word has arrived; gather the details when they disagree."""
-        self._work.wait()
-        words = torch.stack(self._gathered).cpu().tolist()
+        gathered = self._words.wait()  # [P, 3]: flag, digest, output count
+        words = gathered.cpu().tolist()
         if all(w == [0, words[0][1], words[0][2]] for w in words):
             return StatusReport(True, (), 1)
-        device = self._gathered[0].device
-        details = _all_gather_rows(_encode_detail(self._status), device, self._group)
+        details = _all_gather_rows(_encode_detail(self._status), gathered.device, self._group)
         return StatusReport(False, tuple(_decode_detail(d) for d in details), 2)
 
 
@@ -910,9 +981,7 @@ def start_status(status: ViTStatus, group: Any) -> PendingStatus:
     """:func:`exchange_status`, started asynchronously: prepare the return trip, then ``wait()``."""
     device = host_device(group)
     word = torch.tensor([status.flag, status.digest(), len(status.leaves)], dtype=torch.int64).to(device)
-    gathered = [torch.empty_like(word) for _ in range(dist.get_world_size(group))]
-    work = dist.all_gather(gathered, word, group=group, async_op=True)
-    return PendingStatus(status, gathered, work, group)
+    return PendingStatus(status, start_row_gather(word, group), group)
 
 
 def exchange_status(status: ViTStatus, group: Any) -> StatusReport:

@@ -8,10 +8,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from multirank import subgroup
+from test_faults import _vit_case as vit_case
+from test_many_ranks import _suite as many_ranks_suite
 
+from lightning_vit_balance import exchange
 from lightning_vit_balance.exchange import (
     ExchangeRoute,
     RankMetadata,
+    _DoublingRows,
     all_to_all,
     collective_device,
     gather_metadata,
@@ -197,3 +201,102 @@ def test_grid_steps_gives_each_temporal_step_a_row_like_frames_as_items() -> Non
     # A grid the input checks reject comes back unchanged, so the error names the caller's rows.
     bad = torch.tensor([[0, 4, 4], [2, 2, 2]])
     assert grid_steps(bad) is bad
+
+
+#: Groups of the 8-rank pool for the doubling gather: 1, 2, 3, 5, 6, 7 and 8 ranks (powers of two
+#: and not), and the odd ranks, whose group ranks differ from their global ranks.
+_GATHER_GROUPS: dict[str, list[int]] = {
+    **{f"first {k}": list(range(k)) for k in (1, 2, 3, 5, 6, 7, 8)},
+    "odd": [1, 3, 5, 7],
+}
+_MADE_GROUPS: dict[str, Any] = {}
+
+
+def _doubling_checks() -> list[tuple[str, bool]]:
+    """Every group of :data:`_GATHER_GROUPS`: rows gathered in doubling rounds equal
+    ``dist.all_gather``'s, in rank order, for int64 rows and uint8 rows of another shape, the first
+    round posted before the row's owner waits (as the status gather does)."""
+    for name, ranks in _GATHER_GROUPS.items():  # created on every rank, in one order
+        if name not in _MADE_GROUPS:
+            _MADE_GROUPS[name] = dist.new_group(ranks)
+    rank = dist.get_rank()
+    checked = []
+    for name, ranks in _GATHER_GROUPS.items():
+        if rank not in ranks:
+            continue
+        group = _MADE_GROUPS[name]
+        for row in (
+            torch.arange(5, dtype=torch.int64) + 100 * rank,
+            torch.full((2, 3), rank, dtype=torch.uint8),
+        ):
+            expected = [torch.empty_like(row) for _ in ranks]
+            dist.all_gather(expected, row, group=group)
+            pending = _DoublingRows(row, group)
+            torch.manual_seed(rank)  # some work of this rank's own while the first round is in flight
+            torch.randn(64, 64).sum()
+            checked.append((name, torch.equal(pending.wait(), torch.stack(expected))))
+    return checked
+
+
+def test_row_gather_in_doubling_rounds_equals_all_gather(multirank: Any) -> None:
+    """Bruck's rounds (``ceil(log2 P)`` of them) give what gloo's ring all_gather gives, on groups of
+    1-8 ranks and on a group whose ranks are not the first ones."""
+    with multirank(8) as w:
+        per_rank = w.run(_doubling_checks)
+    for rank, checked in enumerate(per_rank):
+        names = {name for name, ranks in _GATHER_GROUPS.items() if rank in ranks}
+        assert {name for name, _ in checked} == names
+        assert all(ok for _, ok in checked), (rank, checked)
+
+
+def _with_doubling_from(ranks: int, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a worker with host row gathers taking doubling rounds from ``ranks`` ranks."""
+    saved = exchange.DOUBLING_FROM_RANKS
+    exchange.DOUBLING_FROM_RANKS = ranks
+    try:
+        return fn(*args)
+    finally:
+        exchange.DOUBLING_FROM_RANKS = saved
+
+
+def _gather_kinds() -> list[str]:
+    row = torch.tensor([dist.get_rank()])
+    kinds = []
+    for group in (None, subgroup(7)):
+        if group is None or dist.get_rank() < 7:
+            pending = exchange.start_row_gather(row, group)
+            kinds.append(type(pending).__name__)
+            assert pending.wait().flatten().tolist() == list(range(dist.get_world_size(group)))
+    return kinds
+
+
+def test_row_gather_takes_doubling_rounds_from_its_threshold(multirank: Any) -> None:
+    """Host rows: one ring all_gather below :data:`DOUBLING_FROM_RANKS` ranks, doubling rounds from it."""
+    with multirank(8) as w:
+        per_rank = w.run(_with_doubling_from, 8, _gather_kinds)
+    assert per_rank == [["_DoublingRows", "_RingRows"]] * 7 + [["_DoublingRows"]]
+    # Below it the ring's C++ hops (10-30 us each) cost less than Python rounds (20-40 us more each).
+    assert exchange.DOUBLING_FROM_RANKS >= 8
+
+
+def test_balanced_calls_with_doubling_gathers_equal_the_direct_call(multirank: Any) -> None:
+    """The metadata and status gathers in doubling rounds (as from 16 ranks on): outputs and
+    gradients as the direct call on 8 ranks, plans made in the forward and ahead."""
+    with multirank(8) as w:
+        for tower, config, prepared in (
+            ("window", {"trigger_threshold": 0.0}, False),
+            ("qwen2_5_vl", {}, True),
+        ):
+            per_rank = w.run(_with_doubling_from, 2, many_ranks_suite, tower, config, prepared)
+            assert all(any(r["applied"] for r in results) for results in per_rank)
+            assert len({tuple(r["applied"] for r in results) for results in per_rank}) == 1
+
+
+def test_vit_exception_with_doubling_gathers(multirank: Any) -> None:
+    """A ViT that raises on one rank: the status details gathered in doubling rounds name it on
+    every rank, as with the ring."""
+    with multirank(POOL) as w:
+        results = w.run(_with_doubling_from, 2, vit_case, "raise", 1)[:3]
+    assert results[1]["kind"] == "OutOfMemoryError", results[1]
+    assert {r["kind"] for r in (results[0], results[2])} == {"RuntimeError"}
+    assert results[0]["message"] == results[2]["message"] and "rank 1" in results[0]["message"]

@@ -16,6 +16,8 @@ no sizes are exchanged in between. The pieces:
   :mod:`lightning_vit_balance.wire`'s: no communication there.
 * :func:`exchange_status` / :func:`start_status`: after the ViT, every rank learns whether any
   rank's ViT raised or made outputs that do not fit, before anything waits on those outputs.
+* :func:`start_row_gather`: the small gathers' one collective, in ``ceil(log2 P)`` rounds of
+  messages for host rows on many ranks.
 """
 
 from __future__ import annotations

@@ -77,8 +77,10 @@ __all__ = [
 GATHER_CAPACITY = 64
 #: From this many ranks, gathers of host (CPU) rows take ``ceil(log2 P)`` rounds of messages instead
 #: of gloo's ring of ``P - 1`` hops (:func:`start_row_gather`). Modelled, not measured on a cluster:
-#: a gloo hop costs 10-30 us of network and a round's Python 20-40 us more, so the two tie at about
-#: 8 ranks; on this machine's 2 cores the rounds were 1.2-1.9x faster from 4 to 32 ranks (BENCHMARKS.md).
+#: a hop costs 10-30 us of network latency, a round that plus 40-80 us of Python (80 measured on the
+#: slow 2-core development machine), so the two tie at about 10-30 ranks, and at 512 ranks the rounds
+#: wait for 9 latencies instead of 511. On that machine the rounds took 1.8-2.9x less wall time from 4
+#: to 32 ranks, its cores shared by every rank (BENCHMARKS.md, "Host gathers on many ranks").
 DOUBLING_FROM_RANKS = 16
 #: Tags of the doubling rounds' messages (plus the round's distance): apart from a user's own.
 _DOUBLING_TAG = 0x56425400

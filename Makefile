@@ -11,7 +11,7 @@ CONSTRAINTS ?= requirements/constraints.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-transformers4 demo bench bench-e2e bench-engine bench-gather gpu-check bench-gpu lint clean
+.PHONY: install test test-transformers4 demo bench bench-e2e bench-engine bench-ranks gpu-check bench-gpu lint clean
 
 install: $(STAMP)
 
@@ -50,10 +50,11 @@ bench-e2e: $(STAMP)
 bench-engine: $(STAMP)
 	$(PY) benchmarks/bench_engine.py
 
-# The host gathers (metadata, status) on 2-32 gloo CPU ranks: gloo's ring all_gather against the
-# doubling rounds the balancer takes from 16 ranks on (3-4 minutes on 2 cores).
-bench-gather: $(STAMP)
-	$(PY) benchmarks/bench_gather.py
+# The balancer on many ranks: one call's host work at 64-1024 ranks (in one process), then the host
+# gathers (metadata, status) on 2-32 gloo CPU ranks, gloo's ring all_gather against the doubling
+# rounds the balancer takes from 16 ranks on (3-4 minutes on 2 cores).
+bench-ranks: $(STAMP)
+	$(PY) benchmarks/bench_many_ranks.py
 
 # On a machine with a GPU, with that machine's own Python and CUDA build of torch (no venv: this
 # repo's pins the CPU wheel). gpu-check: the CUDA paths (tests/test_cuda.py), two ranks sharing the

@@ -584,9 +584,10 @@ class ViTBalancer:
         counts = [m.patch_counts for m in metadata]
         plan = plan_rebalance(counts, self.config, cost_model=cost_model, frames=frames)
         if self._calibrator is not None:
+            arrivals = plan.arrivals_of_every_rank() if plan.applied else None
             self._encoded_counts, self._encoded_frames = (
                 tuple(
-                    tuple(rows[src][i] for src, i in plan.arrivals(r)) if plan.applied else tuple(rows[r])
+                    tuple(rows[src][i] for src, i in arrivals[r]) if arrivals is not None else tuple(rows[r])
                     for r in range(plan.num_ranks)
                 )
                 for rows in (plan.patch_counts, frames)

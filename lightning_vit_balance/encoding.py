@@ -199,6 +199,8 @@ def _mismatch(metadata: Sequence[RankMetadata]) -> str | None:
 def _fingerprint_problem(metadata: Sequence[RankMetadata], names: Sequence[str]) -> str | None:
     """Text naming the settings that differ between ranks, or None when every rank agrees."""
     reference = metadata[0].fingerprint
+    if all(m.fingerprint == reference for m in metadata):
+        return None  # one tuple comparison per rank; the setting by setting scan names the ones apart
     differing: list[str] = []
     for k, name in enumerate(names):
         ranks = [r for r, m in enumerate(metadata) if m.fingerprint[k] != reference[k]]

@@ -63,6 +63,8 @@ __all__ = [
     "host_device",
     "host_to_device",
     "make_host_group",
+    "metadata_of_rows",
+    "metadata_row",
     "row_runs",
     "rows_per_image",
     "start_pixel_trip",
@@ -306,9 +308,13 @@ def grid_rows_of_runs(values: Sequence[int], runs: int) -> tuple[tuple[int, int,
     )
 
 
-def _gather_row(
+def metadata_row(
     local: RankMetadata, runs: Sequence[tuple[int, int, int, int]], capacity: int
 ) -> torch.Tensor:
+    """One rank's row of the metadata gather (``[header + fingerprint + 4 * capacity]`` int64): the
+    header fields, the details padded to four, the fingerprint, then up to ``capacity`` of
+    ``runs`` (:func:`grid_runs` of ``local.grids``), zero padded. :func:`metadata_of_rows` reads
+    every rank's back."""
     details = [int(v) for v in local.details][:MAX_DETAILS]
     details += [0] * (MAX_DETAILS - len(details))
     header = [
@@ -332,10 +338,6 @@ def _gather_row(
 def _run_tensor(runs: Sequence[tuple[int, int, int, int]]) -> torch.Tensor:
     """``[4 * len(runs)]`` int64 values (through numpy: much faster than torch.tensor on tuples)."""
     return torch.from_numpy(np.asarray(runs, dtype=np.int64).reshape(-1))
-
-
-def _all_gather_rows(row: torch.Tensor, device: torch.device, group: Any) -> list[list[int]]:
-    return start_row_gather(row.to(device), group).wait().cpu().tolist()
 
 
 class _RingRows:
@@ -432,33 +434,61 @@ def gather_metadata(
         collectives issued (1 or 2).
     """
     runs = grid_runs(local.grids)
-    rows = _all_gather_rows(_gather_row(local, runs, capacity), device, group)
+    gathered = _gathered_array(metadata_row(local, runs, capacity), device, group)
     grids_at = _FINGERPRINT_AT + len(local.fingerprint)
-    counts = [row[1] for row in rows]
+    most_runs = int(gathered[:, 1].max())
     collectives = 1
-    if max(counts) > capacity:
+    if most_runs > capacity:
         # Rare: some rank has more runs than the first gather carries; gather them all once more.
-        second = torch.zeros(4 * max(counts), dtype=torch.int64)
+        second = torch.zeros(4 * most_runs, dtype=torch.int64)
         if runs:
             second[: 4 * len(runs)] = _run_tensor(runs)
-        grid_values = _all_gather_rows(second, device, group)
+        grid_values = _gathered_array(second, device, group)
         collectives += 1
     else:
-        grid_values = [row[grids_at:] for row in rows]
-    metadata = tuple(
-        RankMetadata(
+        grid_values = gathered[:, grids_at:]
+    return metadata_of_rows(gathered[:, :grids_at], grid_values), collectives
+
+
+def _gathered_array(row: torch.Tensor, device: torch.device, group: Any) -> np.ndarray:
+    """Every rank's ``row`` as a ``[P, len(row)]`` array, in rank order."""
+    return start_row_gather(row.to(device), group).wait().cpu().numpy()
+
+
+def metadata_of_rows(headers: np.ndarray, grid_values: np.ndarray) -> tuple[RankMetadata, ...]:
+    """Every rank's :class:`RankMetadata` from its gathered row: ``headers`` ``[P, header +
+    fingerprint]`` and ``grid_values`` ``[P, 4 * runs]`` (flat ``count, T, H, W`` runs, zero
+    padded).
+
+    The runs are expanded and the patch counts multiplied out for every rank at once, in numpy;
+    only the values ranks sent become Python objects. On 1,024 ranks converting the padding of
+    the default capacity (seven values in eight) and expanding rank by rank took most of a
+    balanced call's host work (BENCHMARKS.md, "Host work per call on many ranks").
+    """
+    runs = np.where(headers[:, 0] == InputProblem.OK, headers[:, 1], 0)  # [P] runs to read
+    sent = np.arange(grid_values.shape[1]) < 4 * runs[:, None]  # [P, 4 * runs] values to read
+    quads = grid_values[sent].reshape(-1, 4)  # [all runs, 4]: count, T, H, W, rank by rank
+    grids = np.repeat(quads[:, 1:], quads[:, 0], axis=0)  # [all images, 3]
+    image_ends = np.concatenate(([0], np.cumsum(quads[:, 0])))[np.cumsum(runs)]
+    rows = list(map(tuple, grids.tolist()))
+    patches = grids.prod(axis=1).tolist()
+    starts = [0, *image_ends.tolist()]
+    out = []
+    for row, start, end in zip(headers.tolist(), starts, starts[1:]):
+        metadata = RankMetadata(
             status=row[0],
             details=tuple(row[_DETAILS_AT:_FINGERPRINT_AT]),
             channels=row[2],
             dtype_code=row[3],
             requires_grad=bool(row[4]),
-            grids=grid_rows_of_runs(values, row[1] if row[0] == InputProblem.OK else 0),
-            fingerprint=tuple(row[_FINGERPRINT_AT:grids_at]),
+            grids=tuple(rows[start:end]),
+            fingerprint=tuple(row[_FINGERPRINT_AT:]),
             vit_us=row[5],
         )
-        for row, values in zip(rows, grid_values)
-    )
-    return metadata, collectives
+        # The cached value's slot (see caching.cached_value), filled from the product above.
+        metadata.__dict__["patch_counts"] = tuple(patches[start:end])
+        out.append(metadata)
+    return tuple(out)
 
 
 # -- the autograd all_to_all ----------------------------------------------------------------------
@@ -820,12 +850,13 @@ class ReturnLayout:
         row_elements: Sequence[int],
     ) -> ReturnLayout:
         """:meth:`from_plan` for a rank whose :class:`ExchangeRoute` under ``plan`` is at hand."""
-        send_rows = _send_rows(route, kinds, merge_size)
-        send_splits = tuple(
-            sum((b - a) * e for (a, b), e in zip(ranges, row_elements)) for ranges in send_rows
-        )
-        receive_rows = _rows_by_rank(route.send_patches, kinds, merge_size)
-        receive_splits = tuple(sum(r * e for r, e in zip(rows, row_elements)) for rows in receive_rows)
+        elements = np.asarray(row_elements, dtype=np.int64)  # [K]
+        sent = _rows_by_rank(route.receive_patches, kinds, merge_size)  # [P, K]
+        send_rows = _send_rows(np.asarray(route.receive_patches) > 0, sent)
+        send_splits = tuple((sent @ elements).tolist())
+        received = _rows_by_rank(route.send_patches, kinds, merge_size)  # [P, K]
+        receive_rows = tuple(map(tuple, received.tolist()))
+        receive_splits = tuple((received @ elements).tolist())
         restore = None
         order = np.asarray(route.send_order, dtype=np.int64)
         if bool((order[1:] < order[:-1]).any()):
@@ -839,26 +870,25 @@ class ReturnLayout:
         return cls(send_rows, send_splits, receive_rows, receive_splits, restore)
 
 
-def _rows_by_rank(
-    patches: Sequence[int], kinds: Sequence[str], merge_size: int
-) -> tuple[tuple[int, ...], ...]:
-    """``[rank][k]``: rows in output ``k`` of the images of ``patches[rank]`` patches. A sum of
+def _rows_by_rank(patches: Sequence[int], kinds: Sequence[str], merge_size: int) -> np.ndarray:
+    """``[P, K]`` int64: rows in output ``k`` of the images of ``patches[rank]`` patches. A sum of
     images' rows is the rows of their summed patches: each image's patches are a multiple of
-    ``merge_size**2`` (its H and W are checked divisible on input)."""
-    return tuple(tuple(rows_per_image(kind, n, merge_size) for kind in kinds) for n in patches)
+    ``merge_size**2`` (its H and W are checked divisible on input). In numpy: the layouts' loops
+    over every peer cost milliseconds on 1,024 ranks in Python."""
+    counts = np.asarray(patches, dtype=np.int64)
+    if not kinds:
+        return np.zeros((counts.size, 0), dtype=np.int64)
+    return np.stack([rows_per_image(kind, counts, merge_size) for kind in kinds], axis=1)
 
 
-def _send_rows(
-    route: ExchangeRoute, kinds: Sequence[str], merge_size: int
-) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """``[home][k] -> (a, b)``: the balanced batch's rows of output ``k`` from each home rank
-    (``(0, 0)`` for a home with none): its images lie one after another, homes in rank order."""
-    sent: list[tuple[tuple[int, int], ...]] = []
-    at = [0] * len(kinds)
-    for patches, rows in zip(route.receive_patches, _rows_by_rank(route.receive_patches, kinds, merge_size)):
-        sent.append(tuple((a, a + n) if patches else (0, 0) for a, n in zip(at, rows)))
-        at = [a + n for a, n in zip(at, rows)]
-    return tuple(sent)
+def _send_rows(homes: np.ndarray, rows: np.ndarray) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """``[home][k] -> (a, b)``: the balanced batch's rows of output ``k`` from each home rank, from
+    ``homes`` (``[P]``: whether any image of that home is here) and ``rows`` (``[P, K]``: their rows);
+    ``(0, 0)`` for a home with none. Its images lie one after another, homes in rank order."""
+    ends = np.cumsum(rows, axis=0)
+    starts = np.where(homes[:, None], ends - rows, 0).tolist()
+    ends = np.where(homes[:, None], ends, 0).tolist()
+    return tuple(tuple(zip(a, b)) for a, b in zip(starts, ends))
 
 
 # -- the status gather after the ViT --------------------------------------------------------------
@@ -958,9 +988,10 @@ def _encode_detail(status: ViTStatus) -> torch.Tensor:
     return buffer
 
 
-def _decode_detail(values: Sequence[int]) -> ViTStatus:
-    length = int.from_bytes(bytes(values[:4]), "little")
-    return ViTStatus.decode(bytes(values[4 : 4 + length]))
+def _decode_detail(values: np.ndarray) -> ViTStatus:
+    """The inverse of :func:`_encode_detail`, from one rank's gathered ``uint8`` row."""
+    length = int.from_bytes(values[:4].tobytes(), "little")
+    return ViTStatus.decode(values[4 : 4 + length].tobytes())
 
 
 class PendingStatus:
@@ -977,7 +1008,7 @@ class PendingStatus:
         words = gathered.cpu().tolist()
         if all(w == [0, words[0][1], words[0][2]] for w in words):
             return StatusReport(True, (), 1)
-        details = _all_gather_rows(_encode_detail(self._status), gathered.device, self._group)
+        details = _gathered_array(_encode_detail(self._status), gathered.device, self._group)
         return StatusReport(False, tuple(_decode_detail(d) for d in details), 2)
 
 

@@ -167,16 +167,39 @@ class RebalancePlan:
         return sum(sum(c) for c in self.patch_counts)
 
     @cached_value
-    def _arrivals_by_rank(self) -> tuple[tuple[tuple[int, int], ...], ...]:
-        arrivals: list[list[tuple[int, int]]] = [[] for _ in self.patch_counts]
-        for src, dests in enumerate(self.destinations):
-            for i, d in enumerate(dests):
-                arrivals[d].append((src, i))
-        return tuple(tuple(a) for a in arrivals)
+    def _flat_images(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every image's destination, source rank and index there (``[images]`` each), in
+        (source rank, index) order."""
+        sizes = [len(dests) for dests in self.destinations]
+        dest = np.fromiter(chain.from_iterable(self.destinations), dtype=np.int64, count=sum(sizes))
+        src = np.repeat(np.arange(len(sizes)), sizes)
+        starts = np.cumsum([0, *sizes[:-1]])
+        return dest, src, np.arange(dest.size) - np.repeat(starts, sizes)
+
+    @cached_value
+    def _arrivals_of(self) -> dict[int, tuple[tuple[int, int], ...]]:
+        return {}
 
     def arrivals(self, rank: int) -> tuple[tuple[int, int], ...]:
-        """``(source_rank, image_index)`` of every image ``rank`` encodes, in balanced-batch order."""
-        return self._arrivals_by_rank[rank]
+        """``(source_rank, image_index)`` of every image ``rank`` encodes, in balanced-batch order.
+
+        Only ``rank``'s: a rank's balanced call reads its own, and on 1,024 ranks building every
+        rank's tuples took a tenth of its host work (BENCHMARKS.md, "Host work per call on many
+        ranks"). :meth:`arrivals_of_every_rank` gives them all at once.
+        """
+        if rank not in self._arrivals_of:
+            dest, src, index = self._flat_images
+            here = np.flatnonzero(dest == rank)  # ascending: (source rank, index) order
+            self._arrivals_of[rank] = tuple(zip(src[here].tolist(), index[here].tolist()))
+        return self._arrivals_of[rank]
+
+    def arrivals_of_every_rank(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """:meth:`arrivals` of every rank, in rank order (one stable sort)."""
+        dest, src, index = self._flat_images
+        order = np.argsort(dest, kind="stable")
+        pairs = list(zip(src[order].tolist(), index[order].tolist()))
+        ends = np.cumsum(np.bincount(dest, minlength=self.num_ranks)).tolist()
+        return tuple(tuple(pairs[start:end]) for start, end in zip([0, *ends], ends))
 
     def send_patches(self, rank: int) -> tuple[int, ...]:
         """``send_patches(r)[d]``: patches rank ``r`` sends to rank ``d`` (its own included)."""

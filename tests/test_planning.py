@@ -107,9 +107,12 @@ def _check_plan_invariants(counts: list[list[int]], config: ViTBalanceConfig) ->
     arrivals = [a for rank in range(plan.num_ranks) for a in plan.arrivals(rank)]
     assert sorted(arrivals) == [(r, i) for r, row in enumerate(counts) for i in range(len(row))]
     for rank in range(plan.num_ranks):
-        assert list(plan.arrivals(rank)) == sorted(plan.arrivals(rank))
+        sent_here = enumerate(plan.destinations)
+        expected = [(s, i) for s, dests in sent_here for i, d in enumerate(dests) if d == rank]
+        assert list(plan.arrivals(rank)) == expected
         assert sum(plan.receive_patches(rank)) == sum(plan.patch_counts[s][i] for s, i in plan.arrivals(rank))
         assert plan.send_patches(rank)[rank] == plan.receive_patches(rank)[rank]
+    assert plan.arrivals_of_every_rank() == tuple(plan.arrivals(rank) for rank in range(plan.num_ranks))
     assert recomputed_loads(plan) == plan.loads_after
     assert plan.makespan_after >= plan.lower_bound * (1 - 1e-12)
     assert plan.moved_patches >= plan.moved_patches_lower_bound - 1e-6

@@ -13,10 +13,13 @@ from lightning_vit_balance.exchange import (
     ExchangeRoute,
     LeafSignature,
     PixelTrip,
+    RankMetadata,
     ReturnLayout,
     ViTStatus,
     grid_rows_of_runs,
     grid_runs,
+    metadata_of_rows,
+    metadata_row,
     row_runs,
     rows_per_image,
     take_rows,
@@ -134,6 +137,39 @@ def test_grid_runs_round_trip(grids: list[tuple[int, int, int]]) -> None:
     assert len(runs) == sum(1 for i, row in enumerate(grids) if i == 0 or grids[i - 1] != row)
     flat = [value for run in runs for value in run]
     assert grid_rows_of_runs([*flat, 9, 9, 9, 9], len(runs)) == tuple(grids)
+
+
+_GRID_ROWS = st.sampled_from([(1, 2, 2), (1, 4, 2), (3, 2, 2), (1, 14, 6), (40, 4, 4)])
+_RANK_METADATA = st.builds(
+    lambda status, grids, channels, vit_us: RankMetadata(
+        status=status,
+        details=(7, 9, 0, 0) if status else (0, 0, 0, 0),
+        channels=channels,
+        dtype_code=1,
+        requires_grad=channels % 2 == 0,
+        grids=() if status else tuple(grids),
+        fingerprint=(5, -3, 1 << 40),
+        vit_us=vit_us,
+    ),
+    st.sampled_from([InputProblem.OK, InputProblem.OK, InputProblem.PIXEL_ROWS]),
+    st.lists(_GRID_ROWS, max_size=12),
+    st.integers(1, 2000),
+    st.integers(-1, 10**7),
+)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(ranks=st.lists(_RANK_METADATA, min_size=1, max_size=9))
+def test_metadata_of_gathered_rows_round_trip(ranks: list[RankMetadata]) -> None:
+    # Every rank's row as the metadata gather sends it; what every rank reads back is the same
+    # metadata, patch counts included, whatever the padding after each rank's runs holds.
+    capacity = max(len(grid_runs(m.grids)) for m in ranks)
+    rows = torch.stack([metadata_row(m, grid_runs(m.grids), capacity + 1) for m in ranks]).numpy()
+    grids_at = rows.shape[1] - 4 * (capacity + 1)
+    rows[:, -4:] = 3  # past every rank's runs: never read
+    read = metadata_of_rows(rows[:, :grids_at], rows[:, grids_at:])
+    assert read == tuple(ranks)
+    assert [m.patch_counts for m in read] == [tuple(t * h * w for t, h, w in m.grids) for m in ranks]
 
 
 def test_restore_merges_images_that_come_back_one_after_the_other() -> None:

@@ -1,0 +1,212 @@
+"""The balancer on many ranks: its host gathers, and its host work per call.
+
+``make bench-ranks`` prints two tables.
+
+**gathers**: spawns ``P`` gloo ranks on CPU (file-store rendezvous, no ports) for each ``P`` asked
+for, and times the two gathers every balanced call makes on host rows (on a gloo group, or an
+NCCL group's gloo twin): the metadata row (header, fingerprint and ``GATHER_CAPACITY`` runs of
+grid rows, int64) and the status word (three int64). Each is gathered both ways through
+``exchange.start_row_gather``, the two ways alternating round by round:
+
+* ``ring``: one ``dist.all_gather`` (gloo's ring: ``P - 1`` hops, each waiting for the one before);
+* ``doubling``: Bruck's rounds of point-to-point messages (``ceil(log2 P)`` rounds).
+
+Figures are wall time per gather on rank 0 (latency is the point, not CPU), the best of the rounds.
+On a machine with fewer cores than ranks the processes also wait for a core, which hits the ring's
+``P*(P-1)`` hops harder than the doubling rounds' ``P*log2(P)`` messages; on a cluster every rank
+has its own cores and the hops' network latency is what adds up (see BENCHMARKS.md).
+
+**host work**: what one rank's balanced call computes on the host from the gathered metadata at
+``P`` = 64-1024 ranks, in one process (no communication; rows as the gather delivers them): reading
+every rank's metadata row, the input and settings check, the plan (next to a plain heap LPT on the
+same batch, its floor), this rank's route and the two trips' layouts. Process CPU time, median
+over repeats, 1-8 images per rank (photos and documents, one in five a 4-step video).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from bench_planning import heap_lpt
+
+from lightning_vit_balance import ViTBalanceConfig, exchange, plan_rebalance
+from lightning_vit_balance.encoding import raise_for_input
+from lightning_vit_balance.exchange import (
+    ExchangeRoute,
+    PixelTrip,
+    RankMetadata,
+    ReturnLayout,
+    grid_runs,
+    metadata_of_rows,
+    metadata_row,
+)
+from lightning_vit_balance.problems import InputProblem
+
+#: int64 values in a metadata row: the header (6), the details (4), a fingerprint of about 8 and
+#: four per run of grid rows.
+METADATA_VALUES = 18 + 4 * exchange.GATHER_CAPACITY
+STATUS_VALUES = 3
+#: Both ways, each alternately, this many rounds; each round times ``calls`` gathers.
+ROUNDS = 3
+
+
+def _time_gathers(row: torch.Tensor, doubling: bool, calls: int) -> float:
+    """Seconds per gather of ``row`` on this rank, ``calls`` gathers between two barriers."""
+    exchange.DOUBLING_FROM_RANKS = 1 if doubling else sys.maxsize
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(calls):
+        exchange.start_row_gather(row, None).wait()
+    elapsed = time.perf_counter() - started
+    dist.barrier()
+    return elapsed / calls
+
+
+def _worker(rank: int, world: int, store: str, calls: int, results: Any) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    best: dict[tuple[str, str], float] = {}
+    rows = {
+        "metadata": torch.arange(METADATA_VALUES, dtype=torch.int64) + rank,
+        "status": torch.full((STATUS_VALUES,), rank, dtype=torch.int64),
+    }
+    for name, row in rows.items():
+        ring = exchange.start_row_gather(row, None)  # warm up both ways; check they agree
+        exchange.DOUBLING_FROM_RANKS = 1
+        assert torch.equal(ring.wait(), exchange.start_row_gather(row, None).wait())
+        for _ in range(ROUNDS):
+            for way in ("ring", "doubling"):
+                seconds = _time_gathers(row, way == "doubling", calls)
+                best[name, way] = min(best.get((name, way), float("inf")), seconds)
+    if rank == 0:
+        results.put(best)
+    dist.destroy_process_group()
+
+
+def measure(world: int, calls: int) -> dict[tuple[str, str], float]:
+    """Best seconds per gather on rank 0 of ``world`` spawned gloo ranks, per (row, way)."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            context.Process(target=_worker, args=(rank, world, store, calls, results))
+            for rank in range(world)
+        ]
+        for proc in procs:
+            proc.start()
+        best = results.get(timeout=900)
+        for proc in procs:
+            proc.join(timeout=60)
+    return best
+
+
+def _gathered_rows(num_ranks: int, config: ViTBalanceConfig, seed: int) -> np.ndarray:
+    """Every rank's metadata row as the gather delivers it: ``[P, header + fingerprint + 4 *
+    capacity]``."""
+    rng = np.random.default_rng(seed)
+    fingerprint = tuple(value for _, value in config.fingerprint())
+    rows = []
+    for _ in range(num_ranks):
+        grids = []
+        for _ in range(int(rng.integers(1, 9))):
+            side = 2 * int(rng.integers(4, 64 if rng.random() < 0.8 else 96))  # photos, documents
+            grids.append((4 if rng.random() < 0.2 else 1, side, 2 * int(rng.integers(4, 64))))
+        local = RankMetadata(InputProblem.OK, (), 1176, 0, False, tuple(grids), fingerprint)
+        rows.append(metadata_row(local, grid_runs(local.grids), exchange.GATHER_CAPACITY))
+    return torch.stack(rows).numpy()
+
+
+def _host_work(gathered: np.ndarray, config: ViTBalanceConfig) -> dict[str, Callable[[], Any]]:
+    """The host steps of rank 0's balanced call, each as a call that redoes the steps before it
+    (so no cached value of a plan carries over between timed calls)."""
+    names = [name for name, _ in config.fingerprint()]
+    grids_at = gathered.shape[1] - 4 * exchange.GATHER_CAPACITY
+    metadata = metadata_of_rows(gathered[:, :grids_at], gathered[:, grids_at:])
+    counts = [list(m.patch_counts) for m in metadata]
+    frames = [[t for t, _, _ in m.grids] for m in metadata]
+
+    def plan() -> Any:
+        return plan_rebalance(counts, config, frames=frames)
+
+    def layouts() -> None:
+        fresh = plan()
+        route = ExchangeRoute.from_plan(fresh, 0)
+        PixelTrip.from_route(route, metadata[0].patch_counts)
+        ReturnLayout.from_route(fresh, route, ["merged"], 2, [2048])
+
+    return {
+        "read rows": lambda: metadata_of_rows(gathered[:, :grids_at], gathered[:, grids_at:]),
+        "check": lambda: raise_for_input(metadata, names),
+        "plan": plan,
+        "heap LPT": lambda: heap_lpt(counts),
+        "plan + layouts": layouts,
+    }
+
+
+def _cpu_ms(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.process_time()
+        fn()
+        times.append(time.process_time() - started)
+    return 1e3 * statistics.median(times)
+
+
+def host_work_table(sizes: list[int], repeats: int) -> None:
+    """The ``host work`` table (see the module docstring)."""
+    config = ViTBalanceConfig()
+    print(f"\nHost work of one balanced call on rank 0 (CPU ms, median of {repeats}; no communication;")
+    print("layouts = this rank's route, pixel trip and return layout, after a fresh plan)")
+    columns = ["read rows", "check", "plan", "heap LPT", "plan + layouts"]
+    print(f"{'P':>5} | " + " ".join(f"{c:>14}" for c in columns) + f" | {'all but LPT':>11}")
+    for num_ranks in sizes:
+        steps = _host_work(_gathered_rows(num_ranks, config, seed=num_ranks), config)
+        ms = {name: _cpu_ms(fn, repeats) for name, fn in steps.items()}
+        total = ms["read rows"] + ms["check"] + ms["plan + layouts"]
+        print(f"{num_ranks:>5} | " + " ".join(f"{ms[c]:>14.2f}" for c in columns) + f" | {total:>11.2f}")
+
+
+def gathers_table(sizes: list[int], calls: int) -> None:
+    """The ``gathers`` table (see the module docstring)."""
+    print(f"Host row gathers: wall ms per gather on rank 0, best of {ROUNDS} rounds of {calls};")
+    print(f"metadata = {METADATA_VALUES} int64 per rank, status = {STATUS_VALUES}; {os.cpu_count()} cores")
+    print(
+        f"{'P':>4} | {'rounds':>6} | {'metadata: ring':>14} {'doubling':>9} {'ratio':>6} | "
+        f"{'status: ring':>12} {'doubling':>9} {'ratio':>6}"
+    )
+    for world in sizes:
+        best = measure(world, calls)
+        cells = []
+        for name in ("metadata", "status"):
+            ring, doubling = best[name, "ring"], best[name, "doubling"]
+            width = 14 if name == "metadata" else 12
+            cells.append(f"{1e3 * ring:>{width}.2f} {1e3 * doubling:>9.2f} {ring / doubling:>5.2f}x")
+        print(f"{world:>4} | {(world - 1).bit_length():>6} | {cells[0]} | {cells[1]}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16, 32], help="gathers table")
+    parser.add_argument("--calls", type=int, default=20, help="gathers per timed round")
+    parser.add_argument("--host-ranks", type=int, nargs="+", default=[64, 256, 1024], help="host work table")
+    parser.add_argument("--host-repeats", type=int, default=15, help="host work: timed calls per step")
+    args = parser.parse_args()
+    host_work_table(args.host_ranks, args.host_repeats)
+    print()
+    gathers_table(args.ranks, args.calls)
+
+
+if __name__ == "__main__":
+    main()

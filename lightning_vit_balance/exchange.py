@@ -455,6 +455,18 @@ def _gathered_array(row: torch.Tensor, device: torch.device, group: Any) -> np.n
     return start_row_gather(row.to(device), group).wait().cpu().numpy()
 
 
+def _shared_tuples(values: np.ndarray) -> list[tuple[int, ...]]:
+    """Each row of ``values`` (``[P, n]``) as a tuple; rows equal to the first share its tuple (the
+    settings fingerprint, the zero details: the same on every rank as a rule)."""
+    if not len(values):
+        return []
+    first = tuple(values[0].tolist())
+    same = (values == values[0]).all(axis=1)
+    if same.all():
+        return [first] * len(values)
+    return [first if alike else tuple(row) for alike, row in zip(same.tolist(), values.tolist())]
+
+
 def metadata_of_rows(headers: np.ndarray, grid_values: np.ndarray) -> tuple[RankMetadata, ...]:
     """Every rank's :class:`RankMetadata` from its gathered row: ``headers`` ``[P, header +
     fingerprint]`` and ``grid_values`` ``[P, 4 * runs]`` (flat ``count, T, H, W`` runs, zero
@@ -474,16 +486,21 @@ def metadata_of_rows(headers: np.ndarray, grid_values: np.ndarray) -> tuple[Rank
     patches = grids.prod(axis=1).tolist()
     starts = [0, *image_ends.tolist()]
     out = []
-    for row, start, end in zip(headers.tolist(), starts, starts[1:]):
+    details = _shared_tuples(headers[:, _DETAILS_AT:_FINGERPRINT_AT])
+    fingerprints = _shared_tuples(headers[:, _FINGERPRINT_AT:])
+    columns = (headers[:, k].tolist() for k in range(_DETAILS_AT))  # status ... vit_us, in field order
+    for status, _, channels, dtype_code, requires_grad, vit_us, detail, fingerprint, start, end in zip(
+        *columns, details, fingerprints, starts, starts[1:]
+    ):
         metadata = RankMetadata(
-            status=row[0],
-            details=tuple(row[_DETAILS_AT:_FINGERPRINT_AT]),
-            channels=row[2],
-            dtype_code=row[3],
-            requires_grad=bool(row[4]),
+            status=status,
+            details=detail,
+            channels=channels,
+            dtype_code=dtype_code,
+            requires_grad=bool(requires_grad),
             grids=tuple(rows[start:end]),
-            fingerprint=tuple(row[_FINGERPRINT_AT:]),
-            vit_us=row[5],
+            fingerprint=fingerprint,
+            vit_us=vit_us,
         )
         # The cached value's slot (see caching.cached_value), filled from the product above.
         metadata.__dict__["patch_counts"] = tuple(patches[start:end])

@@ -188,6 +188,8 @@ class RebalancePlan:
         ranks"). :meth:`arrivals_of_every_rank` gives them all at once.
         """
         if rank not in self._arrivals_of:
+            if not 0 <= rank < self.num_ranks:
+                raise IndexError(f"rank must be in [0, {self.num_ranks}) for this plan, got {rank!r}.")
             dest, src, index = self._flat_images
             here = np.flatnonzero(dest == rank)  # ascending: (source rank, index) order
             self._arrivals_of[rank] = tuple(zip(src[here].tolist(), index[here].tolist()))

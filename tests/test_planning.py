@@ -113,6 +113,9 @@ def _check_plan_invariants(counts: list[list[int]], config: ViTBalanceConfig) ->
         assert sum(plan.receive_patches(rank)) == sum(plan.patch_counts[s][i] for s, i in plan.arrivals(rank))
         assert plan.send_patches(rank)[rank] == plan.receive_patches(rank)[rank]
     assert plan.arrivals_of_every_rank() == tuple(plan.arrivals(rank) for rank in range(plan.num_ranks))
+    for outside in (-1, plan.num_ranks):
+        with pytest.raises(IndexError, match=f"rank must be in \\[0, {plan.num_ranks}\\)"):
+            plan.arrivals(outside)
     assert recomputed_loads(plan) == plan.loads_after
     assert plan.makespan_after >= plan.lower_bound * (1 - 1e-12)
     assert plan.moved_patches >= plan.moved_patches_lower_bound - 1e-6

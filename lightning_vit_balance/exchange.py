@@ -57,7 +57,6 @@ __all__ = [
     "gather_metadata",
     "gradient_buffer",
     "grid_rows",
-    "grid_rows_of_runs",
     "grid_runs",
     "grid_steps",
     "host_device",
@@ -297,15 +296,6 @@ def grid_runs(grids: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int
     """``grids`` as runs ``(count, T, H, W)`` of equal rows one after another: the metadata
     gather's form. A video passed one row per temporal step, or pages of one size, are one run."""
     return [(sum(1 for _ in alike), *row) for row, alike in groupby(grids)]
-
-
-def grid_rows_of_runs(values: Sequence[int], runs: int) -> tuple[tuple[int, int, int], ...]:
-    """The inverse of :func:`grid_runs`: the rows of the first ``runs`` runs of flat
-    ``count, T, H, W`` values."""
-    flat = values[: 4 * runs]
-    return tuple(
-        row for count, row in zip(flat[0::4], zip(flat[1::4], flat[2::4], flat[3::4])) for _ in range(count)
-    )
 
 
 def metadata_row(

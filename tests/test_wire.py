@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,7 +17,6 @@ from lightning_vit_balance.exchange import (
     RankMetadata,
     ReturnLayout,
     ViTStatus,
-    grid_rows_of_runs,
     grid_runs,
     metadata_of_rows,
     metadata_row,
@@ -135,8 +135,10 @@ def test_grid_runs_round_trip(grids: list[tuple[int, int, int]]) -> None:
     # the rows come back exactly, from the flat values with whatever follows them.
     runs = grid_runs(grids)
     assert len(runs) == sum(1 for i, row in enumerate(grids) if i == 0 or grids[i - 1] != row)
-    flat = [value for run in runs for value in run]
-    assert grid_rows_of_runs([*flat, 9, 9, 9, 9], len(runs)) == tuple(grids)
+    flat = np.array([[value for run in runs for value in run] + [9, 9, 9, 9]], dtype=np.int64)
+    header = np.zeros((1, 10), dtype=np.int64)
+    header[0, 1] = len(runs)
+    assert metadata_of_rows(header, flat)[0].grids == tuple(grids)
 
 
 _GRID_ROWS = st.sampled_from([(1, 2, 2), (1, 4, 2), (3, 2, 2), (1, 14, 6), (40, 4, 4)])

@@ -68,8 +68,8 @@ from lightning_vit_balance.outputs import (
     window_index_fn,
 )
 from lightning_vit_balance.planning import RebalancePlan, plan_rebalance
-from lightning_vit_balance.prepared import PreparedPlan
-from lightning_vit_balance.problems import DTYPES
+from lightning_vit_balance.prepared import DeviceGridChecks, PreparedPlan
+from lightning_vit_balance.problems import DTYPES, InputProblem
 from lightning_vit_balance.wire import elements_per_row, pack_return, transit_dtype, unpack_return
 
 __all__ = ["BalanceStats", "PreparedPlan", "ViTBalancer", "balanced_encode"]
@@ -257,6 +257,8 @@ class ViTBalancer:
         self._encoded_counts: tuple[tuple[int, ...], ...] | None = None
         self._encoded_frames: tuple[tuple[int, ...], ...] | None = None
         self._clock = ViTClock()
+        # Prepared calls' grids on a device, compared there; read at the next metadata gather.
+        self._grid_checks = DeviceGridChecks()
         self._print = report if report is not None else _print_line
 
     # -- entry point -------------------------------------------------------------------------
@@ -386,6 +388,9 @@ class ViTBalancer:
         """The balanced call on a plan made before the forward: no gather, no planning here."""
         call = self._start(vit, pixel_values)
         problem = prepared.mismatch(pixel_values, grid_thw)
+        differs = prepared.compare_on_device(grid_thw) if problem is None else None
+        if differs is not None:
+            self._grid_checks.watch(differs)
         plan = prepared.plan
         differentiable = prepared.pixels_require_grad and torch.is_grad_enabled()
         reference = _Reference(prepared.channels, prepared.dtype, differentiable)
@@ -560,6 +565,8 @@ class ViTBalancer:
             vit_us=self._clock.read(),
             check_device=check_device,
         )
+        if self._grid_checks.differed():
+            local = dataclasses.replace(local, status=InputProblem.PREPARED_GRID_VALUES, details=(), grids=())
         metadata, collectives = gather_metadata(
             local, capacity=GATHER_CAPACITY, device=host_device(call.host), group=call.host
         )

@@ -9,7 +9,10 @@ A prepared plan describes one batch. The call that uses it checks, without synci
 is that batch (image count, pixel rows, channels, a dtype the plan's wire dtype holds exactly; the
 grid values too when ``grid_thw`` is on the CPU); on an applied plan a rank whose input does not
 match still takes part in every exchange, with zeros, and the status gather after the ViT raises
-the same ``ValueError`` on every rank.
+the same ``ValueError`` on every rank. A ``grid_thw`` on a device cannot be read in the forward
+without waiting for the device, so its values are compared there (:meth:`PreparedPlan.compare_on_device`)
+and the result is read at the rank's next metadata gather (:class:`DeviceGridChecks`), where every
+rank raises the same ``ValueError``: one call late, but never silent.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from typing import Any
 
 import torch
 
-from lightning_vit_balance.exchange import RankMetadata, grid_rows
+from lightning_vit_balance.exchange import RankMetadata, grid_rows, host_to_device
 from lightning_vit_balance.planning import RebalancePlan
 
-__all__ = ["PreparedPlan"]
+__all__ = ["DeviceGridChecks", "PreparedPlan"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,61 @@ class PreparedPlan:
             )
         if bool(pixel_values.requires_grad) and not self.pixels_require_grad:
             return "pixel_values requires grad, but did not when the plan was prepared"
-        if grid_thw.device.type == "cpu" and grid_rows(grid_thw) != grids:
+        if _read_on_host(grid_thw) and grid_rows(grid_thw) != grids:
             return "grid_thw holds other values than the prepared plan: pass the plan prepared for this batch"
         return None
+
+    def compare_on_device(self, grid_thw: torch.Tensor) -> torch.Tensor | None:
+        """``[]`` bool on ``grid_thw``'s device: whether its values differ from the prepared grid rows.
+
+        For a call whose :meth:`mismatch` found nothing: the shapes match, so one elementwise
+        comparison, queued like a kernel. ``None`` when :meth:`mismatch` compared the values on the
+        host already (a grid on the CPU), the rank has no images, or the grid has no values (the
+        meta device: the ViT fails on it, and that failure reaches every rank).
+        """
+        grids = self.call_grids if self.call_grids is not None else self.metadata[self.rank].grids
+        if _read_on_host(grid_thw) or not grids or grid_thw.device.type == "meta":
+            return None
+        expected = host_to_device(torch.tensor(grids), grid_thw.device, grid_thw.dtype)  # [n, 3]
+        return (grid_thw != expected).any()
+
+
+class DeviceGridChecks:
+    """The comparisons :meth:`PreparedPlan.compare_on_device` queued, read without waiting.
+
+    On CUDA each result is copied into pinned host memory behind its comparison and an event is
+    recorded after the copy; :meth:`differed` reads only the results whose event has completed
+    (``Event.query()`` does not block), so the host never waits for the device. The balancer asks
+    at its next metadata gather, which carries the answer to every rank.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[torch.Tensor, Any]] = []  # ([] bool result, its CUDA event or None)
+
+    def watch(self, differs: torch.Tensor) -> None:
+        """Keep ``differs`` (a ``[]`` bool tensor) to read once its device has computed it."""
+        if differs.device.type != "cuda":
+            self._pending.append((differs, None))
+            return
+        on_host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        on_host.copy_(differs, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._pending.append((on_host, done))
+
+    def differed(self) -> bool:
+        """Whether a comparison that has finished found other values. Each finished one is read once
+        and forgotten; those still running stay for a later call."""
+        running, found = [], False
+        for differs, done in self._pending:
+            if done is not None and not done.query():
+                running.append((differs, done))
+            else:
+                found = found or bool(differs)
+        self._pending = running
+        return found
+
+
+def _read_on_host(tensor: torch.Tensor) -> bool:
+    """Whether reading ``tensor``'s values costs no wait for a device (it is on the CPU)."""
+    return tensor.device.type == "cpu"

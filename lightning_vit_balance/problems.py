@@ -66,6 +66,7 @@ class InputProblem(IntEnum):
     CHANNELS_MISMATCH = 11
     DTYPE_MISMATCH = 12
     GRID_DEVICE = 13
+    PREPARED_GRID_VALUES = 14
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,13 @@ PROBLEMS: dict[InputProblem, ProblemTemplate] = {
     ),
     InputProblem.DEVICE: ProblemTemplate(_DEVICE_FIELDS, "pixel_values {text}", _device_text),
     InputProblem.GRID_DEVICE: ProblemTemplate(_DEVICE_FIELDS, "grid_thw {text}", _device_text),
+    InputProblem.PREPARED_GRID_VALUES: ProblemTemplate(
+        (),
+        "an earlier call given a prepared plan passed a grid_thw on its device whose values differ from "
+        "that plan's (same shape and rows; compared on the device and read at this rank's next gather, so "
+        "that the forward never waited): that call encoded its images with the prepared grid rows. "
+        "Expected each call to pass the grid_thw its plan was prepared from",
+    ),
     InputProblem.CHANNELS_MISMATCH: ProblemTemplate(
         ("channels", "other_rank", "other_channels"),
         "pixel_values has C={channels} channels while rank {other_rank} has C={other_channels}: "

@@ -7,7 +7,8 @@ tensors through pinned host buffers. That checks everything but NCCL itself: ten
 device end to end (the balanced batch, the dummy image of a rank left without images, the return
 trip, gradients), the plan made on the host before the forward, the overlapped pixel trip, CUDA
 events read a call later, and that the forward never makes the host wait for the device outside
-the ViT (CUDA only: it reads CUDA's sync debug mode).
+the ViT (CUDA only: it reads CUDA's sync debug mode), and a prepared call's grid values compared
+on the device and reported at the next gather (CUDA only; the CPU twin is in ``test_prepared.py``).
 """
 
 from __future__ import annotations
@@ -158,6 +159,35 @@ def test_a_prepared_forward_never_makes_the_host_wait_outside_the_vit(multirank:
         assert r["applied"], r
         # The tower's own waits are its business (Hugging Face towers read grid_thw on the host).
         assert not r["outside"], f"rank {rank}: the balancer made the host wait: {r['outside']}"
+
+
+def _grid_values_on_the_device() -> str:
+    """A prepared call whose grid on the GPU holds other values (same rows) than its plan's: the
+    comparison runs on the device, its result reaches the host through pinned memory, and the next
+    gather raises on every rank."""
+    group = _on_device("cuda")
+    torch.manual_seed(0)
+    model = towers.TensorTower().to("cuda")
+    grids = [(1, 8, 8), (1, 8, 8)] if dist.get_rank() == 0 else [(1, 4, 8)]
+    host_pixels, host_grid = towers.make_batch(grids, seed=dist.get_rank())
+    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group)
+    ticket = balancer.prepare(host_pixels, host_grid, model)
+    swapped = torch.tensor([[1, 8, 4]]) if dist.get_rank() == 1 else host_grid
+    balancer(model, host_pixels.to("cuda"), swapped.to("cuda"), prepared=ticket)
+    torch.cuda.synchronize()  # the comparison's event has completed: the next gather reads it
+    try:
+        balancer.prepare(host_pixels, host_grid, model)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+@needs_cuda
+def test_grid_values_that_differ_on_the_device_fail_every_rank_at_the_next_gather(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        messages = w.run(_grid_values_on_the_device)
+    assert len(set(messages)) == 1, messages
+    assert "rank 1: an earlier call given a prepared plan" in messages[0], messages
 
 
 def _vit_milliseconds(device: str, calls: int) -> dict[str, Any]:

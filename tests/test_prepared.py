@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from multirank import groups_taken_for_nccl, subgroup
 from test_balancer import THRESHOLD_0, standard_cases
 
 from lightning_vit_balance import ViTBalanceConfig, ViTBalancer, make_host_group
+from lightning_vit_balance import prepared as prepared_module
 from lightning_vit_balance.exchange import _twin_ranks
 
 POOL = 4
@@ -97,6 +99,44 @@ def test_a_call_that_does_not_match_its_plan_fails_everywhere(
     assert len({o[1] for o in outcomes}) == 1, outcomes
     assert "rank 1" in outcomes[0][1] and fragment in outcomes[0][1], outcomes[0][1]
     assert all(o[2] < 10.0 for o in outcomes), outcomes
+
+
+def _values_compared_on_the_device() -> dict[str, Any] | None:
+    """Grids read as if on a device (no host read in the forward): a prepared call whose grid values
+    differ is found a call later, at the next gather, on every rank; a matching one raises nothing."""
+    group = subgroup(3)
+    rank = dist.get_rank()
+    if rank >= 3:
+        return None
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    grids = [[(1, 8, 8), (1, 8, 8)], [(1, 4, 8)], [(1, 4, 4)]][rank]
+    pixels, grid = towers.make_batch(grids, seed=rank)
+    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group)
+    with mock.patch.object(prepared_module, "_read_on_host", lambda tensor: False):
+        ticket = balancer.prepare(pixels, grid, tower)
+        balancer(tower, pixels, grid, prepared=ticket)  # matching: nothing to report
+        ticket = balancer.prepare(pixels, grid, tower)
+        assert ticket is not None and ticket.plan.applied
+        swapped = torch.tensor([[1, 8, 4]]) if rank == 1 else grid  # same rows, other values
+        balancer(tower, pixels, swapped, prepared=ticket)  # not readable here: it goes through
+        try:
+            balancer.prepare(pixels, grid, tower)
+            found = "no error"
+        except ValueError as error:
+            found = str(error)
+    # Read once and forgotten: the next call works.
+    torch.testing.assert_close(balancer(tower, pixels, grid), tower(pixels, grid), rtol=1e-4, atol=1e-5)
+    return {"found": found}
+
+
+def test_grid_values_compared_on_the_device_fail_every_rank_at_the_next_gather(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        results = w.run(_values_compared_on_the_device)[:3]
+    messages = {r["found"] for r in results}
+    assert len(messages) == 1, results
+    message = messages.pop()
+    assert "rank 1: an earlier call given a prepared plan" in message and "rank 0" not in message, message
 
 
 def _text_only_step() -> dict[str, Any] | None:

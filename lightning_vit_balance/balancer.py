@@ -50,6 +50,7 @@ from lightning_vit_balance.exchange import (
     ReturnLayout,
     all_to_all,
     collective_device,
+    device_problem,
     gather_metadata,
     grid_rows,
     host_device,
@@ -69,7 +70,7 @@ from lightning_vit_balance.outputs import (
 )
 from lightning_vit_balance.planning import RebalancePlan, plan_rebalance
 from lightning_vit_balance.prepared import DeviceGridChecks, PreparedPlan
-from lightning_vit_balance.problems import DTYPES, InputProblem
+from lightning_vit_balance.problems import DTYPES, InputProblem, describe_problem
 from lightning_vit_balance.wire import elements_per_row, pack_return, transit_dtype, unpack_return
 
 __all__ = ["BalanceStats", "PreparedPlan", "ViTBalancer", "balanced_encode"]
@@ -387,7 +388,7 @@ class ViTBalancer:
     ) -> Any:
         """The balanced call on a plan made before the forward: no gather, no planning here."""
         call = self._start(vit, pixel_values)
-        problem = prepared.mismatch(pixel_values, grid_thw)
+        problem = prepared.mismatch(pixel_values, grid_thw) or _device_mismatch(call, pixel_values)
         differs = prepared.compare_on_device(grid_thw) if problem is None else None
         if differs is not None:
             self._grid_checks.watch(differs)
@@ -660,7 +661,9 @@ class ViTBalancer:
         mine = metadata[call.rank].patch_counts
         pixels = pixel_values
         if zeros or not mine:
-            device = pixel_values.device if isinstance(pixel_values, torch.Tensor) else call.device
+            # Zeros stand in for rows that may be on a device the group cannot carry: the group's.
+            own_device = isinstance(pixel_values, torch.Tensor) and not zeros
+            device = pixel_values.device if own_device else call.device
             pixels = torch.zeros((sum(mine), reference.channels), dtype=reference.dtype, device=device)
         # The wire dtype is the plan's; a prepared call checked that the cast is exact.
         pending = start_pixel_trip(
@@ -972,3 +975,12 @@ def balanced_encode(
     Without an initialised process group or with one rank it calls the ViT directly.
     """
     return ViTBalancer(config, group)(vit, pixel_values, grid_thw)
+
+
+def _device_mismatch(call: _Call, pixel_values: torch.Tensor) -> str | None:
+    """Why a prepared call's pixel rows cannot travel on the group, or None. An unprepared call's
+    metadata gather checks this; ``prepare`` reads a host copy of the batch, so the call checks
+    here, without communicating, and the status gather reports it to every rank (an exchange of
+    rows on the wrong device would fail on this rank alone and leave the others waiting)."""
+    wrong = device_problem(call.group, pixel_values.device)
+    return None if wrong is None else describe_problem(InputProblem.DEVICE, wrong)

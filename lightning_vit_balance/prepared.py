@@ -7,12 +7,14 @@ and a step the plan skips costs nothing at all.
 
 A prepared plan describes one batch. The call that uses it checks, without syncing, that its input
 is that batch (image count, pixel rows, channels, a dtype the plan's wire dtype holds exactly; the
-grid values too when ``grid_thw`` is on the CPU); on an applied plan a rank whose input does not
-match still takes part in every exchange, with zeros, and the status gather after the ViT raises
-the same ``ValueError`` on every rank. A ``grid_thw`` on a device cannot be read in the forward
-without waiting for the device, so its values are compared there (:meth:`PreparedPlan.compare_on_device`)
-and the result is read at the rank's next metadata gather (:class:`DeviceGridChecks`), where every
-rank raises the same ``ValueError``: one call late, but never silent.
+grid values too when ``grid_thw`` is on the CPU; the balancer adds that the rows are on a device
+the group carries, which ``prepare``, reading a host copy, could not check); on an applied plan a
+rank whose input does not match still takes part in every exchange, with zeros, and the status
+gather after the ViT raises the same ``ValueError`` on every rank. A ``grid_thw`` on a device
+cannot be read in the forward without waiting for the device, so its values are compared there
+(:meth:`PreparedPlan.compare_on_device`) and the result is read at the rank's next metadata gather
+(:class:`DeviceGridChecks`), where every rank raises the same ``ValueError``: one call late, but
+never silent.
 """
 
 from __future__ import annotations

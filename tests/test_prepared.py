@@ -68,6 +68,8 @@ def _mismatch(kind: str, skipped: bool) -> tuple[str, str, float] | None:
         grid = torch.tensor([[1, 1, 4]])  # same patches, other grid values
     if rank == 1 and kind == "dtype":
         pixels = pixels.double()  # wider than the dtype the plan sends
+    if rank == 1 and kind == "device":
+        pixels = pixels.to("meta")  # a device the group cannot carry: the trip would fail here alone
     started = time.perf_counter()
     try:
         balancer(tower, pixels, grid, prepared=ticket)
@@ -86,7 +88,9 @@ def _mismatch(kind: str, skipped: bool) -> tuple[str, str, float] | None:
         ("rows", "shape", False),
         ("values", "other values", False),
         ("dtype", "float64", False),
+        ("device", "is on a meta device", False),
         ("rows", "shape", True),
+        ("device", "is on a meta device", True),
     ],
 )
 def test_a_call_that_does_not_match_its_plan_fails_everywhere(

@@ -683,7 +683,7 @@ def _overhead_table(per_step: list[list[dict[str, Any]]]) -> dict[str, float]:
         print(f"  {s:>4} " + " ".join(f"{_fmt(v):>8}" for v in row))
         rows.append(row)
     print(
-        "  status = the status gather after the ViT (packing the return buffer meanwhile; waits for the "
+        "  status = packing the return buffer, then the status gather after the ViT (it waits for the "
         "slowest ViT); ret trip = the return all_to_all and unpacking\n"
         "  rest = call - plan - encode - (gather + status + trips; the exchange total where the trips are "
         "not reported): host bookkeeping"

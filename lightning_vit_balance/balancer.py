@@ -107,8 +107,8 @@ class BalanceStats:
         dispatch_seconds: Host wall time of the pixel trip (selecting rows included).
         encode_seconds: Host wall time of this rank's ViT forward.
         combine_seconds: Host wall time of the status gather, the return trip and unpacking.
-        status_seconds: The part of ``combine_seconds`` spent in the status gather (packing the
-            return buffer meanwhile, and waiting for the slowest rank's ViT, included).
+        status_seconds: The part of ``combine_seconds`` spent packing the return buffer and in the
+            status gather (waiting for the slowest rank's ViT included).
         vit_ms: Every rank's ViT milliseconds in its previous call, from this call's gather
             (empty when nothing was gathered; -1 for a rank with no earlier call).
     """
@@ -692,13 +692,13 @@ class ViTBalancer:
         reference: _Reference,
     ) -> list[torch.Tensor]:
         """The status gather, then the return trip: each token output's rows back to their images'
-        ranks, in their order. The return buffer is packed while the status gather is in flight
-        (where this rank's own outputs can travel: when they cannot, the gather raises anyway)."""
+        ranks, in their order. The return buffer is packed first (where this rank's own outputs can
+        travel: when they cannot, the gather raises anyway), so that a failure to pack it travels
+        in the status word like the ViT's own: packed while the gather was in flight, an out of
+        memory there ended this rank alone and left the others waiting in the return trip."""
         started = time.perf_counter()
-        status = encoded.status()
-        pending = start_status(status, call.host)
-        packed = self._pack_return(call, encoded, plan, route, batch, reference) if status.flag == 0 else None
-        report = pending.wait()
+        encoded, packed = self._packed(call, encoded, plan, route, batch, reference)
+        report = start_status(encoded.status(), call.host).wait()
         call.collectives += report.collectives
         call.timed("combine", started)
         call.timed("status", started)
@@ -724,6 +724,25 @@ class ViTBalancer:
         returned = unpack_return(back, leaves, layout, elements)
         call.timed("combine", started)
         return returned
+
+    @classmethod
+    def _packed(
+        cls,
+        call: _Call,
+        encoded: EncodedBatch,
+        plan: RebalancePlan,
+        route: ExchangeRoute,
+        batch: BalancedBatch,
+        reference: _Reference,
+    ) -> tuple[EncodedBatch, _ReturnBuffer | None]:
+        """The return buffer, when every output of this rank can travel; a packing that raises comes
+        back as this rank's error, for the status gather to report (and this rank to re-raise)."""
+        if encoded.status().flag != 0:
+            return encoded, None
+        try:
+            return encoded, cls._pack_return(call, encoded, plan, route, batch, reference)
+        except Exception as caught:  # every rank must hear of it before this one re-raises
+            return dataclasses.replace(encoded, error=caught, packing_problem=True), None
 
     @staticmethod
     def _pack_return(

@@ -51,6 +51,8 @@ __all__ = [
 
 #: Prefix of the status a rank reports when its input did not match a prepared plan.
 INPUT_ERROR = "input: "
+#: Prefix of the status a rank reports when packing its outputs for the return trip raised.
+PACKING_ERROR = "packing: "
 #: Output kinds whose rows travel back to the images' home ranks.
 TOKEN_KINDS = ("patch", "merged")
 
@@ -276,6 +278,8 @@ class EncodedBatch:
         error: The exception the ViT raised on this rank, else None.
         seconds: Host seconds the ViT forward took.
         input_problem: ``error`` is this rank's input not matching a prepared plan (the ViT never ran).
+        packing_problem: ``error`` was raised packing the outputs for the return trip (out of
+            memory, say), after the ViT ran.
     """
 
     leaves: list[tuple[str, Any]]
@@ -284,6 +288,7 @@ class EncodedBatch:
     error: BaseException | None
     seconds: float
     input_problem: bool = False
+    packing_problem: bool = False
 
     @property
     def token_indices(self) -> list[int]:
@@ -294,6 +299,8 @@ class EncodedBatch:
         """What the other ranks need to know about this forward before the return trip."""
         if self.error is not None and self.input_problem:
             return ViTStatus(error=f"{INPUT_ERROR}{self.error}")
+        if self.error is not None and self.packing_problem:
+            return ViTStatus(error=f"{PACKING_ERROR}{type(self.error).__name__}: {self.error}")
         if self.error is not None:
             return ViTStatus(error=f"{type(self.error).__name__}: {self.error}")
         signatures = tuple(
@@ -361,6 +368,9 @@ def encode(
 def _describe(worker: int, status: ViTStatus, reference: ViTStatus, merge: int) -> str | None:
     if status.error.startswith(INPUT_ERROR):
         return f"rank {worker}: {status.error[len(INPUT_ERROR) :]}"
+    if status.error.startswith(PACKING_ERROR):
+        raised = status.error[len(PACKING_ERROR) :]
+        return f"rank {worker}: packing the ViT's outputs for the return trip raised {raised}"
     if status.error:
         return f"rank {worker}: the ViT raised {status.error}"
     for leaf in status.leaves:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ import towers
 from multirank import subgroup
 
 from lightning_vit_balance import CostModel, ViTBalanceConfig, ViTBalancer
+from lightning_vit_balance import balancer as balancer_module
+from lightning_vit_balance.wire import pack_return
 
 POOL = 4
 RANKS = 3
@@ -175,6 +178,40 @@ def test_vit_exception_on_one_rank(multirank: Any) -> None:
     assert {r["kind"] for r in others} == {"RuntimeError"}
     assert len({r["message"] for r in others}) == 1
     assert "rank 1" in others[0]["message"] and "OutOfMemoryError" in others[0]["message"]
+    assert all(r["seconds"] < FAST_S for r in results), results
+
+
+def _packing_case(bad_rank: int) -> dict[str, Any] | None:
+    """Packing the return buffer runs out of memory on ``bad_rank``, after its ViT ran."""
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    balancer = ViTBalancer(ViTBalanceConfig(**APPLY), group)
+
+    def out_of_memory(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    packing = out_of_memory if rank == bad_rank else pack_return
+    with mock.patch.object(balancer_module, "pack_return", packing):
+        kind, message, seconds = _outcome(lambda: balancer(tower, pixels, grid).sum().backward())
+    _still_in_step(group, rank)
+    return {"kind": kind, "message": message, "seconds": seconds}
+
+
+def test_packing_the_return_trip_out_of_memory_on_one_rank(multirank: Any) -> None:
+    """Every rank hears of it in the status gather, before the return trip (packed while the gather
+    was in flight, the failing rank left the others waiting in the return trip)."""
+    with multirank(POOL) as w:
+        results = w.run(_packing_case, 2)[:RANKS]
+    assert results[2]["kind"] == "OutOfMemoryError", results[2]
+    others = [results[0], results[1]]
+    assert {r["kind"] for r in others} == {"RuntimeError"} and len({r["message"] for r in others}) == 1
+    expected = "rank 2: packing the ViT's outputs for the return trip raised OutOfMemoryError"
+    assert expected in others[0]["message"], others[0]["message"]
     assert all(r["seconds"] < FAST_S for r in results), results
 
 

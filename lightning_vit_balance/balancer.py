@@ -705,7 +705,7 @@ class ViTBalancer:
         raise_for_vit(report, encoded, call.merge)
         assert packed is not None  # every rank's status was fine, this rank's too
         started = time.perf_counter()
-        leaves, layout, transit, elements, buffer = packed
+        leaves, layout, transit, elements, buffer, arrivals = packed
         grad_wanted = torch.is_grad_enabled() and (reference.pixels_differentiable or _vit_requires_grad(vit))
         back = all_to_all(
             buffer,
@@ -713,6 +713,7 @@ class ViTBalancer:
             layout.receive_splits,
             call.group,
             differentiable=grad_wanted and (transit.is_floating_point or transit.is_complex),
+            out=arrivals,
         )  # [sum(receive_splits)] transit values, from worker rank 0 first
         call.collectives += 1
         call.bytes_sent += transit.itemsize * sum(
@@ -753,7 +754,8 @@ class ViTBalancer:
         batch: BalancedBatch,
         reference: _Reference,
     ) -> _ReturnBuffer:
-        """The token outputs, their return layout and codec, and the packed return buffer."""
+        """The token outputs, their return layout and codec, the packed return buffer and the one the
+        rows come back in (both allocated here, before the status gather: see :meth:`_combine`)."""
         tokens = encoded.token_indices
         leaves = [encoded.leaves[k][1] for k in tokens]
         transit = transit_dtype([leaf.dtype for leaf in leaves])
@@ -761,7 +763,9 @@ class ViTBalancer:
         kinds = [encoded.kinds[k].kind for k in tokens]
         layout = ReturnLayout.from_route(plan, route, kinds, call.merge, elements)
         tie = batch.received if reference.pixels_differentiable else None
-        return _ReturnBuffer(leaves, layout, transit, elements, pack_return(leaves, layout, transit, tie))
+        buffer = pack_return(leaves, layout, transit, tie)
+        arrivals = buffer.new_empty(sum(layout.receive_splits))
+        return _ReturnBuffer(leaves, layout, transit, elements, buffer, arrivals)
 
     def _rebuild(
         self,
@@ -960,13 +964,15 @@ def _calibrator_for(config: ViTBalanceConfig) -> CostCalibrator | None:
 
 class _ReturnBuffer(NamedTuple):
     """What the return trip sends: the token outputs, their layout, the wire codec's dtype and
-    elements per row, and the packed buffer (``[sum(layout.send_splits)]`` transit values)."""
+    elements per row, the packed buffer (``[sum(layout.send_splits)]`` transit values) and the one
+    the rows arrive in (``[sum(layout.receive_splits)]``)."""
 
     leaves: list[torch.Tensor]
     layout: ReturnLayout
     transit: torch.dtype
     elements: list[int]
     buffer: torch.Tensor
+    arrivals: torch.Tensor
 
 
 def _print_line(line: str) -> None:

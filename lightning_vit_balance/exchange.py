@@ -506,24 +506,33 @@ class _AllToAllFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, tensor: torch.Tensor, send_splits: list[int], receive_splits: list[int], group: Any
+        ctx: Any,
+        tensor: torch.Tensor,
+        send_splits: list[int],
+        receive_splits: list[int],
+        group: Any,
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.send_splits = send_splits
         ctx.receive_splits = receive_splits
         ctx.group = group
-        return _exchange(tensor, send_splits, receive_splits, group)
+        return _exchange(tensor, send_splits, receive_splits, group, out)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         grad = _exchange(grad_output, ctx.receive_splits, ctx.send_splits, ctx.group)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def _exchange(
-    tensor: torch.Tensor, send_splits: list[int], receive_splits: list[int], group: Any
+    tensor: torch.Tensor,
+    send_splits: list[int],
+    receive_splits: list[int],
+    group: Any,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     tensor = tensor.contiguous()
-    output = tensor.new_empty((sum(receive_splits), *tensor.shape[1:]))
+    output = out if out is not None else tensor.new_empty((sum(receive_splits), *tensor.shape[1:]))
     dist.all_to_all_single(
         output, tensor, output_split_sizes=receive_splits, input_split_sizes=send_splits, group=group
     )
@@ -537,6 +546,7 @@ def all_to_all(
     group: Any,
     *,
     differentiable: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exchange rows of ``tensor`` with every rank in one ``all_to_all_single``.
 
@@ -549,18 +559,22 @@ def all_to_all(
             gradients back along the inverse route. Must be the same on every rank, because the
             backward exchange is a collective too: a tensor that does not require grad is then
             replaced by an (equal-valued) leaf that does, so every rank takes part.
+        out: Where the rows arrive, ``[sum(receive_splits), ...]`` like ``tensor`` (allocated ahead,
+            so that running out of memory for it can be reported before the exchange); ``None``: a
+            new tensor.
 
     Returns:
-        ``[sum(receive_splits), ...]``, rows from rank 0 first, then rank 1, ... on ``tensor``'s device.
+        ``[sum(receive_splits), ...]``, rows from rank 0 first, then rank 1, ... on ``tensor``'s device
+        (``out`` when given).
     """
     send = [int(s) for s in send_splits]
     receive = [int(s) for s in receive_splits]
     if not differentiable:
         with torch.no_grad():
-            return _exchange(tensor, send, receive, group)
+            return _exchange(tensor, send, receive, group, out)
     if not tensor.requires_grad:
         tensor = tensor.detach().requires_grad_(True)
-    return _AllToAllFunction.apply(tensor, send, receive, group)
+    return _AllToAllFunction.apply(tensor, send, receive, group, out)
 
 
 class PendingExchange:

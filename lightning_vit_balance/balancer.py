@@ -726,9 +726,8 @@ class ViTBalancer:
         call.timed("combine", started)
         return returned
 
-    @classmethod
+    @staticmethod
     def _packed(
-        cls,
         call: _Call,
         encoded: EncodedBatch,
         plan: RebalancePlan,
@@ -736,36 +735,25 @@ class ViTBalancer:
         batch: BalancedBatch,
         reference: _Reference,
     ) -> tuple[EncodedBatch, _ReturnBuffer | None]:
-        """The return buffer, when every output of this rank can travel; a packing that raises comes
-        back as this rank's error, for the status gather to report (and this rank to re-raise)."""
+        """The token outputs, their return layout and codec, the packed return buffer and the one the
+        rows come back in (both allocated here, before the status gather: see :meth:`_combine`), when
+        every output of this rank can travel. A packing that raises comes back as this rank's error,
+        for the status gather to report (and this rank to re-raise)."""
         if encoded.status().flag != 0:
             return encoded, None
         try:
-            return encoded, cls._pack_return(call, encoded, plan, route, batch, reference)
+            tokens = encoded.token_indices
+            leaves = [encoded.leaves[k][1] for k in tokens]
+            transit = transit_dtype([leaf.dtype for leaf in leaves])
+            elements = [elements_per_row(leaf, transit) for leaf in leaves]
+            kinds = [encoded.kinds[k].kind for k in tokens]
+            layout = ReturnLayout.from_route(plan, route, kinds, call.merge, elements)
+            tie = batch.received if reference.pixels_differentiable else None
+            buffer = pack_return(leaves, layout, transit, tie)
+            arrivals = buffer.new_empty(sum(layout.receive_splits))
         except Exception as caught:  # every rank must hear of it before this one re-raises
             return dataclasses.replace(encoded, error=caught, packing_problem=True), None
-
-    @staticmethod
-    def _pack_return(
-        call: _Call,
-        encoded: EncodedBatch,
-        plan: RebalancePlan,
-        route: ExchangeRoute,
-        batch: BalancedBatch,
-        reference: _Reference,
-    ) -> _ReturnBuffer:
-        """The token outputs, their return layout and codec, the packed return buffer and the one the
-        rows come back in (both allocated here, before the status gather: see :meth:`_combine`)."""
-        tokens = encoded.token_indices
-        leaves = [encoded.leaves[k][1] for k in tokens]
-        transit = transit_dtype([leaf.dtype for leaf in leaves])
-        elements = [elements_per_row(leaf, transit) for leaf in leaves]
-        kinds = [encoded.kinds[k].kind for k in tokens]
-        layout = ReturnLayout.from_route(plan, route, kinds, call.merge, elements)
-        tie = batch.received if reference.pixels_differentiable else None
-        buffer = pack_return(leaves, layout, transit, tie)
-        arrivals = buffer.new_empty(sum(layout.receive_splits))
-        return _ReturnBuffer(leaves, layout, transit, elements, buffer, arrivals)
+        return encoded, _ReturnBuffer(leaves, layout, transit, elements, buffer, arrivals)
 
     def _rebuild(
         self,

@@ -181,25 +181,22 @@ def test_vit_exception_on_one_rank(multirank: Any) -> None:
     assert all(r["seconds"] < FAST_S for r in results), results
 
 
-def _packing_case(bad_rank: int) -> dict[str, Any] | None:
-    """Packing the return buffer runs out of memory on ``bad_rank``, after its ViT ran."""
+def _packing_case(bad_rank: int) -> tuple[str, str, float] | None:
+    """Packing the return buffer runs out of memory on ``bad_rank`` once, after its ViT ran."""
     group = subgroup(RANKS)
     rank = dist.get_rank()
     if rank >= RANKS:
         return None
-    torch.manual_seed(0)
-    tower = towers.TensorTower()
-    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
-    balancer = ViTBalancer(ViTBalanceConfig(**APPLY), group)
+    out_of_memory = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    failures = [out_of_memory] if rank == bad_rank else []
 
-    def out_of_memory(*args: Any, **kwargs: Any) -> Any:
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    def packing(*args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return pack_return(*args, **kwargs)
 
-    packing = out_of_memory if rank == bad_rank else pack_return
     with mock.patch.object(balancer_module, "pack_return", packing):
-        kind, message, seconds = _outcome(lambda: balancer(tower, pixels, grid).sum().backward())
-    _still_in_step(group, rank)
-    return {"kind": kind, "message": message, "seconds": seconds}
+        return _balance_with(ViTBalanceConfig(**APPLY), group, rank)
 
 
 def test_packing_the_return_trip_out_of_memory_on_one_rank(multirank: Any) -> None:
@@ -207,12 +204,12 @@ def test_packing_the_return_trip_out_of_memory_on_one_rank(multirank: Any) -> No
     was in flight, the failing rank left the others waiting in the return trip)."""
     with multirank(POOL) as w:
         results = w.run(_packing_case, 2)[:RANKS]
-    assert results[2]["kind"] == "OutOfMemoryError", results[2]
+    assert results[2][0] == "OutOfMemoryError", results[2]
     others = [results[0], results[1]]
-    assert {r["kind"] for r in others} == {"RuntimeError"} and len({r["message"] for r in others}) == 1
+    assert {kind for kind, _, _ in others} == {"RuntimeError"} and others[0][1] == others[1][1], others
     expected = "rank 2: packing the ViT's outputs for the return trip raised OutOfMemoryError"
-    assert expected in others[0]["message"], others[0]["message"]
-    assert all(r["seconds"] < FAST_S for r in results), results
+    assert expected in others[0][1], others[0][1]
+    assert all(seconds < FAST_S for _, _, seconds in results), results
 
 
 def _skipped_vit_case(prepared: bool) -> dict[str, Any] | None:

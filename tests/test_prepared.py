@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 from unittest import mock
 
 import pytest
@@ -50,16 +50,32 @@ def test_prepared_calls_equal_the_direct_call(multirank: Any, n: int, checked: b
 SKIPPED_CHECKED = {"trigger_threshold": 100.0, "check_skipped_calls": True}
 
 
-def _mismatch(kind: str, skipped: bool) -> tuple[str, str, float] | None:
+class _Setup(NamedTuple):
+    rank: int
+    tower: Any
+    pixels: torch.Tensor
+    grid: torch.Tensor
+    balancer: ViTBalancer
+
+
+def _on_three_ranks(grids: list[list[tuple[int, int, int]]], config: dict[str, Any]) -> _Setup | None:
+    """In a worker: the tensor tower, this rank's batch of ``grids[rank]`` and a balancer over
+    ranks 0-2; None on the other ranks."""
     group = subgroup(3)
     rank = dist.get_rank()
     if rank >= 3:
         return None
     torch.manual_seed(0)
-    tower = towers.TensorTower()
-    grids = [[(1, 8, 8), (1, 8, 8)], [(1, 2, 2)], [(1, 4, 4)]][rank]
-    pixels, grid = towers.make_batch(grids, seed=rank)
-    balancer = ViTBalancer(ViTBalanceConfig(**(SKIPPED_CHECKED if skipped else THRESHOLD_0)), group)
+    pixels, grid = towers.make_batch(grids[rank], seed=rank)
+    return _Setup(rank, towers.TensorTower(), pixels, grid, ViTBalancer(ViTBalanceConfig(**config), group))
+
+
+def _mismatch(kind: str, skipped: bool) -> tuple[str, str, float] | None:
+    grids = [[(1, 8, 8), (1, 8, 8)], [(1, 2, 2)], [(1, 4, 4)]]
+    setup = _on_three_ranks(grids, SKIPPED_CHECKED if skipped else THRESHOLD_0)
+    if setup is None:
+        return None
+    rank, tower, pixels, grid, balancer = setup
     ticket = balancer.prepare(pixels, grid, tower)
     assert ticket is not None and ticket.plan.applied is not skipped
     if rank == 1 and kind == "rows":
@@ -77,7 +93,7 @@ def _mismatch(kind: str, skipped: bool) -> tuple[str, str, float] | None:
     except ValueError as error:
         outcome = ("ValueError", str(error), time.perf_counter() - started)
     # Still in step: an unprepared call works everywhere.
-    pixels, grid = towers.make_batch(grids, seed=rank)
+    pixels, grid = towers.make_batch(grids[rank], seed=rank)
     torch.testing.assert_close(balancer(tower, pixels, grid), tower(pixels, grid), rtol=1e-4, atol=1e-5)
     return outcome
 
@@ -108,15 +124,10 @@ def test_a_call_that_does_not_match_its_plan_fails_everywhere(
 def _values_compared_on_the_device() -> dict[str, Any] | None:
     """Grids read as if on a device (no host read in the forward): a prepared call whose grid values
     differ is found a call later, at the next gather, on every rank; a matching one raises nothing."""
-    group = subgroup(3)
-    rank = dist.get_rank()
-    if rank >= 3:
+    setup = _on_three_ranks([[(1, 8, 8), (1, 8, 8)], [(1, 4, 8)], [(1, 4, 4)]], THRESHOLD_0)
+    if setup is None:
         return None
-    torch.manual_seed(0)
-    tower = towers.TensorTower()
-    grids = [[(1, 8, 8), (1, 8, 8)], [(1, 4, 8)], [(1, 4, 4)]][rank]
-    pixels, grid = towers.make_batch(grids, seed=rank)
-    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group)
+    rank, tower, pixels, grid, balancer = setup
     with mock.patch.object(prepared_module, "_read_on_host", lambda tensor: False):
         ticket = balancer.prepare(pixels, grid, tower)
         balancer(tower, pixels, grid, prepared=ticket)  # matching: nothing to report

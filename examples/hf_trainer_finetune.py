@@ -1,8 +1,11 @@
 """Fine-tune a Hugging Face Qwen2.5-VL with Hugging Face's ``Trainer``, ViT work balanced across ranks.
 
 The ``Trainer`` recipe of a Qwen-VL user (a model, a dataset, a collator, ``TrainingArguments``,
-``trainer.train()``), with two lines added, marked ``# <-- vit balance``:
-``balance_vision_tower(model)`` before the ``Trainer`` is built, and
+``trainer.train()``), with three lines changed, marked ``# <-- vit balance``:
+``balance_vision_tower(model)`` before the ``Trainer`` is built; the collator given as
+``handle.plan_ahead(collate)``, which keeps each batch's grids on the host for the forward to plan
+from (the ``Trainer`` hands the model batches already on the device, whose grids it would otherwise
+read back: a device-to-host sync in every forward on GPUs); and
 ``ViTBalanceTrainerCallback().attach(trainer)``, which puts the ``vit_balance/*`` metrics in every
 training log (ahead of ``report_to``'s integrations: W&B, TensorBoard...) and the balancer's state
 in every checkpoint. At the end rank 0 prints what the logs say (the imbalance before and after,
@@ -65,6 +68,9 @@ def summarize(log_history: Sequence[dict[str, Any]]) -> dict[str, float]:
         "vit_ms_max": mean("vit_balance/vit_ms_max"),
         "vit_ms_mean": mean("vit_balance/vit_ms_mean"),
         "moved_patches": sum(entry["vit_balance/moved_patches"] for entry in logs),
+        # In the balanced calls: 3 per call that moved images (the two trips and the status
+        # gather), none for a skipped one; a call that gathered its own metadata adds one.
+        "collectives": sum(entry["vit_balance/collectives"] for entry in logs),
         "applied_total": logs[-1]["vit_balance/applied_total"],
         "calls_total": logs[-1]["vit_balance/calls_total"],
     }
@@ -87,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     on_gpu = torch.cuda.is_available()
     model = tiny_qwen2_5_vl()
-    balance_vision_tower(model)  # <-- vit balance
+    handle = balance_vision_tower(model)  # <-- vit balance
     training_args = TrainingArguments(
         output_dir=args.output,
         per_device_train_batch_size=args.batch_size,
@@ -103,7 +109,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         seed=0,
     )
     dataset = MixedVisionDataset(args.steps * args.batch_size * 8)
-    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, data_collator=collate)
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=dataset,
+        data_collator=handle.plan_ahead(collate),  # <-- vit balance
+    )
     ViTBalanceTrainerCallback().attach(trainer)  # <-- vit balance
     trainer.train()
     summary = summarize(trainer.state.log_history)

@@ -4,7 +4,8 @@
 :func:`balance_vision_tower` patches *instances*, nothing else: the base model (the module
 holding the vision tower as ``.visual``, e.g. ``model.model``) and the tower get an instance
 attribute ``forward`` (and, in transformers 5, the model an instance attribute for
-``generate()``'s image encoding, see below). Classes, parameters, buffers, ``state_dict`` keys and
+``generate()``'s image encoding, see below; and the model one for ``forward`` once
+:meth:`BalancedVisionTower.plan_ahead` made a collator). Classes, parameters, buffers, ``state_dict`` keys and
 every attribute HF or PEFT/FSDP reads stay as they were; :meth:`BalancedVisionTower.remove`
 deletes those attributes again.
 
@@ -123,7 +124,7 @@ import contextlib
 import inspect
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,6 +159,9 @@ _MODALITIES: tuple[tuple[str, str, str], ...] = (
 )
 #: The batch keys a plan made ahead reads, (pixels, grid) per modality, in the encoding order.
 _PREPARE_KEYS: tuple[tuple[str, str], ...] = tuple((pixels, grid) for _, pixels, grid in _MODALITIES)
+#: The batch key under which :meth:`BalancedVisionTower.plan_ahead`'s collator hands the model's
+#: forward the batch's grids as collated, on the host.
+GRIDS_KEY = "vit_balance_grids"
 #: The base model's forward parameters that carry ``generate()``'s cache (transformers 4.x, 5.x).
 _CACHE_ARGUMENTS = ("past_key_values", "cache")
 #: The ``generate()`` step of transformers 5 that encodes images and videos before the first
@@ -579,6 +583,8 @@ class _Forward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.which == "base":
             return self.handle._base_forward(*args, **kwargs)
+        if self.which == "model":
+            return self.handle._model_forward(*args, **kwargs)
         if self.which == "generation":
             return self.handle._generation_encode(*args, **kwargs)
         return self.handle._tower_forward(*args, **kwargs)
@@ -586,6 +592,35 @@ class _Forward:
     @property
     def __signature__(self) -> inspect.Signature:
         return inspect.signature(self.handle._original(self.which))
+
+
+@dataclass(frozen=True)
+class _HostGrids:
+    """A batch's grids as its collator made them, under :data:`GRIDS_KEY`: ``(grid key, value)``
+    pairs. No tensor and no ``to`` method, so accelerate and the ``Trainer``, which move a batch's
+    tensors to the device, pass it on as it is, on the host."""
+
+    grids: tuple[tuple[str, Any], ...]
+
+
+class _GridsOnHost:
+    """The collator :meth:`BalancedVisionTower.plan_ahead` returns: ``collate_fn``, then the batch's
+    grids as :class:`_HostGrids` under :data:`GRIDS_KEY`. A plain object, so DataLoader workers
+    can take it (it holds no model)."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any], grid_keys: tuple[str, ...]) -> None:
+        self.collate_fn = collate_fn
+        self.grid_keys = grid_keys
+
+    def __call__(self, features: Any) -> Any:
+        batch = self.collate_fn(features)
+        if not isinstance(batch, MutableMapping):
+            raise TypeError(
+                f"BalancedVisionTower.plan_ahead: the collator returned a {type(batch).__name__}: "
+                "expected a mutable mapping (a dict or a BatchFeature) of the model's keyword arguments."
+            )
+        batch[GRIDS_KEY] = _HostGrids(tuple((key, batch.get(key)) for key in self.grid_keys))
+        return batch
 
 
 @dataclass
@@ -808,6 +843,42 @@ class BalancedVisionTower:
         self._ticket = self._balancer_for(*settings).prepare(pixels, grid, self.tower)
         return self._ticket
 
+    def plan_ahead(self, collate_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``collate_fn`` made to carry each batch's grids, as collated on the host, to the model's
+        forward, which plans from them: for Hugging Face's ``Trainer`` and other loops built on
+        accelerate, which hand the model batches already on the device, where :meth:`prepare`
+        would have to read the grids back (a device-to-host sync in every forward).
+
+        The collator returned calls ``collate_fn`` and adds the batch's ``image_grid_thw`` and
+        ``video_grid_thw``, as they are, under :data:`GRIDS_KEY`, in an object that accelerate and
+        the ``Trainer`` pass on without moving it. DataLoader workers can run it (it holds no model).
+        The model's forward takes that entry out and, when the forward is balanced, plans from it
+        first, as :meth:`prepare` does (one gather over the host group, then the plan): the balanced
+        call then makes no metadata gather and reads no grid from the device. Every rank's batches
+        must come from this collator. Not for ``generate()``, which rejects the extra key.
+
+        Example::
+
+            handle = balance_vision_tower(model)
+            trainer = Trainer(model=model, args=args, train_dataset=data,
+                              data_collator=handle.plan_ahead(collate))
+
+        Raises:
+            TypeError: ``collate_fn`` is not callable; and from the collator, when ``collate_fn``
+                returns something other than a mutable mapping.
+        """
+        if not callable(collate_fn):
+            raise TypeError(
+                f"BalancedVisionTower.plan_ahead(collate_fn={collate_fn!r}) is invalid: expected the "
+                "batch collator (a callable from a list of samples to the model's keyword arguments)."
+            )
+        if self.model is not self.base and "model" not in self._patched:
+            # The model's own forward takes the grids out; a base model given alone does itself.
+            self._patched["model"] = (self.model, "forward")
+            self._saved["model"] = self.model.__dict__.get("forward")
+            self.model.forward = _Forward(self, "model")
+        return _GridsOnHost(collate_fn, tuple(grid for _, grid in _PREPARE_KEYS))
+
     # -- checkpoints ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -862,15 +933,51 @@ class BalancedVisionTower:
         saved = self._saved[which]
         return saved if saved is not None else getattr(type(module), name).__get__(module)
 
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward, once :meth:`plan_ahead` made a collator: plans from the batch's host
+        grids first."""
+        original = self._original("model")
+        grids = kwargs.get(GRIDS_KEY)
+        if not isinstance(grids, _HostGrids):
+            return original(*args, **kwargs)
+        del kwargs[GRIDS_KEY]
+        return self._planned_from(grids, original, *args, **kwargs)
+
+    def _planned_from(self, grids: _HostGrids, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``forward(*args, **kwargs)``, planned from ``grids`` (see :meth:`plan_ahead`) when it is
+        balanced and no plan is waiting already; a plan it leaves untaken is dropped with it."""
+        ticket = None
+        if self._ticket is None and self._balances(kwargs):
+            view = {pixels: kwargs.get(pixels) for pixels, _ in _PREPARE_KEYS}
+            ticket = self.prepare({**view, **dict(grids.grids)})
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            if ticket is not None and self._ticket is ticket:
+                self._ticket = None
+
+    def _balances(self, arguments: Mapping[str, Any]) -> bool:
+        """Whether a base forward with ``arguments`` (by name) is balanced, settings aside: in
+        training, or in evaluation with :attr:`evaluation` (see :meth:`_balances_evaluation_forward`)."""
+        if self._pending is not None:
+            return False
+        if self.base.training and torch.is_grad_enabled():
+            return True
+        return self.evaluation and self._balances_evaluation_forward(arguments)
+
     def _base_forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self._original("base")
+        grids = kwargs.get(GRIDS_KEY)
+        if isinstance(grids, _HostGrids):  # the base model given to balance_vision_tower itself
+            del kwargs[GRIDS_KEY]
+            return self._planned_from(grids, self._base_forward, *args, **kwargs)
         training = self.base.training and torch.is_grad_enabled()
         if self._pending is not None or not (training or self.evaluation):
             return original(*args, **kwargs)
         # Bind to the class's signature: a forward patched in before us may take (*args, **kwargs).
         signature = inspect.signature(type(self.base).forward)
         bound = signature.bind_partial(self.base, *args, **kwargs).arguments
-        if not training and not self._balances_evaluation_forward(bound):
+        if not self._balances(bound):
             return original(*args, **kwargs)
         settings = self.settings()
         if settings is None:
@@ -1047,9 +1154,11 @@ def rows_to_plan(
     batch: Any,
     keys: tuple[tuple[str, str], ...],
     towers: tuple[BalancedVisionTower, ...] = (),
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[Any, Any]:
     """What ``ViTBalancer.prepare`` needs of a host batch: a meta tensor of the pixel rows' shape and
-    dtype (nothing is read or copied) and the grid rows, for the keys present, in order.
+    dtype (nothing is read or copied) and the grid rows, for the keys present, in order. The first
+    modality whose rows are not a 2-D tensor, or whose grid is not an integer tensor ``[n, 3]`` (or
+    rows that make one), comes back as it was found, for ``prepare``'s checks to report on every rank.
 
     With drop-in ``towers`` (those still installed), the rows their forwards pass the tower: the
     grids of their ``step_grid_keys`` one temporal step per row (GLM-4.xV), and the pixels in the
@@ -1061,10 +1170,16 @@ def rows_to_plan(
     rows, width, dtype, grids = 0, 1, torch.float32, []
     for pixel_key, grid_key in keys:
         pixels = batch.get(pixel_key) if isinstance(batch, Mapping) else None
-        if isinstance(pixels, torch.Tensor) and pixels.dim() == 2:
-            rows, width, dtype = rows + int(pixels.shape[0]), int(pixels.shape[1]), pixels.dtype
-            grid = torch.as_tensor(batch.get(grid_key)).reshape(-1, 3).to("cpu", torch.long)
-            grids.append(grid_steps(grid) if grid_key in step_keys else grid)
+        if pixels is None:
+            continue
+        grid = _as_grid(batch.get(grid_key))
+        if not (isinstance(pixels, torch.Tensor) and pixels.dim() == 2) or _grid_problem(grid_key, grid):
+            # As found: the prepare's checks report them on every rank. Raising here would leave
+            # the other ranks waiting in its gather.
+            return pixels, grid
+        rows, width, dtype = rows + int(pixels.shape[0]), int(pixels.shape[1]), pixels.dtype
+        grid = grid.to("cpu", torch.long)
+        grids.append(grid_steps(grid) if grid_key in step_keys else grid)
     grid = torch.cat(grids) if grids else torch.empty((0, 3), dtype=torch.long)
     dtype = tower_dtypes.pop() if len(tower_dtypes) == 1 else dtype
     widths = {_tower_channels(tower.tower) for tower in towers}
@@ -1072,6 +1187,14 @@ def rows_to_plan(
         # No rows at all: a drop-in's call then passes [0, C] rows of its tower's width.
         width = widths.pop()
     return torch.empty((rows, width), dtype=dtype, device="meta"), grid
+
+
+def _as_grid(value: Any) -> Any:
+    """``value`` as a tensor (a list of grid rows becomes one), or as it is when it is none."""
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        return value
 
 
 def saved_state(state: Any) -> dict[str, Any]:
@@ -1176,7 +1299,9 @@ def balance_vision_tower(
 
     Returns:
         The handle: ``last_stats``, ``calls``, ``applied_calls``, ``remove()``, ``prepare(batch)``
-        to plan the next forward while its batch is on the host, and ``state_dict()`` /
+        to plan the next forward while its batch is on the host, ``plan_ahead(collate)`` for a
+        collator whose batches' forwards plan from grids kept on the host (Hugging Face's
+        ``Trainer``, accelerate), and ``state_dict()`` /
         ``load_state_dict()`` for checkpoints (with ``calibrate_cost``, the online cost fit;
         Hugging Face's ``Trainer`` keeps it with ``ViTBalanceTrainerCallback``).
 

@@ -173,9 +173,10 @@ def _step(model: nn.Module, batch: dict[str, Any], counter: CollectiveCounter | 
     return loss.detach(), (len(forward.calls), len(backward.calls))
 
 
-def _check_case(family: str, name: str, prepared: bool = False) -> dict[str, Any]:
+def _check_case(family: str, name: str, ahead: str | None = None) -> dict[str, Any]:
     """Two training steps of the plain and the balanced model on this rank; compare; summarise.
-    ``prepared``: each balanced forward's plan made ahead, by ``handle.prepare(batch)``."""
+    ``ahead``: each balanced forward's plan made ahead, by ``handle.prepare(batch)`` (``"prepare"``)
+    or in the forward from the grids of ``handle.plan_ahead``'s collator (``"collator"``)."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -190,9 +191,14 @@ def _check_case(family: str, name: str, prepared: bool = False) -> dict[str, Any
         batch = make_inputs(family, cases_for(family)[name][source], seed=100 * step + rank)
         plain_loss, _ = _step(plain, batch)
         calls_before = handle.calls
-        if prepared:
+        if ahead == "prepare":
             assert handle.prepare(batch) is not None, where
+        elif ahead == "collator":
+            batch = handle.plan_ahead(_first)([batch])
         balanced_loss, counts = _step(balanced, batch, CollectiveCounter())
+        if ahead == "collator":  # the forward's own plan ahead: one gather, then no ticket left
+            counts = (counts[0] - 1, counts[1])
+            assert handle._ticket is None, where
         assert handle.calls == calls_before + 1, f"{where}: {handle.calls - calls_before} exchanges"
         torch.testing.assert_close(balanced_loss, plain_loss, **TOL, msg=lambda m, w=where: f"{w}: loss {m}")
         plain_grads, balanced_grads = _summed_grads(plain), _summed_grads(balanced)
@@ -214,8 +220,8 @@ def _check_case(family: str, name: str, prepared: bool = False) -> dict[str, Any
     return {"steps": steps, "calls": handle.calls, "applied_calls": handle.applied_calls}
 
 
-def _check_cases(family: str, names: tuple[str, ...], prepared: bool = False) -> dict[str, Any]:
-    return {name: _check_case(family, name, prepared) for name in names}
+def _check_cases(family: str, names: tuple[str, ...], ahead: str | None = None) -> dict[str, Any]:
+    return {name: _check_case(family, name, ahead) for name in names}
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, *NEWER_FAMILIES, "glm4v"])
@@ -249,14 +255,22 @@ def test_more_families_match_the_plain_model(multirank: Any, family: str) -> Non
     )
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "glm4v"])
-def test_plans_made_ahead_by_the_handle_train_as_the_plain_model(multirank: Any, family: str) -> None:
-    """``handle.prepare(batch)`` before each forward, without Lightning: the same losses and
-    gradients as the plain model, and the forward makes no metadata gather (its balanced call
-    makes only the trips and the status gather, or nothing when the plan skips)."""
+@pytest.mark.parametrize(
+    ("family", "ahead"),
+    [("qwen2_5_vl", "prepare"), ("glm4v", "prepare"), ("qwen3_vl", "collator"), ("glm4v", "collator")],
+)
+def test_plans_made_ahead_by_the_handle_train_as_the_plain_model(
+    multirank: Any, family: str, ahead: str
+) -> None:
+    """``handle.prepare(batch)`` before each forward, without Lightning, or the grids of
+    ``handle.plan_ahead``'s collator, planned from in the forward: the same losses and gradients as
+    the plain model, and the balanced call makes no metadata gather (only the trips and the status
+    gather, or nothing when the plan skips)."""
+    if not available(family):
+        pytest.skip(f"this transformers has no {family}")
     names = tuple(cases_for(family))
     with multirank(RANKS) as w:
-        per_rank = w.run(_check_cases, family, names, True, timeout=240)
+        per_rank = w.run(_check_cases, family, names, ahead, timeout=240)
     assert _assert_cases(per_rank, names) >= 6
     for result in per_rank:
         for step in (s for case in result.values() for s in case["steps"]):
@@ -910,27 +924,47 @@ def test_a_model_calling_its_tower_itself_is_told_it_is_not_balanced(multirank: 
     )
 
 
-def _bad_input_on_rank_1(family: str) -> str:
-    """Rank 1 passes image pixels without their grid; every rank must raise, none may hang."""
+def _bad_input_on_rank_1(family: str, ahead: str | None, grid: str) -> str:
+    """Rank 1 passes image pixels without their grid (``grid="none"``) or with a grid of 4 columns
+    (``"4 columns"``), planned in the forward or ahead (``ahead``, as in :func:`_check_case`);
+    every rank must raise, none may hang."""
     import torch.distributed as dist
 
     model = tiny_model(family)
-    balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
+    handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
     batch = make_inputs(family, [{"images": [(1, 4, 4)]}], seed=dist.get_rank())
     if dist.get_rank() == 1:
-        batch["image_grid_thw"] = None
+        batch["image_grid_thw"] = None if grid == "none" else torch.tensor([[1, 4, 4, 1]])
     try:
+        if ahead == "prepare":
+            handle.prepare(batch)
+        elif ahead == "collator":
+            batch = handle.plan_ahead(_first)([batch])
         model(**batch)
     except ValueError as err:
         return str(err)
     return "no error"
 
 
-def test_bad_input_on_one_rank_raises_on_every_rank(multirank: Any) -> None:
+@pytest.mark.parametrize(
+    ("ahead", "grid", "says"),
+    [
+        (None, "none", "image_grid_thw is None"),
+        (None, "4 columns", "image_grid_thw is a tensor of shape (1, 4)"),
+        ("prepare", "none", "grid_thw is not a torch.Tensor"),
+        ("prepare", "4 columns", "grid_thw has shape (1, 4)"),
+        ("collator", "4 columns", "grid_thw has shape (1, 4)"),
+    ],
+)
+def test_bad_input_on_one_rank_raises_on_every_rank(
+    multirank: Any, ahead: str | None, grid: str, says: str
+) -> None:
+    """Also when the plan is made ahead: reading the grid rows there raised on the rank at fault
+    alone, and the others waited in the gather (until the backend's timeout)."""
     with multirank(RANKS) as w:
-        messages = w.run(_bad_input_on_rank_1, "qwen3_vl", timeout=120)
+        messages = w.run(_bad_input_on_rank_1, "qwen3_vl", ahead, grid, timeout=120)
     assert all("rank 1" in m for m in messages), messages
-    assert "image_grid_thw is None" in messages[1]
+    assert says in messages[1], messages[1]
 
 
 # --------------------------------------------------------------------------- encode_visual
@@ -1034,6 +1068,39 @@ def test_one_process_calls_the_model_unchanged() -> None:
 
 def _snapshot(module: nn.Module) -> dict[str, Any]:
     return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def test_the_plan_ahead_collator_keeps_the_grids_on_the_host(tmp_path: Path) -> None:
+    """``handle.plan_ahead(collate)``: the grids ride beside the batch untouched where accelerate
+    and the Trainer move its tensors; the model's forward takes them out (here, with no process
+    group, nothing is planned: the forward is the plain model's); workers can take the collator;
+    ``remove()`` undoes the model's patched forward too."""
+    from accelerate.utils import send_to_device
+    from transformers import Trainer, TrainingArguments
+
+    from lightning_vit_balance.hf import GRIDS_KEY
+
+    model = tiny_model("qwen2_5_vl")
+    batch = make_inputs("qwen2_5_vl", [{"images": [(1, 4, 4)], "videos": [(2, 2, 2)]}], seed=3)
+    logits = model(**batch).logits
+    handle = balance_vision_tower(model)
+    collate = handle.plan_ahead(_first)
+    assert handle.plan_ahead(_first) is not collate and "forward" in model.__dict__
+    collated = pickle.loads(pickle.dumps(collate))([dict(batch)])
+    grids = collated[GRIDS_KEY]
+    assert [key for key, _ in grids.grids] == ["image_grid_thw", "video_grid_thw"]
+    assert all(torch.equal(value, batch[key]) for key, value in grids.grids)
+    trainer = Trainer(model=model, args=TrainingArguments(str(tmp_path), use_cpu=True, report_to=[]))
+    moved = trainer._prepare_inputs(send_to_device(collated, torch.device("cpu")))
+    assert moved[GRIDS_KEY] is grids
+    assert torch.equal(model(**moved).logits, logits)
+    assert inspect.signature(model.forward) == inspect.signature(type(model).forward.__get__(model))
+    with pytest.raises(TypeError, match=r"plan_ahead: the collator returned a tuple: expected a mutable"):
+        handle.plan_ahead(tuple)([1])
+    with pytest.raises(TypeError, match=r"plan_ahead\(collate_fn=None\) is invalid"):
+        handle.plan_ahead(None)  # type: ignore[arg-type]
+    handle.remove()
+    assert "forward" not in model.__dict__
 
 
 def test_remove_restores_the_model_bit_for_bit() -> None:
@@ -1379,10 +1446,11 @@ def _balance_figures(log: dict[str, Any]) -> dict[str, float]:
     return {key: value for key, value in log.items() if key.startswith("vit_balance/")}
 
 
-def _hf_trainer_fit(out_dir: str) -> dict[str, Any]:
+def _hf_trainer_fit(out_dir: str, plan_ahead: bool = False) -> dict[str, Any]:
     """Hugging Face's ``Trainer`` (DDP over the pool's gloo group, which accelerate takes as it
     finds it) on the drop-in: each rank's batches of :data:`FIT_BATCHES` in order, SGD at a
-    constant rate, no clipping; the loss of each step and the handle's counts."""
+    constant rate, no clipping; the loss of each step, the handle's counts and each balanced
+    call's collectives. ``plan_ahead``: the batches come from ``handle.plan_ahead``'s collator."""
     import torch.distributed as dist
     from transformers import Trainer
 
@@ -1391,6 +1459,8 @@ def _hf_trainer_fit(out_dir: str) -> dict[str, Any]:
     set_launcher_variables(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
     model = tiny_model(FIT_FAMILY)
     handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
+    collectives: list[tuple[int, bool]] = []
+    handle.record = lambda stats: collectives.append((stats.collectives, stats.applied))
     losses: list[float] = []
 
     class InOrder(Trainer):
@@ -1421,7 +1491,7 @@ def _hf_trainer_fit(out_dir: str) -> dict[str, Any]:
         model=model,
         args=arguments,
         train_dataset=batches,
-        data_collator=_first,
+        data_collator=handle.plan_ahead(_first) if plan_ahead else _first,
         optimizers=(optimizer, None),
         callbacks=[reporter],
     )
@@ -1429,6 +1499,7 @@ def _hf_trainer_fit(out_dir: str) -> dict[str, Any]:
     trainer.train()
     history = [_balance_figures(entry) for entry in trainer.state.log_history]
     return {
+        "collectives": collectives,
         "losses": losses,
         "calls": handle.calls,
         "applied_calls": handle.applied_calls,
@@ -1470,6 +1541,30 @@ def test_hugging_face_trainer_trains_as_the_plain_model(tmp_path: Path) -> None:
         assert reported[1][0][key] == first[key] and reported[1][1][key] == last[key], key
     # And the Trainer's log history (trainer_state.json) keeps them.
     assert [entry for entry in results[0]["history"] if entry] == reported[0]
+    # Each balanced call gathered its metadata itself.
+    assert all(count == (4 if applied else 1) for r in results for count, applied in r["collectives"]), (
+        results
+    )
+
+
+@pytest.mark.timeout(180)
+def test_hugging_face_trainer_plans_from_the_collators_host_grids(tmp_path: Path) -> None:
+    """``data_collator=handle.plan_ahead(collate)``: the same losses as the plain model, and every
+    balanced call took the plan made at the start of the forward from the grids the collator kept
+    on the host (accelerate and the Trainer moved the rest of the batch): no metadata gather in it,
+    so on a GPU no grid is read back from the device."""
+    pool = World(FIT_RANKS)
+    try:
+        results = pool.run(_hf_trainer_fit, str(tmp_path), True, timeout=150)
+    finally:
+        pool.close(kill=True)
+    expected = _reference(tiny_model(FIT_FAMILY))
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(torch.tensor(result["losses"]), expected[rank], **TOL)
+        assert result["calls"] == FIT_STEPS and result["applied_calls"] >= 1, result
+        assert [count for count, applied in result["collectives"]] == [
+            3 if applied else 0 for _, applied in result["collectives"]
+        ], result
 
 
 # Saved at step 5, resumed to step 10: enough calls for each run to warm up and record rows.
@@ -1794,8 +1889,9 @@ def _trainer_example(out_dir: str) -> dict[str, float]:
 @pytest.mark.timeout(180)
 def test_trainer_example_short_run(tmp_path: Path) -> None:
     """``torchrun --nproc_per_node 2 examples/hf_trainer_finetune.py --steps 4 --batch-size 1``:
-    the logs' metrics say images moved and the imbalance fell, every rank reads the same, and the
-    dashboard is drawn. In a pool of its own (accelerate's state is process-wide)."""
+    the logs' metrics say images moved and the imbalance fell, every call was planned ahead, every
+    rank reads the same, and the dashboard is drawn. In a pool of its own (accelerate's state is
+    process-wide)."""
     pool = World(2)
     try:
         summaries = pool.run(_trainer_example, str(tmp_path), timeout=150)
@@ -1805,6 +1901,8 @@ def test_trainer_example_short_run(tmp_path: Path) -> None:
     assert summary["calls_total"] == 4 and summary["applied_total"] >= 1, summary
     assert summary["imbalance_after"] < summary["imbalance_before"], summary
     assert summary["vit_ms_max"] >= summary["vit_ms_mean"] > 0, summary
+    # Every call was planned from the collator's host grids: no metadata gather in the calls.
+    assert summary["collectives"] == 3 * summary["applied_total"], summary
     assert summaries[1] == summary  # the same plans and measured times on every rank
     assert (tmp_path / "trainer_state.json").exists()
     assert (tmp_path / "vit_balance_dashboard.png").stat().st_size > 1000

@@ -208,7 +208,9 @@ class ViTBalancer:
       ``ValueError`` before anything moves;
     * when the ViT raises on some rank during an applied call (or a skipped one, with
       ``config.check_skipped_calls``), that rank re-raises its own exception and every other rank
-      raises a ``RuntimeError`` naming the rank and the exception;
+      raises a ``RuntimeError`` naming the rank and the exception (a ``torch.OutOfMemoryError``,
+      a ``RuntimeError`` too, when every failing rank ran out of memory, so that a loop skipping
+      such batches skips them on every rank);
     * an output whose rows fit no kind, or outputs whose dtype or trailing shape differ between
       ranks, raise a ``ValueError`` after the ViT, before the return trip.
 

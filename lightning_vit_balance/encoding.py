@@ -393,8 +393,9 @@ def raise_for_vit(report: StatusReport, encoded: EncodedBatch, merge: int) -> No
 
     A rank whose own ViT raised re-raises its own exception (the others' problems are attached as
     a note); a rank whose input did not match its prepared plan raises the same ``ValueError`` as
-    the others; every other rank raises a ``RuntimeError`` (a ViT exception elsewhere) or a
-    ``ValueError`` (outputs that cannot be routed), with the same text on every rank.
+    the others; every other rank raises a ``RuntimeError`` (a ViT exception elsewhere; a
+    ``torch.OutOfMemoryError``, itself a ``RuntimeError``, when every rank that failed ran out of
+    memory) or a ``ValueError`` (outputs that cannot be routed), with the same text on every rank.
     """
     if report.consistent:
         return
@@ -414,8 +415,17 @@ def raise_for_vit(report: StatusReport, encoded: EncodedBatch, merge: int) -> No
     errors = [s.error for s in report.statuses if s.error]
     # Input that did not match its prepared plan is a ValueError everywhere; a ViT failure is not.
     if errors and not all(e.startswith(INPUT_ERROR) for e in errors):
+        if all(_out_of_memory(e) for e in errors):
+            # The type the failing ranks raise: a loop that skips a batch on it skips it everywhere.
+            raise torch.OutOfMemoryError(message)
         raise RuntimeError(message)
     raise ValueError(message)
+
+
+def _out_of_memory(error: str) -> bool:
+    """Whether a rank's status ``error`` says its ViT, or packing its outputs, ran out of memory."""
+    raised = error[len(PACKING_ERROR) :] if error.startswith(PACKING_ERROR) else error
+    return raised.startswith(f"{torch.OutOfMemoryError.__name__}: ")
 
 
 def splice_encoded(

@@ -20,6 +20,8 @@ from multirank import subgroup
 
 from lightning_vit_balance import CostModel, ViTBalanceConfig, ViTBalancer
 from lightning_vit_balance import balancer as balancer_module
+from lightning_vit_balance.encoding import PACKING_ERROR, EncodedBatch, raise_for_vit
+from lightning_vit_balance.exchange import StatusReport, ViTStatus
 from lightning_vit_balance.wire import pack_return
 
 POOL = 4
@@ -175,10 +177,37 @@ def test_vit_exception_on_one_rank(multirank: Any) -> None:
         results = w.run(_vit_case, "raise", 1)[:RANKS]
     assert results[1]["kind"] == "OutOfMemoryError", results[1]
     others = [results[0], results[2]]
-    assert {r["kind"] for r in others} == {"RuntimeError"}
+    # Out of memory on rank 1 alone: the others raise the type too (a RuntimeError), so a loop
+    # that skips the batch on torch.OutOfMemoryError skips it on every rank.
+    assert {r["kind"] for r in others} == {"OutOfMemoryError"}
     assert len({r["message"] for r in others}) == 1
     assert "rank 1" in others[0]["message"] and "OutOfMemoryError" in others[0]["message"]
     assert all(r["seconds"] < FAST_S for r in results), results
+
+
+@pytest.mark.parametrize(
+    ("failures", "raised"),
+    [
+        (["OutOfMemoryError: CUDA out of memory"], torch.OutOfMemoryError),
+        (
+            ["OutOfMemoryError: CUDA out of memory", f"{PACKING_ERROR}OutOfMemoryError: out of memory"],
+            torch.OutOfMemoryError,
+        ),
+        (["OutOfMemoryError: CUDA out of memory", "ValueError: bad grid"], RuntimeError),
+        (["ValueError: OutOfMemoryError: in the message only"], RuntimeError),
+    ],
+)
+def test_the_others_raise_out_of_memory_when_every_failing_rank_did(
+    failures: list[str], raised: type
+) -> None:
+    """A rank whose ViT ran raises what the failing ranks raised when that was running out of
+    memory everywhere, in the ViT or packing its outputs; otherwise a RuntimeError (not an
+    OutOfMemoryError: a loop would take another rank's bug for memory pressure)."""
+    statuses = (ViTStatus(), *(ViTStatus(error=error) for error in failures))
+    fine = EncodedBatch([], None, [], None, 0.0)
+    with pytest.raises(raised, match=r"The balanced ViT call failed: rank 1: ") as info:
+        raise_for_vit(StatusReport(consistent=False, statuses=statuses, collectives=2), fine, merge=2)
+    assert type(info.value) is raised
 
 
 def _packing_case(bad_rank: int) -> tuple[str, str, float] | None:
@@ -206,7 +235,7 @@ def test_packing_the_return_trip_out_of_memory_on_one_rank(multirank: Any) -> No
         results = w.run(_packing_case, 2)[:RANKS]
     assert results[2][0] == "OutOfMemoryError", results[2]
     others = [results[0], results[1]]
-    assert {kind for kind, _, _ in others} == {"RuntimeError"} and others[0][1] == others[1][1], others
+    assert {kind for kind, _, _ in others} == {"OutOfMemoryError"} and others[0][1] == others[1][1], others
     expected = "rank 2: packing the ViT's outputs for the return trip raised OutOfMemoryError"
     assert expected in others[0][1], others[0][1]
     assert all(seconds < FAST_S for _, _, seconds in results), results
@@ -240,7 +269,7 @@ def test_vit_exception_in_a_checked_skipped_call(multirank: Any, prepared: bool)
         results = w.run(_skipped_vit_case, prepared)[:RANKS]
     assert results[1]["kind"] == "OutOfMemoryError", results[1]
     others = [results[0], results[2]]
-    assert {r["kind"] for r in others} == {"RuntimeError"} and len({r["message"] for r in others}) == 1
+    assert {r["kind"] for r in others} == {"OutOfMemoryError"} and len({r["message"] for r in others}) == 1
     assert "rank 1: the ViT raised OutOfMemoryError" in others[0]["message"], others[0]["message"]
     assert all(r["seconds"] < FAST_S for r in results), results
 

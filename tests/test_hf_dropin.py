@@ -1508,21 +1508,27 @@ def _hf_trainer_fit(out_dir: str, plan_ahead: bool = False) -> dict[str, Any]:
     }
 
 
-@pytest.mark.timeout(180)
-def test_hugging_face_trainer_trains_as_the_plain_model(tmp_path: Path) -> None:
-    """``balance_vision_tower(model)`` then Hugging Face's ``Trainer`` under DDP, 2 ranks with a
-    text-only rank and images next to videos: each rank's loss of every step is the plain model's
-    (DDP by hand). In a pool of its own: accelerate's state and the launcher's variables are
-    process-wide."""
+def _trains_as_the_plain_model(tmp_path: Path, plan_ahead: bool) -> list[dict[str, Any]]:
+    """:func:`_hf_trainer_fit` on a pool of its own (accelerate's state and the launcher's variables
+    are process-wide), each rank's losses checked against the plain model's; the results."""
     pool = World(FIT_RANKS)
     try:
-        results = pool.run(_hf_trainer_fit, str(tmp_path), timeout=150)
+        results = pool.run(_hf_trainer_fit, str(tmp_path), plan_ahead, timeout=150)
     finally:
         pool.close(kill=True)
     expected = _reference(tiny_model(FIT_FAMILY))
     for rank, result in enumerate(results):
         torch.testing.assert_close(torch.tensor(result["losses"]), expected[rank], **TOL)
         assert result["calls"] == FIT_STEPS and result["applied_calls"] >= 1, result
+    return results
+
+
+@pytest.mark.timeout(180)
+def test_hugging_face_trainer_trains_as_the_plain_model(tmp_path: Path) -> None:
+    """``balance_vision_tower(model)`` then Hugging Face's ``Trainer`` under DDP, 2 ranks with a
+    text-only rank and images next to videos: each rank's loss of every step is the plain model's
+    (DDP by hand)."""
+    results = _trains_as_the_plain_model(tmp_path, plan_ahead=False)
     # ViTBalanceTrainerCallback.attach: the reporter the Trainer holds from its start (as it holds
     # W&B's or TensorBoard's) gets every training log's vit_balance/* metrics: 2 steps a log.
     reported = [[log for log in r["reported"] if log] for r in results]
@@ -1553,15 +1559,7 @@ def test_hugging_face_trainer_plans_from_the_collators_host_grids(tmp_path: Path
     balanced call took the plan made at the start of the forward from the grids the collator kept
     on the host (accelerate and the Trainer moved the rest of the batch): no metadata gather in it,
     so on a GPU no grid is read back from the device."""
-    pool = World(FIT_RANKS)
-    try:
-        results = pool.run(_hf_trainer_fit, str(tmp_path), True, timeout=150)
-    finally:
-        pool.close(kill=True)
-    expected = _reference(tiny_model(FIT_FAMILY))
-    for rank, result in enumerate(results):
-        torch.testing.assert_close(torch.tensor(result["losses"]), expected[rank], **TOL)
-        assert result["calls"] == FIT_STEPS and result["applied_calls"] >= 1, result
+    for result in _trains_as_the_plain_model(tmp_path, plan_ahead=True):
         assert [count for count, applied in result["collectives"]] == [
             3 if applied else 0 for _, applied in result["collectives"]
         ], result

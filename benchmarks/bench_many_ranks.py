@@ -1,6 +1,6 @@
 """The balancer on many ranks: its host gathers, and its host work per call.
 
-``make bench-ranks`` prints two tables.
+``make bench-ranks`` prints three tables.
 
 **gathers**: spawns ``P`` gloo ranks on CPU (file-store rendezvous, no ports) for each ``P`` asked
 for, and times the two gathers every balanced call makes on host rows (on a gloo group, or an
@@ -21,11 +21,19 @@ has its own cores and the hops' network latency is what adds up (see BENCHMARKS.
 every rank's metadata row, the input and settings check, the plan (next to a plain heap LPT on the
 same batch, its floor), this rank's route and the two trips' layouts. Process CPU time, median
 over repeats, 1-8 images per rank (photos and documents, one in five a 4-step video).
+
+**garbage collector**: the same host work, called again and again in a process holding a training
+job's heap of long-lived Python objects (a ballast of small dicts), with the rest of each step
+allocating too, once with Python's cyclic collector running through the call and once paused for
+it, as the balancer pauses it (``balancer._collector_paused``). Wall time per call (mean, 99th
+percentile, worst), the full collections that ran inside the calls, and the whole loop per step
+(the rest of the step and the collections that ran there included).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -41,6 +49,7 @@ import torch.multiprocessing as mp
 from bench_planning import heap_lpt
 
 from lightning_vit_balance import ViTBalanceConfig, exchange, plan_rebalance
+from lightning_vit_balance.balancer import _collector_paused
 from lightning_vit_balance.encoding import raise_for_input
 from lightning_vit_balance.exchange import (
     ExchangeRoute,
@@ -178,6 +187,72 @@ def host_work_table(sizes: list[int], repeats: int) -> None:
         print(f"{num_ranks:>5} | " + " ".join(f"{ms[c]:>14.2f}" for c in columns) + f" | {total:>11.2f}")
 
 
+def _under_collector(work: Callable[[], Any], calls: int) -> dict[str, float]:
+    """``calls`` calls of ``work``, each followed by the rest of a step's allocations: wall ms per
+    call (mean, p99, max), full collections inside the calls, and ms per step for the whole loop."""
+    full = {"inside": 0, "now": 0}
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full["inside"] += full["now"]
+
+    gc.collect()
+    gc.callbacks.append(count)
+    times = []
+    try:
+        started = time.perf_counter()
+        for _ in range(calls):
+            full["now"] = 1
+            begun = time.perf_counter()
+            work()
+            times.append(1e3 * (time.perf_counter() - begun))
+            full["now"] = 0
+            rest = [{"step": k} for k in range(2000)]  # the step's own objects, freed at its end
+            del rest
+        loop = 1e3 * (time.perf_counter() - started) / calls
+    finally:
+        gc.callbacks.remove(count)
+    times.sort()
+    return {
+        "mean": statistics.fmean(times),
+        "p99": times[int(0.99 * (len(times) - 1))],
+        "max": times[-1],
+        "full": full["inside"],
+        "loop": loop,
+    }
+
+
+def _one_call(steps: dict[str, Callable[[], Any]]) -> Callable[[], None]:
+    """The host work of one balanced call on rank 0, from :func:`_host_work`'s steps."""
+
+    def work() -> None:
+        steps["read rows"]()
+        steps["check"]()
+        steps["plan + layouts"]()
+
+    return work
+
+
+def gc_table(sizes: list[int], calls: int, ballast: int) -> None:
+    """The ``garbage collector`` table (see the module docstring)."""
+    config = ViTBalanceConfig()
+    heap = [{"kept": k} for k in range(ballast)]  # a training process's long-lived objects
+    print(f"\nHost work under Python's garbage collector: {calls} calls, {len(heap):,} long-lived objects")
+    print("in the process, 2,000 more allocated by the rest of each step; wall ms per call; full =")
+    print("full collections that ran inside the calls; loop = ms per step, the rest of the step included")
+    print(f"{'P':>5} | {'collector':>9} | {'mean':>6} {'p99':>6} {'max':>6} | {'full':>4} | {'loop':>6}")
+    for num_ranks in sizes:
+        work = _one_call(_host_work(_gathered_rows(num_ranks, config, seed=num_ranks), config))
+        for name, call in (("running", work), ("paused", _collector_paused(work))):
+            row = _under_collector(call, calls)
+            print(
+                f"{num_ranks:>5} | {name:>9} | {row['mean']:>6.2f} {row['p99']:>6.2f} {row['max']:>6.1f} | "
+                f"{row['full']:>4} | {row['loop']:>6.2f}",
+                flush=True,
+            )
+    del heap
+
+
 def gathers_table(sizes: list[int], calls: int) -> None:
     """The ``gathers`` table (see the module docstring)."""
     print(f"Host row gathers: wall ms per gather on rank 0, best of {ROUNDS} rounds of {calls};")
@@ -202,8 +277,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20, help="gathers per timed round")
     parser.add_argument("--host-ranks", type=int, nargs="+", default=[64, 256, 1024], help="host work table")
     parser.add_argument("--host-repeats", type=int, default=15, help="host work: timed calls per step")
+    parser.add_argument("--gc-calls", type=int, default=300, help="garbage collector table: calls per row")
+    parser.add_argument("--gc-ballast", type=int, default=1_000_000, help="long-lived objects in the process")
     args = parser.parse_args()
     host_work_table(args.host_ranks, args.host_repeats)
+    gc_table(args.host_ranks, args.gc_calls, args.gc_ballast)
     print()
     gathers_table(args.ranks, args.calls)
 

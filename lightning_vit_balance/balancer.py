@@ -19,11 +19,13 @@ embeddings, even with zero rows), because those exchanges are collectives too.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -138,6 +140,36 @@ class BalanceStats:
     status_seconds: float = 0.0
 
 
+_Params = ParamSpec("_Params")
+_Result = TypeVar("_Result")
+
+
+def _collector_paused(method: Callable[_Params, _Result]) -> Callable[_Params, _Result]:
+    """``method`` with Python's cyclic garbage collector paused while it runs (if it was running).
+
+    A balanced call's host work allocates thousands of small objects on many ranks (a tuple per
+    image and per rank when reading the gathered rows, the plan's lists), nearly all freed by
+    reference counting before the call ends. With the collector running, those allocations set off
+    collections in the middle of the call, and what is alive at that moment is promoted, until a
+    full collection over the training process's whole heap (tens of milliseconds) runs inside a
+    balanced call: a straggler on that rank, which every rank then waits for. Paused, the call's
+    objects die unseen; the collector goes on after the call as before (BENCHMARKS.md, "Host work
+    under the garbage collector"). The ViT's forward runs inside it too, for as long as it takes.
+    """
+
+    @functools.wraps(method)
+    def paused(*args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
+        if not gc.isenabled():
+            return method(*args, **kwargs)
+        gc.disable()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return paused
+
+
 @dataclass
 class _Call:
     """What one balanced call knows and has measured so far."""
@@ -199,6 +231,11 @@ class ViTBalancer:
     result (see ``ViTBalanceConfig.empty_rank_forward``). NaN or Inf values travel as they are: a
     NaN that one rank's ViT makes for another rank's image lands on that image's own rank, exactly
     where an unbalanced run would have made it.
+
+    Python's cyclic garbage collector is paused while a balanced call or :meth:`prepare` runs (the
+    ViT's forward included) and restored after it: the call's host work allocates many small
+    objects, which would otherwise set off collections inside the call, up to a full one over the
+    process's heap, a straggler that every rank waits for.
 
     Errors, the same on every rank and before anything waits on the failing rank:
 
@@ -304,6 +341,7 @@ class ViTBalancer:
             return output
         return self._balanced(vit, pixel_values, grid_thw)
 
+    @_collector_paused
     def prepare(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, vit: Any = None
     ) -> PreparedPlan | None:
@@ -385,6 +423,7 @@ class ViTBalancer:
 
     # -- the balanced call -------------------------------------------------------------------
 
+    @_collector_paused
     def _balanced_prepared(
         self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor, prepared: PreparedPlan
     ) -> Any:
@@ -410,6 +449,7 @@ class ViTBalancer:
         self._record(plan, call, prepared.metadata)
         return output
 
+    @_collector_paused
     def _balanced(self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
         call = self._start(vit, pixel_values)
         metadata, reference = self._gather(call, pixel_values, grid_thw)

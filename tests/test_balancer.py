@@ -575,3 +575,66 @@ def test_random_batches_and_settings_equal_the_direct_call(multirank: Any) -> No
     moved = [r["moved_images"] for results in per_rank[0] if results for r in results]
     # Enough of them move images for the comparison to mean something.
     assert sum(m > 0 for m in moved) >= len(moved) // 3, moved
+
+
+def _collector_states(n: int) -> list[tuple[str, bool, bool, bool]] | None:
+    """Per call: whether the cyclic garbage collector ran while the call planned (and while its
+    ViT ran), and after it; planned in the call, ahead of it, with the collector off before, and a
+    ViT that raises on every rank."""
+    import gc
+    from unittest import mock
+
+    from lightning_vit_balance import balancer as balancer_module
+
+    group = subgroup(n)
+    rank = dist.get_rank()
+    if rank >= n:
+        return None
+    seen: dict[str, bool] = {}
+    planner = balancer_module.plan_rebalance
+
+    def planning(*args: Any, **kwargs: Any) -> Any:
+        seen["plan"] = gc.isenabled()
+        return planner(*args, **kwargs)
+
+    class Watched(towers.TensorTower):
+        def forward(self, rows: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+            seen["vit"] = gc.isenabled()
+            if seen.get("raise"):
+                raise RuntimeError("the ViT failed")
+            return super().forward(rows, grids)
+
+    torch.manual_seed(0)
+    tower = Watched()
+    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group)
+    pixels, grid = towers.make_batch([[(1, 8, 8)] * 3, [(1, 2, 2)], [(1, 4, 4)]][rank], seed=rank)
+
+    states = []
+    with mock.patch.object(balancer_module, "plan_rebalance", planning):
+        for case in ("in the call", "ahead", "collector off", "the ViT raises"):
+            gc.enable()
+            if case == "collector off":
+                gc.disable()
+            seen["raise"] = case == "the ViT raises"
+            try:
+                ticket = balancer.prepare(pixels, grid, tower) if case == "ahead" else None
+                balancer(tower, pixels, grid, prepared=ticket)
+            except RuntimeError as error:
+                assert "the ViT failed" in str(error) or "rank 0: the ViT raised" in str(error), error
+            states.append((case, seen["plan"], seen["vit"], gc.isenabled()))
+    gc.enable()
+    return states
+
+
+def test_the_garbage_collector_is_paused_for_a_balanced_call(multirank: Any) -> None:
+    """Python's cyclic collector is off while a balanced call (or ``prepare``) works, and as it was
+    before once the call ends, also when the ViT raises; a collector off before stays off."""
+    with multirank(POOL) as w:
+        per_rank = w.run(_collector_states, 3)[:3]
+    for states in per_rank:
+        assert states == [
+            ("in the call", False, False, True),
+            ("ahead", False, False, True),
+            ("collector off", False, False, False),
+            ("the ViT raises", False, False, True),
+        ], states

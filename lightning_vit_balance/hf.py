@@ -623,6 +623,14 @@ class _GridsOnHost:
         return batch
 
 
+def _take_grids(kwargs: dict[str, Any]) -> _HostGrids | None:
+    """The grids :meth:`BalancedVisionTower.plan_ahead`'s collator put in a forward's keyword
+    arguments, taken out of them; None (and ``kwargs`` as they were) when there are none."""
+    if not isinstance(kwargs.get(GRIDS_KEY), _HostGrids):
+        return None
+    return kwargs.pop(GRIDS_KEY)
+
+
 @dataclass
 class _Pending:
     """The balanced result of one forward, waiting to answer the model's own tower calls.
@@ -711,15 +719,14 @@ class BalancedVisionTower:
         self.applied_calls = 0
         self.unmatched_calls = 0
         self._reset_runtime()
-        # The patched methods: (module, attribute name) by role.
-        self._patched = {"base": (base, "forward"), "tower": (tower, "forward")}
+        # The patched methods, (module, attribute name) by role, and what they replaced (_patch).
+        self._patched: dict[str, tuple[Any, str]] = {}
+        self._saved: dict[str, Any] = {}
+        self._patch("base", base, "forward")
+        self._patch("tower", tower, "forward")
         owner = _generation_owner(model, base)
         if owner is not None:
-            self._patched["generation"] = (owner, _GENERATION_ENCODE)
-        # Instance attributes set before us (e.g. accelerate's forward hooks) are kept and called.
-        self._saved = {which: module.__dict__.get(name) for which, (module, name) in self._patched.items()}
-        for which, (module, name) in self._patched.items():
-            setattr(module, name, _Forward(self, which))
+            self._patch("generation", owner, _GENERATION_ENCODE)
 
     @property
     def pixel_dtype(self) -> torch.dtype:
@@ -874,9 +881,7 @@ class BalancedVisionTower:
             )
         if self.model is not self.base and "model" not in self._patched:
             # The model's own forward takes the grids out; a base model given alone does itself.
-            self._patched["model"] = (self.model, "forward")
-            self._saved["model"] = self.model.__dict__.get("forward")
-            self.model.forward = _Forward(self, "model")
+            self._patch("model", self.model, "forward")
         return _GridsOnHost(collate_fn, tuple(grid for _, grid in _PREPARE_KEYS))
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -928,6 +933,13 @@ class BalancedVisionTower:
 
     # -- the patched forwards ------------------------------------------------------------------
 
+    def _patch(self, which: str, module: nn.Module, name: str) -> None:
+        """Put :class:`_Forward` for ``which`` at ``module.name``, an instance attribute that
+        :meth:`remove` deletes. One set before us (e.g. accelerate's forward hooks) is kept and called."""
+        self._patched[which] = (module, name)
+        self._saved[which] = module.__dict__.get(name)
+        setattr(module, name, _Forward(self, which))
+
     def _original(self, which: str) -> Any:
         module, name = self._patched[which]
         saved = self._saved[which]
@@ -937,10 +949,9 @@ class BalancedVisionTower:
         """The model's forward, once :meth:`plan_ahead` made a collator: plans from the batch's host
         grids first."""
         original = self._original("model")
-        grids = kwargs.get(GRIDS_KEY)
-        if not isinstance(grids, _HostGrids):
+        grids = _take_grids(kwargs)
+        if grids is None:
             return original(*args, **kwargs)
-        del kwargs[GRIDS_KEY]
         return self._planned_from(grids, original, *args, **kwargs)
 
     def _planned_from(self, grids: _HostGrids, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -967,9 +978,8 @@ class BalancedVisionTower:
 
     def _base_forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self._original("base")
-        grids = kwargs.get(GRIDS_KEY)
-        if isinstance(grids, _HostGrids):  # the base model given to balance_vision_tower itself
-            del kwargs[GRIDS_KEY]
+        grids = _take_grids(kwargs)
+        if grids is not None:  # the base model given to balance_vision_tower itself
             return self._planned_from(grids, self._base_forward, *args, **kwargs)
         training = self.base.training and torch.is_grad_enabled()
         if self._pending is not None or not (training or self.evaluation):

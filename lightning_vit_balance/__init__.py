@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer, balanced_encode
 from lightning_vit_balance.config import ViTBalanceConfig, add_vit_balance_args
 from lightning_vit_balance.cost import CostCalibrator, CostModel
-from lightning_vit_balance.exchange import make_host_group
 from lightning_vit_balance.hf import BalancedVisionTower, balance_vision_tower, encode_visual
+from lightning_vit_balance.host_group import make_host_group
 from lightning_vit_balance.metrics import BalanceMetrics
 from lightning_vit_balance.outputs import OutputLayout
 from lightning_vit_balance.planning import REASONS, RebalancePlan, plan_rebalance

@@ -61,7 +61,6 @@ __all__ = [
     "grid_steps",
     "host_device",
     "host_to_device",
-    "make_host_group",
     "metadata_of_rows",
     "metadata_row",
     "row_runs",
@@ -214,64 +213,6 @@ def host_device(group: Any) -> torch.device:
     if _backend_device_type(group) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _nccl_only(group: Any) -> bool:
-    """Whether the group's backend carries CUDA tensors alone (NCCL), so that reading a host value
-    gathered over it waits for the device."""
-    return _backend_device_type(group) == "cuda"
-
-
-def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
-    """A gloo group over the ranks of an NCCL data-parallel ``group``, in the same order, for the
-    balancer's small host-side gathers (``ViTBalancer(..., host_group=...)``): the metadata and
-    status words then never go through a CUDA buffer, so neither planning ahead nor the status
-    gather makes the host wait for the device.
-
-    ``group`` (``None``: the default group) may span the world (DDP, FSDP, DeepSpeed, Hugging
-    Face's ``Trainer``) or be one of several disjoint data-parallel subgroups (tensor or pipeline
-    parallelism alongside data parallelism: ``device_mesh["data_parallel"]``). Every process of the
-    world must make this call at the same point, with its own data-parallel group. For subgroups it
-    all-gathers each process's group ranks over the world, then every process creates every
-    group's twin in one order, as ``new_group`` requires. (A group-local ``new_group`` would spare
-    the other ranks, but torch names such groups after how many groups each process belongs to,
-    which differs between ranks that joined different subgroups before: they would wait for each
-    other forever.)
-    ``ViTBalanceMixin`` calls it once per fit, and the Hugging Face drop-in at its first balanced
-    forward or ``prepare``: points every rank reaches alike.
-
-    Returns:
-        The twin, or ``None`` where none is needed or none can be made, on every rank alike: no
-        process group; a group that carries CPU tensors itself (gloo, ``"cpu:gloo,cuda:nccl"``);
-        a group of one rank; groups that overlap (not a partition of the ranks); a group whose
-        ranks are not in ascending order (``new_group`` sorts them). The balancer then gathers on
-        ``group``.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or not _nccl_only(group):
-        return None
-    world = dist.get_world_size()
-    ranks = tuple(range(world)) if group is None else tuple(dist.get_process_group_ranks(group))
-    if ranks == tuple(range(world)) and world > 1:
-        # Every rank's group: the same on all of them, so no gather is needed to agree.
-        return dist.new_group(ranks=list(ranks), backend="gloo")
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, ranks)
-    mine = None
-    for twin_ranks in _twin_ranks(gathered):
-        made = dist.new_group(ranks=list(twin_ranks), backend="gloo")
-        if twin_ranks == ranks:
-            mine = made
-    return mine
-
-
-def _twin_ranks(gathered: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    """The groups to twin, from every process's gathered group ranks, in one order on every rank:
-    none when they overlap; else each distinct group of two or more ranks in ascending order."""
-    distinct = sorted(set(gathered))
-    members = [r for ranks in distinct for r in ranks]
-    if len(members) != len(set(members)):
-        return []
-    return [ranks for ranks in distinct if len(ranks) > 1 and list(ranks) == sorted(ranks)]
 
 
 def host_to_device(

@@ -135,7 +135,8 @@ from torch import nn
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel, pixel_row_factors
-from lightning_vit_balance.exchange import grid_rows, grid_steps, make_host_group
+from lightning_vit_balance.exchange import grid_rows, grid_steps
+from lightning_vit_balance.host_group import make_host_group
 from lightning_vit_balance.outputs import (
     classify_output,
     describe_output_problem,

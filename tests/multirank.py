@@ -278,14 +278,14 @@ def groups_taken_for_nccl() -> Iterator[None]:
     """In a worker, for the duration: the balancer takes every process group for an NCCL group
     (its backend check patched, this process only), so it makes and uses the gloo twins
     (``make_host_group``) it makes on GPUs, on the pool's gloo groups."""
-    from lightning_vit_balance import exchange
+    from lightning_vit_balance import host_group
 
-    original = exchange._nccl_only
-    exchange._nccl_only = lambda group: True
+    original = host_group._nccl_only
+    host_group._nccl_only = lambda group: True
     try:
         yield
     finally:
-        exchange._nccl_only = original
+        host_group._nccl_only = original
 
 
 #: The modules whose ``rank_zero_only`` a Lightning strategy sets the rank of.

@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "simulate": 2,  # the what-would-I-gain simulator: config, cost and planning only
     "problems": 2,  # the table of input problems: pure, no communication
     "exchange": 3,
+    "host_group": 3,  # the gloo twin of an NCCL group, for the host-side gathers
     "wire": 3,  # the return buffer's codec: no communication, reads exchange's ReturnLayout
     "outputs": 4,
     "encoding": 5,  # the ViT side of a balanced call: checks, the forward, its status

@@ -16,7 +16,7 @@ from test_balancer import THRESHOLD_0, standard_cases
 
 from lightning_vit_balance import ViTBalanceConfig, ViTBalancer, make_host_group
 from lightning_vit_balance import prepared as prepared_module
-from lightning_vit_balance.exchange import _twin_ranks
+from lightning_vit_balance.host_group import _twin_ranks
 
 POOL = 4
 #: In the forward of a prepared applied call: the pixel trip, the status gather, the return trip.

@@ -15,7 +15,6 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
-from lightning_vit_balance.exchange import make_host_group
 from lightning_vit_balance.hf import (
     BalancedVisionTower,
     continue_fit,
@@ -23,6 +22,7 @@ from lightning_vit_balance.hf import (
     rows_to_plan,
     saved_state,
 )
+from lightning_vit_balance.host_group import make_host_group
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
 from lightning_vit_balance.lightning.strategy import dp_group_from_strategy
 

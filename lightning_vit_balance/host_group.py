@@ -1,0 +1,288 @@
+"""The gloo twin of an NCCL data-parallel group, for the balancer's small host-side gathers.
+
+:func:`make_host_group` makes it once per fit. Two things decide whether a twin can work and how
+patient it is, and neither may be left to gloo's defaults:
+
+* *Where gloo listens.* Without ``GLOO_SOCKET_IFNAME``, gloo binds to the address this host's
+  name resolves to. Many machines map their own name to a loopback address (``127.0.1.1`` in
+  Debian's ``/etc/hosts``), or cannot resolve it and gloo falls back to ``127.0.0.1``. That works
+  on one host and cannot work across hosts: the other hosts' ranks connect to their own loopback,
+  and one rank raises at once while the others wait for the twin's timeout (30 minutes by
+  default). NCCL, which picks its interface
+  itself, trains on such machines without complaint. So every rank reports where its gloo
+  would listen, and no twin is made for a group that spans hosts with a rank on loopback; the
+  balancer then gathers on the group itself (a device-to-host copy per gather) and rank 0 warns.
+  An address that is not loopback can be out of reach too (a container's bridge, a firewall):
+  gloo connects a group's ranks as it makes it, so each twin gets a short time to connect
+  (:data:`CONNECT_TIMEOUT`), and the ranks agree to drop any twin that failed on one of them.
+* *How long it waits.* A gloo group waits 30 minutes by default, whatever the job set for its
+  NCCL group (``init_process_group(timeout=...)``, ``DDPStrategy(timeout=...)``, the ``Trainer``'s
+  ``ddp_timeout``). The twin takes its group's timeout: a job that lets ranks wait two hours for a
+  checkpoint is not ended by a planning gather after thirty minutes, and a hang surfaces when the
+  job expects it to.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import warnings
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
+
+__all__ = ["make_host_group"]
+
+#: Environment variables that name the interface gloo binds to (then the hostname does not matter).
+INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME",)
+#: The most a twin may take to connect its ranks (see :func:`_connect_timeout`). Reachable ranks
+#: connect in milliseconds (32 processes on one machine: 0.13 s); an address no other rank reaches
+#: then fails the twin in minutes at most, not at the job's timeout.
+CONNECT_TIMEOUT = timedelta(seconds=60)
+
+
+class _GlooEndpoint(NamedTuple):
+    """Where this process's gloo groups would listen, as the other ranks need to know it.
+
+    Attributes:
+        network: ``(hostname, boot id, network namespace)``: processes that share it share a
+            loopback interface, so each reaches the others' loopback address.
+        loopback: The loopback address gloo would bind to; ``""`` when it binds to another
+            address or an interface is named (:data:`INTERFACE_VARIABLES`).
+    """
+
+    network: tuple[str, str, int]
+    loopback: str
+
+
+def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
+    """A gloo group over the ranks of an NCCL data-parallel ``group``, in the same order, for the
+    balancer's small host-side gathers (``ViTBalancer(..., host_group=...)``): the metadata and
+    status words then never go through a CUDA buffer, so neither planning ahead nor the status
+    gather makes the host wait for the device.
+
+    ``group`` (``None``: the default group) may span the world (DDP, FSDP, DeepSpeed, Hugging
+    Face's ``Trainer``) or be one of several disjoint data-parallel subgroups (tensor or pipeline
+    parallelism alongside data parallelism: ``device_mesh["data_parallel"]``). Every process of the
+    world must make this call at the same point, with its own data-parallel group: it all-gathers
+    each process's group ranks and gloo endpoint over the world, then every process creates every
+    group's twin in one order, as ``new_group`` requires, and one more all-gather says which
+    connected. (A group-local ``new_group`` would spare
+    the other ranks, but torch names such groups after how many groups each process belongs to,
+    which differs between ranks that joined different subgroups before: they would wait for each
+    other forever.) Each twin waits as long as ``group`` does (its backend's timeout).
+    ``ViTBalanceMixin`` calls it once per fit, and the Hugging Face drop-in at its first balanced
+    forward or ``prepare``: points every rank reaches alike.
+
+    Returns:
+        The twin, or ``None`` where none is needed or none can be made, on every rank alike: no
+        process group; a group that carries CPU tensors itself (gloo, ``"cpu:gloo,cuda:nccl"``);
+        a group of one rank; groups that overlap (not a partition of the ranks); a group whose
+        ranks are not in ascending order (``new_group`` sorts them); a group that spans hosts
+        while gloo would listen on a loopback address on one of its ranks, or whose ranks could
+        not connect within :data:`CONNECT_TIMEOUT` (see the module docstring; rank 0 warns, naming
+        ``GLOO_SOCKET_IFNAME``). The balancer then gathers on ``group``.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or not _nccl_only(group):
+        return None
+    world = dist.get_world_size()
+    ranks = tuple(range(world)) if group is None else tuple(dist.get_process_group_ranks(group))
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (_packed(ranks), _gloo_endpoint()))
+    endpoints = [endpoint for _, endpoint in gathered]
+    candidates = _twin_ranks([tuple(packed) for packed, _ in gathered])
+    unreachable = [twin for twin in candidates if _loopback_across_hosts(twin, endpoints)]
+    twins, failed = _connected([twin for twin in candidates if twin not in unreachable], _timeout_of(group))
+    if dist.get_rank() == 0:
+        if unreachable:
+            warnings.warn(_refusal_text(unreachable, endpoints), RuntimeWarning, stacklevel=2)
+        if failed:
+            warnings.warn(_failure_text(failed), RuntimeWarning, stacklevel=2)
+    return twins.get(ranks)
+
+
+def _connected(
+    candidates: Sequence[tuple[int, ...]], timeout: timedelta | None
+) -> tuple[dict[tuple[int, ...], dist.ProcessGroup], dict[tuple[int, ...], str]]:
+    """Make each candidate twin, every rank in one order, and keep those every member connected.
+
+    Gloo connects a group's ranks as it makes it, and a rank that cannot reach another raises
+    while its peers wait for it, so each twin gets :func:`_connect_timeout` to connect (an
+    unreachable rank then costs a few times that, once, rather than the job). The ranks then agree
+    over the world which twins failed anywhere, and drop those everywhere; the others get
+    ``timeout`` for their gathers.
+
+    Returns:
+        This rank's twins by their ranks, and the failed twins with a member's error.
+    """
+    connect = _connect_timeout(timeout)
+    made: dict[tuple[int, ...], Any] = {}
+    errors: dict[tuple[int, ...], str] = {}
+    for twin_ranks in candidates:
+        try:
+            made[twin_ranks] = dist.new_group(ranks=list(twin_ranks), backend="gloo", timeout=connect)
+        except RuntimeError as error:  # gloo's connectFullMesh, within `connect`
+            errors[twin_ranks] = f"rank {dist.get_rank()}: {type(error).__name__}: {str(error)[:300]}"
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, errors)
+    failed = {twin: error for rank_errors in reversed(gathered) for twin, error in rank_errors.items()}
+    twins = {}
+    for twin_ranks, twin in made.items():
+        if twin_ranks not in failed and isinstance(twin, dist.ProcessGroup):
+            twin._get_backend(torch.device("cpu")).set_timeout(timeout or default_pg_timeout)
+            twins[twin_ranks] = twin
+    return twins, failed
+
+
+def _connect_timeout(timeout: timedelta | None) -> timedelta:
+    """How long a twin may take to connect: :data:`CONNECT_TIMEOUT`, or a sixth of the group's
+    ``timeout`` when shorter, so that the ranks that raise early do not outwait the group while
+    they agree with the last one (gloo's retries make a failed connection take up to about five
+    times this)."""
+    return min(CONNECT_TIMEOUT, (timeout or default_pg_timeout) / 6)
+
+
+def _packed(ranks: tuple[int, ...]) -> range | tuple[int, ...]:
+    """``ranks`` as a ``range`` when they rise in even steps (the world, or every ``k``-th rank of
+    it: a few bytes to gather whatever the group's size), else as they are. Each rank gathers every
+    rank's: 4,096 ranks sending the world's ranks as a tuple would gather 50 MB on each."""
+    if len(ranks) >= 2 and ranks[1] > ranks[0]:
+        stepped = range(ranks[0], ranks[-1] + 1, ranks[1] - ranks[0])
+        if len(stepped) == len(ranks) and tuple(stepped) == ranks:
+            return stepped
+    return ranks
+
+
+def _nccl_only(group: Any) -> bool:
+    """Whether the group's backend carries CUDA tensors alone (NCCL), so that reading a host value
+    gathered over it waits for the device."""
+    return str(dist.get_backend(group)).lower() == "nccl"
+
+
+def _gloo_endpoint() -> _GlooEndpoint:
+    """Where a gloo group made by this process would listen (no communication).
+
+    Mirrors gloo's choice: a named interface (:data:`INTERFACE_VARIABLES`) wins; else the first
+    address the hostname resolves to; else, when it does not resolve, the loopback address.
+    """
+    hostname = socket.gethostname()
+    network = (hostname, _read_text("/proc/sys/kernel/random/boot_id"), _network_namespace())
+    if any(os.environ.get(name) for name in INTERFACE_VARIABLES):
+        return _GlooEndpoint(network, "")
+    try:
+        address = str(socket.getaddrinfo(hostname, None, type=socket.SOCK_STREAM)[0][4][0])
+    except (OSError, IndexError):
+        return _GlooEndpoint(network, "127.0.0.1")
+    try:
+        loopback = ipaddress.ip_address(address.split("%")[0]).is_loopback  # "%": an IPv6 zone
+    except ValueError:
+        loopback = False
+    return _GlooEndpoint(network, address if loopback else "")
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="ascii") as file:
+            return file.read().strip()
+    except OSError:
+        return ""
+
+
+def _network_namespace() -> int:
+    """The inode of this process's network namespace (Linux), 0 where there is none to read:
+    containers on one machine share its boot id but not their loopback interfaces."""
+    try:
+        return os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return 0
+
+
+def _timeout_of(group: Any) -> timedelta | None:
+    """The timeout of ``group``'s backend (NCCL's, or gloo's where a test takes a gloo group for
+    NCCL); ``None`` (``new_group``'s default) where torch does not expose it."""
+    process_group = group if group is not None else dist.group.WORLD
+    for device_type in ("cuda", "cpu"):
+        try:
+            timeout = process_group._get_backend(torch.device(device_type)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
+
+
+def _twin_ranks(gathered: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The groups to twin, from every process's gathered group ranks, in one order on every rank:
+    none when they overlap; else each distinct group of two or more ranks in ascending order."""
+    distinct = sorted(set(gathered))
+    members = [r for ranks in distinct for r in ranks]
+    if len(members) != len(set(members)):
+        return []
+    return [ranks for ranks in distinct if len(ranks) > 1 and list(ranks) == sorted(ranks)]
+
+
+def _loopback_across_hosts(ranks: Sequence[int], endpoints: Sequence[_GlooEndpoint]) -> list[int]:
+    """The ranks of a group spanning more than one network whose gloo would listen on loopback
+    (no other host could reach them); ``[]`` when the group can be twinned."""
+    if len({endpoints[r].network for r in ranks}) < 2:
+        return []
+    return [r for r in ranks if endpoints[r].loopback]
+
+
+def _refusal_text(refused: Sequence[tuple[int, ...]], endpoints: Sequence[_GlooEndpoint]) -> str:
+    """The warning for the groups left without a twin: which ranks, hosts and addresses, and the fix."""
+    first = refused[0]
+    stranded = _loopback_across_hosts(first, endpoints)
+    kind, hosts = _network_labels(sorted({endpoints[r].network for r in first}))
+    where = sorted({f"{endpoints[r].network[0]} -> {endpoints[r].loopback}" for r in stranded})
+    others = f" (and {len(refused) - 1} more data-parallel groups like it)" if len(refused) > 1 else ""
+    return (
+        f"make_host_group: no gloo twin for the data-parallel group of ranks {_ranks_text(first)}{others}: "
+        f"it spans {len(hosts)} {kind} ({_names_text(hosts)}), and on ranks {_ranks_text(stranded)} the "
+        f"hostname resolves to a loopback address ({_names_text(where)}), which gloo would listen on and no "
+        "other host can reach (making the twin would wait for its timeout). The balancer gathers on the "
+        "data-parallel group instead: correct, with a device-to-host copy per gather. To plan on the host, "
+        "set GLOO_SOCKET_IFNAME to the network interface the hosts reach each other on (as "
+        "NCCL_SOCKET_IFNAME does for NCCL; e.g. GLOO_SOCKET_IFNAME=eth0) on every rank, or map each "
+        "hostname to that interface's address in /etc/hosts."
+    )
+
+
+def _failure_text(failed: dict[tuple[int, ...], str]) -> str:
+    """The warning for twins whose ranks could not connect: which ranks, a member's error, the fix."""
+    first, error = next(iter(sorted(failed.items())))
+    others = f" (and {len(failed) - 1} more data-parallel groups like it)" if len(failed) > 1 else ""
+    return (
+        f"make_host_group: no gloo twin for the data-parallel group of ranks {_ranks_text(first)}{others}: "
+        f"its ranks could not connect ({error}). The balancer gathers on the data-parallel group instead: "
+        "correct, with a device-to-host copy per gather. To plan on the host, every rank must reach the "
+        "address gloo listens on, on any TCP port: the first address of the interface GLOO_SOCKET_IFNAME "
+        "names, else the one the hostname resolves to (set GLOO_SOCKET_IFNAME to the interface the hosts "
+        "reach each other on, as NCCL_SOCKET_IFNAME does for NCCL)."
+    )
+
+
+def _network_labels(networks: Sequence[tuple[str, str, int]]) -> tuple[str, list[str]]:
+    """What the networks are (hosts, or network namespaces where they share a hostname) and a
+    label for each."""
+    names = [hostname for hostname, _, _ in networks]
+    if len(set(names)) == len(names):
+        return "hosts", names
+    return "network namespaces", [f"{hostname} [namespace {inode}]" for hostname, _, inode in networks]
+
+
+def _ranks_text(ranks: Sequence[int], shown: int = 8) -> str:
+    if len(ranks) <= shown:
+        return str(list(ranks))
+    return f"[{', '.join(map(str, ranks[:shown]))}, ... ({len(ranks)} ranks)]"
+
+
+def _names_text(names: Sequence[str], shown: int = 4) -> str:
+    if len(names) <= shown:
+        return ", ".join(names)
+    return f"{', '.join(names[:shown])}, ... ({len(names)} in all)"

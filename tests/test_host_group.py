@@ -1,0 +1,251 @@
+"""The gloo twin of an NCCL data-parallel group (``make_host_group``): where its gloo would listen,
+whether a twin can reach every rank, and how long it waits."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from multirank import COLLECTIVE_TIMEOUT_S, groups_taken_for_nccl
+
+from lightning_vit_balance import host_group, make_host_group
+from lightning_vit_balance.host_group import (
+    _gloo_endpoint,
+    _GlooEndpoint,
+    _loopback_across_hosts,
+    _packed,
+    _refusal_text,
+)
+
+POOL = 4
+
+
+def _resolving_to(address: str) -> Any:
+    def getaddrinfo(host: str, port: Any, *args: Any, **kwargs: Any) -> list[Any]:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        return [(family, socket.SOCK_STREAM, 6, "", (address, 0))]
+
+    return getaddrinfo
+
+
+def _unresolved(host: str, port: Any, *args: Any, **kwargs: Any) -> list[Any]:
+    raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+
+@pytest.mark.parametrize(
+    ("resolver", "interface", "loopback"),
+    [
+        (_resolving_to("127.0.1.1"), "", "127.0.1.1"),  # Debian's /etc/hosts line for the own name
+        (_resolving_to("::1"), "", "::1"),
+        (_resolving_to("fe80::1%eth0"), "", ""),  # an IPv6 address with its zone
+        (_resolving_to("10.0.3.7"), "", ""),
+        (_unresolved, "", "127.0.0.1"),  # gloo falls back to the loopback address itself
+        (_resolving_to("127.0.1.1"), "eth0", ""),  # a named interface: the hostname does not matter
+    ],
+)
+def test_the_endpoint_says_where_gloo_would_listen(
+    monkeypatch: pytest.MonkeyPatch, resolver: Any, interface: str, loopback: str
+) -> None:
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", interface)
+    endpoint = _gloo_endpoint()
+    assert endpoint.loopback == loopback
+    assert endpoint.network[0] == socket.gethostname()
+    assert endpoint == _gloo_endpoint()  # the same on every call: ranks compare these
+
+
+def test_a_group_across_hosts_with_a_rank_on_loopback_gets_no_twin() -> None:
+    a, b = ("node-a", "boot-a", 1), ("node-b", "boot-b", 1)
+    container = ("node-a", "boot-a", 2)  # another network namespace on node-a's machine
+    on_loopback = [
+        _GlooEndpoint(a, "127.0.1.1"),
+        _GlooEndpoint(a, "127.0.1.1"),
+        _GlooEndpoint(b, "127.0.1.1"),
+    ]
+    assert _loopback_across_hosts([0, 1], on_loopback) == []  # one host: its loopback reaches both
+    assert _loopback_across_hosts([0, 1, 2], on_loopback) == [0, 1, 2]
+    routable = [_GlooEndpoint(a, ""), _GlooEndpoint(b, ""), _GlooEndpoint(container, "127.0.0.1")]
+    assert _loopback_across_hosts([0, 1], routable) == []  # both hosts listen on a routable address
+    assert _loopback_across_hosts([0, 2], routable) == [2]  # a container does not share a's loopback
+    text = _refusal_text([(0, 1, 2), (3, 4, 5)], [*on_loopback, *on_loopback])
+    assert "ranks [0, 1, 2] (and 1 more data-parallel groups like it)" in text, text
+    assert "2 hosts (node-a, node-b)" in text and "node-a -> 127.0.1.1" in text, text
+    assert "GLOO_SOCKET_IFNAME" in text, text
+    text = _refusal_text([(0, 2)], [on_loopback[0], on_loopback[1], _GlooEndpoint(container, "127.0.0.1")])
+    assert "2 network namespaces (node-a [namespace 1], node-a [namespace 2])" in text, text
+
+
+def test_group_ranks_travel_as_a_range_when_they_step_evenly() -> None:
+    """Every rank gathers every rank's group: the world's 4,096 ranks as a tuple pickle to 12 kB,
+    50 MB gathered on each rank; as a range, 44 bytes."""
+    for ranks in [tuple(range(4096)), tuple(range(3, 4096, 8)), (0, 2, 3), (5,), (), (3, 1), (0, 2, 4, 7)]:
+        packed = _packed(ranks)
+        assert tuple(packed) == ranks
+        assert isinstance(packed, range) == (ranks in (tuple(range(4096)), tuple(range(3, 4096, 8)))), ranks
+    assert len(pickle.dumps(_packed(tuple(range(4096))))) < 64
+
+
+def _twins_across_two_hosts(loopback: str) -> dict[str, Any]:
+    """The pool as two hosts of two ranks, gloo listening on ``loopback`` on each (``""``: on a
+    routable address). The world group and the pairs across hosts, [0, 2] and [1, 3], then get no
+    twin where a rank listens on loopback; the pairs within a host, [0, 1] and [2, 3], always do."""
+    rank = dist.get_rank()
+    endpoint = _GlooEndpoint((f"node-{rank // 2}", "boot", 1), loopback)
+    original = host_group._gloo_endpoint
+    host_group._gloo_endpoint = lambda: endpoint
+    # Each group waits its own time, and so does its twin.
+    waits = {"world": COLLECTIVE_TIMEOUT_S, "within": 45.0, "across": 50.0}
+    within_pairs = [dist.new_group(r, timeout=timedelta(seconds=waits["within"])) for r in ([0, 1], [2, 3])]
+    across_pairs = [dist.new_group(r, timeout=timedelta(seconds=waits["across"])) for r in ([0, 2], [1, 3])]
+    within, across = within_pairs[rank // 2], across_pairs[rank % 2]
+    try:
+        with groups_taken_for_nccl(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            twins = {
+                "world": make_host_group(),
+                "within": make_host_group(within),
+                "across": make_host_group(across),
+            }
+    finally:
+        host_group._gloo_endpoint = original
+    timeouts = {
+        name: twin._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for name, twin in twins.items()
+        if twin is not None
+    }
+    if twins["within"] is not None:  # a twin that works: one gather over it
+        gathered: list[Any] = [None] * 2
+        dist.all_gather_object(gathered, rank, group=twins["within"])
+        assert gathered == [rank // 2 * 2, rank // 2 * 2 + 1], gathered
+    return {
+        "made": sorted(name for name, twin in twins.items() if twin is not None),
+        "timeouts": timeouts,
+        "waits": {name: waits[name] for name in timeouts},
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+    }
+
+
+def test_twins_are_made_only_where_every_rank_can_reach_them(multirank: Any) -> None:
+    """On loopback, twins within a host are made and twins across hosts are not (rank 0 warns,
+    the balancer gathers on the group itself); listening on a routable address, every twin is
+    made. Each twin waits as long as its group (30-50 s here, not gloo's default 30 minutes)."""
+    with multirank(POOL) as w:
+        on_loopback = w.run(_twins_across_two_hosts, "127.0.1.1")
+        routable = w.run(_twins_across_two_hosts, "")
+    for rank, got in enumerate(on_loopback):
+        assert got["made"] == ["within"], got
+        assert len(got["warnings"]) == (2 if rank == 0 else 0), got  # the world's call and the pairs'
+    assert "ranks [0, 1, 2, 3]" in on_loopback[0]["warnings"][0], on_loopback[0]
+    assert "ranks [0, 2] (and 1 more" in on_loopback[0]["warnings"][1], on_loopback[0]
+    for got in routable:
+        assert got["made"] == ["across", "within", "world"] and not got["warnings"], got
+    for got in on_loopback + routable:
+        assert got["timeouts"] == got["waits"], got
+
+
+def test_the_twin_waits_as_long_as_its_group(one_rank_world: None) -> None:
+    """Read from the group's backend; gloo's own default (30 minutes) otherwise."""
+    assert host_group._timeout_of(None) == timedelta(seconds=20)  # the fixture's group
+    assert host_group._timeout_of(object()) is None  # nothing to read: new_group's default
+
+
+@contextlib.contextmanager
+def _two_networks() -> Iterator[list[tuple[str, str, str]]]:
+    """Two network namespaces joined by a veth pair (10.77.0.1 and .2), as two hosts are: each
+    one's name, its end of the pair, and a link of its own no other namespace reaches
+    (10.66.0.x). Skips where they cannot be made (not root, no ``ip``, no network namespaces)."""
+    tag = f"{os.getpid() % 100_000}"
+    spaces, links = (f"vb{tag}a", f"vb{tag}b"), (f"vb{tag}x", f"vb{tag}y")
+    dead = (f"vb{tag}d", f"vb{tag}e")  # each namespace's own link to nowhere (its peer stays down)
+    steps = [
+        *(["ip", "netns", "add", space] for space in spaces),
+        ["ip", "link", "add", links[0], "type", "veth", "peer", "name", links[1]],
+    ]
+    for k, (space, link, nowhere) in enumerate(zip(spaces, links, dead)):
+        steps += [
+            ["ip", "link", "add", nowhere, "type", "veth", "peer", "name", f"{nowhere}p"],
+            *(["ip", "link", "set", name, "netns", space] for name in (link, nowhere)),
+            ["ip", "-n", space, "addr", "add", f"10.77.0.{k + 1}/24", "dev", link],
+            ["ip", "-n", space, "addr", "add", f"10.66.0.{k + 1}/24", "dev", nowhere],
+            *(["ip", "-n", space, "link", "set", name, "up"] for name in (link, nowhere, "lo")),
+        ]
+    try:
+        for step in steps:
+            made = subprocess.run(step, capture_output=True, text=True, check=False)
+            if made.returncode != 0:
+                pytest.skip(f"cannot make network namespaces here: {' '.join(step)}: {made.stderr.strip()}")
+        yield list(zip(spaces, links, dead))
+    finally:
+        for space in spaces:  # deleting a namespace deletes its links, and their peers
+            subprocess.run(["ip", "netns", "del", space], capture_output=True, check=False)
+        for nowhere in dead:  # a peer left behind when the namespace was never made
+            subprocess.run(["ip", "link", "del", f"{nowhere}p"], capture_output=True, check=False)
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or os.geteuid() != 0 or shutil.which("ip") is None,
+    reason="network namespaces need Linux, root and iproute2",
+)
+def test_a_twin_across_two_network_namespaces(tmp_path: Path) -> None:
+    """Two real networks whose hostname resolves to loopback (this machine's resolves to
+    127.0.0.1): gloo's default address cannot connect them, so there is no twin (made directly,
+    one rank fails to connect and the other waits for the group's timeout, 30 minutes by
+    default); the balancer gathers on the job's group. With ``GLOO_SOCKET_IFNAME`` the twin is
+    made and carries the gathers. Naming an interface no other rank reaches, the ranks fail to
+    connect within the connect timeout and agree to do without the twin."""
+    if not _gloo_endpoint().loopback:
+        pytest.skip("this machine's hostname resolves to a routable address: gloo's default would work")
+    script = Path(__file__).resolve().parent / "two_networks_script.py"
+    results = {}
+    with _two_networks() as networks:
+        for mode in ("default", "named", "unreachable"):
+            store = tmp_path / f"store-{mode}"
+            ranks = [
+                subprocess.Popen(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        space,
+                        sys.executable,
+                        str(script),
+                        *map(str, (k, store)),
+                        link,
+                        mode,
+                        nowhere,
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for k, (space, link, nowhere) in enumerate(networks)
+            ]
+            outputs = [rank.communicate(timeout=120) for rank in ranks]
+            for rank, (out, err) in zip(ranks, outputs):
+                assert rank.returncode == 0, f"{mode}: exit {rank.returncode}\n{out}\n{err[-3000:]}"
+            results[mode] = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    for rank, got in enumerate(results["default"]):
+        assert not got["twin"] and got["applied"], got
+        assert len(got["warnings"]) == (1 if rank == 0 else 0), got
+    assert "spans 2 network namespaces" in results["default"][0]["warnings"][0], results
+    for got in results["named"]:
+        assert got["twin"] and got["gathered_on_twin"] and got["applied"] and not got["warnings"], got
+    for rank, got in enumerate(results["unreachable"]):
+        # A 1 s connect timeout: gloo gives up within a few (its retries), then every rank agrees.
+        assert not got["twin"] and got["applied"] and got["seconds"] < 30, got
+        assert len(got["warnings"]) == (1 if rank == 0 else 0), got
+    assert "its ranks could not connect (rank " in results["unreachable"][0]["warnings"][0], results

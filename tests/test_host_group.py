@@ -182,6 +182,7 @@ def _two_networks() -> Iterator[list[tuple[str, str, str]]]:
             ["ip", "-n", space, "addr", "add", f"10.77.0.{k + 1}/24", "dev", link],
             ["ip", "-n", space, "addr", "add", f"10.66.0.{k + 1}/24", "dev", nowhere],
             *(["ip", "-n", space, "link", "set", name, "up"] for name in (link, nowhere, "lo")),
+            ["ip", "netns", "exec", space, "true"],  # entering one needs more rights than making it
         ]
     try:
         for step in steps:

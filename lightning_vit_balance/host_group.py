@@ -50,8 +50,9 @@ class _GlooEndpoint(NamedTuple):
     """Where this process's gloo groups would listen, as the other ranks need to know it.
 
     Attributes:
-        network: ``(hostname, boot id, network namespace)``: processes that share it share a
-            loopback interface, so each reaches the others' loopback address.
+        network: ``(hostname, boot id, network namespace)``: processes on one
+            :func:`_loopback_domain` share a loopback interface, so each reaches the others'
+            loopback address.
         loopback: The loopback address gloo would bind to; ``""`` when it binds to another
             address or an interface is named (:data:`INTERFACE_VARIABLES`).
     """
@@ -226,10 +227,18 @@ def _twin_ranks(gathered: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
     return [ranks for ranks in distinct if len(ranks) > 1 and list(ranks) == sorted(ranks)]
 
 
+def _loopback_domain(network: tuple[str, str, int]) -> tuple[str, ...]:
+    """What decides whether two processes share a loopback interface: the machine (its boot id)
+    and the network namespace, where both are known; else the hostname. Containers on one machine
+    may share a hostname and not a loopback, or share the machine's network under other names."""
+    hostname, boot_id, namespace = network
+    return (boot_id, str(namespace)) if boot_id and namespace else (hostname,)
+
+
 def _loopback_across_hosts(ranks: Sequence[int], endpoints: Sequence[_GlooEndpoint]) -> list[int]:
     """The ranks of a group spanning more than one network whose gloo would listen on loopback
     (no other host could reach them); ``[]`` when the group can be twinned."""
-    if len({endpoints[r].network for r in ranks}) < 2:
+    if len({_loopback_domain(endpoints[r].network) for r in ranks}) < 2:
         return []
     return [r for r in ranks if endpoints[r].loopback]
 
@@ -238,7 +247,8 @@ def _refusal_text(refused: Sequence[tuple[int, ...]], endpoints: Sequence[_GlooE
     """The warning for the groups left without a twin: which ranks, hosts and addresses, and the fix."""
     first = refused[0]
     stranded = _loopback_across_hosts(first, endpoints)
-    kind, hosts = _network_labels(sorted({endpoints[r].network for r in first}))
+    domains = {_loopback_domain(endpoints[r].network): endpoints[r].network for r in reversed(first)}
+    kind, hosts = _network_labels(sorted(domains.values()))
     where = sorted({f"{endpoints[r].network[0]} -> {endpoints[r].loopback}" for r in stranded})
     others = f" (and {len(refused) - 1} more data-parallel groups like it)" if len(refused) > 1 else ""
     return (

@@ -81,6 +81,12 @@ def test_a_group_across_hosts_with_a_rank_on_loopback_gets_no_twin() -> None:
     routable = [_GlooEndpoint(a, ""), _GlooEndpoint(b, ""), _GlooEndpoint(container, "127.0.0.1")]
     assert _loopback_across_hosts([0, 1], routable) == []  # both hosts listen on a routable address
     assert _loopback_across_hosts([0, 2], routable) == [2]  # a container does not share a's loopback
+    # A container on the machine's network under another name shares its loopback; without a boot
+    # id and a namespace to read (not Linux), the hostname decides.
+    shared = [_GlooEndpoint(a, "127.0.1.1"), _GlooEndpoint(("web-1", "boot-a", 1), "127.0.0.1")]
+    assert _loopback_across_hosts([0, 1], shared) == []
+    unknown = [_GlooEndpoint((name, "", 0), "127.0.0.1") for name in ("mac-1", "mac-1", "mac-2")]
+    assert _loopback_across_hosts([0, 1], unknown) == [] and _loopback_across_hosts([1, 2], unknown) == [1, 2]
     text = _refusal_text([(0, 1, 2), (3, 4, 5)], [*on_loopback, *on_loopback])
     assert "ranks [0, 1, 2] (and 1 more data-parallel groups like it)" in text, text
     assert "2 hosts (node-a, node-b)" in text and "node-a -> 127.0.1.1" in text, text
@@ -104,7 +110,7 @@ def _twins_across_two_hosts(loopback: str) -> dict[str, Any]:
     routable address). The world group and the pairs across hosts, [0, 2] and [1, 3], then get no
     twin where a rank listens on loopback; the pairs within a host, [0, 1] and [2, 3], always do."""
     rank = dist.get_rank()
-    endpoint = _GlooEndpoint((f"node-{rank // 2}", "boot", 1), loopback)
+    endpoint = _GlooEndpoint((f"node-{rank // 2}", f"boot-{rank // 2}", 1), loopback)
     original = host_group._gloo_endpoint
     host_group._gloo_endpoint = lambda: endpoint
     # Each group waits its own time, and so does its twin.

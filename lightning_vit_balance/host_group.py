@@ -8,10 +8,10 @@ patient it is, and neither may be left to gloo's defaults:
   Debian's ``/etc/hosts``), or cannot resolve it and gloo falls back to ``127.0.0.1``. That works
   on one host and cannot work across hosts: the other hosts' ranks connect to their own loopback,
   and one rank raises at once while the others wait for the twin's timeout (30 minutes by
-  default). NCCL, which picks its interface
-  itself, trains on such machines without complaint. So every rank reports where its gloo
-  would listen, and no twin is made for a group that spans hosts with a rank on loopback; the
-  balancer then gathers on the group itself (a device-to-host copy per gather) and rank 0 warns.
+  default). NCCL, which picks its interface itself, trains on such machines without complaint.
+  So every rank reports where its gloo would listen, and no twin is made for a group that spans
+  hosts with a rank on loopback; the balancer then gathers on the group itself (a device-to-host
+  copy per gather) and rank 0 warns.
   An address that is not loopback can be out of reach too (a container's bridge, a firewall):
   gloo connects a group's ranks as it makes it, so each twin gets a short time to connect
   (:data:`CONNECT_TIMEOUT`), and the ranks agree to drop any twin that failed on one of them.
@@ -35,6 +35,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
+
+from lightning_vit_balance.exchange import _backend_device_type
 
 __all__ = ["make_host_group"]
 
@@ -73,10 +75,10 @@ def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
     world must make this call at the same point, with its own data-parallel group: it all-gathers
     each process's group ranks and gloo endpoint over the world, then every process creates every
     group's twin in one order, as ``new_group`` requires, and one more all-gather says which
-    connected. (A group-local ``new_group`` would spare
-    the other ranks, but torch names such groups after how many groups each process belongs to,
-    which differs between ranks that joined different subgroups before: they would wait for each
-    other forever.) Each twin waits as long as ``group`` does (its backend's timeout).
+    connected. (A group-local ``new_group`` would spare the other ranks, but torch names such
+    groups after how many groups each process belongs to, which differs between ranks that joined
+    different subgroups before: they would wait for each other forever.) Each twin waits as long
+    as ``group`` does (its backend's timeout).
     ``ViTBalanceMixin`` calls it once per fit, and the Hugging Face drop-in at its first balanced
     forward or ``prepare``: points every rank reaches alike.
 
@@ -162,7 +164,7 @@ def _packed(ranks: tuple[int, ...]) -> range | tuple[int, ...]:
 def _nccl_only(group: Any) -> bool:
     """Whether the group's backend carries CUDA tensors alone (NCCL), so that reading a host value
     gathered over it waits for the device."""
-    return str(dist.get_backend(group)).lower() == "nccl"
+    return _backend_device_type(group) == "cuda"
 
 
 def _gloo_endpoint() -> _GlooEndpoint:
@@ -250,13 +252,12 @@ def _refusal_text(refused: Sequence[tuple[int, ...]], endpoints: Sequence[_GlooE
     domains = {_loopback_domain(endpoints[r].network): endpoints[r].network for r in reversed(first)}
     kind, hosts = _network_labels(sorted(domains.values()))
     where = sorted({f"{endpoints[r].network[0]} -> {endpoints[r].loopback}" for r in stranded})
-    others = f" (and {len(refused) - 1} more data-parallel groups like it)" if len(refused) > 1 else ""
-    return (
-        f"make_host_group: no gloo twin for the data-parallel group of ranks {_ranks_text(first)}{others}: "
+    why = (
         f"it spans {len(hosts)} {kind} ({_names_text(hosts)}), and on ranks {_ranks_text(stranded)} the "
         f"hostname resolves to a loopback address ({_names_text(where)}), which gloo would listen on and no "
-        "other host can reach (making the twin would wait for its timeout). The balancer gathers on the "
-        "data-parallel group instead: correct, with a device-to-host copy per gather. To plan on the host, "
+        "other host can reach (making the twin would wait for its timeout)"
+    )
+    return _without_twin_text(refused, why) + (
         "set GLOO_SOCKET_IFNAME to the network interface the hosts reach each other on (as "
         "NCCL_SOCKET_IFNAME does for NCCL; e.g. GLOO_SOCKET_IFNAME=eth0) on every rank, or map each "
         "hostname to that interface's address in /etc/hosts."
@@ -265,15 +266,22 @@ def _refusal_text(refused: Sequence[tuple[int, ...]], endpoints: Sequence[_GlooE
 
 def _failure_text(failed: dict[tuple[int, ...], str]) -> str:
     """The warning for twins whose ranks could not connect: which ranks, a member's error, the fix."""
-    first, error = next(iter(sorted(failed.items())))
-    others = f" (and {len(failed) - 1} more data-parallel groups like it)" if len(failed) > 1 else ""
+    groups = sorted(failed)
+    return _without_twin_text(groups, f"its ranks could not connect ({failed[groups[0]]})") + (
+        "every rank must reach the address gloo listens on, on any TCP port: the first address of the "
+        "interface GLOO_SOCKET_IFNAME names, else the one the hostname resolves to (set GLOO_SOCKET_IFNAME "
+        "to the interface the hosts reach each other on, as NCCL_SOCKET_IFNAME does for NCCL)."
+    )
+
+
+def _without_twin_text(groups: Sequence[tuple[int, ...]], why: str) -> str:
+    """The opening both warnings share: the first group left without a twin, how many more, ``why``,
+    and what the balancer does instead; the fix follows."""
+    others = f" (and {len(groups) - 1} more data-parallel groups like it)" if len(groups) > 1 else ""
     return (
-        f"make_host_group: no gloo twin for the data-parallel group of ranks {_ranks_text(first)}{others}: "
-        f"its ranks could not connect ({error}). The balancer gathers on the data-parallel group instead: "
-        "correct, with a device-to-host copy per gather. To plan on the host, every rank must reach the "
-        "address gloo listens on, on any TCP port: the first address of the interface GLOO_SOCKET_IFNAME "
-        "names, else the one the hostname resolves to (set GLOO_SOCKET_IFNAME to the interface the hosts "
-        "reach each other on, as NCCL_SOCKET_IFNAME does for NCCL)."
+        f"make_host_group: no gloo twin for the data-parallel group of ranks {_ranks_text(groups[0])}"
+        f"{others}: {why}. The balancer gathers on the data-parallel group instead: correct, with a "
+        "device-to-host copy per gather. To plan on the host, "
     )
 
 
@@ -286,13 +294,16 @@ def _network_labels(networks: Sequence[tuple[str, str, int]]) -> tuple[str, list
     return "network namespaces", [f"{hostname} [namespace {inode}]" for hostname, _, inode in networks]
 
 
-def _ranks_text(ranks: Sequence[int], shown: int = 8) -> str:
-    if len(ranks) <= shown:
-        return str(list(ranks))
-    return f"[{', '.join(map(str, ranks[:shown]))}, ... ({len(ranks)} ranks)]"
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return f"[{_listed([str(r) for r in ranks], 8, 'ranks')}]"
 
 
-def _names_text(names: Sequence[str], shown: int = 4) -> str:
-    if len(names) <= shown:
-        return ", ".join(names)
-    return f"{', '.join(names[:shown])}, ... ({len(names)} in all)"
+def _names_text(names: Sequence[str]) -> str:
+    return _listed(names, 4, "in all")
+
+
+def _listed(items: Sequence[str], shown: int, counted: str) -> str:
+    """``items`` joined by commas, the first ``shown`` of them and the count when there are more."""
+    if len(items) <= shown:
+        return ", ".join(items)
+    return f"{', '.join(items[:shown])}, ... ({len(items)} {counted})"

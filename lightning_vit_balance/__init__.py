@@ -16,7 +16,7 @@ from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalanc
 from lightning_vit_balance.config import ViTBalanceConfig, add_vit_balance_args
 from lightning_vit_balance.cost import CostCalibrator, CostModel
 from lightning_vit_balance.hf import BalancedVisionTower, balance_vision_tower, encode_visual
-from lightning_vit_balance.host_group import make_host_group
+from lightning_vit_balance.host_group import make_host_group, release_host_group
 from lightning_vit_balance.metrics import BalanceMetrics
 from lightning_vit_balance.outputs import OutputLayout
 from lightning_vit_balance.planning import REASONS, RebalancePlan, plan_rebalance
@@ -51,6 +51,7 @@ __all__ = [
     "encode_visual",
     "make_host_group",
     "plan_rebalance",
+    "release_host_group",
 ]
 
 #: Names imported on first use, and the module each comes from.

@@ -136,7 +136,7 @@ from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalanc
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel, pixel_row_factors
 from lightning_vit_balance.exchange import grid_rows, grid_steps
-from lightning_vit_balance.host_group import make_host_group
+from lightning_vit_balance.host_group import make_host_group, release_host_group
 from lightning_vit_balance.outputs import (
     classify_output,
     describe_output_problem,
@@ -930,6 +930,7 @@ class BalancedVisionTower:
                 delattr(module, name)
             else:
                 setattr(module, name, saved)
+        release_host_group(self._twin)
         self._reset_runtime()
 
     # -- the patched forwards ------------------------------------------------------------------
@@ -1087,6 +1088,7 @@ class BalancedVisionTower:
         """The gloo twin of an NCCL ``group`` (see ``make_host_group``), made once per group, at a
         balanced forward or a :meth:`prepare`, which every rank makes alike."""
         if self._twin_of != id(group):
+            release_host_group(self._twin)
             self._twin, self._twin_of = make_host_group(group), id(group)
         return self._twin
 

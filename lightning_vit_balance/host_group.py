@@ -20,10 +20,20 @@ patient it is, and neither may be left to gloo's defaults:
   ``ddp_timeout``). The twin takes its group's timeout: a job that lets ranks wait two hours for a
   checkpoint is not ended by a planning gather after thirty minutes, and a hang surfaces when the
   job expects it to.
+* *How many files it holds.* Gloo connects every pair of a group's ranks as it makes it: a twin of
+  ``P`` ranks holds ``P + 3`` open files on each (a socket per other rank and four of gloo's own:
+  its listening socket and its event loop's) until it is destroyed. Under the common open-file
+  limit of 1,024, two twins of 512 ranks would use up what the job has left for its checkpoints,
+  data loader workers and NCCL, and the job would fail later, somewhere else, with "Too many open
+  files". So every rank reports its open files and its limit, and no twin is made that would
+  leave a rank less than a quarter of its limit free (rank 0 warns, naming the limit to raise).
+  The Lightning mixin destroys its twin at the end of each fit, validate, test or predict run
+  (:func:`release_host_group`), so a process never holds more than one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
@@ -38,7 +48,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from lightning_vit_balance.exchange import _backend_device_type
 
-__all__ = ["make_host_group"]
+__all__ = ["make_host_group", "release_host_group"]
 
 #: Environment variables that name the interface gloo binds to (then the hostname does not matter).
 INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME",)
@@ -46,6 +56,12 @@ INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME",)
 #: connect in milliseconds (32 processes on one machine: 0.13 s); an address no other rank reaches
 #: then fails the twin in minutes at most, not at the job's timeout.
 CONNECT_TIMEOUT = timedelta(seconds=60)
+#: Files a gloo group holds on each rank besides one socket per other rank: its listening socket
+#: and its event loop's descriptors (counted in /proc/self/fd, torch 2.13: 11 at 8 ranks, 19 at 16).
+GLOO_FILES_BESIDES_PEERS = 4
+#: The share of its open-file limit a rank keeps free after making a twin, for what the job opens
+#: later (checkpoints, data loader workers, NCCL's connections, made at its first collective).
+FREE_FILES_SHARE = 0.25
 
 
 class _GlooEndpoint(NamedTuple):
@@ -61,6 +77,13 @@ class _GlooEndpoint(NamedTuple):
 
     network: tuple[str, str, int]
     loopback: str
+
+
+class _OpenFiles(NamedTuple):
+    """How many files this process holds open, and its (soft) limit; ``limit`` 0: unknown or none."""
+
+    held: int
+    limit: int
 
 
 def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
@@ -88,25 +111,47 @@ def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
         a group of one rank; groups that overlap (not a partition of the ranks); a group whose
         ranks are not in ascending order (``new_group`` sorts them); a group that spans hosts
         while gloo would listen on a loopback address on one of its ranks, or whose ranks could
-        not connect within :data:`CONNECT_TIMEOUT` (see the module docstring; rank 0 warns, naming
-        ``GLOO_SOCKET_IFNAME``). The balancer then gathers on ``group``.
+        not connect within :data:`CONNECT_TIMEOUT` (rank 0 warns, naming ``GLOO_SOCKET_IFNAME``);
+        a twin that would leave one of its ranks less than :data:`FREE_FILES_SHARE` of its
+        open-file limit free (rank 0 warns, naming the limit). See the module docstring. The
+        balancer then gathers on ``group``. :func:`release_host_group` destroys the twin.
     """
     if not (dist.is_available() and dist.is_initialized()) or not _nccl_only(group):
         return None
     world = dist.get_world_size()
     ranks = tuple(range(world)) if group is None else tuple(dist.get_process_group_ranks(group))
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (_packed(ranks), _gloo_endpoint()))
-    endpoints = [endpoint for _, endpoint in gathered]
-    candidates = _twin_ranks([tuple(packed) for packed, _ in gathered])
+    dist.all_gather_object(gathered, (_packed(ranks), _gloo_endpoint(), _open_files()))
+    endpoints = [endpoint for _, endpoint, _ in gathered]
+    files = [open_files for _, _, open_files in gathered]
+    candidates = _twin_ranks([tuple(packed) for packed, _, _ in gathered])
     unreachable = [twin for twin in candidates if _loopback_across_hosts(twin, endpoints)]
-    twins, failed = _connected([twin for twin in candidates if twin not in unreachable], _timeout_of(group))
+    crowded = [twin for twin in candidates if twin not in unreachable and _short_of_files(twin, files)]
+    refused = unreachable + crowded
+    twins, failed = _connected([twin for twin in candidates if twin not in refused], _timeout_of(group))
     if dist.get_rank() == 0:
         if unreachable:
             warnings.warn(_refusal_text(unreachable, endpoints), RuntimeWarning, stacklevel=2)
+        if crowded:
+            warnings.warn(_files_text(crowded, files), RuntimeWarning, stacklevel=2)
         if failed:
             warnings.warn(_failure_text(failed), RuntimeWarning, stacklevel=2)
     return twins.get(ranks)
+
+
+def release_host_group(host_group: dist.ProcessGroup | None) -> None:
+    """Destroy a twin from :func:`make_host_group`: torch lets go of it, and its sockets and gloo's
+    threads close as soon as no reference to it is left (the balancer that used it included).
+
+    Purely local (no collective): each rank calls it when it is done with the twin. Does nothing
+    for ``None`` or a group already destroyed (with the whole of ``torch.distributed``, say). A
+    twin otherwise lives as long as the process: a process that runs many fits would hold one per
+    fit, ``P + 3`` open files each.
+    """
+    if host_group is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    with contextlib.suppress(ValueError):  # "Invalid process group specified": destroyed already
+        dist.destroy_process_group(host_group)
 
 
 def _connected(
@@ -188,6 +233,38 @@ def _gloo_endpoint() -> _GlooEndpoint:
     return _GlooEndpoint(network, address if loopback else "")
 
 
+def _open_files() -> _OpenFiles:
+    """This process's open files (Linux: ``/proc/self/fd``) and its soft limit on them; ``(0, 0)``
+    where either cannot be read or there is no limit."""
+    try:
+        import resource  # POSIX only
+
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        held = len(os.listdir("/proc/self/fd"))
+    except (ImportError, OSError, ValueError):
+        return _OpenFiles(0, 0)
+    if limit == resource.RLIM_INFINITY or limit <= 0:
+        return _OpenFiles(0, 0)
+    return _OpenFiles(held, int(limit))
+
+
+def _files_for_twin(size: int) -> int:
+    """Files a twin of ``size`` ranks holds open on each of them."""
+    return size - 1 + GLOO_FILES_BESIDES_PEERS
+
+
+def _short_of_files(ranks: Sequence[int], files: Sequence[_OpenFiles]) -> list[int]:
+    """The ranks of a group that a twin would leave with less than :data:`FREE_FILES_SHARE` of
+    their open-file limit free; ``[]`` when the twin fits (or the limits are unknown)."""
+    needed = _files_for_twin(len(ranks))
+    return [r for r in ranks if files[r].limit and files[r].held + needed > _most_files(files[r].limit)]
+
+
+def _most_files(limit: int) -> float:
+    """The most files a rank may hold once its twin is made: its limit less the share kept free."""
+    return limit * (1 - FREE_FILES_SHARE)
+
+
 def _read_text(path: str) -> str:
     try:
         with open(path, encoding="ascii") as file:
@@ -261,6 +338,25 @@ def _refusal_text(refused: Sequence[tuple[int, ...]], endpoints: Sequence[_GlooE
         "set GLOO_SOCKET_IFNAME to the network interface the hosts reach each other on (as "
         "NCCL_SOCKET_IFNAME does for NCCL; e.g. GLOO_SOCKET_IFNAME=eth0) on every rank, or map each "
         "hostname to that interface's address in /etc/hosts."
+    )
+
+
+def _files_text(crowded: Sequence[tuple[int, ...]], files: Sequence[_OpenFiles]) -> str:
+    """The warning for the groups whose twin would crowd out the job's files: the ranks, their
+    files and limits, and the fix."""
+    first = crowded[0]
+    short = _short_of_files(first, files)
+    worst = max(short, key=lambda r: (files[r].held + _files_for_twin(len(first))) / files[r].limit)
+    why = (
+        f"gloo would hold {_files_for_twin(len(first))} more open files on each rank (a socket per other "
+        f"rank), and on ranks {_ranks_text(short)} that leaves less than {FREE_FILES_SHARE:.0%} of the "
+        f"open-file limit free for the rest of the job (rank {worst}: {files[worst].held} open, limit "
+        f"{files[worst].limit})"
+    )
+    return _without_twin_text(crowded, why) + (
+        "raise the open-file limit on every rank before the job starts (`ulimit -n 65536` in the "
+        "launch script, LimitNOFILE for a systemd unit, or resource.setrlimit(resource.RLIMIT_NOFILE, "
+        "...) up to the hard limit before init_process_group)."
     )
 
 

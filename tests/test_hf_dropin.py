@@ -295,18 +295,24 @@ def _with_a_host_twin() -> dict[str, Any]:
         twin_ranks = dist.get_process_group_ranks(host) if host is not None else None
         handle._balancer_for(ViTBalanceConfig(**CONFIG, min_gain=0.1), None)  # another configuration
         same_twin = handle._balancer.host_group is host
+        name = host.group_name if host is not None else None
+        del host
+        handle.remove()  # destroys the twin: torch holds it no more
+        released = name not in dist.distributed_c10d._world.pg_names.values()
     torch.testing.assert_close(balanced_loss, plain_loss, **TOL)
     _assert_same_grads(f"twin rank {rank}", _summed_grads(balanced), _summed_grads(plain))
-    return {"twin_ranks": twin_ranks, "same_twin": same_twin, "applied": handle.last_stats.applied}
+    applied = handle.last_stats.applied
+    return {"twin_ranks": twin_ranks, "same_twin": same_twin, "applied": applied, "released": released}
 
 
 def test_the_drop_in_gathers_on_a_gloo_twin_of_an_nccl_group(multirank: Any) -> None:
     """Where the group is NCCL (every process of the world), the handle's metadata and status
-    gathers go through a gloo twin made once at its first plan, so none waits for the device."""
+    gathers go through a gloo twin made once at its first plan, so none waits for the device;
+    ``handle.remove()`` destroys it."""
     with multirank(RANKS) as w:
         results = w.run(_with_a_host_twin, timeout=120)
     assert all(r["twin_ranks"] == list(range(RANKS)) and r["same_twin"] for r in results), results
-    assert all(r["applied"] for r in results), results
+    assert all(r["applied"] and r["released"] for r in results), results
 
 
 def _assert_cases(per_rank: list[dict[str, Any]], names: tuple[str, ...]) -> int:

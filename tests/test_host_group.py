@@ -1,5 +1,5 @@
 """The gloo twin of an NCCL data-parallel group (``make_host_group``): where its gloo would listen,
-whether a twin can reach every rank, and how long it waits."""
+whether a twin can reach every rank, how long it waits, and the files it holds."""
 
 from __future__ import annotations
 
@@ -22,13 +22,17 @@ import torch
 import torch.distributed as dist
 from multirank import COLLECTIVE_TIMEOUT_S, groups_taken_for_nccl
 
-from lightning_vit_balance import host_group, make_host_group
+from lightning_vit_balance import host_group, make_host_group, release_host_group
 from lightning_vit_balance.host_group import (
+    _files_text,
     _gloo_endpoint,
     _GlooEndpoint,
     _loopback_across_hosts,
+    _open_files,
+    _OpenFiles,
     _packed,
     _refusal_text,
+    _short_of_files,
 )
 
 POOL = 4
@@ -161,6 +165,85 @@ def test_twins_are_made_only_where_every_rank_can_reach_them(multirank: Any) -> 
         assert got["made"] == ["across", "within", "world"] and not got["warnings"], got
     for got in on_loopback + routable:
         assert got["timeouts"] == got["waits"], got
+
+
+def test_a_twin_that_would_crowd_out_the_jobs_files_is_not_made() -> None:
+    """512 ranks: the twin holds 515 files on each. A rank holding 300 under the common limit of
+    1,024 would keep 209 free, less than a quarter: no twin. Half the ranks fit there."""
+    files = [_OpenFiles(100, 65536)] * 512
+    files[7] = _OpenFiles(300, 1024)
+    assert _short_of_files(range(512), files) == [7]
+    assert _short_of_files(range(256), files) == []  # 300 + 259 = 559 files, 768 allowed
+    assert _short_of_files(range(4096), [_OpenFiles(0, 0)] * 4096) == []  # no limit, or unknown
+    text = _files_text([tuple(range(512))], files)
+    assert "no gloo twin for the data-parallel group of ranks [0, 1, 2" in text, text
+    assert "515 more open files on each rank" in text and "on ranks [7]" in text, text
+    assert "(rank 7: 300 open, limit 1024)" in text and "ulimit -n" in text, text
+
+
+def test_open_files_are_read_from_the_process() -> None:
+    resource = pytest.importorskip("resource")
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("no /proc/self/fd to count open files in")
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    held, limit = _open_files()
+    assert abs(held - len(os.listdir("/proc/self/fd"))) <= 1  # listdir's own descriptor
+    assert limit == (0 if soft == resource.RLIM_INFINITY else soft)
+    with open(os.devnull) as _:
+        assert _open_files().held == held + 1
+
+
+def _twin_files() -> dict[str, Any]:
+    """A twin over the pool's world refused while rank 2's open-file limit leaves no room for it
+    (its real limit, lowered); then made, gathered on, and released: its files go."""
+    import resource
+
+    def held() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with groups_taken_for_nccl(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if dist.get_rank() == 2:  # 8 files to spare: the twin's 7 would take its last quarter
+            resource.setrlimit(resource.RLIMIT_NOFILE, (held() + 8, hard))
+        try:
+            refused = make_host_group()
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        before = held()
+        twin = make_host_group()
+    made = twin is not None
+    with_twin = held()
+    gathered: list[Any] = [None] * POOL
+    dist.all_gather_object(gathered, dist.get_rank(), group=twin)
+    name = twin.group_name
+    release_host_group(twin)
+    release_host_group(twin)  # again: nothing to do
+    release_host_group(None)
+    del twin
+    return {
+        "refused": refused is None,
+        "made": made,
+        "gathered": gathered,
+        "files": (with_twin - before, held() - before),
+        "registered": name in dist.distributed_c10d._world.pg_names.values(),
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+    }
+
+
+def test_a_twin_leaves_room_for_the_jobs_files_and_releasing_it_closes_them(multirank: Any) -> None:
+    """The refusal is agreed on every rank (rank 0 warns, naming rank 2's files); a twin of 4
+    ranks holds 7 files on each, all closed when it is released."""
+    pytest.importorskip("resource")
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("no /proc/self/fd to count open files in")
+    with multirank(POOL) as w:
+        results = w.run(_twin_files)
+    for rank, got in enumerate(results):
+        assert got["refused"] and got["made"] and got["gathered"] == list(range(POOL)), got
+        assert got["files"] == (7, 0) and not got["registered"], got
+        assert len(got["warnings"]) == (1 if rank == 0 else 0), got
+    assert "on ranks [2]" in results[0]["warnings"][0] and "7 more open files" in results[0]["warnings"][0]
 
 
 def test_the_twin_waits_as_long_as_its_group(one_rank_world: None) -> None:

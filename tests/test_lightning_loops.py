@@ -25,6 +25,7 @@ from lightning_fit_script import (
     PREDICT_SAMPLES,
     RANKS,
     STEPS,
+    PlanAheadVLM,
     TinyVLM,
     eval_samples,
     first,
@@ -276,3 +277,50 @@ def test_model_parallel_mesh_plans_ahead_on_host_twins(tmp_path: Path, multirank
         # Every step applied on the twin of the rank's pair, planned before the forward: the forward
         # made only the pixel trip, the status gather and the return trip.
         assert calls == [([[0, 2], [1, 3]][rank % 2], 3, True)] * STEPS, (rank, calls)
+
+
+class _TwinNamingVLM(PlanAheadVLM):
+    """:class:`PlanAheadVLM` that notes the name of the gloo twin its steps gather on (a name, not
+    the group: holding the group would keep its sockets open)."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        twin = self._vit_balance_state_object().host_group
+        self.twin_names.add(None if twin is None else twin.group_name)
+        return super().training_step(batch, batch_idx)
+
+
+def _three_fits(out: str) -> list[dict[str, Any]]:
+    """Worker: three fits of one module with fresh Trainers (a sweep's loop), its group taken for
+    NCCL so that each fit makes a twin: which twin each fit used, whether torch still holds it,
+    and the process's open files after each fit."""
+    import os
+
+    model = _TwinNamingVLM(ViTBalanceConfig(plan_ahead=True))
+    fits = []
+    with groups_taken_for_nccl(), launched_by_torchrun():
+        for index in range(3):
+            model.twin_names = set()
+            quiet_trainer(out, f"fit_{index}_{dist.get_rank()}", max_steps=2).fit(model)
+            held = dist.distributed_c10d._world.pg_names.values()
+            fits.append(
+                {
+                    "twins": sorted(model.twin_names),
+                    "held": [name in held for name in model.twin_names],
+                    "files": len(os.listdir("/proc/self/fd")),
+                }
+            )
+    return fits
+
+
+@pytest.mark.timeout(240)
+def test_each_fit_destroys_its_gloo_twin(tmp_path: Path, multirank: Any) -> None:
+    """A process running fit after fit holds no twin between them (each twin of 2 ranks held 5
+    open files and gloo's threads until the process ended): its open files stay level."""
+    with multirank(RANKS) as pool:
+        results = pool.run(_three_fits, str(tmp_path), timeout=200)
+    for fits in results:
+        names = [fit["twins"] for fit in fits]
+        assert all(len(twins) == 1 and twins[0] is not None for twins in names), fits
+        assert len({twins[0] for twins in names}) == 3, fits  # a twin per fit
+        assert not any(held for fit in fits for held in fit["held"]), fits
+        assert fits[0]["files"] == fits[1]["files"] == fits[2]["files"], fits

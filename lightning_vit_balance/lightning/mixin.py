@@ -22,7 +22,7 @@ from lightning_vit_balance.hf import (
     rows_to_plan,
     saved_state,
 )
-from lightning_vit_balance.host_group import make_host_group
+from lightning_vit_balance.host_group import make_host_group, release_host_group
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
 from lightning_vit_balance.lightning.strategy import dp_group_from_strategy
 
@@ -112,9 +112,12 @@ class _State:
         return self.balancer.state_dict() if self.balancer is not None else self.carried
 
     def release(self) -> None:
-        """Forget the run: its groups, balancer and pending plan (the next call starts afresh);
-        the last stats are kept, and the balancer's state is carried to the next run's."""
+        """Forget the run: its groups, balancer and pending plan (the next call starts afresh), and
+        destroy its gloo twin (its sockets and threads: a process running many fits would
+        otherwise hold one twin per fit); the last stats are kept, and the balancer's state is
+        carried to the next run's."""
         last_stats, carried = self.last_stats, self.balancer_state()
+        release_host_group(self.host_group)
         self.__init__()  # type: ignore[misc]
         self.last_stats, self.carried = last_stats, carried
 
@@ -295,6 +298,7 @@ class ViTBalanceMixin:
         state.fit_key = key
         state.group = group
         state.group_size = size
+        release_host_group(state.host_group)  # a run that ended without its teardown (an exception)
         state.host_group = make_host_group(group) if group is not None else None
         # Queue records only for a callback that drains them, so they never pile up.
         callbacks = trainer.callbacks if trainer is not None else ()

@@ -25,8 +25,10 @@ patient it is, and neither may be left to gloo's defaults:
   its listening socket and its event loop's) until it is destroyed. Under the common open-file
   limit of 1,024, two twins of 512 ranks would use up what the job has left for its checkpoints,
   data loader workers and NCCL, and the job would fail later, somewhere else, with "Too many open
-  files". So every rank reports its open files and its limit, and no twin is made that would
-  leave a rank less than a quarter of its limit free (rank 0 warns, naming the limit to raise).
+  files". So each rank first raises its soft limit as far as its twin needs (up to the hard
+  limit, as ``ulimit -n`` would), every rank reports its open files and its limit, and no twin is
+  made that would leave a rank less than a quarter of its limit free (rank 0 warns, naming the
+  hard limit to raise).
   The Lightning mixin destroys its twin at the end of each fit, validate, test or predict run
   (:func:`release_host_group`), so a process never holds more than one.
 """
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import math
 import os
 import socket
 import warnings
@@ -113,7 +116,8 @@ def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
         while gloo would listen on a loopback address on one of its ranks, or whose ranks could
         not connect within :data:`CONNECT_TIMEOUT` (rank 0 warns, naming ``GLOO_SOCKET_IFNAME``);
         a twin that would leave one of its ranks less than :data:`FREE_FILES_SHARE` of its
-        open-file limit free (rank 0 warns, naming the limit). See the module docstring. The
+        open-file limit free, once the soft limit is raised as far as the hard one allows (rank 0
+        warns, naming the limit). See the module docstring. The
         balancer then gathers on ``group``. :func:`release_host_group` destroys the twin.
     """
     if not (dist.is_available() and dist.is_initialized()) or not _nccl_only(group):
@@ -121,7 +125,7 @@ def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
     world = dist.get_world_size()
     ranks = tuple(range(world)) if group is None else tuple(dist.get_process_group_ranks(group))
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (_packed(ranks), _gloo_endpoint(), _open_files()))
+    dist.all_gather_object(gathered, (_packed(ranks), _gloo_endpoint(), _room_for_twin(len(ranks))))
     endpoints = [endpoint for _, endpoint, _ in gathered]
     files = [open_files for _, _, open_files in gathered]
     candidates = _twin_ranks([tuple(packed) for packed, _, _ in gathered])
@@ -248,6 +252,25 @@ def _open_files() -> _OpenFiles:
     return _OpenFiles(held, int(limit))
 
 
+def _room_for_twin(size: int) -> _OpenFiles:
+    """:func:`_open_files` once this process's soft open-file limit is raised, up to its hard
+    limit, as far as a twin of ``size`` ranks needs (:func:`_short_of_files`), as ``ulimit -n``
+    in the launch script would: the soft limit is the process's own to raise (a common default is
+    1,024 under a hard limit of 524,288), the hard one the administrator's. Never lowers it."""
+    files = _open_files()
+    wanted = math.ceil((files.held + _files_for_twin(size)) / (1 - FREE_FILES_SHARE))
+    if size < 2 or not files.limit or wanted <= files.limit:
+        return files
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if raised > files.limit:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    return _open_files()
+
+
 def _files_for_twin(size: int) -> int:
     """Files a twin of ``size`` ranks holds open on each of them."""
     return size - 1 + GLOO_FILES_BESIDES_PEERS
@@ -350,13 +373,13 @@ def _files_text(crowded: Sequence[tuple[int, ...]], files: Sequence[_OpenFiles])
     why = (
         f"gloo would hold {_files_for_twin(len(first))} more open files on each rank (a socket per other "
         f"rank), and on ranks {_ranks_text(short)} that leaves less than {FREE_FILES_SHARE:.0%} of the "
-        f"open-file limit free for the rest of the job (rank {worst}: {files[worst].held} open, limit "
-        f"{files[worst].limit})"
+        f"open-file limit free for the rest of the job, with the limit raised to the hard limit (rank "
+        f"{worst}: {files[worst].held} open, limit {files[worst].limit})"
     )
     return _without_twin_text(crowded, why) + (
-        "raise the open-file limit on every rank before the job starts (`ulimit -n 65536` in the "
-        "launch script, LimitNOFILE for a systemd unit, or resource.setrlimit(resource.RLIMIT_NOFILE, "
-        "...) up to the hard limit before init_process_group)."
+        "raise the hard open-file limit on every host (nofile in /etc/security/limits.conf, "
+        "LimitNOFILE for a systemd unit, `--ulimit nofile=65536:65536` for a container, or the "
+        "scheduler's setting; the soft limit follows it here)."
     )
 
 

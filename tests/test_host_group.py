@@ -32,6 +32,7 @@ from lightning_vit_balance.host_group import (
     _OpenFiles,
     _packed,
     _refusal_text,
+    _room_for_twin,
     _short_of_files,
 )
 
@@ -178,7 +179,7 @@ def test_a_twin_that_would_crowd_out_the_jobs_files_is_not_made() -> None:
     text = _files_text([tuple(range(512))], files)
     assert "no gloo twin for the data-parallel group of ranks [0, 1, 2" in text, text
     assert "515 more open files on each rank" in text and "on ranks [7]" in text, text
-    assert "(rank 7: 300 open, limit 1024)" in text and "ulimit -n" in text, text
+    assert "(rank 7: 300 open, limit 1024)" in text and "hard open-file limit" in text, text
 
 
 def test_open_files_are_read_from_the_process() -> None:
@@ -194,34 +195,49 @@ def test_open_files_are_read_from_the_process() -> None:
 
 
 def _twin_files() -> dict[str, Any]:
-    """A twin over the pool's world refused while rank 2's open-file limit leaves no room for it
-    (its real limit, lowered); then made, gathered on, and released: its files go."""
+    """On the pool's world: rank 2's soft open-file limit lowered to 8 files above what it holds
+    (the twin's 7 would take its last quarter), which the call raises again; then rank 2 reporting
+    such a limit as its hard one too; then a twin made, gathered on and released."""
     import resource
 
     def held() -> int:
         return len(os.listdir("/proc/self/fd"))
 
+    rank = dist.get_rank()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with groups_taken_for_nccl(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        if dist.get_rank() == 2:  # 8 files to spare: the twin's 7 would take its last quarter
-            resource.setrlimit(resource.RLIMIT_NOFILE, (held() + 8, hard))
+        try:
+            before = held()
+            if rank == 2:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (before + 8, hard))
+            lowered = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            release_host_group(raised := make_host_group())
+            limits = (before, lowered, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        made_raised = raised is not None
+        del raised
+        if rank == 2:  # as a hard limit would leave it
+            host_group._room_for_twin = lambda size: _OpenFiles(held(), held() + 8)
         try:
             refused = make_host_group()
         finally:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            host_group._room_for_twin = _room_for_twin
         before = held()
         twin = make_host_group()
     made = twin is not None
     with_twin = held()
     gathered: list[Any] = [None] * POOL
-    dist.all_gather_object(gathered, dist.get_rank(), group=twin)
+    dist.all_gather_object(gathered, rank, group=twin)
     name = twin.group_name
     release_host_group(twin)
     release_host_group(twin)  # again: nothing to do
     release_host_group(None)
     del twin
     return {
+        "raised": made_raised,
+        "limits": limits,
         "refused": refused is None,
         "made": made,
         "gathered": gathered,
@@ -232,18 +248,42 @@ def _twin_files() -> dict[str, Any]:
 
 
 def test_a_twin_leaves_room_for_the_jobs_files_and_releasing_it_closes_them(multirank: Any) -> None:
-    """The refusal is agreed on every rank (rank 0 warns, naming rank 2's files); a twin of 4
-    ranks holds 7 files on each, all closed when it is released."""
+    """A soft limit too low for the twin is raised (the twin is made); a hard one is not, and the
+    refusal is agreed on every rank (rank 0 warns, naming rank 2's files). A twin of 4 ranks holds
+    7 files on each, all closed when it is released."""
     pytest.importorskip("resource")
     if not os.path.isdir("/proc/self/fd"):
         pytest.skip("no /proc/self/fd to count open files in")
     with multirank(POOL) as w:
         results = w.run(_twin_files)
     for rank, got in enumerate(results):
-        assert got["refused"] and got["made"] and got["gathered"] == list(range(POOL)), got
+        assert got["raised"] and got["refused"] and got["made"] and got["gathered"] == list(range(POOL)), got
         assert got["files"] == (7, 0) and not got["registered"], got
         assert len(got["warnings"]) == (1 if rank == 0 else 0), got
-    assert "on ranks [2]" in results[0]["warnings"][0] and "7 more open files" in results[0]["warnings"][0]
+    held, lowered, raised = results[2]["limits"]
+    # Raised so that the twin's 7 files leave a quarter of the limit free.
+    assert lowered == held + 8 and raised > lowered and held + 7 <= 0.75 * raised, results[2]
+    warning = results[0]["warnings"][0]
+    assert "on ranks [2]" in warning and "7 more open files" in warning and "hard open-file limit" in warning
+
+
+def test_the_soft_limit_is_raised_only_as_far_as_the_hard_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2,000 files held under 1,024 / 4,096: a twin of 512 ranks wants 3,354 (a quarter free), and
+    gets it; under 1,024 / 2,048, the hard limit; with room already, or for one rank, no change."""
+    resource = pytest.importorskip("resource")
+    limits = {"soft": 1024, "hard": 4096}
+    monkeypatch.setattr(host_group, "_open_files", lambda: _OpenFiles(2000, limits["soft"]))
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (limits["soft"], limits["hard"]))
+
+    def setrlimit(which: int, values: tuple[int, int]) -> None:
+        assert which == resource.RLIMIT_NOFILE and values[1] == limits["hard"]
+        limits["soft"] = values[0]
+
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    assert _room_for_twin(512) == _OpenFiles(2000, 3354)  # ceil((2000 + 515) / 0.75)
+    assert _room_for_twin(512) == _OpenFiles(2000, 3354) and _room_for_twin(1) == _OpenFiles(2000, 3354)
+    limits.update(soft=1024, hard=2048)
+    assert _room_for_twin(512) == _OpenFiles(2000, 2048)
 
 
 def test_the_twin_waits_as_long_as_its_group(one_rank_world: None) -> None:

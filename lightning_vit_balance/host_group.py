@@ -28,9 +28,8 @@ patient it is, and neither may be left to gloo's defaults:
   files". So each rank first raises its soft limit as far as its twin needs (up to the hard
   limit, as ``ulimit -n`` would), every rank reports its open files and its limit, and no twin is
   made that would leave a rank less than a quarter of its limit free (rank 0 warns, naming the
-  hard limit to raise).
-  The Lightning mixin destroys its twin at the end of each fit, validate, test or predict run
-  (:func:`release_host_group`), so a process never holds more than one.
+  hard limit to raise). The Lightning mixin destroys its twin at the end of each fit, validate,
+  test or predict run (:func:`release_host_group`), so a process never holds more than one.
 """
 
 from __future__ import annotations
@@ -117,8 +116,8 @@ def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
         not connect within :data:`CONNECT_TIMEOUT` (rank 0 warns, naming ``GLOO_SOCKET_IFNAME``);
         a twin that would leave one of its ranks less than :data:`FREE_FILES_SHARE` of its
         open-file limit free, once the soft limit is raised as far as the hard one allows (rank 0
-        warns, naming the limit). See the module docstring. The
-        balancer then gathers on ``group``. :func:`release_host_group` destroys the twin.
+        warns, naming the limit). See the module docstring. The balancer then gathers on
+        ``group``. :func:`release_host_group` destroys the twin.
     """
     if not (dist.is_available() and dist.is_initialized()) or not _nccl_only(group):
         return None

@@ -916,7 +916,20 @@ class BalancedVisionTower:
         ViTBalancer(config).load_state_dict(state)
         self._carried = state if config.calibrate_cost else None
 
-    # -- removal -------------------------------------------------------------------------------
+    # -- end of a run, removal ------------------------------------------------------------------
+
+    def release(self) -> None:
+        """End of a training run: destroy the gloo twin (``make_host_group``) and forget the
+        balancer, keeping its state (:meth:`state_dict`) for the next balanced forward, which makes
+        them again (at the same point on every rank, as the first one did). A process that goes on
+        to other runs with new models (a sweep's trials) then holds no twin per run, ``P + 3``
+        open files each. ``ViTBalanceTrainerCallback`` calls it when training ends. Local: no
+        collective."""
+        if self._balancer is not None:
+            self._carried = self._balancer.state_dict()
+        self._balancer, self._balancer_key = None, None
+        release_host_group(self._twin)
+        self._twin, self._twin_of = None, None
 
     def remove(self) -> None:
         """Undo :func:`balance_vision_tower`: the patched instance attributes go (or the ones found

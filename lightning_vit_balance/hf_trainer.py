@@ -51,6 +51,9 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
     state the model's configuration cannot go on from (a cost fit of another window or per-frame
     attention) is left behind with a warning, and the fit starts afresh.
 
+    **End of training.** The handle lets go of its gloo twin (:meth:`BalancedVisionTower.release`):
+    a process that trains model after model (a hyperparameter search's trials) holds none per run.
+
     Args:
         log_per_rank_loads: Log the ``load_before/rank_{r}``, ``load_after/rank_{r}`` and
             ``vit_ms/rank_{r}`` series, three per DP rank. ``None`` (default): up to 64 DP ranks
@@ -112,6 +115,12 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
             self.metrics.load_state_dict(counts)
         except ValueError as error:
             warn(f"ViTBalanceTrainerCallback: the checkpoint's metric counts are not used ({error}).")
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._handle is not None:
+            self._handle.release()  # the gloo twin: a process running trial after trial holds none
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

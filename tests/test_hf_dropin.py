@@ -295,24 +295,40 @@ def _with_a_host_twin() -> dict[str, Any]:
         twin_ranks = dist.get_process_group_ranks(host) if host is not None else None
         handle._balancer_for(ViTBalanceConfig(**CONFIG, min_gain=0.1), None)  # another configuration
         same_twin = handle._balancer.host_group is host
-        name = host.group_name if host is not None else None
+        names = [host.group_name]
         del host
-        handle.remove()  # destroys the twin: torch holds it no more
-        released = name not in dist.distributed_c10d._world.pg_names.values()
+        # The end of a Trainer's training destroys the twin; the next forward makes another.
+        callback = ViTBalanceTrainerCallback()
+        callback.on_init_end(None, None, None, model=balanced)
+        callback.on_train_end(None, None, None)
+        handle.prepare(batch)
+        again_loss, _ = _step(balanced, batch)
+        _step(plain, batch)  # the gradients of both accumulate twice
+        names.append(handle._balancer.host_group.group_name)
+        handle.remove()  # destroys that one
+        held = [name in dist.distributed_c10d._world.pg_names.values() for name in names]
     torch.testing.assert_close(balanced_loss, plain_loss, **TOL)
+    torch.testing.assert_close(again_loss, plain_loss, **TOL)  # the same weights: no optimizer step
     _assert_same_grads(f"twin rank {rank}", _summed_grads(balanced), _summed_grads(plain))
-    applied = handle.last_stats.applied
-    return {"twin_ranks": twin_ranks, "same_twin": same_twin, "applied": applied, "released": released}
+    return {
+        "twin_ranks": twin_ranks,
+        "same_twin": same_twin,
+        "applied": handle.last_stats.applied,
+        "names": names,
+        "held": held,
+    }
 
 
 def test_the_drop_in_gathers_on_a_gloo_twin_of_an_nccl_group(multirank: Any) -> None:
     """Where the group is NCCL (every process of the world), the handle's metadata and status
-    gathers go through a gloo twin made once at its first plan, so none waits for the device;
-    ``handle.remove()`` destroys it."""
+    gathers go through a gloo twin made once at its first plan, so none waits for the device. The
+    end of a Trainer's training destroys it (the next forward makes another), as does
+    ``handle.remove()``."""
     with multirank(RANKS) as w:
         results = w.run(_with_a_host_twin, timeout=120)
     assert all(r["twin_ranks"] == list(range(RANKS)) and r["same_twin"] for r in results), results
-    assert all(r["applied"] and r["released"] for r in results), results
+    assert all(r["applied"] and r["held"] == [False, False] for r in results), results
+    assert all(r["names"][0] != r["names"][1] for r in results), results
 
 
 def _assert_cases(per_rank: list[dict[str, Any]], names: tuple[str, ...]) -> int:

@@ -30,6 +30,9 @@ patient it is, and neither may be left to gloo's defaults:
   made that would leave a rank less than a quarter of its limit free (rank 0 warns, naming the
   hard limit to raise). The Lightning mixin destroys its twin at the end of each fit, validate,
   test or predict run (:func:`release_host_group`), so a process never holds more than one.
+  Where gloo connects lazily (``TORCH_GLOO_LAZY_INIT=1``), a twin holds a socket per rank the host
+  gathers exchange with (``2 * ceil(log2 P)`` at most), and its first gather is made as it is
+  made, so that an unreachable rank is still found then.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from lightning_vit_balance.exchange import _backend_device_type
+from lightning_vit_balance.exchange import _backend_device_type, start_row_gather
 
 __all__ = ["make_host_group", "release_host_group"]
 
@@ -82,10 +85,12 @@ class _GlooEndpoint(NamedTuple):
 
 
 class _OpenFiles(NamedTuple):
-    """How many files this process holds open, and its (soft) limit; ``limit`` 0: unknown or none."""
+    """How many files this process holds open, and its (soft) limit; ``limit`` 0: unknown or none.
+    ``lazy``: its gloo groups connect their pairs at first use (:func:`_connects_lazily`)."""
 
     held: int
     limit: int
+    lazy: bool = False
 
 
 def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
@@ -162,11 +167,11 @@ def _connected(
 ) -> tuple[dict[tuple[int, ...], dist.ProcessGroup], dict[tuple[int, ...], str]]:
     """Make each candidate twin, every rank in one order, and keep those every member connected.
 
-    Gloo connects a group's ranks as it makes it, and a rank that cannot reach another raises
-    while its peers wait for it, so each twin gets :func:`_connect_timeout` to connect (an
-    unreachable rank then costs a few times that, once, rather than the job). The ranks then agree
-    over the world which twins failed anywhere, and drop those everywhere; the others get
-    ``timeout`` for their gathers.
+    Gloo connects a group's ranks as it makes it (with ``TORCH_GLOO_LAZY_INIT``, at a first
+    gather made here), and a rank that cannot reach another raises while its peers wait for it,
+    so each twin gets :func:`_connect_timeout` to connect (an unreachable rank then costs a few
+    times that, once, rather than the job). The ranks then agree over the world which twins failed
+    anywhere, and drop (destroy) those everywhere; the others get ``timeout`` for their gathers.
 
     Returns:
         This rank's twins by their ranks, and the failed twins with a member's error.
@@ -176,17 +181,24 @@ def _connected(
     errors: dict[tuple[int, ...], str] = {}
     for twin_ranks in candidates:
         try:
-            made[twin_ranks] = dist.new_group(ranks=list(twin_ranks), backend="gloo", timeout=connect)
-        except RuntimeError as error:  # gloo's connectFullMesh, within `connect`
+            made[twin_ranks] = twin = dist.new_group(ranks=list(twin_ranks), backend="gloo", timeout=connect)
+            if _connects_lazily() and isinstance(twin, dist.ProcessGroup):
+                # Connect now the pairs the host gathers use, within `connect` too, as eager gloo did.
+                start_row_gather(torch.zeros(1, dtype=torch.int64), twin).wait()
+        except RuntimeError as error:  # gloo's connectFullMesh (or the first gather), within `connect`
             errors[twin_ranks] = f"rank {dist.get_rank()}: {type(error).__name__}: {str(error)[:300]}"
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, errors)
     failed = {twin: error for rank_errors in reversed(gathered) for twin, error in rank_errors.items()}
     twins = {}
     for twin_ranks, twin in made.items():
-        if twin_ranks not in failed and isinstance(twin, dist.ProcessGroup):
-            twin._get_backend(torch.device("cpu")).set_timeout(timeout or default_pg_timeout)
-            twins[twin_ranks] = twin
+        if not isinstance(twin, dist.ProcessGroup):  # this rank is not a member
+            continue
+        if twin_ranks in failed:
+            release_host_group(twin)
+            continue
+        twin._get_backend(torch.device("cpu")).set_timeout(timeout or default_pg_timeout)
+        twins[twin_ranks] = twin
     return twins, failed
 
 
@@ -245,10 +257,16 @@ def _open_files() -> _OpenFiles:
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         held = len(os.listdir("/proc/self/fd"))
     except (ImportError, OSError, ValueError):
-        return _OpenFiles(0, 0)
+        return _OpenFiles(0, 0, _connects_lazily())
     if limit == resource.RLIM_INFINITY or limit <= 0:
-        return _OpenFiles(0, 0)
-    return _OpenFiles(held, int(limit))
+        return _OpenFiles(0, 0, _connects_lazily())
+    return _OpenFiles(held, int(limit), _connects_lazily())
+
+
+def _connects_lazily() -> bool:
+    """Whether this process's gloo groups connect each pair of ranks at its first message instead
+    of all pairs when made: ``TORCH_GLOO_LAZY_INIT``, read as torch reads it."""
+    return os.environ.get("TORCH_GLOO_LAZY_INIT", "").lower() in ("1", "t", "true", "y", "yes")
 
 
 def _room_for_twin(size: int) -> _OpenFiles:
@@ -257,7 +275,7 @@ def _room_for_twin(size: int) -> _OpenFiles:
     in the launch script would: the soft limit is the process's own to raise (a common default is
     1,024 under a hard limit of 524,288), the hard one the administrator's. Never lowers it."""
     files = _open_files()
-    wanted = math.ceil((files.held + _files_for_twin(size)) / (1 - FREE_FILES_SHARE))
+    wanted = math.ceil((files.held + _files_for_twin(size, files.lazy)) / (1 - FREE_FILES_SHARE))
     if size < 2 or not files.limit or wanted <= files.limit:
         return files
     import resource
@@ -270,16 +288,25 @@ def _room_for_twin(size: int) -> _OpenFiles:
     return _open_files()
 
 
-def _files_for_twin(size: int) -> int:
-    """Files a twin of ``size`` ranks holds open on each of them."""
-    return size - 1 + GLOO_FILES_BESIDES_PEERS
+def _files_for_twin(size: int, lazy: bool) -> int:
+    """Files a twin of ``size`` ranks holds open on each of them: a socket per other rank, or, when
+    gloo connects ``lazy``-ly, per rank the host gathers exchange with (``ceil(log2 P)`` rounds of
+    two peers each, :func:`~lightning_vit_balance.exchange.start_row_gather`)."""
+    peers = size - 1
+    if lazy and size > 1:
+        peers = min(peers, 2 * math.ceil(math.log2(size)))
+    return peers + GLOO_FILES_BESIDES_PEERS
 
 
 def _short_of_files(ranks: Sequence[int], files: Sequence[_OpenFiles]) -> list[int]:
     """The ranks of a group that a twin would leave with less than :data:`FREE_FILES_SHARE` of
     their open-file limit free; ``[]`` when the twin fits (or the limits are unknown)."""
-    needed = _files_for_twin(len(ranks))
-    return [r for r in ranks if files[r].limit and files[r].held + needed > _most_files(files[r].limit)]
+    return [r for r in ranks if files[r].limit and _holding(r, ranks, files) > _most_files(files[r].limit)]
+
+
+def _holding(rank: int, ranks: Sequence[int], files: Sequence[_OpenFiles]) -> int:
+    """The files ``rank`` would hold with the twin of ``ranks`` made."""
+    return files[rank].held + _files_for_twin(len(ranks), files[rank].lazy)
 
 
 def _most_files(limit: int) -> float:
@@ -368,10 +395,11 @@ def _files_text(crowded: Sequence[tuple[int, ...]], files: Sequence[_OpenFiles])
     files and limits, and the fix."""
     first = crowded[0]
     short = _short_of_files(first, files)
-    worst = max(short, key=lambda r: (files[r].held + _files_for_twin(len(first))) / files[r].limit)
+    worst = max(short, key=lambda r: _holding(r, first, files) / files[r].limit)
+    needed = _holding(worst, first, files) - files[worst].held
     why = (
-        f"gloo would hold {_files_for_twin(len(first))} more open files on each rank (a socket per other "
-        f"rank), and on ranks {_ranks_text(short)} that leaves less than {FREE_FILES_SHARE:.0%} of the "
+        f"gloo would hold {needed} more open files on each rank (a socket per rank it connects to), "
+        f"and on ranks {_ranks_text(short)} that leaves less than {FREE_FILES_SHARE:.0%} of the "
         f"open-file limit free for the rest of the job, with the limit raised to the hard limit (rank "
         f"{worst}: {files[worst].held} open, limit {files[worst].limit})"
     )

@@ -24,6 +24,7 @@ from multirank import COLLECTIVE_TIMEOUT_S, groups_taken_for_nccl
 
 from lightning_vit_balance import host_group, make_host_group, release_host_group
 from lightning_vit_balance.host_group import (
+    _files_for_twin,
     _files_text,
     _gloo_endpoint,
     _GlooEndpoint,
@@ -176,20 +177,30 @@ def test_a_twin_that_would_crowd_out_the_jobs_files_is_not_made() -> None:
     assert _short_of_files(range(512), files) == [7]
     assert _short_of_files(range(256), files) == []  # 300 + 259 = 559 files, 768 allowed
     assert _short_of_files(range(4096), [_OpenFiles(0, 0)] * 4096) == []  # no limit, or unknown
+    # Connecting lazily (TORCH_GLOO_LAZY_INIT), gloo holds sockets only to the host gathers' peers:
+    # 2 x 11 rounds at 2,048 ranks, 26 files in all.
+    lazy = [_OpenFiles(300, 1024, lazy=True)] * 2048
+    assert _files_for_twin(2048, lazy=True) == 26 and _files_for_twin(3, lazy=True) == 6
+    assert _short_of_files(range(2048), lazy) == []
     text = _files_text([tuple(range(512))], files)
     assert "no gloo twin for the data-parallel group of ranks [0, 1, 2" in text, text
     assert "515 more open files on each rank" in text and "on ranks [7]" in text, text
     assert "(rank 7: 300 open, limit 1024)" in text and "hard open-file limit" in text, text
 
 
-def test_open_files_are_read_from_the_process() -> None:
+def test_open_files_are_read_from_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
     resource = pytest.importorskip("resource")
     if not os.path.isdir("/proc/self/fd"):
         pytest.skip("no /proc/self/fd to count open files in")
+    monkeypatch.delenv("TORCH_GLOO_LAZY_INIT", raising=False)
+    assert _open_files().lazy is False
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    held, limit = _open_files()
+    held, limit, _ = _open_files()
     assert abs(held - len(os.listdir("/proc/self/fd"))) <= 1  # listdir's own descriptor
     assert limit == (0 if soft == resource.RLIM_INFINITY else soft)
+    for value, connects_lazily in (("Yes", True), ("TRUE", True), ("1", True), ("0", False), ("no", False)):
+        monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", value)  # torch's spellings, any case
+        assert _open_files().lazy is connects_lazily, value
     with open(os.devnull) as _:
         assert _open_files().held == held + 1
 
@@ -245,6 +256,33 @@ def _twin_files() -> dict[str, Any]:
         "registered": name in dist.distributed_c10d._world.pg_names.values(),
         "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
     }
+
+
+def _lazy_twin_files() -> dict[str, Any]:
+    """A twin made where gloo connects lazily: the files it holds, and a gather on it."""
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"  # read whenever gloo makes a group
+    try:
+        with groups_taken_for_nccl():
+            before = len(os.listdir("/proc/self/fd"))
+            twin = make_host_group()
+            held = len(os.listdir("/proc/self/fd")) - before
+    finally:
+        del os.environ["TORCH_GLOO_LAZY_INIT"]
+    gathered: list[Any] = [None] * POOL
+    dist.all_gather_object(gathered, dist.get_rank(), group=twin)
+    release_host_group(twin)
+    return {"held": held, "gathered": gathered}
+
+
+def test_a_lazily_connecting_twin_holds_its_gathers_sockets_only(multirank: Any) -> None:
+    """With ``TORCH_GLOO_LAZY_INIT=1`` the twin's first gather, made as the twin is, connects the
+    pairs the host gathers use (4 ranks: gloo's ring, 2 peers): 6 files, within the 7 counted."""
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("no /proc/self/fd to count open files in")
+    with multirank(POOL) as w:
+        results = w.run(_lazy_twin_files)
+    for got in results:
+        assert got["held"] == 6 and got["gathered"] == list(range(POOL)), got
 
 
 def test_a_twin_leaves_room_for_the_jobs_files_and_releasing_it_closes_them(multirank: Any) -> None:
@@ -336,13 +374,14 @@ def test_a_twin_across_two_network_namespaces(tmp_path: Path) -> None:
     one rank fails to connect and the other waits for the group's timeout, 30 minutes by
     default); the balancer gathers on the job's group. With ``GLOO_SOCKET_IFNAME`` the twin is
     made and carries the gathers. Naming an interface no other rank reaches, the ranks fail to
-    connect within the connect timeout and agree to do without the twin."""
+    connect within the connect timeout and agree to do without the twin; so do they where gloo
+    connects lazily (``TORCH_GLOO_LAZY_INIT``), at the twin's first gather."""
     if not _gloo_endpoint().loopback:
         pytest.skip("this machine's hostname resolves to a routable address: gloo's default would work")
     script = Path(__file__).resolve().parent / "two_networks_script.py"
     results = {}
     with _two_networks() as networks:
-        for mode in ("default", "named", "unreachable"):
+        for mode in ("default", "named", "unreachable", "unreachable-lazy"):
             store = tmp_path / f"store-{mode}"
             ranks = [
                 subprocess.Popen(
@@ -374,8 +413,9 @@ def test_a_twin_across_two_network_namespaces(tmp_path: Path) -> None:
     assert "spans 2 network namespaces" in results["default"][0]["warnings"][0], results
     for got in results["named"]:
         assert got["twin"] and got["gathered_on_twin"] and got["applied"] and not got["warnings"], got
-    for rank, got in enumerate(results["unreachable"]):
-        # A 1 s connect timeout: gloo gives up within a few (its retries), then every rank agrees.
-        assert not got["twin"] and got["applied"] and got["seconds"] < 30, got
-        assert len(got["warnings"]) == (1 if rank == 0 else 0), got
-    assert "its ranks could not connect (rank " in results["unreachable"][0]["warnings"][0], results
+    for mode in ("unreachable", "unreachable-lazy"):  # lazy: the twin's first gather fails instead
+        for rank, got in enumerate(results[mode]):
+            # A 1 s connect timeout: gloo gives up within a few (its retries), then every rank agrees.
+            assert not got["twin"] and got["applied"] and got["seconds"] < 30, (mode, got)
+            assert len(got["warnings"]) == (1 if rank == 0 else 0), (mode, got)
+        assert "its ranks could not connect (rank " in results[mode][0]["warnings"][0], results

@@ -2,13 +2,14 @@
 way two hosts are: the hostname resolves to a loopback address, which each namespace has its own
 of. Run by ``test_host_group.py`` inside ``ip netns exec``::
 
-    python tests/two_networks_script.py RANK STORE INTERFACE {default,named,unreachable} DEAD_INTERFACE
+    python tests/two_networks_script.py RANK STORE INTERFACE MODE DEAD_INTERFACE
 
 The job's process group (gloo on the veth interface, standing for NCCL, which picks its interface
 itself) works. Then ``make_host_group`` runs with gloo left to its default address (``default``)
 or with ``GLOO_SOCKET_IFNAME`` still naming the interface (``named``) or naming one no other
-rank reaches (``unreachable``), and a plan made ahead and a
-balanced call gather on what it returned. Prints one JSON line.
+rank reaches (``unreachable``; ``unreachable-lazy`` with ``TORCH_GLOO_LAZY_INIT=1`` too, so
+that gloo would connect at the first gather), and a plan made ahead and a balanced call gather on
+what it returned. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ def main() -> None:
     )
     if mode == "default":
         del os.environ["GLOO_SOCKET_IFNAME"]  # gloo reads it whenever it makes a group
-    elif mode == "unreachable":
+    elif mode.startswith("unreachable"):
         # An interface whose address no other rank can reach; a second to connect, not a minute.
         os.environ["GLOO_SOCKET_IFNAME"] = sys.argv[5]
         host_group.CONNECT_TIMEOUT = timedelta(seconds=1)
+        if mode == "unreachable-lazy":  # read whenever gloo makes a group: the twin's, not the job's
+            os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     host_group._nccl_only = lambda group: True  # take the job's group for NCCL: it gets a twin
     started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:

@@ -319,6 +319,8 @@ def test_each_fit_destroys_its_gloo_twin(tmp_path: Path, multirank: Any) -> None
     """A process running fit after fit holds no twin between them (each twin of 2 ranks held 5
     open files and gloo's threads until the process ended): its open files stay level. A fit that
     raised keeps its twin until the next fit starts."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("no /proc/self/fd to count open files in")
     with multirank(RANKS) as pool:
         results = pool.run(_three_fits, str(tmp_path), timeout=200)
     for fits in results:

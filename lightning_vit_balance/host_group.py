@@ -251,16 +251,17 @@ def _gloo_endpoint() -> _GlooEndpoint:
 def _open_files() -> _OpenFiles:
     """This process's open files (Linux: ``/proc/self/fd``) and its soft limit on them; ``(0, 0)``
     where either cannot be read or there is no limit."""
+    lazy = _connects_lazily()
     try:
         import resource  # POSIX only
 
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         held = len(os.listdir("/proc/self/fd"))
     except (ImportError, OSError, ValueError):
-        return _OpenFiles(0, 0, _connects_lazily())
+        return _OpenFiles(0, 0, lazy)
     if limit == resource.RLIM_INFINITY or limit <= 0:
-        return _OpenFiles(0, 0, _connects_lazily())
-    return _OpenFiles(held, int(limit), _connects_lazily())
+        return _OpenFiles(0, 0, lazy)
+    return _OpenFiles(held, int(limit), lazy)
 
 
 def _connects_lazily() -> bool:
@@ -275,7 +276,7 @@ def _room_for_twin(size: int) -> _OpenFiles:
     in the launch script would: the soft limit is the process's own to raise (a common default is
     1,024 under a hard limit of 524,288), the hard one the administrator's. Never lowers it."""
     files = _open_files()
-    wanted = math.ceil((files.held + _files_for_twin(size, files.lazy)) / (1 - FREE_FILES_SHARE))
+    wanted = _limit_wanted(_holding(files, size))
     if size < 2 or not files.limit or wanted <= files.limit:
         return files
     import resource
@@ -301,17 +302,20 @@ def _files_for_twin(size: int, lazy: bool) -> int:
 def _short_of_files(ranks: Sequence[int], files: Sequence[_OpenFiles]) -> list[int]:
     """The ranks of a group that a twin would leave with less than :data:`FREE_FILES_SHARE` of
     their open-file limit free; ``[]`` when the twin fits (or the limits are unknown)."""
-    return [r for r in ranks if files[r].limit and _holding(r, ranks, files) > _most_files(files[r].limit)]
+    return [
+        r for r in ranks if files[r].limit and _limit_wanted(_holding(files[r], len(ranks))) > files[r].limit
+    ]
 
 
-def _holding(rank: int, ranks: Sequence[int], files: Sequence[_OpenFiles]) -> int:
-    """The files ``rank`` would hold with the twin of ``ranks`` made."""
-    return files[rank].held + _files_for_twin(len(ranks), files[rank].lazy)
+def _holding(files: _OpenFiles, size: int) -> int:
+    """The files a rank holding ``files`` would hold with a twin of ``size`` ranks made."""
+    return files.held + _files_for_twin(size, files.lazy)
 
 
-def _most_files(limit: int) -> float:
-    """The most files a rank may hold once its twin is made: its limit less the share kept free."""
-    return limit * (1 - FREE_FILES_SHARE)
+def _limit_wanted(holding: int) -> int:
+    """The least open-file limit that leaves :data:`FREE_FILES_SHARE` of it free with ``holding``
+    files open: the one rule behind both raising the soft limit and refusing a twin."""
+    return math.ceil(holding / (1 - FREE_FILES_SHARE))
 
 
 def _read_text(path: str) -> str:
@@ -395,8 +399,8 @@ def _files_text(crowded: Sequence[tuple[int, ...]], files: Sequence[_OpenFiles])
     files and limits, and the fix."""
     first = crowded[0]
     short = _short_of_files(first, files)
-    worst = max(short, key=lambda r: _holding(r, first, files) / files[r].limit)
-    needed = _holding(worst, first, files) - files[worst].held
+    worst = max(short, key=lambda r: _holding(files[r], len(first)) / files[r].limit)
+    needed = _files_for_twin(len(first), files[worst].lazy)
     why = (
         f"gloo would hold {needed} more open files on each rank (a socket per rank it connects to), "
         f"and on ranks {_ranks_text(short)} that leaves less than {FREE_FILES_SHARE:.0%} of the "

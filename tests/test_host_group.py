@@ -38,6 +38,14 @@ from lightning_vit_balance.host_group import (
 )
 
 POOL = 4
+#: The tests that count this process's open files, in ``/proc/self/fd`` (Linux).
+_COUNTS_OPEN_FILES = pytest.mark.skipif(
+    not os.path.isdir("/proc/self/fd"), reason="no /proc/self/fd to count open files in"
+)
+
+
+def _files_held() -> int:
+    return len(os.listdir("/proc/self/fd"))
 
 
 def _resolving_to(address: str) -> Any:
@@ -188,15 +196,14 @@ def test_a_twin_that_would_crowd_out_the_jobs_files_is_not_made() -> None:
     assert "(rank 7: 300 open, limit 1024)" in text and "hard open-file limit" in text, text
 
 
+@_COUNTS_OPEN_FILES
 def test_open_files_are_read_from_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
     resource = pytest.importorskip("resource")
-    if not os.path.isdir("/proc/self/fd"):
-        pytest.skip("no /proc/self/fd to count open files in")
     monkeypatch.delenv("TORCH_GLOO_LAZY_INIT", raising=False)
     assert _open_files().lazy is False
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     held, limit, _ = _open_files()
-    assert abs(held - len(os.listdir("/proc/self/fd"))) <= 1  # listdir's own descriptor
+    assert abs(held - _files_held()) <= 1  # listdir's own descriptor
     assert limit == (0 if soft == resource.RLIM_INFINITY else soft)
     for value, connects_lazily in (("Yes", True), ("TRUE", True), ("1", True), ("0", False), ("no", False)):
         monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", value)  # torch's spellings, any case
@@ -211,15 +218,12 @@ def _twin_files() -> dict[str, Any]:
     such a limit as its hard one too; then a twin made, gathered on and released."""
     import resource
 
-    def held() -> int:
-        return len(os.listdir("/proc/self/fd"))
-
     rank = dist.get_rank()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with groups_taken_for_nccl(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            before = held()
+            before = _files_held()
             if rank == 2:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (before + 8, hard))
             lowered = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -230,15 +234,15 @@ def _twin_files() -> dict[str, Any]:
         made_raised = raised is not None
         del raised
         if rank == 2:  # as a hard limit would leave it
-            host_group._room_for_twin = lambda size: _OpenFiles(held(), held() + 8)
+            host_group._room_for_twin = lambda size: _OpenFiles(_files_held(), _files_held() + 8)
         try:
             refused = make_host_group()
         finally:
             host_group._room_for_twin = _room_for_twin
-        before = held()
+        before = _files_held()
         twin = make_host_group()
     made = twin is not None
-    with_twin = held()
+    with_twin = _files_held()
     gathered: list[Any] = [None] * POOL
     dist.all_gather_object(gathered, rank, group=twin)
     name = twin.group_name
@@ -252,7 +256,7 @@ def _twin_files() -> dict[str, Any]:
         "refused": refused is None,
         "made": made,
         "gathered": gathered,
-        "files": (with_twin - before, held() - before),
+        "files": (with_twin - before, _files_held() - before),
         "registered": name in dist.distributed_c10d._world.pg_names.values(),
         "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
     }
@@ -263,9 +267,9 @@ def _lazy_twin_files() -> dict[str, Any]:
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"  # read whenever gloo makes a group
     try:
         with groups_taken_for_nccl():
-            before = len(os.listdir("/proc/self/fd"))
+            before = _files_held()
             twin = make_host_group()
-            held = len(os.listdir("/proc/self/fd")) - before
+            held = _files_held() - before
     finally:
         del os.environ["TORCH_GLOO_LAZY_INIT"]
     gathered: list[Any] = [None] * POOL
@@ -274,24 +278,22 @@ def _lazy_twin_files() -> dict[str, Any]:
     return {"held": held, "gathered": gathered}
 
 
+@_COUNTS_OPEN_FILES
 def test_a_lazily_connecting_twin_holds_its_gathers_sockets_only(multirank: Any) -> None:
     """With ``TORCH_GLOO_LAZY_INIT=1`` the twin's first gather, made as the twin is, connects the
     pairs the host gathers use (4 ranks: gloo's ring, 2 peers): 6 files, within the 7 counted."""
-    if not os.path.isdir("/proc/self/fd"):
-        pytest.skip("no /proc/self/fd to count open files in")
     with multirank(POOL) as w:
         results = w.run(_lazy_twin_files)
     for got in results:
         assert got["held"] == 6 and got["gathered"] == list(range(POOL)), got
 
 
+@_COUNTS_OPEN_FILES
 def test_a_twin_leaves_room_for_the_jobs_files_and_releasing_it_closes_them(multirank: Any) -> None:
     """A soft limit too low for the twin is raised (the twin is made); a hard one is not, and the
     refusal is agreed on every rank (rank 0 warns, naming rank 2's files). A twin of 4 ranks holds
     7 files on each, all closed when it is released."""
     pytest.importorskip("resource")
-    if not os.path.isdir("/proc/self/fd"):
-        pytest.skip("no /proc/self/fd to count open files in")
     with multirank(POOL) as w:
         results = w.run(_twin_files)
     for rank, got in enumerate(results):

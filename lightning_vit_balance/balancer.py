@@ -39,6 +39,7 @@ from lightning_vit_balance.encoding import (
     ViTClock,
     encode,
     raise_for_input,
+    raise_for_plans,
     raise_for_vit,
     splice_encoded,
     validate_input,
@@ -633,6 +634,10 @@ class ViTBalancer:
         frames = [[t for t, _, _ in m.grids] for m in metadata]
         counts = [m.patch_counts for m in metadata]
         plan = plan_rebalance(counts, self.config, cost_model=cost_model, frames=frames)
+        if plan.applied:
+            # Compared across ranks before the return trip: made with the plan, so that a plan
+            # made ahead has it before the forward (0.1 ms at 1,024 ranks x 8 images).
+            _ = plan.digest
         if self._calibrator is not None:
             arrivals = plan.arrivals_of_every_rank() if plan.applied else None
             self._encoded_counts, self._encoded_frames = (
@@ -740,10 +745,11 @@ class ViTBalancer:
         memory there ended this rank alone and left the others waiting in the return trip."""
         started = time.perf_counter()
         encoded, packed = self._packed(call, encoded, plan, route, batch, reference)
-        report = start_status(encoded.status(), call.host).wait()
+        report = start_status(encoded.status(), call.host, plan.digest).wait()
         call.collectives += report.collectives
         call.timed("combine", started)
         call.timed("status", started)
+        raise_for_plans(report)
         raise_for_vit(report, encoded, call.merge)
         assert packed is not None  # every rank's status was fine, this rank's too
         started = time.perf_counter()

@@ -44,6 +44,7 @@ __all__ = [
     "dtype_code",
     "encode",
     "raise_for_input",
+    "raise_for_plans",
     "raise_for_vit",
     "splice_encoded",
     "validate_input",
@@ -420,6 +421,31 @@ def raise_for_vit(report: StatusReport, encoded: EncodedBatch, merge: int) -> No
             raise torch.OutOfMemoryError(message)
         raise RuntimeError(message)
     raise ValueError(message)
+
+
+def raise_for_plans(report: StatusReport) -> None:
+    """After the status gather, before the return trip: raise on every rank when the ranks' plans
+    differ.
+
+    Every rank plans from the same gathered batch, settings and package version, so the plans
+    are equal unless something outside them differs between the ranks (a Python or NumPy
+    version) or a bug. Sizes that still match would let the trips complete with images encoded
+    as the wrong grids and their outputs returned to the wrong images' rows, silently: a
+    ``RuntimeError`` with the same text on every rank ends the call instead.
+    """
+    digests = report.plan_digests
+    if len(set(digests)) <= 1:
+        return
+    ranks = [r for r, digest in enumerate(digests) if digest != digests[0]]
+    raise RuntimeError(
+        f"The balanced ViT call failed: the ranks planned it differently. Ranks {ranks} made other "
+        f"plans than rank 0 from the same gathered batch, settings and package version (plan "
+        f"digest {digests[ranks[0]]} on rank {ranks[0]}, {digests[0]} on rank 0), so images would "
+        "come back to rows other images own; the call ends before its return trip on every rank. "
+        "Plans depend on nothing else, so the ranks' environments differ (compare "
+        '`python -c "import sys, numpy; print(sys.version, numpy.__version__)"` on each) or this is '
+        "a bug in lightning-vit-balance: please report it."
+    )
 
 
 def _out_of_memory(error: str) -> bool:

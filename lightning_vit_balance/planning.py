@@ -29,6 +29,7 @@ idle may be given a single image larger than the cap when no other image is left
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -165,6 +166,17 @@ class RebalancePlan:
     def total_patches(self) -> int:
         """Patches over all ranks."""
         return sum(sum(c) for c in self.patch_counts)
+
+    @cached_value
+    def digest(self) -> int:
+        """A 62-bit integer of whether the plan applies and where every image goes (the ranks'
+        image counts included): equal on every process that made this plan, different, but for
+        a 1 in 2**62 chance, for any other destinations. The balancer compares it across ranks
+        before the return trip, so ranks that planned differently raise instead of returning
+        images' outputs to the wrong rows."""
+        sizes = np.fromiter(map(len, self.destinations), dtype="<i4", count=self.num_ranks)
+        data = bytes([self.applied]) + sizes.tobytes() + self._flat_images[0].astype("<i4").tobytes()
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
 
     @cached_value
     def _flat_images(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -321,3 +321,64 @@ def test_grid_on_the_meta_device_names_grid_thw(multirank: Any) -> None:
     kind, message, _ = outcomes[0]
     assert kind == "ValueError" and "rank 2: grid_thw is on a meta device" in message, message
     assert "pixel_values" not in message.split("rank 2:")[1], message
+
+
+#: Rank 0's first image holds the rows of its next two together, so a plan that sends it to rank 1
+#: and one that sends those two instead move the same rows between the same ranks: both trips
+#: complete, and only the images' grids differ.
+TWIN_GRIDS = [[(1, 4, 8), (1, 4, 4), (1, 4, 4)], [(1, 2, 2)], [(1, 2, 4)]]
+
+
+def _plans_case(mode: str) -> dict[str, Any] | None:
+    """One call under a given plan: every rank's alike (``"same"``), or rank 1's sending rank 0's
+    two small images in place of its large one (``"rank 1 differs"``; ``"unchecked"``: that, with
+    the check of the plans taken out). Then a good call on every rank."""
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    plan_rebalance = balancer_module.plan_rebalance
+    first = (0, 1, 1) if mode != "same" and rank == 1 else (1, 0, 0)
+
+    def planned(*args: Any, **kwargs: Any) -> Any:
+        plan = plan_rebalance(*args, **kwargs)
+        return dataclasses.replace(plan, applied=True, reason="applied", destinations=(first, (1,), (2,)))
+
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    pixels, grid = towers.make_batch(TWIN_GRIDS[rank], seed=rank)
+    result: dict[str, Any] = {}
+
+    def call() -> None:
+        out = ViTBalancer(ViTBalanceConfig(**APPLY), group)(tower, pixels, grid)
+        result["max_error"] = float((out - tower(pixels, grid)).abs().max())
+
+    with mock.patch.object(balancer_module, "plan_rebalance", planned):
+        if mode == "unchecked":
+            with mock.patch.object(balancer_module, "raise_for_plans", lambda report: None):
+                result["kind"], result["message"], result["seconds"] = _outcome(call)
+        else:
+            result["kind"], result["message"], result["seconds"] = _outcome(call)
+    _still_in_step(group, rank)
+    return result
+
+
+def test_plans_that_differ_raise_before_the_return_trip(multirank: Any) -> None:
+    """Ranks whose plans differ though their rows match raise the same RuntimeError, naming the
+    ranks; unchecked, the same call returns wrong outputs on rank 0 without a word."""
+    with multirank(POOL) as w:
+        same = w.run(_plans_case, "same")[:RANKS]
+        differ = w.run(_plans_case, "rank 1 differs")[:RANKS]
+        unchecked = w.run(_plans_case, "unchecked")[:RANKS]
+    # The plan every rank shares moves rank 0's large image: the direct call's outputs, to fp32's
+    # few ulps (the same operations on the same rows, in another batch).
+    assert [r["kind"] for r in same] == ["ok"] * RANKS and max(r["max_error"] for r in same) < 1e-5, same
+    assert {r["kind"] for r in differ} == {"RuntimeError"}, differ
+    assert len({r["message"] for r in differ}) == 1, differ
+    message = differ[0]["message"]
+    assert "planned it differently" in message and "Ranks [1]" in message and "rank 0" in message, message
+    assert all(r["seconds"] < FAST_S for r in differ), differ
+    # What the check prevents: rank 1 encoded rank 0's large image as two small ones, and rank 0
+    # took the outputs for its own.
+    assert [r["kind"] for r in unchecked] == ["ok"] * RANKS, unchecked
+    assert unchecked[0]["max_error"] > 1e-2 and unchecked[2]["max_error"] < 1e-5, unchecked

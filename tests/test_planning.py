@@ -406,6 +406,7 @@ def test_overloaded_rank_sheds_its_largest_images() -> None:
 
 
 def test_determinism_across_processes() -> None:
+    """The same plans, loads and digests in interpreters with different hash seeds."""
     code = (
         "import json, numpy as np\n"
         "from lightning_vit_balance import plan_rebalance, ViTBalanceConfig\n"
@@ -416,26 +417,26 @@ def test_determinism_across_processes() -> None:
         "        counts = [rng.integers(1, 3000, rng.integers(0, 9)).tolist() for _ in range(24)]\n"
         "        counts[3] = [2, 2, 2, 2]  # ties\n"
         "        plan = plan_rebalance(counts, ViTBalanceConfig(solver=solver, trigger_threshold=0.0))\n"
-        "        out.append([plan.destinations, plan.loads_after, plan.reason])\n"
+        "        out.append([plan.destinations, plan.loads_after, plan.reason, plan.digest])\n"
         "for _ in range(5):  # similar sizes, some equal: the repair's exchanges and their ties\n"
         "    counts = [rng.choice([784, 900, 1024, 1296], rng.integers(1, 9)).tolist() for _ in range(8)]\n"
         "    plan = plan_rebalance(counts, ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))\n"
-        "    out.append([plan.destinations, plan.loads_after, plan.reason])\n"
+        "    out.append([plan.destinations, plan.loads_after, plan.reason, plan.digest])\n"
         "# many images of similar sizes (the numpy variants), repaired from shed-and-place\n"
         "counts = [rng.integers(784, 1297, rng.integers(1, 9)).tolist() for _ in range(128)]\n"
         "plan = plan_rebalance(counts, ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))\n"
-        "out.append([plan.destinations, plan.loads_after, plan.reason])\n"
+        "out.append([plan.destinations, plan.loads_after, plan.reason, plan.digest])\n"
         "# beyond the Python repair's sizes: paired exchanges first (384 ranks, 4-12 images each)\n"
         "counts = [rng.integers(784, 1297, rng.integers(4, 13)).tolist() for _ in range(384)]\n"
         "plan = plan_rebalance(counts, ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))\n"
-        "out.append([plan.destinations, plan.loads_after, plan.reason])\n"
+        "out.append([plan.destinations, plan.loads_after, plan.reason, plan.digest])\n"
         "# many images per rank on few ranks: frames of long videos (shed-and-fit), then photos\n"
         "videos = (rng.choice([16, 24, 32], 4), rng.integers(100, 300, 4))\n"
         "for sides, steps in (videos, ([8] * 6, [1] * 6)):\n"
         "    photos = [rng.integers(1, 3000, 100).tolist() for _ in sides]\n"
         "    counts = [[int(s) ** 2] * int(t) + p for s, t, p in zip(sides, steps, photos)]\n"
         "    plan = plan_rebalance(counts, ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))\n"
-        "    out.append([plan.destinations, plan.loads_after, plan.reason])\n"
+        "    out.append([plan.destinations, plan.loads_after, plan.reason, plan.digest])\n"
         "print(json.dumps(out))\n"
     )
     # The three interpreters start side by side: their imports, not the plans, take the time.
@@ -1024,3 +1025,19 @@ def test_home_first_blocks_equals_the_steps_by_hand(seed: int) -> None:
         return
     for aim in (batch.lower_bound, batch.lower_bound * 1.02, batch.lower_bound * 0.5):
         assert home_first_blocks(batch, aim).tolist() == _home_first_blocks_by_hand(batch, aim), aim
+
+
+def test_plan_digest_tells_plans_apart() -> None:
+    """Equal plans have equal digests; a destination moved, the same destinations split
+    differently between the ranks, or the plan not applying, give another."""
+    plan = plan_rebalance([[5, 4, 3], [1], [2, 2]], FORCED)
+    assert plan.applied and plan.digest == plan_rebalance([[5, 4, 3], [1], [2, 2]], FORCED).digest
+    flat = [d for dests in plan.destinations for d in dests]
+    moved = [(d + 1) % plan.num_ranks if k == 0 else d for k, d in enumerate(flat)]
+    others = [
+        replace(plan, destinations=(tuple(moved[:3]), tuple(moved[3:4]), tuple(moved[4:]))),
+        replace(plan, destinations=(tuple(flat[:2]), tuple(flat[2:4]), tuple(flat[4:]))),
+        replace(plan, applied=False),
+    ]
+    digests = {plan.digest, *(other.digest for other in others)}
+    assert len(digests) == 4 and all(0 <= d < 2**62 for d in digests)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-__all__ = ["EMPTY_RANK_POLICIES", "SOLVERS", "ViTBalanceConfig", "add_vit_balance_args"]
+__all__ = ["EMPTY_RANK_POLICIES", "SOLVERS", "ViTBalanceConfig", "add_vit_balance_args", "stable_digest"]
 
 #: Accepted ``solver`` names. ``"seed"`` is an alias of ``"lpt"``: a config keeps the name it was
 #: given (so configs saved with ``"seed"`` load and compare as before), and both plan identically.
@@ -274,8 +274,13 @@ def _canonical(value: object) -> object:
 
 
 def _stable_hash(value: object) -> int:
-    digest = hashlib.blake2b(repr(_canonical(value)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
+    return stable_digest(repr(_canonical(value)).encode())
+
+
+def stable_digest(data: bytes) -> int:
+    """A 62-bit integer of ``data`` (blake2b), equal in every process, to compare across ranks: it
+    fits an int64 row of a gather, and no ``hash()`` seed is involved."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
 
 
 @lru_cache(maxsize=1)

@@ -23,7 +23,6 @@ no sizes are exchanged in between. The pieces:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_vit_balance.caching import cached_value
+from lightning_vit_balance.config import stable_digest
 from lightning_vit_balance.planning import RebalancePlan
 from lightning_vit_balance.problems import DEVICE_TYPES, MAX_DETAILS, InputProblem
 
@@ -908,7 +908,7 @@ class ViTStatus:
     def digest(self) -> int:
         """A 62-bit integer of the outputs' paths, kinds, dtypes and trailing shapes (not their rows)."""
         text = json.dumps([[x.path, x.kind, x.dtype, list(x.trailing)] for x in self.leaves])
-        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+        return stable_digest(text.encode())
 
     def encode(self) -> bytes:
         """A compact UTF-8 form of at most ``_DETAIL_BYTES`` bytes (the message is cut to fit)."""

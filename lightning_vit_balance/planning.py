@@ -29,7 +29,6 @@ idle may be given a single image larger than the cap when no other image is left
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -38,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from lightning_vit_balance.caching import cached_value
-from lightning_vit_balance.config import ViTBalanceConfig
+from lightning_vit_balance.config import ViTBalanceConfig, stable_digest
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.solvers import Batch, canonical_solver, solve, tuning
 from lightning_vit_balance.solvers.batch import add_up, rank_loads
@@ -176,7 +175,7 @@ class RebalancePlan:
         images' outputs to the wrong rows."""
         sizes = np.fromiter(map(len, self.destinations), dtype="<i4", count=self.num_ranks)
         data = bytes([self.applied]) + sizes.tobytes() + self._flat_images[0].astype("<i4").tobytes()
-        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
+        return stable_digest(data)
 
     @cached_value
     def _flat_images(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostCalibrator, CostModel
+from lightning_vit_balance.eager import eager
 from lightning_vit_balance.encoding import (
     BalancedBatch,
     EncodedBatch,
@@ -304,6 +305,7 @@ class ViTBalancer:
 
     # -- entry point -------------------------------------------------------------------------
 
+    @eager
     def __call__(
         self,
         vit: Any,
@@ -320,6 +322,9 @@ class ViTBalancer:
             grid_thw: ``[n_images, 3]`` ``(T, H, W)`` of each image.
             prepared: The plan :meth:`prepare` made for this batch before the forward: then the call
                 makes no metadata gather and no plan (and nothing at all when the plan skips).
+
+        Inside a compiled model (``torch.compile``) the call runs eagerly, a graph break, and calls
+        ``vit`` as it is passed (compile it, or its blocks, to have it compiled).
         """
         self.calls += 1
         distributed = dist.is_available() and dist.is_initialized()
@@ -342,6 +347,7 @@ class ViTBalancer:
             return output
         return self._balanced(vit, pixel_values, grid_thw)
 
+    @eager
     @_collector_paused
     def prepare(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, vit: Any = None
@@ -1023,6 +1029,7 @@ def _window_index(vit: Any, grid_thw: torch.Tensor) -> Any:
     return window_index[0] if isinstance(window_index, (tuple, list)) else window_index
 
 
+@eager
 def balanced_encode(
     vit: Any,
     pixel_values: torch.Tensor,

@@ -108,10 +108,12 @@ instead. DDP, FSDP2 (each block and decoder layer a unit, also under Lightning's
 ``ModelParallelStrategy``, or the tower as one unit) and DeepSpeed ZeRO-2 and ZeRO-3 (its CPU
 accelerator) are tested here (CPU, gloo).
 
-**Compiling.** Compile the tower's blocks (``block.compile()`` for each of ``visual.blocks``):
-the balanced call runs them as they are (checked with Qwen2.5-VL on CPU: the plain model's losses
-and gradients). A tower compiled as a whole (``visual.compile()`` or ``torch.compile(visual)``)
-would compile the drop-in's own bookkeeping with it; it raises a ``ValueError`` instead.
+**Compiling.** Compile the model as a whole (``torch.compile(model)``), the tower's blocks
+(``block.compile()`` for each of ``visual.blocks``), or both: the plain model's losses and
+gradients. In a compiled model the patched forwards run eagerly and the model's own forwards they
+call are compiled (:mod:`lightning_vit_balance.eager`); the balanced call runs the blocks as they
+are. A tower compiled as a whole (``visual.compile()`` or ``torch.compile(visual)``) would compile
+the drop-in's own bookkeeping with it; it raises a ``ValueError`` instead.
 
 For code that calls the tower itself, :func:`encode_visual` encodes a rank's images and videos in
 one balanced call and returns the two outputs separately.
@@ -120,13 +122,13 @@ one balanced call and returns the two outputs separately.
 from __future__ import annotations
 
 import collections
-import contextlib
+import functools
 import inspect
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -135,6 +137,7 @@ from torch import nn
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel, pixel_row_factors
+from lightning_vit_balance.eager import eager, eager_frame
 from lightning_vit_balance.exchange import grid_rows, grid_steps
 from lightning_vit_balance.host_group import make_host_group, release_host_group
 from lightning_vit_balance.outputs import (
@@ -289,7 +292,7 @@ def _wrapping_problem(base: nn.Module, tower: nn.Module) -> str | None:
 
     The model calls ``base.visual`` once per modality present on the rank. The drop-in answers
     those calls through the tower's patched ``forward``, with the tower's own hooks held back
-    (:func:`_hooks_held_back`), so hooks that gather parameters (FSDP2, ZeRO-3) run once per
+    (:func:`_hold_hooks`), so hooks that gather parameters (FSDP2, ZeRO-3) run once per
     forward on every rank. A wrapper put in the tower's place after :func:`balance_vision_tower`
     (FSDP1 wraps the tower in a new module, ``torch.compile`` returns one) would run its own
     machinery once per call, a different number of times on different ranks (then ranks hang). A
@@ -575,24 +578,42 @@ class _Forward:
 
     A plain picklable object (not a closure), so the patched model pickles (``ddp_spawn``) and
     deep-copies with its handle. ``inspect.signature`` sees the original forward's signature.
+
+    The handle's :meth:`~BalancedVisionTower._route` picks what to run (:class:`_Route`): this
+    frame runs it, so that ``torch.compile`` of the whole model compiles the model's own forwards
+    and leaves the drop-in's bookkeeping eager (see :mod:`lightning_vit_balance.eager`).
     """
 
     def __init__(self, handle: BalancedVisionTower, which: str) -> None:
         self.handle = handle
         self.which = which
 
+    @eager_frame
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.which == "base":
-            return self.handle._base_forward(*args, **kwargs)
-        if self.which == "model":
-            return self.handle._model_forward(*args, **kwargs)
-        if self.which == "generation":
-            return self.handle._generation_encode(*args, **kwargs)
-        return self.handle._tower_forward(*args, **kwargs)
+        # In a compiled model this frame and the handle's routing run eagerly; the forward the
+        # route names (the model's own, most often) is compiled with the model.
+        route = self.handle._route(self.which, args, kwargs)
+        try:
+            output = route.forward(*route.args, **route.kwargs)
+        finally:
+            if route.done is not None:
+                route.done()
+        return output if route.finish is None else route.finish(output)
 
     @property
     def __signature__(self) -> inspect.Signature:
         return inspect.signature(self.handle._original(self.which))
+
+
+class _Route(NamedTuple):
+    """What a patched forward runs: ``forward(*args, **kwargs)``, then ``done()`` whether it raised
+    or not, and ``finish(output)`` when it did not. ``done`` and ``finish`` run eagerly."""
+
+    forward: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    done: Callable[[], None] | None = None
+    finish: Callable[[Any], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -826,6 +847,7 @@ class BalancedVisionTower:
         ticket, self._ticket = self._ticket, None
         return ticket
 
+    @eager
     def prepare(self, batch: Mapping[str, Any]) -> PreparedPlan | None:
         """Plan the next balanced forward from its batch while the batch is still on the host.
 
@@ -960,27 +982,42 @@ class BalancedVisionTower:
         saved = self._saved[which]
         return saved if saved is not None else getattr(type(module), name).__get__(module)
 
-    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+    @eager
+    def _route(self, which: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Route:
+        """What the patched ``forward`` of ``which`` runs for a call with ``args`` and ``kwargs``
+        (those of the call: the host grids are taken out of them), balanced calls made first."""
+        if which == "base":
+            return self._base_route(args, kwargs)
+        if which == "model":
+            return self._model_route(args, kwargs)
+        if which == "generation":
+            return self._generation_route(args, kwargs)
+        return self._tower_route(args, kwargs)
+
+    def _model_route(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Route:
         """The model's forward, once :meth:`plan_ahead` made a collator: plans from the batch's host
         grids first."""
         original = self._original("model")
         grids = _take_grids(kwargs)
         if grids is None:
-            return original(*args, **kwargs)
-        return self._planned_from(grids, original, *args, **kwargs)
+            return _Route(original, args, kwargs)
+        return self._planned_from(grids, original, args, kwargs)
 
-    def _planned_from(self, grids: _HostGrids, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _planned_from(
+        self, grids: _HostGrids, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> _Route:
         """``forward(*args, **kwargs)``, planned from ``grids`` (see :meth:`plan_ahead`) when it is
         balanced and no plan is waiting already; a plan it leaves untaken is dropped with it."""
-        ticket = None
-        if self._ticket is None and self._balances(kwargs):
-            view = {pixels: kwargs.get(pixels) for pixels, _ in _PREPARE_KEYS}
-            ticket = self.prepare({**view, **dict(grids.grids)})
-        try:
-            return forward(*args, **kwargs)
-        finally:
-            if ticket is not None and self._ticket is ticket:
-                self._ticket = None
+        if self._ticket is not None or not self._balances(kwargs):
+            return _Route(forward, args, kwargs)
+        view = {pixels: kwargs.get(pixels) for pixels, _ in _PREPARE_KEYS}
+        ticket = self.prepare({**view, **dict(grids.grids)})
+        return _Route(forward, args, kwargs, done=functools.partial(self._drop_ticket, ticket))
+
+    @eager
+    def _drop_ticket(self, ticket: PreparedPlan) -> None:
+        if self._ticket is ticket:
+            self._ticket = None
 
     def _balances(self, arguments: Mapping[str, Any]) -> bool:
         """Whether a base forward with ``arguments`` (by name) is balanced, settings aside: in
@@ -991,25 +1028,27 @@ class BalancedVisionTower:
             return True
         return self.evaluation and self._balances_evaluation_forward(arguments)
 
-    def _base_forward(self, *args: Any, **kwargs: Any) -> Any:
+    def _base_route(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Route:
         original = self._original("base")
         grids = _take_grids(kwargs)
         if grids is not None:  # the base model given to balance_vision_tower itself
-            return self._planned_from(grids, self._base_forward, *args, **kwargs)
+            return self._planned_from(grids, _Forward(self, "base"), args, kwargs)
         training = self.base.training and torch.is_grad_enabled()
         if self._pending is not None or not (training or self.evaluation):
-            return original(*args, **kwargs)
+            return _Route(original, args, kwargs)
         # Bind to the class's signature: a forward patched in before us may take (*args, **kwargs).
         signature = inspect.signature(type(self.base).forward)
         bound = signature.bind_partial(self.base, *args, **kwargs).arguments
-        if not self._balances(bound):
-            return original(*args, **kwargs)
-        settings = self.settings()
+        settings = self.settings() if self._balances(bound) else None
         if settings is None:
-            return original(*args, **kwargs)
+            return _Route(original, args, kwargs)
         pending = self._encode(bound, *settings)
-        output = self._answered(pending, original, *args, **kwargs)
-        return _add_zero(output, pending.zero, type(self.base).__name__)
+        finish = functools.partial(self._zero_added, pending.zero)
+        return self._answering(pending, _Route(original, args, kwargs, finish=finish))
+
+    @eager
+    def _zero_added(self, zero: torch.Tensor | None, output: Any) -> Any:
+        return _add_zero(output, zero, type(self.base).__name__)
 
     def _balances_evaluation_forward(self, bound: Mapping[str, Any]) -> bool:
         """Whether an evaluation forward is balanced: yes, unless it is a step of ``generate()``.
@@ -1028,7 +1067,7 @@ class BalancedVisionTower:
         length = getattr(caches[0], "get_seq_length", None)
         return callable(length) and length() == 0 and _parameters_sharded(self.tower)
 
-    def _generation_encode(self, *args: Any, **kwargs: Any) -> Any:
+    def _generation_route(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Route:
         """``generate()``'s encoding of images and videos before the first forward (transformers 5),
         balanced where the tower is sharded and evaluation forwards are balanced.
 
@@ -1039,33 +1078,35 @@ class BalancedVisionTower:
         """
         original = self._original("generation")
         if self._pending is not None or not self.evaluation or not _parameters_sharded(self.tower):
-            return original(*args, **kwargs)
+            return _Route(original, args, kwargs)
         settings = self.settings()
         if settings is None:
-            return original(*args, **kwargs)
+            return _Route(original, args, kwargs)
         model_kwargs = args[0] if args else kwargs["model_kwargs"]  # the pixels and grids, by name
-        return self._answered(self._encode(model_kwargs, *settings), original, *args, **kwargs)
+        return self._answering(self._encode(model_kwargs, *settings), _Route(original, args, kwargs))
 
-    def _answered(self, pending: _Pending, original: Any, *args: Any, **kwargs: Any) -> Any:
-        """``original(*args, **kwargs)`` with its tower calls answered from ``pending``, the tower's
-        own hooks held back."""
+    def _answering(self, pending: _Pending, route: _Route) -> _Route:
+        """``route`` with its forward's tower calls answered from ``pending``, the tower's own hooks
+        held back until it is done (see :func:`_hold_hooks`)."""
         self._pending = pending
-        try:
-            with _hooks_held_back(self.tower):
-                return original(*args, **kwargs)
-        finally:
-            self._pending = None
+        held = _hold_hooks(self.tower)
+        return route._replace(done=functools.partial(self._answered, held))
 
-    def _tower_forward(self, *args: Any, **kwargs: Any) -> Any:
+    @eager
+    def _answered(self, held: dict[str, Any]) -> None:
+        _restore_hooks(self.tower, held)
+        self._pending = None
+
+    def _tower_route(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Route:
         original = self._original("tower")
         if self._encoding:
             # The balanced call itself (or the engine's dummy forward on a rank with no images).
-            return original(*args, **self._tower_keywords)
+            return _Route(original, args, self._tower_keywords)
         if self._pending is None:
             if self.base.training and torch.is_grad_enabled() and self.settings() is not None:
                 self._warn_outside()
-            return original(*args, **kwargs)
-        return self._serve(*args, **kwargs)
+            return _Route(original, args, kwargs)
+        return _Route(self._serve, args, kwargs)
 
     def _warn_outside(self) -> None:
         """A training call of the tower outside the base forward (ColQwen2, say, calls the tower
@@ -1142,6 +1183,7 @@ class BalancedVisionTower:
             return grid
         return grid_steps(grid)
 
+    @eager
     def _serve(self, pixels: Any, grid_thw: Any = None, **kwargs: Any) -> Any:
         """Answer one of the model's own tower calls from the pending balanced result."""
         pending = self._pending
@@ -1254,25 +1296,29 @@ def warn_at_caller(message: str) -> None:
 _HOOK_REGISTRIES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
-@contextlib.contextmanager
-def _hooks_held_back(tower: nn.Module) -> Iterator[None]:
-    """The tower's own hooks do not run inside the block: the model's per-modality tower calls,
-    which the drop-in answers from the balanced call, then run no hooks on any rank.
+def _hold_hooks(tower: nn.Module) -> dict[str, Any]:
+    """Hold the tower's own hooks back until :func:`_restore_hooks`: the model's per-modality
+    tower calls, which the drop-in answers from the balanced call, then run no hooks on any rank.
 
     Those calls differ in number between ranks (one per modality a rank has), while the balanced
     call runs the hooks once on every rank. ZeRO-3 records the order of module calls in the first
     step and requires it identical on every rank; hooks that gather parameters per call would issue
-    a different number of collectives. Hooks registered inside the block are kept.
+    a different number of collectives. Hooks registered in between are kept.
+
+    Returns:
+        The held hooks, by registry.
     """
     held = {name: getattr(tower, name) for name in _HOOK_REGISTRIES}
     for name in _HOOK_REGISTRIES:
         setattr(tower, name, OrderedDict())
-    try:
-        yield
-    finally:
-        for name, hooks in held.items():
-            hooks.update(getattr(tower, name))
-            setattr(tower, name, hooks)
+    return held
+
+
+def _restore_hooks(tower: nn.Module, held: dict[str, Any]) -> None:
+    """Put back the hooks :func:`_hold_hooks` held, after those registered in between."""
+    for name, hooks in held.items():
+        hooks.update(getattr(tower, name))
+        setattr(tower, name, hooks)
 
 
 def _add_zero(output: Any, zero: torch.Tensor | None, base_name: str) -> Any:

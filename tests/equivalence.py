@@ -22,7 +22,15 @@ from multirank import subgroup
 from lightning_vit_balance import ViTBalanceConfig, ViTBalancer
 from lightning_vit_balance.outputs import flatten_output
 
-__all__ = ["APPLIED_COLLECTIVES", "TOWERS", "CollectiveCounter", "probe_loss", "run_cases", "tolerances"]
+__all__ = [
+    "APPLIED_COLLECTIVES",
+    "TOWERS",
+    "CollectiveCounter",
+    "CompiledSources",
+    "probe_loss",
+    "run_cases",
+    "tolerances",
+]
 
 #: Collectives of an applied balanced call in the forward pass: the metadata gather, the pixel trip,
 #: the status gather after the ViT and the return trip. A skipped call makes the gather alone.
@@ -315,3 +323,21 @@ class _CaseRun:
             loss.backward()
         summed, got_grads = _grads(self.model, self.group)
         return balanced, pixels.grad, summed, got_grads, len(counter.calls)
+
+
+class CompiledSources:
+    """A ``torch.compile`` backend that runs each graph TorchDynamo captures as it is and keeps, per
+    graph node, the source lines it was traced from (``node.meta["stack_trace"]``)."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+        self.traces: list[str] = []
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        self.graphs += 1
+        self.traces += [node.meta.get("stack_trace") or "" for node in graph.graph.nodes]
+        return graph.forward
+
+    def traced_from(self, path_part: str) -> int:
+        """How many nodes were traced from a file whose path contains ``path_part``."""
+        return sum(f"{path_part}" in trace for trace in self.traces)

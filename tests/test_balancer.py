@@ -7,6 +7,7 @@ multirank.py); 2- and 3-rank cases balance over a subgroup of it (which also exe
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import towers
-from equivalence import APPLIED_COLLECTIVES, run_cases
+from equivalence import APPLIED_COLLECTIVES, CompiledSources, run_cases
 from multirank import subgroup
 
 from lightning_vit_balance import BalanceStats, ViTBalanceConfig, ViTBalancer, balanced_encode, plan_rebalance
@@ -157,6 +158,64 @@ def _profiled(n: int) -> list[tuple[int, int, int]] | None:
             assert stats is not None
             counts.append((gloo_forward, gloo_backward, stats.collectives))
     return counts
+
+
+class _HeadOnBalancedTower(torch.nn.Module):
+    """A model whose forward calls the balancer itself, as a VLM built on the engine does."""
+
+    def __init__(self, balancer: ViTBalancer) -> None:
+        super().__init__()
+        self.balancer = balancer
+        self.vit = towers.TensorTower()
+        self.head = torch.nn.Linear(24, 1)
+
+    def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor, balanced: bool = True) -> torch.Tensor:
+        encode = self.balancer if balanced else lambda vit, *batch: vit(*batch)
+        return self.head(encode(self.vit, pixels, grid_thw).tanh()).sum()
+
+
+def _compiled_whole(n: int) -> dict[str, Any]:
+    """The model compiled whole (``torch.compile(model)``): the direct call's losses and summed
+    gradients over two steps; TorchDynamo compiles the model's own code and none of the engine's."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = _HeadOnBalancedTower(ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group=None))
+    sources = CompiledSources()
+    compiled = torch.compile(model, backend=sources)
+    steps = [[(1, 8, 8), (1, 4, 4)] if rank == 0 else [(1, 2, 2)], [(1, 4, 6)] * (3 - 2 * rank)]
+    for step, grids in enumerate(steps):
+        pixels, grid = towers.make_batch(grids, seed=10 * step + rank)
+        summed = []
+        for run in (compiled, functools.partial(model, balanced=False)):
+            model.zero_grad(set_to_none=True)
+            loss = run(pixels, grid)
+            loss.backward()
+            grads = [
+                p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
+            ]
+            for grad in grads:
+                dist.all_reduce(grad)
+            summed.append((loss.detach(), grads))
+        # The eager backend runs the captured graphs' own ops: the direct call's values.
+        torch.testing.assert_close(summed[0][0], summed[1][0], rtol=1e-5, atol=1e-6)
+        for got, expected in zip(summed[0][1], summed[1][1]):
+            torch.testing.assert_close(
+                got, expected, rtol=1e-5, atol=1e-6, msg=lambda m, s=step: f"step {s}: {m}"
+            )
+    return {
+        "applied_calls": model.balancer.applied_calls,
+        "engine_nodes": sources.traced_from("lightning_vit_balance"),
+        "model_nodes": sources.traced_from("test_balancer.py"),
+    }
+
+
+def test_model_compiled_whole(multirank: Any) -> None:
+    """A model calling the balancer in its forward, compiled whole: the direct call's losses and
+    gradients, with the engine run eagerly (one graph break) and the model's own code compiled."""
+    with multirank(2) as w:
+        results = w.run(_compiled_whole, 2, timeout=120)
+    for r in results:
+        assert r["applied_calls"] == 2 and r["engine_nodes"] == 0 and r["model_nodes"] > 0, r
 
 
 def test_collectives_measured_with_profiler(multirank: Any) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from equivalence import CompiledSources
 from lightning_fit_script import (
     LOOP_CONFIG,
     PREDICT_SAMPLES,
@@ -138,6 +139,54 @@ def test_resuming_continues_training_and_the_cumulative_counts(resumed: dict[str
         torch.tensor([logged[s]["train_loss"] for s in range(STEPS)]), torch.tensor(losses), **TOLERANCE
     )
     torch.testing.assert_close(resumed["weights"], weights, **TOLERANCE)
+
+
+class _CompiledVLM(TinyVLM):
+    """:class:`TinyVLM` for a fit given the module compiled (``torch.compile(model)``), where Lightning
+    compiles the training step: the loss is logged after it (``self.log`` does not compile)."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images = self.encode_images(self.visual, batch["pixel_values"], batch["image_grid_thw"])
+        videos = self.encode_images(self.visual, batch["pixel_values_videos"], batch["video_grid_thw"])
+        return self.head(torch.cat([images, videos])).pow(2).mean()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.log("train_loss", outputs["loss"], on_step=True, on_epoch=False)
+
+
+def _compiled_fit(out: str) -> dict[str, Any]:
+    """Worker: a fit of :class:`_CompiledVLM` given compiled; rank 0 returns the trained weights."""
+    sources = CompiledSources()
+    model = _CompiledVLM()
+    with launched_by_torchrun():
+        trainer = quiet_trainer(out, "compiled", strategy="ddp", max_steps=STEPS)
+        trainer.fit(torch.compile(model, backend=sources))
+    return {
+        "weights": model.state_dict() if dist.get_rank() == 0 else None,
+        "mixin_nodes": sources.traced_from("lightning_vit_balance"),
+        "module_nodes": sources.traced_from("test_lightning_loops.py"),
+    }
+
+
+@pytest.mark.timeout(240)
+def test_a_compiled_module_trains_as_the_plain_one(tmp_path: Path, multirank: Any) -> None:
+    """``trainer.fit(torch.compile(model))``, the mixin's calls in the compiled training step: the
+    losses and weights of the plain training, images balanced at every step. The mixin's and the
+    engine's code run eagerly; the module's own code is compiled."""
+    with multirank(RANKS) as pool:
+        results = pool.run(_compiled_fit, str(tmp_path), timeout=200)
+    rows = _rows(tmp_path / "compiled")
+    assert [row["vit_balance/applied_total"] for row in _by_step(rows, "vit_balance/calls").values()] == [
+        step + 1 for step in range(STEPS)
+    ]
+    losses, weights = _reference()
+    logged = _by_step(rows, "train_loss")
+    torch.testing.assert_close(
+        torch.tensor([logged[s]["train_loss"] for s in range(STEPS)]), torch.tensor(losses), **TOLERANCE
+    )
+    torch.testing.assert_close(results[0]["weights"], weights, **TOLERANCE)
+    for r in results:
+        assert r["mixin_nodes"] == 0 and r["module_nodes"] > 0, r
 
 
 @pytest.mark.timeout(240)

@@ -15,6 +15,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
+from lightning_vit_balance.eager import eager, eager_frame
 from lightning_vit_balance.hf import (
     BalancedVisionTower,
     continue_fit,
@@ -308,6 +309,7 @@ class ViTBalanceMixin:
             state.carried = state.balancer_state()
         state.balancer = None
 
+    @eager_frame
     def encode_images(self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
         """Run ``vit(pixel_values, grid_thw)``, balanced across the data-parallel ranks.
 
@@ -326,15 +328,30 @@ class ViTBalanceMixin:
 
         Returns:
             The same structure and values as ``vit(pixel_values, grid_thw)`` on this rank.
+
+        In a compiled step (``trainer.fit(torch.compile(model))``) the balanced call runs eagerly,
+        a graph break, and calls ``vit`` as it is passed; a direct call is compiled with the step.
         """
         settings = self._vit_balance_settings()
-        if settings is None:
+        if settings is None:  # compiled with the module when it is
             return vit(pixel_values, grid_thw)
+        return self._vit_balance_encode_images(settings, vit, pixel_values, grid_thw)
+
+    @eager
+    def _vit_balance_encode_images(
+        self,
+        settings: tuple[ViTBalanceConfig, Any],
+        vit: Any,
+        pixel_values: torch.Tensor,
+        grid_thw: torch.Tensor,
+    ) -> Any:
+        """:meth:`encode_images`' balanced call, eager in a compiled module."""
         balancer = self._vit_balance_balancer(*settings)
         output = balancer(vit, pixel_values, grid_thw, prepared=self._vit_balance_take_ticket())
         self._vit_balance_keep(balancer.last_stats)
         return output
 
+    @eager
     def _vit_balance_settings(self) -> tuple[ViTBalanceConfig, Any] | None:
         """``(config, group)`` when this call should balance (as :meth:`encode_images` decides), else None."""
         config = self.resolved_vit_balance_config()
@@ -490,6 +507,7 @@ class ViTBalanceMixin:
         object.__setattr__(self, "_vit_balance_towers", (*self._vit_balance_towers, handle))
         return handle
 
+    @eager_frame
     def encode_visual(
         self,
         vit: Any,
@@ -512,8 +530,19 @@ class ViTBalanceMixin:
             through both on every rank.
         """
         settings = self._vit_balance_settings()
-        if settings is None:
+        if settings is None:  # compiled with the module when it is
             return encode_visual(vit, images, videos)
+        return self._vit_balance_encode_visual(settings, vit, images, videos)
+
+    @eager
+    def _vit_balance_encode_visual(
+        self,
+        settings: tuple[ViTBalanceConfig, Any],
+        vit: Any,
+        images: tuple[torch.Tensor, torch.Tensor] | None,
+        videos: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[Any, Any]:
+        """:meth:`encode_visual`'s balanced call, eager in a compiled module."""
         balancer = self._vit_balance_balancer(*settings)
         ticket = self._vit_balance_take_ticket()
         outputs = encode_visual(vit, images, videos, balancer=balancer, prepared=ticket)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -335,19 +335,16 @@ class ViTBalanceMixin:
         settings = self._vit_balance_settings()
         if settings is None:  # compiled with the module when it is
             return vit(pixel_values, grid_thw)
-        return self._vit_balance_encode_images(settings, vit, pixel_values, grid_thw)
+        return self._vit_balance_call(
+            settings, lambda balancer, ticket: balancer(vit, pixel_values, grid_thw, prepared=ticket)
+        )
 
     @eager
-    def _vit_balance_encode_images(
-        self,
-        settings: tuple[ViTBalanceConfig, Any],
-        vit: Any,
-        pixel_values: torch.Tensor,
-        grid_thw: torch.Tensor,
-    ) -> Any:
-        """:meth:`encode_images`' balanced call, eager in a compiled module."""
+    def _vit_balance_call(self, settings: tuple[ViTBalanceConfig, Any], encode: Callable[..., Any]) -> Any:
+        """``encode(balancer, prepared_plan)``, the balanced call of :meth:`encode_images` or
+        :meth:`encode_visual`: eager in a compiled module."""
         balancer = self._vit_balance_balancer(*settings)
-        output = balancer(vit, pixel_values, grid_thw, prepared=self._vit_balance_take_ticket())
+        output = encode(balancer, self._vit_balance_take_ticket())
         self._vit_balance_keep(balancer.last_stats)
         return output
 
@@ -532,22 +529,10 @@ class ViTBalanceMixin:
         settings = self._vit_balance_settings()
         if settings is None:  # compiled with the module when it is
             return encode_visual(vit, images, videos)
-        return self._vit_balance_encode_visual(settings, vit, images, videos)
-
-    @eager
-    def _vit_balance_encode_visual(
-        self,
-        settings: tuple[ViTBalanceConfig, Any],
-        vit: Any,
-        images: tuple[torch.Tensor, torch.Tensor] | None,
-        videos: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> tuple[Any, Any]:
-        """:meth:`encode_visual`'s balanced call, eager in a compiled module."""
-        balancer = self._vit_balance_balancer(*settings)
-        ticket = self._vit_balance_take_ticket()
-        outputs = encode_visual(vit, images, videos, balancer=balancer, prepared=ticket)
-        self._vit_balance_keep(balancer.last_stats)
-        return outputs
+        return self._vit_balance_call(
+            settings,
+            lambda balancer, ticket: encode_visual(vit, images, videos, balancer=balancer, prepared=ticket),
+        )
 
     @property
     def last_vit_balance_stats(self) -> BalanceStats | None:

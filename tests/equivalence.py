@@ -29,6 +29,7 @@ __all__ = [
     "CompiledSources",
     "probe_loss",
     "run_cases",
+    "summed_grads",
     "tolerances",
 ]
 
@@ -129,7 +130,9 @@ def probe_loss(output: Any, seed: int, skip: tuple[str, ...] = ()) -> torch.Tens
     return loss
 
 
-def _grads(model: torch.nn.Module, group: Any) -> tuple[torch.Tensor, list[bool]]:
+def summed_grads(model: torch.nn.Module, group: Any) -> tuple[torch.Tensor, list[bool]]:
+    """Every parameter's gradient, flat, summed over ``group`` (what DDP's all-reduce sees; zeros
+    for none), and which parameters got one on this rank."""
     flat = torch.cat(
         [
             (p.grad if p.grad is not None else torch.zeros_like(p)).float().reshape(-1)
@@ -300,7 +303,7 @@ class _CaseRun:
             reference = self.model(pixels, batch.host_grid.to(self.device))
             probe_loss(reference, batch.seed).backward()
             pixel_gradient = pixels.grad
-        return reference, pixel_gradient, _grads(self.model, self.group)[0]
+        return reference, pixel_gradient, summed_grads(self.model, self.group)[0]
 
     def _balanced(self, batch: _CaseBatch) -> tuple[Any, torch.Tensor | None, torch.Tensor, list[bool], int]:
         """The same through the balancer: outputs, pixel gradient, summed parameter gradients,
@@ -321,7 +324,7 @@ class _CaseRun:
         loss = probe_loss(balanced, batch.seed, skip)
         if loss.requires_grad:  # not with empty_rank_forward="no_grad" on a rank that encoded nothing
             loss.backward()
-        summed, got_grads = _grads(self.model, self.group)
+        summed, got_grads = summed_grads(self.model, self.group)
         return balanced, pixels.grad, summed, got_grads, len(counter.calls)
 
 

@@ -345,6 +345,10 @@ _PER_FRAME_MODEL_TYPES = frozenset(
         *("exaone4_5", "exaone4_5_vision", "cohere_compass", "cohere_compass_vision"),
         *("cosmos3_edge", "cosmos3_edge_vision", "qwen2_5_omni_thinker", "qwen2_5_omni_vision_encoder"),
         *("qwen3_omni_moe_thinker", "qwen3_omni_moe_vision_encoder"),
+        # Under ``vision_tower``: LFM3-VL's and ERNIE-4.5-VL's; in 5.25 LLaVA-OneVision-1.5's RICE-ViT
+        # (a class token per temporal step).
+        *("lfm3_vl", "lfm3_vl_vision", "ernie4_5_vl_moe", "ernie4_5_vl_moe_vision"),
+        *("llava_onevision1_5", "llava_onevision1_5_vision"),
     }
 )
 

@@ -46,11 +46,11 @@ two forwards), in transformers 4 the first forward (an empty cache).
 ``modeling_glm4v.py``, ``modeling_glm4v_moe.py``, and in 5.24 ``modeling_qwen3_5.py`` and
 ``modeling_qwen3_5_moe.py``, whose towers are Qwen3-VL's, GLM-4.6V's, GLM-OCR's, Qwen4-Exp's, the
 Qwen2.5-Omni and Qwen3-Omni-MoE thinkers', EXAONE 4.5's, Cohere Compass's, Cosmos3-Omni's,
-Cosmos3-Edge's and GLM-5-Next's; :func:`balance_vision_tower` checks the static part and names
-what is missing):
+Cosmos3-Edge's, GLM-5-Next's, LFM3-VL's and ERNIE-4.5-VL's, and in 5.25 LLaVA-OneVision-1.5's;
+:func:`balance_vision_tower` checks the static part and names what is missing):
 
-1. Exactly one submodule of the model has a child module named ``visual`` (the tower); that
-   submodule is the base model. Its ``forward`` has parameters named ``pixel_values``,
+1. Exactly one submodule of the model has a child module named ``visual`` (the tower; LFM3-VL and
+   ERNIE-4.5-VL: ``vision_tower``); that submodule is the base model. Its ``forward`` has parameters named ``pixel_values``,
    ``image_grid_thw``, ``pixel_values_videos`` and ``video_grid_thw``: image patch rows
    ``[sum(T*H*W), C]`` with their ``[n, 3]`` grid and the same for videos, ``None`` when absent.
 2. The base ``forward`` encodes images only when ``pixel_values is not None`` and videos only
@@ -184,35 +184,50 @@ Grid = tuple[int, int, int]
 # -- contract checks -------------------------------------------------------------------------------
 
 
+#: Model types (the base model's ``config.model_type``) whose tower is the child ``vision_tower``
+#: and meets the contract otherwise: LFM3-VL and ERNIE-4.5-VL (transformers 5.24). Other models
+#: with a ``vision_tower`` pass it differently (a batch dimension, pixels by keyword, frames pooled
+#: inside the tower): not taken on trust; :func:`_other_tower_hint` says what to do instead.
+_VISION_TOWER_MODEL_TYPES = frozenset({"lfm3_vl", "ernie4_5_vl_moe"})
+
+
+def _tower_name(module: nn.Module) -> str | None:
+    """The name of ``module``'s vision tower child, or None: ``visual``, or ``vision_tower`` in a
+    base model of :data:`_VISION_TOWER_MODEL_TYPES`."""
+    if isinstance(module._modules.get("visual"), nn.Module):
+        return "visual"
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    if model_type in _VISION_TOWER_MODEL_TYPES and isinstance(module._modules.get("vision_tower"), nn.Module):
+        return "vision_tower"
+    return None
+
+
 def _find_base(model: Any) -> tuple[nn.Module, nn.Module]:
-    """The submodule holding the vision tower as ``.visual``, and the tower."""
+    """The submodule holding the vision tower (:func:`_tower_name`), and the tower."""
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"balance_vision_tower(model={type(model).__name__}) is invalid: expected a torch.nn.Module "
             "(a Hugging Face Qwen-VL or GLM-4.xV model)."
         )
-    found = [
-        (name, module)
-        for name, module in model.named_modules()
-        if isinstance(module._modules.get("visual"), nn.Module)
-    ]
+    found = [(name, module) for name, module in model.named_modules() if _tower_name(module) is not None]
     if not found:
         raise ValueError(
             f"balance_vision_tower: {type(model).__name__} has no submodule with a child module named "
-            "'visual' (looked for model.model.visual, model.visual and below): expected a Hugging Face "
-            f"Qwen-VL or GLM-4.xV model.{_other_tower_hint(model)}"
+            "'visual' (looked for model.model.visual, model.visual and below; 'vision_tower' in "
+            "LFM3-VL and ERNIE-4.5-VL): expected a Hugging Face Qwen-VL or GLM-4.xV model."
+            f"{_other_tower_hint(model)}"
         )
     if len(found) > 1:
-        names = ", ".join(f"{name or '<model>'}.visual" for name, _ in found)
+        names = ", ".join(f"{name or '<model>'}.{_tower_name(module)}" for name, module in found)
         raise ValueError(
             f"balance_vision_tower: {type(model).__name__} has several vision towers ({names}): expected "
             "exactly one; pass the submodule whose tower should be balanced."
         )
     base = found[0][1]
-    return base, base._modules["visual"]
+    return base, base._modules[_tower_name(base)]
 
 
-#: Names other models give their vision encoder (ERNIE-4.5-VL, Kimi-K2.5, VideoLLaMA3, ...).
+#: Names other models give their vision encoder (Kimi-K2.5, MiniMax-M3-VL, VideoLLaMA3, ...).
 _OTHER_TOWER_NAMES = ("vision_tower", "vision_model")
 
 
@@ -300,8 +315,9 @@ def _wrapping_problem(base: nn.Module, tower: nn.Module) -> str | None:
     compile fine.
     """
     tower_name = type(tower).__name__
-    if base._modules.get("visual") is not tower:
-        replaced = type(base._modules.get("visual")).__name__
+    name = _tower_name(base) or "visual"
+    if base._modules.get(name) is not tower:
+        replaced = type(base._modules.get(name)).__name__
         return (
             f"{type(base).__name__}.visual was replaced by a {replaced} after balance_vision_tower; "
             f"apply the wrapper to the blocks of the {tower_name} instead (FSDP: shard each block; "

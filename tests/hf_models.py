@@ -30,6 +30,7 @@ __all__ = [
     "make_inputs",
     "tiny_config",
     "tiny_model",
+    "tower_of",
 ]
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -43,13 +44,14 @@ NEWER_FAMILIES = ("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 GLM_FAMILIES = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
 #: More families of transformers 5.24 whose models meet the drop-in's contract: Qwen4-Exp, EXAONE 4.5,
 #: Cohere Compass, Cosmos3-Omni and Cosmos3-Edge (a SigLIP-style tower), the Qwen2.5-Omni and
-#: Qwen3-Omni-MoE thinkers (no audio here), and GLM-5-Next (GLM's video steps).
+#: Qwen3-Omni-MoE thinkers (no audio here), and GLM-5-Next (GLM's video steps); from 5.25,
+#: LLaVA-OneVision-1.5 (RICE-ViT: a class token per frame, no temporal patches, 1-D text positions).
 LATEST_FAMILIES = (
     "qwen4_exp", "exaone4_5", "cohere_compass", "cosmos3_omni", "cosmos3_edge", "qwen2_5_omni",
-    "qwen3_omni_moe", "glm5_next",
+    "qwen3_omni_moe", "glm5_next", "llava_onevision1_5", "lfm3_vl", "ernie4_5_vl_moe",
 )  # fmt: skip
 #: Families whose processors put a video's tokens in one block (no ``mm_token_type_ids``).
-_ONE_VIDEO_BLOCK = ("exaone4_5", "qwen2_5_omni", "qwen3_omni_moe")
+_ONE_VIDEO_BLOCK = ("exaone4_5", "qwen2_5_omni", "qwen3_omni_moe", "llava_onevision1_5")
 _CLASSES = {
     "qwen2_vl": "Qwen2VL",
     "qwen2_5_vl": "Qwen2_5_VL",
@@ -69,6 +71,9 @@ _CLASSES = {
     "qwen2_5_omni": "Qwen2_5OmniThinker",
     "qwen3_omni_moe": "Qwen3OmniMoeThinker",
     "glm5_next": "Glm5Next",
+    "llava_onevision1_5": "LlavaOnevision15",
+    "lfm3_vl": "Lfm3Vl",
+    "ernie4_5_vl_moe": "Ernie4_5_VLMoe",
 }
 #: Pixel values per patch row: 3 colours x 2x2 patch x temporal patch 1.
 CHANNELS = 12
@@ -239,6 +244,41 @@ def _glm5_next_config(config: Any) -> Any:
     return config(text_config=text, vision_config=vision, **_GLM_IDS)
 
 
+def _llava_onevision1_5_config(config: Any) -> Any:
+    """A Qwen3 decoder (1-D positions) and RICE-ViT: 2-D rotary positions, a class token per frame."""
+    text = {**_TEXT, "model_type": "qwen3", "head_dim": 16}
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    vision = {"depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32}
+    vision.update(in_channels=3, patch_size=2, spatial_merge_size=MERGE)
+    return config(text_config=text, vision_config=vision, **_QWEN_IDS)
+
+
+def _lfm3_vl_config(config: Any) -> Any:
+    """An LFM3 decoder and LFM3-VL's tower (a convolution block, then full attention), its vision
+    tower under ``vision_tower``."""
+    text = {
+        **_TEXT,
+        "model_type": "lfm3",
+        "head_dim": 16,
+        "pad_token_id": 0,
+        "layer_types": ["full_attention"],
+    }
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    vision.update(num_key_value_heads=1, layer_types=["conv", "full_attention"], **_VISION)
+    return config(text_config=text, vision_config=vision, projector_hidden_size=32, **_QWEN_IDS)
+
+
+def _ernie4_5_vl_moe_config(config: Any) -> Any:
+    """ERNIE-4.5-VL: an MoE decoder with 3-D rotary positions; its tower under ``vision_tower``, and a
+    resampler outside it that merges each video's frames in pairs."""
+    text = {**_TEXT, "head_dim": 16, "pad_token_id": 0, "moe_intermediate_size": [16, 16], "moe_k": 2}
+    text.update(moe_num_experts=4, moe_num_shared_experts=1)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2]}
+    vision = {"depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "in_channels": 3}
+    vision.update(patch_size=2, spatial_merge_size=MERGE, temporal_merge_size=2)
+    return config(text_config=text, vision_config=vision, **_GLM_IDS)
+
+
 #: The builders of :func:`_latest_config`, by family (the omni thinkers have their own).
 _LATEST_BUILDERS: dict[str, Callable[[Any], Any]] = {
     "qwen4_exp": _qwen4_exp_config,
@@ -247,6 +287,9 @@ _LATEST_BUILDERS: dict[str, Callable[[Any], Any]] = {
     "cosmos3_omni": _cosmos3_omni_config,
     "cosmos3_edge": _cosmos3_edge_config,
     "glm5_next": _glm5_next_config,
+    "llava_onevision1_5": _llava_onevision1_5_config,
+    "lfm3_vl": _lfm3_vl_config,
+    "ernie4_5_vl_moe": _ernie4_5_vl_moe_config,
 }
 
 
@@ -321,6 +364,12 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     return model.train()
 
 
+def tower_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The vision tower of a :func:`tiny_model`: ``model.model.visual``, or ``vision_tower`` (LFM3-VL)."""
+    base = model.model
+    return base.visual if hasattr(base, "visual") else base.vision_tower
+
+
 Grid = tuple[int, int, int]
 
 
@@ -338,6 +387,8 @@ def _tokens(family: str, kind: str, grid: Grid) -> tuple[list[int], list[int]]:
     # pair (timestamps separate them).
     whole = family in _ONE_VIDEO_BLOCK or not family.startswith(("qwen3", *LATEST_FAMILIES))
     frames = [t * per_frame] if whole or kind != "video" else [per_frame] * t
+    if family == "ernie4_5_vl_moe" and kind == "video":  # its resampler merges frames in pairs
+        frames = [(t + 1) // 2 * per_frame]
     ids: list[int] = []
     types: list[int] = []
     for count in frames:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hf_models import LATEST_FAMILIES, NEWER_FAMILIES, available, tiny_model
+from hf_models import LATEST_FAMILIES, NEWER_FAMILIES, available, tiny_model, tower_of
 
 from lightning_vit_balance import CostModel, ViTBalanceConfig
 from lightning_vit_balance.cost import CostCalibrator
@@ -181,11 +181,12 @@ def test_from_vit_reads_hugging_face_vision_configs() -> None:
 @pytest.mark.parametrize("family", [f for f in LATEST_FAMILIES if f != "glm5_next"])
 def test_from_vit_prices_the_latest_towers_per_temporal_step(family: str) -> None:
     """transformers 5.24's other towers of the Qwen-VL design (Qwen4-Exp, EXAONE 4.5, Cohere Compass,
-    Cosmos3, the Omni thinkers') attend within each temporal step too: priced so."""
+    Cosmos3, the Omni thinkers') and 5.25's LLaVA-OneVision-1.5 attend within each temporal step too:
+    priced so."""
     pytest.importorskip("transformers")
     if not available(family):
         pytest.skip(f"this transformers has no {family}")
-    assert CostModel.from_vit(tiny_model(family).model.visual).per_frame_attention
+    assert CostModel.from_vit(tower_of(tiny_model(family))).per_frame_attention
 
 
 @pytest.mark.parametrize("family", NEWER_FAMILIES)

@@ -111,8 +111,25 @@ GLM_CASES = {
     ],
 }
 
+# ERNIE-4.5-VL's resampler merges a video's frames in pairs: the same cases, each video's T even.
+EVEN_STEP_CASES = {
+    name: [
+        [
+            {
+                kind: [(t + t % 2 if kind == "videos" else t, h, w) for t, h, w in grids]
+                for kind, grids in s.items()
+            }
+            for s in rank
+        ]
+        for rank in case
+    ]
+    for name, case in CASES.items()
+}
+
 
 def cases_for(family: str) -> dict[str, list[list[dict[str, Any]]]]:
+    if family == "ernie4_5_vl_moe":
+        return EVEN_STEP_CASES
     return GLM_CASES if family in GLM_FAMILIES else CASES
 
 
@@ -183,6 +200,7 @@ def _check_case(family: str, name: str, ahead: str | None = None) -> dict[str, A
     plain = tiny_model(family)
     balanced = copy.deepcopy(plain)
     handle = balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG))
+    tower_name = next(n for n, module in balanced.named_modules() if module is handle.tower)
     steps = []
     for step in range(2):
         where = f"{family}/{name} step {step} rank {rank}"
@@ -203,7 +221,7 @@ def _check_case(family: str, name: str, ahead: str | None = None) -> dict[str, A
         torch.testing.assert_close(balanced_loss, plain_loss, **TOL, msg=lambda m, w=where: f"{w}: loss {m}")
         plain_grads, balanced_grads = _summed_grads(plain), _summed_grads(balanced)
         _assert_same_grads(where, balanced_grads, plain_grads)
-        tower_grads = [g for k, g in plain_grads.items() if k.startswith("model.visual.")]
+        tower_grads = [g for k, g in plain_grads.items() if k.startswith(f"{tower_name}.")]
         stats = handle.last_stats
         steps.append(
             {
@@ -238,8 +256,8 @@ def test_model_forward_matches_plain_model(multirank: Any, family: str) -> None:
 
 @pytest.mark.parametrize("family", [*GLM_FAMILIES[1:], *LATEST_FAMILIES])
 def test_more_families_match_the_plain_model(multirank: Any, family: str) -> None:
-    """The other GLM-4.xV models (GLM-4.1V's code) and transformers 5.24's other families that meet
-    the contract: the checks above on the two :func:`mixed_cases`. The GLM models pass their tower a
+    """The other GLM-4.xV models (GLM-4.1V's code) and transformers 5.24's and 5.25's other families
+    that meet the contract: the checks above on the two :func:`mixed_cases`. The GLM models pass their tower a
     video's temporal steps themselves; for the others, whose towers attend within each step, the
     drop-in's default configuration splits videos by step."""
     if not available(family):
@@ -1272,8 +1290,8 @@ def test_a_model_breaking_the_contract_gets_an_error_naming_what_is_missing() ->
     with pytest.raises(ValueError, match="no submodule with a child module named 'visual'") as info:
         balance_vision_tower(nn.Sequential(nn.Linear(2, 2)))
     assert "vision encoder" not in str(info.value)
-    # A model whose encoder has another name (ERNIE-4.5-VL's, Kimi-K2.5's vision_tower) is told where
-    # it is and how to balance it.
+    # A model whose encoder has another name (Kimi-K2.5's vision_tower; of the models with one, only
+    # LFM3-VL's and ERNIE-4.5-VL's are taken as towers) is told where it is and how to balance it.
     other = nn.Module()
     other.model = nn.Module()
     other.model.vision_tower = nn.Linear(2, 2)

@@ -50,8 +50,9 @@ Cosmos3-Edge's, GLM-5-Next's, LFM3-VL's and ERNIE-4.5-VL's, and in 5.25 LLaVA-On
 :func:`balance_vision_tower` checks the static part and names what is missing):
 
 1. Exactly one submodule of the model has a child module named ``visual`` (the tower; LFM3-VL and
-   ERNIE-4.5-VL: ``vision_tower``); that submodule is the base model. Its ``forward`` has parameters named ``pixel_values``,
-   ``image_grid_thw``, ``pixel_values_videos`` and ``video_grid_thw``: image patch rows
+   ERNIE-4.5-VL: ``vision_tower``); that submodule is the base model. Its ``forward`` has
+   parameters named ``pixel_values``, ``image_grid_thw``, ``pixel_values_videos`` and
+   ``video_grid_thw``: image patch rows
    ``[sum(T*H*W), C]`` with their ``[n, 3]`` grid and the same for videos, ``None`` when absent.
 2. The base ``forward`` encodes images only when ``pixel_values is not None`` and videos only
    when ``pixel_values_videos is not None``, each with one call ``visual(pixels, grid_thw=grid,

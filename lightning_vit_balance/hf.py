@@ -320,7 +320,7 @@ def _wrapping_problem(base: nn.Module, tower: nn.Module) -> str | None:
     if base._modules.get(name) is not tower:
         replaced = type(base._modules.get(name)).__name__
         return (
-            f"{type(base).__name__}.visual was replaced by a {replaced} after balance_vision_tower; "
+            f"{type(base).__name__}.{name} was replaced by a {replaced} after balance_vision_tower; "
             f"apply the wrapper to the blocks of the {tower_name} instead (FSDP: shard each block; "
             "torch.compile: compile each block)"
         )

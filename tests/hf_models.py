@@ -44,8 +44,9 @@ NEWER_FAMILIES = ("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 GLM_FAMILIES = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
 #: More families of transformers 5.24 whose models meet the drop-in's contract: Qwen4-Exp, EXAONE 4.5,
 #: Cohere Compass, Cosmos3-Omni and Cosmos3-Edge (a SigLIP-style tower), the Qwen2.5-Omni and
-#: Qwen3-Omni-MoE thinkers (no audio here), and GLM-5-Next (GLM's video steps); from 5.25,
-#: LLaVA-OneVision-1.5 (RICE-ViT: a class token per frame, no temporal patches, 1-D text positions).
+#: Qwen3-Omni-MoE thinkers (no audio here), GLM-5-Next (GLM's video steps), and two whose tower is
+#: ``vision_tower``: LFM3-VL and ERNIE-4.5-VL; from 5.25, LLaVA-OneVision-1.5 (RICE-ViT: a class token
+#: per frame, no temporal patches, 1-D text positions).
 LATEST_FAMILIES = (
     "qwen4_exp", "exaone4_5", "cohere_compass", "cosmos3_omni", "cosmos3_edge", "qwen2_5_omni",
     "qwen3_omni_moe", "glm5_next", "llava_onevision1_5", "lfm3_vl", "ernie4_5_vl_moe",
@@ -365,7 +366,8 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
 
 
 def tower_of(model: torch.nn.Module) -> torch.nn.Module:
-    """The vision tower of a :func:`tiny_model`: ``model.model.visual``, or ``vision_tower`` (LFM3-VL)."""
+    """The vision tower of a :func:`tiny_model`: ``model.model.visual``, or ``vision_tower`` (LFM3-VL,
+    ERNIE-4.5-VL)."""
     base = model.model
     return base.visual if hasattr(base, "visual") else base.vision_tower
 

@@ -257,9 +257,10 @@ def test_model_forward_matches_plain_model(multirank: Any, family: str) -> None:
 @pytest.mark.parametrize("family", [*GLM_FAMILIES[1:], *LATEST_FAMILIES])
 def test_more_families_match_the_plain_model(multirank: Any, family: str) -> None:
     """The other GLM-4.xV models (GLM-4.1V's code) and transformers 5.24's and 5.25's other families
-    that meet the contract: the checks above on the two :func:`mixed_cases`. The GLM models pass their tower a
-    video's temporal steps themselves; for the others, whose towers attend within each step, the
-    drop-in's default configuration splits videos by step."""
+    that meet the contract (LFM3-VL's and ERNIE-4.5-VL's towers under ``vision_tower``): the checks
+    above on the two :func:`mixed_cases`. The GLM models pass their tower a video's temporal steps
+    themselves; for the others, whose towers attend within each step, the drop-in's default
+    configuration splits videos by step."""
     if not available(family):
         pytest.skip(f"this transformers has no {family}")
     handle = balance_vision_tower(tiny_model(family))

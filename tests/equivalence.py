@@ -343,4 +343,4 @@ class CompiledSources:
 
     def traced_from(self, path_part: str) -> int:
         """How many nodes were traced from a file whose path contains ``path_part``."""
-        return sum(f"{path_part}" in trace for trace in self.traces)
+        return sum(path_part in trace for trace in self.traces)

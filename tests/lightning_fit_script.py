@@ -70,10 +70,14 @@ class TinyVLM(ViTBalanceMixin, L.LightningModule):
         self.visual = TensorTower()
         self.head = torch.nn.Linear(24, 1)
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def step_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The training step's loss: images and videos encoded in two calls, then the head."""
         images = self.encode_images(self.visual, batch["pixel_values"], batch["image_grid_thw"])
         videos = self.encode_images(self.visual, batch["pixel_values_videos"], batch["video_grid_thw"])
-        loss = self.head(torch.cat([images, videos])).pow(2).mean()
+        return self.head(torch.cat([images, videos])).pow(2).mean()
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.step_loss(batch)
         self.log("train_loss", loss, on_step=True, on_epoch=False)
         return loss
 

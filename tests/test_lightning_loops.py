@@ -146,9 +146,7 @@ class _CompiledVLM(TinyVLM):
     compiles the training step: the loss is logged after it (``self.log`` does not compile)."""
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        images = self.encode_images(self.visual, batch["pixel_values"], batch["image_grid_thw"])
-        videos = self.encode_images(self.visual, batch["pixel_values_videos"], batch["video_grid_thw"])
-        return self.head(torch.cat([images, videos])).pow(2).mean()
+        return self.step_loss(batch)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.log("train_loss", outputs["loss"], on_step=True, on_epoch=False)
@@ -164,7 +162,7 @@ def _compiled_fit(out: str) -> dict[str, Any]:
     return {
         "weights": model.state_dict() if dist.get_rank() == 0 else None,
         "mixin_nodes": sources.traced_from("lightning_vit_balance"),
-        "module_nodes": sources.traced_from("test_lightning_loops.py"),
+        "module_nodes": sources.traced_from("lightning_fit_script.py"),  # TinyVLM.step_loss
     }
 
 

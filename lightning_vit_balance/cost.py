@@ -349,6 +349,11 @@ _PER_FRAME_MODEL_TYPES = frozenset(
         # (a class token per temporal step).
         *("lfm3_vl", "lfm3_vl_vision", "ernie4_5_vl_moe", "ernie4_5_vl_moe_vision"),
         *("llava_onevision1_5", "llava_onevision1_5_vision"),
+        # Muse Spark's and Muse-Glimmer's (one tower, under ``vision_tower``): windows within a
+        # frame, no temporal position.
+        *("muse_spark", "muse_spark_vision", "muse_glimmer", "muse_glimmer_vision"),
+        # Dots3-Note's (a video's T > 1 grid rows, attention and 2-D rotary positions per step).
+        *("dots3_note", "dots3_note_vision_encoder"),
     }
 )
 
@@ -381,11 +386,24 @@ def _attends_per_frame(vit: Any) -> bool:
     )
 
 
+#: Vision config types whose pixel rows are RGB (fixed in their code) of ``patch_temporal`` frames:
+#: Muse Spark's and Muse-Glimmer's tower.
+_RGB_BY_PATCH_TEMPORAL = frozenset({"muse_spark_vision", "muse_glimmer_vision"})
+
+
 def pixel_row_factors(config: Any) -> dict[str, Any]:
     """The factors of a pixel row's width ``C = channels * temporal_patch_size * patch_size**2`` in a
     Hugging Face vision config, by name (None where it does not say): ``in_channels``
     (``num_channels`` in SigLIP-style configs), ``temporal_patch_size`` (1 in a config without
     temporal patches) and ``patch_size``."""
+    if getattr(config, "model_type", None) in _RGB_BY_PATCH_TEMPORAL:
+        # Muse Spark's patch embedding takes RGB rows of ``patch_temporal`` frames (3 is fixed in
+        # its code; its config names no channels).
+        return {
+            "in_channels": 3,
+            "temporal_patch_size": config.patch_temporal,
+            "patch_size": config.patch_size,
+        }
     channels = getattr(config, "in_channels", None)
     return {
         "in_channels": channels if channels is not None else getattr(config, "num_channels", None),

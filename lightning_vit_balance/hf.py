@@ -46,37 +46,44 @@ two forwards), in transformers 4 the first forward (an empty cache).
 ``modeling_glm4v.py``, ``modeling_glm4v_moe.py``, and in 5.24 ``modeling_qwen3_5.py`` and
 ``modeling_qwen3_5_moe.py``, whose towers are Qwen3-VL's, GLM-4.6V's, GLM-OCR's, Qwen4-Exp's, the
 Qwen2.5-Omni and Qwen3-Omni-MoE thinkers', EXAONE 4.5's, Cohere Compass's, Cosmos3-Omni's,
-Cosmos3-Edge's, GLM-5-Next's, LFM3-VL's and ERNIE-4.5-VL's, and in 5.25 LLaVA-OneVision-1.5's;
-:func:`balance_vision_tower` checks the static part and names what is missing):
+Cosmos3-Edge's, GLM-5-Next's, LFM3-VL's, ERNIE-4.5-VL's, Dots3-Note's, HyperCLOVAX Vision V2's and
+Muse Spark's, and in 5.25 LLaVA-OneVision-1.5's; :func:`balance_vision_tower` checks the static part
+and names what is missing):
 
-1. Exactly one submodule of the model has a child module named ``visual`` (the tower; LFM3-VL and
-   ERNIE-4.5-VL: ``vision_tower``); that submodule is the base model. Its ``forward`` has
-   parameters named ``pixel_values``, ``image_grid_thw``, ``pixel_values_videos`` and
-   ``video_grid_thw``: image patch rows
-   ``[sum(T*H*W), C]`` with their ``[n, 3]`` grid and the same for videos, ``None`` when absent.
+1. Exactly one submodule of the model has a child module named ``visual`` (the tower; LFM3-VL,
+   ERNIE-4.5-VL, Dots3-Note and Muse Spark: ``vision_tower``; HyperCLOVAX Vision V2:
+   ``vision_model``); that submodule is the base model. Its ``forward`` has parameters named
+   ``pixel_values``, ``image_grid_thw``, ``pixel_values_videos`` and ``video_grid_thw``: image
+   patch rows ``[sum(T*H*W), C]`` with their ``[n, 3]`` grid and the same for videos, ``None``
+   when absent.
 2. The base ``forward`` encodes images only when ``pixel_values is not None`` and videos only
    when ``pixel_values_videos is not None``, each with one call ``visual(pixels, grid_thw=grid,
    **kwargs)`` where ``pixels`` is the whole modality's rows cast with
-   ``pixels.type(visual.dtype)`` and ``grid`` its whole grid (Qwen2/2.5-VL: ``get_image_features``
-   then ``get_video_features``; Qwen3-VL: both through ``get_image_features``, with
-   ``return_dict=True``). Calls are matched to the modality by grid and row count, in any order.
+   ``pixels.type(visual.dtype)`` (or uncast, by a tower whose patch embedding casts them to its
+   own dtype first, the same values: Dots3-Note's, HyperCLOVAX Vision V2's, Muse Spark's) and
+   ``grid`` its whole grid (Qwen2/2.5-VL: ``get_image_features`` then ``get_video_features``;
+   Qwen3-VL: both through ``get_image_features``, with ``return_dict=True``). Calls are matched to
+   the modality by grid and row count, in any order.
    GLM-4.1V, GLM-4.5V, GLM-4.6V, GLM-OCR and GLM-5-Next (:data:`_VIDEO_STEPS_AS_IMAGES`) pass the
    tower a video grid with one row ``(1, H, W)`` per temporal step (GLM-4.xV's towers take no
    ``T > 1``): for those the drop-in encodes videos with that grid too
    (:attr:`BalancedVisionTower.step_grid_keys`).
-3. The tower is called as ``visual(pixels, grid_thw, **kwargs)`` and returns tensors with one
-   row per patch or per merged token, alone or in a tuple or ``ModelOutput`` (transformers 5:
+3. The tower is called as ``visual(pixels, grid_thw, **kwargs)`` (Muse Spark: ``pixel_values=pixels``)
+   and returns tensors with one row per patch or per merged token, alone or in a tuple or
+   ``ModelOutput`` (transformers 5:
    ``last_hidden_state`` per patch, ``pooler_output`` and each layer of Qwen3-VL's
    ``deepstack_features`` per merged token; 4.x: the merged tokens, and Qwen3-VL's deepstack
    list after them in a tuple); an image's rows depend on that image alone (attention never
    crosses images, Qwen2.5-VL's windows included). HF then splits the merged rows by
-   ``grid.prod(-1) // spatial_merge_size**2``. A video's rows for one temporal step depend on that
-   step alone (attention within each step, no temporal position embedding), so the default
+   ``grid.prod(-1) // spatial_merge_size**2`` (Muse Spark: ``config.merge_size``, its tower's
+   ``spatial_merge_size`` being 1; see :func:`_output_merge`). A video's rows for one temporal
+   step depend on that step alone (attention within each step, no temporal position embedding), so the default
    configuration plans each step as an item of its own (``split_videos``; its cost model prices
    attention per step): ``CostModel.from_vit`` recognises the Qwen-VL towers by their type.
 4. The tower has ``dtype``, an int ``spatial_merge_size``, and ``config.in_channels`` (or
-   ``num_channels``), ``config.temporal_patch_size`` (1 when absent) and ``config.patch_size``
-   (ints), which give ``C`` for the zero rows a rank without images sends.
+   ``num_channels``), ``config.temporal_patch_size`` (1 when absent; Muse Spark: 3 channels and
+   ``patch_temporal``) and ``config.patch_size`` (ints), which give ``C`` for the zero rows a rank
+   without images sends.
 5. The base ``forward`` returns a ``ModelOutput`` with a tensor ``last_hidden_state`` (or a tuple
    starting with it) that the loss depends on, as ``*ForConditionalGeneration`` computes logits
    from it. So the base takes no ``labels``: before 4.52, transformers kept the tower on the
@@ -142,6 +149,7 @@ from lightning_vit_balance.eager import eager, eager_frame
 from lightning_vit_balance.exchange import grid_rows, grid_steps
 from lightning_vit_balance.host_group import make_host_group, release_host_group
 from lightning_vit_balance.outputs import (
+    OutputLayout,
     classify_output,
     describe_output_problem,
     flatten_output,
@@ -186,21 +194,54 @@ Grid = tuple[int, int, int]
 
 
 #: Model types (the base model's ``config.model_type``) whose tower is the child ``vision_tower``
-#: and meets the contract otherwise: LFM3-VL and ERNIE-4.5-VL (transformers 5.24). Other models
-#: with a ``vision_tower`` pass it differently (a batch dimension, pixels by keyword, frames pooled
-#: inside the tower): not taken on trust; :func:`_other_tower_hint` says what to do instead.
-_VISION_TOWER_MODEL_TYPES = frozenset({"lfm3_vl", "ernie4_5_vl_moe"})
+#: and meets the contract otherwise (transformers 5.24): LFM3-VL, ERNIE-4.5-VL, Dots3-Note (its
+#: tower's MoE blocks route each patch on its own, so a patch's rows do not depend on the batch),
+#: Muse Spark and Muse-Glimmer (one tower; they pass the pixels by keyword, which
+#: :meth:`BalancedVisionTower._serve` takes, and it merges its output by ``config.merge_size``, see
+#: :func:`_output_merge`). Other models with a ``vision_tower`` pass it differently (a batch
+#: dimension, 4-D pixels, frames pooled inside the tower): not taken on trust;
+#: :func:`_other_tower_hint` says what to do instead.
+_VISION_TOWER_MODEL_TYPES = frozenset(
+    {"lfm3_vl", "ernie4_5_vl_moe", "dots3_note", "muse_spark", "muse_glimmer"}
+)
+#: Model types whose tower is the child ``vision_model`` and meets the contract otherwise:
+#: HyperCLOVAX-SEED Vision V2 (transformers 5.24), whose tower is Qwen2.5-VL's. Other models with a
+#: ``vision_model`` (VideoLLaMA3: a merge size per image; Step3p7: fixed-size images, no grids) do
+#: not meet it.
+_VISION_MODEL_MODEL_TYPES = frozenset({"hyperclovax_vision_v2"})
 
 
 def _tower_name(module: nn.Module) -> str | None:
     """The name of ``module``'s vision tower child, or None: ``visual``, or ``vision_tower`` in a
-    base model of :data:`_VISION_TOWER_MODEL_TYPES`."""
+    base model of :data:`_VISION_TOWER_MODEL_TYPES`, ``vision_model`` in one of
+    :data:`_VISION_MODEL_MODEL_TYPES`."""
     if isinstance(module._modules.get("visual"), nn.Module):
         return "visual"
     model_type = getattr(getattr(module, "config", None), "model_type", None)
-    if model_type in _VISION_TOWER_MODEL_TYPES and isinstance(module._modules.get("vision_tower"), nn.Module):
-        return "vision_tower"
+    for name, allowed in (
+        ("vision_tower", _VISION_TOWER_MODEL_TYPES),
+        ("vision_model", _VISION_MODEL_MODEL_TYPES),
+    ):
+        if model_type in allowed and isinstance(module._modules.get(name), nn.Module):
+            return name
     return None
+
+
+#: Tower config types whose outputs are per merged token of ``config.merge_size`` while the tower's
+#: own ``spatial_merge_size`` is 1: Muse Spark's (and Muse-Glimmer's, the same code), which runs its
+#: windows and positions unmerged and merges each frame's ``merge x merge`` blocks at the end (a
+#: pixel shuffle); HF splits its output by ``grid.prod(-1) // merge_size**2``.
+_MERGED_BY_CONFIG = frozenset({"muse_spark_vision", "muse_glimmer_vision"})
+
+
+def _output_merge(tower: Any, layout: OutputLayout | None = None) -> Any:
+    """The spatial merge of the tower's per-merged-token outputs: the layout's when given, else
+    ``config.merge_size`` for :data:`_MERGED_BY_CONFIG` (an int by :func:`_contract_problems`), else
+    the tower's ``spatial_merge_size`` (:func:`~lightning_vit_balance.outputs.merge_size_of`)."""
+    config = getattr(tower, "config", None)
+    if layout is None and getattr(config, "model_type", None) in _MERGED_BY_CONFIG:
+        return getattr(config, "merge_size", None)
+    return merge_size_of(tower, layout)
 
 
 def _find_base(model: Any) -> tuple[nn.Module, nn.Module]:
@@ -215,7 +256,8 @@ def _find_base(model: Any) -> tuple[nn.Module, nn.Module]:
         raise ValueError(
             f"balance_vision_tower: {type(model).__name__} has no submodule with a child module named "
             "'visual' (looked for model.model.visual, model.visual and below; 'vision_tower' in "
-            "LFM3-VL and ERNIE-4.5-VL): expected a Hugging Face Qwen-VL or GLM-4.xV model."
+            "LFM3-VL, ERNIE-4.5-VL, Dots3-Note and Muse Spark, 'vision_model' in HyperCLOVAX Vision "
+            "V2): expected a Hugging Face Qwen-VL or GLM-4.xV model."
             f"{_other_tower_hint(model)}"
         )
     if len(found) > 1:
@@ -241,7 +283,10 @@ def _other_tower_hint(model: nn.Module) -> str:
                 return (
                     f" Its vision encoder is {where}, which the drop-in does not balance: if it "
                     "encodes each image on its own (attention within an image), call it through "
-                    "ViTBalancer or ViTBalanceMixin.encode_images on every rank instead."
+                    "ViTBalancer or ViTBalanceMixin.encode_images on every rank instead, as "
+                    "vit(pixel_values [sum(T*H*W), C], grid_thw [n, 3]) returning one row per patch "
+                    "or per merged token (wrap it to that form where it takes or returns a batch "
+                    "dimension)."
                 )
     return ""
 
@@ -297,6 +342,8 @@ def _contract_problems(base: nn.Module, tower: nn.Module) -> list[str]:
         problems.append(f"{tower_name} has no attribute 'dtype' (a torch.dtype)")
     if not _positive_int(getattr(tower, "spatial_merge_size", None)):
         problems.append(f"{tower_name} has no int attribute 'spatial_merge_size'")
+    elif not _positive_int(_output_merge(tower)):
+        problems.append(f"{tower_name}.config has no int 'merge_size'")
     for name, value in pixel_row_factors(getattr(tower, "config", None)).items():
         if not _positive_int(value):
             problems.append(f"{tower_name}.config has no int {name!r}")
@@ -543,7 +590,7 @@ def encode_visual(
         rows, grid = value if value is not None else (None, None)
         given.append((name, f"{name}[0]", rows, f"{name}[1]", grid))
     combined = _combine(given, vit, cast=False)
-    merge = merge_size_of(vit, balancer.output_layout if balancer is not None else None)
+    merge = _output_merge(vit, balancer.output_layout if balancer is not None else None)
     output, total = _encode_combined(vit, combined, balancer, merge, prepared)
     parts = {part.name: part for part in combined.parts}
     # An absent modality gets zero rows (rows [0, 0) of every token output).
@@ -1148,7 +1195,11 @@ class BalancedVisionTower:
         key = (config, id(group))
         if self._balancer is None or self._balancer_key != key:
             carried = self._balancer.state_dict() if self._balancer is not None else self._carried
-            self._balancer = ViTBalancer(config, group, host_group=self._host_group(group))
+            # The engine reads the merge from the tower's spatial_merge_size unless told otherwise.
+            merge = _output_merge(self.tower)
+            layout = OutputLayout(merge_size=merge) if merge != self.tower.spatial_merge_size else None
+            host = self._host_group(group)
+            self._balancer = ViTBalancer(config, group, output_layout=layout, host_group=host)
             self._balancer_key, self._carried = key, None
             if carried:
                 source = "balance_vision_tower: the cost fit of the previous configuration"
@@ -1189,7 +1240,7 @@ class BalancedVisionTower:
             if self._kept is not None:
                 self._kept.append(stats)
         total = int(combined.pixels.shape[0])
-        outputs = _split(output, combined.parts, total, tower.spatial_merge_size, tower)
+        outputs = _split(output, combined.parts, total, _output_merge(tower), tower)
         return _Pending(combined.parts, outputs, [False] * len(combined.parts), _exact_zero(output))
 
     def _tower_grid(self, key: str, grid: Any) -> Any:
@@ -1201,10 +1252,13 @@ class BalancedVisionTower:
         return grid_steps(grid)
 
     @eager
-    def _serve(self, pixels: Any, grid_thw: Any = None, **kwargs: Any) -> Any:
-        """Answer one of the model's own tower calls from the pending balanced result."""
+    def _serve(self, pixels: Any = None, grid_thw: Any = None, **kwargs: Any) -> Any:
+        """Answer one of the model's own tower calls from the pending balanced result (the pixels
+        positional, or by keyword ``pixel_values`` as Muse Spark passes them)."""
         pending = self._pending
         assert pending is not None
+        if pixels is None:
+            pixels = kwargs.pop("pixel_values", None)
         grid = grid_rows(grid_thw) if isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 else None
         rows = pixels.shape[0] if isinstance(pixels, torch.Tensor) else None
         for k, part in enumerate(pending.parts):

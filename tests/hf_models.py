@@ -24,6 +24,7 @@ __all__ = [
     "IDS",
     "LATEST_FAMILIES",
     "NEWER_FAMILIES",
+    "REFUSED_FAMILIES",
     "available",
     "generation_prompt",
     "generation_settings",
@@ -44,15 +45,28 @@ NEWER_FAMILIES = ("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 GLM_FAMILIES = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
 #: More families of transformers 5.24 whose models meet the drop-in's contract: Qwen4-Exp, EXAONE 4.5,
 #: Cohere Compass, Cosmos3-Omni and Cosmos3-Edge (a SigLIP-style tower), the Qwen2.5-Omni and
-#: Qwen3-Omni-MoE thinkers (no audio here), GLM-5-Next (GLM's video steps), and two whose tower is
-#: ``vision_tower``: LFM3-VL and ERNIE-4.5-VL; from 5.25, LLaVA-OneVision-1.5 (RICE-ViT: a class token
-#: per frame, no temporal patches, 1-D text positions).
+#: Qwen3-Omni-MoE thinkers (no audio here), GLM-5-Next (GLM's video steps), five whose tower is
+#: ``vision_tower``: LFM3-VL, ERNIE-4.5-VL, Dots3-Note (MoE blocks in the tower; no audio here), Muse
+#: Spark and Muse-Glimmer (one tower: pixels by keyword, merged by a pixel shuffle of
+#: ``config.merge_size``), HyperCLOVAX Vision V2 (a Qwen2.5-VL tower under ``vision_model``); from
+#: 5.25, LLaVA-OneVision-1.5 (RICE-ViT: a class token per frame, no temporal patches, 1-D text
+#: positions).
 LATEST_FAMILIES = (
     "qwen4_exp", "exaone4_5", "cohere_compass", "cosmos3_omni", "cosmos3_edge", "qwen2_5_omni",
-    "qwen3_omni_moe", "glm5_next", "llava_onevision1_5", "lfm3_vl", "ernie4_5_vl_moe",
+    "qwen3_omni_moe", "glm5_next", "llava_onevision1_5", "lfm3_vl", "ernie4_5_vl_moe", "dots3_note",
+    "hyperclovax_vision_v2", "muse_spark", "muse_glimmer",
 )  # fmt: skip
+#: Families of transformers 5.24 that the drop-in refuses, built only for that check: HunYuanVL (its
+#: ``vision_tower`` returns a batch dimension and, per image, a row per merged token plus one per
+#: merged row and two more; no videos), GLM-Image (no videos; its tower is given the grid without
+#: each sample's target grids) and MiniCPM-V 4.6 (pixels packed as ``[1, C, patch, n*patch]`` with
+#: ``[n, 2]`` sizes and no ``grid_thw``; MiniCPM-V 4.7's and MiniCPM-OCR's tower is the same).
+REFUSED_FAMILIES = ("hunyuan_vl", "glm_image", "minicpmv4_6")
 #: Families whose processors put a video's tokens in one block (no ``mm_token_type_ids``).
-_ONE_VIDEO_BLOCK = ("exaone4_5", "qwen2_5_omni", "qwen3_omni_moe", "llava_onevision1_5")
+_ONE_VIDEO_BLOCK = (
+    "exaone4_5", "qwen2_5_omni", "qwen3_omni_moe", "llava_onevision1_5", "dots3_note",
+    "hyperclovax_vision_v2", "muse_spark", "muse_glimmer",
+)  # fmt: skip
 _CLASSES = {
     "qwen2_vl": "Qwen2VL",
     "qwen2_5_vl": "Qwen2_5_VL",
@@ -75,6 +89,13 @@ _CLASSES = {
     "llava_onevision1_5": "LlavaOnevision15",
     "lfm3_vl": "Lfm3Vl",
     "ernie4_5_vl_moe": "Ernie4_5_VLMoe",
+    "dots3_note": "Dots3Note",
+    "hyperclovax_vision_v2": "HyperCLOVAXVisionV2",
+    "muse_spark": "MuseSpark",
+    "muse_glimmer": "MuseGlimmer",
+    "hunyuan_vl": "HunYuanVL",
+    "glm_image": "GlmImage",
+    "minicpmv4_6": "MiniCPMV4_6",
 }
 #: Pixel values per patch row: 3 colours x 2x2 patch x temporal patch 1.
 CHANNELS = 12
@@ -147,7 +168,7 @@ def tiny_config(family: str) -> Any:
         return Qwen3VLConfig(text_config=text, vision_config=_QWEN3_TOWER, **_QWEN_IDS)
     if family in GLM_FAMILIES:
         return _glm_config(family)
-    if family in LATEST_FAMILIES:
+    if family in LATEST_FAMILIES or family in REFUSED_FAMILIES:
         return _latest_config(family)
     if family in NEWER_FAMILIES:
         import transformers
@@ -164,12 +185,13 @@ def tiny_config(family: str) -> Any:
         vision = _QWEN3_TOWER if family == "qwen3_vl_moe" else _without_deepstack(_QWEN3_TOWER)
         config = getattr(transformers, f"{_CLASSES[family]}Config")
         return config(text_config=text, vision_config=vision, **_QWEN_IDS)
-    known = FAMILIES + NEWER_FAMILIES + GLM_FAMILIES + LATEST_FAMILIES
+    known = FAMILIES + NEWER_FAMILIES + GLM_FAMILIES + LATEST_FAMILIES + REFUSED_FAMILIES
     raise ValueError(f"family={family!r} is unknown: expected one of {known}.")
 
 
 def _latest_config(family: str) -> Any:
-    """The config of one of :data:`LATEST_FAMILIES` (transformers 5: ``rope_parameters``)."""
+    """The config of one of :data:`LATEST_FAMILIES` or :data:`REFUSED_FAMILIES` (transformers 5:
+    ``rope_parameters``)."""
     import transformers
 
     config = getattr(transformers, f"{_CLASSES[family]}Config")
@@ -280,6 +302,100 @@ def _ernie4_5_vl_moe_config(config: Any) -> Any:
     return config(text_config=text, vision_config=vision, **_GLM_IDS)
 
 
+def _dots3_note_config(config: Any) -> Any:
+    """Dots3-Note: an MLA decoder (one indexed-attention layer, MoE), its tower under ``vision_tower``
+    (2-D rotary positions, no temporal patches, block 1 a top-2 MoE of 4 experts), and a tiny audio
+    tower that these tests never feed."""
+    text = {**_TEXT, "num_key_value_heads": 2, "pad_token_id": 0, "layer_types": ["indexed_attention"]}
+    text.update(mlp_layer_types=["sparse"], moe_intermediate_size=16, shared_experts_intermediate_size=16)
+    text.update(n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16)
+    text.update(q_lora_rank=16, head_dim=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    text.update(index_topk=8, index_head_dim=8, index_n_heads=2)
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    vision.update(num_channels=3, patch_size=2, spatial_merge_size=MERGE, adapter_merge_size=MERGE)
+    vision.update(adapter_in_dim=16, adapter_out_dim=32, pyramid_num_routed=[-1, 4])
+    vision.update(moe_intermediate_size=16, num_experts_per_tok=2)
+    audio = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    audio.update(adapter_input_size=16, adapter_out_dim=32, feature_size=8, downsample_hidden_size=8)
+    ids = {"image_token_id": IDS["image"], "video_token_id": IDS["video"], "audio_token_id": IDS["audio"]}
+    return config(text_config=text, vision_config=vision, audio_config=audio, **ids)
+
+
+def _hyperclovax_vision_v2_config(config: Any) -> Any:
+    """A HyperCLOVAX decoder (1-D positions) and a Qwen2.5-VL tower (windows) under ``vision_model``,
+    its projector outside the tower."""
+    text = {**_TEXT, "model_type": "hyperclovax"}
+    vision = {**_QWEN2_5_TOWER, "model_type": "qwen2_5_vl_vision"}
+    return config(
+        text_config=text, vision_config=vision, image_token_id=IDS["image"], video_token_id=IDS["video"]
+    )
+
+
+def _muse_spark_config(config: Any) -> Any:
+    """Muse Spark: an MoE decoder (sliding and full attention, 1-D positions), a tower with windows of
+    4x4 patches that merges 2x2 blocks at its end, and a tiny audio tower these tests never feed."""
+    text = {**_TEXT, "head_dim": 16, "sliding_window": 8, "moe_intermediate_size": 16, "moe_hidden_size": 16}
+    text.update(num_local_experts=4, num_experts_per_tok=2)
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    vision.update(patch_size=2, patch_temporal=1, merge_size=MERGE, pos_emb_height=4, pos_emb_width=4)
+    vision.update(rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
+    audio = {"patch_sizes": [2], "hidden_sizes": [8], "depths": [1], "num_hidden_layers": 1}
+    ids = {"image_token_id": IDS["image"], "video_token_id": IDS["video"], "audio_token_id": IDS["audio"]}
+    audio["out_hidden_size"] = _TEXT["hidden_size"]  # scattered onto the text embeddings
+    return config(
+        text_config=text, vision_config=vision, audio_config=audio, out_hidden_size=16 * MERGE**2,
+        projector_hidden_size=32, **ids,
+    )  # fmt: skip
+
+
+def _muse_glimmer_config(config: Any) -> Any:
+    """Muse-Glimmer: a dense decoder (sliding and full attention, 1-D positions) and Muse Spark's
+    tower (:func:`_muse_spark_config`), no audio."""
+    text = {**_TEXT, "head_dim": 16, "sliding_window": 8}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    vision.update(patch_size=2, patch_temporal=1, merge_size=MERGE, pos_emb_height=4, pos_emb_width=4)
+    vision.update(rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
+    ids = {"image_token_id": IDS["image"], "video_token_id": IDS["video"]}
+    return config(
+        text_config=text, vision_config=vision, out_hidden_size=16 * MERGE**2, projector_hidden_size=32, **ids
+    )
+
+
+def _hunyuan_vl_config(config: Any) -> Any:
+    """HunYuanVL (refused): a dense decoder and a SigLIP-style tower under ``vision_tower`` whose
+    patch merger adds a row per merged row and begin/end rows."""
+    text = {**_TEXT, "head_dim": 16, "pad_token_id": 0}
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    vision.update(num_channels=3, patch_size=2, spatial_merge_size=MERGE, max_image_size=8)
+    vision.update(text_hidden_size=32, out_hidden_size=32)
+    return config(text_config=text, vision_config=vision, image_token_id=IDS["image"])
+
+
+def _glm_image_config(config: Any) -> Any:
+    """GLM-Image (refused): a GLM decoder, a tower without merging and a VQ quantiser after it."""
+    text = {**_TEXT, "head_dim": 16, "pad_token_id": 0, "vision_vocab_size": VOCAB, "rope_parameters": _MROPE}
+    vision = {"depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "in_channels": 3}
+    vision.update(patch_size=2, image_size=8)
+    vq = {"embed_dim": 8, "num_embeddings": 16, "latent_channels": 16}
+    return config(
+        text_config=text, vision_config=vision, vq_config=vq, image_token_id=IDS["image"],
+        image_start_token_id=IDS["vision_start"], image_end_token_id=IDS["vision_end"],
+    )  # fmt: skip
+
+
+def _minicpm_config(config: Any) -> Any:
+    """MiniCPM-V 4.6 (refused): a Qwen3.5 decoder (one linear-attention layer, one full) and a
+    SigLIP-style tower of two layers, its window merger after the first."""
+    text = {**_TEXT, "model_type": "qwen3_5_text", "head_dim": 16, "num_hidden_layers": 2}
+    text.update(layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8)
+    text.update(linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2)
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    vision.update(num_channels=3, patch_size=2, image_size=16)
+    ids = {"image_token_id": IDS["image"], "video_token_id": IDS["video"]}
+    return config(text_config=text, vision_config=vision, insert_layer_id=0, **ids)
+
+
 #: The builders of :func:`_latest_config`, by family (the omni thinkers have their own).
 _LATEST_BUILDERS: dict[str, Callable[[Any], Any]] = {
     "qwen4_exp": _qwen4_exp_config,
@@ -291,6 +407,13 @@ _LATEST_BUILDERS: dict[str, Callable[[Any], Any]] = {
     "llava_onevision1_5": _llava_onevision1_5_config,
     "lfm3_vl": _lfm3_vl_config,
     "ernie4_5_vl_moe": _ernie4_5_vl_moe_config,
+    "dots3_note": _dots3_note_config,
+    "hyperclovax_vision_v2": _hyperclovax_vision_v2_config,
+    "muse_spark": _muse_spark_config,
+    "muse_glimmer": _muse_glimmer_config,
+    "hunyuan_vl": _hunyuan_vl_config,
+    "glm_image": _glm_image_config,
+    "minicpmv4_6": _minicpm_config,
 }
 
 
@@ -340,12 +463,14 @@ def _without_deepstack(tower: dict[str, Any]) -> dict[str, Any]:
 
 
 def available(family: str) -> bool:
-    """Whether the installed transformers has ``family``'s model (:data:`LATEST_FAMILIES`: as in 5.x;
-    4.57's Omni thinkers keep the tower on the model that computes the loss, which the drop-in
-    refuses)."""
+    """Whether the installed transformers has ``family``'s model (:data:`LATEST_FAMILIES` and
+    :data:`REFUSED_FAMILIES`: as in 5.x; 4.57's Omni thinkers keep the tower on the model that
+    computes the loss, which the drop-in refuses)."""
     import transformers
 
-    if family in LATEST_FAMILIES and int(transformers.__version__.split(".")[0]) < 5:
+    if (family in LATEST_FAMILIES or family in REFUSED_FAMILIES) and int(
+        transformers.__version__.split(".")[0]
+    ) < 5:
         return False
     return hasattr(transformers, f"{_CLASSES[family]}ForConditionalGeneration")
 
@@ -367,9 +492,12 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
 
 def tower_of(model: torch.nn.Module) -> torch.nn.Module:
     """The vision tower of a :func:`tiny_model`: ``model.model.visual``, or ``vision_tower`` (LFM3-VL,
-    ERNIE-4.5-VL)."""
+    ERNIE-4.5-VL, Dots3-Note, Muse Spark), or ``vision_model`` (HyperCLOVAX Vision V2)."""
     base = model.model
-    return base.visual if hasattr(base, "visual") else base.vision_tower
+    for name in ("visual", "vision_tower"):
+        if hasattr(base, name):
+            return getattr(base, name)
+    return base.vision_model
 
 
 Grid = tuple[int, int, int]
@@ -441,7 +569,7 @@ def make_inputs(
         # Their forwards take no token types; the Omni thinkers' rotary index wants each video's
         # seconds per temporal patch.
         del batch["mm_token_type_ids"]
-        if family != "exaone4_5":
+        if family not in ("exaone4_5", "dots3_note", "hyperclovax_vision_v2", "muse_spark", "muse_glimmer"):
             batch["video_second_per_grid"] = torch.ones(len(grids["video"])) if grids["video"] else None
     for kind, pixels_key, grid_key in (
         ("image", "pixel_values", "image_grid_thw"),

@@ -181,8 +181,8 @@ def test_from_vit_reads_hugging_face_vision_configs() -> None:
 @pytest.mark.parametrize("family", [f for f in LATEST_FAMILIES if f != "glm5_next"])
 def test_from_vit_prices_the_latest_towers_per_temporal_step(family: str) -> None:
     """transformers 5.24's other towers of the Qwen-VL design (Qwen4-Exp, EXAONE 4.5, Cohere Compass,
-    Cosmos3, the Omni thinkers', LFM3-VL, ERNIE-4.5-VL) and 5.25's LLaVA-OneVision-1.5 attend within
-    each temporal step too: priced so."""
+    Cosmos3, the Omni thinkers', LFM3-VL, ERNIE-4.5-VL, Dots3-Note) and 5.25's LLaVA-OneVision-1.5
+    attend within each temporal step too: priced so."""
     pytest.importorskip("transformers")
     if not available(family):
         pytest.skip(f"this transformers has no {family}")

@@ -17,6 +17,7 @@ import inspect
 import itertools
 import json
 import pickle
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +39,7 @@ from hf_models import (
     GLM_FAMILIES,
     LATEST_FAMILIES,
     NEWER_FAMILIES,
+    REFUSED_FAMILIES,
     available,
     generation_prompt,
     generation_settings,
@@ -60,6 +62,7 @@ from lightning_vit_balance import (
     ViTBalanceTrainerCallback,
     balance_vision_tower,
     encode_visual,
+    hf,
 )
 from lightning_vit_balance.exchange import grid_steps
 from lightning_vit_balance.hf import rows_to_plan
@@ -257,10 +260,10 @@ def test_model_forward_matches_plain_model(multirank: Any, family: str) -> None:
 @pytest.mark.parametrize("family", [*GLM_FAMILIES[1:], *LATEST_FAMILIES])
 def test_more_families_match_the_plain_model(multirank: Any, family: str) -> None:
     """The other GLM-4.xV models (GLM-4.1V's code) and transformers 5.24's and 5.25's other families
-    that meet the contract (LFM3-VL's and ERNIE-4.5-VL's towers under ``vision_tower``): the checks
-    above on the two :func:`mixed_cases`. The GLM models pass their tower a video's temporal steps
-    themselves; for the others, whose towers attend within each step, the drop-in's default
-    configuration splits videos by step."""
+    that meet the contract (LFM3-VL's, ERNIE-4.5-VL's and Dots3-Note's towers under
+    ``vision_tower``): the checks above on the two :func:`mixed_cases`. The GLM models pass their
+    tower a video's temporal steps themselves; for the others, whose towers attend within each step,
+    the drop-in's default configuration splits videos by step."""
     if not available(family):
         pytest.skip(f"this transformers has no {family}")
     handle = balance_vision_tower(tiny_model(family))
@@ -1292,7 +1295,7 @@ def test_a_model_breaking_the_contract_gets_an_error_naming_what_is_missing() ->
         balance_vision_tower(nn.Sequential(nn.Linear(2, 2)))
     assert "vision encoder" not in str(info.value)
     # A model whose encoder has another name (Kimi-K2.5's vision_tower; of the models with one, only
-    # LFM3-VL's and ERNIE-4.5-VL's are taken as towers) is told where it is and how to balance it.
+    # the allow-listed model types' are taken as towers) is told where it is and how to balance it.
     other = nn.Module()
     other.model = nn.Module()
     other.model.vision_tower = nn.Linear(2, 2)
@@ -1329,6 +1332,43 @@ def test_a_model_breaking_the_contract_gets_an_error_naming_what_is_missing() ->
         balance_vision_tower("model")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="expected a ViTBalanceConfig"):
         balance_vision_tower(tiny_model("qwen2_vl"), {"enabled": True})  # type: ignore[arg-type]
+
+
+#: What :func:`balance_vision_tower` says of each of :data:`REFUSED_FAMILIES` as it is, then with its
+#: ``vision_tower`` taken by model type: the contract points it breaks.
+REFUSALS = {
+    "hunyuan_vl": (
+        "model.model.vision_tower",
+        ["no parameter 'pixel_values_videos'", "'spatial_merge_size'"],
+    ),
+    "glm_image": ("GlmImageModel.forward has no parameter 'pixel_values_videos'", []),
+    "minicpmv4_6": (
+        "model.model.vision_tower",
+        ["no parameter 'image_grid_thw'", "has no parameter 'grid_thw'"],
+    ),
+}
+
+
+@pytest.mark.parametrize("family", REFUSED_FAMILIES)
+def test_models_of_another_design_are_refused_before_anything_is_patched(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HunYuanVL, GLM-Image and MiniCPM-V break the contract (see :data:`REFUSED_FAMILIES`): an error
+    saying where the encoder is or what breaks, and nothing patched. Taken by its model type, a
+    ``vision_tower`` is still refused, by the contract check: an allow-list entry alone never
+    balances a model of another design into other outputs."""
+    if not available(family):
+        pytest.skip(f"this transformers has no {family}")
+    model = tiny_model(family)
+    where, broken = REFUSALS[family]
+    with pytest.raises(ValueError, match=re.escape(where)):
+        balance_vision_tower(model)
+    if broken:
+        monkeypatch.setattr(hf, "_VISION_TOWER_MODEL_TYPES", frozenset({model.model.config.model_type}))
+        with pytest.raises(ValueError, match="does not meet the drop-in's contract") as info:
+            balance_vision_tower(model)
+        assert all(problem in str(info.value) for problem in broken), str(info.value)
+    assert not any("forward" in vars(module) for module in model.modules())
 
 
 # --------------------------------------------------------------------------- Lightning

@@ -46,12 +46,12 @@ two forwards), in transformers 4 the first forward (an empty cache).
 ``modeling_glm4v.py``, ``modeling_glm4v_moe.py``, and in 5.24 ``modeling_qwen3_5.py`` and
 ``modeling_qwen3_5_moe.py``, whose towers are Qwen3-VL's, GLM-4.6V's, GLM-OCR's, Qwen4-Exp's, the
 Qwen2.5-Omni and Qwen3-Omni-MoE thinkers', EXAONE 4.5's, Cohere Compass's, Cosmos3-Omni's,
-Cosmos3-Edge's, GLM-5-Next's, LFM3-VL's, ERNIE-4.5-VL's, Dots3-Note's, HyperCLOVAX Vision V2's and
-Muse Spark's, and in 5.25 LLaVA-OneVision-1.5's; :func:`balance_vision_tower` checks the static part
-and names what is missing):
+Cosmos3-Edge's, GLM-5-Next's, LFM3-VL's, ERNIE-4.5-VL's, Dots3-Note's, HyperCLOVAX Vision V2's,
+Muse Spark's and Muse-Glimmer's, and in 5.25 LLaVA-OneVision-1.5's; :func:`balance_vision_tower`
+checks the static part and names what is missing):
 
 1. Exactly one submodule of the model has a child module named ``visual`` (the tower; LFM3-VL,
-   ERNIE-4.5-VL, Dots3-Note and Muse Spark: ``vision_tower``; HyperCLOVAX Vision V2:
+   ERNIE-4.5-VL, Dots3-Note, Muse Spark and Muse-Glimmer: ``vision_tower``; HyperCLOVAX Vision V2:
    ``vision_model``); that submodule is the base model. Its ``forward`` has parameters named
    ``pixel_values``, ``image_grid_thw``, ``pixel_values_videos`` and ``video_grid_thw``: image
    patch rows ``[sum(T*H*W), C]`` with their ``[n, 3]`` grid and the same for videos, ``None``
@@ -68,22 +68,22 @@ and names what is missing):
    tower a video grid with one row ``(1, H, W)`` per temporal step (GLM-4.xV's towers take no
    ``T > 1``): for those the drop-in encodes videos with that grid too
    (:attr:`BalancedVisionTower.step_grid_keys`).
-3. The tower is called as ``visual(pixels, grid_thw, **kwargs)`` (Muse Spark: ``pixel_values=pixels``)
-   and returns tensors with one row per patch or per merged token, alone or in a tuple or
-   ``ModelOutput`` (transformers 5:
-   ``last_hidden_state`` per patch, ``pooler_output`` and each layer of Qwen3-VL's
-   ``deepstack_features`` per merged token; 4.x: the merged tokens, and Qwen3-VL's deepstack
-   list after them in a tuple); an image's rows depend on that image alone (attention never
-   crosses images, Qwen2.5-VL's windows included). HF then splits the merged rows by
-   ``grid.prod(-1) // spatial_merge_size**2`` (Muse Spark: ``config.merge_size``, its tower's
-   ``spatial_merge_size`` being 1; see :func:`_output_merge`). A video's rows for one temporal
-   step depend on that step alone (attention within each step, no temporal position embedding), so the default
-   configuration plans each step as an item of its own (``split_videos``; its cost model prices
-   attention per step): ``CostModel.from_vit`` recognises the Qwen-VL towers by their type.
+3. The tower is called as ``visual(pixels, grid_thw, **kwargs)`` (Muse Spark and Muse-Glimmer:
+   ``pixel_values=pixels``) and returns tensors with one row per patch or per merged token, alone
+   or in a tuple or ``ModelOutput`` (transformers 5: ``last_hidden_state`` per patch,
+   ``pooler_output`` and each layer of Qwen3-VL's ``deepstack_features`` per merged token; 4.x: the
+   merged tokens, and Qwen3-VL's deepstack list after them in a tuple); an image's rows depend on
+   that image alone (attention never crosses images, Qwen2.5-VL's windows included). HF then
+   splits the merged rows by ``grid.prod(-1) // spatial_merge_size**2`` (Muse Spark and
+   Muse-Glimmer: ``config.merge_size``, their tower's ``spatial_merge_size`` being 1; see
+   :func:`_output_merge`). A video's rows for one temporal step depend on that step alone
+   (attention within each step, no temporal position embedding), so the default configuration
+   plans each step as an item of its own (``split_videos``; its cost model prices attention per
+   step): ``CostModel.from_vit`` recognises the Qwen-VL towers by their type.
 4. The tower has ``dtype``, an int ``spatial_merge_size``, and ``config.in_channels`` (or
-   ``num_channels``), ``config.temporal_patch_size`` (1 when absent; Muse Spark: 3 channels and
-   ``patch_temporal``) and ``config.patch_size`` (ints), which give ``C`` for the zero rows a rank
-   without images sends.
+   ``num_channels``), ``config.temporal_patch_size`` (1 when absent; Muse Spark and Muse-Glimmer:
+   3 channels and ``patch_temporal``) and ``config.patch_size`` (ints), which give ``C`` for the
+   zero rows a rank without images sends.
 5. The base ``forward`` returns a ``ModelOutput`` with a tensor ``last_hidden_state`` (or a tuple
    starting with it) that the loss depends on, as ``*ForConditionalGeneration`` computes logits
    from it. So the base takes no ``labels``: before 4.52, transformers kept the tower on the
@@ -256,8 +256,8 @@ def _find_base(model: Any) -> tuple[nn.Module, nn.Module]:
         raise ValueError(
             f"balance_vision_tower: {type(model).__name__} has no submodule with a child module named "
             "'visual' (looked for model.model.visual, model.visual and below; 'vision_tower' in "
-            "LFM3-VL, ERNIE-4.5-VL, Dots3-Note and Muse Spark, 'vision_model' in HyperCLOVAX Vision "
-            "V2): expected a Hugging Face Qwen-VL or GLM-4.xV model."
+            "LFM3-VL, ERNIE-4.5-VL, Dots3-Note, Muse Spark and Muse-Glimmer, 'vision_model' in "
+            "HyperCLOVAX Vision V2): expected a Hugging Face Qwen-VL or GLM-4.xV model."
             f"{_other_tower_hint(model)}"
         )
     if len(found) > 1:
@@ -1254,7 +1254,7 @@ class BalancedVisionTower:
     @eager
     def _serve(self, pixels: Any = None, grid_thw: Any = None, **kwargs: Any) -> Any:
         """Answer one of the model's own tower calls from the pending balanced result (the pixels
-        positional, or by keyword ``pixel_values`` as Muse Spark passes them)."""
+        positional, or by keyword ``pixel_values`` as Muse Spark and Muse-Glimmer pass them)."""
         pending = self._pending
         assert pending is not None
         if pixels is None:

@@ -47,15 +47,19 @@ two forwards), in transformers 4 the first forward (an empty cache).
 ``modeling_qwen3_5_moe.py``, whose towers are Qwen3-VL's, GLM-4.6V's, GLM-OCR's, Qwen4-Exp's, the
 Qwen2.5-Omni and Qwen3-Omni-MoE thinkers', EXAONE 4.5's, Cohere Compass's, Cosmos3-Omni's,
 Cosmos3-Edge's, GLM-5-Next's, LFM3-VL's, ERNIE-4.5-VL's, Dots3-Note's, HyperCLOVAX Vision V2's,
-Muse Spark's and Muse-Glimmer's, and in 5.25 LLaVA-OneVision-1.5's; :func:`balance_vision_tower`
-checks the static part and names what is missing):
+Muse Spark's, Muse-Glimmer's, MiniMax-M3-VL's and PaddleOCR-VL's, and in 5.25
+LLaVA-OneVision-1.5's; :func:`balance_vision_tower` checks the static part and names what is
+missing):
 
 1. Exactly one submodule of the model has a child module named ``visual`` (the tower; LFM3-VL,
-   ERNIE-4.5-VL, Dots3-Note, Muse Spark and Muse-Glimmer: ``vision_tower``; HyperCLOVAX Vision V2:
-   ``vision_model``); that submodule is the base model. Its ``forward`` has parameters named
-   ``pixel_values``, ``image_grid_thw``, ``pixel_values_videos`` and ``video_grid_thw``: image
-   patch rows ``[sum(T*H*W), C]`` with their ``[n, 3]`` grid and the same for videos, ``None``
-   when absent.
+   ERNIE-4.5-VL, Dots3-Note, Muse Spark, Muse-Glimmer and MiniMax-M3-VL: ``vision_tower``;
+   HyperCLOVAX Vision V2: ``vision_model``); that submodule is the base model. Its ``forward`` has
+   parameters named ``pixel_values``, ``image_grid_thw``, ``pixel_values_videos`` and
+   ``video_grid_thw``: image patch rows ``[sum(T*H*W), C]`` with their ``[n, 3]`` grid and the
+   same for videos, ``None`` when absent. PaddleOCR-VL (:data:`_IMAGE_ONLY_MODEL_TYPES`) takes
+   images only, no video parameter: its images alone are balanced; its rows are patch images
+   ``[S, 3, patch, patch]``, moved flattened. Any other model without both video parameters is
+   refused.
 2. The base ``forward`` encodes images only when ``pixel_values is not None`` and videos only
    when ``pixel_values_videos is not None``, each with one call ``visual(pixels, grid_thw=grid,
    **kwargs)`` where ``pixels`` is the whole modality's rows cast with
@@ -68,22 +72,29 @@ checks the static part and names what is missing):
    tower a video grid with one row ``(1, H, W)`` per temporal step (GLM-4.xV's towers take no
    ``T > 1``): for those the drop-in encodes videos with that grid too
    (:attr:`BalancedVisionTower.step_grid_keys`).
-3. The tower is called as ``visual(pixels, grid_thw, **kwargs)`` (Muse Spark and Muse-Glimmer:
-   ``pixel_values=pixels``) and returns tensors with one row per patch or per merged token, alone
-   or in a tuple or ``ModelOutput`` (transformers 5: ``last_hidden_state`` per patch,
-   ``pooler_output`` and each layer of Qwen3-VL's ``deepstack_features`` per merged token; 4.x: the
-   merged tokens, and Qwen3-VL's deepstack list after them in a tuple); an image's rows depend on
-   that image alone (attention never crosses images, Qwen2.5-VL's windows included). HF then
-   splits the merged rows by ``grid.prod(-1) // spatial_merge_size**2`` (Muse Spark and
-   Muse-Glimmer: ``config.merge_size``, their tower's ``spatial_merge_size`` being 1; see
-   :func:`_output_merge`). A video's rows for one temporal step depend on that step alone
-   (attention within each step, no temporal position embedding), so the default configuration
-   plans each step as an item of its own (``split_videos``; its cost model prices attention per
-   step): ``CostModel.from_vit`` recognises the Qwen-VL towers by their type.
-4. The tower has ``dtype``, an int ``spatial_merge_size``, and ``config.in_channels`` (or
-   ``num_channels``), ``config.temporal_patch_size`` (1 when absent; Muse Spark and Muse-Glimmer:
-   3 channels and ``patch_temporal``) and ``config.patch_size`` (ints), which give ``C`` for the
-   zero rows a rank without images sends.
+3. The tower is called as ``visual(pixels, grid_thw, **kwargs)`` (Muse Spark, Muse-Glimmer,
+   MiniMax-M3-VL, PaddleOCR-VL: ``pixel_values=pixels``) and returns tensors with one row per patch
+   or per merged token, alone or in a tuple or ``ModelOutput`` (transformers 5:
+   ``last_hidden_state`` per patch, ``pooler_output`` and each layer of Qwen3-VL's
+   ``deepstack_features`` per merged token; 4.x: the merged tokens, and Qwen3-VL's deepstack list
+   after them in a tuple); an image's rows depend on that image alone (attention never crosses
+   images, Qwen2.5-VL's windows included). HF then splits the merged rows by
+   ``grid.prod(-1) // spatial_merge_size**2`` (Muse Spark and Muse-Glimmer: ``config.merge_size``,
+   their tower's ``spatial_merge_size`` being 1; see :func:`_output_merge`). Where a model's tower
+   takes or gives a leading batch dimension of 1 (:data:`_TOWER_FORMS`: MiniMax-M3-VL returns
+   ``[1, S, D]`` and a ``pooler_output`` ``[1, D]`` of the whole call, which the model replaces
+   unread and the drop-in returns as None; PaddleOCR-VL is given ``[1, S, 3, patch, patch]``), the
+   balanced call drops it for the engine and the served calls get it back. A video's rows for one
+   temporal step depend on that step alone (attention within each step, no temporal position
+   embedding), so the default configuration plans each step as an item of its own
+   (``split_videos``; its cost model prices attention per step): ``CostModel.from_vit`` recognises
+   the Qwen-VL towers by their type. MiniMax-M3-VL's tower attends over a whole video with
+   temporal positions (:data:`_WHOLE_CLIP_MODEL_TYPES`): its videos are planned whole, and
+   ``split_videos=True`` raises a ``ValueError`` on every rank before any collective.
+4. The tower has ``dtype``, an int ``spatial_merge_size`` (PaddleOCR-VL's: its config's), and
+   ``config.in_channels`` (or ``num_channels``), ``config.temporal_patch_size`` (1 when absent;
+   Muse Spark and Muse-Glimmer: 3 channels and ``patch_temporal``) and ``config.patch_size``
+   (ints), which give ``C`` for the zero rows a rank without images sends.
 5. The base ``forward`` returns a ``ModelOutput`` with a tensor ``last_hidden_state`` (or a tuple
    starting with it) that the loss depends on, as ``*ForConditionalGeneration`` computes logits
    from it. So the base takes no ``labels``: before 4.52, transformers kept the tower on the
@@ -198,17 +209,77 @@ Grid = tuple[int, int, int]
 #: tower's MoE blocks route each patch on its own, so a patch's rows do not depend on the batch),
 #: Muse Spark and Muse-Glimmer (one tower; they pass the pixels by keyword, which
 #: :meth:`BalancedVisionTower._serve` takes, and it merges its output by ``config.merge_size``, see
-#: :func:`_output_merge`). Other models with a ``vision_tower`` pass it differently (a batch
-#: dimension, 4-D pixels, frames pooled inside the tower): not taken on trust;
+#: :func:`_output_merge`), and MiniMax-M3-VL (its outputs carry a batch dimension:
+#: :data:`_TOWER_FORMS`). Other models with a ``vision_tower`` pass it differently (extra rows per
+#: merged row, 4-D pixels, frames pooled inside the tower): not taken on trust;
 #: :func:`_other_tower_hint` says what to do instead.
 _VISION_TOWER_MODEL_TYPES = frozenset(
-    {"lfm3_vl", "ernie4_5_vl_moe", "dots3_note", "muse_spark", "muse_glimmer"}
+    {"lfm3_vl", "ernie4_5_vl_moe", "dots3_note", "muse_spark", "muse_glimmer", "minimax_m3_vl"}
 )
 #: Model types whose tower is the child ``vision_model`` and meets the contract otherwise:
 #: HyperCLOVAX-SEED Vision V2 (transformers 5.24), whose tower is Qwen2.5-VL's. Other models with a
 #: ``vision_model`` (VideoLLaMA3: a merge size per image; Step3p7: fixed-size images, no grids) do
 #: not meet it.
 _VISION_MODEL_MODEL_TYPES = frozenset({"hyperclovax_vision_v2"})
+
+
+@dataclass(frozen=True)
+class _TowerForm:
+    """How a tower takes its pixel rows and gives its outputs where it differs from the contract's
+    ``visual(pixels [S, C], grid_thw)`` returning ``[rows, ...]`` tensors; the drop-in converts at
+    the balanced call (the engine sees the contract's form) and back when it serves the model.
+
+    Attributes:
+        patch_rows: The base forward's pixel rows are ``[S, channels, patch, patch]``; the engine
+            moves them flattened, ``[S, C]``.
+        batched_input: The model passes the tower its rows with a leading batch dimension of 1.
+        batched_output: Every tensor the tower returns has a leading batch dimension of 1.
+        dropped: Outputs that are neither per patch nor per merged token and that the model
+            overwrites unread; the balanced call returns None for them.
+    """
+
+    patch_rows: bool = False
+    batched_input: bool = False
+    batched_output: bool = False
+    dropped: tuple[str, ...] = ()
+
+
+#: Base model types whose tower meets the contract up to its form (:class:`_TowerForm`), by the
+#: model's code in transformers 5.24. MiniMax-M3-VL: ``last_hidden_state`` ``[1, S, D]`` and a
+#: ``pooler_output`` ``[1, D]`` (the first patch of the whole call), which ``get_image_features``
+#: replaces by the projected features unread. PaddleOCR-VL: pixel rows ``[S, 3, patch, patch]``
+#: passed as ``[1, S, 3, patch, patch]``; its ``last_hidden_state`` is ``[S, D]``.
+_TOWER_FORMS: dict[str, _TowerForm] = {
+    "minimax_m3_vl": _TowerForm(batched_output=True, dropped=("pooler_output",)),
+    "paddleocr_vl": _TowerForm(patch_rows=True, batched_input=True),
+}
+#: Base model types that take images only (no ``pixel_values_videos`` / ``video_grid_thw``) and meet
+#: the contract otherwise: PaddleOCR-VL. Other image-only models are refused (GLM-Image gives its
+#: tower a grid other than its forward's).
+_IMAGE_ONLY_MODEL_TYPES = frozenset({"paddleocr_vl"})
+#: Tower config types without a ``spatial_merge_size`` attribute whose config's is the one HF splits
+#: by: PaddleOCR-VL's (it merges in the projector, after the tower).
+_MERGE_IN_CONFIG = frozenset({"paddleocr_vl_vision"})
+#: Base model types whose towers attend over a whole video with temporal positions (MiniMax-M3-VL:
+#: one attention sequence per clip, 3-D rotary positions): ``split_videos`` would change their
+#: outputs, so a configuration with it is refused.
+_WHOLE_CLIP_MODEL_TYPES = frozenset({"minimax_m3_vl"})
+
+
+def _model_type(module: Any) -> Any:
+    return getattr(getattr(module, "config", None), "model_type", None)
+
+
+def _form_of(base: nn.Module) -> _TowerForm:
+    """The tower form of ``base``'s model type (:data:`_TOWER_FORMS`), the contract's by default."""
+    return _TOWER_FORMS.get(_model_type(base), _TowerForm())
+
+
+def _tower_merge(tower: nn.Module) -> Any:
+    """The tower's ``spatial_merge_size``, or its config's for :data:`_MERGE_IN_CONFIG`."""
+    if _model_type(tower) in _MERGE_IN_CONFIG and not hasattr(tower, "spatial_merge_size"):
+        return getattr(tower.config, "spatial_merge_size", None)
+    return getattr(tower, "spatial_merge_size", None)
 
 
 def _tower_name(module: nn.Module) -> str | None:
@@ -256,8 +327,8 @@ def _find_base(model: Any) -> tuple[nn.Module, nn.Module]:
         raise ValueError(
             f"balance_vision_tower: {type(model).__name__} has no submodule with a child module named "
             "'visual' (looked for model.model.visual, model.visual and below; 'vision_tower' in "
-            "LFM3-VL, ERNIE-4.5-VL, Dots3-Note, Muse Spark and Muse-Glimmer, 'vision_model' in "
-            "HyperCLOVAX Vision V2): expected a Hugging Face Qwen-VL or GLM-4.xV model."
+            "LFM3-VL, ERNIE-4.5-VL, Dots3-Note, Muse Spark, Muse-Glimmer and MiniMax-M3-VL, "
+            "'vision_model' in HyperCLOVAX Vision V2): expected a Hugging Face Qwen-VL or GLM-4.xV model."
             f"{_other_tower_hint(model)}"
         )
     if len(found) > 1:
@@ -270,7 +341,7 @@ def _find_base(model: Any) -> tuple[nn.Module, nn.Module]:
     return base, base._modules[_tower_name(base)]
 
 
-#: Names other models give their vision encoder (Kimi-K2.5, MiniMax-M3-VL, VideoLLaMA3, ...).
+#: Names other models give their vision encoder (Kimi-K2.5, HY-V4-VL, VideoLLaMA3, ...).
 _OTHER_TOWER_NAMES = ("vision_tower", "vision_model")
 
 
@@ -325,7 +396,10 @@ def _contract_problems(base: nn.Module, tower: nn.Module) -> list[str]:
     base_name, tower_name = type(base).__name__, type(tower).__name__
     problems = []
     parameters = inspect.signature(type(base).forward).parameters
-    for _, pixels, grid in _MODALITIES:
+    for modality, pixels, grid in _MODALITIES:
+        image_only = modality == "videos" and _model_type(base) in _IMAGE_ONLY_MODEL_TYPES
+        if image_only and pixels not in parameters and grid not in parameters:
+            continue  # an image-only model: no video to encode (one that takes either is checked)
         for name in (pixels, grid):
             if name not in parameters:
                 problems.append(f"{base_name}.forward has no parameter {name!r}")
@@ -340,7 +414,7 @@ def _contract_problems(base: nn.Module, tower: nn.Module) -> list[str]:
         problems.append(f"{tower_name}.forward has no parameter 'grid_thw'")
     if not isinstance(getattr(tower, "dtype", None), torch.dtype):
         problems.append(f"{tower_name} has no attribute 'dtype' (a torch.dtype)")
-    if not _positive_int(getattr(tower, "spatial_merge_size", None)):
+    if not _positive_int(_tower_merge(tower)):
         problems.append(f"{tower_name} has no int attribute 'spatial_merge_size'")
     elif not _positive_int(_output_merge(tower)):
         problems.append(f"{tower_name}.config has no int 'merge_size'")
@@ -413,6 +487,27 @@ def _tower_channels(tower: Any) -> int | None:
     return in_channels * temporal * patch * patch
 
 
+def _patch_row_shape(tower: Any) -> tuple[int, ...]:
+    """``(channels, patch, patch)`` of a patch image row (:attr:`_TowerForm.patch_rows`): the
+    channels times the temporal patch, as the processor stacks them; ``()`` when the config does not
+    tell (then :func:`_contract_problems` has refused the tower)."""
+    values = list(pixel_row_factors(getattr(unwrap_module(tower), "config", None)).values())
+    if not all(_positive_int(v) for v in values):
+        return ()
+    in_channels, temporal, patch = values
+    return (in_channels * temporal, patch, patch)
+
+
+def _served_rows(pixels: Any, batched: bool) -> int | None:
+    """The patch rows of pixels the model passes its tower (``[1, S, ...]`` when ``batched``), or
+    None when they are not of that form (the call then matches no modality)."""
+    if not isinstance(pixels, torch.Tensor) or pixels.dim() == 0:
+        return None
+    if not batched:
+        return int(pixels.shape[0])
+    return int(pixels.shape[1]) if pixels.dim() >= 2 and pixels.shape[0] == 1 else None
+
+
 def _placement(vit: Any) -> tuple[torch.device, torch.dtype]:
     """Device and dtype for the zero rows of a rank without images: the ViT's own."""
     inner = unwrap_module(vit)
@@ -447,9 +542,12 @@ class _Combined:
     problems: list[str] = field(default_factory=list)
 
 
-def _combine(inputs: Sequence[tuple[str, str, Any, str, Any]], vit: Any, cast: bool) -> _Combined:
+def _combine(
+    inputs: Sequence[tuple[str, str, Any, str, Any]], vit: Any, cast: bool, row_shape: tuple[int, ...] = ()
+) -> _Combined:
     """Concatenate the given modalities' rows and grids (``(name, pixels_name, pixels, grid_name,
-    grid)`` each, ``pixels`` None when absent), rows cast to ``vit.dtype`` when ``cast``.
+    grid)`` each, ``pixels`` None when absent), rows cast to ``vit.dtype`` when ``cast``; rows
+    ``[S, *row_shape]`` when ``row_shape`` is given (patch images, :class:`_TowerForm`), flattened.
 
     With no rows at all, ``pixels`` is ``[0, C]`` on the ViT's device, in its dtype (``C`` from the
     rows of an empty modality, else from the ViT's config).
@@ -462,6 +560,12 @@ def _combine(inputs: Sequence[tuple[str, str, Any, str, Any]], vit: Any, cast: b
     start = 0
     for name, pixels_name, rows, grid_name, grid in inputs:
         if rows is None:
+            continue
+        if row_shape and isinstance(rows, torch.Tensor) and tuple(rows.shape[1:]) == row_shape:
+            rows = rows.flatten(1)  # a view: the engine moves [S, C] rows
+        elif row_shape:
+            shape = ", ".join(map(str, row_shape))
+            problems.append(f"{pixels_name} is {_describe(rows)}: expected a tensor [S, {shape}]")
             continue
         if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
             problems.append(f"{pixels_name} is {_describe(rows)}: expected a 2-D tensor [sum(T*H*W), C]")
@@ -793,6 +897,8 @@ class BalancedVisionTower:
                 )
         self.model, self.base, self.tower = model, base, tower
         self.step_grid_keys = _step_grid_keys(base)
+        self._form = _form_of(base)
+        self._row_shape = _patch_row_shape(tower) if self._form.patch_rows else ()
         # transformers 5's towers return a ModelOutput when asked; 4.57's GLM tower takes no keyword.
         takes = inspect.signature(type(tower).forward).parameters
         self._tower_keywords = {"return_dict": True} if "return_dict" in takes or _any_keyword(takes) else {}
@@ -1164,13 +1270,54 @@ class BalancedVisionTower:
     def _tower_route(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Route:
         original = self._original("tower")
         if self._encoding:
-            # The balanced call itself (or the engine's dummy forward on a rank with no images).
-            return _Route(original, args, self._tower_keywords)
+            # The balanced call itself (or the engine's dummy forward on a rank with no images), in
+            # the tower's own form, its outputs given to the engine in the contract's.
+            finish = self._unbatched if self._form.batched_output or self._form.dropped else None
+            return _Route(original, self._tower_form_args(args), self._tower_keywords, finish=finish)
         if self._pending is None:
             if self.base.training and torch.is_grad_enabled() and self.settings() is not None:
                 self._warn_outside()
             return _Route(original, args, kwargs)
         return _Route(self._serve, args, kwargs)
+
+    def _tower_form_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The engine's ``(pixels [S, C], grid)`` in the form the model passes its tower
+        (:class:`_TowerForm`): patch images ``[S, *row_shape]``, a batch dimension of 1."""
+        if not (self._row_shape or self._form.batched_input) or not args:
+            return args
+        pixels, *rest = args
+        if self._row_shape:
+            pixels = pixels.reshape(pixels.shape[0], *self._row_shape)
+        return (pixels.unsqueeze(0) if self._form.batched_input else pixels, *rest)
+
+    @eager
+    def _unbatched(self, output: Any) -> Any:
+        """The balanced call's output without its batch dimension of 1 and with its dropped outputs
+        None (:class:`_TowerForm`), for the engine to route by rows."""
+        leaves, structure = flatten_output(output)
+        new = []
+        for path, leaf in leaves:
+            if path in self._form.dropped or not isinstance(leaf, torch.Tensor):
+                new.append(None if path in self._form.dropped else leaf)
+            elif self._form.batched_output and leaf.dim() >= 2 and leaf.shape[0] == 1:
+                new.append(leaf[0])
+            elif self._form.batched_output:
+                # The same model code on every rank: every rank raises here alike.
+                raise ValueError(
+                    f"balance_vision_tower: {type(self.tower).__name__} output {path!r} has shape "
+                    f"{tuple(leaf.shape)}: expected a leading batch dimension of 1 [1, rows, ...]."
+                )
+            else:
+                new.append(leaf)
+        return rebuild_output(structure, new)
+
+    def _rebatched(self, output: Any) -> Any:
+        """A served output with the batch dimension of 1 the tower gives (:meth:`_unbatched` undone)."""
+        if not self._form.batched_output:
+            return output
+        leaves, structure = flatten_output(output)
+        batched = [leaf.unsqueeze(0) if isinstance(leaf, torch.Tensor) else leaf for _, leaf in leaves]
+        return rebuild_output(structure, batched)
 
     def _warn_outside(self) -> None:
         """A training call of the tower outside the base forward (ColQwen2, say, calls the tower
@@ -1192,12 +1339,20 @@ class BalancedVisionTower:
     def _balancer_for(self, config: ViTBalanceConfig, group: Any) -> ViTBalancer:
         """The balancer for ``config`` and ``group``: built at the first balanced forward (or
         :meth:`prepare`) and again when either changes, going on from the cost fit before."""
+        if config.split_videos and _model_type(self.base) in _WHOLE_CLIP_MODEL_TYPES:
+            # The same model and settings on every rank: all raise here, before any collective.
+            raise ValueError(
+                f"balance_vision_tower: ViTBalanceConfig(split_videos=True) is invalid for "
+                f"{type(self.base).__name__}: its tower attends over a whole video with temporal "
+                "positions, so encoding a video's temporal steps apart would change its outputs; "
+                "expected split_videos=False."
+            )
         key = (config, id(group))
         if self._balancer is None or self._balancer_key != key:
             carried = self._balancer.state_dict() if self._balancer is not None else self._carried
             # The engine reads the merge from the tower's spatial_merge_size unless told otherwise.
             merge = _output_merge(self.tower)
-            layout = OutputLayout(merge_size=merge) if merge != self.tower.spatial_merge_size else None
+            layout = OutputLayout(merge_size=merge) if merge != _tower_merge(self.tower) else None
             host = self._host_group(group)
             self._balancer = ViTBalancer(config, group, output_layout=layout, host_group=host)
             self._balancer_key, self._carried = key, None
@@ -1224,7 +1379,8 @@ class BalancedVisionTower:
             (name, pixels, bound.get(pixels), grid, self._tower_grid(grid, bound.get(grid)))
             for name, pixels, grid in _MODALITIES
         ]
-        combined = _combine(inputs, tower, cast=True)  # the cast HF applies: pixels.type(visual.dtype)
+        # The cast HF applies (pixels.type(visual.dtype)); patch images flattened to rows.
+        combined = _combine(inputs, tower, cast=True, row_shape=self._row_shape)
         balancer = self._balancer_for(config, group)
         self._encoding = True
         try:
@@ -1260,11 +1416,11 @@ class BalancedVisionTower:
         if pixels is None:
             pixels = kwargs.pop("pixel_values", None)
         grid = grid_rows(grid_thw) if isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 else None
-        rows = pixels.shape[0] if isinstance(pixels, torch.Tensor) else None
+        rows = _served_rows(pixels, self._form.batched_input)
         for k, part in enumerate(pending.parts):
             if not pending.served[k] and part.grid == grid and rows == part.stop - part.start:
                 pending.served[k] = True
-                output = pending.outputs[k]
+                output = self._rebatched(pending.outputs[k])
                 return output.to_tuple() if kwargs.get("return_dict") is False else output
         expected = [
             f"{part.name} with grid {list(part.grid)}"
@@ -1306,11 +1462,14 @@ def rows_to_plan(
     towers = tuple(tower for tower in towers if BalancedVisionTower.of(tower.model) is tower)
     step_keys = {key for tower in towers for key in tower.step_grid_keys}
     tower_dtypes = {tower.pixel_dtype for tower in towers}
+    row_shapes = {tower._row_shape for tower in towers if tower._row_shape}
     rows, width, dtype, grids = 0, 1, torch.float32, []
     for pixel_key, grid_key in keys:
         pixels = batch.get(pixel_key) if isinstance(batch, Mapping) else None
         if pixels is None:
             continue
+        if isinstance(pixels, torch.Tensor) and tuple(pixels.shape[1:]) in row_shapes:
+            pixels = pixels.flatten(1)  # patch images (PaddleOCR-VL), moved as rows
         grid = _as_grid(batch.get(grid_key))
         if not (isinstance(pixels, torch.Tensor) and pixels.dim() == 2) or _grid_problem(grid_key, grid):
             # As found: the prepare's checks report them on every rank. Raising here would leave

@@ -22,9 +22,11 @@ __all__ = [
     "FAMILIES",
     "GLM_FAMILIES",
     "IDS",
+    "IMAGE_ONLY_FAMILIES",
     "LATEST_FAMILIES",
     "NEWER_FAMILIES",
     "REFUSED_FAMILIES",
+    "WHOLE_VIDEO_FAMILIES",
     "available",
     "generation_prompt",
     "generation_settings",
@@ -54,18 +56,24 @@ GLM_FAMILIES = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
 LATEST_FAMILIES = (
     "qwen4_exp", "exaone4_5", "cohere_compass", "cosmos3_omni", "cosmos3_edge", "qwen2_5_omni",
     "qwen3_omni_moe", "glm5_next", "llava_onevision1_5", "lfm3_vl", "ernie4_5_vl_moe", "dots3_note",
-    "hyperclovax_vision_v2", "muse_spark", "muse_glimmer",
+    "hyperclovax_vision_v2", "muse_spark", "muse_glimmer", "minimax_m3_vl", "paddleocr_vl",
 )  # fmt: skip
+#: Of :data:`LATEST_FAMILIES`, MiniMax-M3-VL's tower attends over a whole video (3-D rotary
+#: positions): its videos are never split by step. PaddleOCR-VL takes images only.
+WHOLE_VIDEO_FAMILIES = ("minimax_m3_vl",)
+IMAGE_ONLY_FAMILIES = ("paddleocr_vl",)
 #: Families of transformers 5.24 that the drop-in refuses, built only for that check: HunYuanVL (its
 #: ``vision_tower`` returns a batch dimension and, per image, a row per merged token plus one per
 #: merged row and two more; no videos), GLM-Image (no videos; its tower is given the grid without
 #: each sample's target grids) and MiniCPM-V 4.6 (pixels packed as ``[1, C, patch, n*patch]`` with
 #: ``[n, 2]`` sizes and no ``grid_thw``; MiniCPM-V 4.7's and MiniCPM-OCR's tower is the same).
-REFUSED_FAMILIES = ("hunyuan_vl", "glm_image", "minicpmv4_6")
+#: HY-V4-VL's ``vision_tower`` is refused too: like HunYuanVL's, its outputs have a batch dimension
+#: and a newline row after each merged row (``T * H/m * (W/m + 1)`` rows per item).
+REFUSED_FAMILIES = ("hunyuan_vl", "glm_image", "minicpmv4_6", "hy_v4_vl")
 #: Families whose processors put a video's tokens in one block (no ``mm_token_type_ids``).
 _ONE_VIDEO_BLOCK = (
     "exaone4_5", "qwen2_5_omni", "qwen3_omni_moe", "llava_onevision1_5", "dots3_note",
-    "hyperclovax_vision_v2", "muse_spark", "muse_glimmer",
+    "hyperclovax_vision_v2", "muse_spark", "muse_glimmer", "minimax_m3_vl",
 )  # fmt: skip
 _CLASSES = {
     "qwen2_vl": "Qwen2VL",
@@ -96,7 +104,18 @@ _CLASSES = {
     "hunyuan_vl": "HunYuanVL",
     "glm_image": "GlmImage",
     "minicpmv4_6": "MiniCPMV4_6",
+    "minimax_m3_vl": "MiniMaxM3VL",
+    "paddleocr_vl": "PaddleOCRVL",
+    "hy_v4_vl": "HYV4VL",
 }
+#: Model classes not named ``{_CLASSES[family]}ForConditionalGeneration``.
+_MODEL_CLASSES = {"minimax_m3_vl": "MiniMaxM3SparseForConditionalGeneration"}
+
+
+def _model_class(family: str) -> str:
+    return _MODEL_CLASSES.get(family, f"{_CLASSES[family]}ForConditionalGeneration")
+
+
 #: Pixel values per patch row: 3 colours x 2x2 patch x temporal patch 1.
 CHANNELS = 12
 MERGE = 2
@@ -396,6 +415,43 @@ def _minicpm_config(config: Any) -> Any:
     return config(text_config=text, vision_config=vision, insert_layer_id=0, **ids)
 
 
+def _minimax_m3_vl_config(config: Any) -> Any:
+    """MiniMax-M3-VL: an MoE decoder (1-D positions) and a tower under ``vision_tower`` with 3-D
+    rotary positions and attention over a whole video, returning a batch dimension; the projector
+    merges 2x2 patches after it."""
+    text = {**_TEXT, "head_dim": 16, "rotary_dim": 8, "layer_types": ["full_attention"]}
+    text.update(mlp_layer_types=["sparse"], num_local_experts=4, num_experts_per_tok=2)
+    text.update(dense_intermediate_size=48, shared_intermediate_size=16, index_n_heads=2)
+    text.update(index_head_dim=8, index_block_size=4, index_topk_blocks=2)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    vision.update(num_channels=3, patch_size=2, temporal_patch_size=1, spatial_merge_size=MERGE)
+    return config(
+        text_config=text, vision_config=vision, projector_hidden_size=32, merged_hidden_size=32 * MERGE**2,
+        image_token_index=IDS["image"], video_token_index=IDS["video"],
+    )  # fmt: skip
+
+
+def _paddleocr_vl_config(config: Any) -> Any:
+    """PaddleOCR-VL: images only, a SigLIP-style tower under ``visual`` taking patch images with a
+    batch dimension, its position table interpolated from 4x4; the projector merges after it."""
+    text = {**_TEXT, "head_dim": 16, "pad_token_id": 0}
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    vision.update(num_channels=3, patch_size=2, image_size=8, spatial_merge_size=MERGE)
+    return config(text_config=text, vision_config=vision, **_QWEN_IDS)
+
+
+def _hy_v4_vl_config(config: Any) -> Any:
+    """HY-V4-VL (refused): its decoder as small as it builds, and a SigLIP-style tower under
+    ``vision_tower`` whose merger adds a newline row per merged row."""
+    text = {**_TEXT, "head_dim": 16, "pad_token_id": 0}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "attention_heads": 2}
+    vision.update(num_channels=3, patch_size=2, spatial_merge_size=MERGE, max_image_size=8)
+    vision["out_hidden_size"] = 32
+    return config(text_config=text, vision_config=vision, **_QWEN_IDS)
+
+
 #: The builders of :func:`_latest_config`, by family (the omni thinkers have their own).
 _LATEST_BUILDERS: dict[str, Callable[[Any], Any]] = {
     "qwen4_exp": _qwen4_exp_config,
@@ -414,6 +470,9 @@ _LATEST_BUILDERS: dict[str, Callable[[Any], Any]] = {
     "hunyuan_vl": _hunyuan_vl_config,
     "glm_image": _glm_image_config,
     "minicpmv4_6": _minicpm_config,
+    "minimax_m3_vl": _minimax_m3_vl_config,
+    "paddleocr_vl": _paddleocr_vl_config,
+    "hy_v4_vl": _hy_v4_vl_config,
 }
 
 
@@ -472,7 +531,7 @@ def available(family: str) -> bool:
         transformers.__version__.split(".")[0]
     ) < 5:
         return False
-    return hasattr(transformers, f"{_CLASSES[family]}ForConditionalGeneration")
+    return hasattr(transformers, _model_class(family))
 
 
 def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
@@ -481,7 +540,7 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
 
     config = tiny_config(family)
     torch.manual_seed(seed)
-    model = getattr(transformers, f"{_CLASSES[family]}ForConditionalGeneration")(config)
+    model = getattr(transformers, _model_class(family))(config)
     if family == "glm5_next":
         # Its tower in float64 (the model casts the pixels to it): in float32 its patch embedding's
         # gradient, a sum with much cancellation, differs by up to 3e-4 relative between two batch
@@ -569,7 +628,9 @@ def make_inputs(
         # Their forwards take no token types; the Omni thinkers' rotary index wants each video's
         # seconds per temporal patch.
         del batch["mm_token_type_ids"]
-        if family not in ("exaone4_5", "dots3_note", "hyperclovax_vision_v2", "muse_spark", "muse_glimmer"):
+        if family not in (
+            "exaone4_5", "dots3_note", "hyperclovax_vision_v2", "muse_spark", "muse_glimmer", "minimax_m3_vl"
+        ):  # fmt: skip
             batch["video_second_per_grid"] = torch.ones(len(grids["video"])) if grids["video"] else None
     for kind, pixels_key, grid_key in (
         ("image", "pixel_values", "image_grid_thw"),
@@ -579,6 +640,11 @@ def make_inputs(
         rows_needed = sum(t * h * w for t, h, w in found)
         batch[pixels_key] = torch.randn(rows_needed, CHANNELS, generator=generator) if found else None
         batch[grid_key] = torch.tensor(found, dtype=torch.long) if found else None
+    if family in IMAGE_ONLY_FAMILIES:
+        # PaddleOCR-VL's processor gives patch images [S, 3, patch, patch], and no video keys.
+        pixels = batch.pop("pixel_values")
+        batch["pixel_values"] = pixels.reshape(-1, 3, 2, 2) if pixels is not None else None
+        del batch["pixel_values_videos"], batch["video_grid_thw"]
     return batch
 
 

@@ -16,7 +16,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hf_models import LATEST_FAMILIES, NEWER_FAMILIES, available, tiny_model, tower_of
+from hf_models import (
+    IMAGE_ONLY_FAMILIES,
+    LATEST_FAMILIES,
+    NEWER_FAMILIES,
+    WHOLE_VIDEO_FAMILIES,
+    available,
+    tiny_model,
+    tower_of,
+)
 
 from lightning_vit_balance import CostModel, ViTBalanceConfig
 from lightning_vit_balance.cost import CostCalibrator
@@ -178,15 +186,20 @@ def test_from_vit_reads_hugging_face_vision_configs() -> None:
         CostModel.from_vit(object())
 
 
-@pytest.mark.parametrize("family", [f for f in LATEST_FAMILIES if f != "glm5_next"])
+@pytest.mark.parametrize(
+    "family",
+    [f for f in LATEST_FAMILIES if f != "glm5_next" and f not in IMAGE_ONLY_FAMILIES],
+)
 def test_from_vit_prices_the_latest_towers_per_temporal_step(family: str) -> None:
     """transformers 5.24's other towers of the Qwen-VL design (Qwen4-Exp, EXAONE 4.5, Cohere Compass,
     Cosmos3, the Omni thinkers', LFM3-VL, ERNIE-4.5-VL, Dots3-Note) and 5.25's LLaVA-OneVision-1.5
-    attend within each temporal step too: priced so."""
+    attend within each temporal step too: priced so. MiniMax-M3-VL's attends over a whole video:
+    priced whole."""
     pytest.importorskip("transformers")
     if not available(family):
         pytest.skip(f"this transformers has no {family}")
-    assert CostModel.from_vit(tower_of(tiny_model(family))).per_frame_attention
+    per_frame = CostModel.from_vit(tower_of(tiny_model(family))).per_frame_attention
+    assert per_frame is (family not in WHOLE_VIDEO_FAMILIES)
 
 
 @pytest.mark.parametrize("family", NEWER_FAMILIES)

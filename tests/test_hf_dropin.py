@@ -37,9 +37,11 @@ from hf_models import (
     CHANNELS,
     FAMILIES,
     GLM_FAMILIES,
+    IMAGE_ONLY_FAMILIES,
     LATEST_FAMILIES,
     NEWER_FAMILIES,
     REFUSED_FAMILIES,
+    WHOLE_VIDEO_FAMILIES,
     available,
     generation_prompt,
     generation_settings,
@@ -140,10 +142,17 @@ def mixed_cases(family: str) -> tuple[str, str]:
     """Two cases that mix modalities across ranks: a text-only rank, then videos on one rank only
     (with images there too, but in GLM). The sharded tests' ``generate()`` calls and mixed steps run
     them, and so do the families tested on two cases."""
+    if family in IMAGE_ONLY_FAMILIES:
+        return ("text_only_rank", "every_rank_images")
     return (
         "text_only_rank",
         "videos_next_to_images" if family in GLM_FAMILIES else "images_and_videos_next_to_images",
     )
+
+
+def config_for(family: str) -> ViTBalanceConfig:
+    """:data:`CONFIG`, without ``split_videos`` for a tower attending over a whole video."""
+    return ViTBalanceConfig(**{**CONFIG, "split_videos": family not in WHOLE_VIDEO_FAMILIES})
 
 
 def _summed_grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -202,7 +211,7 @@ def _check_case(family: str, name: str, ahead: str | None = None) -> dict[str, A
     rank = dist.get_rank()
     plain = tiny_model(family)
     balanced = copy.deepcopy(plain)
-    handle = balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG))
+    handle = balance_vision_tower(balanced, config_for(family))
     tower_name = next(n for n, module in balanced.named_modules() if module is handle.tower)
     steps = []
     for step in range(2):
@@ -221,6 +230,7 @@ def _check_case(family: str, name: str, ahead: str | None = None) -> dict[str, A
             counts = (counts[0] - 1, counts[1])
             assert handle._ticket is None, where
         assert handle.calls == calls_before + 1, f"{where}: {handle.calls - calls_before} exchanges"
+        assert handle.unmatched_calls == 0, f"{where}: a tower call was encoded apart"
         torch.testing.assert_close(balanced_loss, plain_loss, **TOL, msg=lambda m, w=where: f"{w}: loss {m}")
         plain_grads, balanced_grads = _summed_grads(plain), _summed_grads(balanced)
         _assert_same_grads(where, balanced_grads, plain_grads)
@@ -269,7 +279,8 @@ def test_more_families_match_the_plain_model(multirank: Any, family: str) -> Non
     handle = balance_vision_tower(tiny_model(family))
     steps = family.startswith("glm")
     assert handle.step_grid_keys == (("video_grid_thw",) if steps else ())
-    assert handle._default_config().split_videos is not steps
+    per_step = not steps and family not in (*WHOLE_VIDEO_FAMILIES, *IMAGE_ONLY_FAMILIES)
+    assert handle._default_config().split_videos is per_step
     with multirank(RANKS) as w:
         per_rank = w.run(_check_cases, family, mixed_cases(family), timeout=240)
     assert _assert_cases(per_rank, mixed_cases(family)) >= 2, (
@@ -1346,6 +1357,7 @@ REFUSALS = {
         "model.model.vision_tower",
         ["no parameter 'image_grid_thw'", "has no parameter 'grid_thw'"],
     ),
+    "hy_v4_vl": ("model.model.vision_tower", ["no int attribute 'spatial_merge_size'"]),
 }
 
 

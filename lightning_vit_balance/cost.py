@@ -389,6 +389,9 @@ def _attends_per_frame(vit: Any) -> bool:
 #: Vision config types whose pixel rows are RGB (fixed in their code) of ``patch_temporal`` frames:
 #: Muse Spark's and Muse-Glimmer's tower.
 _RGB_BY_PATCH_TEMPORAL = frozenset({"muse_spark_vision", "muse_glimmer_vision"})
+#: Vision config types whose pixel rows are RGB patches without temporal patches, the channels fixed
+#: in their code (a ``Conv2d`` from 3), none named in the config: Kimi-K2.5's tower.
+_RGB_PATCHES = frozenset({"kimi_k25_vision"})
 
 
 def pixel_row_factors(config: Any) -> dict[str, Any]:
@@ -405,6 +408,8 @@ def pixel_row_factors(config: Any) -> dict[str, Any]:
             "patch_size": config.patch_size,
         }
     channels = getattr(config, "in_channels", None)
+    if getattr(config, "model_type", None) in _RGB_PATCHES:
+        channels = 3
     return {
         "in_channels": channels if channels is not None else getattr(config, "num_channels", None),
         "temporal_patch_size": getattr(config, "temporal_patch_size", 1) if config is not None else None,

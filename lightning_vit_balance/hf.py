@@ -47,24 +47,25 @@ two forwards), in transformers 4 the first forward (an empty cache).
 ``modeling_qwen3_5_moe.py``, whose towers are Qwen3-VL's, GLM-4.6V's, GLM-OCR's, Qwen4-Exp's, the
 Qwen2.5-Omni and Qwen3-Omni-MoE thinkers', EXAONE 4.5's, Cohere Compass's, Cosmos3-Omni's,
 Cosmos3-Edge's, GLM-5-Next's, LFM3-VL's, ERNIE-4.5-VL's, Dots3-Note's, HyperCLOVAX Vision V2's,
-Muse Spark's, Muse-Glimmer's, MiniMax-M3-VL's and PaddleOCR-VL's, and in 5.25
+Muse Spark's, Muse-Glimmer's, MiniMax-M3-VL's, PaddleOCR-VL's and Kimi-K2.5's, and in 5.25
 LLaVA-OneVision-1.5's; :func:`balance_vision_tower` checks the static part and names what is
 missing):
 
 1. Exactly one submodule of the model has a child module named ``visual`` (the tower; LFM3-VL,
-   ERNIE-4.5-VL, Dots3-Note, Muse Spark, Muse-Glimmer and MiniMax-M3-VL: ``vision_tower``;
+   ERNIE-4.5-VL, Dots3-Note, Muse Spark, Muse-Glimmer, MiniMax-M3-VL and Kimi-K2.5: ``vision_tower``;
    HyperCLOVAX Vision V2: ``vision_model``); that submodule is the base model. Its ``forward`` has
    parameters named ``pixel_values``, ``image_grid_thw``, ``pixel_values_videos`` and
    ``video_grid_thw``: image patch rows ``[sum(T*H*W), C]`` with their ``[n, 3]`` grid and the
    same for videos, ``None`` when absent. PaddleOCR-VL (:data:`_IMAGE_ONLY_MODEL_TYPES`) takes
    images only, no video parameter: its images alone are balanced; its rows are patch images
-   ``[S, 3, patch, patch]``, moved flattened. Any other model without both video parameters is
-   refused.
+   ``[S, 3, patch, patch]``, moved flattened (Kimi-K2.5's image and video rows too). Any other
+   model without both video parameters is refused.
 2. The base ``forward`` encodes images only when ``pixel_values is not None`` and videos only
    when ``pixel_values_videos is not None``, each with one call ``visual(pixels, grid_thw=grid,
    **kwargs)`` where ``pixels`` is the whole modality's rows cast with
    ``pixels.type(visual.dtype)`` (or uncast, by a tower whose patch embedding casts them to its
-   own dtype first, the same values: Dots3-Note's, HyperCLOVAX Vision V2's, Muse Spark's) and
+   own dtype first, the same values: Dots3-Note's, HyperCLOVAX Vision V2's, Muse Spark's; Kimi-K2.5
+   passes them uncast to a ``Conv2d``, which fails on any other dtype) and
    ``grid`` its whole grid (Qwen2/2.5-VL: ``get_image_features`` then ``get_video_features``;
    Qwen3-VL: both through ``get_image_features``, with ``return_dict=True``). Calls are matched to
    the modality by grid and row count, in any order.
@@ -88,13 +89,23 @@ missing):
    temporal step depend on that step alone (attention within each step, no temporal position
    embedding), so the default configuration plans each step as an item of its own
    (``split_videos``; its cost model prices attention per step): ``CostModel.from_vit`` recognises
-   the Qwen-VL towers by their type. MiniMax-M3-VL's tower attends over a whole video with
-   temporal positions (:data:`_WHOLE_CLIP_MODEL_TYPES`): its videos are planned whole, and
-   ``split_videos=True`` raises a ``ValueError`` on every rank before any collective.
-4. The tower has ``dtype``, an int ``spatial_merge_size`` (PaddleOCR-VL's: its config's), and
+   the Qwen-VL towers by their type. MiniMax-M3-VL's and Kimi-K2.5's towers attend over a whole
+   video with temporal positions (:data:`_WHOLE_CLIP_MODEL_TYPES`): their videos are planned whole,
+   and ``split_videos=True`` raises a ``ValueError`` on every rank before any collective.
+   Kimi-K2.5's tower also returns a ``pooler_output`` that pools each video's temporal steps into
+   one ``[H*W/m**2, m*m, D]`` block (``m`` its square ``config.merge_kernel_size``), no rows the
+   engine routes, which the model reads: the balanced call drops it and each modality gets the
+   tower's own ``temporal_merge`` of its ``last_hidden_state`` rows (:attr:`_TowerForm.pooled_frames`;
+   each pooled row reads one video's rows alone, so the values are the plain call's).
+4. The tower has ``dtype``, an int ``spatial_merge_size`` (PaddleOCR-VL's: its config's;
+   Kimi-K2.5's: the side of its square ``config.merge_kernel_size``, and a ``temporal_merge``), and
    ``config.in_channels`` (or ``num_channels``), ``config.temporal_patch_size`` (1 when absent;
-   Muse Spark and Muse-Glimmer: 3 channels and ``patch_temporal``) and ``config.patch_size``
-   (ints), which give ``C`` for the zero rows a rank without images sends.
+   Muse Spark and Muse-Glimmer: 3 channels and ``patch_temporal``; Kimi-K2.5: 3 channels) and
+   ``config.patch_size`` (ints), which give ``C`` for the zero rows a rank without images sends.
+   Where the merge HF splits by is not what the engine reads from the tower (Muse Spark,
+   Muse-Glimmer, Kimi-K2.5), the balancer is built with it
+   (:attr:`BalancedVisionTower.output_layout`); so is the Lightning mixin's module balancer, which
+   its handle balances with.
 5. The base ``forward`` returns a ``ModelOutput`` with a tensor ``last_hidden_state`` (or a tuple
    starting with it) that the loss depends on, as ``*ForConditionalGeneration`` computes logits
    from it. So the base takes no ``labels``: before 4.52, transformers kept the tower on the
@@ -209,12 +220,12 @@ Grid = tuple[int, int, int]
 #: tower's MoE blocks route each patch on its own, so a patch's rows do not depend on the batch),
 #: Muse Spark and Muse-Glimmer (one tower; they pass the pixels by keyword, which
 #: :meth:`BalancedVisionTower._serve` takes, and it merges its output by ``config.merge_size``, see
-#: :func:`_output_merge`), and MiniMax-M3-VL (its outputs carry a batch dimension:
-#: :data:`_TOWER_FORMS`). Other models with a ``vision_tower`` pass it differently (extra rows per
-#: merged row, 4-D pixels, frames pooled inside the tower): not taken on trust;
-#: :func:`_other_tower_hint` says what to do instead.
+#: :func:`_output_merge`), MiniMax-M3-VL (its outputs carry a batch dimension:
+#: :data:`_TOWER_FORMS`) and Kimi-K2.5 (patch images, frames pooled in the tower: :data:`_TOWER_FORMS`).
+#: Other models with a ``vision_tower`` pass it differently (extra rows per merged row, 4-D pixels
+#: packed without grids): not taken on trust; :func:`_other_tower_hint` says what to do instead.
 _VISION_TOWER_MODEL_TYPES = frozenset(
-    {"lfm3_vl", "ernie4_5_vl_moe", "dots3_note", "muse_spark", "muse_glimmer", "minimax_m3_vl"}
+    {"lfm3_vl", "ernie4_5_vl_moe", "dots3_note", "muse_spark", "muse_glimmer", "minimax_m3_vl", "kimi_k25"}
 )
 #: Model types whose tower is the child ``vision_model`` and meets the contract otherwise:
 #: HyperCLOVAX-SEED Vision V2 (transformers 5.24), whose tower is Qwen2.5-VL's. Other models with a
@@ -236,22 +247,30 @@ class _TowerForm:
         batched_output: Every tensor the tower returns has a leading batch dimension of 1.
         dropped: Outputs that are neither per patch nor per merged token and that the model
             overwrites unread; the balanced call returns None for them.
+        pooled_frames: ``pooler_output`` pools each video's temporal steps into one block of
+            ``H*W/m**2`` rows (``[rows, m*m, D]``), no kind the engine routes, yet the model reads
+            it: dropped from the balanced call, each modality gets the tower's own
+            ``temporal_merge`` of its ``last_hidden_state`` (:func:`_pool_frames`).
     """
 
     patch_rows: bool = False
     batched_input: bool = False
     batched_output: bool = False
     dropped: tuple[str, ...] = ()
+    pooled_frames: bool = False
 
 
 #: Base model types whose tower meets the contract up to its form (:class:`_TowerForm`), by the
 #: model's code in transformers 5.24. MiniMax-M3-VL: ``last_hidden_state`` ``[1, S, D]`` and a
 #: ``pooler_output`` ``[1, D]`` (the first patch of the whole call), which ``get_image_features``
 #: replaces by the projected features unread. PaddleOCR-VL: pixel rows ``[S, 3, patch, patch]``
-#: passed as ``[1, S, 3, patch, patch]``; its ``last_hidden_state`` is ``[S, D]``.
+#: passed as ``[1, S, 3, patch, patch]``; its ``last_hidden_state`` is ``[S, D]``. Kimi-K2.5: pixel
+#: rows ``[S, 3, patch, patch]``, ``last_hidden_state`` per patch and a ``pooler_output`` pooled over
+#: each video's frames, which the projector reads.
 _TOWER_FORMS: dict[str, _TowerForm] = {
     "minimax_m3_vl": _TowerForm(batched_output=True, dropped=("pooler_output",)),
     "paddleocr_vl": _TowerForm(patch_rows=True, batched_input=True),
+    "kimi_k25": _TowerForm(patch_rows=True, dropped=("pooler_output",), pooled_frames=True),
 }
 #: Base model types that take images only (no ``pixel_values_videos`` / ``video_grid_thw``) and meet
 #: the contract otherwise: PaddleOCR-VL. Other image-only models are refused (GLM-Image gives its
@@ -260,10 +279,14 @@ _IMAGE_ONLY_MODEL_TYPES = frozenset({"paddleocr_vl"})
 #: Tower config types without a ``spatial_merge_size`` attribute whose config's is the one HF splits
 #: by: PaddleOCR-VL's (it merges in the projector, after the tower).
 _MERGE_IN_CONFIG = frozenset({"paddleocr_vl_vision"})
+#: Tower config types whose merge is the side of the square ``config.merge_kernel_size`` (no
+#: ``spatial_merge_size`` anywhere): Kimi-K2.5's, which pools each ``m x m`` block in ``temporal_merge``.
+_MERGE_BY_KERNEL = frozenset({"kimi_k25_vision"})
 #: Base model types whose towers attend over a whole video with temporal positions (MiniMax-M3-VL:
-#: one attention sequence per clip, 3-D rotary positions): ``split_videos`` would change their
-#: outputs, so a configuration with it is refused.
-_WHOLE_CLIP_MODEL_TYPES = frozenset({"minimax_m3_vl"})
+#: one attention sequence per clip, 3-D rotary positions; Kimi-K2.5: one per video, a temporal
+#: position embedding, frames pooled): ``split_videos`` would change their outputs, so a
+#: configuration with it is refused.
+_WHOLE_CLIP_MODEL_TYPES = frozenset({"minimax_m3_vl", "kimi_k25"})
 
 
 def _model_type(module: Any) -> Any:
@@ -276,9 +299,14 @@ def _form_of(base: nn.Module) -> _TowerForm:
 
 
 def _tower_merge(tower: nn.Module) -> Any:
-    """The tower's ``spatial_merge_size``, or its config's for :data:`_MERGE_IN_CONFIG`."""
+    """The tower's ``spatial_merge_size``, or its config's for :data:`_MERGE_IN_CONFIG`, or the side
+    of its square ``config.merge_kernel_size`` for :data:`_MERGE_BY_KERNEL` (None when not square)."""
     if _model_type(tower) in _MERGE_IN_CONFIG and not hasattr(tower, "spatial_merge_size"):
         return getattr(tower.config, "spatial_merge_size", None)
+    if _model_type(tower) in _MERGE_BY_KERNEL:
+        kernel = getattr(tower.config, "merge_kernel_size", None)
+        square = isinstance(kernel, (tuple, list)) and len(kernel) == 2 and kernel[0] == kernel[1]
+        return kernel[0] if square else None
     return getattr(tower, "spatial_merge_size", None)
 
 
@@ -307,12 +335,22 @@ _MERGED_BY_CONFIG = frozenset({"muse_spark_vision", "muse_glimmer_vision"})
 
 def _output_merge(tower: Any, layout: OutputLayout | None = None) -> Any:
     """The spatial merge of the tower's per-merged-token outputs: the layout's when given, else
-    ``config.merge_size`` for :data:`_MERGED_BY_CONFIG` (an int by :func:`_contract_problems`), else
-    the tower's ``spatial_merge_size`` (:func:`~lightning_vit_balance.outputs.merge_size_of`)."""
+    ``config.merge_size`` for :data:`_MERGED_BY_CONFIG` (an int by :func:`_contract_problems`), the
+    kernel's side for :data:`_MERGE_BY_KERNEL`, else the tower's ``spatial_merge_size``
+    (:func:`~lightning_vit_balance.outputs.merge_size_of`)."""
     config = getattr(tower, "config", None)
     if layout is None and getattr(config, "model_type", None) in _MERGED_BY_CONFIG:
         return getattr(config, "merge_size", None)
+    if layout is None and getattr(config, "model_type", None) in _MERGE_BY_KERNEL:
+        return _tower_merge(tower)
     return merge_size_of(tower, layout)
+
+
+def _output_layout(tower: Any) -> OutputLayout | None:
+    """The output layout a balancer of ``tower`` needs: its merge (:func:`_output_merge`) where the
+    engine would read another from the tower (``merge_size_of``), else None (the engine's default)."""
+    merge = _output_merge(tower)
+    return OutputLayout(merge_size=merge) if merge != merge_size_of(tower) else None
 
 
 def _find_base(model: Any) -> tuple[nn.Module, nn.Module]:
@@ -341,7 +379,7 @@ def _find_base(model: Any) -> tuple[nn.Module, nn.Module]:
     return base, base._modules[_tower_name(base)]
 
 
-#: Names other models give their vision encoder (Kimi-K2.5, HY-V4-VL, VideoLLaMA3, ...).
+#: Names other models give their vision encoder (HY-V4-VL, VideoLLaMA3, ...).
 _OTHER_TOWER_NAMES = ("vision_tower", "vision_model")
 
 
@@ -415,12 +453,17 @@ def _contract_problems(base: nn.Module, tower: nn.Module) -> list[str]:
     if not isinstance(getattr(tower, "dtype", None), torch.dtype):
         problems.append(f"{tower_name} has no attribute 'dtype' (a torch.dtype)")
     if not _positive_int(_tower_merge(tower)):
-        problems.append(f"{tower_name} has no int attribute 'spatial_merge_size'")
+        if _model_type(tower) in _MERGE_BY_KERNEL:
+            problems.append(f"{tower_name}.config has no square 'merge_kernel_size' (two equal ints)")
+        else:
+            problems.append(f"{tower_name} has no int attribute 'spatial_merge_size'")
     elif not _positive_int(_output_merge(tower)):
         problems.append(f"{tower_name}.config has no int 'merge_size'")
     for name, value in pixel_row_factors(getattr(tower, "config", None)).items():
         if not _positive_int(value):
             problems.append(f"{tower_name}.config has no int {name!r}")
+    if _form_of(base).pooled_frames and not callable(getattr(tower, "temporal_merge", None)):
+        problems.append(f"{tower_name} has no method 'temporal_merge' to pool its frames with")
     return problems
 
 
@@ -561,12 +604,12 @@ def _combine(
     for name, pixels_name, rows, grid_name, grid in inputs:
         if rows is None:
             continue
-        if row_shape and isinstance(rows, torch.Tensor) and tuple(rows.shape[1:]) == row_shape:
-            rows = rows.flatten(1)  # a view: the engine moves [S, C] rows
-        elif row_shape:
-            shape = ", ".join(map(str, row_shape))
-            problems.append(f"{pixels_name} is {_describe(rows)}: expected a tensor [S, {shape}]")
+        wrong_shape = _patch_rows_problem(pixels_name, rows, row_shape)
+        if wrong_shape is not None:
+            problems.append(wrong_shape)
             continue
+        if row_shape:
+            rows = rows.flatten(1)  # a view: the engine moves [S, C] rows
         if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
             problems.append(f"{pixels_name} is {_describe(rows)}: expected a 2-D tensor [sum(T*H*W), C]")
             continue
@@ -598,6 +641,15 @@ def _combine(
         empty_grid = torch.empty((0, 3), dtype=torch.long, device=device)
         return _Combined(torch.empty((0, width), dtype=dtype, device=device), empty_grid)
     return _Combined(torch.cat(pixels), torch.cat(grids), parts)
+
+
+def _patch_rows_problem(pixels_name: str, rows: Any, row_shape: tuple[int, ...]) -> str | None:
+    """What is wrong with a modality's pixel rows for a tower taking patch images ``[S, *row_shape]``
+    (:attr:`_TowerForm.patch_rows`), or None (also for any other tower: ``row_shape`` empty)."""
+    if not row_shape or (isinstance(rows, torch.Tensor) and tuple(rows.shape[1:]) == row_shape):
+        return None
+    shape = ", ".join(map(str, row_shape))
+    return f"{pixels_name} is {_describe(rows)}: expected a tensor [S, {shape}]"
 
 
 def _describe(value: Any) -> str:
@@ -632,6 +684,17 @@ def _split(output: Any, parts: Sequence[_Part], total: int, merge: int, vit: Any
                 new.append(leaf)
         pieces.append(rebuild_output(structure, new))
     return pieces
+
+
+def _pool_frames(tower: Any, parts: Sequence[_Part], outputs: Sequence[Any]) -> None:
+    """Give each part's output the ``pooler_output`` a :attr:`_TowerForm.pooled_frames` tower makes
+    for that part's rows alone: its own ``temporal_merge`` of the part's ``last_hidden_state``. Each
+    pooled row sums one video's rows in a fixed order, so the values are the plain call's."""
+    kernel = tower.config.merge_kernel_size
+    for part, output in zip(parts, outputs):
+        hidden = output["last_hidden_state"]
+        grid = torch.tensor(part.grid, dtype=torch.long, device=hidden.device).reshape(-1, 3)
+        output["pooler_output"] = tower.temporal_merge(hidden, grid, *kernel)
 
 
 def _exact_zero(output: Any) -> torch.Tensor | None:
@@ -1040,8 +1103,26 @@ class BalancedVisionTower:
         if settings is None:
             return None
         pixels, grid = rows_to_plan(batch, _PREPARE_KEYS, (self,))
-        self._ticket = self._balancer_for(*settings).prepare(pixels, grid, self.tower)
+        try:
+            self._ticket = self._balancer_for(*settings).prepare(pixels, grid, self.tower)
+        except ValueError as err:
+            mine = self._pixel_problems(batch)
+            if not mine:
+                raise
+            raise ValueError(f"{err} On this rank: {'; '.join(mine)}.") from err
         return self._ticket
+
+    def _pixel_problems(self, batch: Any) -> list[str]:
+        """This rank's pixel rows that are not the patch images the tower takes (none for a tower
+        of ``[S, C]`` rows): :func:`rows_to_plan` hands the plan such rows as no tensor, so every
+        rank raises, and the rank at fault adds these."""
+        if not self._row_shape or not isinstance(batch, Mapping):
+            return []
+        found = [(key, batch.get(key)) for key, _ in _PREPARE_KEYS]
+        problems = [
+            _patch_rows_problem(key, rows, self._row_shape) for key, rows in found if rows is not None
+        ]
+        return [problem for problem in problems if problem is not None]
 
     def plan_ahead(self, collate_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``collate_fn`` made to carry each batch's grids, as collated on the host, to the model's
@@ -1337,8 +1418,8 @@ class BalancedVisionTower:
             )
 
     def _balancer_for(self, config: ViTBalanceConfig, group: Any) -> ViTBalancer:
-        """The balancer for ``config`` and ``group``: built at the first balanced forward (or
-        :meth:`prepare`) and again when either changes, going on from the cost fit before."""
+        """The balancer for ``config`` and ``group`` (:meth:`_layout_balancer`, with the tower's
+        output layout), once ``config`` is known to keep the tower's outputs the plain model's."""
         if config.split_videos and _model_type(self.base) in _WHOLE_CLIP_MODEL_TYPES:
             # The same model and settings on every rank: all raise here, before any collective.
             raise ValueError(
@@ -1347,12 +1428,24 @@ class BalancedVisionTower:
                 "positions, so encoding a video's temporal steps apart would change its outputs; "
                 "expected split_videos=False."
             )
-        key = (config, id(group))
+        return self._layout_balancer(config, group, self.output_layout)
+
+    @property
+    def output_layout(self) -> OutputLayout | None:
+        """The output layout a balancer of this tower needs: the merge HF splits its outputs by where
+        the engine would read another from the tower (Muse Spark, Muse-Glimmer, Kimi-K2.5); None
+        when the engine's default fits."""
+        return _output_layout(self.tower)
+
+    def _layout_balancer(
+        self, config: ViTBalanceConfig, group: Any, layout: OutputLayout | None
+    ) -> ViTBalancer:
+        """The balancer for ``config``, ``group`` and ``layout``: built at the first balanced forward
+        (or :meth:`prepare`) and again when one changes, going on from the cost fit before. The
+        Lightning mixin's handle takes its module's balancer instead (built with ``layout`` too)."""
+        key = (config, id(group), layout)
         if self._balancer is None or self._balancer_key != key:
             carried = self._balancer.state_dict() if self._balancer is not None else self._carried
-            # The engine reads the merge from the tower's spatial_merge_size unless told otherwise.
-            merge = _output_merge(self.tower)
-            layout = OutputLayout(merge_size=merge) if merge != _tower_merge(self.tower) else None
             host = self._host_group(group)
             self._balancer = ViTBalancer(config, group, output_layout=layout, host_group=host)
             self._balancer_key, self._carried = key, None
@@ -1397,6 +1490,8 @@ class BalancedVisionTower:
                 self._kept.append(stats)
         total = int(combined.pixels.shape[0])
         outputs = _split(output, combined.parts, total, _output_merge(tower), tower)
+        if self._form.pooled_frames:
+            _pool_frames(tower, combined.parts, outputs)
         return _Pending(combined.parts, outputs, [False] * len(combined.parts), _exact_zero(output))
 
     def _tower_grid(self, key: str, grid: Any) -> Any:
@@ -1469,7 +1564,12 @@ def rows_to_plan(
         if pixels is None:
             continue
         if isinstance(pixels, torch.Tensor) and tuple(pixels.shape[1:]) in row_shapes:
-            pixels = pixels.flatten(1)  # patch images (PaddleOCR-VL), moved as rows
+            pixels = pixels.flatten(1)  # patch images (PaddleOCR-VL, Kimi-K2.5), moved as rows
+        elif row_shapes:
+            # Rows that are no patch images of these towers (flat [S, C] rows would plan, and the
+            # forward then refuse them on one rank): handed on as no tensor, which the prepare's
+            # checks report on every rank.
+            return None, _as_grid(batch.get(grid_key))
         grid = _as_grid(batch.get(grid_key))
         if not (isinstance(pixels, torch.Tensor) and pixels.dim() == 2) or _grid_problem(grid_key, grid):
             # As found: the prepare's checks report them on every rank. Raising here would leave

@@ -52,15 +52,17 @@ GLM_FAMILIES = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
 #: Spark and Muse-Glimmer (one tower: pixels by keyword, merged by a pixel shuffle of
 #: ``config.merge_size``), HyperCLOVAX Vision V2 (a Qwen2.5-VL tower under ``vision_model``); from
 #: 5.25, LLaVA-OneVision-1.5 (RICE-ViT: a class token per frame, no temporal patches, 1-D text
-#: positions).
+#: positions); MiniMax-M3-VL, PaddleOCR-VL and Kimi-K2.5 (see below).
 LATEST_FAMILIES = (
     "qwen4_exp", "exaone4_5", "cohere_compass", "cosmos3_omni", "cosmos3_edge", "qwen2_5_omni",
     "qwen3_omni_moe", "glm5_next", "llava_onevision1_5", "lfm3_vl", "ernie4_5_vl_moe", "dots3_note",
-    "hyperclovax_vision_v2", "muse_spark", "muse_glimmer", "minimax_m3_vl", "paddleocr_vl",
+    "hyperclovax_vision_v2", "muse_spark", "muse_glimmer", "minimax_m3_vl", "paddleocr_vl", "kimi_k25",
 )  # fmt: skip
 #: Of :data:`LATEST_FAMILIES`, MiniMax-M3-VL's tower attends over a whole video (3-D rotary
-#: positions): its videos are never split by step. PaddleOCR-VL takes images only.
-WHOLE_VIDEO_FAMILIES = ("minimax_m3_vl",)
+#: positions) and Kimi-K2.5's too (a temporal position per frame; it pools each video's frames into
+#: one ``H*W/merge**2`` block of tokens): their videos are never split by step. PaddleOCR-VL takes
+#: images only.
+WHOLE_VIDEO_FAMILIES = ("minimax_m3_vl", "kimi_k25")
 IMAGE_ONLY_FAMILIES = ("paddleocr_vl",)
 #: Families of transformers 5.24 that the drop-in refuses, built only for that check: HunYuanVL (its
 #: ``vision_tower`` returns a batch dimension and, per image, a row per merged token plus one per
@@ -73,8 +75,12 @@ REFUSED_FAMILIES = ("hunyuan_vl", "glm_image", "minicpmv4_6", "hy_v4_vl")
 #: Families whose processors put a video's tokens in one block (no ``mm_token_type_ids``).
 _ONE_VIDEO_BLOCK = (
     "exaone4_5", "qwen2_5_omni", "qwen3_omni_moe", "llava_onevision1_5", "dots3_note",
-    "hyperclovax_vision_v2", "muse_spark", "muse_glimmer", "minimax_m3_vl",
+    "hyperclovax_vision_v2", "muse_spark", "muse_glimmer", "minimax_m3_vl", "kimi_k25",
 )  # fmt: skip
+#: Families whose processors give pixel rows as patch images ``[S, 3, patch, patch]``.
+_PATCH_IMAGES = ("paddleocr_vl", "kimi_k25")
+#: Families whose towers pool a video's frames: one frame's tokens per video.
+_POOLED_FRAMES = ("kimi_k25",)
 _CLASSES = {
     "qwen2_vl": "Qwen2VL",
     "qwen2_5_vl": "Qwen2_5_VL",
@@ -107,6 +113,7 @@ _CLASSES = {
     "minimax_m3_vl": "MiniMaxM3VL",
     "paddleocr_vl": "PaddleOCRVL",
     "hy_v4_vl": "HYV4VL",
+    "kimi_k25": "Kimi_K25",
 }
 #: Model classes not named ``{_CLASSES[family]}ForConditionalGeneration``.
 _MODEL_CLASSES = {"minimax_m3_vl": "MiniMaxM3SparseForConditionalGeneration"}
@@ -442,6 +449,21 @@ def _paddleocr_vl_config(config: Any) -> Any:
     return config(text_config=text, vision_config=vision, **_QWEN_IDS)
 
 
+def _kimi_k25_config(config: Any) -> Any:
+    """Kimi-K2.5: a DeepSeek-V3 decoder (MLA, 1-D positions) and a tower under ``vision_tower``
+    taking RGB patches through a ``Conv2d``, a 4x4 position table resampled per image, a temporal
+    position per frame (up to 4), attention over a whole video and its frames pooled per 2x2 block."""
+    text = {**_TEXT, "model_type": "deepseek_v3", "num_key_value_heads": 2, "pad_token_id": 0}
+    text.update(kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    text.update(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    vision.update(patch_size=2, pos_emb_height=4, pos_emb_width=4, pos_emb_time=4)
+    vision.update(merge_kernel_size=[MERGE, MERGE])
+    vision["rope_parameters"] = {"rope_type": "axial", "rope_theta": 10000.0}
+    return config(text_config=text, vision_config=vision, projection_hidden_size=16, **_QWEN_IDS)
+
+
 def _hy_v4_vl_config(config: Any) -> Any:
     """HY-V4-VL (refused): its decoder as small as it builds, and a SigLIP-style tower under
     ``vision_tower`` whose merger adds a newline row per merged row."""
@@ -473,6 +495,7 @@ _LATEST_BUILDERS: dict[str, Callable[[Any], Any]] = {
     "minimax_m3_vl": _minimax_m3_vl_config,
     "paddleocr_vl": _paddleocr_vl_config,
     "hy_v4_vl": _hy_v4_vl_config,
+    "kimi_k25": _kimi_k25_config,
 }
 
 
@@ -578,12 +601,34 @@ def _tokens(family: str, kind: str, grid: Grid) -> tuple[list[int], list[int]]:
     frames = [t * per_frame] if whole or kind != "video" else [per_frame] * t
     if family == "ernie4_5_vl_moe" and kind == "video":  # its resampler merges frames in pairs
         frames = [(t + 1) // 2 * per_frame]
+    if family in _POOLED_FRAMES and kind == "video":  # its tower pools the frames
+        frames = [per_frame]
     ids: list[int] = []
     types: list[int] = []
     for count in frames:
         ids += [IDS["vision_start"], *[IDS[kind]] * count, IDS["vision_end"]]
         types += [0, *[code] * count, 0]
     return ids, types
+
+
+def _add_pixels(
+    family: str, batch: dict[str, Any], grids: dict[str, list[Grid]], generator: torch.Generator
+) -> None:
+    """Random pixel rows and the grids of ``grids``' images and videos, in ``family``'s form."""
+    for kind, pixels_key, grid_key in (
+        ("image", "pixel_values", "image_grid_thw"),
+        ("video", "pixel_values_videos", "video_grid_thw"),
+    ):
+        found = grids[kind]
+        rows_needed = sum(t * h * w for t, h, w in found)
+        batch[pixels_key] = torch.randn(rows_needed, CHANNELS, generator=generator) if found else None
+        batch[grid_key] = torch.tensor(found, dtype=torch.long) if found else None
+    for pixels_key in ("pixel_values", "pixel_values_videos") if family in _PATCH_IMAGES else ():
+        # PaddleOCR-VL's and Kimi-K2.5's processors give patch images [S, 3, patch, patch].
+        pixels = batch[pixels_key]
+        batch[pixels_key] = pixels.reshape(-1, 3, 2, 2) if pixels is not None else None
+    if family in IMAGE_ONLY_FAMILIES:  # PaddleOCR-VL: no video keys
+        del batch["pixel_values_videos"], batch["video_grid_thw"]
 
 
 def make_inputs(
@@ -629,22 +674,11 @@ def make_inputs(
         # seconds per temporal patch.
         del batch["mm_token_type_ids"]
         if family not in (
-            "exaone4_5", "dots3_note", "hyperclovax_vision_v2", "muse_spark", "muse_glimmer", "minimax_m3_vl"
+            "exaone4_5", "dots3_note", "hyperclovax_vision_v2", "muse_spark", "muse_glimmer", "minimax_m3_vl",
+            "kimi_k25",
         ):  # fmt: skip
             batch["video_second_per_grid"] = torch.ones(len(grids["video"])) if grids["video"] else None
-    for kind, pixels_key, grid_key in (
-        ("image", "pixel_values", "image_grid_thw"),
-        ("video", "pixel_values_videos", "video_grid_thw"),
-    ):
-        found = grids[kind]
-        rows_needed = sum(t * h * w for t, h, w in found)
-        batch[pixels_key] = torch.randn(rows_needed, CHANNELS, generator=generator) if found else None
-        batch[grid_key] = torch.tensor(found, dtype=torch.long) if found else None
-    if family in IMAGE_ONLY_FAMILIES:
-        # PaddleOCR-VL's processor gives patch images [S, 3, patch, patch], and no video keys.
-        pixels = batch.pop("pixel_values")
-        batch["pixel_values"] = pixels.reshape(-1, 3, 2, 2) if pixels is not None else None
-        del batch["pixel_values_videos"], batch["video_grid_thw"]
+    _add_pixels(family, batch, grids, generator)
     return batch
 
 

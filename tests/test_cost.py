@@ -193,13 +193,25 @@ def test_from_vit_reads_hugging_face_vision_configs() -> None:
 def test_from_vit_prices_the_latest_towers_per_temporal_step(family: str) -> None:
     """transformers 5.24's other towers of the Qwen-VL design (Qwen4-Exp, EXAONE 4.5, Cohere Compass,
     Cosmos3, the Omni thinkers', LFM3-VL, ERNIE-4.5-VL, Dots3-Note) and 5.25's LLaVA-OneVision-1.5
-    attend within each temporal step too: priced so. MiniMax-M3-VL's attends over a whole video:
-    priced whole."""
+    attend within each temporal step too: priced so. MiniMax-M3-VL's and Kimi-K2.5's attend over a
+    whole video: priced whole."""
     pytest.importorskip("transformers")
     if not available(family):
         pytest.skip(f"this transformers has no {family}")
     per_frame = CostModel.from_vit(tower_of(tiny_model(family))).per_frame_attention
     assert per_frame is (family not in WHOLE_VIDEO_FAMILIES)
+
+
+def test_from_vit_reads_kimi_k25_rows_as_rgb_patches() -> None:
+    """Kimi-K2.5's config names no channels (its ``Conv2d`` takes 3, fixed in its code): its rows
+    are priced ``3 * patch**2`` wide, as the drop-in moves them."""
+    pytest.importorskip("transformers")
+    if not available("kimi_k25"):
+        pytest.skip("this transformers has no kimi_k25")
+    model = CostModel.from_vit(tower_of(tiny_model("kimi_k25")))
+    assert model == CostModel.from_vit_shape(
+        hidden_size=16, depth=2, intermediate_size=32, patch_input_dim=3 * 2 * 2
+    )
 
 
 @pytest.mark.parametrize("family", NEWER_FAMILIES)

@@ -68,7 +68,7 @@ from lightning_vit_balance import (
 )
 from lightning_vit_balance.exchange import grid_steps
 from lightning_vit_balance.hf import rows_to_plan
-from lightning_vit_balance.outputs import flatten_output
+from lightning_vit_balance.outputs import OutputLayout, flatten_output
 
 RANKS = 3
 # Balance whenever the plan lowers the makespan at all, so most cases move images; each temporal
@@ -132,9 +132,22 @@ EVEN_STEP_CASES = {
 }
 
 
+# Towers attending over a whole video: two videos of 2 and 3 steps leave rank 0 whole (its image stays).
+WHOLE_VIDEO_CASES = {
+    **CASES,
+    "videos_moved_whole": [
+        [{"images": [(1, 8, 8)], "videos": [(2, 4, 4)]}, {"videos": [(3, 2, 4)]}],
+        [{}],
+        [{"images": [(1, 2, 2)]}],
+    ],
+}
+
+
 def cases_for(family: str) -> dict[str, list[list[dict[str, Any]]]]:
     if family == "ernie4_5_vl_moe":
         return EVEN_STEP_CASES
+    if family in WHOLE_VIDEO_FAMILIES:
+        return WHOLE_VIDEO_CASES
     return GLM_CASES if family in GLM_FAMILIES else CASES
 
 
@@ -1029,15 +1042,18 @@ def test_a_model_calling_its_tower_itself_is_told_it_is_not_balanced(multirank: 
 
 
 def _bad_input_on_rank_1(family: str, ahead: str | None, grid: str) -> str:
-    """Rank 1 passes image pixels without their grid (``grid="none"``) or with a grid of 4 columns
-    (``"4 columns"``), planned in the forward or ahead (``ahead``, as in :func:`_check_case`);
-    every rank must raise, none may hang."""
+    """Rank 1 passes image pixels without their grid (``grid="none"``), with a grid of 4 columns
+    (``"4 columns"``) or as flat rows where the tower takes patch images (``"flat pixels"``),
+    planned in the forward or ahead (``ahead``, as in :func:`_check_case`); every rank must raise,
+    none may hang."""
     import torch.distributed as dist
 
     model = tiny_model(family)
-    handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
+    handle = balance_vision_tower(model, config_for(family))
     batch = make_inputs(family, [{"images": [(1, 4, 4)]}], seed=dist.get_rank())
-    if dist.get_rank() == 1:
+    if dist.get_rank() == 1 and grid == "flat pixels":
+        batch["pixel_values"] = batch["pixel_values"].reshape(16, -1)
+    elif dist.get_rank() == 1:
         batch["image_grid_thw"] = None if grid == "none" else torch.tensor([[1, 4, 4, 1]])
     try:
         if ahead == "prepare":
@@ -1069,6 +1085,32 @@ def test_bad_input_on_one_rank_raises_on_every_rank(
         messages = w.run(_bad_input_on_rank_1, "qwen3_vl", ahead, grid, timeout=120)
     assert all("rank 1" in m for m in messages), messages
     assert says in messages[1], messages[1]
+
+
+def test_kimi_k25_moves_videos_whole_and_refuses_what_would_differ(multirank: Any) -> None:
+    """Kimi-K2.5's tower attends over a whole video and pools its frames: videos move whole (two of
+    2 and 3 steps here), planned ahead from its patch-image pixels, and the pooled rows the model
+    reads are the plain model's. ``split_videos`` (which would change them) is refused before any
+    collective, and flat pixel rows on one rank raise on every rank, also where the plan is made
+    ahead (flat rows would plan, then fail in the forward on that rank alone)."""
+    if not available("kimi_k25"):
+        pytest.skip("this transformers has no kimi_k25")
+    handle = balance_vision_tower(tiny_model("kimi_k25"))
+    assert handle.output_layout == OutputLayout(merge_size=2)  # no spatial_merge_size to read
+    with pytest.raises(ValueError, match=r"split_videos=True\) is invalid for Kimi_K25Model"):
+        handle._balancer_for(ViTBalanceConfig(split_videos=True), None)
+    names = ("videos_moved_whole",)
+    with multirank(RANKS) as w:
+        per_rank = w.run(_check_cases, "kimi_k25", names, "prepare", timeout=240)
+        refusals = [
+            w.run(_bad_input_on_rank_1, "kimi_k25", ahead, "flat pixels", timeout=120)
+            for ahead in (None, "prepare")
+        ]
+    assert _assert_cases(per_rank, names) >= 2
+    says = "pixel_values is a tensor of shape (16, 12): expected a tensor [S, 3, 2, 2]"
+    for messages in refusals:
+        assert all("rank 1" in m for m in messages), messages
+        assert says in messages[1], messages[1]
 
 
 # --------------------------------------------------------------------------- encode_visual
@@ -1305,7 +1347,7 @@ def test_a_model_breaking_the_contract_gets_an_error_naming_what_is_missing() ->
     with pytest.raises(ValueError, match="no submodule with a child module named 'visual'") as info:
         balance_vision_tower(nn.Sequential(nn.Linear(2, 2)))
     assert "vision encoder" not in str(info.value)
-    # A model whose encoder has another name (Kimi-K2.5's vision_tower; of the models with one, only
+    # A model whose encoder has another name (HY-V4-VL's vision_tower; of the models with one, only
     # the allow-listed model types' are taken as towers) is told where it is and how to balance it.
     other = nn.Module()
     other.model = nn.Module()
@@ -2000,6 +2042,66 @@ def test_mixin_encode_visual_and_balance_vision_tower_use_the_modules_group(mult
         results = w.run(_mixin_worker, timeout=120)
     assert [r["video_rows"] for r in results] == [0, 4, 0]
     assert all(r["applied"] and r["handle_calls"] == 1 and r["stats_from_handle"] for r in results), results
+
+
+def _mixin_family_worker(family: str) -> dict[str, Any]:
+    """Two steps of ``family`` balanced through the mixin's handle (the module's one balancer), the
+    second planned ahead by the handle, against the plain model: the same losses and summed
+    gradients, no tower call encoded apart."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    module = _MixinOnly()
+    module.vit_balance_config = config_for(family)
+    module.vit_balance_group = dist.group.WORLD
+    plain = tiny_model(family)
+    balanced = copy.deepcopy(plain)
+    handle = module.balance_vision_tower(balanced)
+    for step in range(2):
+        where = f"{family} through the mixin, step {step} rank {rank}"
+        batch = make_inputs(family, cases_for(family)["text_only_rank"][rank], seed=100 * step + rank)
+        plain_loss, _ = _step(plain, batch)
+        if step == 1:
+            assert handle.prepare(batch) is not None, where
+        balanced_loss, _ = _step(balanced, batch)
+        torch.testing.assert_close(balanced_loss, plain_loss, **TOL)
+        _assert_same_grads(where, _summed_grads(balanced), _summed_grads(plain))
+        plain.zero_grad()
+        balanced.zero_grad()
+    balancer = module._vit_balance_state_object().balancer
+    return {
+        "merge": balancer.output_layout.merge_size,
+        "calls": handle.calls,
+        "applied": handle.applied_calls,
+        "unmatched": handle.unmatched_calls,
+    }
+
+
+@pytest.mark.parametrize(("family", "merge"), [("muse_spark", 2), ("kimi_k25", 2)])
+def test_mixin_balances_towers_merged_by_their_config(multirank: Any, family: str, merge: int) -> None:
+    """Muse Spark's outputs are merged by ``config.merge_size`` (its tower's ``spatial_merge_size``
+    is 1) and Kimi-K2.5's by its ``merge_kernel_size`` (it has none): the mixin's module balancer is
+    built with the handle's output layout, so their rows route as the plain model splits them."""
+    if not available(family):
+        pytest.skip(f"this transformers has no {family}")
+    with multirank(RANKS) as w:
+        results = w.run(_mixin_family_worker, family, timeout=240)
+    expected = {"merge": merge, "calls": 2, "unmatched": 0}
+    assert all({k: r[k] for k in expected} == expected for r in results), results
+    assert results[0]["applied"] >= 1, results
+
+
+def test_mixin_balancer_is_built_again_for_another_output_layout() -> None:
+    """The module's one balancer takes the layout it is asked for (a drop-in tower's): a new one
+    when it changes, the same one while it does not, going on from the cost fit either way."""
+    module = _MixinOnly()
+    config = ViTBalanceConfig(calibrate_cost=True)
+    plain = module._vit_balance_balancer(config, None)
+    merged = module._vit_balance_balancer(config, None, OutputLayout(merge_size=2))
+    assert plain.output_layout is None and merged is not plain
+    assert merged.output_layout == OutputLayout(merge_size=2)
+    assert module._vit_balance_balancer(config, None, OutputLayout(merge_size=2)) is merged
+    assert merged.state_dict() == plain.state_dict()
 
 
 def test_mixin_balance_vision_tower_is_idempotent() -> None:

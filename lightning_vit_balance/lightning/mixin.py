@@ -26,6 +26,7 @@ from lightning_vit_balance.hf import (
 from lightning_vit_balance.host_group import make_host_group, release_host_group
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
 from lightning_vit_balance.lightning.strategy import dp_group_from_strategy
+from lightning_vit_balance.outputs import OutputLayout
 
 __all__ = ["ViTBalanceMixin"]
 
@@ -100,6 +101,7 @@ class _State:
         self.record = False
         self.balancer: ViTBalancer | None = None
         self.balancer_config: ViTBalanceConfig | None = None
+        self.balancer_layout: OutputLayout | None = None
         self.records: list[BalanceStats] = []
         self.last_stats: BalanceStats | None = None
         self.ticket: PreparedPlan | None = None
@@ -158,9 +160,12 @@ class _ModuleTowerBalance(BalancedVisionTower):
     def prepared_plan(self) -> PreparedPlan | None:
         return self.module._vit_balance_take_ticket()
 
-    def _balancer_for(self, config: ViTBalanceConfig, group: Any) -> ViTBalancer:
-        # The module's balancer: the one its plan-ahead hook prepared with.
-        return self.module._vit_balance_balancer(config, group)
+    def _layout_balancer(
+        self, config: ViTBalanceConfig, group: Any, layout: OutputLayout | None
+    ) -> ViTBalancer:
+        # The module's balancer (the one its plan-ahead hook prepared with), built with this
+        # tower's output layout: the merge Muse Spark's or Kimi-K2.5's outputs are split by.
+        return self.module._vit_balance_balancer(config, group, layout)
 
     def prepare(self, batch: Mapping[str, Any]) -> PreparedPlan | None:
         # The module's calls take the module's plan (as its plan_ahead hook makes it).
@@ -361,15 +366,21 @@ class ViTBalanceMixin:
             return None
         return config, state.group
 
-    def _vit_balance_balancer(self, config: ViTBalanceConfig, group: Any) -> ViTBalancer:
-        """The module's one balancer for this fit and configuration (its verbose lines go through
-        ``rank_zero_info``)."""
+    def _vit_balance_balancer(
+        self, config: ViTBalanceConfig, group: Any, layout: OutputLayout | None = None
+    ) -> ViTBalancer:
+        """The module's one balancer for this fit, configuration and output layout (its verbose
+        lines go through ``rank_zero_info``): built again, going on from the cost fit, when either
+        changes. ``layout``: a drop-in tower's (:attr:`BalancedVisionTower.output_layout`), None for
+        :meth:`encode_images` and :meth:`encode_visual`, whose ViTs the engine reads."""
         state = self._vit_balance_state_object()
-        if state.balancer is None or state.balancer_config != config:
+        if state.balancer is None or state.balancer_config != config or state.balancer_layout != layout:
             host = state.host_group if group is state.group else None
             carried = state.balancer_state()
-            state.balancer = ViTBalancer(config, group, report=rank_zero_info, host_group=host)
-            state.balancer_config = config
+            state.balancer = ViTBalancer(
+                config, group, report=rank_zero_info, host_group=host, output_layout=layout
+            )
+            state.balancer_config, state.balancer_layout = config, layout
             state.carried = None
             if carried:
                 source = "ViTBalanceMixin: the saved balancer state (from a checkpoint or an earlier run)"
@@ -459,8 +470,13 @@ class ViTBalanceMixin:
         settings = self._vit_balance_settings() if trainer is not None and trainer.training else None
         if settings is None or not settings[0].plan_ahead:
             return
-        pixels, grid = rows_to_plan(batch, self.vit_balance_prepare_keys, self._vit_balance_towers)
-        state.ticket = self._vit_balance_balancer(*settings).prepare(pixels, grid)
+        towers = self._vit_balance_towers
+        pixels, grid = rows_to_plan(batch, self.vit_balance_prepare_keys, towers)
+        # The balancer the step's drop-in call takes: with its towers' output layout, when they
+        # share one (so the call finds it as prepared, not rebuilt).
+        layouts = [tower.output_layout for tower in towers if BalancedVisionTower.of(tower.model) is tower]
+        layout = layouts[0] if layouts and all(found == layouts[0] for found in layouts) else None
+        state.ticket = self._vit_balance_balancer(*settings, layout).prepare(pixels, grid)
 
     def _vit_balance_keep(self, stats: BalanceStats | None) -> None:
         state = self._vit_balance_state_object()

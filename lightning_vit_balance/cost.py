@@ -386,12 +386,14 @@ def _attends_per_frame(vit: Any) -> bool:
     )
 
 
-#: Vision config types whose pixel rows are RGB (fixed in their code) of ``patch_temporal`` frames:
-#: Muse Spark's and Muse-Glimmer's tower.
-_RGB_BY_PATCH_TEMPORAL = frozenset({"muse_spark_vision", "muse_glimmer_vision"})
-#: Vision config types whose pixel rows are RGB patches without temporal patches, the channels fixed
-#: in their code (a ``Conv2d`` from 3), none named in the config: Kimi-K2.5's tower.
-_RGB_PATCHES = frozenset({"kimi_k25_vision"})
+#: Vision config types whose pixel rows are RGB, the channels fixed in their code and named in no
+#: config, by the config field of their temporal patch (None: no temporal patches): Muse Spark's and
+#: Muse-Glimmer's tower (``patch_temporal`` frames), Kimi-K2.5's (a ``Conv2d`` from 3).
+_RGB_TEMPORAL_FIELD: dict[str, str | None] = {
+    "muse_spark_vision": "patch_temporal",
+    "muse_glimmer_vision": "patch_temporal",
+    "kimi_k25_vision": None,
+}
 
 
 def pixel_row_factors(config: Any) -> dict[str, Any]:
@@ -399,17 +401,15 @@ def pixel_row_factors(config: Any) -> dict[str, Any]:
     Hugging Face vision config, by name (None where it does not say): ``in_channels``
     (``num_channels`` in SigLIP-style configs), ``temporal_patch_size`` (1 in a config without
     temporal patches) and ``patch_size``."""
-    if getattr(config, "model_type", None) in _RGB_BY_PATCH_TEMPORAL:
-        # Muse Spark's patch embedding takes RGB rows of ``patch_temporal`` frames (3 is fixed in
-        # its code; its config names no channels).
+    model_type = getattr(config, "model_type", None)
+    if model_type in _RGB_TEMPORAL_FIELD:
+        temporal = _RGB_TEMPORAL_FIELD[model_type]
         return {
             "in_channels": 3,
-            "temporal_patch_size": config.patch_temporal,
-            "patch_size": config.patch_size,
+            "temporal_patch_size": getattr(config, temporal, None) if temporal is not None else 1,
+            "patch_size": getattr(config, "patch_size", None),
         }
     channels = getattr(config, "in_channels", None)
-    if getattr(config, "model_type", None) in _RGB_PATCHES:
-        channels = 3
     return {
         "in_channels": channels if channels is not None else getattr(config, "num_channels", None),
         "temporal_patch_size": getattr(config, "temporal_patch_size", 1) if config is not None else None,

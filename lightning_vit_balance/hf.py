@@ -154,6 +154,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
@@ -290,6 +291,7 @@ _WHOLE_CLIP_MODEL_TYPES = frozenset({"minimax_m3_vl", "kimi_k25"})
 
 
 def _model_type(module: Any) -> Any:
+    """``module.config.model_type``, or None where it has none."""
     return getattr(getattr(module, "config", None), "model_type", None)
 
 
@@ -316,7 +318,7 @@ def _tower_name(module: nn.Module) -> str | None:
     :data:`_VISION_MODEL_MODEL_TYPES`."""
     if isinstance(module._modules.get("visual"), nn.Module):
         return "visual"
-    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    model_type = _model_type(module)
     for name, allowed in (
         ("vision_tower", _VISION_TOWER_MODEL_TYPES),
         ("vision_model", _VISION_MODEL_MODEL_TYPES),
@@ -338,10 +340,9 @@ def _output_merge(tower: Any, layout: OutputLayout | None = None) -> Any:
     ``config.merge_size`` for :data:`_MERGED_BY_CONFIG` (an int by :func:`_contract_problems`), the
     kernel's side for :data:`_MERGE_BY_KERNEL`, else the tower's ``spatial_merge_size``
     (:func:`~lightning_vit_balance.outputs.merge_size_of`)."""
-    config = getattr(tower, "config", None)
-    if layout is None and getattr(config, "model_type", None) in _MERGED_BY_CONFIG:
-        return getattr(config, "merge_size", None)
-    if layout is None and getattr(config, "model_type", None) in _MERGE_BY_KERNEL:
+    if layout is None and _model_type(tower) in _MERGED_BY_CONFIG:
+        return getattr(tower.config, "merge_size", None)
+    if layout is None and _model_type(tower) in _MERGE_BY_KERNEL:
         return _tower_merge(tower)
     return merge_size_of(tower, layout)
 
@@ -502,7 +503,7 @@ def _wrapping_problem(base: nn.Module, tower: nn.Module) -> str | None:
 def _step_grid_keys(base: nn.Module) -> tuple[str, ...]:
     """The base forward's grid arguments whose grids the model passes its tower one temporal step
     per row (:data:`_VIDEO_STEPS_AS_IMAGES`): the video grid, or none."""
-    if getattr(getattr(base, "config", None), "model_type", None) not in _VIDEO_STEPS_AS_IMAGES:
+    if _model_type(base) not in _VIDEO_STEPS_AS_IMAGES:
         return ()
     return tuple(grid for name, _, grid in _MODALITIES if name == "videos")
 
@@ -523,17 +524,14 @@ def _grid_problem(grid_name: str, grid: Any) -> str | None:
 
 def _tower_channels(tower: Any) -> int | None:
     """``C`` of a pixel row from a Hugging Face tower's config, or None when it does not say."""
-    values = list(pixel_row_factors(getattr(unwrap_module(tower), "config", None)).values())
-    if not all(_positive_int(v) for v in values):
-        return None
-    in_channels, temporal, patch = values
-    return in_channels * temporal * patch * patch
+    shape = _patch_row_shape(tower)
+    return math.prod(shape) if shape else None
 
 
 def _patch_row_shape(tower: Any) -> tuple[int, ...]:
-    """``(channels, patch, patch)`` of a patch image row (:attr:`_TowerForm.patch_rows`): the
-    channels times the temporal patch, as the processor stacks them; ``()`` when the config does not
-    tell (then :func:`_contract_problems` has refused the tower)."""
+    """``(channels, patch, patch)`` of a patch image row (:attr:`_TowerForm.patch_rows`; flattened,
+    a pixel row of any tower): the channels times the temporal patch, as the processor stacks them;
+    ``()`` when the config does not tell (then :func:`_contract_problems` has refused the tower)."""
     values = list(pixel_row_factors(getattr(unwrap_module(tower), "config", None)).values())
     if not all(_positive_int(v) for v in values):
         return ()
@@ -1378,18 +1376,18 @@ class BalancedVisionTower:
         leaves, structure = flatten_output(output)
         new = []
         for path, leaf in leaves:
-            if path in self._form.dropped or not isinstance(leaf, torch.Tensor):
-                new.append(None if path in self._form.dropped else leaf)
-            elif self._form.batched_output and leaf.dim() >= 2 and leaf.shape[0] == 1:
+            if path in self._form.dropped:
+                new.append(None)
+            elif not (self._form.batched_output and isinstance(leaf, torch.Tensor)):
+                new.append(leaf)
+            elif leaf.dim() >= 2 and leaf.shape[0] == 1:
                 new.append(leaf[0])
-            elif self._form.batched_output:
+            else:
                 # The same model code on every rank: every rank raises here alike.
                 raise ValueError(
                     f"balance_vision_tower: {type(self.tower).__name__} output {path!r} has shape "
                     f"{tuple(leaf.shape)}: expected a leading batch dimension of 1 [1, rows, ...]."
                 )
-            else:
-                new.append(leaf)
         return rebuild_output(structure, new)
 
     def _rebatched(self, output: Any) -> Any:

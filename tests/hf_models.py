@@ -81,6 +81,9 @@ _ONE_VIDEO_BLOCK = (
 _PATCH_IMAGES = ("paddleocr_vl", "kimi_k25")
 #: Families whose towers pool a video's frames: one frame's tokens per video.
 _POOLED_FRAMES = ("kimi_k25",)
+#: Of :data:`_ONE_VIDEO_BLOCK`, the families whose rotary index wants each video's seconds per
+#: temporal patch (the Omni thinkers, LLaVA-OneVision-1.5).
+_SECONDS_PER_GRID = ("qwen2_5_omni", "qwen3_omni_moe", "llava_onevision1_5")
 _CLASSES = {
     "qwen2_vl": "Qwen2VL",
     "qwen2_5_vl": "Qwen2_5_VL",
@@ -357,19 +360,24 @@ def _hyperclovax_vision_v2_config(config: Any) -> Any:
     )
 
 
+#: Muse Spark's and Muse-Glimmer's tower: windows of 4x4 patches, 2x2 blocks merged at its end.
+_MUSE_TOWER = {
+    "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "patch_size": 2, "patch_temporal": 1, "merge_size": MERGE, "pos_emb_height": 4, "pos_emb_width": 4,
+    "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+}  # fmt: skip
+
+
 def _muse_spark_config(config: Any) -> Any:
     """Muse Spark: an MoE decoder (sliding and full attention, 1-D positions), a tower with windows of
     4x4 patches that merges 2x2 blocks at its end, and a tiny audio tower these tests never feed."""
     text = {**_TEXT, "head_dim": 16, "sliding_window": 8, "moe_intermediate_size": 16, "moe_hidden_size": 16}
     text.update(num_local_experts=4, num_experts_per_tok=2)
-    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
-    vision.update(patch_size=2, patch_temporal=1, merge_size=MERGE, pos_emb_height=4, pos_emb_width=4)
-    vision.update(rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
     audio = {"patch_sizes": [2], "hidden_sizes": [8], "depths": [1], "num_hidden_layers": 1}
     ids = {"image_token_id": IDS["image"], "video_token_id": IDS["video"], "audio_token_id": IDS["audio"]}
     audio["out_hidden_size"] = _TEXT["hidden_size"]  # scattered onto the text embeddings
     return config(
-        text_config=text, vision_config=vision, audio_config=audio, out_hidden_size=16 * MERGE**2,
+        text_config=text, vision_config=_MUSE_TOWER, audio_config=audio, out_hidden_size=16 * MERGE**2,
         projector_hidden_size=32, **ids,
     )  # fmt: skip
 
@@ -378,12 +386,13 @@ def _muse_glimmer_config(config: Any) -> Any:
     """Muse-Glimmer: a dense decoder (sliding and full attention, 1-D positions) and Muse Spark's
     tower (:func:`_muse_spark_config`), no audio."""
     text = {**_TEXT, "head_dim": 16, "sliding_window": 8}
-    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
-    vision.update(patch_size=2, patch_temporal=1, merge_size=MERGE, pos_emb_height=4, pos_emb_width=4)
-    vision.update(rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
     ids = {"image_token_id": IDS["image"], "video_token_id": IDS["video"]}
     return config(
-        text_config=text, vision_config=vision, out_hidden_size=16 * MERGE**2, projector_hidden_size=32, **ids
+        text_config=text,
+        vision_config=_MUSE_TOWER,
+        out_hidden_size=16 * MERGE**2,
+        projector_hidden_size=32,
+        **ids,
     )
 
 
@@ -673,10 +682,7 @@ def make_inputs(
         # Their forwards take no token types; the Omni thinkers' rotary index wants each video's
         # seconds per temporal patch.
         del batch["mm_token_type_ids"]
-        if family not in (
-            "exaone4_5", "dots3_note", "hyperclovax_vision_v2", "muse_spark", "muse_glimmer", "minimax_m3_vl",
-            "kimi_k25",
-        ):  # fmt: skip
+        if family in _SECONDS_PER_GRID:
             batch["video_second_per_grid"] = torch.ones(len(grids["video"])) if grids["video"] else None
     _add_pixels(family, batch, grids, generator)
     return batch

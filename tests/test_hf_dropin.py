@@ -259,8 +259,12 @@ def _check_case(family: str, name: str, ahead: str | None = None) -> dict[str, A
                 "tower_grad_norm": float(torch.cat([g.reshape(-1) for g in tower_grads]).norm()),
             }
         )
+        # Both models take the plain model's step, so step 1 starts from the same weights: stepping
+        # each with its own gradients carries step 0's rounding into step 1 amplified (100x on
+        # Muse Spark's patch embedding, 2.6e-6 against 4.5e-8, on an AVX-512 machine), a measure
+        # of the tiny model's conditioning, not of the exchange.
         _sgd(plain, plain_grads)
-        _sgd(balanced, balanced_grads)
+        _sgd(balanced, plain_grads)
     return {"steps": steps, "calls": handle.calls, "applied_calls": handle.applied_calls}
 
 
@@ -1576,18 +1580,21 @@ def test_lightning_ddp_fit_without_find_unused_parameters(
     reference_model = tiny_model(family)  # the fit's initial weights (seeded)
     if family == "glm4v":
         reference_model.model.visual.double()
+    initial = {key: value.clone() for key, value in reference_model.state_dict().items()}
     with multirank(FIT_RANKS) as pool:
         trained, _ = pool.run(_lightning_ddp_fit, str(tmp_path), family, plan_ahead, timeout=200)
     expected = _reference(reference_model, functools.partial(fit_batch, family=family))
     for rank in range(FIT_RANKS):
         losses = json.loads((tmp_path / f"losses_rank_{rank}.json").read_text())
         torch.testing.assert_close(torch.tensor(losses), expected[rank], **TOL)
-    # The trained weights carry four steps' gradient rounding times the learning rate: GLM-4.1V's
-    # MLP weights differ by 3.8e-6 here, and by 3.8e-9 with the model in float64 (rounding, where
-    # a misrouted row would differ at O(1)).
+    # The trained weights carry four steps' gradient rounding, each step's fed into the next, so
+    # the tolerance scales with how far training moved each tensor: GLM-4.1V's token embeddings
+    # moved by up to 0.47 and differ by 6.9e-6 to 1.3e-5 from run to run (1.5-2.8e-5 of the move);
+    # every other tensor by at most 1.4e-5 of its move. A misrouted row changes a move at O(1).
     for key, value in reference_model.state_dict().items():
+        moved = float((value - initial[key]).abs().max()) if value.is_floating_point() else 0.0
         torch.testing.assert_close(
-            trained[key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}"
+            trained[key], value, rtol=1e-5, atol=2e-4 * moved, msg=lambda m, k=key: f"{k}: {m}"
         )
     # The callback logged the handle's stats: one balanced call per step.
     with open(tmp_path / "fit" / "metrics.csv") as f:

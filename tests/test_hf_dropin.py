@@ -695,7 +695,7 @@ def _lora_steps(family: str) -> dict[str, Any]:
             )
             applied.append(handle.last_stats.applied)
             _sgd(plain, plain_grads)
-            _sgd(balanced, balanced_grads)
+            _sgd(balanced, plain_grads)  # the same weights next step (see _check_case)
         trainable = sorted(k for k, p in balanced.named_parameters() if p.requires_grad)
         results[order] = {"applied": applied, "tower_lora_grad": tower_grad, "trainable": trainable}
     return results
@@ -964,7 +964,7 @@ def _videos_step_by_step(family: str) -> dict[str, Any]:
             plain_grads, balanced_grads = _summed_grads(plain), _summed_grads(balanced)
             _assert_same_grads(f"step {step} rank {rank}", balanced_grads, plain_grads)
             _sgd(plain, plain_grads)
-            _sgd(balanced, balanced_grads)
+            _sgd(balanced, plain_grads)  # the same weights next step (see _check_case)
     warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     return {"unmatched": handle.unmatched_calls, "calls": handle.calls, "warned": warned}
 
@@ -1024,7 +1024,7 @@ def _retrieval_model_steps() -> dict[str, Any]:
             plain_grads, balanced_grads = _summed_grads(plain), _summed_grads(balanced)
             _assert_same_grads(f"step {step} rank {rank}", balanced_grads, plain_grads)
             _sgd(plain, plain_grads)
-            _sgd(balanced, balanced_grads)
+            _sgd(balanced, plain_grads)  # the same weights next step (see _check_case)
     warned = [str(w.message) for w in caught if "vision tower outside" in str(w.message)]
     return {"unmatched": handle.unmatched_calls, "calls": handle.calls, "warned": warned}
 

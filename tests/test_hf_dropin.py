@@ -608,12 +608,18 @@ def _fsdp1_units(family: str, use_orig_params: bool) -> dict[str, Any]:
         if use_orig_params:  # the full gradients, averaged over ranks, under their own names
             with FSDP.summon_full_params(model, with_grads=True):
                 _assert_averaged(where, _unwrapped_names(inner), expected, size, lambda g: g)
-        with torch.no_grad():  # SGD on the summed gradients, as for the plain model
-            for param in model.parameters():
-                if param.grad is not None:  # None: no element of this rank's shard is used
-                    param -= SGD_LR * size * param.grad
-        model.zero_grad(set_to_none=True)
         _sgd(plain, expected)
+        with torch.no_grad():
+            if use_orig_params:  # the plain model's step, so the next starts from the same weights
+                with FSDP.summon_full_params(model, writeback=True):
+                    weights = dict(plain.named_parameters())
+                    for key, param in _unwrapped_names(inner).items():
+                        param.copy_(weights[key])
+            else:  # SGD on the summed gradients: the next steps' losses are their only check
+                for param in model.parameters():
+                    if param.grad is not None:  # None: no element of this rank's shard is used
+                        param -= SGD_LR * size * param.grad
+        model.zero_grad(set_to_none=True)
     model.eval()
     plain.eval()
     with torch.no_grad():  # evaluation forwards gather the blocks too: balanced, every rank calls

@@ -511,6 +511,75 @@ def _fsdp2_units(family: str) -> dict[str, Any]:
     return {"applied_calls": applied, "errors": errors}
 
 
+#: The families added last, each of another tower design: MoE blocks (Dots3-Note), a tower under
+#: ``vision_model`` (HyperCLOVAX), outputs merged by the config (Muse Spark), a batch dimension on
+#: the outputs (MiniMax-M3-VL), patch-image rows and images only (PaddleOCR-VL), frames pooled in
+#: the tower (Kimi-K2.5).
+FSDP2_TOWER_FAMILIES = (
+    "dots3_note",
+    "hyperclovax_vision_v2",
+    "muse_spark",
+    "minimax_m3_vl",
+    "paddleocr_vl",
+    "kimi_k25",
+)
+
+
+def _fsdp2_tower_unit(families: tuple[str, ...]) -> dict[str, int]:
+    """Per family: the tower an FSDP2 unit (sharded after ``balance_vision_tower``) and the model
+    the root; two steps with images on every rank, videos next to them in the second (none for
+    PaddleOCR-VL); the plain model's gradients, the same weights at every step. No text-only
+    rank: all but Dots3-Note project the tower's outputs outside it, so there that projection would
+    get no gradient on one rank, and FSDP2's root reduce-scatter would differ between ranks (gloo
+    aborts), balanced or not. Returns each family's balanced calls that moved images."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    applied = {}
+    for family in families:
+        plain = tiny_model(family)
+        balanced = copy.deepcopy(plain)
+        handle = balance_vision_tower(balanced, config_for(family))
+        fully_shard(handle.tower)
+        fully_shard(balanced)
+        videos = "every_rank_images" if family in IMAGE_ONLY_FAMILIES else "images_and_videos_next_to_images"
+        for step, name in enumerate(("every_rank_images", videos)):
+            where = f"{family}/{name} step {step} rank {rank}"
+            batch = make_inputs(family, cases_for(family)[name][rank], seed=100 * step + rank)
+            plain(**batch).loss.backward()
+            balanced(**batch).loss.backward()
+            expected = _summed_grads(plain)
+            params = dict(balanced.named_parameters())
+            # Parameters no rank's forward uses (Dots3-Note's sparse-attention indexer) get none.
+            used = {
+                key: param for key, param in params.items() if param.grad is not None or expected[key].any()
+            }
+            _assert_averaged(where, used, expected, size, lambda grad: grad.full_tensor())
+            with torch.no_grad():
+                for key, param in params.items():
+                    param -= distribute_tensor(SGD_LR * expected[key], param.device_mesh, param.placements)
+                    param.grad = None
+            _sgd(plain, expected)
+        assert handle.unmatched_calls == 0, f"{family}: a tower call was encoded apart"
+        applied[family] = handle.applied_calls
+    return applied
+
+
+def test_fsdp2_tower_unit_in_the_newest_families(multirank: Any) -> None:
+    """The tower as one FSDP2 unit in each of :data:`FSDP2_TOWER_FAMILIES`: the plain model's
+    gradients, each step's images moved."""
+    if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
+        pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    families = tuple(family for family in FSDP2_TOWER_FAMILIES if available(family))
+    if not families:
+        pytest.skip("this transformers has none of these families")
+    with multirank(RANKS) as w:
+        results = w.run(_fsdp2_tower_unit, families, timeout=240)
+    assert results == [dict.fromkeys(families, 2)] * RANKS, results
+
+
 class _Wrapper(nn.Module):
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()

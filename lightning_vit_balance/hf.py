@@ -994,6 +994,12 @@ class BalancedVisionTower:
         patched = base.__dict__.get("forward")
         return patched.handle if isinstance(patched, _Forward) else None
 
+    @property
+    def installed(self) -> bool:
+        """Whether this handle still balances its model's tower (not removed, nor replaced by a
+        later :func:`balance_vision_tower`)."""
+        return BalancedVisionTower.of(self.model) is self
+
     def _reset_runtime(self) -> None:
         self._balancer: ViTBalancer | None = None
         self._balancer_key: tuple[Any, ...] | None = None
@@ -1552,7 +1558,7 @@ def rows_to_plan(
     grids of their ``step_grid_keys`` one temporal step per row (GLM-4.xV), and the pixels in the
     towers' dtype when they share one (the model casts them to it; a bf16 tower's rows then travel
     as bf16), and of the towers' width when the batch has no pixels (a text-only batch)."""
-    towers = tuple(tower for tower in towers if BalancedVisionTower.of(tower.model) is tower)
+    towers = tuple(tower for tower in towers if tower.installed)
     step_keys = {key for tower in towers for key in tower.step_grid_keys}
     tower_dtypes = {tower.pixel_dtype for tower in towers}
     row_shapes = {tower._row_shape for tower in towers if tower._row_shape}

@@ -460,18 +460,40 @@ def test_ddp_buckets_and_gradient_checkpointing_interleave_with_the_exchange(mul
 FSDP2_LAYOUTS = ("blocks", "tower before", "tower after")
 
 
+def _fsdp2_step(
+    plain: nn.Module, balanced: nn.Module, batch: dict[str, Any], where: str, *, skip_unused: bool = False
+) -> None:
+    """One step of the plain model and its FSDP2-sharded balanced copy: the balanced gradients (each
+    rank a DTensor shard, averaged over ranks) against the plain model's summed over ranks, then
+    both take the plain model's SGD step. ``skip_unused``: parameters the plain model gives no
+    gradient on any rank (all zeros) and the sharded model none are not compared."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
+    plain(**batch).loss.backward()
+    balanced(**batch).loss.backward()
+    expected = _summed_grads(plain)
+    params = dict(balanced.named_parameters())
+    compared = {
+        key: param
+        for key, param in params.items()
+        if not skip_unused or param.grad is not None or expected[key].any()
+    }
+    _assert_averaged(where, compared, expected, dist.get_world_size(), lambda grad: grad.full_tensor())
+    with torch.no_grad():
+        for key, param in params.items():
+            param -= distribute_tensor(SGD_LR * expected[key], param.device_mesh, param.placements)
+            param.grad = None
+    _sgd(plain, expected)
+
+
 def _fsdp2_units(family: str) -> dict[str, Any]:
     """FSDP2 in each of :data:`FSDP2_LAYOUTS`: the plain model's gradients; then a tower replaced by a
     wrapper, or compiled whole, after balance_vision_tower."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import distribute_tensor
 
-    rank, size = dist.get_rank(), dist.get_world_size()
-
-    def full(grad: torch.Tensor) -> torch.Tensor:  # each rank holds a shard (a DTensor) of every gradient
-        return grad.full_tensor()
-
+    rank = dist.get_rank()
     applied = {}
     for layout in FSDP2_LAYOUTS:
         plain = tiny_model(family)
@@ -484,15 +506,7 @@ def _fsdp2_units(family: str) -> dict[str, Any]:
         for unit in [*units, *balanced.model.language_model.layers, balanced]:
             fully_shard(unit)
         for where, batch in _mixed_steps(family, rank):
-            plain(**batch).loss.backward()
-            balanced(**batch).loss.backward()
-            expected = _summed_grads(plain)
-            _assert_averaged(f"{layout}: {where}", dict(balanced.named_parameters()), expected, size, full)
-            with torch.no_grad():
-                for key, param in balanced.named_parameters():
-                    param -= distribute_tensor(SGD_LR * expected[key], param.device_mesh, param.placements)
-                    param.grad = None
-            _sgd(plain, expected)
+            _fsdp2_step(plain, balanced, batch, f"{layout}: {where}")
         applied[layout] = handle.applied_calls
     errors = []
     # A new module in the tower's place would run once per modality a rank has: it must raise.
@@ -534,9 +548,8 @@ def _fsdp2_tower_unit(families: tuple[str, ...]) -> dict[str, int]:
     aborts), balanced or not. Returns each family's balanced calls that moved images."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import distribute_tensor
 
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     applied = {}
     for family in families:
         plain = tiny_model(family)
@@ -548,20 +561,8 @@ def _fsdp2_tower_unit(families: tuple[str, ...]) -> dict[str, int]:
         for step, name in enumerate(("every_rank_images", videos)):
             where = f"{family}/{name} step {step} rank {rank}"
             batch = make_inputs(family, cases_for(family)[name][rank], seed=100 * step + rank)
-            plain(**batch).loss.backward()
-            balanced(**batch).loss.backward()
-            expected = _summed_grads(plain)
-            params = dict(balanced.named_parameters())
             # Parameters no rank's forward uses (Dots3-Note's sparse-attention indexer) get none.
-            used = {
-                key: param for key, param in params.items() if param.grad is not None or expected[key].any()
-            }
-            _assert_averaged(where, used, expected, size, lambda grad: grad.full_tensor())
-            with torch.no_grad():
-                for key, param in params.items():
-                    param -= distribute_tensor(SGD_LR * expected[key], param.device_mesh, param.placements)
-                    param.grad = None
-            _sgd(plain, expected)
+            _fsdp2_step(plain, balanced, batch, where, skip_unused=True)
         assert handle.unmatched_calls == 0, f"{family}: a tower call was encoded apart"
         applied[family] = handle.applied_calls
     return applied

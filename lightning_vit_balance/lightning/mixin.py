@@ -474,7 +474,7 @@ class ViTBalanceMixin:
         pixels, grid = rows_to_plan(batch, self.vit_balance_prepare_keys, towers)
         # The balancer the step's drop-in call takes: with its towers' output layout, when they
         # share one (so the call finds it as prepared, not rebuilt).
-        layouts = [tower.output_layout for tower in towers if BalancedVisionTower.of(tower.model) is tower]
+        layouts = [tower.output_layout for tower in towers if tower.installed]
         layout = layouts[0] if layouts and all(found == layouts[0] for found in layouts) else None
         state.ticket = self._vit_balance_balancer(*settings, layout).prepare(pixels, grid)
 

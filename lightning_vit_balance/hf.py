@@ -20,7 +20,20 @@ slices of every output of the balanced call is subtracted from the base model's
 ``last_hidden_state``. ``x - (+0.0)`` is ``x`` bit for bit for every float (signed zeros,
 infinities and NaNs included), so nothing changes numerically, but the loss now depends on the
 balanced call on every rank: its backward exchange runs on every rank, and DDP with
-``find_unused_parameters=False`` sees the tower's parameters used on text-only ranks too.
+``find_unused_parameters=False`` sees the tower's parameters used on text-only ranks too. Where the
+model projects the tower's outputs outside the tower (Kimi-K2.5's ``mm_projector``, MiniMax-M3-VL's
+and LFM3-VL's ``multi_modal_projector``, PaddleOCR-VL's, HyperCLOVAX Vision V2's and Cosmos3-Edge's
+``projector``, ERNIE-4.5-VL's ``resampler_model``, Muse Spark's and Muse-Glimmer's
+``vision_adapter`` and ``vision_projection``: the base model's children named in
+:data:`_PROJECTION_WORDS`), a text-only rank's model never calls that projection, so the zero also
+holds a zero-element slice of each of its parameters: they get an all-zero gradient there, as DDP
+(and FSDP2's reduce-scatter) need every rank to give one, and as the plain model's gradient summed
+over ranks has it. The touch is made when the model embeds its tokens, where the other ranks'
+models project, so their gradients reach ZeRO-2's buckets in the same order
+(:class:`_ProjectionTouch`). Parameters sharded outside their module's forward (ZeRO-3's, an FSDP2
+unit of its own) are gathered only by a call of their module, which a text-only rank does not make:
+a forward in which some ranks encode nothing raises a ``ValueError`` on every rank instead
+(:attr:`BalancedVisionTower.projection`).
 
 **Which forwards are balanced.** Those with ``base.training`` set and gradients enabled
 (``torch.is_grad_enabled()``), when balancing is on and the group has more than one rank. Such a
@@ -157,7 +170,7 @@ import inspect
 import math
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -277,6 +290,11 @@ _TOWER_FORMS: dict[str, _TowerForm] = {
 #: the contract otherwise: PaddleOCR-VL. Other image-only models are refused (GLM-Image gives its
 #: tower a grid other than its forward's).
 _IMAGE_ONLY_MODEL_TYPES = frozenset({"paddleocr_vl"})
+#: A child of the base model (other than the tower) whose name holds one of these words projects
+#: the tower's outputs into the language model: ``mm_projector``, ``multi_modal_projector``,
+#: ``projector``, ``resampler_model``, ``vision_adapter``, ``vision_projection``. Other children
+#: (``language_model``, ``audio_tower``) take no part in encoding images and videos.
+_PROJECTION_WORDS = ("proj", "adapter", "resampler", "merger", "connector")
 #: Tower config types without a ``spatial_merge_size`` attribute whose config's is the one HF splits
 #: by: PaddleOCR-VL's (it merges in the projector, after the tower).
 _MERGE_IN_CONFIG = frozenset({"paddleocr_vl_vision"})
@@ -424,6 +442,42 @@ def _parameters_sharded(tower: nn.Module) -> bool:
     if any(hasattr(param, "ds_id") or isinstance(param, DTensor) for param in tower.parameters()):
         return True
     return any(isinstance(module, FullyShardedDataParallel) for module in tower.modules())
+
+
+def _projection_names(base: nn.Module, tower: nn.Module) -> tuple[str, ...]:
+    """The base model's children, other than the tower, that project its outputs (by name, see
+    :data:`_PROJECTION_WORDS`) and hold parameters, in registration order."""
+    return tuple(
+        name
+        for name, child in base.named_children()
+        if child is not tower
+        and any(word in name for word in _PROJECTION_WORDS)
+        and any(True for _ in child.parameters())
+    )
+
+
+def _touchable(param: nn.Parameter) -> bool:
+    """Whether a zero-element slice of ``param`` gives it a gradient this rank can reduce like any
+    other: not one sharded outside its module's forward (ZeRO-3's partitioned parameters, an FSDP2
+    unit's ``DTensor`` before its forward), where the slice would be of a placeholder or a shard."""
+    return param.requires_grad and not hasattr(param, "ds_id") and not _is_dtensor(param)
+
+
+def _is_dtensor(param: nn.Parameter) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)
+
+
+def _touch_zero(params: Iterable[nn.Parameter], zero: torch.Tensor | None) -> torch.Tensor | None:
+    """``zero`` plus ``+0.0`` from a zero-element slice of each of ``params``: its backward gives
+    each an all-zero gradient (``x - (+0.0)`` stays ``x``, see the module docstring)."""
+    touched = [param.reshape(-1)[:0].sum().float() for param in params]
+    if not touched:
+        return zero
+    device = zero.device if zero is not None else touched[0].device
+    total = torch.stack([t.to(device) for t in touched]).sum()
+    return total if zero is None else zero + total
 
 
 def _positive_int(value: Any) -> bool:
@@ -897,6 +951,58 @@ class _Pending:
     outputs: list[Any]
     served: list[bool]
     zero: torch.Tensor | None
+    touch: _ProjectionTouch | None = None
+
+
+class _ProjectionTouch:
+    """A text-only rank's touch of the projection's parameters (see the module docstring), made
+    when the model embeds its tokens: where the other ranks' models project the tower's outputs
+    too, just after embedding them. So their backward reaches those parameters in the same order
+    as on every other rank, next to the token embeddings: ZeRO-2 reduces gradients in buckets
+    filled in the order they arrive, and a touch made anywhere else put them in other places.
+
+    A forward hook on the input embeddings, for one forward: it subtracts the touch's ``+0.0``
+    from their output (bit for bit the same values). A forward that embeds nothing (given
+    ``inputs_embeds``) is touched when it ends instead (:meth:`finish`).
+    """
+
+    def __init__(self, params: list[nn.Parameter], embeddings: nn.Module | None) -> None:
+        self.params = params
+        self.done = False
+        self._hook = None if embeddings is None else embeddings.register_forward_hook(self._touched)
+
+    @classmethod
+    def arm(cls, params: list[nn.Parameter], base: nn.Module) -> _ProjectionTouch | None:
+        """A touch of ``params`` at ``base``'s next token embedding, or None when there are none."""
+        if not params:
+            return None
+        try:
+            embeddings = base.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            embeddings = None
+        return cls(params, embeddings if isinstance(embeddings, nn.Module) else None)
+
+    def _touched(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.done or not isinstance(output, torch.Tensor) or not output.is_floating_point():
+            return None
+        self.done = True
+        zero = _touch_zero(self.params, None)
+        assert zero is not None
+        return output - zero.to(device=output.device, dtype=output.dtype)
+
+    def release(self) -> None:
+        """Remove the hook (the forward is over, whether it raised or not)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def finish(self, zero: torch.Tensor | None) -> torch.Tensor | None:
+        """``zero``, plus the touch when the forward embedded no tokens; the hook is removed."""
+        self.release()
+        if self.done:
+            return zero
+        self.done = True
+        return _touch_zero(self.params, zero)
 
 
 class BalancedVisionTower:
@@ -913,6 +1019,12 @@ class BalancedVisionTower:
         step_grid_keys: The base forward's grid arguments (``"video_grid_thw"``, or none) whose
             videos the model passes its tower one temporal step per grid row, and the drop-in
             encodes so (GLM-4.xV). A plan made ahead of the forward must be made from those rows.
+        projection: The base model's children that project the tower's outputs outside the tower
+            (e.g. ``("mm_projector",)`` in Kimi-K2.5; none in Qwen-VL, whose merger is in the
+            tower). In a training forward a text-only rank gives their parameters all-zero
+            gradients, as DDP without ``find_unused_parameters`` and FSDP2 need (see the module
+            docstring). A tuple of attribute names of ``base``; set it for a model whose projection
+            is named otherwise.
         last_stats: Diagnostics of the latest balanced forward (``None`` before the first).
         calls: Balanced forwards so far (one exchange each).
         applied_calls: Those in which images moved between ranks.
@@ -958,6 +1070,7 @@ class BalancedVisionTower:
                 )
         self.model, self.base, self.tower = model, base, tower
         self.step_grid_keys = _step_grid_keys(base)
+        self._projection = _projection_names(base, tower)
         self._form = _form_of(base)
         self._row_shape = _patch_row_shape(tower) if self._form.patch_rows else ()
         # transformers 5's towers return a ModelOutput when asked; 4.57's GLM tower takes no keyword.
@@ -993,6 +1106,23 @@ class BalancedVisionTower:
         base, _ = _find_base(model)
         patched = base.__dict__.get("forward")
         return patched.handle if isinstance(patched, _Forward) else None
+
+    @property
+    def projection(self) -> tuple[str, ...]:
+        """The base model's children that project the tower's outputs (see the class docstring)."""
+        return self._projection
+
+    @projection.setter
+    def projection(self, names: Sequence[str]) -> None:
+        # Checked here, the same on every rank: at a forward only text-only ranks would read them.
+        children = dict(self.base.named_children())
+        unknown = [name for name in names if not isinstance(name, str) or name not in children]
+        if isinstance(names, str) or unknown:
+            raise ValueError(
+                f"BalancedVisionTower.projection = {names!r} is invalid: expected names of "
+                f"{type(self.base).__name__}'s children ({', '.join(children)}); not children: {unknown}."
+            )
+        self._projection = tuple(names)
 
     @property
     def installed(self) -> bool:
@@ -1298,11 +1428,12 @@ class BalancedVisionTower:
         if settings is None:
             return _Route(original, args, kwargs)
         pending = self._encode(bound, *settings)
-        finish = functools.partial(self._zero_added, pending.zero)
+        finish = functools.partial(self._zero_added, pending)
         return self._answering(pending, _Route(original, args, kwargs, finish=finish))
 
     @eager
-    def _zero_added(self, zero: torch.Tensor | None, output: Any) -> Any:
+    def _zero_added(self, pending: _Pending, output: Any) -> Any:
+        zero = pending.touch.finish(pending.zero) if pending.touch is not None else pending.zero
         return _add_zero(output, zero, type(self.base).__name__)
 
     def _balances_evaluation_forward(self, bound: Mapping[str, Any]) -> bool:
@@ -1345,11 +1476,13 @@ class BalancedVisionTower:
         held back until it is done (see :func:`_hold_hooks`)."""
         self._pending = pending
         held = _hold_hooks(self.tower)
-        return route._replace(done=functools.partial(self._answered, held))
+        return route._replace(done=functools.partial(self._answered, held, pending.touch))
 
     @eager
-    def _answered(self, held: dict[str, Any]) -> None:
+    def _answered(self, held: dict[str, Any], touch: _ProjectionTouch | None) -> None:
         _restore_hooks(self.tower, held)
+        if touch is not None:  # a forward that raised leaves no hook behind
+            touch.release()
         self._pending = None
 
     def _tower_route(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Route:
@@ -1492,11 +1625,50 @@ class BalancedVisionTower:
             self.record(stats)
             if self._kept is not None:
                 self._kept.append(stats)
+            self._check_projection_reached(stats)
         total = int(combined.pixels.shape[0])
         outputs = _split(output, combined.parts, total, _output_merge(tower), tower)
         if self._form.pooled_frames:
             _pool_frames(tower, combined.parts, outputs)
-        return _Pending(combined.parts, outputs, [False] * len(combined.parts), _exact_zero(output))
+        touch = None
+        if not combined.parts and torch.is_grad_enabled():
+            # A text-only rank: the model will not call its projection (module docstring).
+            touch = _ProjectionTouch.arm(self._projection_parameters(), self.base)
+        return _Pending(combined.parts, outputs, [False] * len(combined.parts), _exact_zero(output), touch)
+
+    def _check_projection_reached(self, stats: BalanceStats) -> None:
+        """Raise on every rank when some ranks of this forward encode nothing and :attr:`projection`
+        has parameters that only a call gathers (ZeRO-3, an FSDP2 unit of its own): only the other
+        ranks' models would call it, and the parameter gathers would differ between ranks (an
+        abort, a hang or, on NCCL, undefined behaviour). ``stats`` are the same on every rank."""
+        loads = stats.loads_before
+        if len(loads) != stats.num_ranks or min(loads) > 0.0 or max(loads) == 0.0:
+            return
+        gathered = [
+            name
+            for name in self.projection
+            if any(hasattr(p, "ds_id") or _is_dtensor(p) for p in getattr(self.base, name).parameters())
+        ]
+        if gathered:
+            empty = [rank for rank, load in enumerate(loads) if load == 0.0]
+            raise ValueError(
+                f"balance_vision_tower: ranks {empty} of the group have no images or videos in this "
+                f"forward, and {type(self.base).__name__}.{', .'.join(gathered)} (projecting the "
+                "tower's outputs outside the tower) has parameters gathered only when it is called "
+                "(ZeRO-3, or an FSDP2 unit of its own): a rank without images never calls it, so the "
+                "ranks' parameter gathers would differ. Keep an image on every rank, or shard the "
+                "projection with the model's root (FSDP2), or use ZeRO-2."
+            )
+
+    def _projection_parameters(self) -> list[nn.Parameter]:
+        """The parameters of :attr:`projection`'s modules a text-only rank touches (as they are
+        now: PEFT or a wrapper may have changed them since the drop-in was installed)."""
+        return [
+            param
+            for name in self.projection
+            for param in getattr(self.base, name).parameters()
+            if _touchable(param)
+        ]
 
     def _tower_grid(self, key: str, grid: Any) -> Any:
         """The grid the model passes its tower for its forward's grid argument ``key``: each

@@ -173,3 +173,63 @@ def test_zero_gradients_match_the_plain_model(deepspeed_world: World, family: st
     # A balanced call per step and per evaluation forward; per generate() under ZeRO-3 one more.
     generated = len(mixed_cases(family)) if stage == 3 else 0
     assert all(r["calls"] == 2 * len(STEPS) + len(STEPS) + generated for r in results), results
+
+
+#: A projection outside the tower (transformers 5): HyperCLOVAX Vision V2's ``projector``.
+PROJECTING = "hyperclovax_vision_v2"
+
+
+def test_zero2_with_a_projection_outside_the_tower() -> None:
+    """ZeRO-2 in HyperCLOVAX Vision V2, whose projection a text-only rank never calls: the drop-in
+    touches its parameters where the other ranks' backward reaches them, so ZeRO-2, which places each
+    gradient in its reduction bucket in the order they arrive, reduces the plain model's gradients.
+    Its own pool: ZeRO-3 replaces ``torch.nn.functional.linear`` in the processes that ran it, and
+    that linear's backward hands a projection's weight and bias over in the other order."""
+    if not available(PROJECTING):
+        pytest.skip(f"this transformers has no {PROJECTING}")
+    pool = World(RANKS)
+    try:
+        results = pool.run(_zero_steps, PROJECTING, 2, timeout=180)
+    finally:
+        pool.close(kill=True)
+    assert [r["applied"] for r in results] == [[True, True, False, True] * 2] * RANKS, results
+
+
+def _zero3_projection_steps() -> dict[str, Any]:
+    """ZeRO-3 in HyperCLOVAX Vision V2: images on every rank train as the plain model; a step with
+    a text-only rank raises before its backward (the projection's gathers would differ)."""
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_grad
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    plain = tiny_model(PROJECTING)
+    handle = balance_vision_tower(copy.deepcopy(plain), ViTBalanceConfig(**CONFIG))
+    engine = _zero_engine(handle, 3)
+    batch = make_inputs(PROJECTING, CASES["every_rank_images"][rank], seed=rank)
+    plain(**batch).loss.backward()
+    expected = _summed_grads(plain)
+    engine.backward(engine(**batch).loss)
+    for key, param in engine.module.named_parameters():
+        torch.testing.assert_close(safe_get_full_grad(param) * size, expected[key], **TOL, msg=key)
+    engine.step()
+    batch = make_inputs(PROJECTING, CASES["text_only_rank"][rank], seed=rank)
+    try:
+        engine(**batch)
+    except ValueError as err:
+        return {"error": str(err), "applied": handle.applied_calls}
+    return {"error": None, "applied": handle.applied_calls}
+
+
+def test_zero3_refuses_a_text_only_rank_where_the_projection_is_outside_the_tower(
+    deepspeed_world: World,
+) -> None:
+    """ZeRO-3 gathers the projection's parameters when it is called, which a text-only rank does
+    not: a clear error on every rank (the plain model aborts or hangs in the first such step)."""
+    if not available(PROJECTING):
+        pytest.skip(f"this transformers has no {PROJECTING}")
+    results = deepspeed_world.run(_zero3_projection_steps, timeout=180)
+    for r in results:
+        assert r["applied"] == 2, r
+        assert r["error"] is not None and "ranks [1] of the group have no images" in r["error"], r
+        assert "HyperCLOVAXVisionV2Model.projector" in r["error"], r
+        assert "Keep an image on every rank" in r["error"], r

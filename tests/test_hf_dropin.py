@@ -455,6 +455,123 @@ def test_ddp_buckets_and_gradient_checkpointing_interleave_with_the_exchange(mul
     assert all(r["applied_calls"] == 4 and r["buckets_reduced"] > 1 for r in results), results
 
 
+#: Families whose base model projects the tower's outputs outside the tower: the children a
+#: text-only rank touches (``BalancedVisionTower.projection``). Every other family has none.
+PROJECTIONS = {
+    "cosmos3_edge": ("projector",),
+    "lfm3_vl": ("multi_modal_projector",),
+    "ernie4_5_vl_moe": ("resampler_model",),
+    "hyperclovax_vision_v2": ("projector",),
+    "muse_spark": ("vision_adapter", "vision_projection"),
+    "muse_glimmer": ("vision_adapter", "vision_projection"),
+    "minimax_m3_vl": ("multi_modal_projector",),
+    "paddleocr_vl": ("projector",),
+    "kimi_k25": ("mm_projector",),
+}
+
+
+def _ddp_text_only_rank(families: tuple[str, ...]) -> dict[str, int]:
+    """Per family, DDP as it comes (``find_unused_parameters=False``): a text-only rank, then images
+    and videos on every rank; the plain model's gradients averaged, the same weights at each step.
+    An audio tower, which no step uses on any rank, is frozen (DDP would otherwise wait for it)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    applied = {}
+    for family in families:
+        plain = tiny_model(family)
+        audio = getattr(plain.model, "audio_tower", None)
+        if audio is not None:
+            audio.requires_grad_(False)
+        balanced = copy.deepcopy(plain)
+        handle = balance_vision_tower(balanced, config_for(family))
+        assert handle.projection == PROJECTIONS[family], (family, handle.projection)
+        model = DistributedDataParallel(balanced)
+        trained = {key: p for key, p in balanced.named_parameters() if p.requires_grad}
+        for step, name in enumerate(mixed_cases(family)):
+            where = f"{family}/{name} step {step} rank {rank}"
+            batch = make_inputs(family, cases_for(family)[name][rank], seed=100 * step + rank)
+            plain(**batch).loss.backward()
+            model(**batch).loss.backward()
+            expected = _summed_grads(plain)
+            _assert_averaged(where, trained, expected, size, lambda grad: grad)
+            _sgd(plain, expected)
+            _sgd(balanced, expected)
+        applied[family] = handle.applied_calls
+    return applied
+
+
+def test_ddp_with_a_text_only_rank_where_the_projection_is_outside_the_tower(multirank: Any) -> None:
+    """Kimi-K2.5, MiniMax-M3-VL and the others of :data:`PROJECTIONS` under DDP without
+    ``find_unused_parameters``: a text-only rank never calls the projection, yet every rank gives
+    its parameters a gradient, and the averaged gradients are the plain model's (DDP raised "Expected
+    to have finished reduction in the prior iteration" at the next step before)."""
+    families = tuple(family for family in PROJECTIONS if available(family))
+    if not families:
+        pytest.skip("this transformers has none of these families")
+    with multirank(RANKS) as w:
+        results = w.run(_ddp_text_only_rank, families, timeout=240)
+    assert results == [dict.fromkeys(families, 2)] * RANKS, results
+
+
+def test_projection_names_the_children_outside_the_tower() -> None:
+    """``projection`` per family (none where the merger is in the tower); a name that is not a child
+    of the base model is refused when set, not at a text-only rank's forward."""
+    for family in (*FAMILIES, *NEWER_FAMILIES, *GLM_FAMILIES, *LATEST_FAMILIES):
+        if available(family):
+            handle = balance_vision_tower(tiny_model(family))
+            assert handle.projection == PROJECTIONS.get(family, ()), family
+            handle.remove()
+    handle = balance_vision_tower(tiny_model("qwen2_5_vl"))
+    handle.projection = ("language_model",)
+    assert handle.projection == ("language_model",)
+    for bad in (("mlp1",), "language_model"):
+        with pytest.raises(ValueError, match=r"BalancedVisionTower.projection = .* expected names of"):
+            handle.projection = bad
+
+
+class _Embedded(nn.Module):
+    """A base model's two parts a text-only rank's touch concerns: token embeddings, a projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(5, 3)
+        self.projector = nn.Linear(2, 3)
+        with torch.no_grad():  # signed zeros, an infinity and a NaN, which the touch keeps
+            self.embed_tokens.weight[0] = torch.tensor([-0.0, float("inf"), float("nan")])
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
+
+def test_a_text_only_ranks_projection_touch_is_exact_and_comes_before_the_embeddings() -> None:
+    """The touch at the token embeddings keeps their values bit for bit, and its backward reaches
+    the projection right before the embeddings, as a model projecting images does; a forward that
+    embeds nothing is touched at its end. Each way the projection gets an all-zero gradient."""
+    from lightning_vit_balance.hf import _ProjectionTouch
+
+    for embeds in (True, False):
+        model = _Embedded()
+        arrived: list[str] = []
+        for name, param in model.named_parameters():
+            param.register_post_accumulate_grad_hook(lambda _, n=name, seen=arrived: seen.append(n))
+        touch = _ProjectionTouch.arm(list(model.projector.parameters()), model)
+        assert touch is not None
+        ids = torch.tensor([0, 1, 0])
+        plain = model.embed_tokens.weight[ids].detach()
+        hidden = model.embed_tokens(ids) if embeds else model.embed_tokens.weight[ids]
+        assert hidden.detach().numpy().tobytes() == plain.numpy().tobytes()
+        zero = touch.finish(None)
+        assert (zero is None) == embeds and not model.embed_tokens._forward_hooks
+        loss = hidden[1:2].sum() if zero is None else hidden[1:2].sum() - zero
+        loss.backward()
+        assert all(not p.grad.any() for p in model.projector.parameters()), embeds
+        order = ["projector.bias", "projector.weight", "embed_tokens.weight"]
+        assert arrived == order if embeds else set(arrived) == set(order), arrived
+    assert _ProjectionTouch.arm([], model) is None
+
+
 #: Where the FSDP2 units go: each vision block, or the tower as one unit (sharded before or after
 #: balance_vision_tower); each decoder layer and the root in every layout.
 FSDP2_LAYOUTS = ("blocks", "tower before", "tower after")
@@ -541,11 +658,12 @@ FSDP2_TOWER_FAMILIES = (
 
 def _fsdp2_tower_unit(families: tuple[str, ...]) -> dict[str, int]:
     """Per family: the tower an FSDP2 unit (sharded after ``balance_vision_tower``) and the model
-    the root; two steps with images on every rank, videos next to them in the second (none for
-    PaddleOCR-VL); the plain model's gradients, the same weights at every step. No text-only
-    rank: all but Dots3-Note project the tower's outputs outside it, so there that projection would
-    get no gradient on one rank, and FSDP2's root reduce-scatter would differ between ranks (gloo
-    aborts), balanced or not. Returns each family's balanced calls that moved images."""
+    the root; a step with a text-only rank, then one with images on every rank and videos next to
+    them (none for PaddleOCR-VL); the plain model's gradients, the same weights at every step. All
+    but Dots3-Note project the tower's outputs outside it: on the text-only rank that projection
+    gets its all-zero gradient from the drop-in, so FSDP2's root reduce-scatter is the same on
+    every rank (without it gloo aborted, as the plain model does). Returns each family's balanced
+    calls that moved images."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -557,8 +675,7 @@ def _fsdp2_tower_unit(families: tuple[str, ...]) -> dict[str, int]:
         handle = balance_vision_tower(balanced, config_for(family))
         fully_shard(handle.tower)
         fully_shard(balanced)
-        videos = "every_rank_images" if family in IMAGE_ONLY_FAMILIES else "images_and_videos_next_to_images"
-        for step, name in enumerate(("every_rank_images", videos)):
+        for step, name in enumerate(mixed_cases(family)):
             where = f"{family}/{name} step {step} rank {rank}"
             batch = make_inputs(family, cases_for(family)[name][rank], seed=100 * step + rank)
             # Parameters no rank's forward uses (Dots3-Note's sparse-attention indexer) get none.

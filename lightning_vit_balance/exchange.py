@@ -54,6 +54,7 @@ __all__ = [
     "collective_device",
     "device_problem",
     "exchange_status",
+    "gather_host_values",
     "gather_metadata",
     "gradient_buffer",
     "grid_rows",
@@ -395,6 +396,12 @@ def gather_metadata(
     else:
         grid_values = gathered[:, grids_at:]
     return metadata_of_rows(gathered[:, :grids_at], grid_values), collectives
+
+
+def gather_host_values(values: Sequence[int], group: Any) -> np.ndarray:
+    """Every rank's ``values`` (ints, as many on every rank) as a ``[P, len(values)]`` array in
+    rank order: one gather of host values over ``group`` (a gloo group, or its twin)."""
+    return _gathered_array(torch.tensor(list(values), dtype=torch.int64), host_device(group), group)
 
 
 def _gathered_array(row: torch.Tensor, device: torch.device, group: Any) -> np.ndarray:

@@ -31,8 +31,9 @@ holds a zero-element slice of each of its parameters: they get an all-zero gradi
 over ranks has it. The touch is made when the model embeds its tokens, where the other ranks'
 models project, so their gradients reach ZeRO-2's buckets in the same order
 (:class:`_ProjectionTouch`). Parameters sharded outside their module's forward (ZeRO-3's, an FSDP2
-unit of its own) are gathered only by a call of their module, which a text-only rank does not make:
-a forward in which some ranks encode nothing raises a ``ValueError`` on every rank instead
+unit of its own) are gathered only by a call of their module, which the model makes once per
+modality a rank holds: a forward in which the ranks hold different modalities (a text-only rank,
+videos on some ranks only) raises a ``ValueError`` on every rank instead, before the tower
 (:attr:`BalancedVisionTower.projection`).
 
 **Which forwards are balanced.** Those with ``base.training`` set and gradients enabled
@@ -182,7 +183,7 @@ from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalanc
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel, pixel_row_factors
 from lightning_vit_balance.eager import eager, eager_frame
-from lightning_vit_balance.exchange import grid_rows, grid_steps
+from lightning_vit_balance.exchange import gather_host_values, grid_rows, grid_steps
 from lightning_vit_balance.host_group import make_host_group, release_host_group
 from lightning_vit_balance.outputs import (
     OutputLayout,
@@ -1611,6 +1612,7 @@ class BalancedVisionTower:
         ]
         # The cast HF applies (pixels.type(visual.dtype)); patch images flattened to rows.
         combined = _combine(inputs, tower, cast=True, row_shape=self._row_shape)
+        self._check_projection_calls(combined, group)
         balancer = self._balancer_for(config, group)
         self._encoding = True
         try:
@@ -1625,7 +1627,6 @@ class BalancedVisionTower:
             self.record(stats)
             if self._kept is not None:
                 self._kept.append(stats)
-            self._check_projection_reached(stats)
         total = int(combined.pixels.shape[0])
         outputs = _split(output, combined.parts, total, _output_merge(tower), tower)
         if self._form.pooled_frames:
@@ -1636,29 +1637,35 @@ class BalancedVisionTower:
             touch = _ProjectionTouch.arm(self._projection_parameters(), self.base)
         return _Pending(combined.parts, outputs, [False] * len(combined.parts), _exact_zero(output), touch)
 
-    def _check_projection_reached(self, stats: BalanceStats) -> None:
-        """Raise on every rank when some ranks of this forward encode nothing and :attr:`projection`
-        has parameters that only a call gathers (ZeRO-3, an FSDP2 unit of its own): only the other
-        ranks' models would call it, and the parameter gathers would differ between ranks (an
-        abort, a hang or, on NCCL, undefined behaviour). ``stats`` are the same on every rank."""
-        loads = stats.loads_before
-        if len(loads) != stats.num_ranks or min(loads) > 0.0 or max(loads) == 0.0:
-            return
+    def _check_projection_calls(self, combined: _Combined, group: Any) -> None:
+        """Raise on every rank when :attr:`projection` has parameters that only a call of it
+        gathers (ZeRO-3, an FSDP2 unit of its own) and the ranks hold different modalities: the
+        model calls its projection once per modality a rank holds, so the parameter gathers would
+        differ between ranks (an abort, a hang or, on NCCL, undefined behaviour). One gather of two
+        flags per rank, made only in that case, which is the same on every rank (the same model)."""
         gathered = [
             name
             for name in self.projection
             if any(hasattr(p, "ds_id") or _is_dtensor(p) for p in getattr(self.base, name).parameters())
         ]
-        if gathered:
-            empty = [rank for rank, load in enumerate(loads) if load == 0.0]
-            raise ValueError(
-                f"balance_vision_tower: ranks {empty} of the group have no images or videos in this "
-                f"forward, and {type(self.base).__name__}.{', .'.join(gathered)} (projecting the "
-                "tower's outputs outside the tower) has parameters gathered only when it is called "
-                "(ZeRO-3, or an FSDP2 unit of its own): a rank without images never calls it, so the "
-                "ranks' parameter gathers would differ. Keep an image on every rank, or shard the "
-                "projection with the model's root (FSDP2), or use ZeRO-2."
-            )
+        if not gathered:
+            return
+        names = [name for name, _, _ in _MODALITIES]
+        held = {part.name for part in combined.parts}
+        flags = gather_host_values([name in held for name in names], self._host_group(group))
+        if (flags == flags[0]).all():
+            return
+        ranks = [[r for r, row in enumerate(flags.tolist()) if row[k]] for k in range(len(names))]
+        holding = ", ".join(f"{name} on ranks {on}" for name, on in zip(names, ranks))
+        raise ValueError(
+            f"balance_vision_tower: the ranks hold different modalities in this forward ({holding}, of "
+            f"{len(flags)}), and {type(self.base).__name__}.{', .'.join(gathered)} (projecting the tower's "
+            "outputs outside the tower) has parameters gathered only when it is called (ZeRO-3, or an "
+            "FSDP2 unit of its own): the model calls it once per modality a rank holds, so the ranks' "
+            "parameter gathers would differ. Give every rank the same modalities in each step (an "
+            "image on every rank; videos on every rank or none), or shard the projection with the "
+            "model's root unit (FSDP2), or use ZeRO-2."
+        )
 
     def _projection_parameters(self) -> list[nn.Parameter]:
         """The parameters of :attr:`projection`'s modules a text-only rank touches (as they are

@@ -698,6 +698,48 @@ def test_fsdp2_tower_unit_in_the_newest_families(multirank: Any) -> None:
     assert results == [dict.fromkeys(families, 2)] * RANKS, results
 
 
+def _fsdp2_projection_unit(family: str) -> dict[str, str]:
+    """The projection outside the tower an FSDP2 unit of its own, next to the tower's and the root's:
+    images on every rank train as the plain model; a text-only rank raises on every rank (that unit
+    gathers its parameters only when called). Returns each step's outcome."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    plain = tiny_model(family)
+    balanced = copy.deepcopy(plain)
+    handle = balance_vision_tower(balanced, config_for(family))
+    for name in handle.projection:
+        fully_shard(getattr(handle.base, name))
+    fully_shard(handle.tower)
+    fully_shard(balanced)
+    outcome = {}
+    for step, name in enumerate(("every_rank_images", "text_only_rank")):
+        batch = make_inputs(family, cases_for(family)[name][rank], seed=100 * step + rank)
+        try:
+            _fsdp2_step(plain, balanced, batch, f"{family}/{name} rank {rank}")
+            outcome[name] = "trained"
+        except ValueError as err:
+            outcome[name] = str(err)
+    return outcome
+
+
+def test_fsdp2_projection_unit_refuses_a_text_only_rank(multirank: Any) -> None:
+    """Kimi-K2.5's ``mm_projector`` as an FSDP2 unit of its own: the plain model's gradients with
+    images on every rank; with a text-only rank, the same clear error on every rank, not a hang."""
+    if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
+        pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    if not available("kimi_k25"):
+        pytest.skip("this transformers has no kimi_k25")
+    with multirank(RANKS) as w:
+        results = w.run(_fsdp2_projection_unit, "kimi_k25", timeout=120)
+    for r in results:
+        assert r["every_rank_images"] == "trained", r
+        error = r["text_only_rank"]
+        assert "(images on ranks [0, 2], videos on ranks [], of 3)" in error, r
+        assert "Kimi_K25Model.mm_projector" in error and "FSDP2 unit of its own" in error, r
+
+
 class _Wrapper(nn.Module):
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()

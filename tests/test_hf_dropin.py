@@ -507,11 +507,17 @@ def test_ddp_with_a_text_only_rank_where_the_projection_is_outside_the_tower(mul
     ``find_unused_parameters``: a text-only rank never calls the projection, yet every rank gives
     its parameters a gradient, and the averaged gradients are the plain model's (DDP raised "Expected
     to have finished reduction in the prior iteration" at the next step before)."""
-    families = tuple(family for family in PROJECTIONS if available(family))
+    _two_moves_in_each_family(multirank, _ddp_text_only_rank, tuple(PROJECTIONS))
+
+
+def _two_moves_in_each_family(multirank: Any, worker: Callable[..., Any], families: tuple[str, ...]) -> None:
+    """``worker(families)`` on every rank, over the families this transformers has: each family's
+    two balanced steps moved images."""
+    families = tuple(family for family in families if available(family))
     if not families:
         pytest.skip("this transformers has none of these families")
     with multirank(RANKS) as w:
-        results = w.run(_ddp_text_only_rank, families, timeout=240)
+        results = w.run(worker, families, timeout=240)
     assert results == [dict.fromkeys(families, 2)] * RANKS, results
 
 
@@ -690,12 +696,7 @@ def test_fsdp2_tower_unit_in_the_newest_families(multirank: Any) -> None:
     gradients, each step's images moved."""
     if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
         pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
-    families = tuple(family for family in FSDP2_TOWER_FAMILIES if available(family))
-    if not families:
-        pytest.skip("this transformers has none of these families")
-    with multirank(RANKS) as w:
-        results = w.run(_fsdp2_tower_unit, families, timeout=240)
-    assert results == [dict.fromkeys(families, 2)] * RANKS, results
+    _two_moves_in_each_family(multirank, _fsdp2_tower_unit, FSDP2_TOWER_FAMILIES)
 
 
 def _fsdp2_projection_unit(family: str) -> dict[str, str]:
@@ -1819,6 +1820,8 @@ def test_lightning_ddp_fit_without_find_unused_parameters(
     Kimi-K2.5 projects the tower's outputs outside the tower: on a text-only rank the drop-in
     touches that projection, which DDP would otherwise wait for (the fit hung in its second step).
     """
+    if not available(family):
+        pytest.skip(f"this transformers has no {family}")
     reference_model = tiny_model(family)  # the fit's initial weights (seeded)
     if family == "glm4v":
         reference_model.model.visual.double()

@@ -32,9 +32,13 @@ over ranks has it. The touch is made when the model embeds its tokens, where the
 models project, so their gradients reach ZeRO-2's buckets in the same order
 (:class:`_ProjectionTouch`). Parameters sharded outside their module's forward (ZeRO-3's, an FSDP2
 unit of its own) are gathered only by a call of their module, which the model makes once per
-modality a rank holds: a forward in which the ranks hold different modalities (a text-only rank,
-videos on some ranks only) raises a ``ValueError`` on every rank instead, before the tower
-(:attr:`BalancedVisionTower.projection`).
+modality a rank holds. There, when the ranks hold different modalities (a text-only rank, videos
+on some ranks only; one gather of two flags per rank tells), a rank lacking a modality that another
+holds adds a one-item dummy of it (zero pixels, the smallest grid its tower merges) to the balanced
+call, and at the same point calls the model's own ``get_image_features`` / ``get_video_features``
+on it, answered from the balanced result: every rank then calls the projection as often, and the
+``+0.0`` of its zero-row slices keeps every value. A plan made ahead did not see the dummies, so
+such a forward plans in the forward, on every rank (:attr:`BalancedVisionTower.projection`).
 
 **Which forwards are balanced.** Those with ``base.training`` set and gradients enabled
 (``torch.is_grad_enabled()``), when balancing is on and the group has more than one rank. Such a
@@ -209,6 +213,10 @@ _MODALITIES: tuple[tuple[str, str, str], ...] = (
 )
 #: The batch keys a plan made ahead reads, (pixels, grid) per modality, in the encoding order.
 _PREPARE_KEYS: tuple[tuple[str, str], ...] = tuple((pixels, grid) for _, pixels, grid in _MODALITIES)
+#: A one-image input of a modality: ``(pixels, grid_thw)``.
+_Dummy = tuple[torch.Tensor, torch.Tensor]
+#: The base model's method that encodes and projects each modality (transformers 5).
+_FEATURE_METHODS = {"images": "get_image_features", "videos": "get_video_features"}
 #: The batch key under which :meth:`BalancedVisionTower.plan_ahead`'s collator hands the model's
 #: forward the batch's grids as collated, on the host.
 GRIDS_KEY = "vit_balance_grids"
@@ -953,6 +961,9 @@ class _Pending:
     served: list[bool]
     zero: torch.Tensor | None
     touch: _ProjectionTouch | None = None
+    #: While a dummy image's feature call runs: the only modality a tower call may take (a real
+    #: image of the dummy's grid must not answer it).
+    only: str | None = None
 
 
 class _ProjectionTouch:
@@ -967,29 +978,26 @@ class _ProjectionTouch:
     ``inputs_embeds``) is touched when it ends instead (:meth:`finish`).
     """
 
-    def __init__(self, params: list[nn.Parameter], embeddings: nn.Module | None) -> None:
-        self.params = params
+    def __init__(self, zero_of: Callable[[], torch.Tensor | None], embeddings: nn.Module | None) -> None:
+        self.zero_of = zero_of
         self.done = False
         self._hook = None if embeddings is None else embeddings.register_forward_hook(self._touched)
 
     @classmethod
-    def arm(cls, params: list[nn.Parameter], base: nn.Module) -> _ProjectionTouch | None:
-        """A touch of ``params`` at ``base``'s next token embedding, or None when there are none."""
-        if not params:
-            return None
+    def arm(cls, zero_of: Callable[[], torch.Tensor | None], base: nn.Module) -> _ProjectionTouch:
+        """A touch that subtracts ``zero_of()`` from ``base``'s next token embeddings."""
         try:
             embeddings = base.get_input_embeddings()
         except (AttributeError, NotImplementedError):
             embeddings = None
-        return cls(params, embeddings if isinstance(embeddings, nn.Module) else None)
+        return cls(zero_of, embeddings if isinstance(embeddings, nn.Module) else None)
 
     def _touched(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.done or not isinstance(output, torch.Tensor) or not output.is_floating_point():
             return None
         self.done = True
-        zero = _touch_zero(self.params, None)
-        assert zero is not None
-        return output - zero.to(device=output.device, dtype=output.dtype)
+        zero = self.zero_of()
+        return output if zero is None else output - zero.to(device=output.device, dtype=output.dtype)
 
     def release(self) -> None:
         """Remove the hook (the forward is over, whether it raised or not)."""
@@ -1003,7 +1011,17 @@ class _ProjectionTouch:
         if self.done:
             return zero
         self.done = True
-        return _touch_zero(self.params, zero)
+        touched = self.zero_of()
+        return touched if zero is None else zero if touched is None else zero + touched.to(zero.device)
+
+
+def _then_touched(forward: Callable[..., Any], touch: _ProjectionTouch, *args: Any, **kwargs: Any) -> Any:
+    """``forward(*args, **kwargs)``, then ``touch``'s feature calls on its dummy images, while the
+    balanced result still answers tower calls (``generate()``'s encoding step: no backward, so the
+    zero is dropped)."""
+    output = forward(*args, **kwargs)
+    touch.finish(None)
+    return output
 
 
 class BalancedVisionTower:
@@ -1023,9 +1041,10 @@ class BalancedVisionTower:
         projection: The base model's children that project the tower's outputs outside the tower
             (e.g. ``("mm_projector",)`` in Kimi-K2.5; none in Qwen-VL, whose merger is in the
             tower). In a training forward a text-only rank gives their parameters all-zero
-            gradients, as DDP without ``find_unused_parameters`` and FSDP2 need (see the module
-            docstring). A tuple of attribute names of ``base``; set it for a model whose projection
-            is named otherwise.
+            gradients, as DDP without ``find_unused_parameters`` and FSDP2 need; where their
+            parameters are gathered per call (ZeRO-3), a rank lacking a modality calls them on a
+            dummy item (see the module docstring). A tuple of attribute names of ``base``; set it
+            for a model whose projection is named otherwise.
         last_stats: Diagnostics of the latest balanced forward (``None`` before the first).
         calls: Balanced forwards so far (one exchange each).
         applied_calls: Those in which images moved between ranks.
@@ -1470,7 +1489,10 @@ class BalancedVisionTower:
         if settings is None:
             return _Route(original, args, kwargs)
         model_kwargs = args[0] if args else kwargs["model_kwargs"]  # the pixels and grids, by name
-        return self._answering(self._encode(model_kwargs, *settings), _Route(original, args, kwargs))
+        pending = self._encode(model_kwargs, *settings)
+        if pending.touch is not None:  # dummy images to project: this step embeds no tokens
+            original = functools.partial(_then_touched, original, pending.touch)
+        return self._answering(pending, _Route(original, args, kwargs))
 
     def _answering(self, pending: _Pending, route: _Route) -> _Route:
         """``route`` with its forward's tower calls answered from ``pending``, the tower's own hooks
@@ -1612,11 +1634,18 @@ class BalancedVisionTower:
         ]
         # The cast HF applies (pixels.type(visual.dtype)); patch images flattened to rows.
         combined = _combine(inputs, tower, cast=True, row_shape=self._row_shape)
-        self._check_projection_calls(combined, group)
+        prepared = self.prepared_plan()
+        dummies = self._dummy_modalities(combined, group)
+        if dummies is not None:  # the same on every rank (this rank may add none)
+            for k, (name, pixels_key, _, grid_key, _) in enumerate(inputs):
+                if name in dummies:
+                    inputs[k] = (name, pixels_key, dummies[name][0], grid_key, dummies[name][1])
+            combined = _combine(inputs, tower, cast=True, row_shape=self._row_shape)
+            prepared = None  # a plan made ahead did not see the dummy images: every rank plans here
         balancer = self._balancer_for(config, group)
         self._encoding = True
         try:
-            output = _balanced_call(balancer, tower, combined, "balance_vision_tower", self.prepared_plan())
+            output = _balanced_call(balancer, tower, combined, "balance_vision_tower", prepared)
         finally:
             self._encoding = False
         self.calls += 1
@@ -1632,40 +1661,68 @@ class BalancedVisionTower:
         if self._form.pooled_frames:
             _pool_frames(tower, combined.parts, outputs)
         touch = None
-        if not combined.parts and torch.is_grad_enabled():
+        if dummies:
+            # This rank's model calls its projection on the dummy images too (module docstring).
+            touch = _ProjectionTouch.arm(functools.partial(self._dummy_calls, dummies), self.base)
+        elif not combined.parts and torch.is_grad_enabled() and self._projection_parameters():
             # A text-only rank: the model will not call its projection (module docstring).
-            touch = _ProjectionTouch.arm(self._projection_parameters(), self.base)
+            touched = functools.partial(_touch_zero, self._projection_parameters(), None)
+            touch = _ProjectionTouch.arm(touched, self.base)
         return _Pending(combined.parts, outputs, [False] * len(combined.parts), _exact_zero(output), touch)
 
-    def _check_projection_calls(self, combined: _Combined, group: Any) -> None:
-        """Raise on every rank when :attr:`projection` has parameters that only a call of it
-        gathers (ZeRO-3, an FSDP2 unit of its own) and the ranks hold different modalities: the
-        model calls its projection once per modality a rank holds, so the parameter gathers would
-        differ between ranks (an abort, a hang or, on NCCL, undefined behaviour). One gather of two
-        flags per rank, made only in that case, which is the same on every rank (the same model)."""
-        gathered = [
-            name
+    def _dummy_modalities(self, combined: _Combined, group: Any) -> dict[str, _Dummy] | None:
+        """Where :attr:`projection` has parameters that only a call of it gathers (ZeRO-3, an FSDP2
+        unit of its own) and the ranks hold different modalities: a one-image dummy
+        ``(pixels, grid)`` for each modality some rank holds and this one lacks (maybe none), else
+        None. The model calls its projection once per modality a rank holds, so without them the
+        ranks' parameter gathers would differ (an abort, a hang or, on NCCL, undefined behaviour).
+        One gather of two flags per rank, made only in that case, which is the same on every rank
+        (the same model)."""
+        gathered = any(
+            hasattr(p, "ds_id") or _is_dtensor(p)
             for name in self.projection
-            if any(hasattr(p, "ds_id") or _is_dtensor(p) for p in getattr(self.base, name).parameters())
-        ]
+            for p in getattr(self.base, name).parameters()
+        )
         if not gathered:
-            return
+            return None
         names = [name for name, _, _ in _MODALITIES]
         held = {part.name for part in combined.parts}
         flags = gather_host_values([name in held for name in names], self._host_group(group))
         if (flags == flags[0]).all():
-            return
-        ranks = [[r for r, row in enumerate(flags.tolist()) if row[k]] for k in range(len(names))]
-        holding = ", ".join(f"{name} on ranks {on}" for name, on in zip(names, ranks))
-        raise ValueError(
-            f"balance_vision_tower: the ranks hold different modalities in this forward ({holding}, of "
-            f"{len(flags)}), and {type(self.base).__name__}.{', .'.join(gathered)} (projecting the tower's "
-            "outputs outside the tower) has parameters gathered only when it is called (ZeRO-3, or an "
-            "FSDP2 unit of its own): the model calls it once per modality a rank holds, so the ranks' "
-            "parameter gathers would differ. Give every rank the same modalities in each step (an "
-            "image on every rank; videos on every rank or none), or shard the projection with the "
-            "model's root unit (FSDP2), or use ZeRO-2."
-        )
+            return None
+        wanted = [name for k, name in enumerate(names) if flags[:, k].any() and name not in held]
+        return {name: self._dummy_input(steps=2 if name == "videos" else 1) for name in wanted}
+
+    def _dummy_input(self, steps: int) -> _Dummy:
+        """A one-item input of the smallest grid the tower and its outputs merge, ``[steps, m, m]``
+        (two steps for a video: ERNIE-4.5-VL's resampler merges a video's steps in pairs): zero
+        pixel rows in the form the model passes its tower (patch images or flat rows), its grid."""
+        merges = [m for m in (_tower_merge(self.tower), _output_merge(self.tower)) if _positive_int(m)]
+        merge = math.lcm(*merges) if merges else 1
+        device = _placement(self.tower)[0]
+        row_shape = self._row_shape or (_tower_channels(self.tower) or 1,)
+        pixels = torch.zeros((steps * merge * merge, *row_shape), device=device)
+        return pixels, torch.tensor([[steps, merge, merge]], device=device)
+
+    def _dummy_calls(self, dummies: dict[str, _Dummy]) -> torch.Tensor | None:
+        """The model's own feature method on each dummy image (its tower call answered from the
+        balanced result), in the model's order (images, then videos): ``+0.0`` from zero-row
+        slices of what it returns, so the projection is called, and its backward runs, as on the
+        ranks that hold the modality."""
+        zero = None
+        for name, pixels_key, grid_key in _MODALITIES:
+            if name in dummies:
+                features = getattr(self.base, _FEATURE_METHODS[name])
+                pixels, grid = dummies[name]
+                pending = self._pending
+                assert pending is not None
+                pending.only = name
+                try:
+                    found = _exact_zero(features(**{pixels_key: pixels, grid_key: grid}))
+                finally:
+                    pending.only = None
+                zero = found if zero is None else zero if found is None else zero + found
+        return zero
 
     def _projection_parameters(self) -> list[nn.Parameter]:
         """The parameters of :attr:`projection`'s modules a text-only rank touches (as they are
@@ -1696,6 +1753,8 @@ class BalancedVisionTower:
         grid = grid_rows(grid_thw) if isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 else None
         rows = _served_rows(pixels, self._form.batched_input)
         for k, part in enumerate(pending.parts):
+            if pending.only not in (None, part.name):
+                continue
             if not pending.served[k] and part.grid == grid and rows == part.stop - part.start:
                 pending.served[k] = True
                 output = self._rebatched(pending.outputs[k])

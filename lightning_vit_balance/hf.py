@@ -446,9 +446,8 @@ def _parameters_sharded(tower: nn.Module) -> bool:
     if not dist.is_available():
         return False
     from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.distributed.tensor import DTensor
 
-    if any(hasattr(param, "ds_id") or isinstance(param, DTensor) for param in tower.parameters()):
+    if any(_gathered_per_call(param) for param in tower.parameters()):
         return True
     return any(isinstance(module, FullyShardedDataParallel) for module in tower.modules())
 
@@ -465,28 +464,34 @@ def _projection_names(base: nn.Module, tower: nn.Module) -> tuple[str, ...]:
     )
 
 
-def _touchable(param: nn.Parameter) -> bool:
-    """Whether a zero-element slice of ``param`` gives it a gradient this rank can reduce like any
-    other: not one sharded outside its module's forward (ZeRO-3's partitioned parameters, an FSDP2
-    unit's ``DTensor`` before its forward), where the slice would be of a placeholder or a shard."""
-    return param.requires_grad and not hasattr(param, "ds_id") and not _is_dtensor(param)
-
-
-def _is_dtensor(param: nn.Parameter) -> bool:
+def _gathered_per_call(param: nn.Parameter) -> bool:
+    """Whether ``param`` is sharded outside its module's forward, so that each call of the module
+    gathers it (ZeRO-3's partitioned parameters, an FSDP2 unit's ``DTensor`` before its forward)."""
     from torch.distributed.tensor import DTensor
 
-    return isinstance(param, DTensor)
+    return hasattr(param, "ds_id") or isinstance(param, DTensor)
 
 
-def _touch_zero(params: Iterable[nn.Parameter], zero: torch.Tensor | None) -> torch.Tensor | None:
-    """``zero`` plus ``+0.0`` from a zero-element slice of each of ``params``: its backward gives
+def _touchable(param: nn.Parameter) -> bool:
+    """Whether a zero-element slice of ``param`` gives it a gradient this rank can reduce like any
+    other: not one gathered per call, where the slice would be of a placeholder or a shard."""
+    return param.requires_grad and not _gathered_per_call(param)
+
+
+def _touch_zero(params: Iterable[nn.Parameter]) -> torch.Tensor | None:
+    """``+0.0`` from a zero-element slice of each of ``params`` (None for none): its backward gives
     each an all-zero gradient (``x - (+0.0)`` stays ``x``, see the module docstring)."""
     touched = [param.reshape(-1)[:0].sum().float() for param in params]
     if not touched:
-        return zero
-    device = zero.device if zero is not None else touched[0].device
-    total = torch.stack([t.to(device) for t in touched]).sum()
-    return total if zero is None else zero + total
+        return None
+    return torch.stack([t.to(touched[0].device) for t in touched]).sum()
+
+
+def _plus(zero: torch.Tensor | None, more: torch.Tensor | None) -> torch.Tensor | None:
+    """``zero + more``, either None when nothing differentiable gave one (on ``zero``'s device)."""
+    if zero is None or more is None:
+        return more if zero is None else zero
+    return zero + more.to(zero.device)
 
 
 def _positive_int(value: Any) -> bool:
@@ -1011,8 +1016,7 @@ class _ProjectionTouch:
         if self.done:
             return zero
         self.done = True
-        touched = self.zero_of()
-        return touched if zero is None else zero if touched is None else zero + touched.to(zero.device)
+        return _plus(zero, self.zero_of())
 
 
 def _then_touched(forward: Callable[..., Any], touch: _ProjectionTouch, *args: Any, **kwargs: Any) -> Any:
@@ -1664,10 +1668,11 @@ class BalancedVisionTower:
         if dummies:
             # This rank's model calls its projection on the dummy images too (module docstring).
             touch = _ProjectionTouch.arm(functools.partial(self._dummy_calls, dummies), self.base)
-        elif not combined.parts and torch.is_grad_enabled() and self._projection_parameters():
+        elif not combined.parts and torch.is_grad_enabled():
             # A text-only rank: the model will not call its projection (module docstring).
-            touched = functools.partial(_touch_zero, self._projection_parameters(), None)
-            touch = _ProjectionTouch.arm(touched, self.base)
+            params = self._projection_parameters()
+            if params:
+                touch = _ProjectionTouch.arm(functools.partial(_touch_zero, params), self.base)
         return _Pending(combined.parts, outputs, [False] * len(combined.parts), _exact_zero(output), touch)
 
     def _dummy_modalities(self, combined: _Combined, group: Any) -> dict[str, _Dummy] | None:
@@ -1679,9 +1684,7 @@ class BalancedVisionTower:
         One gather of two flags per rank, made only in that case, which is the same on every rank
         (the same model)."""
         gathered = any(
-            hasattr(p, "ds_id") or _is_dtensor(p)
-            for name in self.projection
-            for p in getattr(self.base, name).parameters()
+            _gathered_per_call(p) for name in self.projection for p in getattr(self.base, name).parameters()
         )
         if not gathered:
             return None
@@ -1721,7 +1724,7 @@ class BalancedVisionTower:
                     found = _exact_zero(features(**{pixels_key: pixels, grid_key: grid}))
                 finally:
                     pending.only = None
-                zero = found if zero is None else zero if found is None else zero + found
+                zero = _plus(zero, found)
         return zero
 
     def _projection_parameters(self) -> list[nn.Parameter]:

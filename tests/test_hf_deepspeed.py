@@ -159,6 +159,9 @@ def deepspeed_world() -> Iterator[World]:
         pool.close(kill=True)
 
 
+#: A projection outside the tower (transformers 5): HyperCLOVAX Vision V2's ``projector``.
+PROJECTING = "hyperclovax_vision_v2"
+
 # Qwen3-VL-MoE (transformers 5): experts next to the tower, under ZeRO-3. HyperCLOVAX Vision V2
 # (transformers 5): a projection outside the tower, which ZeRO-3 gathers at each call, so ranks
 # without a modality call it on a dummy image (ZeRO-2: test_zero2_with_a_projection_outside_the_tower).
@@ -166,7 +169,7 @@ ZERO_RUNS = [
     *((family, 3) for family in FAMILIES),
     ("qwen2_5_vl", 2),
     ("qwen3_vl_moe", 3),
-    ("hyperclovax_vision_v2", 3),
+    (PROJECTING, 3),
 ]
 
 
@@ -183,10 +186,6 @@ def test_zero_gradients_match_the_plain_model(deepspeed_world: World, family: st
     # A balanced call per step and per evaluation forward; per generate() under ZeRO-3 one more.
     generated = len(mixed_cases(family)) if stage == 3 else 0
     assert all(r["calls"] == 2 * len(STEPS) + len(STEPS) + generated for r in results), results
-
-
-#: A projection outside the tower (transformers 5): HyperCLOVAX Vision V2's ``projector``.
-PROJECTING = "hyperclovax_vision_v2"
 
 
 def test_zero2_with_a_projection_outside_the_tower() -> None:

@@ -563,7 +563,7 @@ def test_a_text_only_ranks_projection_touch_is_exact_and_comes_before_the_embedd
         for name, param in model.named_parameters():
             param.register_post_accumulate_grad_hook(lambda _, n=name, seen=arrived: seen.append(n))
         projection = list(model.projector.parameters())
-        touch = _ProjectionTouch.arm(functools.partial(_touch_zero, projection, None), model)
+        touch = _ProjectionTouch.arm(functools.partial(_touch_zero, projection), model)
         ids = torch.tensor([0, 1, 0])
         plain = model.embed_tokens.weight[ids].detach()
         hidden = model.embed_tokens(ids) if embeds else model.embed_tokens.weight[ids]

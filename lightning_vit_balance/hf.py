@@ -152,9 +152,17 @@ same order on every rank, sees the tower called once everywhere. A forward hook 
 therefore runs once per balanced forward, for the balanced call. A wrapper module put in the
 tower's place after :func:`balance_vision_tower` (FSDP1's) would run once per served call: it
 raises a ``ValueError`` on every rank before any collective; wrap the tower's blocks with FSDP1
-instead. DDP, FSDP2 (each block and decoder layer a unit, also under Lightning's
-``ModelParallelStrategy``, or the tower as one unit) and DeepSpeed ZeRO-2 and ZeRO-3 (its CPU
-accelerator) are tested here (CPU, gloo).
+instead. ZeRO-3 gathers each submodule's parameters at each of its calls, and some towers call
+one once per image in their blocks (LFM3-VL's convolution), so ranks encoding different numbers of
+images would gather different numbers of times (the plain model aborts so too, wherever the ranks'
+image counts differ): :func:`balance_vision_tower` makes the tower's blocks ZeRO-3 *leaves*
+(DeepSpeed's ``_z3_leaf`` flag, as ``deepspeed.utils.set_z3_leaf_modules`` sets it), whose
+parameters are gathered once per call of the block, and so is an image-only model's projection,
+called once per forward (PaddleOCR-VL's projector, which projects each image apart). The flag is
+read by ``deepspeed.initialize``: install the drop-in before it (a model an engine holds already
+is left as it is); :meth:`BalancedVisionTower.remove` clears the flags it set. DDP, FSDP2 (each
+block and decoder layer a unit, also under Lightning's ``ModelParallelStrategy``, or the tower as
+one unit) and DeepSpeed ZeRO-2 and ZeRO-3 (its CPU accelerator) are tested here (CPU, gloo).
 
 **Compiling.** Compile the model as a whole (``torch.compile(model)``), the tower's blocks
 (``block.compile()`` for each of ``visual.blocks``), or both: the plain model's losses and
@@ -462,6 +470,48 @@ def _projection_names(base: nn.Module, tower: nn.Module) -> tuple[str, ...]:
         and any(word in name for word in _PROJECTION_WORDS)
         and any(True for _ in child.parameters())
     )
+
+
+#: The attribute DeepSpeed reads to tell a ZeRO-3 *leaf* module (``deepspeed.utils.set_z3_leaf_modules``
+#: sets it): ZeRO-3 gathers a leaf's parameters, its submodules' included, once per call of the leaf,
+#: instead of once per call of each submodule. Read when ``deepspeed.initialize`` registers its hooks.
+_ZERO3_LEAF = "_z3_leaf"
+
+
+def _zero3_leaves(tower: nn.Module, projections: Iterable[nn.Module]) -> list[nn.Module]:
+    """The modules made ZeRO-3 leaves: the tower's blocks (the elements of its outermost
+    ``ModuleList``s) and ``projections``, projection modules called once per forward. Each runs
+    once per forward on every rank, but some models call a submodule in them once per image:
+    LFM3-VL's blocks convolve each image apart, PaddleOCR-VL's projector projects each image apart.
+    ZeRO-3 gathers every module's parameters at each call, so ranks encoding different numbers of
+    images (as balancing makes them) would gather different numbers of times: an abort or a hang.
+    A leaf gathers once per call, the same on every rank. (ZeRO-3 reduces a leaf's gradients once
+    per call of it: a module called more than once per forward, such as a projection called once
+    per modality, cannot be one.)"""
+    blocks: list[nn.Module] = []
+    pending = [tower]
+    while pending:
+        module = pending.pop()
+        for child in module.children():
+            if isinstance(child, nn.ModuleList):
+                blocks.extend(child)
+            else:
+                pending.append(child)
+    return [*blocks, *projections]
+
+
+def _mark_zero3_leaves(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """Flag ``modules`` as ZeRO-3 leaves (see :data:`_ZERO3_LEAF`) and return those flagged here
+    (not leaves before), for :meth:`BalancedVisionTower.remove`. None where a DeepSpeed engine has
+    registered its hooks on them already (it gave each module a ``ds_id``): the flag would come too
+    late, so the model is left as it is."""
+    modules = list(modules)
+    if any(hasattr(module, "ds_id") for module in modules):
+        return []
+    marked = [module for module in modules if not getattr(module, _ZERO3_LEAF, False)]
+    for module in marked:
+        setattr(module, _ZERO3_LEAF, True)
+    return marked
 
 
 def _gathered_per_call(param: nn.Parameter) -> bool:
@@ -1114,6 +1164,7 @@ class BalancedVisionTower:
         self._saved: dict[str, Any] = {}
         self._patch("base", base, "forward")
         self._patch("tower", tower, "forward")
+        self._leaves = _mark_zero3_leaves(_zero3_leaves(tower, self._projections_called_once()))
         owner = _generation_owner(model, base)
         if owner is not None:
             self._patch("generation", owner, _GENERATION_ENCODE)
@@ -1147,6 +1198,14 @@ class BalancedVisionTower:
                 f"{type(self.base).__name__}'s children ({', '.join(children)}); not children: {unknown}."
             )
         self._projection = tuple(names)
+        self._leaves += _mark_zero3_leaves(self._projections_called_once())
+
+    def _projections_called_once(self) -> list[nn.Module]:
+        """:attr:`projection`'s modules where the model calls them once per forward (an image-only
+        model); none where it calls them once per modality, which ZeRO-3's leaves do not allow."""
+        if _model_type(self.base) not in _IMAGE_ONLY_MODEL_TYPES:
+            return []
+        return [getattr(self.base, name) for name in self._projection]
 
     @property
     def installed(self) -> bool:
@@ -1374,6 +1433,9 @@ class BalancedVisionTower:
                 delattr(module, name)
             else:
                 setattr(module, name, saved)
+        for module in self._leaves:
+            module.__dict__.pop(_ZERO3_LEAF, None)
+        self._leaves = []
         release_host_group(self._twin)
         self._reset_runtime()
 

@@ -35,9 +35,9 @@ if importlib.util.find_spec("deepspeed") is None:
 
 from hf_models import FAMILIES, available, make_inputs, tiny_model
 from multirank import World, set_launcher_variables
-from test_hf_dropin import CASES, CONFIG, TOL, _summed_grads, assert_generates_as_plain, mixed_cases
+from test_hf_dropin import TOL, _summed_grads, assert_generates_as_plain, cases_for, config_for, mixed_cases
 
-from lightning_vit_balance import ViTBalanceConfig, balance_vision_tower
+from lightning_vit_balance import balance_vision_tower
 
 RANKS = 3
 STEPS = [
@@ -46,6 +46,12 @@ STEPS = [
     "one_big_image_others_text_only",
     "every_rank_images",
 ]
+
+
+def _steps_of(family: str) -> list[str]:
+    """:data:`STEPS` in ``family``'s cases: its own mix of modalities in place of images next to
+    videos (GLM's videos next to images; an images-only family's images on every rank)."""
+    return [mixed_cases(family)[1] if name == STEPS[1] else name for name in STEPS]
 
 
 def _deepspeed_on_cpu() -> Any:
@@ -106,13 +112,13 @@ def _zero_steps(family: str, stage: int) -> dict[str, Any]:
 
     rank, size = dist.get_rank(), dist.get_world_size()
     plain = tiny_model(family)
-    handle = balance_vision_tower(copy.deepcopy(plain), ViTBalanceConfig(**CONFIG), evaluation=True)
+    handle = balance_vision_tower(copy.deepcopy(plain), config_for(family), evaluation=True)
     engine = _zero_engine(handle, stage)
     plain_params = dict(plain.named_parameters())
     applied = []
-    for step, name in enumerate(STEPS * 2):
+    for step, name in enumerate(_steps_of(family) * 2):
         where = f"{family}/{name} step {step} rank {rank}"
-        batch = make_inputs(family, CASES[name][rank], seed=100 * step + rank)
+        batch = make_inputs(family, cases_for(family)[name][rank], seed=100 * step + rank)
         plain_loss = plain(**batch).loss
         plain_loss.backward()
         expected = _summed_grads(plain)
@@ -141,8 +147,8 @@ def _evaluate_as_plain(engine: Any, plain: torch.nn.Module, family: str, rank: i
     # Evaluation forwards gather the tower's parameters too: balanced, every rank calls it.
     engine.eval()
     plain.eval()
-    for name in STEPS:
-        batch = make_inputs(family, CASES[name][rank], seed=7 + rank)
+    for name in _steps_of(family):
+        batch = make_inputs(family, cases_for(family)[name][rank], seed=7 + rank)
         with torch.no_grad():
             loss, plain_loss = engine(**batch).loss, plain(**batch).loss
         torch.testing.assert_close(loss, plain_loss, **TOL, msg=lambda m, n=name: f"eval {n}: loss {m}")
@@ -161,6 +167,11 @@ def deepspeed_world() -> Iterator[World]:
 
 #: A projection outside the tower (transformers 5): HyperCLOVAX Vision V2's ``projector``.
 PROJECTING = "hyperclovax_vision_v2"
+#: Submodules called once per image (transformers 5): LFM3-VL's blocks convolve each image apart,
+#: PaddleOCR-VL's projector projects each image apart. ZeRO-3 gathers at each call, so ranks with
+#: different image counts abort (the plain model too, checked by hand), unless the drop-in made the
+#: blocks and the projector ZeRO-3 leaves, gathered once per call.
+PER_IMAGE_CALLS = ("lfm3_vl", "paddleocr_vl")
 
 # Qwen3-VL-MoE (transformers 5): experts next to the tower, under ZeRO-3. HyperCLOVAX Vision V2
 # (transformers 5): a projection outside the tower, which ZeRO-3 gathers at each call, so ranks
@@ -170,6 +181,7 @@ ZERO_RUNS = [
     ("qwen2_5_vl", 2),
     ("qwen3_vl_moe", 3),
     (PROJECTING, 3),
+    *((family, 3) for family in PER_IMAGE_CALLS),
 ]
 
 

@@ -48,6 +48,7 @@ from hf_models import (
     make_inputs,
     tiny_config,
     tiny_model,
+    tower_of,
 )
 from lightning.pytorch.strategies import DDPStrategy
 from lightning_fit_script import quiet_trainer
@@ -535,6 +536,34 @@ def test_projection_names_the_children_outside_the_tower() -> None:
     for bad in (("mlp1",), "language_model"):
         with pytest.raises(ValueError, match=r"BalancedVisionTower.projection = .* expected names of"):
             handle.projection = bad
+
+
+def test_the_towers_blocks_become_zero3_leaves_until_removed() -> None:
+    """ZeRO-3 leaves (DeepSpeed's ``_z3_leaf`` flag, read by ``deepspeed.initialize``): the tower's
+    blocks everywhere, PaddleOCR-VL's projector (called once per forward), not a projection called
+    once per modality (LFM3-VL's); flags set before stay, the drop-in's go with ``remove()``; a model
+    whose modules an engine registered already (``ds_id``) is left as it is."""
+    for family, projected in (("qwen2_5_vl", None), ("lfm3_vl", False), ("paddleocr_vl", True)):
+        if not available(family):
+            continue
+        model = tiny_model(family)
+        tower = tower_of(model)
+        blocks = [m for m in tower.modules() if type(m).__name__.endswith(("Block", "Layer"))]
+        assert blocks, family
+        blocks[0]._z3_leaf = True  # the user's own
+        handle = balance_vision_tower(model)
+        assert all(getattr(block, "_z3_leaf", False) for block in blocks), family
+        assert not getattr(tower, "_z3_leaf", False), family
+        for name in handle.projection:
+            assert getattr(getattr(handle.base, name), "_z3_leaf", False) is projected, family
+        handle.remove()
+        assert blocks[0]._z3_leaf and not any(hasattr(block, "_z3_leaf") for block in blocks[1:]), family
+        assert not any(hasattr(getattr(handle.base, name), "_z3_leaf") for name in handle.projection)
+    model = tiny_model("qwen2_5_vl")
+    for module in model.modules():
+        module.ds_id = 0  # as deepspeed.initialize leaves them
+    balance_vision_tower(model)
+    assert not any(hasattr(module, "_z3_leaf") for module in model.modules())
 
 
 class _Embedded(nn.Module):

@@ -158,9 +158,12 @@ images would gather different numbers of times (the plain model aborts so too, w
 image counts differ): :func:`balance_vision_tower` makes the tower's blocks ZeRO-3 *leaves*
 (DeepSpeed's ``_z3_leaf`` flag, as ``deepspeed.utils.set_z3_leaf_modules`` sets it), whose
 parameters are gathered once per call of the block, and so is an image-only model's projection,
-called once per forward (PaddleOCR-VL's projector, which projects each image apart). The flag is
-read by ``deepspeed.initialize``: install the drop-in before it (a model an engine holds already
-is left as it is); :meth:`BalancedVisionTower.remove` clears the flags it set. DDP, FSDP2 (each
+called once per forward (PaddleOCR-VL's projector, which projects each image apart). ZeRO-3
+reduces a leaf's gradients when its inputs' gradients are computed, or, when none needs one, too
+early (a frozen patch embedding before trained blocks, a frozen tower before a trained projection):
+there each such leaf gets its input as a detached alias that requires grad. The flag is read by
+``deepspeed.initialize``: install the drop-in before it (a model an engine holds already is left as
+it is); :meth:`BalancedVisionTower.remove` clears the flags and hooks it set. DDP, FSDP2 (each
 block and decoder layer a unit, also under Lightning's ``ModelParallelStrategy``, or the tower as
 one unit) and DeepSpeed ZeRO-2 and ZeRO-3 (its CPU accelerator) are tested here (CPU, gloo).
 
@@ -500,18 +503,46 @@ def _zero3_leaves(tower: nn.Module, projections: Iterable[nn.Module]) -> list[nn
     return [*blocks, *projections]
 
 
-def _mark_zero3_leaves(modules: Iterable[nn.Module]) -> list[nn.Module]:
-    """Flag ``modules`` as ZeRO-3 leaves (see :data:`_ZERO3_LEAF`) and return those flagged here
-    (not leaves before), for :meth:`BalancedVisionTower.remove`. None where a DeepSpeed engine has
+def _mark_zero3_leaves(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, Any]]:
+    """Flag ``modules`` as ZeRO-3 leaves (see :data:`_ZERO3_LEAF`), each with the forward pre-hook
+    :func:`_leaf_inputs_need_grad`, and return those flagged here (not leaves before) with their
+    hook's handle, for :meth:`BalancedVisionTower.remove`. None where a DeepSpeed engine has
     registered its hooks on them already (it gave each module a ``ds_id``): the flag would come too
     late, so the model is left as it is."""
     modules = list(modules)
     if any(hasattr(module, "ds_id") for module in modules):
         return []
-    marked = [module for module in modules if not getattr(module, _ZERO3_LEAF, False)]
-    for module in marked:
-        setattr(module, _ZERO3_LEAF, True)
+    marked = []
+    for module in modules:
+        if not getattr(module, _ZERO3_LEAF, False):
+            setattr(module, _ZERO3_LEAF, True)
+            marked.append((module, module.register_forward_pre_hook(_leaf_inputs_need_grad)))
     return marked
+
+
+def _leaf_inputs_need_grad(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """Forward pre-hook of a ZeRO-3 leaf the drop-in made. ZeRO-3 reduces a leaf's gradients in a
+    full backward hook, which fires once the gradients of the leaf's positional tensor inputs are
+    computed, but, when none of them requires grad, as soon as its outputs' are: before its own
+    parameters' (a frozen patch embedding before trained blocks, a frozen tower before a trained
+    projection), so ZeRO-3 would reduce zeros for them, silently. Where an engine registered the
+    leaf (``ds_id``) and it has trainable parameters, its first floating-point input is therefore
+    made to require grad (a detached alias: the same values); the hook then fires after the
+    parameters' gradients. A leaf given no such input raises instead, the same on every rank."""
+    if not torch.is_grad_enabled() or not hasattr(module, "ds_id"):
+        return None
+    floating = [k for k, arg in enumerate(args) if isinstance(arg, torch.Tensor) and arg.is_floating_point()]
+    if any(args[k].requires_grad for k in floating) or not any(p.requires_grad for p in module.parameters()):
+        return None
+    if not floating:
+        raise RuntimeError(
+            f"balance_vision_tower: the ZeRO-3 leaf {type(module).__name__} (one of the tower's blocks or "
+            "an image-only model's projection, which the drop-in makes leaves) got no positional "
+            "floating-point tensor, so ZeRO-3 would reduce its trainable parameters' gradients before "
+            "they are computed; expected the hidden states as its first positional argument."
+        )
+    first = floating[0]
+    return (*args[:first], args[first].detach().requires_grad_(), *args[first + 1 :])
 
 
 def _gathered_per_call(param: nn.Parameter) -> bool:
@@ -1433,8 +1464,9 @@ class BalancedVisionTower:
                 delattr(module, name)
             else:
                 setattr(module, name, saved)
-        for module in self._leaves:
+        for module, hook in self._leaves:
             module.__dict__.pop(_ZERO3_LEAF, None)
+            hook.remove()
         self._leaves = []
         release_host_group(self._twin)
         self._reset_runtime()

@@ -94,7 +94,7 @@ def _zero_engine(handle: Any, stage: int) -> Any:
     moe_blocks = {type(m) for m in handle.model.modules() if type(m).__name__.endswith("SparseMoeBlock")}
     if moe_blocks:
         deepspeed.utils.set_z3_leaf_modules(handle.model, sorted(moe_blocks, key=lambda c: c.__name__))
-    optimizer = torch.optim.SGD(handle.model.parameters(), lr=0.05)
+    optimizer = torch.optim.SGD([p for p in handle.model.parameters() if p.requires_grad], lr=0.05)
     engine, *_ = deepspeed.initialize(model=handle.model, optimizer=optimizer, config=config)
     # The kernel's build stayed off (_deepspeed_on_cpu); a renamed builder would bring it back.
     assert importlib.import_module("deepspeed.comm.comm").cdb.shm_comm_op is None
@@ -105,13 +105,16 @@ def _zero_engine(handle: Any, stage: int) -> Any:
     return engine
 
 
-def _zero_steps(family: str, stage: int) -> dict[str, Any]:
-    """Plain model and balanced ZeRO model side by side; per step, loss and full gradients."""
+def _zero_steps(family: str, stage: int, frozen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Plain model and balanced ZeRO model side by side; per step, loss and full gradients. The
+    parameters whose names start with one of ``frozen`` are frozen in both."""
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     rank, size = dist.get_rank(), dist.get_world_size()
     plain = tiny_model(family)
+    for name, param in plain.named_parameters():
+        param.requires_grad_(not name.startswith(frozen) if frozen else True)
     handle = balance_vision_tower(copy.deepcopy(plain), config_for(family), evaluation=True)
     engine = _zero_engine(handle, stage)
     plain_params = dict(plain.named_parameters())
@@ -126,6 +129,8 @@ def _zero_steps(family: str, stage: int) -> dict[str, Any]:
         torch.testing.assert_close(loss, plain_loss, **TOL, msg=lambda m, w=where: f"{w}: loss {m}")
         engine.backward(loss)
         for key, param in engine.module.named_parameters():
+            if not param.requires_grad:
+                continue
             grad = safe_get_full_grad(param)  # averaged over ranks
             assert grad is not None, f"{where}: {key} got no gradient"
             torch.testing.assert_close(
@@ -136,7 +141,8 @@ def _zero_steps(family: str, stage: int) -> dict[str, Any]:
         plain.zero_grad(set_to_none=True)
         with torch.no_grad():
             for key, param in engine.module.named_parameters():
-                plain_params[key].copy_(safe_get_full_fp32_param(param))
+                if param.requires_grad:  # ZeRO keeps no fp32 copy of a frozen one, which SGD leaves
+                    plain_params[key].copy_(safe_get_full_fp32_param(param))
         applied.append(handle.last_stats.applied)
     _evaluate_as_plain(engine, plain, family, rank)
     return {"applied": applied, "calls": handle.calls, "group_size": dist.get_world_size(handle.group)}
@@ -167,6 +173,10 @@ def deepspeed_world() -> Iterator[World]:
 
 #: A projection outside the tower (transformers 5): HyperCLOVAX Vision V2's ``projector``.
 PROJECTING = "hyperclovax_vision_v2"
+#: More projections outside the tower (transformers 5), each with its own dummy items: Kimi-K2.5's
+#: (patch images, a whole video pooled over its frames), ERNIE-4.5-VL's resampler (a video's steps
+#: merged in pairs, so its dummy video has two).
+DUMMY_FORMS = ("kimi_k25", "ernie4_5_vl_moe")
 #: Submodules called once per image (transformers 5): LFM3-VL's blocks convolve each image apart,
 #: PaddleOCR-VL's projector projects each image apart. ZeRO-3 gathers at each call, so ranks with
 #: different image counts abort (the plain model too, checked by hand), unless the drop-in made the
@@ -181,7 +191,7 @@ ZERO_RUNS = [
     ("qwen2_5_vl", 2),
     ("qwen3_vl_moe", 3),
     (PROJECTING, 3),
-    *((family, 3) for family in PER_IMAGE_CALLS),
+    *((family, 3) for family in (*DUMMY_FORMS, *PER_IMAGE_CALLS)),
 ]
 
 
@@ -198,6 +208,25 @@ def test_zero_gradients_match_the_plain_model(deepspeed_world: World, family: st
     # A balanced call per step and per evaluation forward; per generate() under ZeRO-3 one more.
     generated = len(mixed_cases(family)) if stage == 3 else 0
     assert all(r["calls"] == 2 * len(STEPS) + len(STEPS) + generated for r in results), results
+
+
+@pytest.mark.parametrize(
+    ("family", "frozen"),
+    [
+        ("qwen2_5_vl", ("model.visual.patch_embed.",)),  # trained blocks after a frozen embedding
+        ("paddleocr_vl", ("model.visual.",)),  # a trained projector after a frozen tower
+    ],
+)
+def test_zero3_leaves_after_frozen_modules_reduce_their_gradients(
+    deepspeed_world: World, family: str, frozen: tuple[str, ...]
+) -> None:
+    """A ZeRO-3 leaf the drop-in made whose inputs need no gradient (the modules before it frozen)
+    still reduces its parameters' gradients after they are computed, not zeros before: the plain
+    model's gradients, step after step."""
+    if not available(family):
+        pytest.skip(f"this transformers has no {family}")
+    results = deepspeed_world.run(_zero_steps, family, 3, frozen, timeout=180)
+    assert [r["applied"] for r in results] == [[True, True, False, True] * 2] * RANKS, results
 
 
 def test_zero2_with_a_projection_outside_the_tower() -> None:

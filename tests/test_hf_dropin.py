@@ -1147,6 +1147,54 @@ def test_evaluation_forwards_balanced_under_fsdp2(multirank: Any, family: str) -
     assert results == [{"calls": 6, "applied_calls": 6}] * RANKS
 
 
+def _generate_under_fsdp2_with_a_projection(family: str) -> list[int]:
+    """FSDP2 with the tower's blocks, the tower and the decoder layers as units, the projection
+    outside the tower in the root unit or a unit of its own: training forwards and backwards, then
+    evaluation forwards with the plain model's losses and ``generate()`` with its tokens, ranks
+    differing in modalities throughout. Returns the balanced calls per layout."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_vit_balance.hf import _zero3_leaves
+
+    rank = dist.get_rank()
+    calls = []
+    for own_unit in (False, True):
+        plain = tiny_model(family)
+        balanced = copy.deepcopy(plain)
+        handle = balance_vision_tower(balanced, config_for(family), evaluation=True)
+        projection = [getattr(handle.base, name) for name in handle.projection] if own_unit else []
+        layers = [*getattr(handle.base.language_model, "layers", [])]
+        for unit in [*_zero3_leaves(handle.tower, []), handle.tower, *projection, *layers, balanced]:
+            fully_shard(unit)
+        for _, batch in _mixed_steps(family, rank):
+            balanced(**batch).loss.backward()
+        balanced.eval()
+        plain.eval()
+        for where, batch in _mixed_steps(family, rank):
+            with torch.no_grad():
+                got, expected = balanced(**batch).loss, plain(**batch).loss
+            torch.testing.assert_close(got, expected, **TOL, msg=lambda m, w=where: f"{w}: loss {m}")
+        assert_generates_as_plain(balanced, plain, family)
+        calls.append(handle.calls)
+    return calls
+
+
+@pytest.mark.parametrize("family", ["kimi_k25", "paddleocr_vl"])
+def test_generate_under_fsdp2_where_the_projection_is_outside_the_tower(multirank: Any, family: str) -> None:
+    """``generate()`` encodes images outside the forward (transformers 5), where the projection's
+    parameters are gathered only by its unit (the root's or its own): balanced, every rank calls it
+    alike, and the tokens are the plain model's."""
+    if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
+        pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    if not available(family):
+        pytest.skip(f"this transformers has no {family}")
+    with multirank(RANKS) as w:
+        results = w.run(_generate_under_fsdp2_with_a_projection, family, timeout=120)
+    # Per layout: 4 training forwards, 4 evaluation forwards and 2 generate() encodings.
+    assert results == [[10, 10]] * RANKS, results
+
+
 #: One long video on rank 0 and little elsewhere: whole, it outweighs the mean load on its own.
 LONG_VIDEO = [[{"videos": [(4, 4, 4)]}], [{}], [{"images": [(1, 2, 2)]}]]
 

@@ -525,7 +525,8 @@ def _leaf_inputs_need_grad(module: nn.Module, args: tuple[Any, ...]) -> tuple[An
     full backward hook, which fires once the gradients of the leaf's positional tensor inputs are
     computed, but, when none of them requires grad, as soon as its outputs' are: before its own
     parameters' (a frozen patch embedding before trained blocks, a frozen tower before a trained
-    projection), so ZeRO-3 would reduce zeros for them, silently. Where an engine registered the
+    projection), so ZeRO-3 would reduce them before they exist (zeros, or a crash in the backward
+    as it frees the gathered parameters the backward still needs). Where an engine registered the
     leaf (``ds_id``) and it has trainable parameters, its first floating-point input is therefore
     made to require grad (a detached alias: the same values); the hook then fires after the
     parameters' gradients. A leaf given no such input raises instead, the same on every rank."""

@@ -105,9 +105,12 @@ def _zero_engine(handle: Any, stage: int) -> Any:
     return engine
 
 
-def _zero_steps(family: str, stage: int, frozen: tuple[str, ...] = ()) -> dict[str, Any]:
+def _zero_steps(
+    family: str, stage: int, frozen: tuple[str, ...] = (), reentrant: bool | None = None
+) -> dict[str, Any]:
     """Plain model and balanced ZeRO model side by side; per step, loss and full gradients. The
-    parameters whose names start with one of ``frozen`` are frozen in both."""
+    parameters whose names start with one of ``frozen`` are frozen in both; with ``reentrant`` set,
+    both use Hugging Face's gradient checkpointing, reentrant or not."""
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
@@ -115,6 +118,8 @@ def _zero_steps(family: str, stage: int, frozen: tuple[str, ...] = ()) -> dict[s
     plain = tiny_model(family)
     for name, param in plain.named_parameters():
         param.requires_grad_(not name.startswith(frozen) if frozen else True)
+    if reentrant is not None:
+        plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     handle = balance_vision_tower(copy.deepcopy(plain), config_for(family), evaluation=True)
     engine = _zero_engine(handle, stage)
     plain_params = dict(plain.named_parameters())
@@ -226,6 +231,16 @@ def test_zero3_leaves_after_frozen_modules_reduce_their_gradients(
     if not available(family):
         pytest.skip(f"this transformers has no {family}")
     results = deepspeed_world.run(_zero_steps, family, 3, frozen, timeout=180)
+    assert [r["applied"] for r in results] == [[True, True, False, True] * 2] * RANKS, results
+
+
+@pytest.mark.parametrize(("family", "reentrant"), [("qwen2_5_vl", True), ("lfm3_vl", False)])
+def test_zero3_leaves_and_checkpointing(deepspeed_world: World, family: str, reentrant: bool) -> None:
+    """Hugging Face's gradient checkpointing runs each block's forward again in the backward: the
+    drop-in's ZeRO-3 leaves (the blocks) still reduce the plain model's gradients."""
+    if not available(family):
+        pytest.skip(f"this transformers has no {family}")
+    results = deepspeed_world.run(_zero_steps, family, 3, (), reentrant, timeout=180)
     assert [r["applied"] for r in results] == [[True, True, False, True] * 2] * RANKS, results
 
 

@@ -26,7 +26,7 @@ and LFM3-VL's ``multi_modal_projector``, PaddleOCR-VL's, HyperCLOVAX Vision V2's
 ``projector``, ERNIE-4.5-VL's ``resampler_model``, Muse Spark's and Muse-Glimmer's
 ``vision_adapter`` and ``vision_projection``: the base model's children named in
 :data:`_PROJECTION_WORDS`), a text-only rank's model never calls that projection, so the zero also
-holds a zero-element slice of each of its parameters: they get an all-zero gradient there, as DDP
+holds its modules' outputs on inputs of zero rows: its parameters get an all-zero gradient there, as DDP
 (and FSDP2's reduce-scatter) need every rank to give one, and as the plain model's gradient summed
 over ranks has it. The touch is made when the model embeds its tokens, where the other ranks'
 models project, so their gradients reach ZeRO-2's buckets in the same order
@@ -560,13 +560,62 @@ def _touchable(param: nn.Parameter) -> bool:
     return param.requires_grad and not _gathered_per_call(param)
 
 
-def _touch_zero(params: Iterable[nn.Parameter]) -> torch.Tensor | None:
-    """``+0.0`` from a zero-element slice of each of ``params`` (None for none): its backward gives
-    each an all-zero gradient (``x - (+0.0)`` stays ``x``, see the module docstring)."""
-    touched = [param.reshape(-1)[:0].sum().float() for param in params]
+def _touch_zero(modules: Iterable[nn.Module]) -> torch.Tensor | None:
+    """``+0.0`` through each submodule of ``modules`` with touchable parameters of its own (None
+    for none): its backward gives each such parameter an all-zero gradient (``x - (+0.0)`` stays
+    ``x``, see the module docstring) in the order the model's backward hands them over. Each
+    submodule runs on an input of zero rows (:func:`_zero_rows_through`), so its own backward
+    orders its parameters as the model's does (a LayerNorm's weight before its bias, a Linear's
+    bias before its weight), and the submodules registered last come first, as in a backward
+    through them in their forward order. ZeRO-2 places each gradient in its bucket in the order
+    they arrive: zero-element slices of the parameters, last registered first, put a LayerNorm's
+    weight and bias the other way round, and the ranks' buckets then held other gradients at the
+    same places."""
+    touched = [
+        _zero_rows_through(sub, own)
+        for module in modules
+        for sub in module.modules()
+        if (own := [param for param in sub.parameters(recurse=False) if _touchable(param)])
+    ]
     if not touched:
         return None
     return torch.stack([t.to(touched[0].device) for t in touched]).sum()
+
+
+def _zero_rows_through(module: nn.Module, own: list[nn.Parameter]) -> torch.Tensor:
+    """``+0.0`` from ``module`` run on zero rows of the input its kind takes (:func:`_zero_rows`);
+    from zero-element slices of ``own``, its parameters, where the kind is unknown, the call fails
+    or its output does not depend on them (every rank's model is the same: the same way on all)."""
+    rows = _zero_rows(module, own[0])
+    if rows is not None:
+        try:
+            out = module(rows)
+        except Exception:  # a module that takes no such rows: the slices below instead
+            out = None
+        if isinstance(out, torch.Tensor) and out.requires_grad and out.numel() == 0:
+            return out.sum().float()
+    return torch.stack([param.reshape(-1)[:0].sum().float() for param in own]).sum()
+
+
+def _zero_rows(module: nn.Module, param: nn.Parameter) -> torch.Tensor | None:
+    """An input of zero rows for ``module``: a Linear's ``[0, in_features]``, an embedding's
+    ``[0]`` indices, a convolution's ``[0, in_channels, *kernel_size]``, a LayerNorm's
+    ``[0, *normalized_shape]``, ``[0, d]`` for another module with a 1-d ``weight`` of ``d`` (an
+    RMSNorm); None for any other module."""
+    like = {"dtype": param.dtype, "device": param.device}
+    if isinstance(module, nn.Linear):
+        return torch.zeros((0, module.in_features), **like)
+    if isinstance(module, nn.Embedding):
+        return torch.zeros((0,), dtype=torch.long, device=param.device)
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return torch.zeros((0, module.in_channels, *module.kernel_size), **like)
+    shape = getattr(module, "normalized_shape", None)
+    if isinstance(shape, (tuple, list)) and all(_positive_int(n) for n in shape):
+        return torch.zeros((0, *shape), **like)
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        return torch.zeros((0, weight.numel()), **like)
+    return None
 
 
 def _plus(zero: torch.Tensor | None, more: torch.Tensor | None) -> torch.Tensor | None:
@@ -1765,9 +1814,9 @@ class BalancedVisionTower:
             touch = _ProjectionTouch.arm(functools.partial(self._dummy_calls, dummies), self.base)
         elif not combined.parts and torch.is_grad_enabled():
             # A text-only rank: the model will not call its projection (module docstring).
-            params = self._projection_parameters()
-            if params:
-                touch = _ProjectionTouch.arm(functools.partial(_touch_zero, params), self.base)
+            modules = [getattr(self.base, name) for name in self.projection]
+            if any(_touchable(param) for module in modules for param in module.parameters()):
+                touch = _ProjectionTouch.arm(functools.partial(_touch_zero, modules), self.base)
         return _Pending(combined.parts, outputs, [False] * len(combined.parts), _exact_zero(output), touch)
 
     def _dummy_modalities(self, combined: _Combined, group: Any) -> dict[str, _Dummy] | None:
@@ -1821,16 +1870,6 @@ class BalancedVisionTower:
                     pending.only = None
                 zero = _plus(zero, found)
         return zero
-
-    def _projection_parameters(self) -> list[nn.Parameter]:
-        """The parameters of :attr:`projection`'s modules a text-only rank touches (as they are
-        now: PEFT or a wrapper may have changed them since the drop-in was installed)."""
-        return [
-            param
-            for name in self.projection
-            for param in getattr(self.base, name).parameters()
-            if _touchable(param)
-        ]
 
     def _tower_grid(self, key: str, grid: Any) -> Any:
         """The grid the model passes its tower for its forward's grid argument ``key``: each

@@ -244,17 +244,22 @@ def test_zero3_leaves_and_checkpointing(deepspeed_world: World, family: str, ree
     assert [r["applied"] for r in results] == [[True, True, False, True] * 2] * RANKS, results
 
 
-def test_zero2_with_a_projection_outside_the_tower() -> None:
-    """ZeRO-2 in HyperCLOVAX Vision V2, whose projection a text-only rank never calls: the drop-in
-    touches its parameters where the other ranks' backward reaches them, so ZeRO-2, which places each
-    gradient in its reduction bucket in the order they arrive, reduces the plain model's gradients.
-    Its own pool: ZeRO-3 replaces ``torch.nn.functional.linear`` in the processes that ran it, and
-    that linear's backward hands a projection's weight and bias over in the other order."""
-    if not available(PROJECTING):
-        pytest.skip(f"this transformers has no {PROJECTING}")
+@pytest.mark.parametrize("family", [PROJECTING, *DUMMY_FORMS, "paddleocr_vl"])
+def test_zero2_with_a_projection_outside_the_tower(family: str) -> None:
+    """ZeRO-2 where the projection is outside the tower, which a text-only rank never calls: the
+    drop-in runs the projection's modules on zero rows where the other ranks' backward reaches them,
+    so ZeRO-2, which places each gradient in its reduction bucket in the order they arrive, reduces
+    the plain model's gradients. HyperCLOVAX Vision V2's projector; Kimi-K2.5's and PaddleOCR-VL's,
+    which start with a LayerNorm (its backward hands the weight over before the bias, a Linear's the
+    bias first: zero-element slices of the parameters put them in the other order, and the
+    LayerNorm's gradients came out wrong); ERNIE-4.5-VL's resampler. Its own pool: ZeRO-3 replaces
+    ``torch.nn.functional.linear`` in the processes that ran it, and that linear's backward hands a
+    projection's weight and bias over in the other order."""
+    if not available(family):
+        pytest.skip(f"this transformers has no {family}")
     pool = World(RANKS)
     try:
-        results = pool.run(_zero_steps, PROJECTING, 2, timeout=180)
+        results = pool.run(_zero_steps, family, 2, timeout=180)
     finally:
         pool.close(kill=True)
     assert [r["applied"] for r in results] == [[True, True, False, True] * 2] * RANKS, results

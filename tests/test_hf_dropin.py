@@ -566,13 +566,27 @@ def test_the_towers_blocks_become_zero3_leaves_until_removed() -> None:
     assert not any(hasattr(module, "_z3_leaf") for module in model.modules())
 
 
+class _Scale(nn.Module):
+    """A module of a kind the touch does not know by its class: a 1-d ``weight``, as an RMSNorm's."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden * self.weight
+
+
 class _Embedded(nn.Module):
     """A base model's two parts a text-only rank's touch concerns: token embeddings, a projection."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(5, 3)
-        self.projector = nn.Linear(2, 3)
+        # As Kimi-K2.5's and PaddleOCR-VL's: a LayerNorm first, whose backward hands its weight
+        # over before its bias (a Linear's, its bias first); an RMSNorm-like module last.
+        layers = [nn.LayerNorm(2), nn.Linear(2, 4), nn.GELU(), nn.Linear(4, 3), _Scale(3)]
+        self.projector = nn.Sequential(*layers)
         with torch.no_grad():  # signed zeros, an infinity and a NaN, which the touch keeps
             self.embed_tokens.weight[0] = torch.tensor([-0.0, float("inf"), float("nan")])
 
@@ -582,17 +596,24 @@ class _Embedded(nn.Module):
 
 def test_a_text_only_ranks_projection_touch_is_exact_and_comes_before_the_embeddings() -> None:
     """The touch at the token embeddings keeps their values bit for bit, and its backward reaches
-    the projection right before the embeddings, as a model projecting images does; a forward that
-    embeds nothing is touched at its end. Each way the projection gets an all-zero gradient."""
+    the projection right before the embeddings, its parameters in the order a backward through the
+    projection hands them over (ZeRO-2 buckets them in that order), as a model projecting images
+    does; a forward that embeds nothing is touched at its end. Each way the projection gets an
+    all-zero gradient."""
     from lightning_vit_balance.hf import _ProjectionTouch, _touch_zero
 
+    model = _Embedded()
+    projected: list[str] = []
+    for name, param in model.projector.named_parameters():
+        param.register_post_accumulate_grad_hook(lambda _, n=name, seen=projected: seen.append(n))
+    model.projector(torch.randn(4, 2)).sum().backward()
+    assert projected[:2] == ["4.weight", "3.bias"] and projected[-2:] == ["0.weight", "0.bias"], projected
     for embeds in (True, False):
         model = _Embedded()
         arrived: list[str] = []
         for name, param in model.named_parameters():
             param.register_post_accumulate_grad_hook(lambda _, n=name, seen=arrived: seen.append(n))
-        projection = list(model.projector.parameters())
-        touch = _ProjectionTouch.arm(functools.partial(_touch_zero, projection), model)
+        touch = _ProjectionTouch.arm(functools.partial(_touch_zero, [model.projector]), model)
         ids = torch.tensor([0, 1, 0])
         plain = model.embed_tokens.weight[ids].detach()
         hidden = model.embed_tokens(ids) if embeds else model.embed_tokens.weight[ids]
@@ -602,7 +623,7 @@ def test_a_text_only_ranks_projection_touch_is_exact_and_comes_before_the_embedd
         loss = hidden[1:2].sum() if zero is None else hidden[1:2].sum() - zero
         loss.backward()
         assert all(not p.grad.any() for p in model.projector.parameters()), embeds
-        order = ["projector.bias", "projector.weight", "embed_tokens.weight"]
+        order = [*(f"projector.{name}" for name in projected), "embed_tokens.weight"]
         assert arrived == order if embeds else set(arrived) == set(order), arrived
 
 

@@ -555,8 +555,9 @@ def _gathered_per_call(param: nn.Parameter) -> bool:
 
 
 def _touchable(param: nn.Parameter) -> bool:
-    """Whether a zero-element slice of ``param`` gives it a gradient this rank can reduce like any
-    other: not one gathered per call, where the slice would be of a placeholder or a shard."""
+    """Whether a text-only rank's touch (:func:`_touch_zero`) gives ``param`` a gradient this rank
+    can reduce like any other: not one gathered per call, where the touch would reach a placeholder
+    or a shard."""
     return param.requires_grad and not _gathered_per_call(param)
 
 
@@ -1286,6 +1287,11 @@ class BalancedVisionTower:
         model); none where it calls them once per modality, which ZeRO-3's leaves do not allow."""
         if _model_type(self.base) not in _IMAGE_ONLY_MODEL_TYPES:
             return []
+        return self._projection_modules()
+
+    def _projection_modules(self) -> list[nn.Module]:
+        """:attr:`projection`'s modules, as they are now (PEFT or a wrapper may have replaced their
+        parameters since the drop-in was installed)."""
         return [getattr(self.base, name) for name in self._projection]
 
     @property
@@ -1814,7 +1820,7 @@ class BalancedVisionTower:
             touch = _ProjectionTouch.arm(functools.partial(self._dummy_calls, dummies), self.base)
         elif not combined.parts and torch.is_grad_enabled():
             # A text-only rank: the model will not call its projection (module docstring).
-            modules = [getattr(self.base, name) for name in self.projection]
+            modules = self._projection_modules()
             if any(_touchable(param) for module in modules for param in module.parameters()):
                 touch = _ProjectionTouch.arm(functools.partial(_touch_zero, modules), self.base)
         return _Pending(combined.parts, outputs, [False] * len(combined.parts), _exact_zero(output), touch)
@@ -1828,7 +1834,7 @@ class BalancedVisionTower:
         One gather of two flags per rank, made only in that case, which is the same on every rank
         (the same model)."""
         gathered = any(
-            _gathered_per_call(p) for name in self.projection for p in getattr(self.base, name).parameters()
+            _gathered_per_call(p) for module in self._projection_modules() for p in module.parameters()
         )
         if not gathered:
             return None

@@ -117,7 +117,7 @@ def _zero_steps(
     rank, size = dist.get_rank(), dist.get_world_size()
     plain = tiny_model(family)
     for name, param in plain.named_parameters():
-        param.requires_grad_(not name.startswith(frozen) if frozen else True)
+        param.requires_grad_(not name.startswith(frozen))  # no prefix: nothing starts with one
     if reentrant is not None:
         plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     handle = balance_vision_tower(copy.deepcopy(plain), config_for(family), evaluation=True)

@@ -7,9 +7,9 @@ bfloat16 on the GPU. ``--size tiny`` builds a two-block toy in float32 instead, 
 a CPU (the tests).
 
 For a ladder of image sizes from 64 to 16,384 patches it times forward and backward of one image
-and of two equal images in one call (the median of ``--repeats`` runs after two warm-ups; CUDA
-events on a GPU, the host clock on a CPU): the difference is one image's cost, the rest each
-call's. It
+and of several equal images in one call (at least 8,192 more patches, at most 32 images), in turn,
+``--repeats`` times after two warm-ups (CUDA events on a GPU, the host clock on a CPU): the median
+difference per added image is one image's cost, the rest each call's. It
 
 * writes them as ``patch_count,milliseconds`` rows (``--out``), the format the simulator fits a
   cost model to::
@@ -108,6 +108,18 @@ def _clock(device: torch.device) -> Callable[[Callable[[], object]], float]:
     return on_gpu if device.type == "cuda" else on_host
 
 
+#: Patches the timed call adds beyond the first image: enough that one call's noise (kernel
+#: launches and the host syncs of the tower's attention, which vary by milliseconds on a GPU) is
+#: small next to them. Small images are therefore timed many to a call.
+EXTRA_PATCHES = 8192
+MAX_COPIES = 32
+
+
+def copies_timed(patches: int) -> int:
+    """How many equal images the second timed call holds (the first holds one)."""
+    return min(MAX_COPIES, max(2, 1 + -(-EXTRA_PATCHES // patches)))
+
+
 def time_images(
     tower: torch.nn.Module,
     width: int,
@@ -118,27 +130,32 @@ def time_images(
 ) -> list[tuple[int, float, float]]:
     """``(patch_count, ms per image, ms per call)`` of forward and backward.
 
-    A call of one image and a call of two equal images are timed: the difference is what one more
-    image costs (its share of the rank's ViT time, what a plan moves), the rest is what every call
-    pays once (kernel launches of the layers that run on the whole batch).
+    A call of one image and a call of ``copies_timed`` equal images are timed in turn, ``repeats``
+    times: the median of the differences, over the added images, is what one more image costs (its
+    share of the rank's ViT time, what a plan moves); the rest of the one-image call is what every
+    call pays once (kernel launches of the layers that run on the whole batch). Timing the two in
+    turn lets a drifting clock or a busy host weigh on both alike.
     """
     clock = _clock(device)
     timings = []
     for grid in grids:
         patches = grid[0] * grid[1] * grid[2]
-        medians = []
-        for copies in (1, 2):
-            pixels = torch.randn(copies * patches, width, device=device, dtype=dtype)
-            grid_thw = torch.tensor([grid] * copies, device=device)
+        copies = copies_timed(patches)
+        inputs = []
+        for n in (1, copies):
+            pixels = torch.randn(n * patches, width, device=device, dtype=dtype)
+            inputs.append((pixels, torch.tensor([grid] * n, device=device)))
+        for pixels, grid_thw in inputs:
             for _ in range(2):
                 _forward_backward(tower, pixels, grid_thw)
-            runs = [
-                clock(lambda p=pixels, g=grid_thw: _forward_backward(tower, p, g)) for _ in range(repeats)
-            ]
-            tower.zero_grad(set_to_none=True)
-            medians.append(statistics.median(runs))
-        one, two = medians
-        timings.append((patches, max(two - one, 0.0), max(2.0 * one - two, 0.0)))
+        ones, per_image = [], []
+        for _ in range(repeats):
+            one, many = (clock(lambda p=p, g=g: _forward_backward(tower, p, g)) for p, g in inputs)
+            ones.append(one)
+            per_image.append((many - one) / (copies - 1))
+        tower.zero_grad(set_to_none=True)
+        image_ms = max(statistics.median(per_image), 0.0)
+        timings.append((patches, image_ms, max(statistics.median(ones) - image_ms, 0.0)))
     return timings
 
 
@@ -161,9 +178,9 @@ def report(tower: torch.nn.Module, timings: list[tuple[int, float, float]]) -> C
     """Print the timings and each cost model's error on them; returns the fit."""
     counts = [n for n, _, _ in timings]
     measured = [ms for _, ms, _ in timings]
-    print("  patches   ms per image   us per patch   ms per call")
+    print("  patches   ms per image   us per patch   ms per call   images timed")
     for n, ms, call in timings:
-        print(f"  {n:>7}   {ms:>12.3f}   {1000.0 * ms / n:>12.3f}   {call:>11.3f}")
+        print(f"  {n:>7}   {ms:>12.3f}   {1000.0 * ms / n:>12.3f}   {call:>11.3f}   {copies_timed(n):>12}")
     fitted = CostModel.fit(counts, measured)
     models = {
         "l^2 (seed default), best factor": (CostModel(), True),
@@ -229,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--size", choices=("2b", "tiny"), default=None, help="default: 2b on a GPU, tiny on a CPU"
     )
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per image size")
+    parser.add_argument("--repeats", type=int, default=9, help="timed pairs of calls per image size")
     parser.add_argument("--max-patches", type=int, default=None, help="time only images up to this size")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 64], help="search-worth DP sizes")
     parser.add_argument("--steps", type=int, default=200, help="search-worth steps per DP size")
@@ -244,7 +261,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     tower, width, dtype = build_tower(size, device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     parameters = sum(p.numel() for p in tower.parameters())
-    print(f"{size} tower ({parameters / 1e6:.1f} M parameters, {dtype}) on {where}, median of {args.repeats}")
+    shape = f"{size} tower ({parameters / 1e6:.1f} M parameters, {dtype})"
+    print(f"{shape} on {where}, medians of {args.repeats} pairs")
     grids = [g for g in GRIDS if args.max_patches is None or g[0] * g[1] * g[2] <= args.max_patches]
     timings = time_images(tower, width, dtype, device, args.repeats, grids)
     fitted = report(tower, timings)

@@ -50,8 +50,12 @@ def test_timings_feed_the_simulator(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 def test_one_more_image_and_the_call_split_the_time() -> None:
     bench = _bench()
-    calls = iter([10.0, 16.0])  # one image: 10 ms; two: 16 ms -> 6 ms an image, 4 ms a call
+    copies = bench.copies_timed(16)
+    assert copies == bench.MAX_COPIES  # small images are timed many to a call
+    # One image: 10 ms; each added one 6 ms -> 6 ms an image, 4 ms a call; a noisy pair is outvoted.
+    calls = iter([10.0, 10.0 + 6.0 * (copies - 1), 30.0, 10.0, 10.0, 10.0 + 6.0 * (copies - 1)])
     bench._clock = lambda device: lambda fn: next(calls)
     tower, width, dtype = bench.build_tower("tiny", bench.torch.device("cpu"))
-    timings = bench.time_images(tower, width, dtype, bench.torch.device("cpu"), 1, [(1, 4, 4)])
+    timings = bench.time_images(tower, width, dtype, bench.torch.device("cpu"), 3, [(1, 4, 4)])
     assert timings == [(16, 6.0, 4.0)]
+    assert [bench.copies_timed(n) for n in (1024, 8192, 16384)] == [9, 2, 2]

@@ -57,14 +57,15 @@ bench-ranks: $(STAMP)
 	$(PY) benchmarks/bench_many_ranks.py
 
 # On a machine with a GPU, with that machine's own Python and CUDA build of torch (no venv: this
-# repo's pins the CPU wheel). gpu-check: the CUDA paths (tests/test_cuda.py), two ranks sharing the
+# repo's pins the CPU wheel; PYTHONPATH is kept after the repo). gpu-check: the CUDA paths
+# (tests/test_cuda.py, and the Hugging Face drop-in's in tests/test_cuda_hf.py), two ranks sharing the
 # first GPU. bench-gpu: per-image times of a Qwen2-VL-2B-sized tower on the GPU, and the simulator's
 # gains in those times for the default solver and the seed's.
 GPU_PYTHON ?= python3
 GPU_OUT ?= demo_output
-GPU_RUN := PYTHONPATH=$(CURDIR) $(GPU_PYTHON)
+GPU_RUN := PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON)
 gpu-check:
-	$(GPU_RUN) -m pytest -q -p no:cacheprovider tests/test_cuda.py
+	$(GPU_RUN) -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_cuda_hf.py
 
 bench-gpu:
 	$(GPU_RUN) benchmarks/bench_gpu.py --out $(GPU_OUT)/gpu_timings.csv

@@ -198,7 +198,7 @@ from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalanc
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel, pixel_row_factors
 from lightning_vit_balance.eager import eager, eager_frame
-from lightning_vit_balance.exchange import gather_host_values, grid_rows, grid_steps
+from lightning_vit_balance.exchange import gather_host_values, grid_rows, grid_steps, host_to_device
 from lightning_vit_balance.host_group import make_host_group, release_host_group
 from lightning_vit_balance.outputs import (
     OutputLayout,
@@ -771,6 +771,9 @@ class _Part:
     grid: tuple[Grid, ...]
     start: int
     stop: int
+    #: The grid tensor the tower call got for this modality: the model passing that very tensor to
+    #: its tower is answered without reading the grid's values back from the device.
+    source: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -784,11 +787,18 @@ class _Combined:
 
 
 def _combine(
-    inputs: Sequence[tuple[str, str, Any, str, Any]], vit: Any, cast: bool, row_shape: tuple[int, ...] = ()
+    inputs: Sequence[tuple[str, str, Any, str, Any]],
+    vit: Any,
+    cast: bool,
+    row_shape: tuple[int, ...] = (),
+    known: Mapping[str, tuple[Grid, ...]] | None = None,
 ) -> _Combined:
     """Concatenate the given modalities' rows and grids (``(name, pixels_name, pixels, grid_name,
     grid)`` each, ``pixels`` None when absent), rows cast to ``vit.dtype`` when ``cast``; rows
     ``[S, *row_shape]`` when ``row_shape`` is given (patch images, :class:`_TowerForm`), flattened.
+    ``known``: grid rows per grid name, read on the host before the forward (a plan made ahead), used
+    for a grid of as many rows instead of reading its values from the device; the prepared call
+    compares the values on the device (``PreparedPlan.compare_on_device``).
 
     With no rows at all, ``pixels`` is ``[0, C]`` on the ViT's device, in its dtype (``C`` from the
     rows of an empty modality, else from the ViT's config).
@@ -802,27 +812,15 @@ def _combine(
     for name, pixels_name, rows, grid_name, grid in inputs:
         if rows is None:
             continue
-        wrong_shape = _patch_rows_problem(pixels_name, rows, row_shape)
-        if wrong_shape is not None:
-            problems.append(wrong_shape)
+        checked = _modality_rows(pixels_name, rows, grid_name, grid, row_shape, (known or {}).get(grid_name))
+        if isinstance(checked, str):
+            problems.append(checked)
             continue
-        if row_shape:
-            rows = rows.flatten(1)  # a view: the engine moves [S, C] rows
-        if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
-            problems.append(f"{pixels_name} is {_describe(rows)}: expected a 2-D tensor [sum(T*H*W), C]")
-            continue
-        problem = _grid_problem(grid_name, grid)
-        if problem is not None:
-            problems.append(problem)
-            continue
-        found = grid_rows(grid)
-        expected = sum(t * h * w for t, h, w in found)
-        if rows.shape[0] != expected:
-            problems.append(f"{pixels_name} has {rows.shape[0]} rows: {grid_name} says {expected}")
-            continue
+        rows, found = checked
+        expected = int(rows.shape[0])
         pixels.append(rows.type(dtype) if cast else rows)
         grids.append(grid.to(torch.long))
-        parts.append(_Part(name, found, start, start + expected))
+        parts.append(_Part(name, found, start, start + expected, source=grid))
         start += expected
     if len({p.shape[1] for p in pixels}) > 1:
         widths = ", ".join(f"{part.name} C={p.shape[1]}" for part, p in zip(parts, pixels))
@@ -839,6 +837,33 @@ def _combine(
         empty_grid = torch.empty((0, 3), dtype=torch.long, device=device)
         return _Combined(torch.empty((0, width), dtype=dtype, device=device), empty_grid)
     return _Combined(torch.cat(pixels), torch.cat(grids), parts)
+
+
+def _modality_rows(
+    pixels_name: str,
+    rows: Any,
+    grid_name: str,
+    grid: Any,
+    row_shape: tuple[int, ...],
+    known: tuple[Grid, ...] | None,
+) -> tuple[torch.Tensor, tuple[Grid, ...]] | str:
+    """A modality's pixel rows as ``[S, C]`` and its grid rows (``known`` when it has as many, else
+    read from ``grid``), or what is wrong with them."""
+    wrong_shape = _patch_rows_problem(pixels_name, rows, row_shape)
+    if wrong_shape is not None:
+        return wrong_shape
+    if row_shape:
+        rows = rows.flatten(1)  # a view: the engine moves [S, C] rows
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
+        return f"{pixels_name} is {_describe(rows)}: expected a 2-D tensor [sum(T*H*W), C]"
+    problem = _grid_problem(grid_name, grid)
+    if problem is not None:
+        return problem
+    found = known if known is not None and len(known) == grid.shape[0] else grid_rows(grid)
+    expected = sum(t * h * w for t, h, w in found)
+    if rows.shape[0] != expected:
+        return f"{pixels_name} has {rows.shape[0]} rows: {grid_name} says {expected}"
+    return rows, found
 
 
 def _patch_rows_problem(pixels_name: str, rows: Any, row_shape: tuple[int, ...]) -> str | None:
@@ -891,7 +916,7 @@ def _pool_frames(tower: Any, parts: Sequence[_Part], outputs: Sequence[Any]) -> 
     kernel = tower.config.merge_kernel_size
     for part, output in zip(parts, outputs):
         hidden = output["last_hidden_state"]
-        grid = torch.tensor(part.grid, dtype=torch.long, device=hidden.device).reshape(-1, 3)
+        grid = host_to_device(torch.tensor(part.grid, dtype=torch.long).reshape(-1, 3), hidden.device)
         output["pooler_output"] = tower.temporal_merge(hidden, grid, *kernel)
 
 
@@ -954,7 +979,8 @@ def encode_visual(
             )
         rows, grid = value if value is not None else (None, None)
         given.append((name, f"{name}[0]", rows, f"{name}[1]", grid))
-    combined = _combine(given, vit, cast=False)
+    # With a plan made ahead, its grid rows: none is read back from the device.
+    combined = _combine(given, vit, cast=False, known=_prepared_rows(prepared, given))
     merge = _output_merge(vit, balancer.output_layout if balancer is not None else None)
     output, total = _encode_combined(vit, combined, balancer, merge, prepared)
     parts = {part.name: part for part in combined.parts}
@@ -962,6 +988,22 @@ def encode_visual(
     wanted = [parts.get(name) or _Part(name, (), 0, 0) for name in ("images", "videos")]
     image_output, video_output = _split(output, wanted, total, merge, vit)
     return image_output, video_output
+
+
+def _prepared_rows(
+    prepared: PreparedPlan | None, given: Sequence[tuple[str, str, Any, str, Any]]
+) -> dict[str, tuple[Grid, ...]] | None:
+    """The grid rows of ``prepared``'s call (images' then videos'), per grid name of ``given``, cut
+    by each grid's row count; None without a plan, or where the counts do not add up (the rows are
+    then read, and the call's checks report the difference)."""
+    if prepared is None:
+        return None
+    rows, start, known = prepared.call_grid_rows, 0, {}
+    for _, _, pixels, grid_name, grid in given:
+        if pixels is not None and isinstance(grid, torch.Tensor) and grid.dim() == 2:
+            known[grid_name] = rows[start : start + grid.shape[0]]
+            start += grid.shape[0]
+    return known if start == len(rows) else None
 
 
 def _balanced_call(
@@ -1306,6 +1348,8 @@ class BalancedVisionTower:
         self._pending: _Pending | None = None
         self._encoding = False
         self._ticket: PreparedPlan | None = None
+        #: The grid rows per grid key of the batch :attr:`_ticket` was prepared for, read on the host.
+        self._ticket_rows: dict[str, tuple[Grid, ...]] | None = None
         #: A loaded state the next balancer starts from (plain values: kept by pickling too).
         self._carried: dict[str, Any] | None = getattr(self, "_carried", None)
         self._twin: Any = None
@@ -1321,6 +1365,7 @@ class BalancedVisionTower:
             "_pending",
             "_encoding",
             "_ticket",
+            "_ticket_rows",
             "_twin",
             "_twin_of",
             "_kept",
@@ -1406,6 +1451,7 @@ class BalancedVisionTower:
         settings = self.settings()
         if settings is None:
             return None
+        self._ticket_rows = _host_grid_rows(batch)
         pixels, grid = rows_to_plan(batch, _PREPARE_KEYS, (self,))
         try:
             self._ticket = self._balancer_for(*settings).prepare(pixels, grid, self.tower)
@@ -1782,20 +1828,25 @@ class BalancedVisionTower:
         if wrapping is not None:  # the same on every rank: all raise before any collective
             raise ValueError(f"balance_vision_tower: {wrapping}.")
         tower = self.tower
+        prepared = self.prepared_plan()
+        # With a plan made ahead, the grids' rows as read on the host then: none is read back here.
+        known = self._ticket_rows if prepared is not None else None
         inputs = [
-            (name, pixels, bound.get(pixels), grid, self._tower_grid(grid, bound.get(grid)))
+            (name, pixels, bound.get(pixels), grid, self._tower_grid(grid, bound.get(grid), known))
             for name, pixels, grid in _MODALITIES
         ]
+        known = self._tower_rows(known)
         # The cast HF applies (pixels.type(visual.dtype)); patch images flattened to rows.
-        combined = _combine(inputs, tower, cast=True, row_shape=self._row_shape)
-        prepared = self.prepared_plan()
+        combined = _combine(inputs, tower, cast=True, row_shape=self._row_shape, known=known)
         dummies = self._dummy_modalities(combined, group)
         if dummies is not None:  # the same on every rank (this rank may add none)
             for k, (name, pixels_key, _, grid_key, _) in enumerate(inputs):
                 if name in dummies:
                     inputs[k] = (name, pixels_key, dummies[name][0], grid_key, dummies[name][1])
+            # A plan made ahead did not see the dummy images: every rank plans here, from the grids'
+            # values on the device, which the parts then read too.
             combined = _combine(inputs, tower, cast=True, row_shape=self._row_shape)
-            prepared = None  # a plan made ahead did not see the dummy images: every rank plans here
+            prepared = None
         balancer = self._balancer_for(config, group)
         self._encoding = True
         try:
@@ -1877,13 +1928,32 @@ class BalancedVisionTower:
                 zero = _plus(zero, found)
         return zero
 
-    def _tower_grid(self, key: str, grid: Any) -> Any:
+    def _tower_grid(self, key: str, grid: Any, known: Mapping[str, tuple[Grid, ...]] | None = None) -> Any:
         """The grid the model passes its tower for its forward's grid argument ``key``: each
         temporal step a row of its own for :attr:`step_grid_keys` (a valid grid only: the input
-        checks name the caller's own)."""
+        checks name the caller's own). Where ``known`` holds the grid's rows as read on the host,
+        the rows are repeated by an index made there, so nothing waits for the device."""
         if key not in self.step_grid_keys or _grid_problem(key, grid) is not None:
             return grid
-        return grid_steps(grid)
+        rows = (known or {}).get(key)
+        if rows is None or len(rows) != grid.shape[0]:
+            return grid_steps(grid)
+        index = torch.tensor([k for k, (t, _, _) in enumerate(rows) for _ in range(t)], dtype=torch.long)
+        steps = grid.index_select(0, host_to_device(index, grid.device))
+        steps[:, 0] = 1
+        return steps
+
+    def _tower_rows(self, known: Mapping[str, tuple[Grid, ...]] | None) -> dict[str, tuple[Grid, ...]] | None:
+        """``known`` grid rows as the tower gets them: a temporal step per row for
+        :attr:`step_grid_keys`."""
+        if known is None:
+            return None
+        return {
+            key: tuple((1, h, w) for t, h, w in rows for _ in range(t))
+            if key in self.step_grid_keys
+            else rows
+            for key, rows in known.items()
+        }
 
     @eager
     def _serve(self, pixels: Any = None, grid_thw: Any = None, **kwargs: Any) -> Any:
@@ -1893,15 +1963,22 @@ class BalancedVisionTower:
         assert pending is not None
         if pixels is None:
             pixels = kwargs.pop("pixel_values", None)
-        grid = grid_rows(grid_thw) if isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 else None
         rows = _served_rows(pixels, self._form.batched_input)
-        for k, part in enumerate(pending.parts):
-            if pending.only not in (None, part.name):
-                continue
-            if not pending.served[k] and part.grid == grid and rows == part.stop - part.start:
-                pending.served[k] = True
-                output = self._rebatched(pending.outputs[k])
-                return output.to_tuple() if kwargs.get("return_dict") is False else output
+        open_parts = [
+            k
+            for k, part in enumerate(pending.parts)
+            if not pending.served[k] and pending.only in (None, part.name) and rows == part.stop - part.start
+        ]
+        # The very grid tensor the balanced call got needs no reading; another is read and compared.
+        found = next((k for k in open_parts if pending.parts[k].source is grid_thw), None)
+        grid = None
+        if found is None:
+            grid = grid_rows(grid_thw) if isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 else None
+            found = next((k for k in open_parts if pending.parts[k].grid == grid), None)
+        if found is not None:
+            pending.served[found] = True
+            output = self._rebatched(pending.outputs[found])
+            return output.to_tuple() if kwargs.get("return_dict") is False else output
         expected = [
             f"{part.name} with grid {list(part.grid)}"
             for part, served in zip(pending.parts, pending.served)
@@ -1970,6 +2047,23 @@ def rows_to_plan(
         # No rows at all: a drop-in's call then passes [0, C] rows of its tower's width.
         width = widths.pop()
     return torch.empty((rows, width), dtype=dtype, device="meta"), grid
+
+
+def _host_grid_rows(batch: Any) -> dict[str, tuple[Grid, ...]] | None:
+    """The rows of ``batch``'s grids that are integer tensors ``[n, 3]`` on the CPU (or lists of
+    rows), per grid key of a modality present; None for a batch that is no mapping."""
+    if not isinstance(batch, Mapping):
+        return None
+    rows = {}
+    for pixels_key, grid_key in _PREPARE_KEYS:
+        grid = _as_grid(batch.get(grid_key))
+        if (
+            batch.get(pixels_key) is not None
+            and _grid_problem(grid_key, grid) is None
+            and grid.device.type == "cpu"
+        ):
+            rows[grid_key] = grid_rows(grid)
+    return rows
 
 
 def _as_grid(value: Any) -> Any:

@@ -66,13 +66,18 @@ class PreparedPlan:
         any width and dtype (a text-only step, where each rank makes its own empty rows)."""
         return any(m.grids for m in self.metadata)
 
+    @property
+    def call_grid_rows(self) -> tuple[tuple[int, int, int], ...]:
+        """This rank's grid rows as the prepared call passes them, read on the host when prepared."""
+        return self.call_grids if self.call_grids is not None else self.metadata[self.rank].grids
+
     def mismatch(self, pixel_values: Any, grid_thw: Any) -> str | None:
         """Why this call's input is not the prepared batch, or None when it is.
 
         Reads only shapes and dtypes, and the grid values when ``grid_thw`` is on the CPU, so it never
         waits for the device.
         """
-        grids = self.call_grids if self.call_grids is not None else self.metadata[self.rank].grids
+        grids = self.call_grid_rows
         if not isinstance(pixel_values, torch.Tensor) or not isinstance(grid_thw, torch.Tensor):
             return "pixel_values and grid_thw must be tensors, as when the plan was prepared"
         if tuple(grid_thw.shape) != (len(grids), 3):
@@ -109,7 +114,7 @@ class PreparedPlan:
         host already (a grid on the CPU), the rank has no images, or the grid has no values (the
         meta device: the ViT fails on it, and that failure reaches every rank).
         """
-        grids = self.call_grids if self.call_grids is not None else self.metadata[self.rank].grids
+        grids = self.call_grid_rows
         if _read_on_host(grid_thw) or not grids or grid_thw.device.type == "meta":
             return None
         expected = host_to_device(torch.tensor(grids), grid_thw.device, grid_thw.dtype)  # [n, 3]

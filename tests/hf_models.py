@@ -553,15 +553,25 @@ def _without_deepstack(tower: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in tower.items() if key != "deepstack_visual_indexes"}
 
 
+#: The first transformers whose :data:`LATEST_FAMILIES` models these tests and the drop-in are written
+#: for. Earlier 5.x releases hold older forms of some: 5.17's MiniMax-M3-VL tower attends across all
+#: the images of a call and its Kimi-K2.5 pools frames in the tower's forward (the drop-in refuses
+#: both, as it does the Omni thinkers there and Cosmos3-Edge's merge kept in its config), and the tiny
+#: Qwen4-Exp and GLM-5-Next configs name a layer type 5.17 lacks.
+LATEST_FROM = (5, 24)
+
+
 def available(family: str) -> bool:
-    """Whether the installed transformers has ``family``'s model (:data:`LATEST_FAMILIES` and
-    :data:`REFUSED_FAMILIES`: as in 5.x; 4.57's Omni thinkers keep the tower on the model that
-    computes the loss, which the drop-in refuses)."""
+    """Whether the installed transformers has ``family``'s model in the form the tests are written
+    for (:data:`LATEST_FAMILIES`: from :data:`LATEST_FROM`; :data:`REFUSED_FAMILIES`: as in 5.x;
+    4.57's Omni thinkers keep the tower on the model that computes the loss, which the drop-in
+    refuses)."""
     import transformers
 
-    if (family in LATEST_FAMILIES or family in REFUSED_FAMILIES) and int(
-        transformers.__version__.split(".")[0]
-    ) < 5:
+    version = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+    if family in LATEST_FAMILIES and version < LATEST_FROM:
+        return False
+    if family in REFUSED_FAMILIES and version < (5, 0):
         return False
     return hasattr(transformers, _model_class(family))
 

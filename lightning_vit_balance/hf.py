@@ -184,6 +184,7 @@ import collections
 import functools
 import inspect
 import math
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
@@ -1258,7 +1259,8 @@ class BalancedVisionTower:
             raise ValueError(
                 f"balance_vision_tower: {type(model).__name__} does not meet the drop-in's contract: "
                 + "; ".join(problems)
-                + " (see lightning_vit_balance.hf for what a Qwen-VL model must provide)."
+                + " (see lightning_vit_balance.hf for what a Qwen-VL model must provide"
+                + f"{_transformers_note()})."
             )
         for module in (base, tower):
             if isinstance(module.__dict__.get("forward"), _Forward):
@@ -1438,7 +1440,8 @@ class BalancedVisionTower:
         text-only batch too), before the batch moves to the device. That forward then makes no
         metadata gather and no plan, and reads no grid from the device. It must encode exactly
         those rows; anything else fails on every rank with a clear error. ``prepare`` is itself a
-        collective (the gather of every rank's grid rows).
+        collective (the gather of every rank's grid rows). (GLM-4.xV models build their videos'
+        per-step grid in the forward; the drop-in reads that one to match the model's tower call.)
 
         Returns:
             The plan (the next forward takes it), or None when forwards are not balanced now
@@ -2047,6 +2050,20 @@ def rows_to_plan(
         # No rows at all: a drop-in's call then passes [0, C] rows of its tower's width.
         width = widths.pop()
     return torch.empty((rows, width), dtype=dtype, device="meta"), grid
+
+
+#: The transformers releases the drop-in's model families are tested with (the newest families in
+#: the later one): an older release may hold an older form of a model, which the contract refuses.
+_TESTED_TRANSFORMERS = "4.57 and 5.24"
+
+
+def _transformers_note() -> str:
+    """``"; transformers X is installed ..."`` when transformers is imported, else ``""``: a model's
+    form changes between releases (transformers 5.17's Kimi-K2.5 pools its frames in another way)."""
+    version = getattr(sys.modules.get("transformers"), "__version__", None)
+    if version is None:
+        return ""
+    return f"; transformers {version} is installed, the drop-in is tested with {_TESTED_TRANSFORMERS}"
 
 
 def _host_grid_rows(batch: Any) -> dict[str, tuple[Grid, ...]] | None:

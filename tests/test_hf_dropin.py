@@ -1445,8 +1445,10 @@ def test_kimi_k25_moves_videos_whole_and_refuses_what_would_differ(multirank: An
 # --------------------------------------------------------------------------- encode_visual
 
 
-def _encode_visual_worker(tower_name: str) -> dict[str, Any]:
-    """Images and videos in one exchange == two direct calls; a rank with neither takes part."""
+def _encode_visual_worker(tower_name: str, prepared: bool = False) -> dict[str, Any]:
+    """Images and videos in one exchange == two direct calls; a rank with neither takes part. With
+    ``prepared``, the plan is made first from the images' rows followed by the videos', and the call
+    reads no grid's values (``grid_rows`` in :mod:`lightning_vit_balance.hf`, counted)."""
     import torch.distributed as dist
     import towers
 
@@ -1469,9 +1471,24 @@ def _encode_visual_worker(tower_name: str) -> dict[str, Any]:
             inputs[kind] = None
     # The test tower attends over a whole video: its videos must stay whole.
     balancer = ViTBalancer(ViTBalanceConfig(**{**CONFIG, "split_videos": tower_name != "window"}))
+    ticket, reads = None, []
+    if prepared:
+        given_inputs = [value for value in (inputs["images"], inputs["videos"]) if value is not None]
+        pixels = torch.cat([p for p, _ in given_inputs]) if given_inputs else torch.zeros(0, CHANNELS)
+        grid = (
+            torch.cat([g for _, g in given_inputs]) if given_inputs else torch.zeros(0, 3, dtype=torch.long)
+        )
+        ticket = balancer.prepare(pixels, grid, vit)
+    original = hf.grid_rows
+    hf.grid_rows = lambda grid: reads.append(grid) or original(grid)  # type: ignore[assignment]
     counter = CollectiveCounter()
-    with counter.active():
-        image_out, video_out = encode_visual(vit, inputs["images"], inputs["videos"], balancer=balancer)
+    try:
+        with counter.active():
+            image_out, video_out = encode_visual(
+                vit, inputs["images"], inputs["videos"], balancer=balancer, prepared=ticket
+            )
+    finally:
+        hf.grid_rows = original  # type: ignore[assignment]
     loss = torch.zeros(())
     for out in (image_out, video_out):
         for k, (_, leaf) in enumerate(flatten_output(out)[0]):
@@ -1499,15 +1516,23 @@ def _encode_visual_worker(tower_name: str) -> dict[str, Any]:
         "applied": balancer.last_stats.applied,
         "rows": rows,
         "tower_grads": all(p.grad is not None for p in vit.parameters()),
+        "grid_reads": len(reads),
     }
 
 
-@pytest.mark.parametrize("tower_name", ["window", "qwen3_vl"])
-def test_encode_visual_encodes_images_and_videos_in_one_exchange(multirank: Any, tower_name: str) -> None:
+@pytest.mark.parametrize(
+    ("tower_name", "prepared"), [("window", False), ("qwen3_vl", False), ("window", True), ("qwen3_vl", True)]
+)
+def test_encode_visual_encodes_images_and_videos_in_one_exchange(
+    multirank: Any, tower_name: str, prepared: bool
+) -> None:
     with multirank(RANKS) as w:
-        results = w.run(_encode_visual_worker, tower_name, timeout=120)
+        results = w.run(_encode_visual_worker, tower_name, prepared, timeout=120)
     assert all(r["applied"] for r in results)
     assert all(r["collectives"] == r["stats_collectives"] == results[0]["collectives"] for r in results)
+    # With a plan made ahead the grid rows are the plan's: none is read (a device-to-host copy on a GPU).
+    reads = [r["grid_reads"] for r in results]
+    assert reads == [0] * RANKS if prepared else reads[0] == 2, reads  # rank 0: its images' and videos' grids
     assert results[2]["rows"] and not any(results[2]["rows"])  # zero rows on the rank with nothing
     assert all(r["tower_grads"] for r in results)
 
@@ -1698,6 +1723,10 @@ def test_a_model_breaking_the_contract_gets_an_error_naming_what_is_missing() ->
         "Linear.config has no int 'in_channels'",
     ):
         assert missing in message
+    # A model's form changes between releases: the error says which transformers it met.
+    import transformers
+
+    assert f"transformers {transformers.__version__} is installed, the drop-in is tested with" in message
     with pytest.raises(ValueError) as info:
         balance_vision_tower(_LossInsideModel())
     assert "forward takes 'labels', so it computes the loss itself" in str(info.value)

@@ -521,6 +521,34 @@ def _mark_zero3_leaves(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, An
     return marked
 
 
+#: Base model types that call a submodule once per image (LFM3-VL's blocks convolve each image
+#: apart, PaddleOCR-VL's projector projects each image apart): under ZeRO-3 they need the leaves
+#: :func:`_mark_zero3_leaves` sets, or ranks holding different numbers of images gather a different
+#: number of times.
+_PER_IMAGE_CALL_MODEL_TYPES = frozenset({"lfm3_vl", "paddleocr_vl"})
+
+
+def _warn_leaves_too_late(base: nn.Module, leaves: Sequence[nn.Module]) -> None:
+    """Warn where a ZeRO-3 engine registered the modules of a model of
+    :data:`_PER_IMAGE_CALL_MODEL_TYPES` before the drop-in could make its leaves (none set by the
+    user either): its steps fail as soon as ranks hold different numbers of images."""
+    if _model_type(base) not in _PER_IMAGE_CALL_MODEL_TYPES or not leaves:
+        return
+    if not any(hasattr(m, "ds_id") for m in leaves) or all(getattr(m, _ZERO3_LEAF, False) for m in leaves):
+        return
+    warnings.warn(
+        f"balance_vision_tower: a DeepSpeed ZeRO-3 engine has registered {type(base).__name__}'s modules "
+        "already, so the drop-in cannot make its tower's blocks (and an image-only model's projection) "
+        "ZeRO-3 leaves. This model calls a submodule once per image: ranks holding different numbers "
+        "of images then gather its parameters a different number of times (gloo aborts, NCCL hangs). "
+        "Call balance_vision_tower before deepspeed.initialize (Hugging Face's Trainer and Lightning's "
+        "DeepSpeed strategy initialize after it), or mark them with deepspeed.utils.set_z3_leaf_modules "
+        "before it.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
 def _leaf_inputs_need_grad(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """Forward pre-hook of a ZeRO-3 leaf the drop-in made. ZeRO-3 reduces a leaf's gradients in a
     full backward hook, which fires once the gradients of the leaf's positional tensor inputs are
@@ -1290,7 +1318,9 @@ class BalancedVisionTower:
         self._saved: dict[str, Any] = {}
         self._patch("base", base, "forward")
         self._patch("tower", tower, "forward")
-        self._leaves = _mark_zero3_leaves(_zero3_leaves(tower, self._projections_called_once()))
+        leaves = _zero3_leaves(tower, self._projections_called_once())
+        self._leaves = _mark_zero3_leaves(leaves)
+        _warn_leaves_too_late(base, leaves)
         owner = _generation_owner(model, base)
         if owner is not None:
             self._patch("generation", owner, _GENERATION_ENCODE)

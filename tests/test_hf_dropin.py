@@ -19,6 +19,7 @@ import json
 import pickle
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -559,11 +560,23 @@ def test_the_towers_blocks_become_zero3_leaves_until_removed() -> None:
         handle.remove()
         assert blocks[0]._z3_leaf and not any(hasattr(block, "_z3_leaf") for block in blocks[1:]), family
         assert not any(hasattr(getattr(handle.base, name), "_z3_leaf") for name in handle.projection)
-    model = tiny_model("qwen2_5_vl")
-    for module in model.modules():
-        module.ds_id = 0  # as deepspeed.initialize leaves them
-    balance_vision_tower(model)
-    assert not any(hasattr(module, "_z3_leaf") for module in model.modules())
+    # Registered by an engine already: left as it is, with a warning where the model needs leaves
+    # (LFM3-VL's blocks call a submodule once per image) and the user set none.
+    for family, warned in (("qwen2_5_vl", False), ("lfm3_vl", True), ("paddleocr_vl", True)):
+        if not available(family):
+            continue
+        for set_by_user in (False, True):
+            model = tiny_model(family)
+            for module in model.modules():
+                module.ds_id = 0  # as deepspeed.initialize leaves them
+                if set_by_user:
+                    module._z3_leaf = True
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                balance_vision_tower(model)
+            late = [w for w in caught if "cannot make its tower's blocks" in str(w.message)]
+            assert len(late) == (warned and not set_by_user), (family, set_by_user, caught)
+            assert all(hasattr(module, "_z3_leaf") is set_by_user for module in model.modules()), family
 
 
 class _Scale(nn.Module):

@@ -26,7 +26,12 @@ difference per added image is one image's cost, the rest each call's. It
   videos costed as whole items by the fit), the slowest rank's forward and backward under the
   default plan against under shed-and-place's placement alone (the search's first step, about one
   heap LPT of host time) and under a plain heap LPT (which moves nearly every image), next to the
-  host time the first two take to plan.
+  host time the first two take to plan;
+* prints what each cost model's errors cost: plans made with the seed's ``l**2``,
+  ``CostModel.from_vit`` and the fit, each judged on the measured times.
+
+``--from-timings FILE`` analyses the timings an earlier run wrote instead of timing (no device
+needed): ``benchmarks/h200_timings.csv`` holds an H200's.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import numpy as np
 import torch
 
 from lightning_vit_balance import CostModel, ViTBalanceConfig, plan_rebalance
-from lightning_vit_balance.simulate import draw_batches, read_dataset
+from lightning_vit_balance.simulate import draw_batches, read_dataset, read_timings
 from lightning_vit_balance.solvers import tuning
 from lightning_vit_balance.solvers.batch import Batch, rank_loads
 from lightning_vit_balance.solvers.locality import shed_and_place
@@ -180,7 +185,8 @@ def report(tower: torch.nn.Module, timings: list[tuple[int, float, float]]) -> C
     measured = [ms for _, ms, _ in timings]
     print("  patches   ms per image   us per patch   ms per call   images timed")
     for n, ms, call in timings:
-        print(f"  {n:>7}   {ms:>12.3f}   {1000.0 * ms / n:>12.3f}   {call:>11.3f}   {copies_timed(n):>12}")
+        per_call = f"{call:>11.3f}   {copies_timed(n):>12}" if call == call else f"{'-':>11}   {'-':>12}"
+        print(f"  {n:>7}   {ms:>12.3f}   {1000.0 * ms / n:>12.3f}   {per_call}")
     fitted = CostModel.fit(counts, measured)
     models = {
         "l^2 (seed default), best factor": (CostModel(), True),
@@ -240,6 +246,52 @@ def search_worth(model: CostModel, ranks: Sequence[int], samples_per_rank: int, 
         )
 
 
+def judge_cost_models(
+    tower: torch.nn.Module,
+    timings: list[tuple[int, float, float]],
+    fitted: CostModel,
+    ranks: Sequence[int],
+    steps: int,
+) -> None:
+    """Print the slowest rank's time under plans made with each cost model, every plan judged on the
+    measured times (interpolated per image in log-log between the timed sizes; beyond the largest,
+    the fit's growth): what a cost model's errors cost in the device's milliseconds. Videos whole,
+    skip rules off, 4 samples per rank from the example dataset; means over ``steps``."""
+    counts = np.array([n for n, _, _ in timings], dtype=np.float64)
+    measured = np.array([ms for _, ms, _ in timings], dtype=np.float64)
+    largest = float(counts[-1])
+
+    def truth(n: int) -> float:
+        if n > largest:
+            return float(measured[-1]) * fitted.costs([n])[0] / fitted.costs([int(largest)])[0]
+        return float(np.exp(np.interp(np.log(max(n, 1)), np.log(counts), np.log(measured))))
+
+    models = {"l^2": CostModel(), "from_vit": CostModel.from_vit(tower), "fit": fitted}
+    config = ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0, split_videos=False)
+    samples = read_dataset(DATASET).samples
+    print(f"\nPlans by cost model, judged on the measured times, 4 samples per rank, {steps} steps (means)")
+    print("  ranks | unbalanced " + " ".join(f"{name:>9}" for name in models))
+    for num_ranks in ranks:
+        slowest: dict[str, list[float]] = {name: [] for name in ("unbalanced", *models)}
+        for batch in draw_batches(samples, num_ranks, 4, steps, seed=num_ranks):
+            slowest["unbalanced"].append(max(sum(map(truth, row)) for row in batch))
+            for name, model in models.items():
+                plan = plan_rebalance(batch, config, cost_model=model)
+                loads = [0.0] * num_ranks
+                for row, destinations in zip(batch, plan.destinations):
+                    for n, rank in zip(row, destinations):
+                        loads[rank] += truth(n)
+                slowest[name].append(max(loads))
+        means = [float(np.mean(v)) for v in slowest.values()]
+        print(f"  {num_ranks:>5} | {means[0]:>10.1f} " + " ".join(f"{m:>9.1f}" for m in means[1:]))
+
+
+def _saved_timings(path: Path) -> list[tuple[int, float, float]]:
+    """Timings read back from a ``--out`` file: per call unknown (nan)."""
+    patch_counts, milliseconds = read_timings(path)
+    return [(n, ms, float("nan")) for n, ms in zip(patch_counts, milliseconds)]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
@@ -251,7 +303,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 64], help="search-worth DP sizes")
     parser.add_argument("--steps", type=int, default=200, help="search-worth steps per DP size")
     parser.add_argument("--out", type=Path, default=Path("demo_output/gpu_timings.csv"))
+    parser.add_argument(
+        "--from-timings",
+        type=Path,
+        default=None,
+        help="analyse timings an earlier run wrote (e.g. benchmarks/h200_timings.csv) instead of timing",
+    )
     args = parser.parse_args(argv)
+    if args.from_timings is not None:
+        size = args.size or "2b"
+        with torch.device("meta"):  # only its shape is read (CostModel.from_vit)
+            tower = build_tower(size, torch.device("meta"))[0]
+        print(f"{size} tower, timings read from {args.from_timings}")
+        timings = _saved_timings(args.from_timings)
+        fitted = report(tower, timings)
+        search_worth(fitted, args.ranks, samples_per_rank=4, steps=args.steps)
+        judge_cost_models(tower, timings, fitted, args.ranks, args.steps)
+        return
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if args.device == "auto" else args.device)
     size = args.size or ("2b" if device.type == "cuda" else "tiny")
@@ -267,6 +335,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     timings = time_images(tower, width, dtype, device, args.repeats, grids)
     fitted = report(tower, timings)
     search_worth(fitted, args.ranks, samples_per_rank=4, steps=args.steps)
+    judge_cost_models(tower, timings, fitted, args.ranks, args.steps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = "".join(f"{n},{ms:.6f}\n" for n, ms, _ in timings)
     args.out.write_text("patch_count,milliseconds\n" + rows)

@@ -32,7 +32,8 @@ def test_timings_feed_the_simulator(tmp_path: Path, capsys: pytest.CaptureFixtur
     printed = capsys.readouterr().out
     assert "fit to these timings, as fitted" in printed and "ms per call" in printed
     # The search table, a row per DP size: no plan is slower than none, none beats the bound.
-    rows = [line.split() for line in printed.splitlines() if line.strip().startswith(("2 |", "8 |"))]
+    search = printed.split("Plans by cost model")[0]
+    rows = [line.split() for line in search.splitlines() if line.strip().startswith(("2 |", "8 |"))]
     assert [row[0] for row in rows] == ["2", "8"], printed
     for row in rows:
         before, lpt, placed, default, bound = map(float, row[2:7])
@@ -59,3 +60,18 @@ def test_one_more_image_and_the_call_split_the_time() -> None:
     timings = bench.time_images(tower, width, dtype, bench.torch.device("cpu"), 3, [(1, 4, 4)])
     assert timings == [(16, 6.0, 4.0)]
     assert [bench.copies_timed(n) for n in (1024, 8192, 16384)] == [9, 2, 2]
+
+
+def test_saved_timings_are_analysed_without_timing(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--from-timings``: the H200's ladder kept in the repo, analysed on any machine; plans made with
+    each cost model, judged on the measured times, are never slower than no plan."""
+    saved = ROOT / "benchmarks" / "h200_timings.csv"
+    _bench().main(["--from-timings", str(saved), "--ranks", "2", "8", "--steps", "10"])
+    printed = capsys.readouterr().out
+    assert "timings read from" in printed and "Plans by cost model" in printed
+    judged = printed.split("Plans by cost model")[1]
+    rows = [line.split() for line in judged.splitlines() if line.strip().startswith(("2 |", "8 |"))]
+    assert [row[0] for row in rows] == ["2", "8"], judged
+    for row in rows:
+        unbalanced, seed, shaped, fitted = map(float, row[2:6])
+        assert max(seed, shaped, fitted) <= unbalanced, row

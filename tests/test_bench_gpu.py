@@ -25,6 +25,13 @@ def _bench() -> ModuleType:
     return module
 
 
+def _rows(table: str) -> list[list[str]]:
+    """The rows of a printed table for DP sizes 2 and 8 (what the tests ask for), split on spaces."""
+    rows = [line.split() for line in table.splitlines() if line.strip().startswith(("2 |", "8 |"))]
+    assert [row[0] for row in rows] == ["2", "8"], table
+    return rows
+
+
 def test_timings_feed_the_simulator(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "gpu_timings.csv"
     arguments = ["--device", "cpu", "--size", "tiny", "--max-patches", "1024", "--repeats", "1"]
@@ -32,10 +39,7 @@ def test_timings_feed_the_simulator(tmp_path: Path, capsys: pytest.CaptureFixtur
     printed = capsys.readouterr().out
     assert "fit to these timings, as fitted" in printed and "ms per call" in printed
     # The search table, a row per DP size: no plan is slower than none, none beats the bound.
-    search = printed.split("Plans by cost model")[0]
-    rows = [line.split() for line in search.splitlines() if line.strip().startswith(("2 |", "8 |"))]
-    assert [row[0] for row in rows] == ["2", "8"], printed
-    for row in rows:
+    for row in _rows(printed.split("Plans by cost model")[0]):
         before, lpt, placed, default, bound = map(float, row[2:7])
         assert bound <= min(lpt, placed, default) and max(lpt, placed, default) <= before, row
     counts, milliseconds = read_timings(out)
@@ -69,9 +73,6 @@ def test_saved_timings_are_analysed_without_timing(capsys: pytest.CaptureFixture
     _bench().main(["--from-timings", str(saved), "--ranks", "2", "8", "--steps", "10"])
     printed = capsys.readouterr().out
     assert "timings read from" in printed and "Plans by cost model" in printed
-    judged = printed.split("Plans by cost model")[1]
-    rows = [line.split() for line in judged.splitlines() if line.strip().startswith(("2 |", "8 |"))]
-    assert [row[0] for row in rows] == ["2", "8"], judged
-    for row in rows:
+    for row in _rows(printed.split("Plans by cost model")[1]):
         unbalanced, seed, shaped, fitted = map(float, row[2:6])
         assert max(seed, shaped, fitted) <= unbalanced, row

@@ -1380,7 +1380,8 @@ class BalancedVisionTower:
         self._pending: _Pending | None = None
         self._encoding = False
         self._ticket: PreparedPlan | None = None
-        #: The grid rows per grid key of the batch :attr:`_ticket` was prepared for, read on the host.
+        #: The rows of the :attr:`step_grid_keys` grids of the batch :attr:`_ticket` was prepared for,
+        #: read on the host: the per-step grid is indexed from them (:meth:`_tower_grid`).
         self._ticket_rows: dict[str, tuple[Grid, ...]] | None = None
         #: A loaded state the next balancer starts from (plain values: kept by pickling too).
         self._carried: dict[str, Any] | None = getattr(self, "_carried", None)
@@ -1484,7 +1485,7 @@ class BalancedVisionTower:
         settings = self.settings()
         if settings is None:
             return None
-        self._ticket_rows = _host_grid_rows(batch)
+        self._ticket_rows = _host_grid_rows(batch, self.step_grid_keys)
         pixels, grid = rows_to_plan(batch, _PREPARE_KEYS, (self,))
         try:
             self._ticket = self._balancer_for(*settings).prepare(pixels, grid, self.tower)
@@ -1863,12 +1864,12 @@ class BalancedVisionTower:
         tower = self.tower
         prepared = self.prepared_plan()
         # With a plan made ahead, the grids' rows as read on the host then: none is read back here.
-        known = self._ticket_rows if prepared is not None else None
+        steps = self._ticket_rows if prepared is not None else None
         inputs = [
-            (name, pixels, bound.get(pixels), grid, self._tower_grid(grid, bound.get(grid), known))
+            (name, pixels, bound.get(pixels), grid, self._tower_grid(grid, bound.get(grid), steps))
             for name, pixels, grid in _MODALITIES
         ]
-        known = self._tower_rows(known)
+        known = _prepared_rows(prepared, inputs)
         # The cast HF applies (pixels.type(visual.dtype)); patch images flattened to rows.
         combined = _combine(inputs, tower, cast=True, row_shape=self._row_shape, known=known)
         dummies = self._dummy_modalities(combined, group)
@@ -1975,18 +1976,6 @@ class BalancedVisionTower:
         steps = grid.index_select(0, host_to_device(index, grid.device))
         steps[:, 0] = 1
         return steps
-
-    def _tower_rows(self, known: Mapping[str, tuple[Grid, ...]] | None) -> dict[str, tuple[Grid, ...]] | None:
-        """``known`` grid rows as the tower gets them: a temporal step per row for
-        :attr:`step_grid_keys`."""
-        if known is None:
-            return None
-        return {
-            key: tuple((1, h, w) for t, h, w in rows for _ in range(t))
-            if key in self.step_grid_keys
-            else rows
-            for key, rows in known.items()
-        }
 
     @eager
     def _serve(self, pixels: Any = None, grid_thw: Any = None, **kwargs: Any) -> Any:
@@ -2096,16 +2085,17 @@ def _transformers_note() -> str:
     return f"; transformers {version} is installed, the drop-in is tested with {_TESTED_TRANSFORMERS}"
 
 
-def _host_grid_rows(batch: Any) -> dict[str, tuple[Grid, ...]] | None:
-    """The rows of ``batch``'s grids that are integer tensors ``[n, 3]`` on the CPU (or lists of
-    rows), per grid key of a modality present; None for a batch that is no mapping."""
+def _host_grid_rows(batch: Any, grid_keys: Iterable[str]) -> dict[str, tuple[Grid, ...]] | None:
+    """The rows of ``batch``'s grids under ``grid_keys`` that are integer tensors ``[n, 3]`` on the
+    CPU (or lists of rows), per grid key of a modality present; None for a batch that is no mapping."""
     if not isinstance(batch, Mapping):
         return None
     rows = {}
     for pixels_key, grid_key in _PREPARE_KEYS:
         grid = _as_grid(batch.get(grid_key))
         if (
-            batch.get(pixels_key) is not None
+            grid_key in grid_keys
+            and batch.get(pixels_key) is not None
             and _grid_problem(grid_key, grid) is None
             and grid.device.type == "cpu"
         ):

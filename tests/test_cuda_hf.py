@@ -35,7 +35,7 @@ from hf_models import (
     tiny_model,
 )
 from test_cuda import DEVICES, POOL, _on_device, _tolerances, needs_cuda
-from test_hf_dropin import TOL, cases_for, config_for, mixed_cases
+from test_hf_dropin import TOL, _assert_same_grads, _summed_grads, cases_for, config_for, mixed_cases
 
 from lightning_vit_balance import balance_vision_tower
 
@@ -48,16 +48,6 @@ RUNS = [(d, f) for d in DEVICES for f in ALL_FAMILIES if d == "cuda" or f in ON_
 
 def _on(batch: dict[str, Any], device: str) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-def _summed_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Each parameter's gradient summed over the ranks, on the host (zeros for none)."""
-    grads = {}
-    for name, param in model.named_parameters():
-        grad = param.grad if param.grad is not None else torch.zeros_like(param)
-        grads[name] = grad.detach().to("cpu", copy=True)
-        dist.all_reduce(grads[name])
-    return grads
 
 
 def _assert_close(where: str, got: Any, expected: Any, tol: dict[str, float], scale: float = 1.0) -> None:
@@ -88,10 +78,7 @@ def _dropin_steps(device: str, family: str) -> dict[str, Any]:
         loss.backward()
         _assert_close(f"{where}: loss", loss, plain_loss, tol)
         expected, got = _summed_grads(plain), _summed_grads(balanced)
-        for key, grad in expected.items():
-            # A weight's gradient sums products over every token: its rounding scales with its
-            # largest entry.
-            _assert_close(f"{where}: grad {key}", got[key], grad, tol, max(1.0, float(grad.abs().max())))
+        _assert_same_grads(where, got, expected, tol)
         with torch.no_grad():  # both take the plain model's step: step 1 starts from the same weights
             for model in (plain, balanced):
                 for key, param in model.named_parameters():

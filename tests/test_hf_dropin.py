@@ -171,28 +171,32 @@ def config_for(family: str) -> ViTBalanceConfig:
 
 
 def _summed_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient summed over ranks (what DDP's all-reduce sees), zeros for none."""
+    """Every parameter's gradient summed over ranks (what DDP's all-reduce sees), zeros for none, on
+    the host (the pool's default group is plain gloo, for CPU tensors)."""
     import torch.distributed as dist
 
     grads = {}
     for name, param in model.named_parameters():
-        grad = param.grad.detach().clone() if param.grad is not None else torch.zeros_like(param)
-        dist.all_reduce(grad)
-        grads[name] = grad
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        grads[name] = grad.detach().to("cpu", copy=True)
+        dist.all_reduce(grads[name])
     return grads
 
 
-def _assert_same_grads(where: str, got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    """Every gradient of ``got`` equals ``expected``'s (both as :func:`_summed_grads` gives them).
+def _assert_same_grads(
+    where: str, got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tol: dict[str, float] = TOL
+) -> None:
+    """Every gradient of ``got`` equals ``expected``'s (both as :func:`_summed_grads` gives them),
+    within ``tol`` (:data:`TOL` by default).
 
     A weight's gradient sums products over every token of the batch, so its rounding scales with
     its largest entries, not with each entry: ``atol`` scales with the gradient's largest entry
     above 1 (GLM-OCR's merger reaches 3.6 after a step, and an entry near 0 then differs by 5e-6,
     1.3e-6 of that largest; a misrouted row changes it at O(1))."""
     for key, grad in expected.items():
-        atol = TOL["atol"] * max(1.0, float(grad.abs().max()))
+        atol = tol["atol"] * max(1.0, float(grad.abs().max()))
         torch.testing.assert_close(
-            got[key], grad, rtol=TOL["rtol"], atol=atol, msg=lambda m, k=key: f"{where}: grad {k}: {m}"
+            got[key], grad, rtol=tol["rtol"], atol=atol, msg=lambda m, k=key: f"{where}: grad {k}: {m}"
         )
 
 

@@ -101,7 +101,8 @@ class BalanceStats:
         total_patches: Patches over all ranks (this rank's only when nothing was gathered).
         bytes_sent: Bytes this rank sent to other ranks in both trips (its own rows excluded).
         bytes_received: Bytes this rank received from other ranks in both trips.
-        plan_seconds: Wall time computing the plan.
+        plan_seconds: Wall time computing the plan in this call (0.0 for a plan made before it:
+            see ``prepare_seconds``).
         exchange_seconds: Host wall time in the metadata gather, both trips and the status gather,
             packing and unpacking included, the ViT forward excluded (the status gather includes
             waiting for the slowest rank's ViT): ``gather + dispatch + combine`` seconds.
@@ -115,6 +116,9 @@ class BalanceStats:
             status gather (waiting for the slowest rank's ViT included).
         vit_ms: Every rank's ViT milliseconds in its previous call, from this call's gather
             (empty when nothing was gathered; -1 for a rank with no earlier call).
+        prepare_seconds: Host wall time of this call's plan made before it (:meth:`ViTBalancer.prepare`,
+            ``plan_ahead``, the drop-in's collator): its metadata gather and its planning, spent
+            outside this call; 0.0 for a call that gathered and planned itself.
     """
 
     applied: bool
@@ -140,6 +144,7 @@ class BalanceStats:
     combine_seconds: float = 0.0
     vit_ms: tuple[float, ...] = ()
     status_seconds: float = 0.0
+    prepare_seconds: float = 0.0
 
 
 _Params = ParamSpec("_Params")
@@ -453,7 +458,8 @@ class ViTBalancer:
         else:
             has_images = bool(prepared.metadata[call.rank].grids)
             output = self._at_home(call, vit, pixel_values, grid_thw, has_images, reference, problem)
-        self._record(plan, call, prepared.metadata)
+        ahead = prepared.gather_seconds + prepared.plan_seconds
+        self._record(plan, call, prepared.metadata, prepare_seconds=ahead)
         return output
 
     @_collector_paused
@@ -936,9 +942,11 @@ class ViTBalancer:
         rank: int = 0,
         num_ranks: int | None = None,
         reason: str | None = None,
+        prepare_seconds: float = 0.0,
     ) -> None:
         """Keep ``plan``'s figures and ``call``'s measurements as :attr:`last_stats`; ``num_ranks`` and
-        ``reason`` override the plan's for calls that planned over this rank alone."""
+        ``reason`` override the plan's for calls that planned over this rank alone;
+        ``prepare_seconds``: what making a prepared plan took before the call."""
         if plan.applied:
             self.applied_calls += 1
         seconds = call.seconds if call is not None else {}
@@ -967,6 +975,7 @@ class ViTBalancer:
             combine_seconds=seconds.get("combine", 0.0),
             vit_ms=tuple(m.vit_us / 1000.0 if m.vit_us >= 0 else -1.0 for m in metadata),
             status_seconds=seconds.get("status", 0.0),
+            prepare_seconds=prepare_seconds,
         )
         self._report()
 

@@ -47,6 +47,7 @@ _SUMS: tuple[str, ...] = (
     "bytes_received",
     "plan_ms",
     "exchange_ms",
+    "prepare_ms",
     "collectives",
 )
 
@@ -64,6 +65,7 @@ def _call_figures(stats: BalanceStats) -> dict[str, float]:
         "bytes_received": float(stats.bytes_received),
         "plan_ms": 1000.0 * float(stats.plan_seconds),
         "exchange_ms": 1000.0 * float(stats.exchange_seconds),
+        "prepare_ms": 1000.0 * float(getattr(stats, "prepare_seconds", 0.0)),
         "collectives": float(stats.collectives),
     }
 
@@ -143,7 +145,7 @@ class _Window:
             metrics[PREFIX + name] = self.totals[name]
         moved = self.totals["moved_patches"]
         metrics[PREFIX + "moved_patch_fraction"] = moved / patches if patches > 0 else 0.0
-        for name in ("bytes_sent", "bytes_received", "plan_ms", "exchange_ms", "collectives"):
+        for name in ("bytes_sent", "bytes_received", "plan_ms", "exchange_ms", "prepare_ms", "collectives"):
             metrics[PREFIX + name] = self.totals[name]
         metrics.update(self._vit_metrics(per_rank=bool(self.loads)))
         return metrics

@@ -291,6 +291,8 @@ class _CaseRun:
             "counted": counted,
             "all_grads": all(got_grads),
             "moved_images": stats.moved_images,
+            "plan_seconds": stats.plan_seconds,
+            "prepare_seconds": stats.prepare_seconds,
         }
 
     def _direct(self, batch: _CaseBatch) -> tuple[Any, torch.Tensor | None, torch.Tensor]:

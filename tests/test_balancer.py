@@ -58,6 +58,8 @@ def _check_collectives(results: list[dict[str, Any]], skipped: int = 1) -> None:
     for r in results:
         expected = APPLIED_COLLECTIVES if r["applied"] else skipped
         assert r["collectives"] == expected and r["counted"] == expected, r
+        # Unprepared: the call plans itself, nothing was made before it.
+        assert r["plan_seconds"] > 0.0 and r["prepare_seconds"] == 0.0, r
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

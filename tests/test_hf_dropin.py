@@ -2021,7 +2021,8 @@ def _hf_trainer_fit(out_dir: str, plan_ahead: bool = False) -> dict[str, Any]:
     """Hugging Face's ``Trainer`` (DDP over the pool's gloo group, which accelerate takes as it
     finds it) on the drop-in: each rank's batches of :data:`FIT_BATCHES` in order, SGD at a
     constant rate, no clipping; the loss of each step, the handle's counts and each balanced
-    call's collectives. ``plan_ahead``: the batches come from ``handle.plan_ahead``'s collator."""
+    call's collectives, whether it applied and whether a plan was made before it. ``plan_ahead``:
+    the batches come from ``handle.plan_ahead``'s collator."""
     import torch.distributed as dist
     from transformers import Trainer
 
@@ -2030,8 +2031,10 @@ def _hf_trainer_fit(out_dir: str, plan_ahead: bool = False) -> dict[str, Any]:
     set_launcher_variables(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
     model = tiny_model(FIT_FAMILY)
     handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
-    collectives: list[tuple[int, bool]] = []
-    handle.record = lambda stats: collectives.append((stats.collectives, stats.applied))
+    collectives: list[tuple[int, bool, bool]] = []
+    handle.record = lambda stats: collectives.append(
+        (stats.collectives, stats.applied, stats.prepare_seconds > 0.0)
+    )
     losses: list[float] = []
 
     class InOrder(Trainer):
@@ -2118,10 +2121,10 @@ def test_hugging_face_trainer_trains_as_the_plain_model(tmp_path: Path) -> None:
         assert reported[1][0][key] == first[key] and reported[1][1][key] == last[key], key
     # And the Trainer's log history (trainer_state.json) keeps them.
     assert [entry for entry in results[0]["history"] if entry] == reported[0]
-    # Each balanced call gathered its metadata itself.
-    assert all(count == (4 if applied else 1) for r in results for count, applied in r["collectives"]), (
-        results
-    )
+    # Each balanced call gathered its metadata itself, and nothing was prepared.
+    calls = [call for r in results for call in r["collectives"]]
+    assert all(call[:2] in ((4, True), (1, False)) and not call[2] for call in calls), results
+    assert all(log["vit_balance/prepare_ms"] == 0.0 for log in reported[0]), reported[0]
 
 
 @pytest.mark.timeout(180)
@@ -2131,9 +2134,11 @@ def test_hugging_face_trainer_plans_from_the_collators_host_grids(tmp_path: Path
     on the host (accelerate and the Trainer moved the rest of the batch): no metadata gather in it,
     so on a GPU no grid is read back from the device."""
     for result in _trains_as_the_plain_model(tmp_path, plan_ahead=True):
-        assert [count for count, applied in result["collectives"]] == [
-            3 if applied else 0 for _, applied in result["collectives"]
-        ], result
+        assert all(call[:2] in ((3, True), (0, False)) and call[2] for call in result["collectives"]), result
+        # The preparation's gather and plan are timed apart from the call's (vit_balance/prepare_ms).
+        logs = [log for log in result["reported"] if log]
+        assert all(log["vit_balance/prepare_ms"] > 0.0 for log in logs), logs
+        assert all(log["vit_balance/plan_ms"] == 0.0 for log in logs), logs
 
 
 # Saved at step 5, resumed to step 10: enough calls for each run to warm up and record rows.

@@ -76,6 +76,8 @@ APPLIED_B = _stats(
     bytes_sent=0,
     bytes_received=800,
     collectives=3,
+    plan_seconds=0.0,
+    prepare_seconds=0.006,
 )
 NO_GAIN = _stats(False, "no-gain", (400.0, 100.0), (400.0, 100.0))
 
@@ -196,6 +198,7 @@ def _expected(
             "vit_balance/bytes_received": float(sum(s.bytes_received for s in records)),
             "vit_balance/plan_ms": 1000.0 * sum(s.plan_seconds for s in records),
             "vit_balance/exchange_ms": 1000.0 * sum(s.exchange_seconds for s in records),
+            "vit_balance/prepare_ms": 1000.0 * sum(s.prepare_seconds for s in records),
             "vit_balance/collectives": float(sum(s.collectives for s in records)),
             "vit_balance/applied_total": float(applied_total),
             "vit_balance/calls_total": float(calls_total),

@@ -33,6 +33,7 @@ PER_STEP_KEYS = [
     "vit_balance/bytes_received",
     "vit_balance/plan_ms",
     "vit_balance/exchange_ms",
+    "vit_balance/prepare_ms",
     "vit_balance/collectives",
     "vit_balance/applied_total",
     "vit_balance/calls_total",
@@ -165,6 +166,10 @@ def test_plans_made_before_the_forward_train_the_same(ddp_run: dict[str, Any]) -
         # The prepared images call (applied) makes only the pixel trip, the status gather and the
         # return trip (its gather ran in on_before_batch_transfer); the videos call gathers and skips.
         assert row["vit_balance/collectives"] == 3 + 1
+        # Its gather and plan are logged as made before the forward; the videos call plans itself.
+        assert row["vit_balance/prepare_ms"] > 0.0 and row["vit_balance/plan_ms"] > 0.0
+    for row in _balance_rows(ddp_run["out"] / "ddp").values():
+        assert row["vit_balance/prepare_ms"] == 0.0
     reference = _losses(ddp_run["out"] / "ddp_disabled")
     torch.testing.assert_close(_losses(planned), reference, **TOLERANCE)
     reference_weights = torch.load(ddp_run["out"] / "ddp_disabled" / "weights.pt")

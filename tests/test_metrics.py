@@ -35,7 +35,10 @@ def _stats(applied: bool, before: tuple[float, ...], after: tuple[float, ...], *
     return BalanceStats(**values)
 
 
-APPLIED = _stats(True, (900.0, 100.0), (500.0, 500.0), vit_ms=(30.0, 10.0))
+# A call on a plan made before it: its planning counts in prepare_seconds.
+APPLIED = _stats(
+    True, (900.0, 100.0), (500.0, 500.0), vit_ms=(30.0, 10.0), plan_seconds=0.0, prepare_seconds=0.003
+)
 SKIPPED = _stats(False, (300.0, 200.0), (300.0, 200.0), vit_ms=(20.0, 16.0))
 
 
@@ -52,7 +55,9 @@ def test_a_window_averages_its_calls_and_sums_their_traffic() -> None:
     assert got["vit_balance/load_before/rank_0"] == 600.0 and got["vit_balance/load_after/rank_1"] == 350.0
     assert (got["vit_balance/moved_patches"], got["vit_balance/moved_patch_fraction"]) == (30.0, 0.15)
     assert (got["vit_balance/bytes_sent"], got["vit_balance/collectives"]) == (1000.0, 4.0)
-    assert got["vit_balance/plan_ms"] == pytest.approx(2.0)
+    # A plan made before its call counts apart: planning in the calls, and before them.
+    assert got["vit_balance/plan_ms"] == pytest.approx(1.0)
+    assert got["vit_balance/prepare_ms"] == pytest.approx(3.0)
     assert got["vit_balance/exchange_ms"] == pytest.approx(8.0)
     # Measured: the slowest rank's ViT time per call, averaged (30 and 20), and the ranks' mean.
     assert got["vit_balance/vit_ms_max"] == 25.0 and got["vit_balance/vit_ms_mean"] == 19.0

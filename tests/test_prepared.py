@@ -35,7 +35,8 @@ def _prepared_suite(n: int, checked: bool) -> dict[str, Any] | None:
 @pytest.mark.parametrize(("n", "checked"), [(2, False), (3, False), (3, True)])
 def test_prepared_calls_equal_the_direct_call(multirank: Any, n: int, checked: bool) -> None:
     """Outputs and summed gradients as the direct call; no gather and no plan in the forward, and
-    in a skipped call nothing at all, or only the status gather with ``check_skipped_calls``."""
+    in a skipped call nothing at all, or only the status gather with ``check_skipped_calls``. The
+    stats give the preparation's time apart from the call's (``prepare_seconds``)."""
     with multirank(POOL) as w:
         per_rank = w.run(_prepared_suite, n, checked)[:n]
     for rank_results in per_rank:
@@ -44,6 +45,7 @@ def test_prepared_calls_equal_the_direct_call(multirank: Any, n: int, checked: b
             for r in results:
                 expected = PREPARED_APPLIED if r["applied"] else int(checked)
                 assert r["counted"] == r["collectives"] == expected, r
+                assert r["plan_seconds"] == 0.0 and r["prepare_seconds"] > 0.0, r
 
 
 #: Every plan of :func:`_mismatch`'s batches skips, and skipped calls are checked.

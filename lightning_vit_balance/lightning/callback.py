@@ -72,8 +72,14 @@ class ViTBalanceCallback(Callback):
         ``vit_balance/bytes_sent``                  bytes this rank sent, both trips, summed (the
                                                     loggers get global rank 0's)
         ``vit_balance/bytes_received``              bytes this rank received, both trips, summed
-        ``vit_balance/plan_ms``                     milliseconds spent gathering sizes and planning
-        ``vit_balance/exchange_ms``                 milliseconds spent moving tensors
+        ``vit_balance/plan_ms``                     milliseconds planning inside the calls (a plan
+                                                    made before its call counts in ``prepare_ms``)
+        ``vit_balance/exchange_ms``                 milliseconds in the calls' collectives: the size
+                                                    gather, both trips and the status gather,
+                                                    packing included
+        ``vit_balance/prepare_ms``                  milliseconds making plans before their calls
+                                                    (``plan_ahead``, ``prepare``, the drop-in's
+                                                    collator): the size gather and the planning
         ``vit_balance/collectives``                 collective operations issued, summed
         ``vit_balance/vit_ms/rank_{r}``             measured milliseconds of DP rank ``r``'s ViT
                                                     forward (only with ``log_per_rank_loads``)

@@ -28,7 +28,9 @@ difference per added image is one image's cost, the rest each call's. It
   heap LPT of host time) and under a plain heap LPT (which moves nearly every image), next to the
   host time the first two take to plan;
 * prints what each cost model's errors cost: plans made with the seed's ``l**2``,
-  ``CostModel.from_vit`` and the fit, each judged on the measured times.
+  ``CostModel.from_vit``, the fit and the online fit (``calibrate_cost=True``, learning from the
+  times of its own plans), each judged on the measured times, on the example dataset's samples and
+  on a thumbnail-heavy mix.
 
 ``--from-timings FILE`` analyses the timings an earlier run wrote instead of timing (no device
 needed): ``benchmarks/h200_timings.csv`` holds an H200's.
@@ -37,6 +39,7 @@ needed): ``benchmarks/h200_timings.csv`` holds an H200's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -45,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lightning_vit_balance import CostModel, ViTBalanceConfig, plan_rebalance
+from lightning_vit_balance import CostCalibrator, CostModel, ViTBalanceConfig, plan_rebalance
 from lightning_vit_balance.simulate import draw_batches, read_dataset, read_timings
 from lightning_vit_balance.solvers import tuning
 from lightning_vit_balance.solvers.batch import Batch, rank_loads
@@ -246,6 +249,26 @@ def search_worth(model: CostModel, ranks: Sequence[int], samples_per_rank: int, 
         )
 
 
+#: Steps of each mix left out of the cost models' means: the online fit's warm-up
+#: (:class:`CostCalibrator` ignores 2 measured steps and needs 12 rank rows for its first fit).
+JUDGE_FROM_STEP = 20
+
+
+def thumbnail_heavy(num_ranks: int, steps: int, seed: int) -> list[list[list[int]]]:
+    """Per step, 1-24 images per rank, 7 in 10 thumbnails of 64-256 patches and the rest of
+    1,024-8,192 (crops, icons, video frames at low resolution next to pages): where a device's
+    per-image cost, which no FLOP count sees, sets the loads."""
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(steps):
+        sizes = rng.integers(1, 25, num_ranks)
+        small = rng.random(int(sizes.sum())) < 0.7
+        patches = np.where(small, rng.integers(64, 257, small.size), rng.integers(1024, 8193, small.size))
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        batches.append([patches[a:b].tolist() for a, b in itertools.pairwise(bounds.tolist())])
+    return batches
+
+
 def judge_cost_models(
     tower: torch.nn.Module,
     timings: list[tuple[int, float, float]],
@@ -255,35 +278,74 @@ def judge_cost_models(
 ) -> None:
     """Print the slowest rank's time under plans made with each cost model, every plan judged on the
     measured times (interpolated per image in log-log between the timed sizes; beyond the largest,
-    the fit's growth): what a cost model's errors cost in the device's milliseconds. Videos whole,
-    skip rules off, 4 samples per rank from the example dataset; means over ``steps``."""
-    counts = np.array([n for n, _, _ in timings], dtype=np.float64)
+    the fit's growth): what a cost model's errors cost in the device's milliseconds. ``auto`` is the
+    online fit (``calibrate_cost=True``): a :class:`CostCalibrator` from ``CostModel.from_vit``,
+    given each step's per-rank times of the plan it made, as the gather carries them. Two mixes:
+    4 samples per rank from the example dataset (videos whole), and :func:`thumbnail_heavy`. Skip
+    rules off; means over the steps after the online fit's warm-up (:data:`JUDGE_FROM_STEP`)."""
+    truth = _measured_cost(timings, fitted)
+    models = {"l^2": CostModel(), "from_vit": CostModel.from_vit(tower), "fit": fitted}
+    samples = read_dataset(DATASET).samples
+    mixes: dict[str, Callable[[int], list[list[list[int]]]]] = {
+        "4 samples per rank of the example dataset": lambda p: list(
+            draw_batches(samples, p, 4, steps, seed=p)
+        ),
+        "thumbnail-heavy (1-24 images per rank, 7 in 10 of 64-256 patches)": lambda p: thumbnail_heavy(
+            p, steps, seed=p
+        ),
+    }
+    skip = min(JUDGE_FROM_STEP, steps // 2)
+    for title, draw in mixes.items():
+        print(f"\nPlans by cost model, judged on the measured times, {title}:")
+        print(f"means of steps {skip + 1}-{steps}; auto = the online fit, bound = max(total / P, largest)")
+        print("  ranks | unbalanced " + " ".join(f"{name:>9}" for name in (*models, "auto", "bound")))
+        for num_ranks in ranks:
+            means = _judged(draw(num_ranks), models, truth, num_ranks, skip)
+            print(f"  {num_ranks:>5} | {means[0]:>10.1f} " + " ".join(f"{m:>9.1f}" for m in means[1:]))
+
+
+def _measured_cost(timings: list[tuple[int, float, float]], fitted: CostModel) -> Callable[[int], float]:
+    """An image's measured milliseconds: interpolated in log-log between the timed sizes, beyond the
+    largest grown as ``fitted`` grows."""
+    counts = np.log(np.array([n for n, _, _ in timings], dtype=np.float64))
     measured = np.array([ms for _, ms, _ in timings], dtype=np.float64)
-    largest = float(counts[-1])
+    largest = int(timings[-1][0])
 
     def truth(n: int) -> float:
         if n > largest:
-            return float(measured[-1]) * fitted.costs([n])[0] / fitted.costs([int(largest)])[0]
-        return float(np.exp(np.interp(np.log(max(n, 1)), np.log(counts), np.log(measured))))
+            return float(measured[-1]) * fitted.costs([n])[0] / fitted.costs([largest])[0]
+        return float(np.exp(np.interp(np.log(max(n, 1)), counts, np.log(measured))))
 
-    models = {"l^2": CostModel(), "from_vit": CostModel.from_vit(tower), "fit": fitted}
+    return truth
+
+
+def _judged(
+    batches: list[list[list[int]]],
+    models: dict[str, CostModel],
+    truth: Callable[[int], float],
+    num_ranks: int,
+    skip: int,
+) -> list[float]:
+    """Means over the steps after ``skip`` of the slowest rank's measured time: unbalanced, under
+    each model's plans, under the online fit's, and the bound ``max(total / P, largest image)``."""
     config = ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0, split_videos=False)
-    samples = read_dataset(DATASET).samples
-    print(f"\nPlans by cost model, judged on the measured times, 4 samples per rank, {steps} steps (means)")
-    print("  ranks | unbalanced " + " ".join(f"{name:>9}" for name in models))
-    for num_ranks in ranks:
-        slowest: dict[str, list[float]] = {name: [] for name in ("unbalanced", *models)}
-        for batch in draw_batches(samples, num_ranks, 4, steps, seed=num_ranks):
-            slowest["unbalanced"].append(max(sum(map(truth, row)) for row in batch))
-            for name, model in models.items():
-                plan = plan_rebalance(batch, config, cost_model=model)
-                loads = [0.0] * num_ranks
-                for row, destinations in zip(batch, plan.destinations):
-                    for n, rank in zip(row, destinations):
-                        loads[rank] += truth(n)
-                slowest[name].append(max(loads))
-        means = [float(np.mean(v)) for v in slowest.values()]
-        print(f"  {num_ranks:>5} | {means[0]:>10.1f} " + " ".join(f"{m:>9.1f}" for m in means[1:]))
+    calibrator = CostCalibrator(models["from_vit"])
+    slowest: dict[str, list[float]] = {name: [] for name in ("unbalanced", *models, "auto", "bound")}
+    for batch in batches:
+        costs = [[truth(n) for n in row] for row in batch]
+        slowest["unbalanced"].append(max(sum(row) for row in costs))
+        flat = [c for row in costs for c in row]
+        slowest["bound"].append(max(sum(flat) / num_ranks, max(flat)))
+        for name, model in (*models.items(), ("auto", calibrator.model)):
+            plan = plan_rebalance(batch, config, cost_model=model)
+            loads, encoded = [0.0] * num_ranks, [[] for _ in range(num_ranks)]
+            for row, row_costs, destinations in zip(batch, costs, plan.destinations):
+                for n, cost, rank in zip(row, row_costs, destinations):
+                    loads[rank] += cost
+                    encoded[rank].append(n)
+            slowest[name].append(max(loads))
+        calibrator.observe(encoded, loads)  # the online fit's own plan, as every rank measures it
+    return [float(np.mean(v[skip:])) for v in slowest.values()]
 
 
 def _saved_timings(path: Path) -> list[tuple[int, float, float]]:

@@ -68,11 +68,26 @@ def test_one_more_image_and_the_call_split_the_time() -> None:
 
 def test_saved_timings_are_analysed_without_timing(capsys: pytest.CaptureFixture[str]) -> None:
     """``--from-timings``: the H200's ladder kept in the repo, analysed on any machine; plans made with
-    each cost model, judged on the measured times, are never slower than no plan."""
+    each cost model (the online fit's included), judged on the measured times, on both mixes, are
+    never slower than no plan nor faster than the bound."""
     saved = ROOT / "benchmarks" / "h200_timings.csv"
     _bench().main(["--from-timings", str(saved), "--ranks", "2", "8", "--steps", "10"])
     printed = capsys.readouterr().out
-    assert "timings read from" in printed and "Plans by cost model" in printed
-    for row in _rows(printed.split("Plans by cost model")[1]):
-        unbalanced, seed, shaped, fitted = map(float, row[2:6])
-        assert max(seed, shaped, fitted) <= unbalanced, row
+    assert "timings read from" in printed
+    tables = printed.split("Plans by cost model")[1:]
+    assert len(tables) == 2 and "thumbnail-heavy" in tables[1], printed
+    for table in tables:
+        for row in _rows(table):
+            unbalanced, seed, shaped, fitted, online, bound = map(float, row[2:8])
+            assert bound <= min(seed, shaped, fitted, online), row
+            assert max(seed, shaped, fitted, online) <= unbalanced, row
+
+
+def test_the_thumbnail_mix_draws_what_it_says() -> None:
+    batches = _bench().thumbnail_heavy(8, 50, seed=1)
+    assert len(batches) == 50 and all(len(step) == 8 for step in batches)
+    images = [n for step in batches for row in step for n in row]
+    assert all(1 <= len(row) <= 24 for step in batches for row in step)
+    assert all(64 <= n <= 256 or 1024 <= n <= 8192 for n in images)
+    small = sum(n <= 256 for n in images) / len(images)
+    assert 0.65 < small < 0.75, small

@@ -62,6 +62,11 @@ def summarize(log_history: Sequence[dict[str, Any]]) -> dict[str, float]:
         values = [entry[key] for entry in logs if key in entry]
         return statistics.fmean(values) if values else float("nan")
 
+    def per_call(*keys: str) -> float:
+        """Milliseconds per balanced call: the logs hold each window's sums."""
+        calls = sum(entry["vit_balance/calls"] for entry in logs)
+        return sum(entry.get(key, 0.0) for entry in logs for key in keys) / calls
+
     return {
         "imbalance_before": mean("vit_balance/imbalance_before"),
         "imbalance_after": mean("vit_balance/imbalance_after"),
@@ -71,6 +76,10 @@ def summarize(log_history: Sequence[dict[str, Any]]) -> dict[str, float]:
         # In the balanced calls: 3 per call that moved images (the two trips and the status
         # gather), none for a skipped one; a call that gathered its own metadata adds one.
         "collectives": sum(entry["vit_balance/collectives"] for entry in logs),
+        # Host time: the plan made at the start of each forward from the collator's grids (its
+        # gather and planning), then the balanced call's own (its trips and status gather).
+        "prepare_ms_per_call": per_call("vit_balance/prepare_ms"),
+        "call_ms_per_call": per_call("vit_balance/plan_ms", "vit_balance/exchange_ms"),
         "applied_total": logs[-1]["vit_balance/applied_total"],
         "calls_total": logs[-1]["vit_balance/calls_total"],
     }
@@ -86,6 +95,10 @@ def _print(summary: dict[str, float], dashboard: Path) -> None:
         f"mean over ranks {summary['vit_ms_mean']:.1f} ms"
     )
     print(f"  patches encoded away from their rank: {summary['moved_patches']:.0f}")
+    print(
+        f"  host time per call: {summary['prepare_ms_per_call']:.2f} ms planning from the collator's "
+        f"grids, {summary['call_ms_per_call']:.2f} ms in the balanced call (trips and status gather)"
+    )
     print(f"  dashboard: {dashboard}")
 
 

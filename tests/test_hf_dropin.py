@@ -2537,7 +2537,12 @@ def test_trainer_example_short_run(tmp_path: Path) -> None:
     assert summary["vit_ms_max"] >= summary["vit_ms_mean"] > 0, summary
     # Every call was planned from the collator's host grids: no metadata gather in the calls.
     assert summary["collectives"] == 3 * summary["applied_total"], summary
-    assert summaries[1] == summary  # the same plans and measured times on every rank
+    assert summary["prepare_ms_per_call"] > 0.0 and summary["call_ms_per_call"] >= 0.0, summary
+    # The same plans and measured ViT times on every rank; host times are each rank's own.
+    timed = ("prepare_ms_per_call", "call_ms_per_call")
+    assert [{k: v for k, v in s.items() if k not in timed} for s in summaries] == [
+        {k: v for k, v in summary.items() if k not in timed}
+    ] * 2
     assert (tmp_path / "trainer_state.json").exists()
     assert (tmp_path / "vit_balance_dashboard.png").stat().st_size > 1000
 

@@ -77,7 +77,8 @@ def summarize(log_history: Sequence[dict[str, Any]]) -> dict[str, float]:
         # gather), none for a skipped one; a call that gathered its own metadata adds one.
         "collectives": sum(entry["vit_balance/collectives"] for entry in logs),
         # Host time: the plan made at the start of each forward from the collator's grids (its
-        # gather and planning), then the balanced call's own (its trips and status gather).
+        # gather and planning), then the balanced call's collectives (its trips, and the status
+        # gather, which waits for the slowest rank's ViT).
         "prepare_ms_per_call": per_call("vit_balance/prepare_ms"),
         "call_ms_per_call": per_call("vit_balance/plan_ms", "vit_balance/exchange_ms"),
         "applied_total": logs[-1]["vit_balance/applied_total"],
@@ -97,7 +98,8 @@ def _print(summary: dict[str, float], dashboard: Path) -> None:
     print(f"  patches encoded away from their rank: {summary['moved_patches']:.0f}")
     print(
         f"  host time per call: {summary['prepare_ms_per_call']:.2f} ms planning from the collator's "
-        f"grids, {summary['call_ms_per_call']:.2f} ms in the balanced call (trips and status gather)"
+        f"grids, {summary['call_ms_per_call']:.2f} ms in the balanced call's collectives (the trips, and "
+        "the status gather, which waits for the slowest rank's ViT)"
     )
     print(f"  dashboard: {dashboard}")
 

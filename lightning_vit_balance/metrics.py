@@ -65,7 +65,7 @@ def _call_figures(stats: BalanceStats) -> dict[str, float]:
         "bytes_received": float(stats.bytes_received),
         "plan_ms": 1000.0 * float(stats.plan_seconds),
         "exchange_ms": 1000.0 * float(stats.exchange_seconds),
-        "prepare_ms": 1000.0 * float(getattr(stats, "prepare_seconds", 0.0)),
+        "prepare_ms": 1000.0 * float(stats.prepare_seconds),
         "collectives": float(stats.collectives),
     }
 

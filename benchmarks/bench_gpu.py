@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lightning_vit_balance import CostCalibrator, CostModel, ViTBalanceConfig, plan_rebalance
+from lightning_vit_balance import CostCalibrator, CostModel, RebalancePlan, ViTBalanceConfig, plan_rebalance
 from lightning_vit_balance.simulate import draw_batches, read_dataset, read_timings
 from lightning_vit_balance.solvers import tuning
 from lightning_vit_balance.solvers.batch import Batch, rank_loads
@@ -308,13 +308,13 @@ def _measured_cost(timings: list[tuple[int, float, float]], fitted: CostModel) -
     """An image's measured milliseconds: interpolated in log-log between the timed sizes, beyond the
     largest grown as ``fitted`` grows."""
     counts = np.log(np.array([n for n, _, _ in timings], dtype=np.float64))
-    measured = np.array([ms for _, ms, _ in timings], dtype=np.float64)
-    largest = int(timings[-1][0])
+    measured = np.log(np.array([ms for _, ms, _ in timings], dtype=np.float64))
+    largest, largest_ms = int(timings[-1][0]), float(timings[-1][1])
 
     def truth(n: int) -> float:
         if n > largest:
-            return float(measured[-1]) * fitted.costs([n])[0] / fitted.costs([largest])[0]
-        return float(np.exp(np.interp(np.log(max(n, 1)), counts, np.log(measured))))
+            return largest_ms * fitted.costs([n])[0] / fitted.costs([largest])[0]
+        return float(np.exp(np.interp(np.log(max(n, 1)), counts, measured)))
 
     return truth
 
@@ -336,16 +336,27 @@ def _judged(
         slowest["unbalanced"].append(max(sum(row) for row in costs))
         flat = [c for row in costs for c in row]
         slowest["bound"].append(max(sum(flat) / num_ranks, max(flat)))
-        for name, model in (*models.items(), ("auto", calibrator.model)):
-            plan = plan_rebalance(batch, config, cost_model=model)
-            loads, encoded = [0.0] * num_ranks, [[] for _ in range(num_ranks)]
-            for row, row_costs, destinations in zip(batch, costs, plan.destinations):
-                for n, cost, rank in zip(row, row_costs, destinations):
-                    loads[rank] += cost
-                    encoded[rank].append(n)
+        for name, model in models.items():
+            loads, _ = _placed(batch, costs, plan_rebalance(batch, config, cost_model=model))
             slowest[name].append(max(loads))
+        loads, encoded = _placed(batch, costs, plan_rebalance(batch, config, cost_model=calibrator.model))
+        slowest["auto"].append(max(loads))
         calibrator.observe(encoded, loads)  # the online fit's own plan, as every rank measures it
     return [float(np.mean(v[skip:])) for v in slowest.values()]
+
+
+def _placed(
+    batch: list[list[int]], costs: list[list[float]], plan: RebalancePlan
+) -> tuple[list[float], list[list[int]]]:
+    """Under ``plan``: each rank's measured time (``costs``, per image of ``batch``) and the patch
+    counts of the images it encodes."""
+    loads: list[float] = [0.0] * plan.num_ranks
+    encoded: list[list[int]] = [[] for _ in range(plan.num_ranks)]
+    for row, row_costs, destinations in zip(batch, costs, plan.destinations):
+        for n, cost, rank in zip(row, row_costs, destinations):
+            loads[rank] += cost
+            encoded[rank].append(n)
+    return loads, encoded
 
 
 def _saved_timings(path: Path) -> list[tuple[int, float, float]]:

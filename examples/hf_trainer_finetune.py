@@ -81,6 +81,10 @@ def summarize(log_history: Sequence[dict[str, Any]]) -> dict[str, float]:
         # gather, which waits for the slowest rank's ViT).
         "prepare_ms_per_call": per_call("vit_balance/prepare_ms"),
         "call_ms_per_call": per_call("vit_balance/plan_ms", "vit_balance/exchange_ms"),
+        # The trips alone, packing included, per call that moved images (device time on GPUs; each
+        # call's figure is logged by the call after it, so the last call's is not in the logs).
+        "trip_ms_per_applied_call": sum(entry["vit_balance/trip_ms"] for entry in logs)
+        / max(1.0, logs[-1]["vit_balance/applied_total"]),
         "applied_total": logs[-1]["vit_balance/applied_total"],
         "calls_total": logs[-1]["vit_balance/calls_total"],
     }
@@ -100,6 +104,10 @@ def _print(summary: dict[str, float], dashboard: Path) -> None:
         f"  host time per call: {summary['prepare_ms_per_call']:.2f} ms planning from the collator's "
         f"grids, {summary['call_ms_per_call']:.2f} ms in the balanced call's collectives (the trips, and "
         "the status gather, which waits for the slowest rank's ViT)"
+    )
+    print(
+        f"  in the trips themselves: {summary['trip_ms_per_applied_call']:.2f} ms per call that moved "
+        "images (packing included; on GPUs the device's time)"
     )
     print(f"  dashboard: {dashboard}")
 

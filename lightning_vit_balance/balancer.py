@@ -37,6 +37,7 @@ from lightning_vit_balance.eager import eager
 from lightning_vit_balance.encoding import (
     BalancedBatch,
     EncodedBatch,
+    TripClock,
     ViTClock,
     encode,
     raise_for_input,
@@ -119,6 +120,13 @@ class BalanceStats:
         prepare_seconds: Host wall time of this call's plan made before it (:meth:`ViTBalancer.prepare`,
             ``plan_ahead``, the drop-in's collator): its metadata gather and its planning, spent
             outside this call; 0.0 for a call that gathered and planned itself.
+        trip_ms: This rank's milliseconds in the trips of the call before this one (-1.0 when that
+            call moved no images, or while its CUDA events still run): packing and sending the
+            pixel rows, packing the return buffer, the return trip and unpacking it, in the forward
+            pass. Device time on CUDA (events, read a call later so that nothing waits), host time
+            on CPU; the status gather and its wait for the slowest rank's ViT are not in it, nor,
+            with ``overlap_pixel_trip``, the wait for the pixel trip (that is in ``vit_ms``). Each
+            call's figure is reported once, by the call after it.
     """
 
     applied: bool
@@ -145,6 +153,7 @@ class BalanceStats:
     vit_ms: tuple[float, ...] = ()
     status_seconds: float = 0.0
     prepare_seconds: float = 0.0
+    trip_ms: float = -1.0
 
 
 _Params = ParamSpec("_Params")
@@ -304,6 +313,7 @@ class ViTBalancer:
         self._encoded_counts: tuple[tuple[int, ...], ...] | None = None
         self._encoded_frames: tuple[tuple[int, ...], ...] | None = None
         self._clock = ViTClock()
+        self._trips = TripClock()
         # Prepared calls' grids on a device, compared there; read at the next metadata gather.
         self._grid_checks = DeviceGridChecks()
         self._print = report if report is not None else _print_line
@@ -531,7 +541,10 @@ class ViTBalancer:
         """The pixel trip in flight while this rank encodes its own images, then the arrivals."""
         started = time.perf_counter()
         mine = metadata[call.rank].patch_counts
+        # Only the trip's start is its own: waiting for it falls within the ViT clock's bracket.
+        self._trips.start(pixel_values.device)
         pending = self._start_pixel_trip(call, pixel_values, route, metadata, reference, False, home=False)
+        self._trips.stop()
         home = [i for src, i in route.arrivals if src == call.rank]
         call.timed("dispatch", started)
         home_encoded = None
@@ -576,6 +589,7 @@ class ViTBalancer:
         return BalancedBatch(pixels, grid, counts, False, received)
 
     def _start(self, vit: Any, pixel_values: Any) -> _Call:
+        self._trips.begin_call()
         preferred = pixel_values.device if isinstance(pixel_values, torch.Tensor) else None
         return _Call(
             group=self.group,
@@ -693,8 +707,10 @@ class ViTBalancer:
         """The forward trip: pixel rows to the rank that encodes each image (``zeros``: rows of the
         planned sizes standing in for input that does not match a prepared plan)."""
         started = time.perf_counter()
+        self._trips.start(pixel_values.device)
         pending = self._start_pixel_trip(call, pixel_values, route, metadata, reference, zeros)
         received = pending.wait()  # [sum(receive_patches), C], images in arrival order
+        self._trips.stop()
         call.timed("dispatch", started)
         if not route.arrivals:
             batch = BalancedBatch.dummy(
@@ -756,7 +772,9 @@ class ViTBalancer:
         in the status word like the ViT's own: packed while the gather was in flight, an out of
         memory there ended this rank alone and left the others waiting in the return trip."""
         started = time.perf_counter()
+        self._trips.start(batch.pixels.device)
         encoded, packed = self._packed(call, encoded, plan, route, batch, reference)
+        self._trips.stop()
         report = start_status(encoded.status(), call.host, plan.digest).wait()
         call.collectives += report.collectives
         call.timed("combine", started)
@@ -765,6 +783,7 @@ class ViTBalancer:
         raise_for_vit(report, encoded, call.merge)
         assert packed is not None  # every rank's status was fine, this rank's too
         started = time.perf_counter()
+        self._trips.start(packed.buffer.device)
         leaves, layout, transit, elements, buffer, arrivals = packed
         grad_wanted = torch.is_grad_enabled() and (reference.pixels_differentiable or _vit_requires_grad(vit))
         back = all_to_all(
@@ -783,6 +802,7 @@ class ViTBalancer:
             n for s, n in enumerate(layout.receive_splits) if s != call.rank
         )
         returned = unpack_return(back, leaves, layout, elements)
+        self._trips.stop()
         call.timed("combine", started)
         return returned
 
@@ -976,6 +996,7 @@ class ViTBalancer:
             vit_ms=tuple(m.vit_us / 1000.0 if m.vit_us >= 0 else -1.0 for m in metadata),
             status_seconds=seconds.get("status", 0.0),
             prepare_seconds=prepare_seconds,
+            trip_ms=self._trips.end_call(),
         )
         self._report()
 

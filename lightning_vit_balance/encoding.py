@@ -40,6 +40,7 @@ from lightning_vit_balance.problems import DTYPES, InputProblem, describe_proble
 __all__ = [
     "BalancedBatch",
     "EncodedBatch",
+    "TripClock",
     "ViTClock",
     "dtype_code",
     "encode",
@@ -526,3 +527,59 @@ class ViTClock:
             done = end is not None and end.query()
             self.last_us = int(begin.elapsed_time(end) * 1000) if done else -1
         return self.last_us
+
+
+class TripClock:
+    """Times this rank's trips in a balanced call without ever waiting for the device.
+
+    Each trip is bracketed (:meth:`start`, :meth:`stop`): a host timer on CPU, a pair of CUDA
+    events on CUDA, where the collectives run on the device after the host has moved on. A call's
+    brackets are summed and reported once, at the next call (:meth:`end_call`), when its CUDA
+    events have normally completed; ``Event.query()`` checks without blocking, and a call whose
+    events still run is reported as unknown.
+    """
+
+    def __init__(self) -> None:
+        #: This call's CUDA event pairs (the end ``None`` until stopped) and host seconds.
+        self._pairs: list[tuple[Any, Any]] = []
+        self._host_seconds = 0.0
+        self._started = 0.0
+        self._cuda = False
+        #: The previous call's pairs and host seconds, reported at the next :meth:`end_call`.
+        self._due: tuple[list[tuple[Any, Any]], float] | None = None
+
+    def begin_call(self) -> None:
+        """Forget the brackets of a call that raised before it ended (:meth:`end_call`)."""
+        self._pairs, self._host_seconds = [], 0.0
+
+    def start(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        if self._cuda:
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            self._pairs.append((begin, None))
+        else:
+            self._started = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._cuda and self._pairs:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pairs[-1] = (self._pairs[-1][0], end)
+        elif not self._cuda:
+            self._host_seconds += time.perf_counter() - self._started
+
+    def end_call(self) -> float:
+        """Close this call's brackets (due at the next call) and return the milliseconds of the
+        previous call's: -1.0 when it timed no trip, or while its CUDA events still run."""
+        due, self._due = self._due, None
+        if self._pairs or self._host_seconds > 0.0:
+            self._due = (self._pairs, self._host_seconds)
+        self._pairs, self._host_seconds = [], 0.0
+        if due is None:
+            return -1.0
+        pairs, host_seconds = due
+        # A pair left open (a trip that raised) or still running makes the figure unknown.
+        if any(end is None or not end.query() for _, end in pairs):
+            return -1.0
+        return 1000.0 * host_seconds + sum(float(begin.elapsed_time(end)) for begin, end in pairs)

@@ -48,6 +48,7 @@ _SUMS: tuple[str, ...] = (
     "plan_ms",
     "exchange_ms",
     "prepare_ms",
+    "trip_ms",
     "collectives",
 )
 
@@ -66,6 +67,8 @@ def _call_figures(stats: BalanceStats) -> dict[str, float]:
         "plan_ms": 1000.0 * float(stats.plan_seconds),
         "exchange_ms": 1000.0 * float(stats.exchange_seconds),
         "prepare_ms": 1000.0 * float(stats.prepare_seconds),
+        # A call reports the trips of the one before it, -1 when none are due.
+        "trip_ms": max(0.0, float(stats.trip_ms)),
         "collectives": float(stats.collectives),
     }
 
@@ -145,7 +148,15 @@ class _Window:
             metrics[PREFIX + name] = self.totals[name]
         moved = self.totals["moved_patches"]
         metrics[PREFIX + "moved_patch_fraction"] = moved / patches if patches > 0 else 0.0
-        for name in ("bytes_sent", "bytes_received", "plan_ms", "exchange_ms", "prepare_ms", "collectives"):
+        for name in (
+            "bytes_sent",
+            "bytes_received",
+            "plan_ms",
+            "exchange_ms",
+            "prepare_ms",
+            "trip_ms",
+            "collectives",
+        ):
             metrics[PREFIX + name] = self.totals[name]
         metrics.update(self._vit_metrics(per_rank=bool(self.loads)))
         return metrics

@@ -192,7 +192,8 @@ def test_grid_values_that_differ_on_the_device_fail_every_rank_at_the_next_gathe
 
 def _vit_milliseconds(device: str, calls: int) -> dict[str, Any]:
     """Each call's gathered per-rank ViT milliseconds (the previous call's, carried in the
-    metadata gather), and the tower's forward timed directly with the host waiting for it."""
+    metadata gather), its trip milliseconds (the previous call's, this rank's) and whether it moved
+    images, and the tower's forward timed directly with the host waiting for it."""
     group = _on_device(device)
     torch.manual_seed(0)
     model = towers.TensorTower().to(device)
@@ -200,19 +201,22 @@ def _vit_milliseconds(device: str, calls: int) -> dict[str, Any]:
     host_pixels, host_grid = towers.make_batch(grids, seed=dist.get_rank())
     pixels, grid = host_pixels.to(device), host_grid.to(device)
     balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group)
-    gathered = []
+    gathered, trips, applied = [], [], []
     for _ in range(calls):
         probe_loss(balancer(model, pixels, grid), seed=2).backward()
         stats = balancer.last_stats
         assert stats is not None
         gathered.append(list(stats.vit_ms))
+        trips.append(stats.trip_ms)
+        applied.append(stats.applied)
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     model(pixels, grid)
     if device == "cuda":
         torch.cuda.synchronize()
-    return {"gathered": gathered, "direct_ms": 1000.0 * (time.perf_counter() - start)}
+    direct_ms = 1000.0 * (time.perf_counter() - start)
+    return {"gathered": gathered, "trips": trips, "applied": applied, "direct_ms": direct_ms}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -231,3 +235,10 @@ def test_vit_milliseconds_are_measured_and_gathered(multirank: Any, device: str)
     # Of the order of a direct forward: not microseconds of launch, not a stale or summed figure.
     slowest = max(r["direct_ms"] for r in results)
     assert max(max(ms) for ms in gathered[2:]) < 50.0 * slowest + 50.0, (gathered, slowest)
+    # Trips: every call that moved images is reported by the next (on CUDA, from the third call
+    # on, as above); a call reports -1 when nothing is due.
+    for result in results:
+        trips, applied = result["trips"], result["applied"]
+        assert all(applied), f"every call moves the heavy rank's images: {applied}"
+        assert trips[0] == -1.0, trips
+        assert all(0.0 < ms < 60_000.0 for ms in trips[2:]), trips

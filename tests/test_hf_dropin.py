@@ -2538,8 +2538,9 @@ def test_trainer_example_short_run(tmp_path: Path) -> None:
     # Every call was planned from the collator's host grids: no metadata gather in the calls.
     assert summary["collectives"] == 3 * summary["applied_total"], summary
     assert summary["prepare_ms_per_call"] > 0.0 and summary["call_ms_per_call"] >= 0.0, summary
+    assert summary["trip_ms_per_applied_call"] >= 0.0, summary  # no -1 of a call with none due
     # The same plans and measured ViT times on every rank; host times are each rank's own.
-    timed = ("prepare_ms_per_call", "call_ms_per_call")
+    timed = ("prepare_ms_per_call", "call_ms_per_call", "trip_ms_per_applied_call")
     assert [{k: v for k, v in s.items() if k not in timed} for s in summaries] == [
         {k: v for k, v in summary.items() if k not in timed}
     ] * 2

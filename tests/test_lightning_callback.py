@@ -64,7 +64,8 @@ APPLIED_A = _stats(
     exchange_seconds=0.010,
     collectives=3,
 )
-SKIPPED = _stats(False, "below-threshold", (520.0, 480.0), (520.0, 480.0))
+# It reports the trips of the applied call before it.
+SKIPPED = _stats(False, "below-threshold", (520.0, 480.0), (520.0, 480.0), trip_ms=3.5)
 APPLIED_B = _stats(
     True,
     "applied",
@@ -78,6 +79,7 @@ APPLIED_B = _stats(
     collectives=3,
     plan_seconds=0.0,
     prepare_seconds=0.006,
+    trip_ms=1.25,
 )
 NO_GAIN = _stats(False, "no-gain", (400.0, 100.0), (400.0, 100.0))
 
@@ -199,6 +201,7 @@ def _expected(
             "vit_balance/plan_ms": 1000.0 * sum(s.plan_seconds for s in records),
             "vit_balance/exchange_ms": 1000.0 * sum(s.exchange_seconds for s in records),
             "vit_balance/prepare_ms": 1000.0 * sum(s.prepare_seconds for s in records),
+            "vit_balance/trip_ms": sum(max(0.0, s.trip_ms) for s in records),
             "vit_balance/collectives": float(sum(s.collectives for s in records)),
             "vit_balance/applied_total": float(applied_total),
             "vit_balance/calls_total": float(calls_total),

@@ -34,6 +34,7 @@ PER_STEP_KEYS = [
     "vit_balance/plan_ms",
     "vit_balance/exchange_ms",
     "vit_balance/prepare_ms",
+    "vit_balance/trip_ms",
     "vit_balance/collectives",
     "vit_balance/applied_total",
     "vit_balance/calls_total",
@@ -168,6 +169,8 @@ def test_plans_made_before_the_forward_train_the_same(ddp_run: dict[str, Any]) -
         assert row["vit_balance/collectives"] == 3 + 1
         # Its gather and plan are logged as made before the forward; the videos call plans itself.
         assert row["vit_balance/prepare_ms"] > 0.0 and row["vit_balance/plan_ms"] > 0.0
+        # The images call's trips, reported by the videos call after it in the same step.
+        assert row["vit_balance/trip_ms"] > 0.0
     for row in _balance_rows(ddp_run["out"] / "ddp").values():
         assert row["vit_balance/prepare_ms"] == 0.0
     reference = _losses(ddp_run["out"] / "ddp_disabled")

@@ -39,7 +39,8 @@ def _stats(applied: bool, before: tuple[float, ...], after: tuple[float, ...], *
 APPLIED = _stats(
     True, (900.0, 100.0), (500.0, 500.0), vit_ms=(30.0, 10.0), plan_seconds=0.0, prepare_seconds=0.003
 )
-SKIPPED = _stats(False, (300.0, 200.0), (300.0, 200.0), vit_ms=(20.0, 16.0))
+# The call after it reports its trips.
+SKIPPED = _stats(False, (300.0, 200.0), (300.0, 200.0), vit_ms=(20.0, 16.0), trip_ms=2.5)
 
 
 def test_a_window_averages_its_calls_and_sums_their_traffic() -> None:
@@ -59,6 +60,8 @@ def test_a_window_averages_its_calls_and_sums_their_traffic() -> None:
     assert got["vit_balance/plan_ms"] == pytest.approx(1.0)
     assert got["vit_balance/prepare_ms"] == pytest.approx(3.0)
     assert got["vit_balance/exchange_ms"] == pytest.approx(8.0)
+    # Trips: summed where a call reports some (the applied call's own come a call later: -1).
+    assert got["vit_balance/trip_ms"] == 2.5
     # Measured: the slowest rank's ViT time per call, averaged (30 and 20), and the ranks' mean.
     assert got["vit_balance/vit_ms_max"] == 25.0 and got["vit_balance/vit_ms_mean"] == 19.0
     assert (got["vit_balance/vit_ms/rank_0"], got["vit_balance/vit_ms/rank_1"]) == (25.0, 13.0)

@@ -1,4 +1,4 @@
-"""ViTClock: a rank's ViT time, on CPU by a host timer, on CUDA by events read a call later.
+"""ViTClock and TripClock: a rank's ViT and trip times, a host timer on CPU, CUDA events read later.
 
 No GPU here: the CUDA path runs against stand-in events that behave as CUDA's do (``query`` tells
 whether an event has completed without waiting; ``elapsed_time`` needs both completed) and fail the
@@ -13,7 +13,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from lightning_vit_balance.encoding import ViTClock
+from lightning_vit_balance.encoding import TripClock, ViTClock
 
 
 class _Event:
@@ -92,3 +92,53 @@ def test_cuda_forward_that_raised_reports_unknown(cuda_events: list[_Event]) -> 
     clock.start(torch.device("cuda"))
     clock.stop()
     assert clock.read() >= 0
+
+
+def test_cpu_trips_are_summed_and_reported_once_by_the_next_call() -> None:
+    trips = TripClock()
+    trips.begin_call()
+    for _ in range(2):  # the pixel trip and the return trip
+        trips.start(torch.device("cpu"))
+        time.sleep(0.002)
+        trips.stop()
+    assert trips.end_call() == -1.0  # nothing due before the first call
+    trips.begin_call()
+    reported = trips.end_call()  # a call that moved nothing reports the one before
+    assert 4.0 <= reported < 4_000.0
+    trips.begin_call()
+    assert trips.end_call() == -1.0  # reported once; that call moved nothing
+
+
+def test_cuda_trips_are_read_a_call_later_without_waiting(cuda_events: list[_Event]) -> None:
+    trips = TripClock()
+    trips.begin_call()
+    for _ in range(2):
+        trips.start(torch.device("cuda"))
+        time.sleep(0.002)
+        trips.stop()
+    assert len(cuda_events) == 4  # a pair per trip, read later
+    assert trips.end_call() == -1.0
+    cuda_events[3].done = False  # the return trip still runs on the device
+    trips.begin_call()
+    assert trips.end_call() == -1.0  # unknown, not waited for
+    trips.begin_call()
+    trips.start(torch.device("cuda"))
+    time.sleep(0.003)
+    trips.stop()
+    assert trips.end_call() == -1.0
+    trips.begin_call()
+    assert 3.0 <= trips.end_call() < 3_000.0  # that call's one bracket alone
+
+
+def test_trips_of_a_call_that_raised_are_dropped(cuda_events: list[_Event]) -> None:
+    # The trip raised between start and stop (the call then fails on every rank, before it ends):
+    # the next call starts afresh.
+    trips = TripClock()
+    trips.begin_call()
+    trips.start(torch.device("cuda"))
+    trips.begin_call()
+    trips.start(torch.device("cuda"))
+    trips.stop()
+    assert trips.end_call() == -1.0
+    trips.begin_call()
+    assert trips.end_call() >= 0.0

@@ -80,6 +80,11 @@ class ViTBalanceCallback(Callback):
         ``vit_balance/prepare_ms``                  milliseconds making plans before their calls
                                                     (``plan_ahead``, ``prepare``, the drop-in's
                                                     collator): the size gather and the planning
+        ``vit_balance/trip_ms``                     milliseconds in this rank's trips, packing
+                                                    included, forward pass only: on CUDA the
+                                                    device's time (events, a call late), where
+                                                    ``exchange_ms`` is the host's; without the
+                                                    status gather's wait for the slowest ViT
         ``vit_balance/collectives``                 collective operations issued, summed
         ``vit_balance/vit_ms/rank_{r}``             measured milliseconds of DP rank ``r``'s ViT
                                                     forward (only with ``log_per_rank_loads``)

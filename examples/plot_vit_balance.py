@@ -11,7 +11,9 @@ The picture has three panels: the imbalance ``max/mean - 1`` before and after ba
 (applied steps marked), and the ViT load of every data-parallel rank without and with balancing;
 a fourth, when the log holds measured ViT milliseconds, draws every rank's
 (``vit_balance/vit_ms/rank_{r}``), the slowest rank's and the mean, and names the rank that was
-slowest most often (``vit_balance/vit_ms_slowest_rank``). Beyond 64 data-parallel ranks the
+slowest most often (``vit_balance/vit_ms_slowest_rank``), with the logging rank's time in the trips
+per call (``vit_balance/trip_ms``: what balancing spends to shorten the slowest rank). Beyond 64
+data-parallel ranks the
 callbacks log no per-rank series by default: the load panels then say so, and the fourth draws the
 slowest rank and the mean alone.
 """
@@ -236,6 +238,7 @@ def plot_dashboard(
     loads = {"before": _rank_series(metrics, "load_before"), "after": _rank_series(metrics, "load_after")}
     measured = _rank_series(metrics, "vit_ms")
     summary = {key: metrics.get(f"{PREFIX}vit_ms_{key}", []) for key in ("max", "mean", "slowest_rank")}
+    summary["trips"] = _per_call(metrics, "trip_ms")
     show_measured = bool(measured or summary["max"])
     panels = 3 + (1 if show_measured else 0) + (1 if timings else 0)
     fig, axes = plt.subplots(panels, 1, figsize=(10, 2.6 * panels + 0.6), sharex=False)
@@ -334,6 +337,8 @@ def _plot_measured(
         ax.plot(*zip(*summary["max"]), color="black", ls="--", lw=1.5, label="slowest rank")
     if summary["mean"] and not measured:
         ax.plot(*zip(*summary["mean"]), color="tab:blue", lw=1.2, label="mean over ranks")
+    if any(value > 0 for _, value in summary["trips"]):
+        ax.plot(*zip(*summary["trips"]), color="0.4", ls=":", lw=2.0, label="trips per call")
     ax.set_ylabel("ms")
     ax.set_title(
         "Measured ViT time per rank (vit_balance/vit_ms: each step shows the previous call)"
@@ -341,6 +346,14 @@ def _plot_measured(
     )
     _legend(ax)
     ax.grid(alpha=0.3)
+
+
+def _per_call(metrics: Mapping[str, Sequence[tuple[int, float]]], key: str) -> list[tuple[int, float]]:
+    """``vit_balance/{key}`` (a record's sum over its calls) per call, at the steps logging both."""
+    calls = dict(metrics.get(PREFIX + "calls", []))
+    return [
+        (step, value / calls[step]) for step, value in metrics.get(PREFIX + key, []) if calls.get(step, 0) > 0
+    ]
 
 
 def _most_often_slowest(slowest_rank: Sequence[tuple[int, float]]) -> str:

@@ -248,6 +248,16 @@ def test_dashboard_at_large_dp_sizes_draws_the_summaries(
     measured = figure.axes[3]
     assert len(measured.get_lines()) == 21  # the ranks and the slowest rank's
     assert [t.get_text() for t in measured.get_legend().get_texts()] == ["slowest rank"]
+    # The trips (a record's sum over its calls) per call, beside the ViT time they shorten; not
+    # drawn where no trip was timed (above: no trip_ms at all).
+    trips = {
+        "vit_balance/calls": [(s, 2.0) for s in steps],
+        "vit_balance/trip_ms": [(0, 0.0), (1, 9.0), (2, 7.0), (3, 8.0)],
+    }
+    figure = _drawn_figure(monkeypatch, {**metrics, **trips}, tmp_path / "trips.png")
+    measured = figure.axes[3]
+    assert [t.get_text() for t in measured.get_legend().get_texts()][-1] == "trips per call"
+    assert list(measured.get_lines()[-1].get_ydata()) == [0.0, 4.5, 3.5, 4.0]
 
 
 def test_dashboard_errors_name_the_path(tmp_path: Path) -> None:

@@ -93,9 +93,9 @@ def _env() -> dict[str, str]:
 def test_python_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
     script = tmp_path / "snippet.py"
     script.write_text(snippet.code)
-    done = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=240
-    )
+    done = _run_script(script, tmp_path)
+    if _worker_aborted_at_exit(done):
+        done = _run_script(script, tmp_path)  # once more: see _worker_aborted_at_exit
     assert done.returncode == 0, f"{snippet.name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     logs = tmp_path / "lightning_logs"
     if logs.exists():  # a snippet that trains with ViTBalanceCallback: its metrics were logged
@@ -103,6 +103,21 @@ def test_python_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
 
         metrics = plot_vit_balance.load_metrics(logs)
         assert "vit_balance/calls_total" in metrics and "vit_balance/imbalance_before" in metrics
+
+
+def _run_script(script: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(script)], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=240
+    )
+
+
+def _worker_aborted_at_exit(done: subprocess.CompletedProcess[str]) -> bool:
+    """A ``ddp_spawn`` worker that aborted as it exited, after the fit: torch 2.13 on gloo with a
+    ``DistributedDataParallel`` module alive at the interpreter's exit, whatever the module does.
+    The quick start without this package (no mixin, no callback) failed so in 4 of 16 runs here,
+    with it in 2 of 12 (README, Troubleshooting)."""
+    aborted = "terminate called without an active exception" in done.stderr
+    return done.returncode != 0 and aborted and "terminated with signal SIGABRT" in done.stderr
 
 
 def _exec_on_rank(code: str) -> str:

@@ -81,8 +81,8 @@ def summarize(log_history: Sequence[dict[str, Any]]) -> dict[str, float]:
         # gather, which waits for the slowest rank's ViT).
         "prepare_ms_per_call": per_call("vit_balance/prepare_ms"),
         "call_ms_per_call": per_call("vit_balance/plan_ms", "vit_balance/exchange_ms"),
-        # The trips alone, packing included, per call that moved images (device time on GPUs; each
-        # call's figure is logged by the call after it, so the last call's is not in the logs).
+        # The trips alone (forward and backward, packing included) per call that moved images
+        # (device time on GPUs; logged a call late, so the last call's are not in the logs).
         "trip_ms_per_applied_call": sum(entry["vit_balance/trip_ms"] for entry in logs)
         / max(1.0, logs[-1]["vit_balance/applied_total"]),
         "applied_total": logs[-1]["vit_balance/applied_total"],
@@ -107,7 +107,7 @@ def _print(summary: dict[str, float], dashboard: Path) -> None:
     )
     print(
         f"  in the trips themselves: {summary['trip_ms_per_applied_call']:.2f} ms per call that moved "
-        "images (packing included; on GPUs the device's time)"
+        "images (forward and backward, packing included; on GPUs the device's time)"
     )
     print(f"  dashboard: {dashboard}")
 

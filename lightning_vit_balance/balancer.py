@@ -120,13 +120,15 @@ class BalanceStats:
         prepare_seconds: Host wall time of this call's plan made before it (:meth:`ViTBalancer.prepare`,
             ``plan_ahead``, the drop-in's collator): its metadata gather and its planning, spent
             outside this call; 0.0 for a call that gathered and planned itself.
-        trip_ms: This rank's milliseconds in the trips of the call before this one (-1.0 when that
-            call moved no images, or while its CUDA events still run): packing and sending the
-            pixel rows, packing the return buffer, the return trip and unpacking it, in the forward
-            pass. Device time on CUDA (events, read a call later so that nothing waits), host time
-            on CPU; the status gather and its wait for the slowest rank's ViT are not in it, nor,
-            with ``overlap_pixel_trip``, the wait for the pixel trip (that is in ``vit_ms``). Each
-            call's figure is reported once, by the call after it.
+        trip_ms: This rank's milliseconds in trips, one call late: the forward trips of the call
+            before this one and the backward trips that ran before that call (those of earlier
+            calls' gradients); -1.0 when there were none, or while their CUDA events still run.
+            Forward: packing and sending the pixel rows, packing the return buffer, the return
+            trip and unpacking it; backward: the two exchanges that send the gradients back and
+            placing them. Device time on CUDA (events, read a call later so that nothing waits),
+            host time on CPU; the status gather and its wait for the slowest rank's ViT are not in
+            it, nor, with ``overlap_pixel_trip``, the wait for the pixel trip (that is in
+            ``vit_ms``). Summed over calls, every trip counts once.
     """
 
     applied: bool
@@ -589,7 +591,6 @@ class ViTBalancer:
         return BalancedBatch(pixels, grid, counts, False, received)
 
     def _start(self, vit: Any, pixel_values: Any) -> _Call:
-        self._trips.begin_call()
         preferred = pixel_values.device if isinstance(pixel_values, torch.Tensor) else None
         return _Call(
             group=self.group,
@@ -721,8 +722,8 @@ class ViTBalancer:
         pixels = received if zeros else received.to(pixel_values.dtype)
         return self._batch(pixels, received, route.arrivals, metadata, grid_thw)
 
-    @staticmethod
     def _start_pixel_trip(
+        self,
         call: _Call,
         pixel_values: torch.Tensor,
         route: ExchangeRoute,
@@ -747,6 +748,7 @@ class ViTBalancer:
             reference.dtype,
             call.group,
             differentiable=reference.pixels_differentiable,
+            timer=self._trips,
         )
         call.collectives += 1
         row_bytes = reference.channels * reference.dtype.itemsize
@@ -793,6 +795,7 @@ class ViTBalancer:
             call.group,
             differentiable=grad_wanted and (transit.is_floating_point or transit.is_complex),
             out=arrivals,
+            timer=self._trips,
         )  # [sum(receive_splits)] transit values, from worker rank 0 first
         call.collectives += 1
         call.bytes_sent += transit.itemsize * sum(

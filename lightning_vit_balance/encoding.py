@@ -530,27 +530,26 @@ class ViTClock:
 
 
 class TripClock:
-    """Times this rank's trips in a balanced call without ever waiting for the device.
+    """Times this rank's trips without ever waiting for the device: a balanced call's forward trips
+    and, in the backward pass, the exchanges that send their gradients back.
 
     Each trip is bracketed (:meth:`start`, :meth:`stop`): a host timer on CPU, a pair of CUDA
-    events on CUDA, where the collectives run on the device after the host has moved on. A call's
-    brackets are summed and reported once, at the next call (:meth:`end_call`), when its CUDA
-    events have normally completed; ``Event.query()`` checks without blocking, and a call whose
-    events still run is reported as unknown.
+    events on CUDA, where the collectives run on the device after the host has moved on. The
+    brackets closed since the previous call ended (the backward trips of earlier calls, then this
+    call's forward trips) are summed and reported once, at the next call (:meth:`end_call`), when
+    their CUDA events have normally completed; ``Event.query()`` checks without blocking, and a
+    figure whose events still run is reported as unknown. Summed over a run, every trip counts once.
     """
 
     def __init__(self) -> None:
-        #: This call's CUDA event pairs (the end ``None`` until stopped) and host seconds.
+        #: The CUDA event pairs (the end ``None`` until stopped) and host seconds since the previous
+        #: call ended.
         self._pairs: list[tuple[Any, Any]] = []
         self._host_seconds = 0.0
         self._started = 0.0
         self._cuda = False
-        #: The previous call's pairs and host seconds, reported at the next :meth:`end_call`.
+        #: What the previous call's end closed, reported at the next :meth:`end_call`.
         self._due: tuple[list[tuple[Any, Any]], float] | None = None
-
-    def begin_call(self) -> None:
-        """Forget the brackets of a call that raised before it ended (:meth:`end_call`)."""
-        self._pairs, self._host_seconds = [], 0.0
 
     def start(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
@@ -570,16 +569,18 @@ class TripClock:
             self._host_seconds += time.perf_counter() - self._started
 
     def end_call(self) -> float:
-        """Close this call's brackets (due at the next call) and return the milliseconds of the
-        previous call's: -1.0 when it timed no trip, or while its CUDA events still run."""
+        """Close the brackets since the previous call (due at the next call) and return the
+        milliseconds of those the previous call closed: -1.0 when it closed none, or while their
+        CUDA events still run."""
         due, self._due = self._due, None
-        if self._pairs or self._host_seconds > 0.0:
-            self._due = (self._pairs, self._host_seconds)
+        # A pair left open is a trip that raised (its call failed on every rank): dropped.
+        closed = [pair for pair in self._pairs if pair[1] is not None]
+        if closed or self._host_seconds > 0.0:
+            self._due = (closed, self._host_seconds)
         self._pairs, self._host_seconds = [], 0.0
         if due is None:
             return -1.0
         pairs, host_seconds = due
-        # A pair left open (a trip that raised) or still running makes the figure unknown.
-        if any(end is None or not end.query() for _, end in pairs):
+        if not all(end.query() for _, end in pairs):
             return -1.0
         return 1000.0 * host_seconds + sum(float(begin.elapsed_time(end)) for begin, end in pairs)

@@ -22,12 +22,13 @@ no sizes are exchanged in between. The pieces:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ __all__ = [
     "RankMetadata",
     "ReturnLayout",
     "StatusReport",
+    "TripTimer",
     "ViTStatus",
     "all_to_all",
     "collective_device",
@@ -456,6 +458,25 @@ def metadata_of_rows(headers: np.ndarray, grid_values: np.ndarray) -> tuple[Rank
 # -- the autograd all_to_all ----------------------------------------------------------------------
 
 
+class TripTimer(Protocol):
+    """Times the trips' backward exchanges: :class:`~lightning_vit_balance.encoding.TripClock`."""
+
+    def start(self, device: torch.device) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+@contextlib.contextmanager
+def _timed(timer: TripTimer | None, device: torch.device) -> Iterator[None]:
+    """Brackets a backward exchange with ``timer`` (none: nothing)."""
+    if timer is None:
+        yield
+        return
+    timer.start(device)
+    yield
+    timer.stop()  # not reached when the exchange raised: the bracket stays open, and is dropped
+
+
 class _AllToAllFunction(torch.autograd.Function):
     """``all_to_all_single`` along dim 0; its backward is the inverse exchange (splits swapped)."""
 
@@ -467,16 +488,18 @@ class _AllToAllFunction(torch.autograd.Function):
         receive_splits: list[int],
         group: Any,
         out: torch.Tensor | None,
+        timer: TripTimer | None,
     ) -> torch.Tensor:
         ctx.send_splits = send_splits
         ctx.receive_splits = receive_splits
-        ctx.group = group
+        ctx.group, ctx.timer = group, timer
         return _exchange(tensor, send_splits, receive_splits, group, out)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        grad = _exchange(grad_output, ctx.receive_splits, ctx.send_splits, ctx.group)
-        return grad, None, None, None, None
+        with _timed(ctx.timer, grad_output.device):
+            grad = _exchange(grad_output, ctx.receive_splits, ctx.send_splits, ctx.group)
+        return grad, None, None, None, None, None
 
 
 def _exchange(
@@ -502,6 +525,7 @@ def all_to_all(
     *,
     differentiable: bool,
     out: torch.Tensor | None = None,
+    timer: TripTimer | None = None,
 ) -> torch.Tensor:
     """Exchange rows of ``tensor`` with every rank in one ``all_to_all_single``.
 
@@ -517,6 +541,7 @@ def all_to_all(
         out: Where the rows arrive, ``[sum(receive_splits), ...]`` like ``tensor`` (allocated ahead,
             so that running out of memory for it can be reported before the exchange); ``None``: a
             new tensor.
+        timer: Brackets the backward exchange (``differentiable`` only); ``None``: untimed.
 
     Returns:
         ``[sum(receive_splits), ...]``, rows from rank 0 first, then rank 1, ... on ``tensor``'s device
@@ -529,7 +554,7 @@ def all_to_all(
             return _exchange(tensor, send, receive, group, out)
     if not tensor.requires_grad:
         tensor = tensor.detach().requires_grad_(True)
-    return _AllToAllFunction.apply(tensor, send, receive, group, out)
+    return _AllToAllFunction.apply(tensor, send, receive, group, out, timer)
 
 
 class PendingExchange:
@@ -714,9 +739,15 @@ class _PixelTripFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, pixels: torch.Tensor, trip: PixelTrip, dtype: torch.dtype, group: Any, works: list[Any]
+        ctx: Any,
+        pixels: torch.Tensor,
+        trip: PixelTrip,
+        dtype: torch.dtype,
+        group: Any,
+        works: list[Any],
+        timer: TripTimer | None,
     ) -> torch.Tensor:
-        ctx.trip, ctx.group = trip, group
+        ctx.trip, ctx.group, ctx.timer = trip, group, timer
         ctx.pixel_shape, ctx.pixel_dtype = pixels.shape, pixels.dtype
         batch, work = _trip_forward(pixels, trip, dtype, group)
         works.append(work)
@@ -724,6 +755,12 @@ class _PixelTripFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_batch: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        with _timed(ctx.timer, grad_batch.device):
+            return _PixelTripFunction._backward(ctx, grad_batch), None, None, None, None, None
+
+    @staticmethod
+    def _backward(ctx: Any, grad_batch: torch.Tensor) -> torch.Tensor:
+        """The pixels' gradient: the received rows' gradients sent home, the home rows' in place."""
         trip: PixelTrip = ctx.trip
         grad_batch = grad_batch.contiguous()
         a, b = trip.received_rows
@@ -735,7 +772,7 @@ class _PixelTripFunction(torch.autograd.Function):
             for start, stop in runs:
                 grad[start:stop] = source[at : at + stop - start]
                 at += stop - start
-        return grad, None, None, None, None
+        return grad
 
 
 def gradient_buffer(
@@ -748,7 +785,13 @@ def gradient_buffer(
 
 
 def start_pixel_trip(
-    pixels: torch.Tensor, trip: PixelTrip, dtype: torch.dtype, group: Any, *, differentiable: bool
+    pixels: torch.Tensor,
+    trip: PixelTrip,
+    dtype: torch.dtype,
+    group: Any,
+    *,
+    differentiable: bool,
+    timer: TripTimer | None = None,
 ) -> PendingExchange:
     """Start the forward trip of ``trip``; ``wait()`` gives the balanced batch ``[trip.rows, C]``.
 
@@ -759,6 +802,7 @@ def start_pixel_trip(
         group: The process group.
         differentiable: As in :func:`all_to_all`: the same on every rank; the backward exchange
             (synchronous) then runs on every rank.
+        timer: Brackets the backward trip (``differentiable`` only); ``None``: untimed.
     """
     if not differentiable:
         with torch.no_grad():
@@ -766,7 +810,7 @@ def start_pixel_trip(
     if not pixels.requires_grad:
         pixels = pixels.detach().requires_grad_(True)
     works: list[Any] = []
-    batch = _PixelTripFunction.apply(pixels, trip, dtype, group, works)
+    batch = _PixelTripFunction.apply(pixels, trip, dtype, group, works, timer)
     return PendingExchange(batch, works[0])
 
 

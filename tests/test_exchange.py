@@ -7,11 +7,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import towers
 from multirank import subgroup
 from test_faults import _vit_case as vit_case
 from test_many_ranks import _suite as many_ranks_suite
 
-from lightning_vit_balance import exchange
+from lightning_vit_balance import ViTBalanceConfig, ViTBalancer, exchange
+from lightning_vit_balance.encoding import TripClock
 from lightning_vit_balance.exchange import (
     ExchangeRoute,
     RankMetadata,
@@ -73,6 +75,104 @@ def _all_to_all_checks(n: int) -> bool | None:
 def test_all_to_all_forward_and_backward(multirank: Any, n: int) -> None:
     with multirank(POOL) as w:
         assert w.run(_all_to_all_checks, n)[:n] == [True] * n
+
+
+class _Brackets:
+    """A trip timer that records its brackets: ``("start", device type)`` and ``"stop"``."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def start(self, device: torch.device) -> None:
+        self.events.append(("start", device.type))
+
+    def stop(self) -> None:
+        self.events.append("stop")
+
+
+def _timed_backward_checks() -> list[list[Any]]:
+    """The brackets of each exchange's timer after its forward, then after its backward."""
+    group = subgroup(2)
+    rank = dist.get_rank()
+    if rank >= 2:
+        return []
+    seen = []
+    x = torch.ones(3, 2, requires_grad=True)
+    timer = _Brackets()
+    splits = [1, 2] if rank == 0 else [2, 1]  # two rows each way, one kept
+    y = all_to_all(x, splits, splits, group, differentiable=True, timer=timer)
+    seen.append(list(timer.events))
+    y.sum().backward()
+    seen.append(list(timer.events))
+    timer = _Brackets()
+    # Each rank sends its first row to the other and keeps the other two, ahead of the one it gets.
+    other = (0, 1) if rank == 0 else (1, 0)
+    trip = exchange.PixelTrip(
+        rows=3,
+        local=((1, 3),),
+        local_at=0,
+        sent=((0, 1),),
+        send_splits=other,
+        receive_splits=other,
+        received_at=2,
+    )
+    batch = exchange.start_pixel_trip(x, trip, torch.float32, group, differentiable=True, timer=timer).wait()
+    seen.append(list(timer.events))
+    batch.sum().backward()
+    seen.append(list(timer.events))
+    return seen
+
+
+class _CountedClock(TripClock):
+    """The balancer's trip clock, counting its brackets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.brackets = 0
+
+    def start(self, device: torch.device) -> None:
+        self.brackets += 1
+        super().start(device)
+
+
+def _balancer_brackets(overlap: bool) -> list[int]:
+    """A balanced call's trip brackets after its forward and after its backward, with pixels
+    that need no gradient, then with pixels that do."""
+    group = subgroup(2)
+    if dist.get_rank() >= 2:
+        return []
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    grids = [(1, 8, 8), (1, 8, 8), (1, 4, 4)] if dist.get_rank() == 0 else [(1, 2, 2)]
+    pixels, grid = towers.make_batch(grids, seed=dist.get_rank())
+    balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0, overlap_pixel_trip=overlap), group)
+    counts = []
+    for needs_grad in (False, True):
+        clock = balancer._trips = _CountedClock()
+        out = balancer(tower, pixels.clone().requires_grad_(needs_grad), grid)
+        assert balancer.last_stats is not None and balancer.last_stats.applied
+        counts.append(clock.brackets)
+        out.sum().backward()
+        counts.append(clock.brackets)
+    return counts
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_balancer_times_every_trip_forward_and_backward(multirank: Any, overlap: bool) -> None:
+    """Forward: the pixel trip, packing the return buffer, the return trip; backward: the return
+    trip's exchange, and the pixel trip's when the pixels need gradients."""
+    with multirank(POOL) as w:
+        results = w.run(_balancer_brackets, overlap)[:2]
+    assert results == [[3, 4, 3, 5]] * 2, results
+
+
+def test_a_timer_brackets_the_backward_exchanges_only(multirank: Any) -> None:
+    """The balancer times its forward trips itself; the timer given to an exchange brackets its
+    backward, once (balancer.py gives both trips its TripClock)."""
+    with multirank(POOL) as w:
+        results = w.run(_timed_backward_checks)[:2]
+    for seen in results:
+        assert seen == [[], [("start", "cpu"), "stop"]] * 2, seen
 
 
 def _gather_checks(n: int) -> list[Any] | None:

@@ -96,22 +96,22 @@ def test_cuda_forward_that_raised_reports_unknown(cuda_events: list[_Event]) -> 
 
 def test_cpu_trips_are_summed_and_reported_once_by_the_next_call() -> None:
     trips = TripClock()
-    trips.begin_call()
     for _ in range(2):  # the pixel trip and the return trip
         trips.start(torch.device("cpu"))
         time.sleep(0.002)
         trips.stop()
     assert trips.end_call() == -1.0  # nothing due before the first call
-    trips.begin_call()
-    reported = trips.end_call()  # a call that moved nothing reports the one before
-    assert 4.0 <= reported < 4_000.0
-    trips.begin_call()
-    assert trips.end_call() == -1.0  # reported once; that call moved nothing
+    trips.start(torch.device("cpu"))  # the backward pass's trip, after the call ended
+    time.sleep(0.002)
+    trips.stop()
+    # The next call (which moves nothing) reports the first call's trips, not the backward's yet.
+    assert 4.0 <= trips.end_call() < 4_000.0
+    assert 2.0 <= trips.end_call() < 2_000.0  # then the backward's, once
+    assert trips.end_call() == -1.0  # nothing since
 
 
 def test_cuda_trips_are_read_a_call_later_without_waiting(cuda_events: list[_Event]) -> None:
     trips = TripClock()
-    trips.begin_call()
     for _ in range(2):
         trips.start(torch.device("cuda"))
         time.sleep(0.002)
@@ -119,26 +119,21 @@ def test_cuda_trips_are_read_a_call_later_without_waiting(cuda_events: list[_Eve
     assert len(cuda_events) == 4  # a pair per trip, read later
     assert trips.end_call() == -1.0
     cuda_events[3].done = False  # the return trip still runs on the device
-    trips.begin_call()
     assert trips.end_call() == -1.0  # unknown, not waited for
-    trips.begin_call()
     trips.start(torch.device("cuda"))
     time.sleep(0.003)
     trips.stop()
     assert trips.end_call() == -1.0
-    trips.begin_call()
     assert 3.0 <= trips.end_call() < 3_000.0  # that call's one bracket alone
 
 
-def test_trips_of_a_call_that_raised_are_dropped(cuda_events: list[_Event]) -> None:
-    # The trip raised between start and stop (the call then fails on every rank, before it ends):
-    # the next call starts afresh.
+def test_a_trip_that_raised_is_dropped(cuda_events: list[_Event]) -> None:
+    # The trip raised between start and stop (its call then fails on every rank): the bracket
+    # left open is dropped, the next ones count.
     trips = TripClock()
-    trips.begin_call()
     trips.start(torch.device("cuda"))
-    trips.begin_call()
     trips.start(torch.device("cuda"))
     trips.stop()
     assert trips.end_call() == -1.0
-    trips.begin_call()
     assert trips.end_call() >= 0.0
+    assert len(cuda_events) == 3

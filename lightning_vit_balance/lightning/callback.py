@@ -80,8 +80,8 @@ class ViTBalanceCallback(Callback):
         ``vit_balance/prepare_ms``                  milliseconds making plans before their calls
                                                     (``plan_ahead``, ``prepare``, the drop-in's
                                                     collator): the size gather and the planning
-        ``vit_balance/trip_ms``                     milliseconds in this rank's trips, packing
-                                                    included, forward pass only: on CUDA the
+        ``vit_balance/trip_ms``                     milliseconds in this rank's trips, forward and
+                                                    backward, packing included: on CUDA the
                                                     device's time (events, a call late), where
                                                     ``exchange_ms`` is the host's; without the
                                                     status gather's wait for the slowest ViT

@@ -148,16 +148,9 @@ class _Window:
             metrics[PREFIX + name] = self.totals[name]
         moved = self.totals["moved_patches"]
         metrics[PREFIX + "moved_patch_fraction"] = moved / patches if patches > 0 else 0.0
-        for name in (
-            "bytes_sent",
-            "bytes_received",
-            "plan_ms",
-            "exchange_ms",
-            "prepare_ms",
-            "trip_ms",
-            "collectives",
-        ):
-            metrics[PREFIX + name] = self.totals[name]
+        for name in _SUMS:
+            if name not in ("moved_images", "moved_patches", "total_patches"):  # those are above
+                metrics[PREFIX + name] = self.totals[name]
         metrics.update(self._vit_metrics(per_rank=bool(self.loads)))
         return metrics
 

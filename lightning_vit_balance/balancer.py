@@ -126,9 +126,11 @@ class BalanceStats:
             Forward: packing and sending the pixel rows, packing the return buffer, the return
             trip and unpacking it; backward: the two exchanges that send the gradients back and
             placing them. Device time on CUDA (events, read a call later so that nothing waits),
-            host time on CPU; the status gather and its wait for the slowest rank's ViT are not in
-            it, nor, with ``overlap_pixel_trip``, the wait for the pixel trip (that is in
-            ``vit_ms``). Summed over calls, every trip counts once.
+            host time on CPU. A trip is a collective: its time includes waiting for the other ranks
+            to reach it (in the backward pass, for their work after the ViT). The status gather
+            and its wait for the slowest rank's ViT are not in it, nor, with
+            ``overlap_pixel_trip``, the wait for the pixel trip (that is in ``vit_ms``). Summed
+            over calls, every trip counts once.
     """
 
     applied: bool

@@ -13,9 +13,8 @@ a fourth, when the log holds measured ViT milliseconds, draws every rank's
 (``vit_balance/vit_ms/rank_{r}``), the slowest rank's and the mean, and names the rank that was
 slowest most often (``vit_balance/vit_ms_slowest_rank``), with the logging rank's time in the trips
 per call (``vit_balance/trip_ms``: what balancing spends to shorten the slowest rank). Beyond 64
-data-parallel ranks the
-callbacks log no per-rank series by default: the load panels then say so, and the fourth draws the
-slowest rank and the mean alone.
+data-parallel ranks the callbacks log no per-rank series by default: the load panels then say so,
+and the fourth draws the slowest rank and the mean alone.
 """
 
 from __future__ import annotations

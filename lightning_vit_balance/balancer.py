@@ -124,13 +124,13 @@ class BalanceStats:
             before this one and the backward trips that ran before that call (those of earlier
             calls' gradients); -1.0 when there were none, or while their CUDA events still run.
             Forward: packing and sending the pixel rows, packing the return buffer, the return
-            trip and unpacking it; backward: the two exchanges that send the gradients back and
-            placing them. Device time on CUDA (events, read a call later so that nothing waits),
-            host time on CPU. A trip is a collective: its time includes waiting for the other ranks
-            to reach it (in the backward pass, for their work after the ViT). The status gather
-            and its wait for the slowest rank's ViT are not in it, nor, with
-            ``overlap_pixel_trip``, the wait for the pixel trip (that is in ``vit_ms``). Summed
-            over calls, every trip counts once.
+            trip and unpacking it; backward: the exchanges that send the gradients back (the
+            return trip's, and the pixel trip's when the pixels need gradients) and placing them.
+            Device time on CUDA (events, read a call later so that nothing waits), host time on
+            CPU. A trip is a collective: its time includes waiting for the other ranks to reach it
+            (in the backward pass, for their work after the ViT). The status gather and its wait
+            for the slowest rank's ViT are not in it, nor, with ``overlap_pixel_trip``, the wait
+            for the pixel trip (that is in ``vit_ms``). Summed over calls, every trip counts once.
     """
 
     applied: bool

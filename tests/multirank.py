@@ -52,6 +52,7 @@ from datetime import timedelta
 from typing import Any
 
 __all__ = [
+    "EXIT_ABORT_MESSAGE",
     "MAX_POOLS",
     "MultiRankError",
     "World",
@@ -69,6 +70,9 @@ MAX_POOLS = 3
 COLLECTIVE_TIMEOUT_S = 30.0
 #: Seconds to wait for the other ranks once one rank has raised.
 GRACE_S = 3.0
+#: What libstdc++ prints when a process exits with a thread left running: gloo's, when torch 2.13
+#: aborts at exit (SIGABRT) after a process's work is done (test_host_group, test_readme).
+EXIT_ABORT_MESSAGE = "terminate called without an active exception"
 #: Imported once by the fork server the workers start from (those not installed are skipped).
 PRELOAD = ("torch", "torch.distributed", "numpy", "transformers", "lightning")
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multirank import COLLECTIVE_TIMEOUT_S, groups_taken_for_nccl
+from multirank import COLLECTIVE_TIMEOUT_S, EXIT_ABORT_MESSAGE, groups_taken_for_nccl
 
 from lightning_vit_balance import host_group, make_host_group, release_host_group
 from lightning_vit_balance.host_group import (
@@ -373,7 +373,7 @@ def _gloo_aborted_at_exit(returncode: int, out: str, err: str) -> bool:
     Seen once in about seven full test runs with a lazily connecting twin that failed (never in 57
     runs of that mode alone), and once with a twin made on the named interface, under load."""
     finished = out.strip().endswith("}")
-    aborted = "terminate called without an active exception" in err
+    aborted = EXIT_ABORT_MESSAGE in err
     return returncode == -signal.SIGABRT and finished and aborted
 
 

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 sys.path.insert(0, str(ROOT / "examples"))
 
-from multirank import world  # noqa: E402
+from multirank import EXIT_ABORT_MESSAGE, world  # noqa: E402
 
 LANGUAGES = ("python", "sh", "yaml", "text")
 
@@ -116,7 +116,7 @@ def _worker_aborted_at_exit(done: subprocess.CompletedProcess[str]) -> bool:
     ``DistributedDataParallel`` module alive at the interpreter's exit, whatever the module does.
     The quick start without this package (no mixin, no callback) failed so in 4 of 16 runs here,
     with it in 2 of 12 (README, Troubleshooting)."""
-    aborted = "terminate called without an active exception" in done.stderr
+    aborted = EXIT_ABORT_MESSAGE in done.stderr
     return done.returncode != 0 and aborted and "terminated with signal SIGABRT" in done.stderr
 
 

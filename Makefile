@@ -11,7 +11,7 @@ CONSTRAINTS ?= requirements/constraints.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-transformers4 demo bench bench-e2e bench-engine bench-ranks gpu-check bench-gpu lint clean
+.PHONY: install test test-transformers4 demo bench bench-e2e bench-engine bench-ranks gpu-check bench-gpu plan-versions lint clean
 
 install: $(STAMP)
 
@@ -75,8 +75,23 @@ bench-gpu:
 			--json $(GPU_OUT)/simulate_$$solver.json; \
 	done
 
+# The planner on other interpreters and NumPy releases (every rank plans alone, so all must plan
+# alike): for each `interpreter:numpy-requirement` pair, a venv of NumPy alone, then the fixed corpus
+# of tests/plan_corpus.py against the digests `make test` checks. An interpreter is a command or a
+# path; one that does not run here is skipped.
+PLAN_VERSIONS ?= python3.10:numpy==1.24.4 python3.10:numpy==2.2.6 python3.12:numpy==1.26.4 \
+	python3.12:numpy==2.0.2 python3.12:numpy==2.4.6 python3.13:numpy==2.5.5
+plan-versions:
+	@for pair in $(PLAN_VERSIONS); do \
+		python=$${pair%%:*}; numpy=$${pair#*:}; venv=.venv-plan-$${python##*/}-$${numpy#numpy==}; \
+		if ! $$python -c "" 2> /dev/null; then echo "$$python: cannot run here, skipped"; continue; fi; \
+		[ -x $$venv/bin/python ] || { $$python -m venv $$venv && $$venv/bin/pip install --quiet "$$numpy"; } \
+			|| exit 1; \
+		$$venv/bin/python tests/plan_corpus.py --planning-only || exit 1; \
+	done
+
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) .venv-transformers4 demo_output .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-transformers4 .venv-plan-* demo_output .pytest_cache .ruff_cache

@@ -1,0 +1,33 @@
+"""The planner reproduces the recorded plans of a fixed corpus (``plan_corpus.py``).
+
+Every rank plans alone, so what this interpreter plans must be what every other rank's plans:
+a change here is either a deliberate change of the planner (record it: ``python
+tests/plan_corpus.py --write``) or a Python, NumPy or machine on which ranks would plan apart.
+"""
+
+from __future__ import annotations
+
+import json
+
+import plan_corpus
+import pytest
+
+
+def test_the_corpus_plans_as_recorded() -> None:
+    recorded = json.loads(plan_corpus.RECORDED.read_text())
+    different = plan_corpus.differences(plan_corpus.digests(), recorded)
+    assert not different, (
+        "plans or fitted costs differ from tests/data/plan_corpus.json in "
+        f"{', '.join(different)}: a deliberate change of the planner is recorded with "
+        "`python tests/plan_corpus.py --write`; otherwise ranks on this Python or NumPy would plan "
+        "unlike ranks on the recorded ones"
+    )
+
+
+def test_a_changed_decision_changes_the_digests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The digests see a planner that decides differently: a slack 2.5% wider changes plans."""
+    from lightning_vit_balance.solvers import tuning
+
+    monkeypatch.setattr(tuning, "SLACK", tuning.SLACK * 1.025)
+    changed = plan_corpus.differences(plan_corpus.digests(), json.loads(plan_corpus.RECORDED.read_text()))
+    assert any(line.endswith(": plans") for line in changed)

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Literal
 
 __all__ = ["EMPTY_RANK_POLICIES", "SOLVERS", "ViTBalanceConfig", "add_vit_balance_args", "stable_digest"]
@@ -238,8 +239,9 @@ class ViTBalanceConfig:
         Ranks whose settings differ would plan differently and exchange the wrong rows, so the
         balancer sends this in its metadata gather and raises on every rank when ranks disagree,
         naming the settings. It covers every field but ``verbose`` (only printing) and
-        ``gather_capacity`` (no longer used), plus the package version and ``extra`` (e.g. a
-        cost model fitted at run time).
+        ``gather_capacity`` (no longer used), plus the package version, a digest of the package's
+        Python sources (a stale install that kept its version number, or a file edited on one
+        node, runs other code) and ``extra`` (e.g. a cost model fitted at run time).
 
         Args:
             **extra: Further named values that must agree across ranks.
@@ -256,6 +258,7 @@ class ViTBalanceConfig:
         if named.get("solver") == "seed":
             named["solver"] = "lpt"  # an alias: the same plans
         named["package_version"] = _package_version()
+        named["package_sources"] = _package_sources()
         named.update(extra)
         return tuple((name, _stable_hash(value)) for name, value in named.items())
 
@@ -289,6 +292,26 @@ def _package_version() -> str:
         return importlib.metadata.version("lightning-vit-balance")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
+
+
+@lru_cache(maxsize=1)
+def _package_sources() -> str:
+    """:func:`_sources_digest` of the installed package, read once per process (about a
+    millisecond)."""
+    return _sources_digest(Path(__file__).resolve().parent)
+
+
+def _sources_digest(root: Path) -> str:
+    """A digest of every ``.py`` file under ``root``, each by its path relative to ``root`` and
+    its bytes; ``"unreadable"`` where they cannot be read (a zipped install)."""
+    digest = hashlib.blake2b(digest_size=16)
+    try:
+        for path in sorted(root.rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
+    except OSError:
+        return "unreadable"
+    return digest.hexdigest()
 
 
 #: namespace attribute (argparse ``dest``) -> ViTBalanceConfig field.

@@ -215,8 +215,8 @@ def _fingerprint_problem(metadata: Sequence[RankMetadata], names: Sequence[str])
     return (
         "the balancing settings differ between ranks: "
         + ", ".join(differing)
-        + ". Every rank must use the same ViTBalanceConfig (and the same cost model and package version), "
-        "or ranks would plan differently and exchange the wrong rows"
+        + ". Every rank must use the same ViTBalanceConfig (and the same cost model, and the same "
+        "package version and sources), or ranks would plan differently and exchange the wrong rows"
     )
 
 
@@ -428,9 +428,9 @@ def raise_for_plans(report: StatusReport) -> None:
     """After the status gather, before the return trip: raise on every rank when the ranks' plans
     differ.
 
-    Every rank plans from the same gathered batch, settings and package version, so the plans
-    are equal unless something outside them differs between the ranks (a Python or NumPy release
-    other than those ``make plan-versions`` found to plan alike) or a bug. Sizes that still match
+    Every rank plans from the same gathered batch, settings, package version and sources, so the
+    plans are equal unless something outside them differs between the ranks (a Python or NumPy
+    release other than those ``make plan-versions`` found to plan alike) or a bug. Sizes that still match
     would let the trips complete with images encoded as the wrong grids and their outputs returned
     to the wrong images' rows, silently: a ``RuntimeError`` with the same text on every rank ends
     the call instead.
@@ -441,8 +441,8 @@ def raise_for_plans(report: StatusReport) -> None:
     ranks = [r for r, digest in enumerate(digests) if digest != digests[0]]
     raise RuntimeError(
         f"The balanced ViT call failed: the ranks planned it differently. Ranks {ranks} made other "
-        f"plans than rank 0 from the same gathered batch, settings and package version (plan "
-        f"digest {digests[ranks[0]]} on rank {ranks[0]}, {digests[0]} on rank 0), so images would "
+        "plans than rank 0 from the same gathered batch, settings, package version and sources "
+        f"(plan digest {digests[ranks[0]]} on rank {ranks[0]}, {digests[0]} on rank 0), so images would "
         "come back to rows other images own; the call ends before its return trip on every rank. "
         "Plans depend on nothing else, so the ranks' environments differ (compare "
         '`python -c "import sys, numpy; print(sys.version, numpy.__version__)"` on each) or this is '

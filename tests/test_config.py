@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from lightning_vit_balance import ViTBalanceConfig
@@ -51,3 +54,23 @@ def test_all_zero_cost_is_rejected() -> None:
 def test_valid_values_accepted() -> None:
     config = ViTBalanceConfig(max_len_ratio=1, trigger_threshold=0, min_gain=0.0, solver="seed")
     assert config.max_len_ratio == 1
+
+
+def test_the_fingerprint_covers_the_package_sources(tmp_path: Path) -> None:
+    """Ranks whose package differs in any source file (a stale install that kept its version
+    number, a file edited on one node) send different fingerprints."""
+    from lightning_vit_balance import config as config_module
+
+    package = Path(config_module.__file__).resolve().parent
+    names = dict(ViTBalanceConfig().fingerprint())
+    assert names["package_sources"] == config_module._stable_hash(config_module._sources_digest(package))
+    copy = tmp_path / "copy"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    digests = [config_module._sources_digest(copy)]
+    solver = copy / "solvers" / "tuning.py"
+    solver.write_text(solver.read_text().replace("SLACK = 0.004", "SLACK = 0.005"))
+    digests.append(config_module._sources_digest(copy))
+    (copy / "solvers" / "tuning.py").rename(copy / "solvers" / "tuning_renamed.py")
+    digests.append(config_module._sources_digest(copy))
+    assert digests[0] == config_module._sources_digest(package)
+    assert len(set(digests)) == 3

@@ -20,6 +20,7 @@ from multirank import subgroup
 
 from lightning_vit_balance import CostModel, ViTBalanceConfig, ViTBalancer
 from lightning_vit_balance import balancer as balancer_module
+from lightning_vit_balance import config as config_module
 from lightning_vit_balance.encoding import PACKING_ERROR, EncodedBatch, raise_for_vit
 from lightning_vit_balance.exchange import StatusReport, ViTStatus
 from lightning_vit_balance.wire import pack_return
@@ -113,6 +114,33 @@ def _fitted_case() -> tuple[str, str, float] | None:
     millis = [0.1 + 1e-6 * n * n * (1 + 0.1 * rank) for n in counts]  # a slightly different machine each
     config = CostModel.fit(counts, millis).to_config(ViTBalanceConfig(**APPLY))
     return _balance_with(config, group, rank)
+
+
+def test_package_sources_that_differ_raise(multirank: Any) -> None:
+    """One rank running other code under the same version number (a stale install, a file edited
+    on one node) raises on every rank before anything moves, naming the sources."""
+    with multirank(POOL) as w:
+        outcomes = w.run(_sources_case)[:RANKS]
+    assert len({(kind, message) for kind, message, _ in outcomes}) == 1, outcomes
+    kind, message, _ = outcomes[0]
+    assert kind == "ValueError" and "package_sources (ranks [1]" in message, message
+
+
+def _sources_case() -> tuple[str, str, float] | None:
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    edited = "0123456789abcdef" if rank == 1 else config_module._package_sources()
+    # A balancer takes its settings' fingerprint when made.
+    with mock.patch.object(config_module, "_package_sources", return_value=edited):
+        balancer = ViTBalancer(ViTBalanceConfig(**APPLY), group)
+    outcome = _outcome(lambda: balancer(tower, pixels, grid))
+    _still_in_step(group, rank)
+    return outcome
 
 
 def test_gather_capacity_may_differ(multirank: Any) -> None:

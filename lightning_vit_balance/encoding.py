@@ -430,10 +430,10 @@ def raise_for_plans(report: StatusReport) -> None:
 
     Every rank plans from the same gathered batch, settings, package version and sources, so the
     plans are equal unless something outside them differs between the ranks (a Python or NumPy
-    release other than those ``make plan-versions`` found to plan alike) or a bug. Sizes that still match
-    would let the trips complete with images encoded as the wrong grids and their outputs returned
-    to the wrong images' rows, silently: a ``RuntimeError`` with the same text on every rank ends
-    the call instead.
+    release other than those ``make plan-versions`` found to plan alike) or a bug. Sizes that
+    still match would let the trips complete with images encoded as the wrong grids and their
+    outputs returned to the wrong images' rows, silently: a ``RuntimeError`` with the same text on
+    every rank ends the call instead.
     """
     digests = report.plan_digests
     if len(set(digests)) <= 1:

@@ -53,12 +53,15 @@ def _outcome(fn: Any) -> tuple[str, str, float]:
         return (type(error).__name__, str(error), time.perf_counter() - started)
 
 
-def _balance_with(config: ViTBalanceConfig, group: Any, rank: int) -> tuple[str, str, float]:
-    """One balanced call of this rank's batch under ``config``; then a good call on every rank."""
+def _balance_with(
+    config: ViTBalanceConfig, group: Any, rank: int, balancer: ViTBalancer | None = None
+) -> tuple[str, str, float]:
+    """One balanced call of this rank's batch under ``config`` (by ``balancer`` when given); then a
+    good call on every rank."""
     torch.manual_seed(0)
     tower = towers.TensorTower()
     pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
-    outcome = _outcome(lambda: ViTBalancer(config, group)(tower, pixels, grid))
+    outcome = _outcome(lambda: (balancer or ViTBalancer(config, group))(tower, pixels, grid))
     _still_in_step(group, rank)
     return outcome
 
@@ -131,16 +134,12 @@ def _sources_case() -> tuple[str, str, float] | None:
     rank = dist.get_rank()
     if rank >= RANKS:
         return None
-    torch.manual_seed(0)
-    tower = towers.TensorTower()
-    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    config = ViTBalanceConfig(**APPLY)
     edited = "0123456789abcdef" if rank == 1 else config_module._package_sources()
     # A balancer takes its settings' fingerprint when made.
     with mock.patch.object(config_module, "_package_sources", return_value=edited):
-        balancer = ViTBalancer(ViTBalanceConfig(**APPLY), group)
-    outcome = _outcome(lambda: balancer(tower, pixels, grid))
-    _still_in_step(group, rank)
-    return outcome
+        balancer = ViTBalancer(config, group)
+    return _balance_with(config, group, rank, balancer)
 
 
 def test_gather_capacity_may_differ(multirank: Any) -> None:

@@ -143,13 +143,11 @@ class _Window:
         for side in ("before", "after"):
             for r, total in enumerate(self.loads.get(side, ())):
                 metrics[f"{PREFIX}load_{side}/rank_{r}"] = total / self.load_calls
-        patches = self.totals["total_patches"]
-        for name in ("moved_images", "moved_patches"):
-            metrics[PREFIX + name] = self.totals[name]
-        moved = self.totals["moved_patches"]
-        metrics[PREFIX + "moved_patch_fraction"] = moved / patches if patches > 0 else 0.0
         for name in _SUMS:
-            if name not in ("moved_images", "moved_patches", "total_patches"):  # those are above
+            if name == "total_patches":  # logged in its place as the moved fraction's denominator
+                patches, moved = self.totals[name], self.totals["moved_patches"]
+                metrics[PREFIX + "moved_patch_fraction"] = moved / patches if patches > 0 else 0.0
+            else:
                 metrics[PREFIX + name] = self.totals[name]
         metrics.update(self._vit_metrics(per_rank=bool(self.loads)))
         return metrics

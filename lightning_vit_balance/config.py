@@ -20,7 +20,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["EMPTY_RANK_POLICIES", "SOLVERS", "ViTBalanceConfig", "add_vit_balance_args", "stable_digest"]
+__all__ = [
+    "EMPTY_RANK_POLICIES",
+    "SOLVERS",
+    "ViTBalanceConfig",
+    "add_vit_balance_args",
+    "setting_digest",
+    "stable_digest",
+]
 
 #: Accepted ``solver`` names. ``"seed"`` is an alias of ``"lpt"``: a config keeps the name it was
 #: given (so configs saved with ``"seed"`` load and compare as before), and both plan identically.
@@ -260,7 +267,7 @@ class ViTBalanceConfig:
         named["package_version"] = _package_version()
         named["package_sources"] = _package_sources()
         named.update(extra)
-        return tuple((name, _stable_hash(value)) for name, value in named.items())
+        return tuple((name, setting_digest(value)) for name, value in named.items())
 
 
 #: Fields that do not change what ranks compute or exchange.
@@ -276,7 +283,10 @@ def _canonical(value: object) -> object:
     return value
 
 
-def _stable_hash(value: object) -> int:
+def setting_digest(value: object) -> int:
+    """The integer :meth:`ViTBalanceConfig.fingerprint` gives one setting's ``value``: a pair
+    ``(name, setting_digest(value))`` appended to a fingerprint equals the fingerprint made with
+    that pair as ``extra``, without hashing the other settings again."""
     return stable_digest(repr(_canonical(value)).encode())
 
 

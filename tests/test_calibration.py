@@ -37,6 +37,10 @@ def _calibrating_run() -> dict[str, Any] | None:
         torch.testing.assert_close(out, tower(pixels, grid), rtol=1e-4, atol=1e-5)
         assert balancer._calibrator is not None
         models.append(balancer._calibrator.fingerprint())
+        # What the next call sends: the settings and the model fitted so far, as the config's own
+        # fingerprint with the fit as an extra setting says (the ranks compare it).
+        expected = balancer.config.fingerprint(cost_fit=models[-1])
+        assert balancer._settings_fingerprint() == expected
     stats = balancer.last_stats
     assert stats is not None
     return {"models": models, "fits": balancer._calibrator.fits, "vit_ms": stats.vit_ms}

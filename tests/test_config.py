@@ -63,7 +63,7 @@ def test_the_fingerprint_covers_the_package_sources(tmp_path: Path) -> None:
 
     package = Path(config_module.__file__).resolve().parent
     names = dict(ViTBalanceConfig().fingerprint())
-    assert names["package_sources"] == config_module._stable_hash(config_module._sources_digest(package))
+    assert names["package_sources"] == config_module.setting_digest(config_module._sources_digest(package))
     copy = tmp_path / "copy"
     shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
     digests = [config_module._sources_digest(copy)]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 import statistics
 from dataclasses import replace
 
@@ -15,7 +17,7 @@ from lightning_vit_balance import CostModel, ViTBalanceConfig, plan_rebalance
 from lightning_vit_balance.planning import _validate_patch_counts
 from lightning_vit_balance.solvers import Batch, select, tuning
 from lightning_vit_balance.solvers import repair as repair_module
-from lightning_vit_balance.solvers.batch import rank_loads, split_of_two_within
+from lightning_vit_balance.solvers.batch import rank_loads, split_of_two_within, subset_sums
 from lightning_vit_balance.solvers.locality import fill_empty_ranks, shed_and_place
 from lightning_vit_balance.solvers.repair import (
     _best_exchange,
@@ -352,6 +354,20 @@ def test_split_of_two_within_searches_every_split(cost: list[float], share: floa
     assume(abs(limit - best) > 1e-9 * max(best, 1.0))
     assert split_of_two_within(cost, limit) == (best <= limit)
     assert split_of_two_within(cost, best * (1 + 1e-12) + 1e-12)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(cost=st.lists(st.floats(0.0, 1e9, allow_nan=False, allow_infinity=False), max_size=12))
+def test_subset_sums_round_alike_on_every_machine(cost: list[float]) -> None:
+    # Bit for bit the sums of Python floats added one at a time in index order: IEEE additions in a
+    # fixed order, so every CPU gets them. (A BLAS product with 0/1 masks, which the split search
+    # used, differs from them in about a third of the entries here, and its order is the kernel's.
+    # Not the builtin sum: from Python 3.12 it compensates.)
+    expected = [
+        functools.reduce(operator.add, (c for k, c in enumerate(cost) if m >> k & 1), 0.0)
+        for m in range(1 << len(cost))
+    ]
+    assert subset_sums(np.asarray(cost, dtype=np.float64)).tolist() == expected
 
 
 def test_two_ranks_skip_a_repair_no_split_allows(monkeypatch: pytest.MonkeyPatch) -> None:

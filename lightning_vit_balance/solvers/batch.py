@@ -15,7 +15,7 @@ import math
 import sys
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import cache, reduce
+from functools import reduce
 from itertools import accumulate, chain, pairwise
 from operator import add
 from typing import Any
@@ -36,6 +36,7 @@ __all__ = [
     "rank_patches",
     "score",
     "split_of_two_within",
+    "subset_sums",
 ]
 
 #: ``dest[k]``: the rank that encodes image ``k``. A list, or an int64 array in the numpy variants.
@@ -286,15 +287,15 @@ def split_of_two_within(cost: Sequence[float], limit: float) -> bool:
     """Whether some split of ``cost`` (a few dozen at most) between two ranks keeps both loads
     within ``limit``.
 
-    Meet in the middle: every subset sum of each half of the images (a product of the half's costs
-    with the ``2**h`` rows of 0/1 masks); a split within the limit pairs a sum ``a`` of the first
-    half with one of the second in ``[total - limit - a, limit - a]``. Exact up to the rounding of
-    float sums (a few ulps).
+    Meet in the middle: every subset sum of each half of the images (:func:`subset_sums`); a split
+    within the limit pairs a sum ``a`` of the first half with one of the second in
+    ``[total - limit - a, limit - a]``. Exact up to the rounding of float sums (a few ulps), and
+    that rounding is the same on every machine, as the ranks' plans must be.
     """
     costs = np.asarray(cost, dtype=np.float64)
     half = costs.size // 2
-    first = _subset_masks(half) @ costs[:half]
-    second = _subset_masks(costs.size - half) @ costs[half:]
+    first = subset_sums(costs[:half])
+    second = subset_sums(costs[half:])
     second.sort()
     total = first[-1] + second[-1]
     low = second.searchsorted(total - limit - first, "left")
@@ -302,13 +303,32 @@ def split_of_two_within(cost: Sequence[float], limit: float) -> bool:
     return bool((low < high).any())
 
 
-@cache
-def _subset_masks(size: int) -> np.ndarray:
-    """Row ``m``: the bits of ``m``, lowest first, as floats (``[2**size, size]``); the last row
-    is the full set. Kept per size (a few per process: halves of at most
-    :data:`~tuning.SPLIT_SEARCH_UP_TO` images); callers only read it."""
-    bits = (np.arange(1 << size)[:, None] >> np.arange(size)) & 1
-    return bits.astype(np.float64)
+def subset_sums(costs: np.ndarray) -> np.ndarray:
+    """Every subset sum of ``costs`` (``[n]`` float64, a dozen at most): entry ``m`` sums the
+    costs whose bits are set in ``m``, lowest first; the last entry is the full set
+    (``[2**n]``).
+
+    Each sum adds one cost at a time in index order (Python floats for the first few, where numpy
+    calls cost more than they do, then element by element in numpy), so every machine rounds it
+    alike. A product with a matrix of 0/1 masks, which this replaces, summed in whatever order the
+    BLAS kernel of the CPU picked: ranks on nodes of different CPUs could decide a split
+    differently, and plan apart.
+    """
+    values = costs.tolist()
+    sums = [0.0]
+    for value in values[:_PYTHON_SUMS_UP_TO]:
+        sums += [s + value for s in sums]
+    if len(values) <= _PYTHON_SUMS_UP_TO:
+        return np.array(sums, dtype=np.float64)
+    out = np.empty(1 << len(values), dtype=np.float64)
+    out[: len(sums)] = sums
+    for bit in range(_PYTHON_SUMS_UP_TO, len(values)):
+        np.add(out[: 1 << bit], values[bit], out=out[1 << bit : 2 << bit])
+    return out
+
+
+#: :func:`subset_sums` adds the first costs in Python lists (64 sums), then in numpy.
+_PYTHON_SUMS_UP_TO = 6
 
 
 def group_order(groups: np.ndarray, num_groups: int) -> np.ndarray:

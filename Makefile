@@ -77,7 +77,8 @@ bench-gpu:
 
 # The planner on other interpreters and NumPy releases (every rank plans alone, so all must plan
 # alike): for each `interpreter:numpy-requirement` pair, a venv of NumPy alone, then the fixed corpus
-# of tests/plan_corpus.py against the digests `make test` checks. An interpreter is a command or a
+# of tests/plan_corpus.py against the digests `make test` checks, natively and with an older x86 CPU's
+# kernels (NumPy's baseline loops, OpenBLAS's Nehalem ones). An interpreter is a command or a
 # path; one that does not run here is skipped, and none running at all is an error.
 PLAN_VERSIONS ?= python3.10:numpy==1.24.4 python3.10:numpy==2.2.6 python3.12:numpy==1.26.4 \
 	python3.12:numpy==2.0.2 python3.12:numpy==2.4.6 python3.13:numpy==2.5.5
@@ -88,6 +89,7 @@ plan-versions:
 		[ -x $$venv/bin/python ] || { $$python -m venv $$venv && $$venv/bin/pip install --quiet "$$numpy"; } \
 			|| exit 1; \
 		$$venv/bin/python tests/plan_corpus.py --planning-only || exit 1; \
+		$$venv/bin/python tests/plan_corpus.py --planning-only --older-cpu || exit 1; \
 		checked=$$((checked + 1)); \
 	done; \
 	if [ $$checked -eq 0 ]; then echo "no interpreter of PLAN_VERSIONS runs here: name them by path"; exit 1; fi

@@ -12,7 +12,9 @@ Python keeps the same across versions (NumPy's generators may change between rel
 
 Run ``python tests/plan_corpus.py`` to compare (exit status 1 on a difference), ``--write``
 after a deliberate change of the planner to record the new digests; ``--planning-only`` imports
-the planning layer alone (NumPy, no torch), for ``make plan-versions``'s interpreters.
+the planning layer alone (NumPy, no torch), for ``make plan-versions``'s interpreters;
+``--older-cpu`` compares in a child process that runs the kernels of an older x86 CPU
+(:func:`older_cpu_environment`), as a node of another generation in the same job would.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import importlib.machinery
 import importlib.util
 import json
 import math
+import os
 import random
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -234,13 +238,38 @@ def differences(found: dict[str, dict[str, str]], recorded: dict[str, dict[str, 
     ]
 
 
+def older_cpu_environment() -> dict[str, str]:
+    """Environment variables under which NumPy and OpenBLAS run, on this CPU, the kernels they run
+    on an older x86 one: NumPy's dispatched SIMD targets that this CPU has switched off
+    (``NPY_DISABLE_CPU_FEATURES``: the AVX2 and AVX-512 loops give way to the baseline's), and
+    OpenBLAS's Nehalem kernels (``OPENBLAS_CORETYPE``, read by the wheels' ``DYNAMIC_ARCH``
+    builds). Both are read at import, so they apply to a child process."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+    except ImportError:  # NumPy 1.x
+        from numpy.core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+    present = [name for name in __cpu_dispatch__ if __cpu_features__.get(name)]
+    return {"NPY_DISABLE_CPU_FEATURES": " ".join(present), "OPENBLAS_CORETYPE": "Nehalem"}
+
+
+def _compare_on_an_older_cpu(planning_only: bool) -> int:
+    """This script's comparison in a child process with :func:`older_cpu_environment`."""
+    older = older_cpu_environment()
+    command = [sys.executable, __file__, *(["--planning-only"] if planning_only else [])]
+    print("older CPU kernels: " + ", ".join(f"{name}={value!r}" for name, value in older.items()))
+    return subprocess.run(command, env={**os.environ, **older}, check=False).returncode
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="record this interpreter's digests")
     parser.add_argument(
         "--planning-only", action="store_true", help="import the planning layer alone (NumPy, no torch)"
     )
+    parser.add_argument("--older-cpu", action="store_true", help="compare with an older x86 CPU's kernels")
     args = parser.parse_args()
+    if args.older_cpu:
+        return _compare_on_an_older_cpu(args.planning_only)
     found = digests()
     if args.write:
         RECORDED.parent.mkdir(exist_ok=True)

@@ -188,7 +188,7 @@ import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -1873,6 +1873,7 @@ class BalancedVisionTower:
         # The cast HF applies (pixels.type(visual.dtype)); patch images flattened to rows.
         combined = _combine(inputs, tower, cast=True, row_shape=self._row_shape, known=known)
         dummies = self._dummy_modalities(combined, group)
+        dropped = None
         if dummies is not None:  # the same on every rank (this rank may add none)
             for k, (name, pixels_key, _, grid_key, _) in enumerate(inputs):
                 if name in dummies:
@@ -1880,7 +1881,7 @@ class BalancedVisionTower:
             # A plan made ahead did not see the dummy images: every rank plans here, from the grids'
             # values on the device, which the parts then read too.
             combined = _combine(inputs, tower, cast=True, row_shape=self._row_shape)
-            prepared = None
+            prepared, dropped = None, prepared
         balancer = self._balancer_for(config, group)
         self._encoding = True
         try:
@@ -1888,13 +1889,8 @@ class BalancedVisionTower:
         finally:
             self._encoding = False
         self.calls += 1
-        stats = balancer.last_stats
-        if stats is not None:
-            self.applied_calls += int(stats.applied)
-            self.last_stats = stats
-            self.record(stats)
-            if self._kept is not None:
-                self._kept.append(stats)
+        if balancer.last_stats is not None:
+            self._count(balancer.last_stats, dropped)
         total = int(combined.pixels.shape[0])
         outputs = _split(output, combined.parts, total, _output_merge(tower), tower)
         if self._form.pooled_frames:
@@ -1909,6 +1905,18 @@ class BalancedVisionTower:
             if any(_touchable(param) for module in modules for param in module.parameters()):
                 touch = _ProjectionTouch.arm(functools.partial(_touch_zero, modules), self.base)
         return _Pending(combined.parts, outputs, [False] * len(combined.parts), _exact_zero(output), touch)
+
+    def _count(self, stats: BalanceStats, dropped: PreparedPlan | None) -> None:
+        """Keep a balanced call's stats. A plan made ahead that the call dropped for dummy images
+        adds its preparation's time: its gather and plan ran before the forward, as a used one's."""
+        if dropped is not None:
+            ahead = dropped.gather_seconds + dropped.plan_seconds
+            stats = replace(stats, prepare_seconds=stats.prepare_seconds + ahead)
+        self.applied_calls += int(stats.applied)
+        self.last_stats = stats
+        self.record(stats)
+        if self._kept is not None:
+            self._kept.append(stats)
 
     def _dummy_modalities(self, combined: _Combined, group: Any) -> dict[str, _Dummy] | None:
         """Where :attr:`projection` has parameters that only a call of it gathers (ZeRO-3, an FSDP2

@@ -765,12 +765,13 @@ def test_fsdp2_tower_unit_in_the_newest_families(multirank: Any) -> None:
     _two_moves_in_each_family(multirank, _fsdp2_tower_unit, FSDP2_TOWER_FAMILIES)
 
 
-def _fsdp2_projection_unit(family: str) -> int:
+def _fsdp2_projection_unit(family: str) -> tuple[int, list[float]]:
     """The projection outside the tower an FSDP2 unit of its own, next to the tower's and the root's:
     that unit gathers its parameters at each call, and the model calls it once per modality a rank
     holds, so a rank without one calls it on a dummy image. Images on every rank, a text-only rank,
-    then videos on one rank: the plain model's gradients. Returns the balanced calls that moved
-    images."""
+    then videos on one rank: the plain model's gradients. Each step is planned ahead
+    (``handle.prepare``), a plan the steps with dummy images drop. Returns the balanced calls that
+    moved images and each step's ``prepare_seconds``."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -782,10 +783,14 @@ def _fsdp2_projection_unit(family: str) -> int:
         fully_shard(getattr(handle.base, name))
     fully_shard(handle.tower)
     fully_shard(balanced)
+    prepared = []
     for step, name in enumerate(("every_rank_images", *mixed_cases(family))):
         batch = make_inputs(family, cases_for(family)[name][rank], seed=100 * step + rank)
+        assert handle.prepare(batch) is not None
         _fsdp2_step(plain, balanced, batch, f"{family}/{name} rank {rank}")
-    return handle.applied_calls
+        assert handle.last_stats is not None
+        prepared.append(handle.last_stats.prepare_seconds)
+    return handle.applied_calls, prepared
 
 
 def test_fsdp2_projection_unit_with_ranks_of_other_modalities(multirank: Any) -> None:
@@ -796,7 +801,11 @@ def test_fsdp2_projection_unit_with_ranks_of_other_modalities(multirank: Any) ->
     if not available("kimi_k25"):
         pytest.skip("this transformers has no kimi_k25")
     with multirank(RANKS) as w:
-        assert w.run(_fsdp2_projection_unit, "kimi_k25", timeout=120) == [3] * RANKS
+        results = w.run(_fsdp2_projection_unit, "kimi_k25", timeout=120)
+    assert [applied for applied, _ in results] == [3] * RANKS
+    # Every step's preparation counts in its stats, also where the dummy images made the call
+    # plan again (it was lost there).
+    assert all(seconds > 0.0 for _, prepared in results for seconds in prepared), results
 
 
 class _Wrapper(nn.Module):

@@ -354,6 +354,8 @@ _PER_FRAME_MODEL_TYPES = frozenset(
         *("muse_spark", "muse_spark_vision", "muse_glimmer", "muse_glimmer_vision"),
         # Dots3-Note's (a video's T > 1 grid rows, attention and 2-D rotary positions per step).
         *("dots3_note", "dots3_note_vision_encoder"),
+        # Ovis2.5's in 5.25 (under ``vision_tower``; windows and 2-D rotary positions per step).
+        *("ovis2_5", "ovis2_5_vision"),
     }
 )
 
@@ -440,7 +442,8 @@ def _check_vit_shape(
 
 def _shape_from_config(config: Any) -> dict[str, Any] | None:
     """:meth:`CostModel.from_vit_shape` arguments from a Qwen-VL style vision config, if it has a
-    width and a depth."""
+    width and a depth. Windowed blocks: those not in ``fullatt_block_indexes`` (Qwen2.5-VL), or
+    those ``layer_types`` names ``"window_attention"`` (Ovis2.5), with ``window_size`` pixels a side."""
     width = getattr(config, "embed_dim", None) or getattr(config, "hidden_size", None)
     depth = getattr(config, "depth", None) or getattr(config, "num_hidden_layers", None)
     if config is None or not width or not depth:
@@ -452,8 +455,13 @@ def _shape_from_config(config: Any) -> dict[str, Any] | None:
     window_px = getattr(config, "window_size", None)
     window_layers: list[int] = []
     window_patches = 0
+    layer_types = getattr(config, "layer_types", None)
     if full_indexes is not None and window_px:
         window_layers = [i for i in range(int(depth)) if i not in set(full_indexes)]
+        window_patches = (int(window_px) // patch) ** 2
+    elif window_px and isinstance(layer_types, (list, tuple)) and "window_attention" in layer_types:
+        # The windowed blocks named per block (Ovis2.5's tower), the window in pixels as Qwen2.5-VL's.
+        window_layers = [i for i, kind in enumerate(layer_types) if kind == "window_attention"]
         window_patches = (int(window_px) // patch) ** 2
     return {
         "hidden_size": int(width),

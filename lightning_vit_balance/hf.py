@@ -66,11 +66,12 @@ two forwards), in transformers 4 the first forward (an empty cache).
 Qwen2.5-Omni and Qwen3-Omni-MoE thinkers', EXAONE 4.5's, Cohere Compass's, Cosmos3-Omni's,
 Cosmos3-Edge's, GLM-5-Next's, LFM3-VL's, ERNIE-4.5-VL's, Dots3-Note's, HyperCLOVAX Vision V2's,
 Muse Spark's, Muse-Glimmer's, MiniMax-M3-VL's, PaddleOCR-VL's and Kimi-K2.5's, and in 5.25
-LLaVA-OneVision-1.5's; :func:`balance_vision_tower` checks the static part and names what is
-missing):
+LLaVA-OneVision-1.5's and Ovis2.5's; :func:`balance_vision_tower` checks the static part and names
+what is missing):
 
 1. Exactly one submodule of the model has a child module named ``visual`` (the tower; LFM3-VL,
-   ERNIE-4.5-VL, Dots3-Note, Muse Spark, Muse-Glimmer, MiniMax-M3-VL and Kimi-K2.5: ``vision_tower``;
+   ERNIE-4.5-VL, Dots3-Note, Muse Spark, Muse-Glimmer, MiniMax-M3-VL, Kimi-K2.5 and Ovis2.5:
+   ``vision_tower``;
    HyperCLOVAX Vision V2: ``vision_model``); that submodule is the base model. Its ``forward`` has
    parameters named ``pixel_values``, ``image_grid_thw``, ``pixel_values_videos`` and
    ``video_grid_thw``: image patch rows ``[sum(T*H*W), C]`` with their ``[n, 3]`` grid and the
@@ -92,7 +93,7 @@ missing):
    ``T > 1``): for those the drop-in encodes videos with that grid too
    (:attr:`BalancedVisionTower.step_grid_keys`).
 3. The tower is called as ``visual(pixels, grid_thw, **kwargs)`` (Muse Spark, Muse-Glimmer,
-   MiniMax-M3-VL, PaddleOCR-VL: ``pixel_values=pixels``) and returns tensors with one row per patch
+   MiniMax-M3-VL, PaddleOCR-VL, Ovis2.5: ``pixel_values=pixels``) and returns tensors with one row per patch
    or per merged token, alone or in a tuple or ``ModelOutput`` (transformers 5:
    ``last_hidden_state`` per patch, ``pooler_output`` and each layer of Qwen3-VL's
    ``deepstack_features`` per merged token; 4.x: the merged tokens, and Qwen3-VL's deepstack list
@@ -114,7 +115,12 @@ missing):
    one ``[H*W/m**2, m*m, D]`` block (``m`` its square ``config.merge_kernel_size``), no rows the
    engine routes, which the model reads: the balanced call drops it and each modality gets the
    tower's own ``temporal_merge`` of its ``last_hidden_state`` rows (:attr:`_TowerForm.pooled_frames`;
-   each pooled row reads one video's rows alone, so the values are the plain call's).
+   each pooled row reads one video's rows alone, so the values are the plain call's). Ovis2.5's
+   model projects the last block's ``hidden_states`` (rows per patch, each image's in its window
+   order): the balanced call asks the tower for them (:attr:`_TowerForm.keywords`). Its model
+   projects before it embeds its tokens and embeds indicator tokens per modality after, so a rank
+   touching or calling its projection without images does so at those places too
+   (:attr:`_TowerForm.features_first`, :attr:`_TowerForm.late_call`).
 4. The tower has ``dtype``, an int ``spatial_merge_size`` (PaddleOCR-VL's: its config's;
    Kimi-K2.5's: the side of its square ``config.merge_kernel_size``, and a ``temporal_merge``), and
    ``config.in_channels`` (or ``num_channels``), ``config.temporal_patch_size`` (1 when absent;
@@ -256,11 +262,21 @@ Grid = tuple[int, int, int]
 #: Muse Spark and Muse-Glimmer (one tower; they pass the pixels by keyword, which
 #: :meth:`BalancedVisionTower._serve` takes, and it merges its output by ``config.merge_size``, see
 #: :func:`_output_merge`), MiniMax-M3-VL (its outputs carry a batch dimension:
-#: :data:`_TOWER_FORMS`) and Kimi-K2.5 (patch images, frames pooled in the tower: :data:`_TOWER_FORMS`).
+#: :data:`_TOWER_FORMS`), Kimi-K2.5 (patch images, frames pooled in the tower: :data:`_TOWER_FORMS`)
+#: and, in 5.25, Ovis2.5 (its projection reads the tower's last hidden states: :data:`_TOWER_FORMS`).
 #: Other models with a ``vision_tower`` pass it differently (extra rows per merged row, 4-D pixels
 #: packed without grids): not taken on trust; :func:`_other_tower_hint` says what to do instead.
 _VISION_TOWER_MODEL_TYPES = frozenset(
-    {"lfm3_vl", "ernie4_5_vl_moe", "dots3_note", "muse_spark", "muse_glimmer", "minimax_m3_vl", "kimi_k25"}
+    {
+        "lfm3_vl",
+        "ernie4_5_vl_moe",
+        "dots3_note",
+        "muse_spark",
+        "muse_glimmer",
+        "minimax_m3_vl",
+        "kimi_k25",
+        "ovis2_5",
+    }
 )
 #: Model types whose tower is the child ``vision_model`` and meets the contract otherwise:
 #: HyperCLOVAX-SEED Vision V2 (transformers 5.24), whose tower is Qwen2.5-VL's. Other models with a
@@ -286,6 +302,18 @@ class _TowerForm:
             ``H*W/m**2`` rows (``[rows, m*m, D]``), no kind the engine routes, yet the model reads
             it: dropped from the balanced call, each modality gets the tower's own
             ``temporal_merge`` of its ``last_hidden_state`` (:func:`_pool_frames`).
+        keywords: ``(name, value)`` pairs the balanced call passes the tower, so that its outputs
+            hold what the model's own calls read: Ovis2.5's ``get_image_features`` projects the
+            last block's ``hidden_states`` (``output_hidden_states=-1``: that block's alone, one row
+            per patch, the others None).
+        features_first: The model projects its visual features before it embeds its tokens
+            (Ovis2.5; Qwen-VL models embed first). A text-only rank's touch of the projection
+            (:class:`_ProjectionTouch`) is then made before the embeddings, so that its backward
+            hands the gradients over in the other ranks' order (ZeRO-2's buckets).
+        late_call: The dotted path, from the base model, of a method of the projection that the
+            model calls once per modality after embedding its tokens, with the device (Ovis2.5's
+            ``multi_modal_projector.get_visual_indicator_features``): a rank that calls the
+            projection on dummy items calls it there too, as often (ZeRO-3 gathers per call).
     """
 
     patch_rows: bool = False
@@ -293,6 +321,9 @@ class _TowerForm:
     batched_output: bool = False
     dropped: tuple[str, ...] = ()
     pooled_frames: bool = False
+    keywords: tuple[tuple[str, Any], ...] = ()
+    features_first: bool = False
+    late_call: str = ""
 
 
 #: Base model types whose tower meets the contract up to its form (:class:`_TowerForm`), by the
@@ -306,6 +337,11 @@ _TOWER_FORMS: dict[str, _TowerForm] = {
     "minimax_m3_vl": _TowerForm(batched_output=True, dropped=("pooler_output",)),
     "paddleocr_vl": _TowerForm(patch_rows=True, batched_input=True),
     "kimi_k25": _TowerForm(patch_rows=True, dropped=("pooler_output",), pooled_frames=True),
+    "ovis2_5": _TowerForm(
+        keywords=(("output_hidden_states", -1),),
+        features_first=True,
+        late_call="multi_modal_projector.get_visual_indicator_features",
+    ),
 }
 #: Base model types that take images only (no ``pixel_values_videos`` / ``video_grid_thw``) and meet
 #: the contract otherwise: PaddleOCR-VL. Other image-only models are refused (GLM-Image gives its
@@ -405,7 +441,8 @@ def _find_base(model: Any) -> tuple[nn.Module, nn.Module]:
         raise ValueError(
             f"balance_vision_tower: {type(model).__name__} has no submodule with a child module named "
             "'visual' (looked for model.model.visual, model.visual and below; 'vision_tower' in "
-            "LFM3-VL, ERNIE-4.5-VL, Dots3-Note, Muse Spark, Muse-Glimmer and MiniMax-M3-VL, "
+            "LFM3-VL, ERNIE-4.5-VL, Dots3-Note, Muse Spark, Muse-Glimmer, MiniMax-M3-VL, Kimi-K2.5 "
+            "and Ovis2.5, "
             "'vision_model' in HyperCLOVAX Vision V2): expected a Hugging Face Qwen-VL or GLM-4.xV model."
             f"{_other_tower_hint(model)}"
         )
@@ -1177,49 +1214,92 @@ class _Pending:
 class _ProjectionTouch:
     """A text-only rank's touch of the projection's parameters (see the module docstring), made
     when the model embeds its tokens: where the other ranks' models project the tower's outputs
-    too, just after embedding them. So their backward reaches those parameters in the same order
-    as on every other rank, next to the token embeddings: ZeRO-2 reduces gradients in buckets
-    filled in the order they arrive, and a touch made anywhere else put them in other places.
+    too, just after embedding them (or, in a model that projects first, just before). So their
+    backward reaches those parameters in the same order as on every other rank, next to the token
+    embeddings: ZeRO-2 reduces gradients in buckets filled in the order they arrive, and a touch
+    made anywhere else put them in other places.
 
     A forward hook on the input embeddings, for one forward: it subtracts the touch's ``+0.0``
-    from their output (bit for bit the same values). A forward that embeds nothing (given
-    ``inputs_embeds``) is touched when it ends instead (:meth:`finish`).
+    from their output (bit for bit the same values); with ``early``, the touch is made in a
+    pre-hook, before the embeddings, and subtracted after them. ``late_of`` gives more ``+0.0``
+    made after the embeddings (calls the model makes there, see :class:`_TowerForm`). A forward
+    that embeds nothing (given ``inputs_embeds``) is touched when it ends instead (:meth:`finish`).
     """
 
-    def __init__(self, zero_of: Callable[[], torch.Tensor | None], embeddings: nn.Module | None) -> None:
-        self.zero_of = zero_of
+    def __init__(
+        self,
+        zero_of: Callable[[], torch.Tensor | None],
+        embeddings: nn.Module | None,
+        early: bool = False,
+        late_of: Callable[[], torch.Tensor | None] | None = None,
+    ) -> None:
+        self.zero_of, self.late_of = zero_of, late_of
         self.done = False
-        self._hook = None if embeddings is None else embeddings.register_forward_hook(self._touched)
+        self._zero: tuple[torch.Tensor | None] | None = None
+        self._hooks: list[Any] = []
+        if embeddings is not None:
+            if early:
+                # Before any other pre-hook: ZeRO-3's gathers the embeddings' parameters in one, and
+                # the other ranks gather the projection's first.
+                self._hooks.append(embeddings.register_forward_pre_hook(self._before, prepend=True))
+            self._hooks.append(embeddings.register_forward_hook(self._touched))
 
     @classmethod
-    def arm(cls, zero_of: Callable[[], torch.Tensor | None], base: nn.Module) -> _ProjectionTouch:
-        """A touch that subtracts ``zero_of()`` from ``base``'s next token embeddings."""
+    def arm(
+        cls,
+        zero_of: Callable[[], torch.Tensor | None],
+        base: nn.Module,
+        early: bool = False,
+        late_of: Callable[[], torch.Tensor | None] | None = None,
+    ) -> _ProjectionTouch:
+        """A touch that subtracts ``zero_of()`` (and ``late_of()``) from ``base``'s next token
+        embeddings, ``zero_of()`` made before them when ``early``."""
         try:
             embeddings = base.get_input_embeddings()
         except (AttributeError, NotImplementedError):
             embeddings = None
-        return cls(zero_of, embeddings if isinstance(embeddings, nn.Module) else None)
+        return cls(zero_of, embeddings if isinstance(embeddings, nn.Module) else None, early, late_of)
+
+    def _first(self) -> torch.Tensor | None:
+        if self._zero is None:
+            self._zero = (self.zero_of(),)
+        return self._zero[0]
+
+    def _all(self) -> torch.Tensor | None:
+        zero = self._first()
+        return zero if self.late_of is None else _plus(zero, self.late_of())
+
+    def _before(self, module: nn.Module, args: Any) -> None:
+        if not self.done:
+            self._first()
 
     def _touched(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.done or not isinstance(output, torch.Tensor) or not output.is_floating_point():
             return None
         self.done = True
-        zero = self.zero_of()
+        self.release()  # once: later embeddings of this forward are left alone
+        zero = self._all()
         return output if zero is None else output - zero.to(device=output.device, dtype=output.dtype)
 
     def release(self) -> None:
-        """Remove the hook (the forward is over, whether it raised or not)."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        """Remove the hooks (the forward is over, whether it raised or not)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
-    def finish(self, zero: torch.Tensor | None) -> torch.Tensor | None:
-        """``zero``, plus the touch when the forward embedded no tokens; the hook is removed."""
+    def finish(self, zero: torch.Tensor | None, late: bool = True) -> torch.Tensor | None:
+        """``zero``, plus the touch when the forward embedded no tokens (without ``late_of`` when
+        not ``late``: :meth:`later` makes it); the hooks are removed."""
         self.release()
         if self.done:
             return zero
         self.done = True
-        return _plus(zero, self.zero_of())
+        return _plus(zero, self._all() if late else self._first())
+
+    def later(self, base: nn.Module) -> _ProjectionTouch | None:
+        """A touch of ``late_of`` alone at ``base``'s next token embeddings, or None without one:
+        for ``generate()``, whose encoding step embeds no tokens and whose first forward does."""
+        return None if self.late_of is None else _ProjectionTouch.arm(self.late_of, base)
 
 
 def _then_touched(forward: Callable[..., Any], touch: _ProjectionTouch, *args: Any, **kwargs: Any) -> Any:
@@ -1227,7 +1307,7 @@ def _then_touched(forward: Callable[..., Any], touch: _ProjectionTouch, *args: A
     balanced result still answers tower calls (``generate()``'s encoding step: no backward, so the
     zero is dropped)."""
     output = forward(*args, **kwargs)
-    touch.finish(None)
+    touch.finish(None, late=False)
     return output
 
 
@@ -1304,6 +1384,7 @@ class BalancedVisionTower:
         # transformers 5's towers return a ModelOutput when asked; 4.57's GLM tower takes no keyword.
         takes = inspect.signature(type(tower).forward).parameters
         self._tower_keywords = {"return_dict": True} if "return_dict" in takes or _any_keyword(takes) else {}
+        self._tower_keywords.update(self._form.keywords)
         self.config = config
         self.group = group
         self.evaluation = bool(evaluation)
@@ -1389,6 +1470,11 @@ class BalancedVisionTower:
         self._twin_of: int | None = None
         #: Stats kept for :meth:`pop_stats`, once it was called (None: nobody reads them).
         self._kept: collections.deque[BalanceStats] | None = None
+        stale = getattr(self, "_late_touch", None)
+        if stale is not None:
+            stale.release()
+        #: ``generate()``'s calls for dummy items after the first forward's embeddings (``late_call``).
+        self._late_touch: _ProjectionTouch | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -1402,6 +1488,7 @@ class BalancedVisionTower:
             "_twin",
             "_twin_of",
             "_kept",
+            "_late_touch",
         )
         for name in (*runtime, "last_stats"):
             state.pop(name, None)
@@ -1726,6 +1813,10 @@ class BalancedVisionTower:
         pending = self._encode(model_kwargs, *settings)
         if pending.touch is not None:  # dummy images to project: this step embeds no tokens
             original = functools.partial(_then_touched, original, pending.touch)
+            # What the other ranks' first forward calls after embedding its tokens (late_call).
+            if self._late_touch is not None:
+                self._late_touch.release()
+            self._late_touch = pending.touch.later(self.base)
         return self._answering(pending, _Route(original, args, kwargs))
 
     def _answering(self, pending: _Pending, route: _Route) -> _Route:
@@ -1898,12 +1989,16 @@ class BalancedVisionTower:
         touch = None
         if dummies:
             # This rank's model calls its projection on the dummy images too (module docstring).
-            touch = _ProjectionTouch.arm(functools.partial(self._dummy_calls, dummies), self.base)
+            late = functools.partial(self._late_calls, dummies) if self._form.late_call else None
+            touch = _ProjectionTouch.arm(
+                functools.partial(self._dummy_calls, dummies), self.base, self._form.features_first, late
+            )
         elif not combined.parts and torch.is_grad_enabled():
             # A text-only rank: the model will not call its projection (module docstring).
             modules = self._projection_modules()
             if any(_touchable(param) for module in modules for param in module.parameters()):
-                touch = _ProjectionTouch.arm(functools.partial(_touch_zero, modules), self.base)
+                zero_of = functools.partial(_touch_zero, modules)
+                touch = _ProjectionTouch.arm(zero_of, self.base, self._form.features_first)
         return _Pending(combined.parts, outputs, [False] * len(combined.parts), _exact_zero(output), touch)
 
     def _count(self, stats: BalanceStats, dropped: PreparedPlan | None) -> None:
@@ -1968,6 +2063,19 @@ class BalancedVisionTower:
                 finally:
                     pending.only = None
                 zero = _plus(zero, found)
+        return zero
+
+    def _late_calls(self, dummies: dict[str, _Dummy]) -> torch.Tensor | None:
+        """The method :attr:`_TowerForm.late_call` names, once per dummy modality, as the model calls
+        it after embedding its tokens for each modality a rank holds: ``+0.0`` from it."""
+        owner: Any = self.base
+        *path, name = self._form.late_call.split(".")
+        for attribute in path:
+            owner = getattr(owner, attribute)
+        zero = None
+        for modality, _, _ in _MODALITIES:
+            if modality in dummies:
+                zero = _plus(zero, _exact_zero(getattr(owner, name)(dummies[modality][0].device)))
         return zero
 
     def _tower_grid(self, key: str, grid: Any, known: Mapping[str, tuple[Grid, ...]] | None = None) -> Any:

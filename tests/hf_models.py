@@ -52,11 +52,13 @@ GLM_FAMILIES = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
 #: Spark and Muse-Glimmer (one tower: pixels by keyword, merged by a pixel shuffle of
 #: ``config.merge_size``), HyperCLOVAX Vision V2 (a Qwen2.5-VL tower under ``vision_model``); from
 #: 5.25, LLaVA-OneVision-1.5 (RICE-ViT: a class token per frame, no temporal patches, 1-D text
-#: positions); MiniMax-M3-VL, PaddleOCR-VL and Kimi-K2.5 (see below).
+#: positions) and Ovis2.5 (a windowed tower under ``vision_tower``, read by its projection from the
+#: last layer's hidden states); MiniMax-M3-VL, PaddleOCR-VL and Kimi-K2.5 (see below).
 LATEST_FAMILIES = (
     "qwen4_exp", "exaone4_5", "cohere_compass", "cosmos3_omni", "cosmos3_edge", "qwen2_5_omni",
     "qwen3_omni_moe", "glm5_next", "llava_onevision1_5", "lfm3_vl", "ernie4_5_vl_moe", "dots3_note",
     "hyperclovax_vision_v2", "muse_spark", "muse_glimmer", "minimax_m3_vl", "paddleocr_vl", "kimi_k25",
+    "ovis2_5",
 )  # fmt: skip
 #: Of :data:`LATEST_FAMILIES`, MiniMax-M3-VL's tower attends over a whole video (3-D rotary
 #: positions) and Kimi-K2.5's too (a temporal position per frame; it pools each video's frames into
@@ -75,8 +77,10 @@ REFUSED_FAMILIES = ("hunyuan_vl", "glm_image", "minicpmv4_6", "hy_v4_vl")
 #: Families whose processors put a video's tokens in one block (no ``mm_token_type_ids``).
 _ONE_VIDEO_BLOCK = (
     "exaone4_5", "qwen2_5_omni", "qwen3_omni_moe", "llava_onevision1_5", "dots3_note",
-    "hyperclovax_vision_v2", "muse_spark", "muse_glimmer", "minimax_m3_vl", "kimi_k25",
+    "hyperclovax_vision_v2", "muse_spark", "muse_glimmer", "minimax_m3_vl", "kimi_k25", "ovis2_5",
 )  # fmt: skip
+#: Families that frame a video's block with their own video start/end tokens (Ovis2.5).
+_VIDEO_FRAMED = ("ovis2_5",)
 #: Families whose processors give pixel rows as patch images ``[S, 3, patch, patch]``.
 _PATCH_IMAGES = ("paddleocr_vl", "kimi_k25")
 #: Families whose towers pool a video's frames: one frame's tokens per video.
@@ -117,6 +121,7 @@ _CLASSES = {
     "paddleocr_vl": "PaddleOCRVL",
     "hy_v4_vl": "HYV4VL",
     "kimi_k25": "Kimi_K25",
+    "ovis2_5": "Ovis2_5",
 }
 #: Model classes not named ``{_CLASSES[family]}ForConditionalGeneration``.
 _MODEL_CLASSES = {"minimax_m3_vl": "MiniMaxM3SparseForConditionalGeneration"}
@@ -473,6 +478,21 @@ def _kimi_k25_config(config: Any) -> Any:
     return config(text_config=text, vision_config=vision, projection_hidden_size=16, **_QWEN_IDS)
 
 
+def _ovis2_5_config(config: Any) -> Any:
+    """Ovis2.5: a Qwen3 decoder (1-D positions) and a tower under ``vision_tower`` (a 4x4 position
+    table resampled per image, windows of 2x2 merged tokens in block 0, block 1 full attention).
+    Its projection reads the last block's hidden states, softmaxes them over a visual vocabulary and
+    embeds the result; each image's and video's block of tokens sits between the model's own
+    start/end tokens, which take the embeddings of four indicator tokens."""
+    text = {**_TEXT, "model_type": "qwen3", "head_dim": 16}
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    vision.update(num_channels=3, patch_size=2, spatial_merge_size=MERGE, temporal_patch_size=1)
+    vision.update(image_size=8, window_size=8, layer_types=["window_attention", "full_attention"])
+    vision.update(vocab_size=24, num_visual_indicator_tokens=4)
+    return config(text_config=text, vision_config=vision, **_GLM_IDS)
+
+
 def _hy_v4_vl_config(config: Any) -> Any:
     """HY-V4-VL (refused): its decoder as small as it builds, and a SigLIP-style tower under
     ``vision_tower`` whose merger adds a newline row per merged row."""
@@ -505,6 +525,7 @@ _LATEST_BUILDERS: dict[str, Callable[[Any], Any]] = {
     "paddleocr_vl": _paddleocr_vl_config,
     "hy_v4_vl": _hy_v4_vl_config,
     "kimi_k25": _kimi_k25_config,
+    "ovis2_5": _ovis2_5_config,
 }
 
 
@@ -622,10 +643,13 @@ def _tokens(family: str, kind: str, grid: Grid) -> tuple[list[int], list[int]]:
         frames = [(t + 1) // 2 * per_frame]
     if family in _POOLED_FRAMES and kind == "video":  # its tower pools the frames
         frames = [per_frame]
+    start, end = IDS["vision_start"], IDS["vision_end"]
+    if family in _VIDEO_FRAMED and kind == "video":
+        start, end = IDS["video_start"], IDS["video_end"]
     ids: list[int] = []
     types: list[int] = []
     for count in frames:
-        ids += [IDS["vision_start"], *[IDS[kind]] * count, IDS["vision_end"]]
+        ids += [start, *[IDS[kind]] * count, end]
         types += [0, *[code] * count, 0]
     return ids, types
 

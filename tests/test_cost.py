@@ -202,6 +202,22 @@ def test_from_vit_prices_the_latest_towers_per_temporal_step(family: str) -> Non
     assert per_frame is (family not in WHOLE_VIDEO_FAMILIES)
 
 
+def test_from_vit_reads_windows_named_per_block() -> None:
+    """Ovis2.5's tower (transformers 5.25) names each block's attention in ``layer_types``: its
+    ``window_attention`` blocks are priced with windows of ``(window_size / patch)**2`` patches, the
+    ``full_attention`` ones whole."""
+    pytest.importorskip("transformers")
+    if not available("ovis2_5"):
+        pytest.skip("this transformers has no ovis2_5")
+    model = CostModel.from_vit(tower_of(tiny_model("ovis2_5")))
+    # tests/hf_models.py: 2 blocks of width 16, MLP 32, rows 3 * 2 * 2, window 8 px of 2 px patches.
+    assert model == CostModel.from_vit_shape(
+        hidden_size=16, depth=2, intermediate_size=32, patch_input_dim=12,
+        window_layers=[0], window_patches=16, per_frame_attention=True,
+    )  # fmt: skip
+    assert model.windowed > 0.0
+
+
 def test_from_vit_reads_kimi_k25_rows_as_rgb_patches() -> None:
     """Kimi-K2.5's config names no channels (its ``Conv2d`` takes 3, fixed in its code): its rows
     are priced ``3 * patch**2`` wide, as the drop-in moves them."""

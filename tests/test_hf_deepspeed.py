@@ -180,8 +180,9 @@ def deepspeed_world() -> Iterator[World]:
 PROJECTING = "hyperclovax_vision_v2"
 #: More projections outside the tower (transformers 5), each with its own dummy items: Kimi-K2.5's
 #: (patch images, a whole video pooled over its frames), ERNIE-4.5-VL's resampler (a video's steps
-#: merged in pairs, so its dummy video has two).
-DUMMY_FORMS = ("kimi_k25", "ernie4_5_vl_moe")
+#: merged in pairs, so its dummy video has two), Ovis2.5's (5.25: it reads the last block's hidden
+#: states, and embeds indicator tokens for each image's and video's start and end).
+DUMMY_FORMS = ("kimi_k25", "ernie4_5_vl_moe", "ovis2_5")
 #: Submodules called once per image (transformers 5): LFM3-VL's blocks convolve each image apart,
 #: PaddleOCR-VL's projector projects each image apart. ZeRO-3 gathers at each call, so ranks with
 #: different image counts abort (the plain model too, checked by hand), unless the drop-in made the

@@ -473,6 +473,7 @@ PROJECTIONS = {
     "minimax_m3_vl": ("multi_modal_projector",),
     "paddleocr_vl": ("projector",),
     "kimi_k25": ("mm_projector",),
+    "ovis2_5": ("multi_modal_projector",),
 }
 
 
@@ -717,7 +718,9 @@ def _fsdp2_units(family: str) -> dict[str, Any]:
 #: The families added last, each of another tower design: MoE blocks (Dots3-Note), a tower under
 #: ``vision_model`` (HyperCLOVAX), outputs merged by the config (Muse Spark), a batch dimension on
 #: the outputs (MiniMax-M3-VL), patch-image rows and images only (PaddleOCR-VL), frames pooled in
-#: the tower (Kimi-K2.5).
+#: the tower (Kimi-K2.5). Not Ovis2.5: with its tower an FSDP2 unit the plain model fails too (its
+#: projection reads the tower's hidden states, which transformers records by the tower's class, and
+#: ``fully_shard`` gives the tower a class of its own that records none).
 FSDP2_TOWER_FAMILIES = (
     "dots3_note",
     "hyperclovax_vision_v2",

@@ -472,8 +472,7 @@ class ViTBalancer:
         else:
             has_images = bool(prepared.metadata[call.rank].grids)
             output = self._at_home(call, vit, pixel_values, grid_thw, has_images, reference, problem)
-        ahead = prepared.gather_seconds + prepared.plan_seconds
-        self._record(plan, call, prepared.metadata, prepare_seconds=ahead)
+        self._record(plan, call, prepared.metadata, prepare_seconds=prepared.prepare_seconds)
         return output
 
     @_collector_paused

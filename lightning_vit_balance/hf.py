@@ -190,6 +190,7 @@ import collections
 import functools
 import inspect
 import math
+import operator
 import sys
 import warnings
 from collections import OrderedDict
@@ -2005,8 +2006,7 @@ class BalancedVisionTower:
         """Keep a balanced call's stats. A plan made ahead that the call dropped for dummy images
         adds its preparation's time: its gather and plan ran before the forward, as a used one's."""
         if dropped is not None:
-            ahead = dropped.gather_seconds + dropped.plan_seconds
-            stats = replace(stats, prepare_seconds=stats.prepare_seconds + ahead)
+            stats = replace(stats, prepare_seconds=stats.prepare_seconds + dropped.prepare_seconds)
         self.applied_calls += int(stats.applied)
         self.last_stats = stats
         self.record(stats)
@@ -2068,14 +2068,11 @@ class BalancedVisionTower:
     def _late_calls(self, dummies: dict[str, _Dummy]) -> torch.Tensor | None:
         """The method :attr:`_TowerForm.late_call` names, once per dummy modality, as the model calls
         it after embedding its tokens for each modality a rank holds: ``+0.0`` from it."""
-        owner: Any = self.base
-        *path, name = self._form.late_call.split(".")
-        for attribute in path:
-            owner = getattr(owner, attribute)
+        method = operator.attrgetter(self._form.late_call)(self.base)
         zero = None
         for modality, _, _ in _MODALITIES:
             if modality in dummies:
-                zero = _plus(zero, _exact_zero(getattr(owner, name)(dummies[modality][0].device)))
+                zero = _plus(zero, _exact_zero(method(dummies[modality][0].device)))
         return zero
 
     def _tower_grid(self, key: str, grid: Any, known: Mapping[str, tuple[Grid, ...]] | None = None) -> Any:

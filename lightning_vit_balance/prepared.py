@@ -61,6 +61,12 @@ class PreparedPlan:
     call_grids: tuple[tuple[int, int, int], ...] | None = None
 
     @property
+    def prepare_seconds(self) -> float:
+        """Host seconds making it, the gather and the plan (outside the forward): what a call's
+        ``BalanceStats.prepare_seconds`` counts."""
+        return self.gather_seconds + self.plan_seconds
+
+    @property
     def holds_images(self) -> bool:
         """Whether any rank has images: otherwise no pixel row travels, and a call's rows may have
         any width and dtype (a text-only step, where each rank makes its own empty rows)."""

@@ -244,6 +244,9 @@ _CACHE_ARGUMENTS = ("past_key_values", "cache")
 #: The ``generate()`` step of transformers 5 that encodes images and videos before the first
 #: forward, through ``base_model.get_image_features`` / ``get_video_features``.
 _GENERATION_ENCODE = "_prepare_multimodal_encoder_kwargs_for_generation"
+#: The argument that hands ``generate()``'s first forward (and only that one) what
+#: :data:`_GENERATION_ENCODE` encoded, a dict even where a rank encoded nothing (None otherwise).
+_GENERATION_FEATURES = "mm_encoder_outputs"
 
 #: Model types (the base model's ``config.model_type``) whose ``get_video_features`` calls the tower
 #: with each temporal step of a video as a grid row ``(1, H, W)`` of its own, in order: GLM-4.1V,
@@ -1756,6 +1759,7 @@ class BalancedVisionTower:
         return self.evaluation and self._balances_evaluation_forward(arguments)
 
     def _base_route(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Route:
+        self._drop_stale_late_touch(kwargs)
         original = self._original("base")
         grids = _take_grids(kwargs)
         if grids is not None:  # the base model given to balance_vision_tower itself
@@ -1794,6 +1798,14 @@ class BalancedVisionTower:
             return False
         length = getattr(caches[0], "get_seq_length", None)
         return callable(length) and length() == 0 and _parameters_sharded(self.tower)
+
+    def _drop_stale_late_touch(self, kwargs: Mapping[str, Any]) -> None:
+        """Release the touch :meth:`_generation_route` armed for ``generate()``'s first forward when
+        this forward is another: its :data:`_GENERATION_FEATURES` are None (``generate()`` raised in
+        between). Left armed, it would call the projection in this forward on this rank alone."""
+        if self._late_touch is not None and kwargs.get(_GENERATION_FEATURES) is None:
+            self._late_touch.release()
+            self._late_touch = None
 
     def _generation_route(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Route:
         """``generate()``'s encoding of images and videos before the first forward (transformers 5),

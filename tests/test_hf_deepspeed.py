@@ -33,7 +33,7 @@ pytest.importorskip("transformers")
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed", allow_module_level=True)
 
-from hf_models import FAMILIES, available, make_inputs, tiny_model
+from hf_models import FAMILIES, available, generation_prompt, make_inputs, tiny_model
 from multirank import World, set_launcher_variables
 from test_hf_dropin import TOL, _summed_grads, assert_generates_as_plain, cases_for, config_for, mixed_cases
 
@@ -106,11 +106,16 @@ def _zero_engine(handle: Any, stage: int) -> Any:
 
 
 def _zero_steps(
-    family: str, stage: int, frozen: tuple[str, ...] = (), reentrant: bool | None = None
+    family: str,
+    stage: int,
+    frozen: tuple[str, ...] = (),
+    reentrant: bool | None = None,
+    failed_generate: bool = False,
 ) -> dict[str, Any]:
     """Plain model and balanced ZeRO model side by side; per step, loss and full gradients. The
     parameters whose names start with one of ``frozen`` are frozen in both; with ``reentrant`` set,
-    both use Hugging Face's gradient checkpointing, reentrant or not."""
+    both use Hugging Face's gradient checkpointing, reentrant or not; with ``failed_generate``, the
+    steps follow a ``generate()`` that raised (:func:`_generate_that_raises`)."""
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
@@ -123,6 +128,8 @@ def _zero_steps(
     handle = balance_vision_tower(copy.deepcopy(plain), config_for(family), evaluation=True)
     engine = _zero_engine(handle, stage)
     plain_params = dict(plain.named_parameters())
+    if failed_generate:
+        _generate_that_raises(engine.module, plain, family, rank)
     applied = []
     for step, name in enumerate(_steps_of(family) * 2):
         where = f"{family}/{name} step {step} rank {rank}"
@@ -151,6 +158,19 @@ def _zero_steps(
         applied.append(handle.last_stats.applied)
     _evaluate_as_plain(engine, plain, family, rank)
     return {"applied": applied, "calls": handle.calls, "group_size": dist.get_world_size(handle.group)}
+
+
+def _generate_that_raises(model: torch.nn.Module, plain: torch.nn.Module, family: str, rank: int) -> None:
+    """``generate()`` of :func:`mixed_cases`' first case (a text-only rank) with a ``max_length``
+    shorter than its prompts: transformers raises on every rank after encoding the images, before
+    the first forward (where a rank's dummy items are due for calls after the embeddings)."""
+    name = mixed_cases(family)[0]
+    prompt = generation_prompt(plain, make_inputs(family, cases_for(family)[name][rank], seed=11 + rank))
+    training = model.training
+    model.eval()
+    with torch.no_grad(), pytest.raises(ValueError, match="max_length"):
+        model.generate(**prompt, max_length=1, do_sample=False, synced_gpus=True)
+    model.train(training)
 
 
 def _evaluate_as_plain(engine: Any, plain: torch.nn.Module, family: str, rank: int) -> None:
@@ -214,6 +234,17 @@ def test_zero_gradients_match_the_plain_model(deepspeed_world: World, family: st
     # A balanced call per step and per evaluation forward; per generate() under ZeRO-3 one more.
     generated = len(mixed_cases(family)) if stage == 3 else 0
     assert all(r["calls"] == 2 * len(STEPS) + len(STEPS) + generated for r in results), results
+
+
+def test_zero3_steps_after_a_generate_that_raised(deepspeed_world: World) -> None:
+    """A ``generate()`` that raised after encoding its images (Ovis2.5 under ZeRO-3: the text-only
+    rank's dummy items armed for the first forward's indicator calls) leaves nothing armed for the
+    training steps after it: the plain model's losses and gradients, no extra gather."""
+    family = "ovis2_5"
+    if not available(family):
+        pytest.skip(f"this transformers has no {family}")
+    results = deepspeed_world.run(_zero_steps, family, 3, (), None, True, timeout=120)
+    assert [r["applied"] for r in results] == [[True, True, False, True] * 2] * RANKS, results
 
 
 @pytest.mark.parametrize(

@@ -2198,7 +2198,7 @@ def rows_to_plan(
 
 #: The transformers releases the drop-in's model families are tested with (the newest families in
 #: the later one): an older release may hold an older form of a model, which the contract refuses.
-_TESTED_TRANSFORMERS = "4.57 and 5.24"
+_TESTED_TRANSFORMERS = "4.57 and 5.25"
 
 
 def _transformers_note() -> str:

@@ -103,3 +103,17 @@ def test_importing_the_engine_does_not_import_lightning() -> None:
         "assert {'ViTBalanceMixin', 'ViTBalanceTrainerCallback'} <= set(m.__all__) - set(vars(m))"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_drop_in_names_the_transformers_releases_make_tests() -> None:
+    """The drop-in's refusals say which transformers releases it is tested with: those the
+    requirements files pin (a release moved there must move in the message too)."""
+    from lightning_vit_balance.hf import _TESTED_TRANSFORMERS
+
+    requirements = PACKAGE_DIR.parent / "requirements"
+    pinned = []
+    for name in ("transformers4.txt", "transformers.txt"):
+        lines = (requirements / name).read_text().splitlines()
+        (pin,) = [line for line in lines if line.startswith("transformers==")]
+        pinned.append(".".join(pin.removeprefix("transformers==").split(".")[:2]))
+    assert " and ".join(pinned) == _TESTED_TRANSFORMERS

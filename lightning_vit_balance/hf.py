@@ -317,7 +317,10 @@ class _TowerForm:
         late_call: The dotted path, from the base model, of a method of the projection that the
             model calls once per modality after embedding its tokens, with the device (Ovis2.5's
             ``multi_modal_projector.get_visual_indicator_features``): a rank that calls the
-            projection on dummy items calls it there too, as often (ZeRO-3 gathers per call).
+            projection on dummy items calls it there too, as often (ZeRO-3 gathers per call). In
+            ``generate()``, whose encoding step embeds no tokens, it does so at the first forward,
+            the one given :data:`_GENERATION_FEATURES`; any other forward drops those calls (a
+            ``generate()`` that raised before its first forward left them armed).
     """
 
     patch_rows: bool = False

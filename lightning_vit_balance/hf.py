@@ -1477,9 +1477,8 @@ class BalancedVisionTower:
         self._twin_of: int | None = None
         #: Stats kept for :meth:`pop_stats`, once it was called (None: nobody reads them).
         self._kept: collections.deque[BalanceStats] | None = None
-        stale = getattr(self, "_late_touch", None)
-        if stale is not None:
-            stale.release()
+        if hasattr(self, "_late_touch"):  # a reset, not the first: its hooks go
+            self._release_late_touch()
         #: ``generate()``'s calls for dummy items after the first forward's embeddings (``late_call``).
         self._late_touch: _ProjectionTouch | None = None
 
@@ -1762,7 +1761,10 @@ class BalancedVisionTower:
         return self.evaluation and self._balances_evaluation_forward(arguments)
 
     def _base_route(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Route:
-        self._drop_stale_late_touch(kwargs)
+        if kwargs.get(_GENERATION_FEATURES) is None:
+            # Not generate()'s first forward: a touch armed for that one (it raised in between)
+            # would call the projection here on this rank alone.
+            self._release_late_touch()
         original = self._original("base")
         grids = _take_grids(kwargs)
         if grids is not None:  # the base model given to balance_vision_tower itself
@@ -1802,11 +1804,10 @@ class BalancedVisionTower:
         length = getattr(caches[0], "get_seq_length", None)
         return callable(length) and length() == 0 and _parameters_sharded(self.tower)
 
-    def _drop_stale_late_touch(self, kwargs: Mapping[str, Any]) -> None:
-        """Release the touch :meth:`_generation_route` armed for ``generate()``'s first forward when
-        this forward is another: its :data:`_GENERATION_FEATURES` are None (``generate()`` raised in
-        between). Left armed, it would call the projection in this forward on this rank alone."""
-        if self._late_touch is not None and kwargs.get(_GENERATION_FEATURES) is None:
+    def _release_late_touch(self) -> None:
+        """Remove the hooks of the touch :meth:`_generation_route` armed for ``generate()``'s first
+        forward, if one is armed."""
+        if self._late_touch is not None:
             self._late_touch.release()
             self._late_touch = None
 
@@ -1830,8 +1831,7 @@ class BalancedVisionTower:
         if pending.touch is not None:  # dummy images to project: this step embeds no tokens
             original = functools.partial(_then_touched, original, pending.touch)
             # What the other ranks' first forward calls after embedding its tokens (late_call).
-            if self._late_touch is not None:
-                self._late_touch.release()
+            self._release_late_touch()
             self._late_touch = pending.touch.later(self.base)
         return self._answering(pending, _Route(original, args, kwargs))
 

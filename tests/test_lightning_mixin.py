@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
-from multirank import world
+from multirank import launched_by_torchrun, world
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 from towers import CHANNELS, TensorTower
 
@@ -186,6 +186,120 @@ def test_explicit_group_balances_across_two_ranks() -> None:
         [sum(g) for g in zip(*(d["grad"] for d in direct))],
     ):
         torch.testing.assert_close(p_balanced, p_direct, rtol=1e-5, atol=1e-6)
+
+
+class FabricVLM(MixinFirst):
+    """Encodes the batch it is given, in training and validation steps (called through Fabric)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.encode_images(self.visual, *batch).pow(2).mean()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.encode_images(self.visual, *batch).pow(2).mean()
+
+
+def _fabric_steps(model: Any, fabric: Any, optimizer: Any, steps: range) -> list[float]:
+    """Training steps of a Fabric loop; rank r holds 4r + step + 1 images, so images move."""
+    losses = []
+    for step in steps:
+        rank = dist.get_rank()
+        loss = model.training_step(_images(4 * rank + step + 1, seed=10 * rank + step), step)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _evaluate(model: Any, count: int) -> float:
+    """A validation step in eval mode without gradients, as a Fabric loop makes it."""
+    model.eval()
+    with torch.no_grad():
+        loss = model.validation_step(_images(count), 0).item()
+    model.train()
+    return loss
+
+
+def _fabric_loop(enabled: bool) -> dict[str, Any]:
+    """A Fabric DDP loop on the pool's ranks (as under ``torchrun``): two training steps, rank 0
+    validating alone, a third step, then validation on every rank with and without
+    ``vit_balance_evaluation``."""
+    with launched_by_torchrun():
+        fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy="ddp")
+        fabric.launch()
+        module = FabricVLM(ViTBalanceConfig(enabled=enabled, trigger_threshold=0.0, min_gain=0.0))
+        model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.5))
+        losses = _fabric_steps(model, fabric, optimizer, range(2))
+        trained = module.last_vit_balance_stats
+        if dist.get_rank() == 0:  # samples checked on rank 0 alone: no collective to wait in
+            _evaluate(model, 3)
+        alone = module.last_vit_balance_stats
+        losses += _fabric_steps(model, fabric, optimizer, range(2, 3))
+        third = module.last_vit_balance_stats
+        evaluated = [_evaluate(model, 1 + 3 * dist.get_rank())]
+        unbalanced = module.last_vit_balance_stats
+        module.vit_balance_evaluation = True
+        evaluated.append(_evaluate(model, 1 + 3 * dist.get_rank()))
+        balanced = module.last_vit_balance_stats
+    return {
+        "losses": losses,
+        "evaluated": evaluated,
+        "weights": [p.detach().clone() for p in module.visual.parameters()],
+        "applied": [s is not None and s.applied for s in (trained, third, balanced)],
+        "kept": [alone is trained, unbalanced is third, balanced is not third],
+        "seen": module.visual.seen,
+    }
+
+
+def test_fabric_loop_balances_training_and_lets_a_rank_evaluate_alone() -> None:
+    """Fabric (DDP, 2 ranks): training steps balanced with the direct loop's losses and weights;
+    rank 0 validating alone encodes directly instead of waiting in a collective the other rank
+    never joins; evaluation on every rank is balanced once ``vit_balance_evaluation`` says so."""
+    with world(2) as w:
+        balanced = w.run(_fabric_loop, True, timeout=120)
+        direct = w.run(_fabric_loop, False, timeout=120)
+    for rank in range(2):
+        assert balanced[rank]["applied"] == [True, True, True]
+        assert direct[rank]["applied"] == [False, False, False]  # disabled: nothing recorded
+        assert balanced[rank]["kept"] == [True, True, True]  # the lone and the plain evaluation: direct
+        # Per-image maths is identical, only the batches' composition differs (fp32 rounding), and
+        # three SGD steps carry it on: the direct loop's losses and weights to fp32's last digits.
+        torch.testing.assert_close(balanced[rank]["losses"], direct[rank]["losses"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            balanced[rank]["evaluated"], direct[rank]["evaluated"], rtol=1e-5, atol=1e-6
+        )
+        torch.testing.assert_close(balanced[rank]["weights"], direct[rank]["weights"], rtol=1e-5, atol=1e-6)
+    # Balanced steps moved images; the lone validation ran on rank 0's own tower only.
+    assert [b["seen"] for b in balanced] != [d["seen"] for d in direct]
+    assert len(balanced[0]["seen"]) == len(balanced[1]["seen"]) + 1
+
+
+def _sharded_evaluation(sharded: bool) -> dict[str, Any]:
+    """No Trainer, eval mode: a tower whose parameters FSDP2 shards is balanced (each of its calls
+    is a collective anyway), a plain one encodes directly."""
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    module = MixinFirst(ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))
+    module.vit_balance_group = dist.group.WORLD
+    if sharded:
+        fully_shard(module.visual)
+    module.eval()
+    pixel_values, grid = _images(4 if rank == 0 else 1, seed=rank)
+    with torch.no_grad():
+        out = module.encode_images(module.visual, pixel_values, grid)
+        direct = module.visual(pixel_values, grid)
+    stats = module.last_vit_balance_stats
+    return {
+        "equal": bool(torch.allclose(out, direct, rtol=1e-5, atol=1e-6)),
+        "applied": stats and stats.applied,
+    }
+
+
+def test_without_a_trainer_evaluation_balances_where_the_tower_is_sharded() -> None:
+    with world(2) as w:
+        assert w.run(_sharded_evaluation, True) == [{"equal": True, "applied": True}] * 2
+        assert w.run(_sharded_evaluation, False) == [{"equal": True, "applied": None}] * 2
 
 
 class TornDown(MixinFirst):
@@ -385,4 +499,3 @@ def test_only_loops_where_every_rank_makes_the_same_calls_balance(tmp_path: Path
         trainer.predict(module, _loader("distributed"))
         assert module.balances == {"predict": {False}}
     assert _loop_balances(trainer) is False  # no loop running: nothing promised
-    assert _loop_balances(None) is True  # no Trainer: the caller's own loop

@@ -18,6 +18,7 @@ from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.eager import eager, eager_frame
 from lightning_vit_balance.hf import (
     BalancedVisionTower,
+    _parameters_sharded,
     continue_fit,
     encode_visual,
     rows_to_plan,
@@ -62,10 +63,9 @@ def _loop_balances(trainer: Any) -> bool:
     Training does (DDP needs the same steps on every rank anyway); validation, its sanity check
     and test do when every dataloader of the loop draws evenly (:func:`_draws_evenly`, true for
     Lightning's default sampler); predict never does (Lightning's predict sampler does not pad);
-    outside a loop nothing is promised. Without a Trainer (Fabric, or a plain module with an
-    explicit group) the caller's loop is trusted.
+    outside a loop nothing is promised. Without a Trainer, see :func:`_own_loop_balances`.
     """
-    if trainer is None or trainer.training:
+    if trainer.training:
         return True
     if not (trainer.sanity_checking or trainer.validating or trainer.testing):
         return False
@@ -74,6 +74,23 @@ def _loop_balances(trainer: Any) -> bool:
     combined = getattr(trainer._active_loop, "_combined_loader", None)
     loaders = getattr(combined, "flattened", None)
     return bool(loaders) and all(_draws_evenly(loader) for loader in loaders)
+
+
+def _own_loop_balances(training: bool, evaluation: bool, vit: object) -> bool:
+    """Without a Trainer (Fabric, or a plain module with an explicit group), whether a call of
+    ``vit`` made in the caller's own loop is balanced.
+
+    Training calls are (the module in train mode): a training loop makes the same steps on every
+    rank, as DDP needs anyway. Evaluation calls (the module in eval mode) are balanced when the
+    caller says every rank makes them (``evaluation``), or where ``vit``'s parameters are sharded
+    (FSDP, ZeRO-3): each call of it is a collective then, so every rank makes it or the plain
+    model would hang too, and a text-only rank must join it. Otherwise they encode directly, so
+    that an evaluation on some ranks only (samples logged on rank 0) does not wait in a
+    collective the other ranks never join.
+    """
+    if training or evaluation:
+        return True
+    return isinstance(vit, torch.nn.Module) and _parameters_sharded(vit)
 
 
 def _allow_configs_in_checkpoints() -> None:
@@ -147,7 +164,7 @@ class _ModuleTowerBalance(BalancedVisionTower):
         self.module = module
 
     def settings(self) -> tuple[ViTBalanceConfig, Any] | None:
-        settings = self.module._vit_balance_settings()
+        settings = self.module._vit_balance_settings(self.tower)
         if settings is not None and getattr(self.module, "vit_balance_config", None) is None:
             # No configuration given: price images by the tower's own shape, as the engine's
             # balance_vision_tower does.
@@ -217,7 +234,9 @@ class ViTBalanceMixin:
     ``DistributedSampler``, as Lightning injects by default. Predict (whose sampler does not pad,
     so ranks may run different numbers of batches), evaluation on other loaders (an iterable
     dataset, ``use_distributed_sampler=False``, a custom batch sampler) and calls outside a loop
-    encode directly: same outputs, nothing exchanged, nothing to hang on.
+    encode directly: same outputs, nothing exchanged, nothing to hang on. Without a Trainer
+    (Fabric), calls with the module in train mode balance, and those in eval mode only with
+    :attr:`vit_balance_evaluation` set or the ViT's parameters sharded.
 
     Checkpoints: ``save_hyperparameters()`` may keep the ``ViTBalanceConfig`` (or a
     ``CostModel``) in ``hparams``. Defining a class that uses this mixin allows both types under
@@ -321,8 +340,10 @@ class ViTBalanceMixin:
         Balances when ``vit_balance_config.enabled``, the group from
         :meth:`configure_vit_balance_group` has more than one rank, and the running Lightning loop
         makes the same calls on every rank: training, and validation and test on
-        ``DistributedSampler`` loaders (see the class docstring). Calls the ViT directly otherwise
-        (one device, balancing disabled, predict, uneven evaluation loaders). Where it balances,
+        ``DistributedSampler`` loaders (see the class docstring); without a Trainer (Fabric), in
+        train mode, and in eval mode with :attr:`vit_balance_evaluation` or a sharded ``vit``.
+        Calls the ViT directly otherwise (one device, balancing disabled, predict, uneven
+        evaluation loaders, a rank evaluating alone). Where it balances,
         every rank of the group must call it the same number of times, as with any collective.
 
         Args:
@@ -337,7 +358,7 @@ class ViTBalanceMixin:
         In a compiled step (``trainer.fit(torch.compile(model))``) the balanced call runs eagerly,
         a graph break, and calls ``vit`` as it is passed; a direct call is compiled with the step.
         """
-        settings = self._vit_balance_settings()
+        settings = self._vit_balance_settings(vit)
         if settings is None:  # compiled with the module when it is
             return vit(pixel_values, grid_thw)
         return self._vit_balance_call(
@@ -354,17 +375,24 @@ class ViTBalanceMixin:
         return output
 
     @eager
-    def _vit_balance_settings(self) -> tuple[ViTBalanceConfig, Any] | None:
-        """``(config, group)`` when this call should balance (as :meth:`encode_images` decides), else None."""
+    def _vit_balance_settings(self, vit: object = None) -> tuple[ViTBalanceConfig, Any] | None:
+        """``(config, group)`` when a call of ``vit`` should balance (as :meth:`encode_images`
+        decides), else None."""
         config = self.resolved_vit_balance_config()
-        trainer, _ = self._vit_balance_runner()
-        if not config.enabled or not _loop_balances(trainer):
+        if not config.enabled or not self._vit_balance_loop_balances(vit):
             return None
         state = self._vit_balance_state_object()
         self._vit_balance_refresh(state)
         if state.group is None or state.group_size < 2:
             return None
         return config, state.group
+
+    def _vit_balance_loop_balances(self, vit: object) -> bool:
+        trainer, _ = self._vit_balance_runner()
+        if trainer is not None:
+            return _loop_balances(trainer)
+        training = bool(getattr(self, "training", True))
+        return _own_loop_balances(training, bool(self.vit_balance_evaluation), vit)
 
     def _vit_balance_balancer(
         self, config: ViTBalanceConfig, group: Any, layout: OutputLayout | None = None
@@ -452,6 +480,13 @@ class ViTBalanceMixin:
         parent = getattr(super(), "teardown", None)
         if parent is not None:
             parent(stage)
+
+    #: Without a Trainer (Fabric, or ``vit_balance_group`` set on a plain module): balance calls
+    #: made with the module in eval mode too. Set it when every rank makes the same evaluation
+    #: calls (a loader from ``fabric.setup_dataloaders``, whose sampler pads); unset, they encode
+    #: directly, so a rank may evaluate alone, except where the ViT's parameters are sharded (FSDP,
+    #: ZeRO-3), whose calls are collectives anyway. Under a Trainer its loops decide.
+    vit_balance_evaluation: bool = False
 
     #: ``(pixel key, grid key)`` pairs of a batch that the step's balanced call encodes, in order.
     vit_balance_prepare_keys: tuple[tuple[str, str], ...] = (
@@ -542,7 +577,7 @@ class ViTBalanceMixin:
             ``(image_output, video_output)``, zero rows for an absent modality; backpropagate
             through both on every rank.
         """
-        settings = self._vit_balance_settings()
+        settings = self._vit_balance_settings(vit)
         if settings is None:  # compiled with the module when it is
             return encode_visual(vit, images, videos)
         return self._vit_balance_call(

@@ -2454,6 +2454,76 @@ def test_mixin_encode_visual_and_balance_vision_tower_use_the_modules_group(mult
     assert all(r["applied"] and r["handle_calls"] == 1 and r["stats_from_handle"] for r in results), results
 
 
+class _FabricFinetune(ViTBalanceMixin, L.LightningModule):
+    """A Qwen2.5-VL model given to the mixin's ``balance_vision_tower``, trained in a Fabric loop."""
+
+    def __init__(self, balanced: bool) -> None:
+        super().__init__()
+        self.vit_balance_config = ViTBalanceConfig(enabled=balanced, **CONFIG)
+        self.model = tiny_model("qwen2_5_vl")
+        self.handle = self.balance_vision_tower(self.model)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+
+def _fabric_finetune(balanced: bool) -> dict[str, Any]:
+    """Fabric's DDP on the pool's 2 ranks (as under ``torchrun``): three steps with a text-only rank
+    (videos on it in the second), rank 0 evaluating and generating alone, then a step on both. The
+    plain model needs ``find_unused_parameters`` for its text-only rank; the balanced one runs the
+    tower on every rank."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    own = [{"images": [(1, 8, 8), (1, 4, 4)]}] if rank == 0 else [{}]
+    with launched_by_torchrun():
+        strategy = "ddp" if balanced else "ddp_find_unused_parameters_true"
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+        fabric.launch()
+        module = _FabricFinetune(balanced)
+        model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+        losses, alone = [], None
+        for step in range(4):
+            samples = [{"videos": [(2, 4, 4)]}] if step == 1 and rank == 1 else own
+            loss = model.training_step(make_inputs("qwen2_5_vl", samples, seed=10 * step + rank), step)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            if step == 2 and rank == 0:  # samples checked on rank 0 alone, as sample logging does
+                alone = _alone_on_rank_zero(model, module.model, make_inputs("qwen2_5_vl", own, seed=5))
+    return {
+        "losses": losses,
+        "alone": alone,
+        "calls": module.handle.calls,
+        "applied": module.handle.applied_calls,
+    }
+
+
+def _alone_on_rank_zero(wrapped: Any, model: nn.Module, batch: dict[str, Any]) -> tuple[float, list[Any]]:
+    """An evaluation forward's loss and ``generate()``'s tokens, made on one rank in eval mode."""
+    wrapped.eval()
+    with torch.no_grad():
+        loss = model(**batch).loss.item()
+        tokens = model.generate(**generation_prompt(model, batch), **generation_settings(0)).tolist()
+    wrapped.train()
+    return loss, tokens
+
+
+def test_mixin_drop_in_in_a_fabric_loop(multirank: Any) -> None:
+    """Under Fabric (no Trainer) the mixin's drop-in balances training forwards, a text-only rank
+    included, with the plain model's losses; rank 0's evaluation forward and ``generate()`` alone
+    encode directly (they waited for the other rank before: a timeout, or a hang on NCCL)."""
+    with multirank(2) as w:
+        balanced = w.run(_fabric_finetune, True, timeout=120)
+        plain = w.run(_fabric_finetune, False, timeout=120)
+    for rank in range(2):
+        torch.testing.assert_close(balanced[rank]["losses"], plain[rank]["losses"], **TOL)
+        assert balanced[rank]["calls"] == 4 and balanced[rank]["applied"] == 4, balanced
+    assert balanced[0]["alone"][1] == plain[0]["alone"][1]
+    torch.testing.assert_close(balanced[0]["alone"][0], plain[0]["alone"][0], **TOL)
+
+
 def _mixin_family_worker(family: str) -> dict[str, Any]:
     """Two steps of ``family`` balanced through the mixin's handle (the module's one balancer), the
     second planned ahead by the handle, against the plain model: the same losses and summed

@@ -16,6 +16,7 @@ import functools
 import inspect
 import itertools
 import json
+import math
 import pickle
 import re
 import sys
@@ -2491,7 +2492,7 @@ def _fabric_finetune(balanced: bool) -> dict[str, Any]:
             optimizer.zero_grad()
             losses.append(loss.item())
             if step == 2 and rank == 0:  # samples checked on rank 0 alone, as sample logging does
-                alone = _alone_on_rank_zero(model, module.model, make_inputs("qwen2_5_vl", own, seed=5))
+                alone = _evaluate_and_generate(model, module.model, make_inputs("qwen2_5_vl", own, seed=5))
     return {
         "losses": losses,
         "alone": alone,
@@ -2500,12 +2501,16 @@ def _fabric_finetune(balanced: bool) -> dict[str, Any]:
     }
 
 
-def _alone_on_rank_zero(wrapped: Any, model: nn.Module, batch: dict[str, Any]) -> tuple[float, list[Any]]:
-    """An evaluation forward's loss and ``generate()``'s tokens, made on one rank in eval mode."""
+def _evaluate_and_generate(
+    wrapped: Any, model: nn.Module, batch: dict[str, Any], synced: bool = False
+) -> tuple[float, list[Any]]:
+    """An evaluation forward's loss and ``generate()``'s tokens in eval mode: on one rank, or with
+    ``synced`` on every rank together (``synced_gpus``, as sharded parameters need)."""
     wrapped.eval()
     with torch.no_grad():
         loss = model(**batch).loss.item()
-        tokens = model.generate(**generation_prompt(model, batch), **generation_settings(0)).tolist()
+        settings = {**generation_settings(0), "synced_gpus": True} if synced else generation_settings(0)
+        tokens = model.generate(**generation_prompt(model, batch), **settings).tolist()
     wrapped.train()
     return loss, tokens
 
@@ -2522,6 +2527,52 @@ def test_mixin_drop_in_in_a_fabric_loop(multirank: Any) -> None:
         assert balanced[rank]["calls"] == 4 and balanced[rank]["applied"] == 4, balanced
     assert balanced[0]["alone"][1] == plain[0]["alone"][1]
     torch.testing.assert_close(balanced[0]["alone"][0], plain[0]["alone"][0], **TOL)
+
+
+def _shard_units(module: _FabricFinetune, mesh: Any) -> _FabricFinetune:
+    """Fabric's ``parallelize_fn``: FSDP2 units per block and decoder layer, the tower one too."""
+    from torch.distributed.fsdp import fully_shard
+
+    inner = module.model.model
+    for unit in [*inner.visual.blocks, inner.visual, *inner.language_model.layers, module.model]:
+        fully_shard(unit, mesh=mesh["data_parallel"])
+    return module
+
+
+def _fabric_sharded() -> dict[str, Any]:
+    """Fabric's ``ModelParallelStrategy`` (FSDP2) on the pool's 2 ranks, rank 1 text-only: two
+    training steps, then an evaluation forward and ``generate()`` on both ranks in eval mode."""
+    import torch.distributed as dist
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    rank = dist.get_rank()
+    own = [{"images": [(1, 8, 8), (1, 4, 4)]}] if rank == 0 else [{}]
+    with launched_by_torchrun():
+        strategy = ModelParallelStrategy(_shard_units, data_parallel_size=2, tensor_parallel_size=1)
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+        fabric.launch()
+        module = _FabricFinetune(balanced=True)
+        model = fabric.setup_module(module)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(module.parameters(), lr=0.1))
+        for step in range(2):
+            fabric.backward(model.training_step(make_inputs("qwen2_5_vl", own, seed=10 * step + rank), step))
+            optimizer.step()
+            optimizer.zero_grad()
+        evaluation = _evaluate_and_generate(
+            model, module.model, make_inputs("qwen2_5_vl", own, seed=5), synced=True
+        )
+    return {"loss": evaluation[0], "calls": module.handle.calls, "applied": module.handle.applied_calls}
+
+
+def test_mixin_drop_in_balances_evaluation_of_a_sharded_tower_in_a_fabric_loop(multirank: Any) -> None:
+    """Under Fabric with the tower's parameters sharded (FSDP2), an evaluation forward and
+    ``generate()``'s encoding are balanced in eval mode too: each is a collective there, which a
+    text-only rank would skip in the plain model (a hang); rank 1 runs the tower for rank 0's images."""
+    with multirank(2) as w:
+        results = w.run(_fabric_sharded, timeout=120)
+    # Two training forwards, the evaluation forward, generate()'s encoding step: each balanced.
+    assert [(r["calls"], r["applied"]) for r in results] == [(4, 4), (4, 4)], results
+    assert all(math.isfinite(r["loss"]) for r in results), results
 
 
 def _mixin_family_worker(family: str) -> dict[str, Any]:

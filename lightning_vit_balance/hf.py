@@ -2239,12 +2239,11 @@ def _as_grid(value: Any) -> Any:
         return value
 
 
-def saved_state(state: Any) -> dict[str, Any]:
-    """``state`` for :meth:`BalancedVisionTower.load_state_dict`, checked to be a mapping and copied."""
+def saved_state(state: Any, where: str = "BalancedVisionTower.load_state_dict") -> dict[str, Any]:
+    """``state`` for ``where`` (a ``load_state_dict``), checked to be a mapping and copied."""
     if not isinstance(state, Mapping):
         raise ValueError(
-            f"BalancedVisionTower.load_state_dict: state={state!r} is invalid: expected a mapping "
-            "(a state_dict() of a balanced model)."
+            f"{where}: state={state!r} is invalid: expected a mapping (a state_dict() of a balanced model)."
         )
     return dict(state)
 

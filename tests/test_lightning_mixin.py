@@ -274,6 +274,36 @@ def test_fabric_loop_balances_training_and_lets_a_rank_evaluate_alone() -> None:
     assert len(balanced[0]["seen"]) == len(balanced[1]["seen"]) + 1
 
 
+def _fabric_resume(path: str) -> dict[str, Any]:
+    """A Fabric DDP loop with ``calibrate_cost``: four steps, ``fabric.save`` with the balancer's
+    state next to the model, then a new module loaded with ``fabric.load`` goes on for two steps."""
+    with launched_by_torchrun():
+        fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy="ddp")
+        fabric.launch()
+        states = []
+        for steps in (range(4), range(4, 6)):
+            module = FabricVLM(ViTBalanceConfig(calibrate_cost=True, trigger_threshold=0.0))
+            model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.5))
+            if states:
+                remainder = fabric.load(path, {"model": model, "optimizer": optimizer})
+                module.load_vit_balance_state_dict(remainder["vit_balance"])
+            _fabric_steps(model, fabric, optimizer, steps)
+            states.append(module.vit_balance_state_dict())
+            fabric.save(path, {"model": model, "optimizer": optimizer, "vit_balance": states[-1]})
+    return {"saved": states[0]["cost_calibrator"], "continued": states[1]["cost_calibrator"]}
+
+
+def test_fabric_checkpoints_carry_the_online_cost_fit(tmp_path: Path) -> None:
+    with world(2) as w:
+        first, second = w.run(_fabric_resume, str(tmp_path / "fabric.ckpt"), timeout=120)
+    assert first == second  # fitted from every rank's gathered figures
+    # 4 calls: 3 carried the previous call's times, 2 of them warm-up; resumed, 2 calls more: 1
+    # observation (a new balancer warms up again), the fit's rows go on.
+    assert first["saved"]["steps_observed"] == 3 and len(first["saved"]["history"]) == 1
+    assert first["continued"]["steps_observed"] == 4
+    assert first["continued"]["history"] == first["saved"]["history"]
+
+
 def _sharded_evaluation(sharded: bool) -> dict[str, Any]:
     """No Trainer, eval mode: a tower whose parameters FSDP2 shards is balanced (each of its calls
     is a collective anyway), a plain one encodes directly."""

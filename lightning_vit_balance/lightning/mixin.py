@@ -193,13 +193,10 @@ class _ModuleTowerBalance(BalancedVisionTower):
 
     def state_dict(self) -> dict[str, Any]:
         # The module's balancer calibrates (its checkpoints keep this state too).
-        saved = self.module._vit_balance_state_object().balancer_state()
-        return dict(saved) if saved else {}
+        return self.module.vit_balance_state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        carried = saved_state(state)
-        module_state = self.module._vit_balance_state_object()
-        module_state.carried, module_state.balancer = carried, None
+        self.module.load_vit_balance_state_dict(state)
 
 
 class ViTBalanceMixin:
@@ -447,10 +444,9 @@ class ViTBalanceMixin:
         parent = getattr(super(), "on_save_checkpoint", None)
         if parent is not None:
             parent(checkpoint)
-        state = self.__dict__.get("_vit_balance_state")
-        saved = state.balancer_state() if state is not None else None
+        saved = self.vit_balance_state_dict()
         if saved:
-            checkpoint[CHECKPOINT_KEY] = dict(saved)
+            checkpoint[CHECKPOINT_KEY] = saved
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Take the balancer's state from a checkpoint (see :meth:`on_save_checkpoint`); the run's
@@ -461,9 +457,32 @@ class ViTBalanceMixin:
             parent(checkpoint)
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is not None:
-            state = self._vit_balance_state_object()
-            state.carried = saved
-            state.balancer = None
+            self.load_vit_balance_state_dict(saved)
+
+    def vit_balance_state_dict(self) -> dict[str, Any]:
+        """The balancer's state as plain values (with ``calibrate_cost``, the online cost fit; empty
+        without one), the same on every rank.
+
+        The Trainer keeps it in its checkpoints itself (:meth:`on_save_checkpoint`). A loop without
+        a Trainer keeps it next to the model and hands it back with
+        :meth:`load_vit_balance_state_dict`; under Fabric::
+
+            fabric.save(path, {"model": model, "vit_balance": module.vit_balance_state_dict()})
+        """
+        state = self.__dict__.get("_vit_balance_state")
+        saved = state.balancer_state() if state is not None else None
+        return dict(saved) if saved else {}
+
+    def load_vit_balance_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from a :meth:`vit_balance_state_dict`: the next balanced call's balancer starts from
+        it. Call it on every rank before the next balanced call; under Fabric::
+
+            remainder = fabric.load(path, {"model": model})
+            module.load_vit_balance_state_dict(remainder["vit_balance"])
+        """
+        carried = saved_state(state, "ViTBalanceMixin.load_vit_balance_state_dict")
+        module_state = self._vit_balance_state_object()
+        module_state.carried, module_state.balancer = carried, None
 
     def teardown(self, stage: str) -> None:
         """At the end of a fit, validate, test or predict run: let go of that run's process groups.

@@ -2470,9 +2470,9 @@ class _FabricFinetune(ViTBalanceMixin, L.LightningModule):
 
 def _fabric_finetune(balanced: bool) -> dict[str, Any]:
     """Fabric's DDP on the pool's 2 ranks (as under ``torchrun``): three steps with a text-only rank
-    (videos on it in the second), rank 0 evaluating and generating alone, then a step on both. The
-    plain model needs ``find_unused_parameters`` for its text-only rank; the balanced one runs the
-    tower on every rank."""
+    (videos on it in the second), rank 0 evaluating and generating alone, then a step on both; the
+    last two balanced steps planned with ``prepare_vit_balance``. The plain model needs
+    ``find_unused_parameters`` for its text-only rank; the balanced one runs the tower on every rank."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -2483,10 +2483,15 @@ def _fabric_finetune(balanced: bool) -> dict[str, Any]:
         fabric.launch()
         module = _FabricFinetune(balanced)
         model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
-        losses, alone = [], None
+        losses, alone, prepared = [], None, []
         for step in range(4):
             samples = [{"videos": [(2, 4, 4)]}] if step == 1 and rank == 1 else own
-            loss = model.training_step(make_inputs("qwen2_5_vl", samples, seed=10 * step + rank), step)
+            batch = make_inputs("qwen2_5_vl", samples, seed=10 * step + rank)
+            if balanced and step >= 2:  # planned on the host, as before moving the batch to a GPU
+                prepared.append(module.prepare_vit_balance(batch) is not None)
+            loss = model.training_step(batch, step)
+            if balanced:
+                prepared.append(module.last_vit_balance_stats.collectives)
             fabric.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
@@ -2498,6 +2503,7 @@ def _fabric_finetune(balanced: bool) -> dict[str, Any]:
         "alone": alone,
         "calls": module.handle.calls,
         "applied": module.handle.applied_calls,
+        "prepared": prepared,
     }
 
 
@@ -2525,6 +2531,9 @@ def test_mixin_drop_in_in_a_fabric_loop(multirank: Any) -> None:
     for rank in range(2):
         torch.testing.assert_close(balanced[rank]["losses"], plain[rank]["losses"], **TOL)
         assert balanced[rank]["calls"] == 4 and balanced[rank]["applied"] == 4, balanced
+        # The last two steps' plans made with prepare_vit_balance (a text-only batch too) were taken:
+        # no metadata gather in those forwards, 3 collectives instead of 4.
+        assert balanced[rank]["prepared"] == [4, 4, True, 3, True, 3], balanced
     assert balanced[0]["alone"][1] == plain[0]["alone"][1]
     torch.testing.assert_close(balanced[0]["alone"][0], plain[0]["alone"][0], **TOL)
 

@@ -304,6 +304,48 @@ def test_fabric_checkpoints_carry_the_online_cost_fit(tmp_path: Path) -> None:
     assert first["continued"]["history"] == first["saved"]["history"]
 
 
+def _fabric_prepared(prepare: bool) -> dict[str, Any]:
+    """A Fabric DDP loop whose batches are planned on the host with ``prepare_vit_balance`` (or
+    not) before each training step; then a plan asked for in eval mode."""
+    rank = dist.get_rank()
+    with launched_by_torchrun():
+        fabric = L.Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy="ddp")
+        fabric.launch()
+        module = FabricVLM(ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))
+        module.vit_balance_prepare_keys = (("pixel_values", "image_grid_thw"),)  # encode_images: images only
+        model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.5))
+        losses, prepared, collectives = [], [], []
+        for step in range(3):
+            pixel_values, grid_thw = _images(4 * rank + step + 1, seed=10 * rank + step)
+            if prepare:
+                batch = {"pixel_values": pixel_values, "image_grid_thw": grid_thw}
+                prepared.append(module.prepare_vit_balance(batch) is not None)
+            loss = model.training_step((pixel_values, grid_thw), step)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            collectives.append(module.last_vit_balance_stats.collectives)
+        model.eval()
+        in_eval = module.prepare_vit_balance({"pixel_values": pixel_values, "image_grid_thw": grid_thw})
+    return {"losses": losses, "prepared": prepared, "collectives": collectives, "in_eval": in_eval}
+
+
+def test_fabric_loop_plans_before_the_forward() -> None:
+    """``prepare_vit_balance`` in a loop without a Trainer: each step's balanced call takes the plan
+    made on the host (3 collectives instead of 4: no metadata gather in the forward), with the
+    losses of the loop that plans in the forward; in eval mode nothing is planned."""
+    with world(2) as w:
+        prepared = w.run(_fabric_prepared, True, timeout=120)
+        planned_in_call = w.run(_fabric_prepared, False, timeout=120)
+    for rank in range(2):
+        assert prepared[rank]["prepared"] == [True] * 3
+        assert prepared[rank]["collectives"] == [3] * 3 and planned_in_call[rank]["collectives"] == [4] * 3
+        # The same plans, batches and operations: the same losses to the last bit.
+        assert prepared[rank]["losses"] == planned_in_call[rank]["losses"]
+        assert prepared[rank]["in_eval"] is None
+
+
 def _sharded_evaluation(sharded: bool) -> dict[str, Any]:
     """No Trainer, eval mode: a tower whose parameters FSDP2 shards is balanced (each of its calls
     is a collective anyway), a plain one encodes directly."""

@@ -517,12 +517,30 @@ class ViTBalanceMixin:
     #: their forwards pass the tower (video steps, dtype).
     _vit_balance_towers: tuple[BalancedVisionTower, ...] = ()
 
-    def _vit_balance_plan_ahead(self, batch: Any) -> None:
+    def prepare_vit_balance(self, batch: Any) -> PreparedPlan | None:
+        """Plan the step's first balanced call from ``batch`` while it is still on the host.
+
+        Under a Trainer, ``plan_ahead`` does this in :meth:`on_before_batch_transfer`. In a loop
+        without one (Fabric), call it on every rank with each training batch before it moves to
+        the device (``fabric.setup_dataloaders(loader, move_to_device=False)``, then
+        ``fabric.to_device(batch)``): the step's first balanced call (:meth:`encode_images` when
+        :attr:`vit_balance_prepare_keys` name only images, :meth:`encode_visual`, or a model given
+        to :meth:`balance_vision_tower`) then makes no metadata gather and no device-to-host sync.
+
+        Returns:
+            The plan, or None where the step's calls do not balance (the module in eval mode, one
+            rank, balancing disabled): that step plans nothing.
+        """
+        self._vit_balance_plan_ahead(batch, asked=True)
+        return self._vit_balance_state_object().ticket
+
+    def _vit_balance_plan_ahead(self, batch: Any, asked: bool = False) -> None:
         state = self._vit_balance_state_object()
         state.ticket = None
         trainer, _ = self._vit_balance_runner()
-        settings = self._vit_balance_settings() if trainer is not None and trainer.training else None
-        if settings is None or not settings[0].plan_ahead:
+        training = trainer.training if trainer is not None else bool(getattr(self, "training", True))
+        settings = self._vit_balance_settings() if training else None
+        if settings is None or not (asked or settings[0].plan_ahead):
             return
         towers = self._vit_balance_towers
         pixels, grid = rows_to_plan(batch, self.vit_balance_prepare_keys, towers)

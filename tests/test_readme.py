@@ -3,7 +3,7 @@
 * ``python`` blocks run as scripts in a temporary directory with ``PYTHONPATH=examples`` (the
   quick start is a real 2-rank ``ddp_spawn`` fit whose logged metrics are checked); a block preceded by
   ``<!-- readme-test: multirank -->`` needs an initialised process group and runs on every rank
-  of the 2-rank gloo pool instead.
+  of the 2-rank gloo pool instead, with the environment ``torchrun`` gives (for a Fabric loop).
 * ``yaml`` blocks are parsed into :class:`ViTBalanceConfig` with jsonargparse, as LightningCLI does.
 * ``sh`` blocks: ``make`` targets and variables must exist in the Makefile; ``python`` commands run
   (on a synthetic metrics log where they read one); ``python -m`` (or ``.venv/bin/python -m``)
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 sys.path.insert(0, str(ROOT / "examples"))
 
-from multirank import EXIT_ABORT_MESSAGE, world  # noqa: E402
+from multirank import EXIT_ABORT_MESSAGE, launched_by_torchrun, world  # noqa: E402
 
 LANGUAGES = ("python", "sh", "yaml", "text")
 
@@ -129,7 +129,8 @@ def _exec_on_rank(code: str) -> str:
     if examples not in sys.path:
         sys.path.insert(0, examples)
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    # As under torchrun: a Fabric loop takes the pool's process group.
+    with contextlib.redirect_stdout(printed), launched_by_torchrun():
         exec(compile(code, "README.md", "exec"), {"__name__": "readme_snippet"})
     return printed.getvalue()
 

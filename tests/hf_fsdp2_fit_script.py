@@ -4,10 +4,11 @@ Run by ``test_hf_dropin.py`` on the test pool's ranks, launched as ``torchrun`` 
 script, the strategy's launcher starts the other rank by running this same script again. Two CPU
 ranks, a ``(2, 1)`` mesh (data parallel only); ``configure_model`` makes each vision block, the
 tower and each decoder layer an FSDP2 unit, then the whole model. After the last step, validation
-runs ``generate()`` and ``model(**batch).loss`` on the same batches (a ``DistributedSampler``
-hands each rank its own, so the mixin balances them: without that, a text-only rank would skip
-the tower's parameter gathers). Each rank writes its training and validation losses, its
-generated tokens and the drop-in's counts::
+runs ``model(**batch).loss`` in its step and ``generate()`` in a callback's hook on the same
+batches (a ``DistributedSampler`` hands each rank its own, so the mixin balances them, the hook's
+too as the tower is sharded: without that, a text-only rank would skip the tower's parameter
+gathers). Each rank writes its training and validation losses, its generated tokens and the
+drop-in's counts::
 
     python tests/hf_fsdp2_fit_script.py OUT_DIR
 """
@@ -78,11 +79,6 @@ class ShardedFinetune(ViTBalanceMixin, L.LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        # Every rank generates (synced_gpus, as sharded parameters need), a different number of
-        # tokens on each rank: the image encoding is balanced. The first right after training.
-        prompt = generation_prompt(self.model, batch)
-        tokens = self.model.generate(**prompt, **generation_settings(self.global_rank), synced_gpus=True)
-        self.generated.append(tokens.tolist())
         self.val_losses.append(float(self.model(**batch).loss))
 
     def on_train_end(self) -> None:
@@ -111,6 +107,21 @@ class ShardedFinetune(ViTBalanceMixin, L.LightningModule):
         return torch.utils.data.DataLoader(batches, batch_size=1, sampler=sampler, collate_fn=_first)
 
 
+class GenerateSamples(L.Callback):
+    """Generates from each validation batch in a hook of the loop, not in its step, as sample
+    logging does: on every rank (``synced_gpus``, as sharded parameters need), a different number of
+    tokens on each rank. The tower's parameters are sharded, so the image encoding is balanced there
+    too: a text-only rank joins the gathers."""
+
+    def on_validation_batch_end(
+        self, trainer: L.Trainer, pl_module: ShardedFinetune, outputs: Any, batch: Any, *args: Any
+    ) -> None:
+        model = pl_module.model
+        settings = generation_settings(pl_module.global_rank)
+        tokens = model.generate(**generation_prompt(model, batch), **settings, synced_gpus=True)
+        pl_module.generated.append(tokens.tolist())
+
+
 def main(out_dir: str) -> None:
     torch.set_num_threads(1)
     trainer = L.Trainer(
@@ -118,7 +129,7 @@ def main(out_dir: str) -> None:
         devices=RANKS,
         strategy=ModelParallelStrategy(data_parallel_size=RANKS, tensor_parallel_size=1),
         max_steps=STEPS,
-        callbacks=[ViTBalanceCallback(log_every_n_steps=0)],
+        callbacks=[ViTBalanceCallback(log_every_n_steps=0), GenerateSamples()],
         logger=False,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,

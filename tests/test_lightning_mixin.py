@@ -346,6 +346,73 @@ def test_fabric_loop_plans_before_the_forward() -> None:
         assert prepared[rank]["in_eval"] is None
 
 
+class SamplesOnRankZero(L.Callback):
+    """Encodes an image on rank 0 alone in hooks of the fit's loops (sample logging), noting whether
+    each call left the module's last stats alone (a direct call) and the stats of the step before."""
+
+    def __init__(self) -> None:
+        self.direct: list[bool] = []
+        self.steps: list[Any] = []
+
+    def _sample(self, pl_module: Any) -> None:
+        self.steps.append(pl_module.last_vit_balance_stats)
+        if pl_module.global_rank == 0:
+            with torch.no_grad():
+                pl_module.encode_images(pl_module.visual, *_images(3))
+            self.direct.append(pl_module.last_vit_balance_stats is self.steps[-1])
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        self._sample(pl_module)
+
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._sample(pl_module)
+
+
+class StepsAndSamples(FabricVLM):
+    """Balanced training and validation steps (rank r holds r + 1 more images) over even loaders."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(_images(3 * self.global_rank + batch_idx + 1, seed=batch_idx), batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().validation_step(_images(3 * self.global_rank + 1, seed=batch_idx), batch_idx)
+
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(2, 1)))
+
+
+def _fit_with_samples_on_rank_zero(out: str) -> dict[str, Any]:
+    with launched_by_torchrun():
+        samples = SamplesOnRankZero()
+        module = StepsAndSamples(ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=dist.get_world_size(),
+            strategy="ddp",
+            max_steps=2,
+            callbacks=[samples],
+            default_root_dir=out,
+            logger=False,
+            num_sanity_val_steps=0,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module)
+    return {"direct": samples.direct, "applied": [s is not None and s.applied for s in samples.steps]}
+
+
+def test_hooks_outside_the_steps_encode_directly(tmp_path: Path) -> None:
+    """Under a Trainer, only the loops' step hooks balance: rank 0 logging samples alone from a
+    callback's ``on_train_batch_end`` and ``on_validation_epoch_end`` (the fit's loops are running
+    there) encodes directly instead of waiting in a collective the other rank never joins."""
+    with world(2) as w:
+        first, second = w.run(_fit_with_samples_on_rank_zero, str(tmp_path), timeout=120)
+    # Two training steps and one validation epoch, each step balanced; rank 0's samples direct.
+    assert first["applied"] == second["applied"] == [True, True, True]
+    assert first["direct"] == [True, True, True] and second["direct"] == []
+
+
 def _sharded_evaluation(sharded: bool) -> dict[str, Any]:
     """No Trainer, eval mode: a tower whose parameters FSDP2 shards is balanced (each of its calls
     is a collective anyway), a plain one encodes directly."""

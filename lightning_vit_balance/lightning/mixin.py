@@ -57,6 +57,12 @@ def _draws_evenly(loader: object) -> bool:
     )
 
 
+#: The Trainer's hooks in which every rank makes the same calls: the loops' steps. A call from
+#: another hook (a callback's ``on_train_epoch_end`` that logs samples on rank 0, say) is direct,
+#: unless the ViT's parameters are sharded (:func:`_sharded`).
+_STEP_HOOKS = frozenset({"training_step", "validation_step", "test_step"})
+
+
 def _loop_balances(trainer: Any) -> bool:
     """Whether the Trainer's running loop makes the same ``encode_images`` calls on every rank.
 
@@ -83,13 +89,16 @@ def _own_loop_balances(training: bool, evaluation: bool, vit: object) -> bool:
     Training calls are (the module in train mode): a training loop makes the same steps on every
     rank, as DDP needs anyway. Evaluation calls (the module in eval mode) are balanced when the
     caller says every rank makes them (``evaluation``), or where ``vit``'s parameters are sharded
-    (FSDP, ZeRO-3): each call of it is a collective then, so every rank makes it or the plain
-    model would hang too, and a text-only rank must join it. Otherwise they encode directly, so
-    that an evaluation on some ranks only (samples logged on rank 0) does not wait in a
-    collective the other ranks never join.
+    (:func:`_sharded`). Otherwise they encode directly, so that an evaluation on some ranks only
+    (samples logged on rank 0) does not wait in a collective the other ranks never join.
     """
-    if training or evaluation:
-        return True
+    return training or evaluation or _sharded(vit)
+
+
+def _sharded(vit: object) -> bool:
+    """Whether ``vit``'s parameters are sharded (FSDP, ZeRO-3): each call of it is a collective
+    then, which every rank makes or the plain model would hang too, and a text-only rank must join
+    it (balanced, it runs the tower too)."""
     return isinstance(vit, torch.nn.Module) and _parameters_sharded(vit)
 
 
@@ -226,12 +235,13 @@ class ViTBalanceMixin:
     while a :class:`~lightning_vit_balance.ViTBalanceCallback` is attached to the Trainer, queued
     for it (see :meth:`pop_vit_balance_stats`).
 
-    Which Lightning loops balance (every rank must make the same calls there): training, and
-    validation (its sanity check included) and test when their dataloaders use a
-    ``DistributedSampler``, as Lightning injects by default. Predict (whose sampler does not pad,
-    so ranks may run different numbers of batches), evaluation on other loaders (an iterable
-    dataset, ``use_distributed_sampler=False``, a custom batch sampler) and calls outside a loop
-    encode directly: same outputs, nothing exchanged, nothing to hang on. Without a Trainer
+    Which Lightning loops balance (every rank must make the same calls there): the training
+    step, and the validation (its sanity check included) and test steps when their dataloaders
+    use a ``DistributedSampler``, as Lightning injects by default. Predict (whose sampler does not
+    pad, so ranks may run different numbers of batches), evaluation on other loaders (an iterable
+    dataset, ``use_distributed_sampler=False``, a custom batch sampler), other hooks (a callback
+    logging samples on rank 0) and calls outside a loop encode directly: same outputs, nothing
+    exchanged, nothing to hang on. Without a Trainer
     (Fabric), calls with the module in train mode balance, and those in eval mode only with
     :attr:`vit_balance_evaluation` set or the ViT's parameters sharded.
 
@@ -336,11 +346,11 @@ class ViTBalanceMixin:
 
         Balances when ``vit_balance_config.enabled``, the group from
         :meth:`configure_vit_balance_group` has more than one rank, and the running Lightning loop
-        makes the same calls on every rank: training, and validation and test on
+        makes the same calls on every rank: the training step, and validation and test steps on
         ``DistributedSampler`` loaders (see the class docstring); without a Trainer (Fabric), in
         train mode, and in eval mode with :attr:`vit_balance_evaluation` or a sharded ``vit``.
         Calls the ViT directly otherwise (one device, balancing disabled, predict, uneven
-        evaluation loaders, a rank evaluating alone). Where it balances,
+        evaluation loaders, other hooks, a rank evaluating alone). Where it balances,
         every rank of the group must call it the same number of times, as with any collective.
 
         Args:
@@ -372,11 +382,14 @@ class ViTBalanceMixin:
         return output
 
     @eager
-    def _vit_balance_settings(self, vit: object = None) -> tuple[ViTBalanceConfig, Any] | None:
+    def _vit_balance_settings(
+        self, vit: object = None, *, ahead: bool = False
+    ) -> tuple[ViTBalanceConfig, Any] | None:
         """``(config, group)`` when a call of ``vit`` should balance (as :meth:`encode_images`
-        decides), else None."""
+        decides), else None. ``ahead``: for a plan made before the step (in
+        ``on_before_batch_transfer``), for the step's calls."""
         config = self.resolved_vit_balance_config()
-        if not config.enabled or not self._vit_balance_loop_balances(vit):
+        if not config.enabled or not self._vit_balance_loop_balances(vit, ahead):
             return None
         state = self._vit_balance_state_object()
         self._vit_balance_refresh(state)
@@ -384,10 +397,11 @@ class ViTBalanceMixin:
             return None
         return config, state.group
 
-    def _vit_balance_loop_balances(self, vit: object) -> bool:
+    def _vit_balance_loop_balances(self, vit: object, ahead: bool) -> bool:
         trainer, _ = self._vit_balance_runner()
         if trainer is not None:
-            return _loop_balances(trainer)
+            hook = getattr(self, "_current_fx_name", None)  # the Trainer's running hook
+            return _loop_balances(trainer) and (ahead or hook in _STEP_HOOKS or _sharded(vit))
         training = bool(getattr(self, "training", True))
         return _own_loop_balances(training, bool(self.vit_balance_evaluation), vit)
 
@@ -539,7 +553,7 @@ class ViTBalanceMixin:
         state.ticket = None
         trainer, _ = self._vit_balance_runner()
         training = trainer.training if trainer is not None else bool(getattr(self, "training", True))
-        settings = self._vit_balance_settings() if training else None
+        settings = self._vit_balance_settings(ahead=True) if training else None
         if settings is None or not (asked or settings[0].plan_ahead):
             return
         towers = self._vit_balance_towers

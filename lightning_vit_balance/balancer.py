@@ -639,9 +639,7 @@ class ViTBalancer:
         )
         if self._grid_checks.differed():
             local = dataclasses.replace(local, status=InputProblem.PREPARED_GRID_VALUES, details=(), grids=())
-        metadata, collectives = gather_metadata(
-            local, capacity=GATHER_CAPACITY, device=host_device(call.host), group=call.host
-        )
+        metadata, collectives = _gathered_metadata(local, call.host)
         if self.config.split_videos:
             # After the gather, on every rank alike: a video travels as one grid row, not one per
             # temporal step (hundreds would overflow the gather's capacity: a second collective).
@@ -1051,6 +1049,30 @@ class _ReturnBuffer(NamedTuple):
     elements: list[int]
     buffer: torch.Tensor
     arrivals: torch.Tensor
+
+
+#: What the ranks were told when a balanced call's first gather failed: they were out of step.
+_OUT_OF_STEP = (
+    "every rank of the group must make the same balanced calls, in the same order, including "
+    "ranks without images (zero rows and a [0, 3] grid). The usual cause is a rank that skipped "
+    "the call (a text-only batch behind an `if`), made it alone (evaluation or sample logging on "
+    "one rank), or stopped (look for a rank that raised first)"
+)
+
+
+def _gathered_metadata(local: RankMetadata, group: Any) -> tuple[tuple[RankMetadata, ...], int]:
+    """:func:`gather_metadata` of a call's first collective. A timeout (a rank never joined), a
+    closed connection (a rank stopped) or a size mismatch (a rank in another collective) raises
+    gloo's or NCCL's text, which names neither the call nor the cause: say both."""
+    try:
+        return gather_metadata(local, capacity=GATHER_CAPACITY, device=host_device(group), group=group)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"ViTBalancer: the gather that starts a balanced call failed on this rank ({error}): "
+            f"{_OUT_OF_STEP}."
+        ) from error
 
 
 def _print_line(line: str) -> None:

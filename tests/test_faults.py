@@ -409,3 +409,38 @@ def test_plans_that_differ_raise_before_the_return_trip(multirank: Any) -> None:
     # took the outputs for its own.
     assert [r["kind"] for r in unchecked] == ["ok"] * RANKS, unchecked
     assert unchecked[0]["max_error"] > 1e-2 and unchecked[2]["max_error"] < 1e-5, unchecked
+
+
+def _skipped_call_case() -> tuple[str, str, float] | None:
+    """Rank 1 skips a balanced call the others make (a text-only batch behind an ``if``), on a group
+    whose collectives time out after 2 s; then a good call on the pool's group."""
+    from datetime import timedelta
+
+    short = dist.new_group(list(range(RANKS)), timeout=timedelta(seconds=2), backend="gloo")
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    outcome = ("skipped", "", 0.0)
+    if rank != 1:
+        torch.manual_seed(0)
+        pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+        outcome = _outcome(
+            lambda: ViTBalancer(ViTBalanceConfig(**APPLY), short)(towers.TensorTower(), pixels, grid)
+        )
+    dist.destroy_process_group(short)
+    dist.barrier(subgroup(RANKS))  # the others' timeouts are over
+    _still_in_step(subgroup(RANKS), rank)
+    return outcome
+
+
+def test_a_rank_that_skips_a_call_is_named_as_the_cause(multirank: Any) -> None:
+    """The ranks that made a balanced call another rank skipped wait for the group's timeout (a
+    collective cannot tell a late rank from an absent one), then raise a RuntimeError that says
+    what gloo's timeout text does not: every rank must make the same balanced calls."""
+    with multirank(POOL) as w:
+        results = w.run(_skipped_call_case, timeout=60)[:RANKS]
+    assert results[1][0] == "skipped"
+    for kind, message, seconds in (results[0], results[2]):
+        assert kind == "RuntimeError" and "the gather that starts a balanced call failed" in message, message
+        assert "every rank of the group must make the same balanced calls" in message, message
+        assert seconds < FAST_S, seconds

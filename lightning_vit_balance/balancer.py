@@ -1069,7 +1069,9 @@ def _gathered_metadata(local: RankMetadata, group: Any) -> tuple[tuple[RankMetad
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as error:
-        raise RuntimeError(
+        # The same type (DistBackendError, say), for loops that catch the backend's errors.
+        kind = type(error) if issubclass(type(error), dist.DistError) else RuntimeError
+        raise kind(
             f"ViTBalancer: the gather that starts a balanced call failed on this rank ({error}): "
             f"{_OUT_OF_STEP}."
         ) from error

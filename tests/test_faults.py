@@ -444,3 +444,27 @@ def test_a_rank_that_skips_a_call_is_named_as_the_cause(multirank: Any) -> None:
         assert kind == "RuntimeError" and "the gather that starts a balanced call failed" in message, message
         assert "every rank of the group must make the same balanced calls" in message, message
         assert seconds < FAST_S, seconds
+
+
+def _gather_raising(error: BaseException) -> Any:
+    """``_gathered_metadata`` with its gather raising ``error`` (and no process group needed)."""
+    host = mock.patch.object(balancer_module, "host_device", return_value=torch.device("cpu"))
+    gather = mock.patch.object(balancer_module, "gather_metadata", side_effect=error)
+    with host, gather:
+        return balancer_module._gathered_metadata(mock.Mock(), None)
+
+
+def test_the_rewrapped_gather_error_keeps_the_backends_type() -> None:
+    """Loops that catch torch.distributed's errors (DistBackendError) still catch the rewrapped one;
+    an out-of-memory error passes as it is."""
+    for raised, expected in (
+        (dist.DistBackendError("NCCL watchdog timeout"), dist.DistBackendError),
+        (RuntimeError("Connection closed by peer"), RuntimeError),
+    ):
+        with pytest.raises(expected, match="balanced call failed on this rank") as caught:
+            _gather_raising(raised)
+        assert type(caught.value) is expected and caught.value.__cause__ is raised
+    memory = torch.OutOfMemoryError("out of memory")
+    with pytest.raises(torch.OutOfMemoryError) as caught_memory:
+        _gather_raising(memory)
+    assert caught_memory.value is memory

@@ -241,9 +241,9 @@ class ViTBalanceMixin:
     pad, so ranks may run different numbers of batches), evaluation on other loaders (an iterable
     dataset, ``use_distributed_sampler=False``, a custom batch sampler), other hooks (a callback
     logging samples on rank 0) and calls outside a loop encode directly: same outputs, nothing
-    exchanged, nothing to hang on. Without a Trainer
-    (Fabric), calls with the module in train mode balance, and those in eval mode only with
-    :attr:`vit_balance_evaluation` set or the ViT's parameters sharded.
+    exchanged, nothing to hang on. Without a Trainer (Fabric), calls with the module in train
+    mode balance, and those in eval mode only with :attr:`vit_balance_evaluation` set or the
+    ViT's parameters sharded.
 
     Checkpoints: ``save_hyperparameters()`` may keep the ``ViTBalanceConfig`` (or a
     ``CostModel``) in ``hparams``. Defining a class that uses this mixin allows both types under
@@ -398,6 +398,7 @@ class ViTBalanceMixin:
         return config, state.group
 
     def _vit_balance_loop_balances(self, vit: object, ahead: bool) -> bool:
+        """Whether every rank makes this call of ``vit`` (or, ``ahead``, the step's calls)."""
         trainer, _ = self._vit_balance_runner()
         if trainer is not None:
             hook = getattr(self, "_current_fx_name", None)  # the Trainer's running hook

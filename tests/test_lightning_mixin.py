@@ -200,9 +200,8 @@ class FabricVLM(MixinFirst):
 
 def _fabric_steps(model: Any, fabric: Any, optimizer: Any, steps: range) -> list[float]:
     """Training steps of a Fabric loop; rank r holds 4r + step + 1 images, so images move."""
-    losses = []
+    losses, rank = [], dist.get_rank()
     for step in steps:
-        rank = dist.get_rank()
         loss = model.training_step(_images(4 * rank + step + 1, seed=10 * rank + step), step)
         fabric.backward(loss)
         optimizer.step()
@@ -369,7 +368,8 @@ class SamplesOnRankZero(L.Callback):
 
 
 class StepsAndSamples(FabricVLM):
-    """Balanced training and validation steps (rank r holds r + 1 more images) over even loaders."""
+    """Balanced training and validation steps (rank 1 holds three images more than rank 0) over
+    even loaders."""
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return super().training_step(_images(3 * self.global_rank + batch_idx + 1, seed=batch_idx), batch_idx)

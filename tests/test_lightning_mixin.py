@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
+from lightning_fit_script import quiet_trainer
 from multirank import launched_by_torchrun, world
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 from towers import CHANNELS, TensorTower
@@ -385,19 +386,9 @@ def _fit_with_samples_on_rank_zero(out: str) -> dict[str, Any]:
     with launched_by_torchrun():
         samples = SamplesOnRankZero()
         module = StepsAndSamples(ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=dist.get_world_size(),
-            strategy="ddp",
-            max_steps=2,
-            callbacks=[samples],
-            default_root_dir=out,
-            logger=False,
-            num_sanity_val_steps=0,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        # Lightning's DistributedSampler on both loaders: validation balances in its step.
+        settings = {"callbacks": [samples], "logger": False, "use_distributed_sampler": True}
+        trainer = quiet_trainer(out, "", strategy="ddp", max_steps=2, num_sanity_val_steps=0, **settings)
         trainer.fit(module)
     return {"direct": samples.direct, "applied": [s is not None and s.applied for s in samples.steps]}
 

@@ -8,6 +8,7 @@ import pickle
 import warnings
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import lightning as L
 import pytest
@@ -402,6 +403,28 @@ def test_hooks_outside_the_steps_encode_directly(tmp_path: Path) -> None:
     # Two training steps and one validation epoch, each step balanced; rank 0's samples direct.
     assert first["applied"] == second["applied"] == [True, True, True]
     assert first["direct"] == [True, True, True] and second["direct"] == []
+
+
+def test_which_trainer_hooks_balance() -> None:
+    """Under a training loop: the step balances, another hook does not, and where Lightning keeps
+    no running hook's name (another release) the loop decides alone, as before the hook rule."""
+    module = MixinFirst()
+    trainer = mock.Mock(training=True)
+    with mock.patch.object(MixinFirst, "_vit_balance_runner", return_value=(trainer, None)):
+        answers = {}
+        for hook in ("training_step", "on_train_batch_end", None):
+            module._current_fx_name = hook
+            answers[hook] = module._vit_balance_loop_balances(module.visual, ahead=False)
+        answers["ahead"] = module._vit_balance_loop_balances(module.visual, ahead=True)
+        del module._current_fx_name
+        answers["unnamed"] = module._vit_balance_loop_balances(module.visual, ahead=False)
+    assert answers == {
+        "training_step": True,
+        "on_train_batch_end": False,
+        None: False,
+        "ahead": True,
+        "unnamed": True,
+    }
 
 
 def _sharded_evaluation(sharded: bool) -> dict[str, Any]:

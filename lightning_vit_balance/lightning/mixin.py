@@ -401,7 +401,8 @@ class ViTBalanceMixin:
         """Whether every rank makes this call of ``vit`` (or, ``ahead``, the step's calls)."""
         trainer, _ = self._vit_balance_runner()
         if trainer is not None:
-            hook = getattr(self, "_current_fx_name", None)  # the Trainer's running hook
+            # The Trainer's running hook; a Lightning without that attribute: the loop decides alone.
+            hook = getattr(self, "_current_fx_name", "training_step")
             return _loop_balances(trainer) and (ahead or hook in _STEP_HOOKS or _sharded(vit))
         training = bool(getattr(self, "training", True))
         return _own_loop_balances(training, bool(self.vit_balance_evaluation), vit)

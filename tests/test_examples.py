@@ -162,6 +162,21 @@ def test_dashboard_reads_csv_and_writes_png(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_dashboard_reads_a_fabric_csv_log(tmp_path: Path) -> None:
+    """Fabric's ``CSVLogger`` (what ``fabric.log_dict(BalanceMetrics.metrics(), step=step)`` writes
+    to) lays out its log as the Trainer's does: the dashboard reads it."""
+    from lightning.fabric.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path, name="fabric")
+    for row in _metric_rows(3):
+        logger.log_metrics({k: v for k, v in row.items() if k not in ("step", "epoch")}, step=row["step"])
+    logger.finalize("success")
+    metrics = plot_vit_balance.load_metrics(tmp_path / "fabric")
+    assert metrics["vit_balance/load_after/rank_1"][-1] == (2, 8.0)
+    out = plot_vit_balance.main([str(tmp_path / "fabric" / "version_0"), "-o", str(tmp_path / "dash.png")])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def _varint(value: int) -> bytes:
     out = bytearray()
     while True:

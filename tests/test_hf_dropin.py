@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -2417,6 +2418,17 @@ def test_lightning_model_parallel_strategy_with_fsdp2_units(tmp_path: Path, mult
 
 class _MixinOnly(ViTBalanceMixin, L.LightningModule):
     """A module with the mixin and an explicit group, used outside a Trainer."""
+
+
+def test_mixin_handle_prepares_for_the_next_forward_from_any_hook() -> None:
+    """``handle.prepare`` under a Trainer asks for the next forward's settings (made ahead, as in
+    ``on_before_batch_transfer``), not for a call in the running hook, which would not balance."""
+    module = _MixinOnly()
+    handle = module.balance_vision_tower(tiny_model("qwen2_vl"))
+    with mock.patch.object(module, "_vit_balance_settings", return_value=None) as settings:
+        assert handle.prepare(make_inputs("qwen2_vl", [{"images": [(1, 4, 4)]}], seed=0)) is None
+        handle.settings()
+    assert [call.kwargs["ahead"] for call in settings.call_args_list] == [True, False]
 
 
 def _mixin_worker() -> dict[str, Any]:

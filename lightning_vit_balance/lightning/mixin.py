@@ -168,12 +168,15 @@ class _ModuleTowerBalance(BalancedVisionTower):
     puts them, so :class:`ViTBalanceCallback` logs them.
     """
 
+    #: Set while :meth:`prepare` plans the next forward: the settings of that forward, not a call here.
+    _planning_ahead = False
+
     def __init__(self, model: torch.nn.Module, module: ViTBalanceMixin, evaluation: bool) -> None:
         super().__init__(model, evaluation=evaluation)
         self.module = module
 
     def settings(self) -> tuple[ViTBalanceConfig, Any] | None:
-        settings = self.module._vit_balance_settings(self.tower)
+        settings = self.module._vit_balance_settings(self.tower, ahead=self._planning_ahead)
         if settings is not None and getattr(self.module, "vit_balance_config", None) is None:
             # No configuration given: price images by the tower's own shape, as the engine's
             # balance_vision_tower does.
@@ -194,8 +197,13 @@ class _ModuleTowerBalance(BalancedVisionTower):
         return self.module._vit_balance_balancer(config, group, layout)
 
     def prepare(self, batch: Mapping[str, Any]) -> PreparedPlan | None:
+        # For the next forward, from wherever it is asked for (a Trainer's hook before the step).
+        self._planning_ahead = True
+        try:
+            ticket = super().prepare(batch)
+        finally:
+            self._planning_ahead = False
         # The module's calls take the module's plan (as its plan_ahead hook makes it).
-        ticket = super().prepare(batch)
         self._ticket = None
         self.module._vit_balance_state_object().ticket = ticket
         return ticket

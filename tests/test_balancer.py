@@ -531,6 +531,42 @@ def test_balanced_call_under_no_grad(multirank: Any) -> None:
     assert per_rank[2]["rows"] == 0  # the rank without images gets zero rows of each output
 
 
+def _checkpointed_call(reentrant: bool) -> dict[str, Any]:
+    """The balanced call inside ``torch.utils.checkpoint`` (activation checkpointing around the
+    tower's call): the backward pass recomputes it, collectives and all, on every rank."""
+    from torch.utils.checkpoint import checkpoint
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    vit = towers.TensorTower()
+    grids = [[(1, 8, 8), (1, 8, 8), (2, 4, 4)], [(1, 2, 2)], [], [(1, 4, 4)]][rank]
+    pixels, grid = towers.make_batch(grids, seed=rank)
+    balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0))
+    results: dict[str, dict[str, torch.Tensor]] = {}
+    for name, encode in (("balanced", functools.partial(balancer, vit)), ("direct", vit)):
+        vit.zero_grad()
+        rows = pixels.clone().requires_grad_(True)
+        results[name] = {}
+        if grids or name == "balanced":  # the rank without images takes part in the balanced call
+            out = checkpoint(encode, rows, grid, use_reentrant=reentrant)
+            out.pow(2).sum().backward()
+            results[name] = {"outputs": out.detach(), "pixel_grads": rows.grad}
+        results[name]["summed_grads"] = summed_grads(vit, None)[0]
+    # Same ops on the same rows in other batches: fp32 agrees to a few ulps, and the gradients'
+    # sums over images and ranks add in another order.
+    for key, want in results["direct"].items():
+        torch.testing.assert_close(results["balanced"][key], want, rtol=1e-4, atol=1e-5)
+    return {"applied": balancer.last_stats.applied, "calls": balancer.calls}
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_balanced_call_under_activation_checkpointing(multirank: Any, reentrant: bool) -> None:
+    with multirank(POOL) as w:
+        per_rank = w.run(_checkpointed_call, reentrant)
+    # Each balanced: once in the forward, once recomputed in the backward pass.
+    assert per_rank == [{"applied": True, "calls": 2}] * POOL, per_rank
+
+
 def _overlapped_suite(n: int) -> dict[str, Any] | None:
     cases = standard_cases(n)
     config = {**THRESHOLD_0, "overlap_pixel_trip": True}

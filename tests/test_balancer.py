@@ -496,14 +496,24 @@ def test_dropped_outputs_do_not_travel(multirank: Any) -> None:
     assert all(dropped < full for full, dropped in per_rank), per_rank
 
 
-def _inference_mode_call() -> dict[str, Any]:
-    """Balanced call under torch.no_grad() (validation): same values, nothing kept for autograd."""
+#: Per rank of the pool: rank 0 straggles, rank 2 holds no images.
+STRAGGLER_GRIDS = [[(1, 8, 8), (1, 8, 8), (2, 4, 4)], [(1, 2, 2)], [], [(1, 4, 4)]]
+
+
+def _straggler_batch(tower: Any) -> tuple[Any, list[Any], torch.Tensor, torch.Tensor, ViTBalancer]:
+    """``tower()`` seeded alike on every rank, this rank's grids of :data:`STRAGGLER_GRIDS`, its
+    batch, and a balancer that applies every plan that gains."""
     rank = dist.get_rank()
     torch.manual_seed(0)
-    vit = towers.WindowTower()
-    grids = [[(1, 8, 8), (1, 8, 8), (2, 4, 4)], [(1, 2, 2)], [], [(1, 4, 4)]][rank]
+    vit = tower()
+    grids = STRAGGLER_GRIDS[rank]
     pixels, grid = towers.make_batch(grids, seed=rank)
-    balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0))
+    return vit, grids, pixels, grid, ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0))
+
+
+def _inference_mode_call() -> dict[str, Any]:
+    """Balanced call under torch.no_grad() (validation): same values, nothing kept for autograd."""
+    vit, grids, pixels, grid, balancer = _straggler_batch(towers.WindowTower)
     with torch.no_grad():
         balanced = balancer(vit, pixels, grid)
         reference = vit(pixels, grid) if grids else None
@@ -536,12 +546,7 @@ def _checkpointed_call(reentrant: bool) -> dict[str, Any]:
     tower's call): the backward pass recomputes it, collectives and all, on every rank."""
     from torch.utils.checkpoint import checkpoint
 
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    vit = towers.TensorTower()
-    grids = [[(1, 8, 8), (1, 8, 8), (2, 4, 4)], [(1, 2, 2)], [], [(1, 4, 4)]][rank]
-    pixels, grid = towers.make_batch(grids, seed=rank)
-    balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0))
+    vit, grids, pixels, grid, balancer = _straggler_batch(towers.TensorTower)
     results: dict[str, dict[str, torch.Tensor]] = {}
     for name, encode in (("balanced", functools.partial(balancer, vit)), ("direct", vit)):
         vit.zero_grad()

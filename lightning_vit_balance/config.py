@@ -120,7 +120,8 @@ class ViTBalanceConfig:
             anyway, so every rank fits the same coefficients at the same call; the ``cost_*`` fields
             are the model until the first fit. The fitted coefficients are part of the settings
             that ranks must agree on.
-        plan_ahead: Lightning: gather the grid rows and plan each training batch in
+        plan_ahead: Lightning: gather the grid rows and plan each batch of a loop that balances
+            (training; validation and test on ``DistributedSampler`` loaders) in
             ``on_before_batch_transfer``, while the batch is on the host, so the step's balanced call
             makes no metadata gather and no device-to-host sync (see ``ViTBalanceMixin``). Without
             Lightning, call ``ViTBalancer.prepare`` yourself.

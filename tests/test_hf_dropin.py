@@ -2006,6 +2006,58 @@ def test_lightning_ddp_fit_without_find_unused_parameters(
         assert any(float(r["vit_balance/applied"]) for r in rows), rows
 
 
+class HFValidated(HFFinetune):
+    """:class:`HFFinetune` with ``plan_ahead``, validating on a ``DistributedSampler`` loader of the
+    fit's batches (each rank collates its own): each validation step notes its loss, whether its
+    balanced forward took a plan made before it, and that forward's collectives."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__(out_dir, balanced=True, plan_ahead=True)
+        self.validated: list[tuple[float, bool, int]] = []
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        before = self.last_vit_balance_stats
+        loss = float(self.model(**batch).loss)
+        stats = self.last_vit_balance_stats
+        assert stats is not None and stats is not before, "the evaluation forward was not balanced"
+        self.validated.append((loss, stats.prepare_seconds > 0, stats.collectives))
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        steps = list(range(FIT_STEPS))
+        sampler = torch.utils.data.DistributedSampler(steps, shuffle=False)  # steps 0, 2 | 1, 3
+        return torch.utils.data.DataLoader(steps, batch_size=1, sampler=sampler, collate_fn=self._collate)
+
+    def _collate(self, indices: list[int]) -> dict[str, Any]:
+        return fit_batch(indices[0], self.global_rank)
+
+
+def _lightning_validation(out_dir: str) -> list[tuple[float, bool, int]]:
+    module = HFValidated(out_dir)
+    with launched_by_torchrun():
+        trainer = quiet_trainer(
+            out_dir, "validate", devices=FIT_RANKS, strategy="ddp", callbacks=[], logger=False
+        )
+        trainer.validate(module, verbose=False)
+    return module.validated
+
+
+@pytest.mark.timeout(240)
+def test_lightning_validation_plans_ahead_with_the_drop_in(tmp_path: Path, multirank: Any) -> None:
+    """``plan_ahead`` under ``trainer.validate`` on a ``DistributedSampler``: each evaluation forward
+    of the mixin's drop-in (a text-only rank, images and videos) takes the plan made in
+    ``on_before_batch_transfer`` (no metadata gather: 3 collectives, or none where the plan skips)
+    and gives the plain model's losses."""
+    with multirank(FIT_RANKS) as pool:
+        ranks = pool.run(_lightning_validation, str(tmp_path), timeout=200)
+    model = tiny_model(FIT_FAMILY).eval()
+    for rank, validated in enumerate(ranks):
+        steps = range(rank, FIT_STEPS, FIT_RANKS)
+        with torch.no_grad():
+            expected = [float(model(**fit_batch(step, rank)).loss) for step in steps]
+        torch.testing.assert_close([loss for loss, *_ in validated], expected, **TOL)
+        assert all(prepared and collectives in (0, 3) for _, prepared, collectives in validated), validated
+
+
 def _training_arguments(out_dir: str, max_steps: int, **settings: Any) -> Any:
     """Hugging Face's ``TrainingArguments`` on the pool's gloo CPU ranks: one batch per rank and
     step, nothing logged or reported; ``settings`` add to them."""

@@ -328,14 +328,28 @@ def _fabric_prepared(prepare: bool) -> dict[str, Any]:
             losses.append(loss.item())
             collectives.append(module.last_vit_balance_stats.collectives)
         model.eval()
-        in_eval = module.prepare_vit_balance({"pixel_values": pixel_values, "image_grid_thw": grid_thw})
-    return {"losses": losses, "prepared": prepared, "collectives": collectives, "in_eval": in_eval}
+        batch = {"pixel_values": pixel_values, "image_grid_thw": grid_thw}
+        in_eval = module.prepare_vit_balance(batch)
+        module.vit_balance_evaluation = True  # every rank evaluates: plans are made in eval mode too
+        evaluation = [module.prepare_vit_balance(batch) is not None]
+        with torch.no_grad():
+            evaluation.append(model.validation_step((pixel_values, grid_thw), 0).item())
+            evaluation.append(module.visual(pixel_values, grid_thw).pow(2).mean().item())
+        evaluation.append(module.last_vit_balance_stats.collectives)
+    return {
+        "losses": losses,
+        "prepared": prepared,
+        "collectives": collectives,
+        "in_eval": in_eval,
+        "evaluation": evaluation,
+    }
 
 
 def test_fabric_loop_plans_before_the_forward() -> None:
     """``prepare_vit_balance`` in a loop without a Trainer: each step's balanced call takes the plan
     made on the host (3 collectives instead of 4: no metadata gather in the forward), with the
-    losses of the loop that plans in the forward; in eval mode nothing is planned."""
+    losses of the loop that plans in the forward; in eval mode nothing is planned, unless
+    ``vit_balance_evaluation`` says every rank evaluates: then the evaluation call takes its plan."""
     with world(2) as w:
         prepared = w.run(_fabric_prepared, True, timeout=120)
         planned_in_call = w.run(_fabric_prepared, False, timeout=120)
@@ -345,6 +359,9 @@ def test_fabric_loop_plans_before_the_forward() -> None:
         # The same plans, batches and operations: the same losses to the last bit.
         assert prepared[rank]["losses"] == planned_in_call[rank]["losses"]
         assert prepared[rank]["in_eval"] is None
+        made, balanced_loss, direct_loss, made_collectives = prepared[rank]["evaluation"]
+        assert made and made_collectives == 3  # the trips and the status gather: no metadata gather
+        assert balanced_loss == pytest.approx(direct_loss, rel=1e-6)  # fp32 sums in another order
 
 
 class SamplesOnRankZero(L.Callback):
@@ -425,6 +442,99 @@ def test_which_trainer_hooks_balance() -> None:
         "ahead": True,
         "unnamed": True,
     }
+
+
+class PlannedSteps(FabricVLM):
+    """Training and validation batches collated on the host (rank r holds 3r + index + 1 images)
+    and planned in ``on_before_batch_transfer``; each step notes its call's stats and whether it
+    encoded what the tower gives directly."""
+
+    vit_balance_prepare_keys = (("pixel_values", "image_grid_thw"),)
+
+    def __init__(self) -> None:
+        super().__init__(ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0, plan_ahead=True))
+        self.calls: list[tuple[str, bool, int, bool]] = []
+
+    def _step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        embeds = self.encode_images(self.visual, batch["pixel_values"], batch["image_grid_thw"])
+        stats = self.last_vit_balance_stats
+        exact = torch.allclose(embeds, self.visual(batch["pixel_values"], batch["image_grid_thw"]))
+        stage = "sanity" if self.trainer.sanity_checking else self.trainer.state.stage.value
+        self.calls.append((stage, stats.prepare_seconds > 0, stats.collectives, exact))
+        return embeds.pow(2).mean()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, batch_idx)
+
+    def _loader(self) -> Any:
+        def collate(indices: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+            index = int(indices[0][0])
+            pixel_values, grid_thw = _images(3 * self.global_rank + index + 1, seed=index)
+            return {"pixel_values": pixel_values, "image_grid_thw": grid_thw}
+
+        return torch.utils.data.DataLoader(TensorDataset(torch.arange(4.0)), collate_fn=collate)
+
+    def train_dataloader(self) -> Any:
+        return self._loader()
+
+    def val_dataloader(self) -> Any:
+        return self._loader()
+
+
+def _planned_fit(out: str) -> list[tuple[str, bool, int, bool]]:
+    with launched_by_torchrun():
+        module = PlannedSteps()
+        # Lightning's DistributedSampler on both loaders (2 batches per rank): validation balances.
+        settings = {
+            "logger": False,
+            "callbacks": [],
+            "use_distributed_sampler": True,
+            "num_sanity_val_steps": 1,
+        }
+        trainer = quiet_trainer(out, "", strategy="ddp", max_steps=2, **settings)
+        trainer.fit(module)
+    return module.calls
+
+
+def test_plan_ahead_plans_the_validation_steps_too(tmp_path: Path) -> None:
+    """``plan_ahead`` under a Trainer plans every batch of a loop whose steps balance: the training
+    steps, and the sanity check's and validation's steps on ``DistributedSampler`` loaders. Each
+    call takes the plan made before the forward (3 collectives: no metadata gather) and returns
+    the direct call's outputs."""
+    with world(2) as w:
+        ranks = w.run(_planned_fit, str(tmp_path), timeout=120)
+    for calls in ranks:
+        assert [stage for stage, *_ in calls] == ["sanity", "train", "train", "validate", "validate"]
+        assert all(prepared and collectives == 3 and exact for _, prepared, collectives, exact in calls)
+
+
+def test_plans_made_ahead_go_to_the_steps() -> None:
+    """A plan made before the step is the step's: a call from another hook of the loop (a sharded
+    ViT's, say) leaves it alone; without a Trainer the next call takes it. In evaluation, a module
+    whose drop-in towers balance no evaluation forward plans nothing."""
+    module = MixinFirst()
+    ticket = object()
+    state = module._vit_balance_state_object()
+    trainer = mock.Mock(training=False)
+    with mock.patch.object(MixinFirst, "_vit_balance_runner", return_value=(trainer, None)):
+        state.ticket = ticket
+        module._current_fx_name = "on_validation_batch_end"
+        assert module._vit_balance_take_ticket() is None and state.ticket is ticket
+        module._current_fx_name = "validation_step"
+        assert module._vit_balance_take_ticket() is ticket and state.ticket is None
+        assert module._vit_balance_towers_balance()  # encode_images: the loop decides
+        tower = mock.Mock(installed=True, evaluation=False)
+        with mock.patch.object(MixinFirst, "_vit_balance_towers", (tower,)):
+            assert not module._vit_balance_towers_balance()
+            tower.evaluation = True
+            assert module._vit_balance_towers_balance()
+            trainer.training, tower.evaluation = True, False
+            assert module._vit_balance_towers_balance()
+    state.ticket = ticket
+    assert module._vit_balance_take_ticket() is ticket  # no Trainer: the caller's own loop
 
 
 def _sharded_evaluation(sharded: bool) -> dict[str, Any]:

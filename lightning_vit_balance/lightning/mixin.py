@@ -409,9 +409,7 @@ class ViTBalanceMixin:
         """Whether every rank makes this call of ``vit`` (or, ``ahead``, the step's calls)."""
         trainer, _ = self._vit_balance_runner()
         if trainer is not None:
-            # The Trainer's running hook; a Lightning without that attribute: the loop decides alone.
-            hook = getattr(self, "_current_fx_name", "training_step")
-            return _loop_balances(trainer) and (ahead or hook in _STEP_HOOKS or _sharded(vit))
+            return _loop_balances(trainer) and (ahead or self._vit_balance_in_step() or _sharded(vit))
         training = bool(getattr(self, "training", True))
         return _own_loop_balances(training, bool(self.vit_balance_evaluation), vit)
 
@@ -436,16 +434,29 @@ class ViTBalanceMixin:
                 continue_fit(state.balancer, carried, source, rank_zero_warn)
         return state.balancer
 
+    def _vit_balance_in_step(self) -> bool:
+        """Whether the Trainer runs one of the loops' steps now (not another hook)."""
+        # A Lightning without that attribute: every call counts as the step's, as before the rule.
+        return getattr(self, "_current_fx_name", "training_step") in _STEP_HOOKS
+
     def _vit_balance_take_ticket(self) -> PreparedPlan | None:
-        """The plan prepared for this batch, once: the step's first balanced call uses it."""
+        """The plan prepared for this batch, once: the step's first balanced call uses it.
+
+        Under a Trainer, only a call from the step takes it: a sharded ViT's call from another hook
+        (a callback generating samples after a validation step that encoded nothing) is not the
+        batch the plan was made for."""
+        trainer, _ = self._vit_balance_runner()
+        if trainer is not None and not self._vit_balance_in_step():
+            return None
         state = self._vit_balance_state_object()
         ticket, state.ticket = state.ticket, None
         return ticket
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """With ``plan_ahead``, plan the training batch's ViT call while it is still on the host.
+        """With ``plan_ahead``, plan the batch's ViT call while it is still on the host.
 
-        Every rank gathers its batch's grid rows (for the keys in
+        In the loops whose steps balance (training; validation, its sanity check and test on
+        ``DistributedSampler`` loaders), every rank gathers its batch's grid rows (for the keys in
         :attr:`vit_balance_prepare_keys`, images then videos) and computes the plan here, before
         the batch moves to the device, so the step's first balanced call (``encode_images``,
         ``encode_visual`` or a model given to :meth:`balance_vision_tower`) makes no metadata
@@ -545,15 +556,16 @@ class ViTBalanceMixin:
         """Plan the step's first balanced call from ``batch`` while it is still on the host.
 
         Under a Trainer, ``plan_ahead`` does this in :meth:`on_before_batch_transfer`. In a loop
-        without one (Fabric), call it on every rank with each training batch before it moves to
-        the device (``fabric.setup_dataloaders(loader, move_to_device=False)``, then
-        ``fabric.to_device(batch)``): the step's first balanced call (:meth:`encode_images` when
-        :attr:`vit_balance_prepare_keys` name only images, :meth:`encode_visual`, or a model given
-        to :meth:`balance_vision_tower`) then makes no metadata gather and no device-to-host sync.
+        without one (Fabric), call it on every rank with each batch before it moves to the device
+        (``fabric.setup_dataloaders(loader, move_to_device=False)``, then ``fabric.to_device(batch)``):
+        the step's first balanced call (:meth:`encode_images` when :attr:`vit_balance_prepare_keys`
+        name only images, :meth:`encode_visual`, or a model given to :meth:`balance_vision_tower`)
+        then makes no metadata gather and no device-to-host sync. In eval mode that is with
+        :attr:`vit_balance_evaluation` set (and, for a drop-in, a tower balancing evaluation).
 
         Returns:
-            The plan, or None where the step's calls do not balance (the module in eval mode, one
-            rank, balancing disabled): that step plans nothing.
+            The plan, or None where the step's calls do not balance (eval mode without
+            :attr:`vit_balance_evaluation`, one rank, balancing disabled): that step plans nothing.
         """
         self._vit_balance_plan_ahead(batch, asked=True)
         return self._vit_balance_state_object().ticket
@@ -561,10 +573,10 @@ class ViTBalanceMixin:
     def _vit_balance_plan_ahead(self, batch: Any, asked: bool = False) -> None:
         state = self._vit_balance_state_object()
         state.ticket = None
-        trainer, _ = self._vit_balance_runner()
-        training = trainer.training if trainer is not None else bool(getattr(self, "training", True))
-        settings = self._vit_balance_settings(ahead=True) if training else None
+        settings = self._vit_balance_settings(ahead=True)
         if settings is None or not (asked or settings[0].plan_ahead):
+            return
+        if not self._vit_balance_towers_balance():
             return
         towers = self._vit_balance_towers
         pixels, grid = rows_to_plan(batch, self.vit_balance_prepare_keys, towers)
@@ -573,6 +585,15 @@ class ViTBalanceMixin:
         layouts = [tower.output_layout for tower in towers if tower.installed]
         layout = layouts[0] if layouts and all(found == layouts[0] for found in layouts) else None
         state.ticket = self._vit_balance_balancer(*settings, layout).prepare(pixels, grid)
+
+    def _vit_balance_towers_balance(self) -> bool:
+        """Whether the step's drop-in forwards balance, as far as the towers decide: in evaluation,
+        only towers given to :meth:`balance_vision_tower` with ``evaluation=True`` do. A module
+        without towers (``encode_images``) leaves it to the loop."""
+        trainer, _ = self._vit_balance_runner()
+        training = trainer.training if trainer is not None else bool(getattr(self, "training", True))
+        towers = [tower for tower in self._vit_balance_towers if tower.installed]
+        return training or not towers or any(tower.evaluation for tower in towers)
 
     def _vit_balance_keep(self, stats: BalanceStats | None) -> None:
         state = self._vit_balance_state_object()

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any, Protocol, TypeVar
@@ -477,6 +478,51 @@ def _timed(timer: TripTimer | None, device: torch.device) -> Iterator[None]:
     timer.stop()  # not reached when the exchange raised: the bracket stays open, and is dropped
 
 
+#: Raised by a backward pass through the gradients of a balanced call's exchanges.
+SECOND_DERIVATIVE_MESSAGE = (
+    "lightning_vit_balance: a balanced ViT call has no second derivative. A gradient computed with "
+    "create_graph=True (a gradient penalty on the pixel values or on the ViT's parameters) went "
+    "through its exchanges, whose backward passes autograd does not record, so differentiating that "
+    "gradient again would give wrong values. Compute such a penalty with the ViT called directly."
+)
+
+
+class _RefuseSecondDerivative(torch.autograd.Function):
+    """Passes gradients on; differentiating through them raises :data:`SECOND_DERIVATIVE_MESSAGE`."""
+
+    @staticmethod
+    def forward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(grad.view_as(grad) for grad in grads)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        raise RuntimeError(SECOND_DERIVATIVE_MESSAGE)
+
+
+def first_order_only(backward: Callable[..., tuple[Any, ...]]) -> Callable[..., tuple[Any, ...]]:
+    """``backward`` (a raw collective autograd does not see), run without autograd; when asked to
+    build a graph of it (``create_graph=True``), its gradients come back attached to a node that
+    raises a clear error if differentiated: as ``torch.autograd.function.once_differentiable``
+    does, on every rank alike, with a message that names the cause."""
+
+    @functools.wraps(backward)
+    def first_order(ctx: Any, *grad_outputs: Any) -> tuple[Any, ...]:
+        with torch.no_grad():
+            grads = backward(ctx, *grad_outputs)
+        # Grad mode is on in a backward pass exactly with create_graph=True. Whether this rank's
+        # own gradients need a graph does not tell: what arrives depends on the other ranks'.
+        if not torch.is_grad_enabled():
+            return grads
+        at = [k for k, grad in enumerate(grads) if isinstance(grad, torch.Tensor)]
+        marked = _RefuseSecondDerivative.apply(*(grads[k].detach().requires_grad_() for k in at))
+        refused = list(grads)
+        for k, grad in zip(at, marked):
+            refused[k] = grad
+        return tuple(refused)
+
+    return first_order
+
+
 class _AllToAllFunction(torch.autograd.Function):
     """``all_to_all_single`` along dim 0; its backward is the inverse exchange (splits swapped)."""
 
@@ -496,6 +542,7 @@ class _AllToAllFunction(torch.autograd.Function):
         return _exchange(tensor, send_splits, receive_splits, group, out)
 
     @staticmethod
+    @first_order_only
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         with _timed(ctx.timer, grad_output.device):
             grad = _exchange(grad_output, ctx.receive_splits, ctx.send_splits, ctx.group)
@@ -754,6 +801,7 @@ class _PixelTripFunction(torch.autograd.Function):
         return batch
 
     @staticmethod
+    @first_order_only
     def backward(ctx: Any, grad_batch: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         with _timed(ctx.timer, grad_batch.device):
             return _PixelTripFunction._backward(ctx, grad_batch), None, None, None, None, None

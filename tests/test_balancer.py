@@ -572,6 +572,40 @@ def test_balanced_call_under_activation_checkpointing(multirank: Any, reentrant:
     assert per_rank == [{"applied": True, "calls": 2}] * POOL, per_rank
 
 
+def _gradient_penalty(overlap: bool) -> dict[str, Any]:
+    """A gradient-norm penalty through a balanced call: the parameters' gradients made with
+    ``create_graph=True`` sum over the ranks to the direct calls', and differentiating them again
+    raises the same clear error on every rank, the one without images too (the exchanges'
+    backward passes are collectives autograd does not record: the result would be wrong)."""
+    vit, grids, pixels, grid, _ = _straggler_batch(towers.TensorTower)
+    balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0, overlap_pixel_trip=overlap))
+    parameters = list(vit.parameters())
+    grads = torch.autograd.grad(balancer(vit, pixels, grid).pow(3).sum(), parameters, create_graph=True)
+    summed = torch.cat([grad.detach().reshape(-1) for grad in grads])
+    dist.all_reduce(summed)
+    direct = torch.zeros_like(summed)
+    if grids:
+        direct_grads = torch.autograd.grad(vit(pixels, grid).pow(3).sum(), parameters)
+        direct = torch.cat([grad.reshape(-1) for grad in direct_grads])
+    dist.all_reduce(direct)
+    # Same ops on the same rows in batches of other sizes, summed in another order: a few fp32 ulps.
+    torch.testing.assert_close(summed, direct, rtol=1e-4, atol=1e-4)
+    try:
+        sum(grad.pow(2).sum() for grad in grads).backward()
+    except RuntimeError as error:
+        return {"applied": balancer.last_stats.applied, "error": str(error)}
+    return {"applied": balancer.last_stats.applied, "error": None}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_second_derivative_raises_instead_of_going_wrong(multirank: Any, overlap: bool) -> None:
+    from lightning_vit_balance.exchange import SECOND_DERIVATIVE_MESSAGE
+
+    with multirank(POOL) as w:
+        per_rank = w.run(_gradient_penalty, overlap)
+    assert per_rank == [{"applied": True, "error": SECOND_DERIVATIVE_MESSAGE}] * POOL, per_rank
+
+
 def _overlapped_suite(n: int) -> dict[str, Any] | None:
     cases = standard_cases(n)
     config = {**THRESHOLD_0, "overlap_pixel_trip": True}

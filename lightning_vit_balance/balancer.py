@@ -565,7 +565,7 @@ class ViTBalancer:
         away = [(src, i) for src, i in route.arrivals if src != call.rank]
         if not away and home_encoded is not None:
             return self._batch(received, received, away, metadata, grid_thw), home_encoded
-        batch = self._batch(received.to(pixel_values.dtype), received, away, metadata, grid_thw)
+        batch = self._batch(received, received, away, metadata, grid_thw)  # the owners' dtype
         if not away:
             batch = BalancedBatch.dummy(
                 call.merge, reference.channels, reference.dtype, grid_thw, received.device
@@ -720,8 +720,9 @@ class ViTBalancer:
             )
             # Keeps the forward trip in the graph, so its backward exchange runs on this rank too.
             return dataclasses.replace(batch, received=received)
-        pixels = received if zeros else received.to(pixel_values.dtype)
-        return self._batch(pixels, received, route.arrivals, metadata, grid_thw)
+        # In the rows' owners' dtype (the wire's), as their direct calls would pass them, also on a
+        # rank without images of its own whose empty rows have another (a prepared call's are equal).
+        return self._batch(received, received, route.arrivals, metadata, grid_thw)
 
     def _start_pixel_trip(
         self,
@@ -742,7 +743,7 @@ class ViTBalancer:
             own_device = isinstance(pixel_values, torch.Tensor) and not zeros
             device = pixel_values.device if own_device else call.device
             pixels = torch.zeros((sum(mine), reference.channels), dtype=reference.dtype, device=device)
-        # The wire dtype is the plan's; a prepared call checked that the cast is exact.
+        # The wire dtype is the plan's: every image owner's (checked at the gather, or by a prepared call).
         pending = start_pixel_trip(
             pixels,
             PixelTrip.from_route(route, mine, home=home),

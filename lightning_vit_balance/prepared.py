@@ -6,7 +6,7 @@ uses the prepared plan: no metadata gather, no device-to-host sync and no planni
 and a step the plan skips costs nothing at all.
 
 A prepared plan describes one batch. The call that uses it checks, without syncing, that its input
-is that batch (image count, pixel rows, channels, a dtype the plan's wire dtype holds exactly; the
+is that batch (image count, pixel rows, channels, the dtype it was prepared with; the
 grid values too when ``grid_thw`` is on the CPU; the balancer adds that the rows are on a device
 the group carries, which ``prepare``, reading a host copy, could not check); on an applied plan a
 rank whose input does not match still takes part in every exchange, with zeros, and the status
@@ -99,12 +99,13 @@ class PreparedPlan:
                 f"pixel_values has shape {tuple(pixel_values.shape)} while the prepared plan expects "
                 f"[{rows}, {self.channels}] on this rank"
             )
-        if not pixel_values.is_floating_point() or (
-            self.holds_images and torch.promote_types(pixel_values.dtype, self.dtype) != self.dtype
-        ):
+        # Equal, not only held exactly: a rank that encodes another's images builds its batch in
+        # the plan's dtype, which must be the dtype their owner's direct call would have passed.
+        if not pixel_values.is_floating_point() or (self.holds_images and pixel_values.dtype != self.dtype):
             return (
-                f"pixel_values has dtype {pixel_values.dtype}, which the prepared dtype {self.dtype} does "
-                "not hold exactly: prepare with pixel_values of the dtype the forward uses"
+                f"pixel_values has dtype {pixel_values.dtype} while the plan was prepared for {self.dtype}: "
+                "prepare with pixel_values of the dtype the forward passes (cast the batch before the "
+                "plan is made)"
             )
         if bool(pixel_values.requires_grad) and not self.pixels_require_grad:
             return "pixel_values requires grad, but did not when the plan was prepared"

@@ -572,6 +572,36 @@ def test_balanced_call_under_activation_checkpointing(multirank: Any, reentrant:
     assert per_rank == [{"applied": True, "calls": 2}] * POOL, per_rank
 
 
+class CastingTower(towers.TensorTower):
+    """Casts its input to its weights' dtype, as Hugging Face towers do."""
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return super().forward(pixel_values.to(self.merger.weight.dtype), grid_thw)
+
+
+def _empty_rank_of_another_dtype(overlap: bool) -> dict[str, Any]:
+    """The rank without images passes empty float16 rows, the others float32: the images it encodes
+    for them stay float32, as their owners' direct calls pass them (not rounded to float16)."""
+    vit, grids, pixels, grid, _ = _straggler_batch(CastingTower)
+    balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0, overlap_pixel_trip=overlap))
+    if not grids:
+        pixels = pixels.half()
+    balanced = balancer(vit, pixels, grid)
+    if grids:
+        # Same ops on the same rows in batches of other sizes: fp32 agrees to a few ulps (rows
+        # rounded to float16 on the way differ by about 1e-3).
+        torch.testing.assert_close(balanced, vit(pixels, grid), rtol=1e-5, atol=1e-5)
+    stats = balancer.last_stats
+    return {"applied": stats.applied, "encodes": stats.loads_after[dist.get_rank()] > 0}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_rank_without_images_encodes_others_in_their_dtype(multirank: Any, overlap: bool) -> None:
+    with multirank(POOL) as w:
+        per_rank = w.run(_empty_rank_of_another_dtype, overlap)
+    assert per_rank == [{"applied": True, "encodes": True}] * POOL, per_rank
+
+
 def _gradient_penalty(overlap: bool) -> dict[str, Any]:
     """A gradient-norm penalty through a balanced call: the parameters' gradients made with
     ``create_graph=True`` sum over the ranks to the direct calls', and differentiating them again

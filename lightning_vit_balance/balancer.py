@@ -456,6 +456,10 @@ class ViTBalancer:
         """The balanced call on a plan made before the forward: no gather, no planning here."""
         call = self._start(vit, pixel_values)
         problem = prepared.mismatch(pixel_values, grid_thw) or _device_mismatch(call, pixel_values)
+        if problem is not None and not isinstance(grid_thw, torch.Tensor):
+            # Only its device and dtype are read, for the zero rows that stand in for the input
+            # until the status gather reports the problem to every rank.
+            grid_thw = torch.empty((0, 3), dtype=torch.long, device=call.device)
         differs = prepared.compare_on_device(grid_thw) if problem is None else None
         if differs is not None:
             self._grid_checks.watch(differs)

@@ -1563,7 +1563,8 @@ class BalancedVisionTower:
         ``pixel_values``/``image_grid_thw`` and ``pixel_values_videos``/``video_grid_thw``; a
         text-only batch too), before the batch moves to the device. That forward then makes no
         metadata gather and no plan, and reads no grid from the device. It must encode exactly
-        those rows; anything else fails on every rank with a clear error. ``prepare`` is itself a
+        those rows; anything else fails with a clear error, on every rank where the plan moves
+        images (or with ``check_skipped_calls``), else on this rank. ``prepare`` is itself a
         collective (the gather of every rank's grid rows). (GLM-4.xV models build their videos'
         per-step grid in the forward; the drop-in reads that one to match the model's tower call.)
 

@@ -461,7 +461,8 @@ class ViTBalanceMixin:
         the batch moves to the device, so the step's first balanced call (``encode_images``,
         ``encode_visual`` or a model given to :meth:`balance_vision_tower`) makes no metadata
         gather, no device-to-host sync and no plan. That call must encode exactly those rows
-        (images followed by videos); anything else fails on every rank with a clear error.
+        (images followed by videos); anything else fails with a clear error, on every rank where
+        the plan moves images (or with ``check_skipped_calls``), else on that rank.
         The mixin must come before ``LightningModule`` in the bases for this hook to run; an
         override of the hook must call ``super().on_before_batch_transfer``.
         """

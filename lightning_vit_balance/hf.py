@@ -2302,13 +2302,26 @@ def _add_zero(output: Any, zero: torch.Tensor | None, base_name: str) -> Any:
     hidden = getattr(output, "last_hidden_state", None)
     if isinstance(hidden, torch.Tensor):
         output.last_hidden_state = hidden - zero.to(hidden.dtype)
+        if "hidden_states" in output:
+            output.hidden_states = _last_replaced(output.hidden_states, hidden, output.last_hidden_state)
         return output
     if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-        return (output[0] - zero.to(output[0].dtype), *output[1:])
+        replaced = output[0] - zero.to(output[0].dtype)
+        return (replaced, *(_last_replaced(field, output[0], replaced) for field in output[1:]))
     raise TypeError(
         f"balance_vision_tower: {base_name}.forward returned {type(output).__name__} without a tensor "
         "last_hidden_state: the drop-in needs it to make every rank's loss reach the balanced call."
     )
+
+
+def _last_replaced(field: Any, hidden: torch.Tensor, replaced: torch.Tensor) -> Any:
+    """``field`` with ``replaced`` for its last entry when ``field`` is the layers' hidden states
+    ending in ``hidden`` itself (``output_hidden_states=True``: the models' last entry is their
+    ``last_hidden_state``), so that a loss on ``hidden_states[-1]`` reaches the balanced call too;
+    any other field as it is."""
+    if isinstance(field, tuple) and field and field[-1] is hidden:
+        return (*field[:-1], replaced)
+    return field
 
 
 def balance_vision_tower(

@@ -1341,6 +1341,45 @@ def test_a_tower_call_matching_no_modality_is_encoded_directly(multirank: Any) -
     assert results[1]["warned"] == results[2]["warned"] == []
 
 
+def _hidden_state_losses(family: str, return_dict: bool) -> dict[str, Any]:
+    """A loss on the decoder's last hidden state as ``output_hidden_states=True`` gives it
+    (``hidden_states[-1]``, the very tensor ``last_hidden_state`` is: pooled embeddings, value heads),
+    rank 1 text only: it reaches the balanced call there too, or the other ranks wait in the
+    backward exchange. The plain model's losses and summed gradients. Transformers 4.x's models
+    for generation record their own ``hidden_states``, the last one before the final norm (README
+    "Limitations"): there the base model's."""
+    import torch.distributed as dist
+    import transformers
+
+    rank = dist.get_rank()
+    whole = not transformers.__version__.startswith("4.")
+    plain = tiny_model(family)
+    balanced = copy.deepcopy(plain)
+    handle = balance_vision_tower(balanced, config_for(family))
+    samples = [[{"images": [(1, 8, 8)]}, {"images": [(1, 4, 4)]}], [{}], [{"images": [(1, 2, 2)]}]][rank]
+    batch = make_inputs(family, samples, seed=rank)
+    batch.pop("labels")
+    losses = []
+    for model in (plain, balanced):
+        forward = model if whole else model.model
+        output = forward(**batch, output_hidden_states=True, return_dict=return_dict)
+        # As a tuple: the field of the layers' [B, L, D] states (the cache is an object).
+        tuples = [f for f in output if isinstance(f, tuple) and all(isinstance(t, torch.Tensor) for t in f)]
+        hidden_states = output.hidden_states if return_dict else next(f for f in tuples if f[0].dim() == 3)
+        losses.append(hidden_states[-1].float().pow(2).mean())
+        losses[-1].backward()
+    torch.testing.assert_close(losses[1], losses[0], **TOL)
+    _assert_same_grads(f"rank {rank}", _summed_grads(balanced), _summed_grads(plain))
+    return {"applied": handle.applied_calls}
+
+
+@pytest.mark.parametrize("return_dict", [True, False])
+def test_a_loss_on_the_last_hidden_state_reaches_every_rank(multirank: Any, return_dict: bool) -> None:
+    with multirank(RANKS) as w:
+        results = w.run(_hidden_state_losses, FIT_FAMILY, return_dict, timeout=120)
+    assert results == [{"applied": 1}] * RANKS, results
+
+
 def _retrieval_inputs(rank: int, seed: int) -> dict[str, Any]:
     """ColQwen2's inputs: a document page (one image per sample, its rows padded to the longest) on
     ranks 0 and 2, a text query alone on rank 1."""

@@ -35,7 +35,13 @@ from lightning_vit_balance.outputs import (
     flatten_output,
     window_index_fn,
 )
-from lightning_vit_balance.problems import DTYPES, InputProblem, describe_problem, problem_details
+from lightning_vit_balance.problems import (
+    DTYPES,
+    GRID_DTYPES,
+    InputProblem,
+    describe_problem,
+    problem_details,
+)
 
 __all__ = [
     "BalancedBatch",
@@ -91,7 +97,7 @@ def _shape_problem(pixel_values: Any, grid_thw: Any) -> RankMetadata | None:
             size1=sizes[1],
             size2=sizes[2],
         )
-    if grid_thw.is_floating_point() or grid_thw.is_complex() or grid_thw.dtype == torch.bool:
+    if grid_thw.dtype not in GRID_DTYPES:
         return _bad(InputProblem.GRID_DTYPE, pixel_values, grid_dtype=dtype_code(grid_thw.dtype))
     if not isinstance(pixel_values, torch.Tensor):
         return _bad(InputProblem.PIXELS_NOT_TENSOR, pixel_values)

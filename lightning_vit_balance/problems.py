@@ -22,6 +22,7 @@ import torch
 __all__ = [
     "DEVICE_TYPES",
     "DTYPES",
+    "GRID_DTYPES",
     "MAX_DETAILS",
     "PROBLEMS",
     "InputProblem",
@@ -43,6 +44,9 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.int64,
     torch.bool,
 )
+#: The dtypes ``grid_thw`` may have: a rank encoding another's images builds their grid rows in its
+#: own grid's dtype, which must hold any rank's values (a W of 130 wraps around in int8).
+GRID_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
 #: Device types a rank can report, by code.
 DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "meta", "other")
 #: Integers of detail each problem may carry in the gather header.

@@ -311,6 +311,7 @@ def _bad_inputs(bad_rank: int) -> list[str]:
     pixels, grid = towers.make_batch([(1, 4, 4), (2, 4, 4)], seed=rank)
     bad: list[tuple[Any, Any]] = [
         (pixels, grid.float()),  # grid dtype
+        (pixels, grid.to(torch.int8)),  # too narrow for others' grid rows (W=130 would wrap around)
         (pixels, grid[:, :2]),  # grid shape
         (pixels, grid.reshape(-1)),  # grid dims
         (pixels, torch.tensor([[1, 4, 4], [0, 4, 4]])),  # non-positive
@@ -345,6 +346,7 @@ def test_bad_inputs_raise_on_all_ranks(multirank: Any) -> None:
         per_rank = w.run(_bad_inputs, 2)
     expected = [
         "dtype torch.float32",
+        "dtype torch.int8: expected an integer dtype (int32 or int64)",
         "shape (2, 2)",
         "shape (6,)",
         "grid_thw[1] = [0, 4, 4]",

@@ -89,6 +89,8 @@ def _mismatch(kind: str, skipped: bool) -> tuple[str, str, float] | None:
     if rank == 1 and kind == "narrow":
         # Narrower: the plan's float32 holds it, but rank 1 would encode others' rows in float16.
         pixels = pixels.half()
+    if rank == 1 and kind == "grid_dtype":
+        grid = grid.to(torch.int16)  # too narrow to hold every rank's grid rows
     if rank == 1 and kind == "no_grid":
         grid = None  # what the drop-in passes for images and videos it could not combine
     if rank == 1 and kind == "device":
@@ -113,6 +115,7 @@ def _mismatch(kind: str, skipped: bool) -> tuple[str, str, float] | None:
         ("dtype", "float64", False),
         ("narrow", "float16", False),
         ("no_grid", "must be tensors", False),
+        ("grid_dtype", "torch.int16: expected int32 or int64", False),
         ("device", "is on a meta device", False),
         ("rows", "shape", True),
         ("device", "is on a meta device", True),

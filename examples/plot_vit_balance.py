@@ -184,15 +184,31 @@ def find_metric_files(path: str | Path) -> list[Path]:
     return found
 
 
-def load_metrics(path: str | Path) -> Metrics:
-    """All ``vit_balance/...`` series found at or under ``path`` (CSV or TensorBoard)."""
+#: Hugging Face's reporting callbacks (TensorBoard, W&B) log a training entry ``key`` as ``train/key``.
+HF_TRAIN_PREFIX = "train/"
+
+
+def _read_files(files: Sequence[Path]) -> Metrics:
+    """The ``vit_balance/...`` series of ``files`` (CSV, TensorBoard events or ``trainer_state.json``)."""
     metrics: Metrics = {}
     readers = {".csv": read_csv, ".json": read_trainer_state}
-    for file in find_metric_files(path):
+    for file in files:
         part = readers.get(file.suffix, read_tensorboard)(file)
         for key, pairs in part.items():
-            if key.startswith(PREFIX):
-                metrics.setdefault(key, []).extend(pairs)
+            name = key.removeprefix(HF_TRAIN_PREFIX) if key.startswith(HF_TRAIN_PREFIX + PREFIX) else key
+            if name.startswith(PREFIX):
+                metrics.setdefault(name, []).extend(pairs)
+    return metrics
+
+
+def load_metrics(path: str | Path) -> Metrics:
+    """All ``vit_balance/...`` series found at or under ``path`` (CSV or TensorBoard), or else in the
+    latest ``trainer_state.json`` there (a Hugging Face output directory whose TensorBoard events
+    hold only the Trainer's own entries)."""
+    metrics = _read_files(find_metric_files(path))
+    root = Path(path)
+    if not metrics and root.is_dir():
+        metrics = _read_files(_latest_trainer_state(root))
     if not metrics:
         raise ValueError(f"no '{PREFIX}...' metrics under path={str(path)!r}; was ViTBalanceCallback used?")
     return {key: sorted(pairs) for key, pairs in metrics.items()}

@@ -222,6 +222,39 @@ def test_dashboard_reads_tensorboard_events(tmp_path: Path) -> None:
     assert out.stat().st_size > 1000
 
 
+def test_dashboard_reads_a_hugging_face_output_directory(tmp_path: Path) -> None:
+    """A Hugging Face ``Trainer``'s output directory with ``report_to="tensorboard"``: its events
+    hold ``train/vit_balance/...`` (the reporting callbacks prefix training entries) when
+    ``ViTBalanceTrainerCallback().attach(trainer)`` logs through the Trainer; when the callback only
+    kept them in the log history, the events hold the Trainer's own entries and the latest
+    checkpoint's ``trainer_state.json`` has them."""
+    rows = [row for row in _metric_rows(3) if "vit_balance/imbalance_before" in row]
+    attached = tmp_path / "attached" / "runs" / "Dec05_host"
+    attached.mkdir(parents=True)
+    records = [
+        _event(row["step"], f"train/{key}", float(value), as_tensor=False)
+        for row in rows
+        for key, value in row.items()
+        if key.startswith("vit_balance/")
+    ]
+    (attached / "events.out.tfevents.1.host").write_bytes(b"".join(records))
+    metrics = plot_vit_balance.load_metrics(tmp_path / "attached")
+    assert [s for s, _ in metrics["vit_balance/imbalance_before"]] == [0, 1, 2]
+    assert "train/vit_balance/imbalance_before" not in metrics
+
+    kept = tmp_path / "kept"
+    (kept / "runs" / "Dec05_host").mkdir(parents=True)
+    losses = b"".join(_event(step, "train/loss", 1.0, as_tensor=False) for step in range(3))
+    (kept / "runs" / "Dec05_host" / "events.out.tfevents.1.host").write_bytes(losses)
+    for step in (2, 3):  # each checkpoint's history holds every earlier one's
+        history = [{**row, "step": row["step"] + 1} for row in rows[:step]]
+        (kept / f"checkpoint-{step}").mkdir()
+        state = {"global_step": step, "log_history": history}
+        (kept / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps(state))
+    metrics = plot_vit_balance.load_metrics(kept)
+    assert [s for s, _ in metrics["vit_balance/imbalance_before"]] == [1, 2, 3]
+
+
 def _drawn_figure(monkeypatch: pytest.MonkeyPatch, metrics: dict[str, Any], path: Path) -> Any:
     """Draw the dashboard of ``metrics`` and return the figure it saved."""
     from matplotlib.figure import Figure

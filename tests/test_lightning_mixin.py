@@ -62,10 +62,28 @@ class MixinFirst(ViTBalanceMixin, L.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(3, 1)))
 
 
-class LightningFirst(L.LightningModule, ViTBalanceMixin):
-    def __init__(self) -> None:
-        super().__init__()
-        self.visual = CountingTower()
+with warnings.catch_warnings(record=True) as _defined:
+    warnings.simplefilter("always")
+
+    class LightningFirst(L.LightningModule, ViTBalanceMixin):
+        def __init__(self) -> None:
+            super().__init__()
+            self.visual = CountingTower()
+
+
+def test_lightning_first_in_the_bases_warns_that_the_hooks_are_shadowed() -> None:
+    """``encode_images`` works in either order, the mixin's Lightning hooks only when it comes
+    first: a class listing LightningModule first is told so when it is defined."""
+    (warned,) = [str(w.message) for w in _defined]
+    assert warned.startswith("LightningFirst lists LightningModule before ViTBalanceMixin"), warned
+    assert "on_before_batch_transfer, on_save_checkpoint, on_load_checkpoint, teardown" in warned
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+
+        class Subclass(MixinFirst):
+            pass
+
+    assert caught == []
 
 
 def _images(count: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -100,6 +101,21 @@ def _sharded(vit: object) -> bool:
     then, which every rank makes or the plain model would hang too, and a text-only rank must join
     it (balanced, it runs the tower too)."""
     return isinstance(vit, torch.nn.Module) and _parameters_sharded(vit)
+
+
+#: The Lightning hooks the mixin implements; each must come before LightningModule's in the MRO.
+_MIXIN_HOOKS = ("on_before_batch_transfer", "on_save_checkpoint", "on_load_checkpoint", "teardown")
+
+
+def _shadowed_hooks(cls: type) -> list[str]:
+    """The mixin's hooks that a Lightning class ahead of :class:`ViTBalanceMixin` in ``cls``'s MRO
+    defines too: calls (``super()`` ones included) then stop there, never reaching the mixin's."""
+    mro = cls.__mro__
+    ahead = mro[: mro.index(ViTBalanceMixin)]
+    lightning = [
+        klass for klass in ahead if klass.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
+    ]
+    return [name for name in _MIXIN_HOOKS if any(name in vars(klass) for klass in lightning)]
 
 
 def _allow_configs_in_checkpoints() -> None:
@@ -235,7 +251,9 @@ class ViTBalanceMixin:
     The configuration is the attribute ``vit_balance_config`` (absent means
     ``ViTBalanceConfig()``), so it can be a typed ``__init__`` argument that LightningCLI fills from
     YAML (LightningCLI records it in ``hparams`` as a dict of fields, which is accepted too). The
-    mixin has no ``__init__`` and works whichever order the bases are listed in.
+    mixin has no ``__init__``. List it before ``LightningModule`` in the bases: its Lightning hooks
+    (``on_before_batch_transfer``, the checkpoint hooks, ``teardown``) run only then, and a class
+    listing ``LightningModule`` first warns when it is defined (``encode_images`` works either way).
 
     The data-parallel group is looked up once per fit (or once per Fabric setup) with
     :meth:`configure_vit_balance_group`. Every balanced call's
@@ -267,6 +285,16 @@ class ViTBalanceMixin:
         # module, and every program that loads its checkpoints defines the class first (a fresh
         # process for load_from_checkpoint, a ddp_spawn worker unpickling the module).
         _allow_configs_in_checkpoints()
+        shadowed = _shadowed_hooks(cls)
+        if shadowed:
+            warnings.warn(
+                f"{cls.__qualname__} lists LightningModule before ViTBalanceMixin in its bases, so "
+                f"LightningModule's {', '.join(shadowed)} run instead of the mixin's: plan_ahead plans "
+                "nothing, checkpoints lose the calibrate_cost fit and a fit's end keeps its gloo twin. "
+                f"List ViTBalanceMixin first: class {cls.__name__}(ViTBalanceMixin, LightningModule).",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _vit_balance_state_object(self) -> _State:
         state = self.__dict__.get("_vit_balance_state")

@@ -113,10 +113,12 @@ class ViTBalanceCallback(Callback):
 
     Args:
         log_every_n_steps: ``None`` (default) logs at the Trainer's own cadence (its
-            ``log_every_n_steps``, and the last step). An int logs every this many optimizer steps
-            under the same rule, for this callback only (e.g. less often than the rest at large
-            DP sizes); ``0`` never logs (``callback_metrics`` and the progress bar still get every
-            step's values, and no logger is needed).
+            ``log_every_n_steps``, and the step where a fit stops early). An int logs every this
+            many optimizer steps under the same rule, for this callback only (e.g. less often than
+            the rest at large DP sizes); ``0`` never logs (``callback_metrics`` and the progress
+            bar still get every step's values, and no logger is needed). As with ``self.log``, the
+            steps after the last logged one of a fit that ends between two (``max_steps``) are not
+            logged; the cumulative counts, checkpointed, include them.
         log_per_rank_loads: Log the ``load_before/rank_{r}``, ``load_after/rank_{r}`` and
             ``vit_ms/rank_{r}`` series, three per DP rank. ``None`` (default): up to 64 DP ranks
             (:data:`~lightning_vit_balance.metrics.PER_RANK_SERIES_UP_TO`), not beyond, where the

@@ -275,15 +275,17 @@ def plot_dashboard(
 
 
 def _plot_imbalance(ax: Any, metrics: Mapping[str, Sequence[tuple[int, float]]]) -> None:
-    """Imbalance before and after balancing per step, the applied steps circled."""
+    """Imbalance before and after balancing per step, the steps where any call moved images circled."""
     before = metrics.get(f"{PREFIX}imbalance_before", [])
     after = metrics.get(f"{PREFIX}imbalance_after", [])
     if before:
         ax.plot(*zip(*before), color="tab:red", marker="o", ms=3, label="before (as the data came)")
     if after:
         ax.plot(*zip(*after), color="tab:green", marker="o", ms=3, label="after balancing")
-    applied = dict(metrics.get(f"{PREFIX}applied", []))  # one value per step, the last logged
-    applied_steps = [step for step, value in applied.items() if value > 0.5]
+    # One value per step, the last logged: the share of its calls that moved images (0.5 for a
+    # step whose images moved and whose videos did not, in two calls).
+    applied = dict(metrics.get(f"{PREFIX}applied", []))
+    applied_steps = [step for step, value in applied.items() if value > 0]
     lookup = dict(before)
     marks = [(s, lookup[s]) for s in applied_steps if s in lookup]
     if marks:

@@ -222,6 +222,20 @@ def test_dashboard_reads_tensorboard_events(tmp_path: Path) -> None:
     assert out.stat().st_size > 1000
 
 
+def test_dashboard_circles_every_step_where_images_moved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step of two calls where one moved images logs ``applied`` 0.5: it is circled too."""
+    metrics = {
+        "vit_balance/imbalance_before": [(0, 0.5), (1, 0.6), (2, 0.7)],
+        "vit_balance/imbalance_after": [(0, 0.1), (1, 0.6), (2, 0.2)],
+        "vit_balance/applied": [(0, 1.0), (1, 0.0), (2, 0.5)],
+    }
+    figure = _drawn_figure(monkeypatch, metrics, tmp_path / "dash.png")
+    (circles,) = [c for ax in figure.axes for c in ax.collections if c.get_label() == "applied"]
+    assert circles.get_offsets().tolist() == [[0.0, 0.5], [2.0, 0.7]]
+
+
 def test_dashboard_reads_a_hugging_face_output_directory(tmp_path: Path) -> None:
     """A Hugging Face ``Trainer``'s output directory with ``report_to="tensorboard"``: its events
     hold ``train/vit_balance/...`` (the reporting callbacks prefix training entries) when

@@ -185,6 +185,23 @@ def _two_rank_encode(enabled: bool) -> dict[str, Any]:
     }
 
 
+def test_without_a_trainer_the_calls_queue_for_the_loop_boundedly() -> None:
+    """Every balanced call of a step is queued for ``pop_vit_balance_stats`` (a loop's own
+    ``BalanceMetrics``); the latest ``KEPT_STATS`` at most when nothing reads them."""
+    from lightning_vit_balance.hf import KEPT_STATS
+
+    module = MixinFirst()
+    stats = [mock.Mock(name=f"call {k}") for k in range(KEPT_STATS + 3)]
+    with mock.patch.object(MixinFirst, "_vit_balance_runner", return_value=(None, None)):
+        module._vit_balance_refresh(module._vit_balance_state_object())
+    for call in stats[:2]:
+        module._vit_balance_keep(call)
+    assert module.pop_vit_balance_stats() == stats[:2] and module.pop_vit_balance_stats() == []
+    for call in stats:
+        module._vit_balance_keep(call)
+    assert module.pop_vit_balance_stats() == stats[3:]
+
+
 def test_explicit_group_balances_across_two_ranks() -> None:
     with world(2) as w:
         balanced = w.run(_two_rank_encode, True)
@@ -193,8 +210,8 @@ def test_explicit_group_balances_across_two_ranks() -> None:
         assert balanced[rank]["equal"] and direct[rank]["equal"]
         assert balanced[rank]["stats"] == (True, "applied", 2)
         assert direct[rank]["stats"] is None  # disabled: the ViT is called directly
-        # Without a Trainer (so without the callback) nothing is queued: no unbounded growth.
-        assert balanced[rank]["queued"] == 0
+        # Without a Trainer, queued for the loop's own reader (BalanceMetrics), a bounded queue.
+        assert balanced[rank]["queued"] == 1
         assert balanced[rank]["lookups"] == 1
     # Balancing moved images: the ranks encoded other batches than their own ...
     assert [b["seen"] for b in balanced] != [d["seen"] for d in direct]

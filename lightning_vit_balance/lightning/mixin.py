@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -18,6 +19,7 @@ from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.eager import eager, eager_frame
 from lightning_vit_balance.hf import (
+    KEPT_STATS,
     BalancedVisionTower,
     _parameters_sharded,
     continue_fit,
@@ -144,7 +146,7 @@ class _State:
         self.balancer: ViTBalancer | None = None
         self.balancer_config: ViTBalanceConfig | None = None
         self.balancer_layout: OutputLayout | None = None
-        self.records: list[BalanceStats] = []
+        self.records: collections.deque[BalanceStats] = collections.deque(maxlen=KEPT_STATS)
         self.last_stats: BalanceStats | None = None
         self.ticket: PreparedPlan | None = None
         self.host_group: dist.ProcessGroup | None = None
@@ -368,10 +370,11 @@ class ViTBalanceMixin:
         state.group_size = size
         release_host_group(state.host_group)  # a run that ended without its teardown (an exception)
         state.host_group = make_host_group(group) if group is not None else None
-        # Queue records only for a callback that drains them, so they never pile up.
+        # Under a Trainer, queue records only for a callback that drains them; without one (Fabric)
+        # for the loop's own reader (BalanceMetrics), the latest KEPT_STATS at most.
         callbacks = trainer.callbacks if trainer is not None else ()
-        state.record = any(isinstance(cb, ViTBalanceCallback) for cb in callbacks)
-        state.records = []
+        state.record = trainer is None or any(isinstance(cb, ViTBalanceCallback) for cb in callbacks)
+        state.records = collections.deque(maxlen=KEPT_STATS)
         if state.carried is None:
             state.carried = state.balancer_state()
         state.balancer = None
@@ -702,7 +705,14 @@ class ViTBalanceMixin:
         return self._vit_balance_state_object().last_stats
 
     def pop_vit_balance_stats(self) -> list[BalanceStats]:
-        """Return and forget the diagnostics queued for :class:`ViTBalanceCallback`, oldest first."""
+        """Return and forget the diagnostics of the balanced calls since the last pop, oldest first.
+
+        Under a Trainer they are queued for :class:`ViTBalanceCallback` (only while one is
+        attached); without one (Fabric), for the loop's own reader: ``for stats in
+        module.pop_vit_balance_stats(): metrics.add(stats)`` counts every balanced call of a step
+        (``last_vit_balance_stats`` is only the latest). The latest :data:`KEPT_STATS` at most.
+        """
         state = self._vit_balance_state_object()
-        records, state.records = state.records, []
+        records = list(state.records)
+        state.records.clear()
         return records

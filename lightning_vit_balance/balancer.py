@@ -747,6 +747,10 @@ class ViTBalancer:
             own_device = isinstance(pixel_values, torch.Tensor) and not zeros
             device = pixel_values.device if own_device else call.device
             pixels = torch.zeros((sum(mine), reference.channels), dtype=reference.dtype, device=device)
+            if own_device and reference.pixels_differentiable and pixel_values.requires_grad:
+                # This rank's own (empty) rows stay in the graph: a gradient asked of them alone
+                # (torch.autograd.grad) then runs the exchanges' backward here too, as elsewhere.
+                pixels = pixels + pixel_values.sum().to(pixels.dtype) * 0
         # The wire dtype is the plan's: every image owner's (checked at the gather, or by a prepared call).
         pending = start_pixel_trip(
             pixels,

@@ -574,6 +574,30 @@ def test_balanced_call_under_activation_checkpointing(multirank: Any, reentrant:
     assert per_rank == [{"applied": True, "calls": 2}] * POOL, per_rank
 
 
+def _pixel_gradients(overlap: bool) -> dict[str, Any]:
+    """``torch.autograd.grad`` of each rank's loss with respect to its own pixel rows alone (a
+    saliency map), the rank without images too: the direct calls' gradients, and no rank left
+    waiting in an exchange's backward that another skipped (its empty rows were outside the graph)."""
+    vit, grids, pixels, grid, _ = _straggler_batch(towers.TensorTower)
+    balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0, overlap_pixel_trip=overlap))
+    rows = pixels.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(balancer(vit, rows, grid).pow(3).sum(), rows, allow_unused=True)
+    if grids:
+        direct_rows = pixels.clone().requires_grad_(True)
+        (direct,) = torch.autograd.grad(vit(direct_rows, grid).pow(3).sum(), direct_rows)
+        # Same ops on the same rows in batches of other sizes: fp32 agrees to a few ulps.
+        torch.testing.assert_close(grad, direct, rtol=1e-4, atol=1e-5)
+    return {"applied": balancer.last_stats.applied, "rows": None if grad is None else grad.shape[0]}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gradients_of_the_pixel_rows_alone_on_every_rank(multirank: Any, overlap: bool) -> None:
+    with multirank(POOL) as w:
+        per_rank = w.run(_pixel_gradients, overlap)
+    rows = [sum(t * h * w for t, h, w in grids) for grids in STRAGGLER_GRIDS]
+    assert per_rank == [{"applied": True, "rows": n} for n in rows], per_rank
+
+
 class CastingTower(towers.TensorTower):
     """Casts its input to its weights' dtype, as Hugging Face towers do."""
 

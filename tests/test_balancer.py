@@ -502,15 +502,19 @@ def test_dropped_outputs_do_not_travel(multirank: Any) -> None:
 STRAGGLER_GRIDS = [[(1, 8, 8), (1, 8, 8), (2, 4, 4)], [(1, 2, 2)], [], [(1, 4, 4)]]
 
 
-def _straggler_batch(tower: Any) -> tuple[Any, list[Any], torch.Tensor, torch.Tensor, ViTBalancer]:
+def _straggler_batch(
+    tower: Any, overlap: bool = False
+) -> tuple[Any, list[Any], torch.Tensor, torch.Tensor, ViTBalancer]:
     """``tower()`` seeded alike on every rank, this rank's grids of :data:`STRAGGLER_GRIDS`, its
-    batch, and a balancer that applies every plan that gains."""
+    batch, and a balancer that applies every plan that gains (``overlap``: with the overlapped
+    pixel trip)."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     vit = tower()
     grids = STRAGGLER_GRIDS[rank]
     pixels, grid = towers.make_batch(grids, seed=rank)
-    return vit, grids, pixels, grid, ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0))
+    config = ViTBalanceConfig(trigger_threshold=0.0, overlap_pixel_trip=overlap)
+    return vit, grids, pixels, grid, ViTBalancer(config)
 
 
 def _inference_mode_call() -> dict[str, Any]:
@@ -578,8 +582,7 @@ def _pixel_gradients(overlap: bool) -> dict[str, Any]:
     """``torch.autograd.grad`` of each rank's loss with respect to its own pixel rows alone (a
     saliency map), the rank without images too: the direct calls' gradients, and no rank left
     waiting in an exchange's backward that another skipped (its empty rows were outside the graph)."""
-    vit, grids, pixels, grid, _ = _straggler_batch(towers.TensorTower)
-    balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0, overlap_pixel_trip=overlap))
+    vit, grids, pixels, grid, balancer = _straggler_batch(towers.TensorTower, overlap)
     rows = pixels.clone().requires_grad_(True)
     (grad,) = torch.autograd.grad(balancer(vit, rows, grid).pow(3).sum(), rows, allow_unused=True)
     if grids:
@@ -608,8 +611,7 @@ class CastingTower(towers.TensorTower):
 def _empty_rank_of_another_dtype(overlap: bool) -> dict[str, Any]:
     """The rank without images passes empty float16 rows, the others float32: the images it encodes
     for them stay float32, as their owners' direct calls pass them (not rounded to float16)."""
-    vit, grids, pixels, grid, _ = _straggler_batch(CastingTower)
-    balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0, overlap_pixel_trip=overlap))
+    vit, grids, pixels, grid, balancer = _straggler_batch(CastingTower, overlap)
     if not grids:
         pixels = pixels.half()
     balanced = balancer(vit, pixels, grid)
@@ -633,8 +635,7 @@ def _gradient_penalty(overlap: bool) -> dict[str, Any]:
     ``create_graph=True`` sum over the ranks to the direct calls', and differentiating them again
     raises the same clear error on every rank, the one without images too (the exchanges'
     backward passes are collectives autograd does not record: the result would be wrong)."""
-    vit, grids, pixels, grid, _ = _straggler_batch(towers.TensorTower)
-    balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0, overlap_pixel_trip=overlap))
+    vit, grids, pixels, grid, balancer = _straggler_batch(towers.TensorTower, overlap)
     parameters = list(vit.parameters())
     grads = torch.autograd.grad(balancer(vit, pixels, grid).pow(3).sum(), parameters, create_graph=True)
     summed = torch.cat([grad.detach().reshape(-1) for grad in grads])

@@ -26,7 +26,7 @@ import torch
 
 from lightning_vit_balance.exchange import RankMetadata, grid_rows, host_to_device
 from lightning_vit_balance.planning import RebalancePlan
-from lightning_vit_balance.problems import GRID_DTYPES
+from lightning_vit_balance.problems import GRID_DTYPE_NAMES, GRID_DTYPES
 
 __all__ = ["DeviceGridChecks", "PreparedPlan"]
 
@@ -88,9 +88,8 @@ class PreparedPlan:
         if not isinstance(pixel_values, torch.Tensor) or not isinstance(grid_thw, torch.Tensor):
             return "pixel_values and grid_thw must be tensors, as when the plan was prepared"
         if grid_thw.dtype not in GRID_DTYPES:
-            return (
-                f"grid_thw has dtype {grid_thw.dtype}: expected int32 or int64, as when the plan was prepared"
-            )
+            expected = f"expected {GRID_DTYPE_NAMES}, as when the plan was prepared"
+            return f"grid_thw has dtype {grid_thw.dtype}: {expected}"
         if tuple(grid_thw.shape) != (len(grids), 3):
             return (
                 f"grid_thw has shape {tuple(grid_thw.shape)} while the prepared plan holds "

@@ -23,6 +23,7 @@ __all__ = [
     "DEVICE_TYPES",
     "DTYPES",
     "GRID_DTYPES",
+    "GRID_DTYPE_NAMES",
     "MAX_DETAILS",
     "PROBLEMS",
     "InputProblem",
@@ -47,6 +48,8 @@ DTYPES: tuple[torch.dtype, ...] = (
 #: The dtypes ``grid_thw`` may have: a rank encoding another's images builds their grid rows in its
 #: own grid's dtype, which must hold any rank's values (a W of 130 wraps around in int8).
 GRID_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
+#: ``GRID_DTYPES`` as the error messages spell them ("int32 or int64").
+GRID_DTYPE_NAMES = " or ".join(str(dtype).removeprefix("torch.") for dtype in GRID_DTYPES)
 #: Device types a rank can report, by code.
 DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "meta", "other")
 #: Integers of detail each problem may carry in the gather header.
@@ -133,7 +136,7 @@ PROBLEMS: dict[InputProblem, ProblemTemplate] = {
         _grid_shape,
     ),
     InputProblem.GRID_DTYPE: ProblemTemplate(
-        ("grid_dtype",), "grid_thw has dtype {grid_dtype}: expected an integer dtype (int32 or int64)"
+        ("grid_dtype",), f"grid_thw has dtype {{grid_dtype}}: expected an integer dtype ({GRID_DTYPE_NAMES})"
     ),
     InputProblem.GRID_VALUE: ProblemTemplate(
         ("index", "t", "h", "w"),

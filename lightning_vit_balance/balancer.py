@@ -76,6 +76,7 @@ from lightning_vit_balance.outputs import (
 from lightning_vit_balance.planning import RebalancePlan, plan_rebalance
 from lightning_vit_balance.prepared import DeviceGridChecks, PreparedPlan
 from lightning_vit_balance.problems import DTYPES, InputProblem, describe_problem
+from lightning_vit_balance.recompute import PlanMemory, in_backward_pass
 from lightning_vit_balance.wire import elements_per_row, pack_return, transit_dtype, unpack_return
 
 __all__ = ["BalanceStats", "PreparedPlan", "ViTBalancer", "balanced_encode"]
@@ -287,7 +288,7 @@ class ViTBalancer:
 
     Attributes:
         last_stats: :class:`BalanceStats` of the last call, ``None`` before the first.
-        calls: Calls made.
+        calls: Calls made (a recomputation by activation checkpointing counts as its forward call).
         applied_calls: Calls where images moved.
     """
 
@@ -312,6 +313,8 @@ class ViTBalancer:
         self.applied_calls = 0
         self._fingerprint = self.config.fingerprint()
         self._calibrator = _calibrator_for(self.config)
+        # Plans for activation checkpointing's recomputations, where refits may change the plan.
+        self._plan_memory = PlanMemory()
         # Patch counts (and temporal steps) every rank encoded in the previous gathered call: what its
         # measured ViT time (carried in the next gather) paid for.
         self._encoded_counts: tuple[tuple[int, ...], ...] | None = None
@@ -345,7 +348,8 @@ class ViTBalancer:
         Inside a compiled model (``torch.compile``) the call runs eagerly, a graph break, and calls
         ``vit`` as it is passed (compile it, or its blocks, to have it compiled).
         """
-        self.calls += 1
+        # A recomputation (activation checkpointing) is the forward's call again: not counted.
+        self.calls += int(not in_backward_pass())
         distributed = dist.is_available() and dist.is_initialized()
         if prepared is not None and distributed and self.config.enabled:
             return self._balanced_prepared(vit, pixel_values, grid_thw, prepared)
@@ -660,15 +664,16 @@ class ViTBalancer:
 
     def _plan(self, call: _Call, metadata: Sequence[RankMetadata]) -> RebalancePlan:
         started = time.perf_counter()
-        cost_model = self._calibrated(metadata)
-        frames = [[t for t, _, _ in m.grids] for m in metadata]
-        counts = [m.patch_counts for m in metadata]
-        plan = plan_rebalance(counts, self.config, cost_model=cost_model, frames=frames)
-        if plan.applied:
-            # Compared across ranks before the return trip: made with the plan, so that a plan
-            # made ahead has it before the forward (0.1 ms at 1,024 ranks x 8 images).
-            _ = plan.digest
+        if self._calibrator is not None and in_backward_pass():
+            # Activation checkpointing's recomputation: the forward's plan, whatever was fitted
+            # since; its figures were observed by the forward's gather.
+            plan = self._plan_memory.recall(metadata) or self._planned(metadata, self._calibrator.model)
+            call.timed("plan", started)
+            return plan
+        plan = self._planned(metadata, self._calibrated(metadata))
         if self._calibrator is not None:
+            self._plan_memory.remember(metadata, plan)
+            frames = [[t for t, _, _ in m.grids] for m in metadata]
             arrivals = plan.arrivals_of_every_rank() if plan.applied else None
             self._encoded_counts, self._encoded_frames = (
                 tuple(
@@ -678,6 +683,16 @@ class ViTBalancer:
                 for rows in (plan.patch_counts, frames)
             )
         call.timed("plan", started)
+        return plan
+
+    def _planned(self, metadata: Sequence[RankMetadata], cost_model: CostModel | None) -> RebalancePlan:
+        frames = [[t for t, _, _ in m.grids] for m in metadata]
+        counts = [m.patch_counts for m in metadata]
+        plan = plan_rebalance(counts, self.config, cost_model=cost_model, frames=frames)
+        if plan.applied:
+            # Compared across ranks before the return trip: made with the plan, so that a plan
+            # made ahead has it before the forward (0.1 ms at 1,024 ranks x 8 images).
+            _ = plan.digest
         return plan
 
     def _calibrated(self, metadata: Sequence[RankMetadata]) -> CostModel | None:
@@ -979,7 +994,10 @@ class ViTBalancer:
     ) -> None:
         """Keep ``plan``'s figures and ``call``'s measurements as :attr:`last_stats`; ``num_ranks`` and
         ``reason`` override the plan's for calls that planned over this rank alone;
-        ``prepare_seconds``: what making a prepared plan took before the call."""
+        ``prepare_seconds``: what making a prepared plan took before the call. A recomputation
+        (activation checkpointing) keeps its forward call's figures."""
+        if in_backward_pass():
+            return
         if plan.applied:
             self.applied_calls += 1
         seconds = call.seconds if call is not None else {}

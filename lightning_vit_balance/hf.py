@@ -218,6 +218,7 @@ from lightning_vit_balance.outputs import (
     unwrap_module,
     window_index_fn,
 )
+from lightning_vit_balance.recompute import in_backward_pass
 
 __all__ = ["BalancedVisionTower", "balance_vision_tower", "encode_visual"]
 
@@ -1551,7 +1552,10 @@ class BalancedVisionTower:
     def prepared_plan(self) -> PreparedPlan | None:
         """The plan made before this forward for its images' rows followed by its videos' (see
         ``ViTBalancer.prepare``), or None to gather and plan in the forward: the plan
-        :meth:`prepare` made, once."""
+        :meth:`prepare` made, once. A recomputation (activation checkpointing) takes none: it plans
+        as its forward call did."""
+        if in_backward_pass():
+            return None
         ticket, self._ticket = self._ticket, None
         return ticket
 
@@ -1996,9 +2000,10 @@ class BalancedVisionTower:
             output = _balanced_call(balancer, tower, combined, "balance_vision_tower", prepared)
         finally:
             self._encoding = False
-        self.calls += 1
-        if balancer.last_stats is not None:
-            self._count(balancer.last_stats, dropped)
+        if not in_backward_pass():  # a recomputation (activation checkpointing) is counted once
+            self.calls += 1
+            if balancer.last_stats is not None:
+                self._count(balancer.last_stats, dropped)
         total = int(combined.pixels.shape[0])
         outputs = _split(output, combined.parts, total, _output_merge(tower), tower)
         if self._form.pooled_frames:

@@ -18,7 +18,14 @@ import towers
 from equivalence import APPLIED_COLLECTIVES, CompiledSources, run_cases, summed_grads
 from multirank import subgroup
 
-from lightning_vit_balance import BalanceStats, ViTBalanceConfig, ViTBalancer, balanced_encode, plan_rebalance
+from lightning_vit_balance import (
+    BalanceStats,
+    CostModel,
+    ViTBalanceConfig,
+    ViTBalancer,
+    balanced_encode,
+    plan_rebalance,
+)
 from lightning_vit_balance.exchange import GATHER_CAPACITY, ExchangeRoute, PixelTrip
 
 THRESHOLD_0 = {"trigger_threshold": 0.0}
@@ -574,8 +581,54 @@ def _checkpointed_call(reentrant: bool) -> dict[str, Any]:
 def test_balanced_call_under_activation_checkpointing(multirank: Any, reentrant: bool) -> None:
     with multirank(POOL) as w:
         per_rank = w.run(_checkpointed_call, reentrant)
-    # Each balanced: once in the forward, once recomputed in the backward pass.
-    assert per_rank == [{"applied": True, "calls": 2}] * POOL, per_rank
+    # Balanced in the forward, and recomputed in the backward pass with its plan: one call counted.
+    assert per_rank == [{"applied": True, "calls": 1}] * POOL, per_rank
+
+
+def _checkpointed_calls_with_cost_fit(reentrant: bool, steps: int) -> dict[str, Any]:
+    """Two checkpointed balanced calls per step under the online cost fit, whose refits (after
+    every call) change plans between a call and its recomputation; the batches come back every
+    four steps. Every recomputation must encode its forward's balanced batch."""
+    from torch.utils.checkpoint import checkpoint
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    vit = towers.TensorTower()
+    config = ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0, calibrate_cost=True)
+    balancer = ViTBalancer(config)
+    for step in range(steps):
+        batches = [
+            towers.make_batch(STRAGGLER_GRIDS[(rank + step + shift) % POOL], seed=rank + 10 * step + shift)
+            for shift in (0, 1)
+        ]
+        summed = {}
+        for name, encode in (("balanced", functools.partial(balancer, vit)), ("direct", vit)):
+            vit.zero_grad()
+            loss = torch.zeros(())
+            for pixels, grid in batches:
+                if grid.shape[0] or name == "balanced":
+                    # Rows that require grad: the reentrant checkpoint's outputs need such an input.
+                    rows = pixels.clone().requires_grad_(True)
+                    loss = loss + checkpoint(encode, rows, grid, use_reentrant=reentrant).pow(2).sum()
+            loss.backward()
+            summed[name] = summed_grads(vit, None)[0]
+        # Same ops on the same rows in other batches: fp32 agrees to a few ulps, and the sums over
+        # images and ranks add in another order.
+        torch.testing.assert_close(summed["balanced"], summed["direct"], rtol=1e-4, atol=1e-5)
+    assert balancer._calibrator is not None
+    return {"calls": balancer.calls, "fitted": balancer._calibrator.model != CostModel.from_config(config)}
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_calls_recompute_their_own_plans_under_the_cost_fit(
+    multirank: Any, reentrant: bool
+) -> None:
+    """The recomputation recalls its forward call's plan (``PlanMemory``), not a refitted one: the
+    others' made ranks fail torch's checkpoint checks or wait in the exchange, or, where the
+    shapes agreed, gave gradients of other images."""
+    with multirank(POOL) as w:
+        per_rank = w.run(_checkpointed_calls_with_cost_fit, reentrant, 8)
+    assert per_rank == [{"calls": 16, "fitted": True}] * POOL, per_rank
 
 
 def _pixel_gradients(overlap: bool) -> dict[str, Any]:

@@ -187,6 +187,60 @@ def test_a_compiled_module_trains_as_the_plain_one(tmp_path: Path, multirank: An
         assert r["mixin_nodes"] == 0 and r["module_nodes"] > 0, r
 
 
+class _CheckpointedVLM(PlanAheadVLM):
+    """:class:`PlanAheadVLM` whose two calls run inside ``torch.utils.checkpoint`` (not reentrant:
+    under DDP the reentrant one mis-trains the plain module too, its ViT in two regions): the
+    backward pass recomputes them in Lightning's ``backward`` hook, where they must be balanced
+    with their forward's plans (the images call's made ahead), as the cost fit goes on refitting."""
+
+    def __init__(self) -> None:
+        super().__init__(ViTBalanceConfig(plan_ahead=True, calibrate_cost=True))
+
+    def step_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        keys = (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw"))
+        encoded = [
+            checkpoint(self.encode_images, self.visual, batch[pixels], batch[grid], use_reentrant=False)
+            for pixels, grid in keys
+        ]
+        return self.head(torch.cat(encoded)).pow(2).mean()
+
+
+def _checkpointed_fit(out: str) -> dict[str, Any]:
+    """Worker: a fit of :class:`_CheckpointedVLM`; rank 0 returns the trained weights."""
+    model = _CheckpointedVLM()
+    with launched_by_torchrun():
+        trainer = quiet_trainer(out, "checkpointed", strategy="ddp", max_steps=STEPS)
+        trainer.fit(model)
+    return {"weights": model.state_dict() if dist.get_rank() == 0 else None}
+
+
+@pytest.mark.timeout(240)
+def test_calls_under_activation_checkpointing_train_as_the_plain_module(
+    tmp_path: Path, multirank: Any
+) -> None:
+    """The recomputation in the backward pass is balanced as its forward call was: the plain
+    training's losses and weights, each call counted once. Before, the ``backward`` hook encoded
+    it directly: other images' activations in the ViT's backward (silently wrong gradients), or
+    torch's checkpoint errors on some ranks while another waited in the exchange."""
+    with multirank(RANKS) as pool:
+        results = pool.run(_checkpointed_fit, str(tmp_path), timeout=200)
+    rows = _rows(tmp_path / "checkpointed")
+    assert [row["vit_balance/calls"] for row in _by_step(rows, "vit_balance/calls").values()] == [
+        CALLS_PER_STEP
+    ] * STEPS
+    assert [row["vit_balance/applied_total"] for row in _by_step(rows, "vit_balance/calls").values()] == [
+        step + 1 for step in range(STEPS)
+    ]
+    losses, weights = _reference()
+    logged = _by_step(rows, "train_loss")
+    torch.testing.assert_close(
+        torch.tensor([logged[s]["train_loss"] for s in range(STEPS)]), torch.tensor(losses), **TOLERANCE
+    )
+    torch.testing.assert_close(results[0]["weights"], weights, **TOLERANCE)
+
+
 @pytest.mark.timeout(240)
 def test_checkpoints_monitor_the_imbalance_on_every_rank(resumed: dict[str, Any]) -> None:
     [state] = [v for k, v in resumed["last"]["callbacks"].items() if k.startswith("ModelCheckpoint")]

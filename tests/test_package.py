@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "outputs": 4,
     "encoding": 5,  # the ViT side of a balanced call: checks, the forward, its status
     "prepared": 5,  # a plan made before the forward
+    "recompute": 5,  # activation checkpointing: a call recomputed in the backward pass, its plan
     "balancer": 6,
     "hf": 7,
     "metrics": 7,  # balanced calls' stats as vit_balance/* metrics, for any loop's logger

@@ -31,6 +31,7 @@ from lightning_vit_balance.host_group import make_host_group, release_host_group
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
 from lightning_vit_balance.lightning.strategy import dp_group_from_strategy
 from lightning_vit_balance.outputs import OutputLayout
+from lightning_vit_balance.recompute import in_backward_pass
 
 __all__ = ["ViTBalanceMixin"]
 
@@ -417,7 +418,8 @@ class ViTBalanceMixin:
         :meth:`encode_visual`: eager in a compiled module."""
         balancer = self._vit_balance_balancer(*settings)
         output = encode(balancer, self._vit_balance_take_ticket())
-        self._vit_balance_keep(balancer.last_stats)
+        if not in_backward_pass():  # a recomputation is its forward call again
+            self._vit_balance_keep(balancer.last_stats)
         return output
 
     @eager
@@ -466,9 +468,11 @@ class ViTBalanceMixin:
         return state.balancer
 
     def _vit_balance_in_step(self) -> bool:
-        """Whether the Trainer runs one of the loops' steps now (not another hook)."""
+        """Whether the Trainer runs one of the loops' steps now (not another hook), or recomputes a
+        training step's call in its backward pass (activation checkpointing, within the
+        ``backward`` hook), which must be balanced as that call was."""
         # A Lightning without that attribute: every call counts as the step's, as before the rule.
-        return getattr(self, "_current_fx_name", "training_step") in _STEP_HOOKS
+        return getattr(self, "_current_fx_name", "training_step") in _STEP_HOOKS or in_backward_pass()
 
     def _vit_balance_take_ticket(self) -> PreparedPlan | None:
         """The plan prepared for this batch, once: the step's first balanced call uses it.
@@ -477,8 +481,8 @@ class ViTBalanceMixin:
         (a callback generating samples after a validation step that encoded nothing) is not the
         batch the plan was made for."""
         trainer, _ = self._vit_balance_runner()
-        if trainer is not None and not self._vit_balance_in_step():
-            return None
+        if in_backward_pass() or (trainer is not None and not self._vit_balance_in_step()):
+            return None  # a recomputation plans as its forward call did (see recompute.py)
         state = self._vit_balance_state_object()
         ticket, state.ticket = state.ticket, None
         return ticket

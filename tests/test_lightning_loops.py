@@ -352,18 +352,24 @@ class _MeshVLM(TinyVLM):
         return torch.utils.data.DataLoader(samples, batch_size=1, shuffle=False, collate_fn=first)
 
 
-def _mesh_fit(out: str) -> list[tuple[list[int], int, bool]]:
+def _mesh_fit(out: str, calibrate: bool = False) -> list[tuple[list[int], int, bool]] | str:
     """Worker: :class:`_MeshVLM` for :data:`STEPS` steps on the pool's 4 ranks, its data-parallel
-    groups taken for NCCL groups (so the mixin makes their gloo twins)."""
+    groups taken for NCCL groups (so the mixin makes their gloo twins); ``calibrate``: with the
+    online cost fit, the error the fit raised."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    model = _MeshVLM(ViTBalanceConfig(plan_ahead=True))
+    model = _MeshVLM(ViTBalanceConfig(plan_ahead=True, calibrate_cost=calibrate))
     model.calls = []
     with groups_taken_for_nccl(), launched_by_torchrun():
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
         version = f"mesh_{dist.get_rank()}"
         trainer = quiet_trainer(out, version, strategy=strategy, devices=4, max_steps=STEPS)
-        trainer.fit(model)
+        try:
+            trainer.fit(model)
+        except ValueError as error:
+            if not calibrate:
+                raise
+            return str(error)
     return model.calls
 
 
@@ -379,6 +385,19 @@ def test_model_parallel_mesh_plans_ahead_on_host_twins(tmp_path: Path, multirank
         # Every step applied on the twin of the rank's pair, planned before the forward: the forward
         # made only the pixel trip, the status gather and the return trip.
         assert calls == [([[0, 2], [1, 3]][rank % 2], 3, True)] * STEPS, (rank, calls)
+
+
+@pytest.mark.timeout(240)
+def test_model_parallel_mesh_refuses_the_online_cost_fit(tmp_path: Path, multirank: Any) -> None:
+    """Each data-parallel group fitted its own model from its own ranks' times, so tensor-parallel
+    peers (the same images, other groups) planned apart: 12 of 16 steps in a reviewer's run, and a
+    tensor-parallel ViT's collectives then failed. The fit now stops on every rank, saying why."""
+    if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
+        pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    with multirank(4) as pool:
+        errors = pool.run(_mesh_fit, str(tmp_path), True, timeout=200)
+    assert len(set(errors)) == 1, errors
+    assert "calibrate_cost=True with a tensor_parallel mesh dimension of size 2" in errors[0], errors[0]
 
 
 class _TwinNamingVLM(PlanAheadVLM):

@@ -29,7 +29,7 @@ from lightning_vit_balance.hf import (
 )
 from lightning_vit_balance.host_group import make_host_group, release_host_group
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
-from lightning_vit_balance.lightning.strategy import dp_group_from_strategy
+from lightning_vit_balance.lightning.strategy import dp_group_from_strategy, tensor_parallel_size
 from lightning_vit_balance.outputs import OutputLayout
 from lightning_vit_balance.recompute import in_backward_pass
 
@@ -455,6 +455,7 @@ class ViTBalanceMixin:
         :meth:`encode_images` and :meth:`encode_visual`, whose ViTs the engine reads."""
         state = self._vit_balance_state_object()
         if state.balancer is None or state.balancer_config != config or state.balancer_layout != layout:
+            self._vit_balance_refuse_peer_fits(config)
             host = state.host_group if group is state.group else None
             carried = state.balancer_state()
             state.balancer = ViTBalancer(
@@ -466,6 +467,27 @@ class ViTBalanceMixin:
                 source = "ViTBalanceMixin: the saved balancer state (from a checkpoint or an earlier run)"
                 continue_fit(state.balancer, carried, source, rank_zero_warn)
         return state.balancer
+
+    def _vit_balance_refuse_peer_fits(self, config: ViTBalanceConfig) -> None:
+        """Refuse the online cost fit where tensor-parallel peers balance in different groups.
+
+        Each data-parallel group would fit its own model from its own ranks' measured times, so
+        peers, which hold the same images, would plan apart: a tensor-parallel ViT then mixes or
+        mismatches their rows. Raised on every rank alike (one configuration, one mesh)."""
+        if not config.calibrate_cost:
+            return
+        trainer, fabric = self._vit_balance_runner()
+        runner = fabric if fabric is not None else trainer
+        peers = tensor_parallel_size(runner.strategy) if runner is not None else 1
+        if peers > 1:
+            raise ValueError(
+                f"ViTBalanceConfig.calibrate_cost=True with a tensor_parallel mesh dimension of size "
+                f"{peers}: each data-parallel group would fit its own cost model from its own measured "
+                "times, and tensor-parallel peers, which hold the same images, would then plan apart. "
+                "Expected calibrate_cost=False with tensor parallelism; for a fitted model, fit it "
+                "offline (CostModel.fit on measured timings) and give it to the config "
+                "(CostModel.to_config)."
+            )
 
     def _vit_balance_in_step(self) -> bool:
         """Whether the Trainer runs one of the loops' steps now (not another hook), or recomputes a

@@ -27,7 +27,7 @@ from lightning.pytorch.strategies import (
     XLAStrategy,
 )
 
-__all__ = ["dp_group_from_strategy"]
+__all__ = ["dp_group_from_strategy", "tensor_parallel_size"]
 
 _HOW_TO_PASS_A_GROUP = (
     "Pass the data-parallel process group explicitly: set the attribute `vit_balance_group` on your "
@@ -122,3 +122,15 @@ def dp_group_from_strategy(strategy: Any) -> dist.ProcessGroup | None:
     if isinstance(strategy, FSDPStrategy):
         return _user_group(strategy.kwargs)
     return _user_group(strategy._fsdp_kwargs)
+
+
+def tensor_parallel_size(strategy: Any) -> int:
+    """How many ranks hold each data-parallel rank's batch under ``strategy``: the size of a
+    ``ModelParallelStrategy``'s ``tensor_parallel`` mesh dimension, else 1 (also before the mesh
+    exists). Those peers sit in different data-parallel groups and must encode the same images."""
+    if not isinstance(strategy, (ModelParallelStrategy, FabricModelParallelStrategy)):
+        return 1
+    mesh = getattr(strategy, "_device_mesh", None)
+    if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
+        return 1
+    return int(mesh["tensor_parallel"].size())

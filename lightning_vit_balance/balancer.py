@@ -23,6 +23,7 @@ import functools
 import gc
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, ParamSpec, TypeVar
@@ -40,6 +41,7 @@ from lightning_vit_balance.encoding import (
     TripClock,
     ViTClock,
     encode,
+    parameters_sharded,
     raise_for_input,
     raise_for_plans,
     raise_for_vit,
@@ -313,6 +315,7 @@ class ViTBalancer:
         self.applied_calls = 0
         self._fingerprint = self.config.fingerprint()
         self._calibrator = _calibrator_for(self.config)
+        self._warned_sharded_overlap = False
         # Plans for activation checkpointing's recomputations, where refits may change the plan.
         self._plan_memory = PlanMemory()
         # Patch counts (and temporal steps) every rank encoded in the previous gathered call: what its
@@ -514,7 +517,7 @@ class ViTBalancer:
         the planned sizes, so no rank waits.
         """
         route = ExchangeRoute.from_plan(plan, call.rank)
-        if self.config.overlap_pixel_trip and problem is None:
+        if self.config.overlap_pixel_trip and problem is None and self._may_overlap(vit):
             batch, encoded = self._overlapped(call, vit, pixel_values, grid_thw, route, metadata, reference)
         else:
             batch = self._dispatch(
@@ -526,6 +529,24 @@ class ViTBalancer:
         call.seconds["encode"] = encoded.seconds
         returned = self._combine(call, vit, encoded, plan, route, batch, reference)
         return self._rebuild(vit, encoded, returned, grid_thw, plan.patch_counts[call.rank])
+
+    def _may_overlap(self, vit: Any) -> bool:
+        """Whether ``vit`` may run twice in the call (``overlap_pixel_trip``): not when its
+        parameters are sharded, where each call gathers them and a rank with only its own images,
+        or only others', would make one gather fewer than the rest (a mismatch, or a hang on NCCL).
+        The same on every rank: the model is sharded alike on all of them."""
+        if not isinstance(vit, torch.nn.Module) or not parameters_sharded(vit):
+            return True
+        if not self._warned_sharded_overlap:
+            self._warned_sharded_overlap = True
+            warnings.warn(
+                "ViTBalanceConfig.overlap_pixel_trip=True: the ViT's parameters are sharded (FSDP, "
+                "ZeRO-3), so each of its calls gathers them and every rank must call it as often as "
+                "the others; its balanced calls encode in one ViT call, without the overlap.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return False
 
     def _encode(
         self, call: _Call, vit: Any, batch: BalancedBatch, skip_with: Exception | None = None

@@ -114,7 +114,8 @@ class ViTBalanceConfig:
             this rank while it is in flight, then the arrivals (two ViT calls instead of one; the
             same outputs and gradients). It pays where the transfer runs beside the computation
             (NCCL on GPUs); on CPU with gloo the trip competes for the same cores, so it is off
-            by default (see BENCHMARKS.md).
+            by default (see BENCHMARKS.md). A ViT whose parameters are sharded (FSDP, ZeRO-3) is
+            called once, without the overlap: each call gathers its parameters.
         calibrate_cost: Fit the cost model online (``CostCalibrator``) to every rank's measured
             ViT milliseconds of recent calls, carried in the metadata gather the balancer makes
             anyway, so every rank fits the same coefficients at the same call; the ``cost_*`` fields

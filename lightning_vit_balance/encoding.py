@@ -50,6 +50,8 @@ __all__ = [
     "ViTClock",
     "dtype_code",
     "encode",
+    "gathered_per_call",
+    "parameters_sharded",
     "raise_for_input",
     "raise_for_plans",
     "raise_for_vit",
@@ -63,6 +65,30 @@ INPUT_ERROR = "input: "
 PACKING_ERROR = "packing: "
 #: Output kinds whose rows travel back to the images' home ranks.
 TOKEN_KINDS = ("patch", "merged")
+
+
+def gathered_per_call(param: torch.nn.Parameter) -> bool:
+    """Whether ``param`` is sharded outside its module's forward, so that each call of the module
+    gathers it (ZeRO-3's partitioned parameters, an FSDP2 unit's ``DTensor`` before its forward)."""
+    from torch.distributed.tensor import DTensor
+
+    return hasattr(param, "ds_id") or isinstance(param, DTensor)
+
+
+def parameters_sharded(vit: torch.nn.Module) -> bool:
+    """Whether ``vit``'s parameters are sharded across ranks (FSDP2's ``DTensor``s, ZeRO-3's
+    partitioned parameters, FSDP1 units inside it): then every call of ``vit`` is a collective,
+    which every rank must make as often as the others."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed import fsdp
+
+    if any(gathered_per_call(param) for param in vit.parameters()):
+        return True
+    # FSDP2 units by their class too: between a forward and its backward a root unit's parameters
+    # stay gathered, plain tensors, not DTensors.
+    units = tuple(kind for kind in (fsdp.FullyShardedDataParallel, getattr(fsdp, "FSDPModule", None)) if kind)
+    return any(isinstance(module, units) for module in vit.modules())
 
 
 def dtype_code(dtype: torch.dtype) -> int:

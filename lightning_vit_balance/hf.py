@@ -206,6 +206,7 @@ from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalanc
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel, pixel_row_factors
 from lightning_vit_balance.eager import eager, eager_frame
+from lightning_vit_balance.encoding import gathered_per_call, parameters_sharded
 from lightning_vit_balance.exchange import gather_host_values, grid_rows, grid_steps, host_to_device
 from lightning_vit_balance.host_group import make_host_group, release_host_group
 from lightning_vit_balance.outputs import (
@@ -496,19 +497,6 @@ def _generation_owner(model: nn.Module, base: nn.Module) -> nn.Module | None:
     return None
 
 
-def _parameters_sharded(tower: nn.Module) -> bool:
-    """Whether the tower's parameters are sharded across ranks (FSDP2's ``DTensor``s, ZeRO-3's
-    partitioned parameters, FSDP1 units inside the tower): then every call of the tower is a
-    collective."""
-    if not dist.is_available():
-        return False
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    if any(_gathered_per_call(param) for param in tower.parameters()):
-        return True
-    return any(isinstance(module, FullyShardedDataParallel) for module in tower.modules())
-
-
 def _projection_names(base: nn.Module, tower: nn.Module) -> tuple[str, ...]:
     """The base model's children, other than the tower, that project its outputs (by name, see
     :data:`_PROJECTION_WORDS`) and hold parameters, in registration order."""
@@ -620,19 +608,11 @@ def _leaf_inputs_need_grad(module: nn.Module, args: tuple[Any, ...]) -> tuple[An
     return (*args[:first], args[first].detach().requires_grad_(), *args[first + 1 :])
 
 
-def _gathered_per_call(param: nn.Parameter) -> bool:
-    """Whether ``param`` is sharded outside its module's forward, so that each call of the module
-    gathers it (ZeRO-3's partitioned parameters, an FSDP2 unit's ``DTensor`` before its forward)."""
-    from torch.distributed.tensor import DTensor
-
-    return hasattr(param, "ds_id") or isinstance(param, DTensor)
-
-
 def _touchable(param: nn.Parameter) -> bool:
     """Whether a text-only rank's touch (:func:`_touch_zero`) gives ``param`` a gradient this rank
     can reduce like any other: not one gathered per call, where the touch would reach a placeholder
     or a shard."""
-    return param.requires_grad and not _gathered_per_call(param)
+    return param.requires_grad and not gathered_per_call(param)
 
 
 def _touch_zero(modules: Iterable[nn.Module]) -> torch.Tensor | None:
@@ -1807,7 +1787,7 @@ class BalancedVisionTower:
         if "generation" in self._patched:
             return False
         length = getattr(caches[0], "get_seq_length", None)
-        return callable(length) and length() == 0 and _parameters_sharded(self.tower)
+        return callable(length) and length() == 0 and parameters_sharded(self.tower)
 
     def _release_late_touch(self) -> None:
         """Remove the hooks of the touch :meth:`_generation_route` armed for ``generate()``'s first
@@ -1826,7 +1806,7 @@ class BalancedVisionTower:
         rank may generate alone (sample logging on rank 0).
         """
         original = self._original("generation")
-        if self._pending is not None or not self.evaluation or not _parameters_sharded(self.tower):
+        if self._pending is not None or not self.evaluation or not parameters_sharded(self.tower):
             return _Route(original, args, kwargs)
         settings = self.settings()
         if settings is None:
@@ -2043,7 +2023,7 @@ class BalancedVisionTower:
         One gather of two flags per rank, made only in that case, which is the same on every rank
         (the same model)."""
         gathered = any(
-            _gathered_per_call(p) for module in self._projection_modules() for p in module.parameters()
+            gathered_per_call(p) for module in self._projection_modules() for p in module.parameters()
         )
         if not gathered:
             return None
@@ -2146,7 +2126,7 @@ class BalancedVisionTower:
             f"({', '.join(expected) or 'none left'}): the model does not encode each modality's "
             "pixel_values/grid in one tower call, as the drop-in's contract requires"
         )
-        if _parameters_sharded(self.tower):
+        if parameters_sharded(self.tower):
             # Encoding here would gather the tower's parameters on this rank alone.
             raise RuntimeError(problem + "; with sharded parameters it cannot be encoded apart either.")
         # Unsharded, this rank encodes the call itself, as the plain model would: the same outputs

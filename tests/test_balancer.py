@@ -631,6 +631,46 @@ def test_checkpointed_calls_recompute_their_own_plans_under_the_cost_fit(
     assert per_rank == [{"calls": 16, "fitted": True}] * POOL, per_rank
 
 
+def _sharded_tower_overlap() -> dict[str, Any]:
+    """``overlap_pixel_trip`` with the tower an FSDP2 unit: each ViT call all-gathers its
+    parameters, so every rank must call it once (two calls on ranks with home and arriving images,
+    one elsewhere, failed in gloo's size checks; on NCCL they would hang)."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    vit, grids, pixels, grid, balancer = _straggler_batch(towers.TensorTower, overlap=True)
+    reference = towers.TensorTower()
+    reference.load_state_dict(vit.state_dict())
+    fully_shard(vit)
+    forwards = []
+    vit.register_forward_pre_hook(lambda module, args: forwards.append(args[0].shape[0]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = balancer(vit, pixels, grid)
+        again = balancer(vit, pixels, grid)
+    out.pow(2).sum().backward()
+    if grids:
+        # Same ops on the same rows in another batch: fp32 agrees to a few ulps.
+        torch.testing.assert_close(out, reference(pixels, grid), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(again, out)
+    return {
+        "applied": balancer.last_stats.applied,
+        "forwards": len(forwards),
+        "warnings": [str(w.message).split(":")[0] for w in caught if w.category is RuntimeWarning],
+    }
+
+
+def test_a_sharded_tower_encodes_in_one_call_with_the_overlapped_trip(multirank: Any) -> None:
+    if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
+        pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    with multirank(POOL) as w:
+        per_rank = w.run(_sharded_tower_overlap)
+    # Two balanced calls, one ViT forward each, and one warning saying why.
+    warned = ["ViTBalanceConfig.overlap_pixel_trip=True"]
+    assert per_rank == [{"applied": True, "forwards": 2, "warnings": warned}] * POOL, per_rank
+
+
 def _pixel_gradients(overlap: bool) -> dict[str, Any]:
     """``torch.autograd.grad`` of each rank's loss with respect to its own pixel rows alone (a
     saliency map), the rank without images too: the direct calls' gradients, and no rank left

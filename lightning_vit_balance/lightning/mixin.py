@@ -18,10 +18,10 @@ from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalanc
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.eager import eager, eager_frame
+from lightning_vit_balance.encoding import parameters_sharded
 from lightning_vit_balance.hf import (
     KEPT_STATS,
     BalancedVisionTower,
-    _parameters_sharded,
     continue_fit,
     encode_visual,
     rows_to_plan,
@@ -103,7 +103,7 @@ def _sharded(vit: object) -> bool:
     """Whether ``vit``'s parameters are sharded (FSDP, ZeRO-3): each call of it is a collective
     then, which every rank makes or the plain model would hang too, and a text-only rank must join
     it (balanced, it runs the tower too)."""
-    return isinstance(vit, torch.nn.Module) and _parameters_sharded(vit)
+    return isinstance(vit, torch.nn.Module) and parameters_sharded(vit)
 
 
 #: The Lightning hooks the mixin implements; each must come before LightningModule's in the MRO.

@@ -734,7 +734,7 @@ class ViTBalancer:
             return self._fingerprint
         # The settings' part is fixed; only the fitted model changes between calls (rehashing the
         # whole config took 21 us per call, in the forward).
-        return (*self._fingerprint, ("cost_fit", setting_digest(self._calibrator.fingerprint())))
+        return (*self._fingerprint, ("cost_fit", setting_digest(self._calibrator.state_fingerprint())))
 
     def _dispatch(
         self,

@@ -832,6 +832,15 @@ class CostCalibrator:
         m = self._model
         return (m.quadratic, m.linear, m.constant, m.windowed, m.window_patches)
 
+    def state_fingerprint(self) -> tuple[float, ...]:
+        """:meth:`fingerprint` and what decides the next fits: the counters, the window's length
+        and its first and last steps' sums. Equal on every rank that fed the calibrator the same
+        figures, so a state loaded on some ranks only (a fit one call early there, plans apart) is
+        told apart before it plans."""
+        window = (self._steps[0][1].total, self._steps[-1][1].total) if self._steps else (0.0, 0.0)
+        counters = (self.steps_observed, self._measured_steps, self.fits, len(self._steps))
+        return (*self.fingerprint(), *counters, *window)
+
     def observe(
         self,
         patch_counts: Sequence[Sequence[int]],

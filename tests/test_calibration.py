@@ -37,9 +37,9 @@ def _calibrating_run() -> dict[str, Any] | None:
         torch.testing.assert_close(out, tower(pixels, grid), rtol=1e-4, atol=1e-5)
         assert balancer._calibrator is not None
         models.append(balancer._calibrator.fingerprint())
-        # What the next call sends: the settings and the model fitted so far, as the config's own
-        # fingerprint with the fit as an extra setting says (the ranks compare it).
-        expected = balancer.config.fingerprint(cost_fit=models[-1])
+        # What the next call sends: the settings and the fit's state so far, as the config's own
+        # fingerprint with the state as an extra setting says (the ranks compare it).
+        expected = balancer.config.fingerprint(cost_fit=balancer._calibrator.state_fingerprint())
         assert balancer._settings_fingerprint() == expected
     stats = balancer.last_stats
     assert stats is not None
@@ -53,6 +53,36 @@ def test_every_rank_fits_the_same_cost_model(multirank: Any) -> None:
     assert results[0]["fits"] > 0, "no fit after 16 steps of varied image sizes"
     assert results[0]["models"][-1] != results[0]["models"][0], "the model never left its initial value"
     assert len(results[0]["vit_ms"]) == RANKS and all(v >= 0 for v in results[0]["vit_ms"])
+
+
+def _state_loaded_on_one_rank() -> list[str]:
+    """A fit's state saved after the first steps, loaded again on rank 0 alone: its window and
+    counters then differ from the others', so it would fit on other calls (plans apart)."""
+    group = subgroup(RANKS)
+    if dist.get_rank() >= RANKS:
+        return []
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    balancer = ViTBalancer(ViTBalanceConfig(calibrate_cost=True, trigger_threshold=0.0, min_gain=0.0), group)
+    errors = []
+    for step in range(6):
+        if step == 3:
+            saved = balancer.state_dict()
+        if step == 5 and dist.get_rank() == 0:
+            balancer.load_state_dict(saved)
+        grids = [(1, 2 * (1 + (step + dist.get_rank()) % 4), 4)] * (1 + dist.get_rank())
+        try:
+            balancer(tower, *towers.make_batch(grids, seed=step))
+        except ValueError as error:
+            errors.append(f"step {step}: {str(error).splitlines()[0]}")
+    return errors
+
+
+def test_a_cost_fit_state_loaded_on_some_ranks_only_fails_on_every_rank(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        errors = w.run(_state_loaded_on_one_rank)[:RANKS]
+    assert len({tuple(e) for e in errors}) == 1 and len(errors[0]) == 1, errors
+    assert errors[0][0].startswith("step 5: ") and "settings differ between ranks: cost_fit" in errors[0][0]
 
 
 def test_a_balancer_checkpoints_its_cost_fit_only_when_it_calibrates() -> None:

@@ -161,6 +161,22 @@ def test_cached_group_never_travels_with_copies_or_pickles() -> None:
         )
 
 
+def test_a_loaded_cost_fit_travels_with_copies_and_pickles() -> None:
+    """A cost fit loaded in the main process reaches a ``ddp_spawn`` worker (the module pickled) and
+    a deep copy: it is plain numbers. It was dropped with the groups, so workers fitted afresh."""
+    from lightning_vit_balance import CostCalibrator
+
+    calibrator = CostCalibrator(warmup_steps=0)
+    for step in range(4):
+        calibrator.observe([[16, 64 * (1 + step)], [4]], [1.0 + step, 0.1])
+    state = {"cost_calibrator": calibrator.state_dict()}
+    module = WorldGroup(ViTBalanceConfig(calibrate_cost=True))
+    module.load_vit_balance_state_dict(state)
+    for clone in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+        assert clone.vit_balance_state_dict() == module.vit_balance_state_dict() == state
+    assert WorldGroup().vit_balance_state_dict() == {}
+
+
 # ---------------------------------------------------------------------------- two ranks, no Trainer
 
 

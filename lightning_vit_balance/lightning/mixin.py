@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -170,13 +171,18 @@ class _State:
         self.last_stats, self.carried = last_stats, carried
 
     def __getstate__(self) -> dict[str, Any]:
-        return {}
+        # Groups, sockets and the balancer stay in this process; the balancer's state (plain
+        # numbers: a loaded checkpoint's cost fit) goes along, as into a ddp_spawn worker.
+        return {"carried": self.balancer_state()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__()  # type: ignore[misc]
+        self.carried = state.get("carried")
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _State:
-        return _State()
+        copied = _State()
+        copied.carried = copy.deepcopy(self.balancer_state(), memo)
+        return copied
 
 
 class _ModuleTowerBalance(BalancedVisionTower):

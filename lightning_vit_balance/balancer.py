@@ -656,7 +656,8 @@ class ViTBalancer:
     ) -> tuple[tuple[RankMetadata, ...], _Reference]:
         """Validate locally, gather every rank's metadata, raise the same error on every rank."""
         started = time.perf_counter()
-        fingerprint = self._settings_fingerprint()
+        # The merge size sizes every rank's output rows of the images it encodes for others.
+        fingerprint = (*self._settings_fingerprint(), ("spatial_merge_size", call.merge))
         local = validate_input(
             pixel_values,
             grid_thw,

@@ -247,8 +247,9 @@ def _fingerprint_problem(metadata: Sequence[RankMetadata], names: Sequence[str])
     return (
         "the balancing settings differ between ranks: "
         + ", ".join(differing)
-        + ". Every rank must use the same ViTBalanceConfig (and the same cost model, and the same "
-        "package version and sources), or ranks would plan differently and exchange the wrong rows"
+        + ". Every rank must use the same ViTBalanceConfig (and the same cost model, the same "
+        "package version and sources, and a ViT of the same spatial_merge_size), or ranks would "
+        "plan differently and exchange the wrong rows"
     )
 
 

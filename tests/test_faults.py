@@ -100,6 +100,30 @@ def test_settings_that_differ_raise_on_every_rank(multirank: Any, field: str, va
     assert all(seconds < FAST_S for _, _, seconds in outcomes), outcomes
 
 
+def _merge_case() -> tuple[str, str, float] | None:
+    """Rank 1's ViT merges 1x1 patches where the others merge 2x2: each rank would size the rows
+    it returns by its own merge size (silently wrong outputs on the others, without gradients)."""
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    torch.manual_seed(0)
+    tower = towers.TensorTower(merge=1 if rank == 1 else 2)
+    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    with torch.no_grad():
+        outcome = _outcome(lambda: ViTBalancer(ViTBalanceConfig(**APPLY), group)(tower, pixels, grid))
+    _still_in_step(group, rank)
+    return outcome
+
+
+def test_merge_sizes_that_differ_raise_on_every_rank(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        outcomes = w.run(_merge_case)[:RANKS]
+    assert len({(kind, message) for kind, message, _ in outcomes}) == 1, outcomes
+    kind, message, _ = outcomes[0]
+    assert kind == "ValueError" and "spatial_merge_size (ranks [1]" in message, message
+
+
 def test_fitted_cost_models_that_differ_raise(multirank: Any) -> None:
     """Each rank fitting a CostModel to its own timings gives different coefficients: caught."""
     with multirank(POOL) as w:

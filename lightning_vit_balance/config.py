@@ -105,7 +105,8 @@ class ViTBalanceConfig:
             same forward: ``"attached"`` (default) runs the ViT on one tiny dummy image and returns
             zero-row outputs still attached to the ViT's parameters (DDP without
             ``find_unused_parameters`` and FSDP keep working); ``"no_grad"`` runs the dummy forward
-            without autograd (cheaper, for setups that tolerate unused parameters).
+            without autograd (cheaper, for setups that tolerate unused parameters; not with the
+            call under activation checkpointing, whose recomputation such a rank would skip).
         gather_capacity: No longer used; accepted so that saved configurations still load. The
             metadata gather now always carries 64 runs of equal grid rows per rank (one more
             gather for a rank with more): a fixed size lets ranks whose settings differ still meet

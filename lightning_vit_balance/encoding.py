@@ -82,13 +82,14 @@ def parameters_sharded(vit: torch.nn.Module) -> bool:
     if not torch.distributed.is_available():
         return False
     from torch.distributed import fsdp
+    from torch.distributed.tensor import DTensor
 
-    if any(gathered_per_call(param) for param in vit.parameters()):
-        return True
     # FSDP2 units by their class too: between a forward and its backward a root unit's parameters
     # stay gathered, plain tensors, not DTensors.
     units = tuple(kind for kind in (fsdp.FullyShardedDataParallel, getattr(fsdp, "FSDPModule", None)) if kind)
-    return any(isinstance(module, units) for module in vit.modules())
+    if any(isinstance(module, units) for module in vit.modules()):
+        return True
+    return any(hasattr(param, "ds_id") or isinstance(param, DTensor) for param in vit.parameters())
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -695,16 +695,17 @@ class ViTBalancer:
 
     def _plan(self, call: _Call, metadata: Sequence[RankMetadata]) -> RebalancePlan:
         started = time.perf_counter()
+        frames = [[t for t, _, _ in m.grids] for m in metadata]
         if self._calibrator is not None and in_backward_pass():
             # Activation checkpointing's recomputation: the forward's plan, whatever was fitted
             # since; its figures were observed by the forward's gather.
-            plan = self._plan_memory.recall(metadata) or self._planned(metadata, self._calibrator.model)
+            recalled = self._plan_memory.recall(metadata)
+            plan = recalled or self._planned(metadata, frames, self._calibrator.model)
             call.timed("plan", started)
             return plan
-        plan = self._planned(metadata, self._calibrated(metadata))
+        plan = self._planned(metadata, frames, self._calibrated(metadata))
         if self._calibrator is not None:
             self._plan_memory.remember(metadata, plan)
-            frames = [[t for t, _, _ in m.grids] for m in metadata]
             arrivals = plan.arrivals_of_every_rank() if plan.applied else None
             self._encoded_counts, self._encoded_frames = (
                 tuple(
@@ -716,8 +717,9 @@ class ViTBalancer:
         call.timed("plan", started)
         return plan
 
-    def _planned(self, metadata: Sequence[RankMetadata], cost_model: CostModel | None) -> RebalancePlan:
-        frames = [[t for t, _, _ in m.grids] for m in metadata]
+    def _planned(
+        self, metadata: Sequence[RankMetadata], frames: list[list[int]], cost_model: CostModel | None
+    ) -> RebalancePlan:
         counts = [m.patch_counts for m in metadata]
         plan = plan_rebalance(counts, self.config, cost_model=cost_model, frames=frames)
         if plan.applied:

@@ -10,6 +10,7 @@ on every rank.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,12 +68,17 @@ PACKING_ERROR = "packing: "
 TOKEN_KINDS = ("patch", "merged")
 
 
+@functools.cache
+def _dtensor_type() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
 def gathered_per_call(param: torch.nn.Parameter) -> bool:
     """Whether ``param`` is sharded outside its module's forward, so that each call of the module
     gathers it (ZeRO-3's partitioned parameters, an FSDP2 unit's ``DTensor`` before its forward)."""
-    from torch.distributed.tensor import DTensor
-
-    return hasattr(param, "ds_id") or isinstance(param, DTensor)
+    return hasattr(param, "ds_id") or isinstance(param, _dtensor_type())
 
 
 def parameters_sharded(vit: torch.nn.Module) -> bool:
@@ -82,14 +88,13 @@ def parameters_sharded(vit: torch.nn.Module) -> bool:
     if not torch.distributed.is_available():
         return False
     from torch.distributed import fsdp
-    from torch.distributed.tensor import DTensor
 
     # FSDP2 units by their class too: between a forward and its backward a root unit's parameters
     # stay gathered, plain tensors, not DTensors.
     units = tuple(kind for kind in (fsdp.FullyShardedDataParallel, getattr(fsdp, "FSDPModule", None)) if kind)
     if any(isinstance(module, units) for module in vit.modules()):
         return True
-    return any(hasattr(param, "ds_id") or isinstance(param, DTensor) for param in vit.parameters())
+    return any(gathered_per_call(param) for param in vit.parameters())
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -695,14 +695,13 @@ class ViTBalancer:
 
     def _plan(self, call: _Call, metadata: Sequence[RankMetadata]) -> RebalancePlan:
         started = time.perf_counter()
-        frames = [[t for t, _, _ in m.grids] for m in metadata]
         if self._calibrator is not None and in_backward_pass():
             # Activation checkpointing's recomputation: the forward's plan, whatever was fitted
             # since; its figures were observed by the forward's gather.
-            recalled = self._plan_memory.recall(metadata)
-            plan = recalled or self._planned(metadata, frames, self._calibrator.model)
+            plan = self._plan_memory.recall(metadata)
             call.timed("plan", started)
             return plan
+        frames = [[t for t, _, _ in m.grids] for m in metadata]
         plan = self._planned(metadata, frames, self._calibrated(metadata))
         if self._calibrator is not None:
             self._plan_memory.remember(metadata, plan)

@@ -1724,8 +1724,9 @@ class BalancedVisionTower:
         self, grids: _HostGrids, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> _Route:
         """``forward(*args, **kwargs)``, planned from ``grids`` (see :meth:`plan_ahead`) when it is
-        balanced and no plan is waiting already; a plan it leaves untaken is dropped with it."""
-        if self._ticket is not None or not self._balances(kwargs):
+        balanced and no plan is waiting already; a plan it leaves untaken is dropped with it. Not in
+        a recomputation (activation checkpointing), which plans as its forward call did."""
+        if self._ticket is not None or in_backward_pass() or not self._balances(kwargs):
             return _Route(forward, args, kwargs)
         view = {pixels: kwargs.get(pixels) for pixels, _ in _PREPARE_KEYS}
         ticket = self.prepare({**view, **dict(grids.grids)})

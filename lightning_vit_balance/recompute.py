@@ -9,7 +9,7 @@ Without the online cost fit a plan is a function of the gathered grids and the c
 the recomputation's own gather and plan give it again. With ``calibrate_cost`` the model may be
 refitted between a call and its recomputation (by later calls of the step), so the balancer keeps
 its recent plans in a :class:`PlanMemory` and the recomputation recalls the one made for the same
-gathered grids.
+gathered grids, or raises the same error on every rank where it cannot tell which that was.
 """
 
 from __future__ import annotations
@@ -23,11 +23,21 @@ import torch
 from lightning_vit_balance.exchange import RankMetadata
 from lightning_vit_balance.planning import RebalancePlan
 
-__all__ = ["REMEMBERED_PLANS", "PlanMemory", "in_backward_pass"]
+__all__ = ["REMEMBERED_PLANS", "UNKNOWN_PLAN_MESSAGE", "PlanMemory", "in_backward_pass"]
 
 #: Plans a :class:`PlanMemory` keeps: the forward calls whose recomputation may still come (a step's
 #: checkpointed calls are recomputed in its own backward pass, before the next step's forward).
-REMEMBERED_PLANS = 16
+REMEMBERED_PLANS = 64
+
+#: Raised, on every rank alike, when a recomputation's plan cannot be told for sure.
+UNKNOWN_PLAN_MESSAGE = (
+    "lightning_vit_balance: a balanced call recomputed by activation checkpointing cannot tell which "
+    "plan its forward call used: {why}. With calibrate_cost=True the cost fit refits between calls, "
+    "so calls of the same images on every rank may be planned differently; the plans of the latest "
+    "{size} calls are kept, and a call whose graph was never backpropagated (a skipped step) stays "
+    "among them. Keep one such call between a forward and its backward pass, or set "
+    "calibrate_cost=False."
+)
 
 
 def in_backward_pass() -> bool:
@@ -41,29 +51,42 @@ def in_backward_pass() -> bool:
 class PlanMemory:
     """The plans of a balancer's recent forward calls, recalled by their recomputations.
 
-    Every rank remembers the plans made from the same gathered metadata in the same order, so
-    every rank recalls the same plan for the same gathered grids. The same grids may come again
-    (a fixed batch, an epoch's repeat): a recomputation takes the latest call of its grids that no
-    recomputation took yet, which is its own where autograd recomputes a step's regions in the
-    reverse order of their forward calls, as it does for a chain of regions.
+    Every rank remembers the plans made from the same gathered metadata in the same order, and
+    recalls alike, so every rank recalls the same plan or raises the same error. A recomputation
+    takes the plan of the calls of its gathered grids that no recomputation took yet, those that
+    built a graph first (a reentrant checkpoint's forward builds none); failing those, the ones
+    taken already (a second backward pass recomputes again). Where the calls it chooses from were
+    planned differently (the same images on every rank, the cost fit refitted between them), it
+    cannot tell which was its own and raises rather than guess.
     """
 
     def __init__(self, size: int = REMEMBERED_PLANS) -> None:
-        # [every rank's grid rows, the plan made from them, whether recalled], oldest first.
+        self.size = size
+        # [every rank's grid rows, the plan made from them, built a graph, recalled], oldest first.
         self._plans: deque[list[Any]] = deque(maxlen=size)
 
     def remember(self, metadata: Sequence[RankMetadata], plan: RebalancePlan) -> None:
         """Keep the plan a forward call made from ``metadata`` (every rank's)."""
-        self._plans.append([tuple(m.grids for m in metadata), plan, False])
+        self._plans.append([tuple(m.grids for m in metadata), plan, torch.is_grad_enabled(), False])
 
-    def recall(self, metadata: Sequence[RankMetadata]) -> RebalancePlan | None:
-        """The plan remembered for the same gathered grids (see the class docstring); None when
-        none is."""
+    def recall(self, metadata: Sequence[RankMetadata]) -> RebalancePlan:
+        """The plan remembered for the same gathered grids (see the class docstring).
+
+        Raises:
+            RuntimeError: None is remembered, or the candidates were planned differently
+                (:data:`UNKNOWN_PLAN_MESSAGE`).
+        """
         grids = tuple(m.grids for m in metadata)
-        found = [entry for entry in reversed(self._plans) if entry[0] == grids]
-        if not found:
-            return None
-        entry = next((entry for entry in found if not entry[2]), found[0])
-        entry[2] = True
-        plan: RebalancePlan = entry[1]
+        found = [entry for entry in self._plans if entry[0] == grids]
+        waiting = [entry for entry in found if not entry[3]]
+        candidates = [entry for entry in waiting if entry[2]] or waiting or found
+        if not candidates:
+            why = f"none of the latest {self.size} calls had its images"
+            raise RuntimeError(UNKNOWN_PLAN_MESSAGE.format(why=why, size=self.size))
+        if len({(entry[1].applied, entry[1].destinations) for entry in candidates}) > 1:
+            why = f"{len(candidates)} calls had its images and were planned differently"
+            raise RuntimeError(UNKNOWN_PLAN_MESSAGE.format(why=why, size=self.size))
+        for entry in candidates:
+            entry[3] = True
+        plan: RebalancePlan = candidates[-1][1]
         return plan

@@ -276,6 +276,62 @@ def _check_case(family: str, name: str, ahead: str | None = None) -> dict[str, A
     return {"steps": steps, "calls": handle.calls, "applied_calls": handle.applied_calls}
 
 
+def _checkpointed_model_steps(family: str, steps: int) -> dict[str, Any]:
+    """The whole model's forward inside a non-reentrant ``torch.utils.checkpoint``, with the cost
+    fit and ``handle.plan_ahead``'s collator, one step recomputing another's grids: the plain model's
+    losses and gradients, each forward counted once, and no plan made again in the backward pass
+    (the collator's route planned there too, taking the forward's remembered plan)."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_vit_balance.recompute import in_backward_pass
+
+    rank = dist.get_rank()
+    plain = tiny_model(family)
+    balanced = copy.deepcopy(plain)
+    handle = balance_vision_tower(balanced, dataclasses.replace(config_for(family), calibrate_cost=True))
+    prepared_in_backward = []
+    prepare = handle.prepare
+
+    def noting_prepare(batch: Any) -> Any:
+        prepared_in_backward.append(in_backward_pass())
+        return prepare(batch)
+
+    handle.prepare = noting_prepare  # type: ignore[method-assign]
+    names = tuple(cases_for(family))
+    for step in range(steps):
+        where = f"{family} step {step} rank {rank}"
+        batch = make_inputs(family, cases_for(family)[names[step % 3]][rank], seed=100 * step + rank)
+        plain_loss, _ = _step(plain, batch)
+        keys = sorted(key for key, value in batch.items() if value is not None)
+        planned = handle.plan_ahead(_first)([batch])
+        values = [planned[key] for key in keys]
+        calls_before = handle.calls
+
+        def forward(*values: Any, planned: dict[str, Any] = planned, keys: list[str] = keys) -> Any:
+            return balanced(**{**planned, **dict(zip(keys, values))}).loss
+
+        balanced_loss = checkpoint(forward, *values, use_reentrant=False)
+        balanced_loss.backward()
+        assert handle.calls == calls_before + 1, f"{where}: {handle.calls - calls_before} counted"
+        torch.testing.assert_close(
+            balanced_loss.detach(), plain_loss, **TOL, msg=lambda m, w=where: f"{w}: loss {m}"
+        )
+        plain_grads = _summed_grads(plain)
+        _assert_same_grads(where, _summed_grads(balanced), plain_grads)
+        _sgd(plain, plain_grads)
+        _sgd(balanced, plain_grads)
+    return {"prepared_in_backward": sum(prepared_in_backward), "prepared": len(prepared_in_backward)}
+
+
+def test_a_checkpointed_model_forward_recomputes_with_its_plan(multirank: Any) -> None:
+    with multirank(RANKS) as w:
+        per_rank = w.run(_checkpointed_model_steps, "qwen2_5_vl", 6, timeout=240)
+    assert per_rank == [{"prepared_in_backward": 0, "prepared": 6}] * RANKS, per_rank
+
+
 def _check_cases(family: str, names: tuple[str, ...], ahead: str | None = None) -> dict[str, Any]:
     return {name: _check_case(family, name, ahead) for name in names}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import pytest
 import torch
 
 from lightning_vit_balance import ViTBalanceConfig, plan_rebalance
@@ -18,23 +19,29 @@ def _metadata(grids: list[list[tuple[int, int, int]]]) -> tuple[RankMetadata, ..
     )
 
 
-def test_a_recomputation_recalls_the_latest_call_of_its_grids_not_recalled_yet() -> None:
+def test_a_recomputation_recalls_its_calls_plan_or_raises_where_it_cannot_tell() -> None:
     grids = [[(1, 8, 8), (1, 4, 4)], [(1, 2, 2)]]
     applied = plan_rebalance([[64, 16], [4]], ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))
     skipped = plan_rebalance([[64, 16], [4]], ViTBalanceConfig(trigger_threshold=5.0))
     assert applied.destinations != skipped.destinations
-    memory = PlanMemory(size=3)
-    memory.remember(_metadata(grids), skipped)  # an earlier step's call of the same batch
+    other = _metadata([[(1, 2, 2)], []])
+    memory = PlanMemory(size=4)
+    with torch.no_grad():
+        memory.remember(_metadata(grids), skipped)  # built no graph: a reentrant forward, a metric
     memory.remember(_metadata(grids), applied)
-    memory.remember(_metadata([[(1, 2, 2)], []]), skipped)
-    # Recomputed in the reverse order of the forward calls: each takes its own.
-    assert memory.recall(_metadata(grids)) is applied
-    assert memory.recall(_metadata(grids)) is skipped
-    assert memory.recall(_metadata(grids)) is applied  # all taken (a second backward): the latest
-    assert memory.recall(_metadata([[(1, 4, 4)], []])) is None
-    memory.remember(_metadata([[(1, 2, 2)], []]), applied)
-    memory.remember(_metadata([[(1, 2, 2)], []]), applied)
-    assert memory.recall(_metadata(grids)) is None  # dropped: only the latest 3 are kept
+    memory.remember(other, skipped)
+    assert memory.recall(_metadata(grids)) is applied  # the call that built a graph first
+    assert memory.recall(_metadata(grids)) is skipped  # then the one that built none
+    with pytest.raises(RuntimeError, match="2 calls had its images and were planned differently"):
+        memory.recall(_metadata(grids))  # all taken (a second backward pass): they disagree
+    assert memory.recall(other) is skipped
+    assert memory.recall(other) is skipped  # taken again by a second backward pass
+    memory.remember(_metadata(grids), applied)
+    memory.remember(_metadata(grids), skipped)  # the same images planned otherwise since
+    with pytest.raises(RuntimeError, match="cannot tell which plan its forward call used"):
+        memory.recall(_metadata(grids))
+    with pytest.raises(RuntimeError, match="none of the latest 4 calls had its images"):
+        memory.recall(_metadata([[(1, 4, 4)], []]))
 
 
 class _Probe(torch.autograd.Function):

@@ -585,11 +585,33 @@ def test_balanced_call_under_activation_checkpointing(multirank: Any, reentrant:
     assert per_rank == [{"applied": True, "calls": 1}] * POOL, per_rank
 
 
+def _assert_checkpointed_grads(
+    balancer: ViTBalancer, vit: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], reentrant: bool
+) -> None:
+    """Each batch encoded inside ``torch.utils.checkpoint``, the losses summed before one backward
+    pass: the ViT's gradients summed over ranks equal the direct calls'."""
+    from torch.utils.checkpoint import checkpoint
+
+    summed = {}
+    for name, encode in (("balanced", functools.partial(balancer, vit)), ("direct", vit)):
+        vit.zero_grad()
+        loss = torch.zeros(())
+        for pixels, grid in batches:
+            if grid.shape[0] or name == "balanced":
+                # Rows that require grad: the reentrant checkpoint's outputs need such an input.
+                rows = pixels.clone().requires_grad_(True)
+                loss = loss + checkpoint(encode, rows, grid, use_reentrant=reentrant).pow(2).sum()
+        loss.backward()
+        summed[name] = summed_grads(vit, None)[0]
+    # Same ops on the same rows in other batches: fp32 agrees to a few ulps, and the sums over
+    # images and ranks add in another order.
+    torch.testing.assert_close(summed["balanced"], summed["direct"], rtol=1e-4, atol=1e-5)
+
+
 def _checkpointed_calls_with_cost_fit(reentrant: bool, steps: int) -> dict[str, Any]:
     """Two checkpointed balanced calls per step under the online cost fit, whose refits (after
     every call) change plans between a call and its recomputation; the batches come back every
     four steps. Every recomputation must encode its forward's balanced batch."""
-    from torch.utils.checkpoint import checkpoint
 
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -601,20 +623,7 @@ def _checkpointed_calls_with_cost_fit(reentrant: bool, steps: int) -> dict[str, 
             towers.make_batch(STRAGGLER_GRIDS[(rank + step + shift) % POOL], seed=rank + 10 * step + shift)
             for shift in (0, 1)
         ]
-        summed = {}
-        for name, encode in (("balanced", functools.partial(balancer, vit)), ("direct", vit)):
-            vit.zero_grad()
-            loss = torch.zeros(())
-            for pixels, grid in batches:
-                if grid.shape[0] or name == "balanced":
-                    # Rows that require grad: the reentrant checkpoint's outputs need such an input.
-                    rows = pixels.clone().requires_grad_(True)
-                    loss = loss + checkpoint(encode, rows, grid, use_reentrant=reentrant).pow(2).sum()
-            loss.backward()
-            summed[name] = summed_grads(vit, None)[0]
-        # Same ops on the same rows in other batches: fp32 agrees to a few ulps, and the sums over
-        # images and ranks add in another order.
-        torch.testing.assert_close(summed["balanced"], summed["direct"], rtol=1e-4, atol=1e-5)
+        _assert_checkpointed_grads(balancer, vit, batches, reentrant)
     assert balancer._calibrator is not None
     return {"calls": balancer.calls, "fitted": balancer._calibrator.model != CostModel.from_config(config)}
 
@@ -635,7 +644,6 @@ def _many_checkpointed_calls_in_flight(in_flight: int) -> dict[str, Any]:
     """``in_flight`` checkpointed calls (micro-batches of other images, losses summed) before one
     backward pass, the cost fit refitting after each: every recomputation recalls its own plan,
     in whatever order autograd takes them."""
-    from torch.utils.checkpoint import checkpoint
 
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -646,18 +654,7 @@ def _many_checkpointed_calls_in_flight(in_flight: int) -> dict[str, Any]:
     for k in range(in_flight):
         grids = [(1, 2 * draw.randint(1, 4), 2 * draw.randint(1, 4)) for _ in range(draw.randint(0, 3))]
         batches.append(towers.make_batch(grids, seed=100 * k + rank))
-    summed = {}
-    for name, encode in (("balanced", functools.partial(balancer, vit)), ("direct", vit)):
-        vit.zero_grad()
-        loss = torch.zeros(())
-        for pixels, grid in batches:
-            if grid.shape[0] or name == "balanced":
-                loss = loss + checkpoint(encode, pixels, grid, use_reentrant=False).pow(2).sum()
-        loss.backward()
-        summed[name] = summed_grads(vit, None)[0]
-    # Same ops on the same rows in other batches: fp32 agrees to a few ulps, and the sums over
-    # images and ranks add in another order.
-    torch.testing.assert_close(summed["balanced"], summed["direct"], rtol=1e-4, atol=1e-5)
+    _assert_checkpointed_grads(balancer, vit, batches, reentrant=False)
     return {"calls": balancer.calls, "applied": balancer.applied_calls > in_flight // 2}
 
 

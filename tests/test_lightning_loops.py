@@ -141,6 +141,19 @@ def test_resuming_continues_training_and_the_cumulative_counts(resumed: dict[str
     torch.testing.assert_close(resumed["weights"], weights, **TOLERANCE)
 
 
+def _assert_trained_as_the_reference(rows: list[dict[str, float]], weights: dict[str, torch.Tensor]) -> None:
+    """Images balanced at every step, and the losses and final weights of the unbalanced training."""
+    assert [row["vit_balance/applied_total"] for row in _by_step(rows, "vit_balance/calls").values()] == [
+        step + 1 for step in range(STEPS)
+    ]
+    losses, reference_weights = _reference()
+    logged = _by_step(rows, "train_loss")
+    torch.testing.assert_close(
+        torch.tensor([logged[s]["train_loss"] for s in range(STEPS)]), torch.tensor(losses), **TOLERANCE
+    )
+    torch.testing.assert_close(weights, reference_weights, **TOLERANCE)
+
+
 class _CompiledVLM(TinyVLM):
     """:class:`TinyVLM` for a fit given the module compiled (``torch.compile(model)``), where Lightning
     compiles the training step: the loss is logged after it (``self.log`` does not compile)."""
@@ -173,16 +186,7 @@ def test_a_compiled_module_trains_as_the_plain_one(tmp_path: Path, multirank: An
     engine's code run eagerly; the module's own code is compiled."""
     with multirank(RANKS) as pool:
         results = pool.run(_compiled_fit, str(tmp_path), timeout=200)
-    rows = _rows(tmp_path / "compiled")
-    assert [row["vit_balance/applied_total"] for row in _by_step(rows, "vit_balance/calls").values()] == [
-        step + 1 for step in range(STEPS)
-    ]
-    losses, weights = _reference()
-    logged = _by_step(rows, "train_loss")
-    torch.testing.assert_close(
-        torch.tensor([logged[s]["train_loss"] for s in range(STEPS)]), torch.tensor(losses), **TOLERANCE
-    )
-    torch.testing.assert_close(results[0]["weights"], weights, **TOLERANCE)
+    _assert_trained_as_the_reference(_rows(tmp_path / "compiled"), results[0]["weights"])
     for r in results:
         assert r["mixin_nodes"] == 0 and r["module_nodes"] > 0, r
 
@@ -230,15 +234,7 @@ def test_calls_under_activation_checkpointing_train_as_the_plain_module(
     assert [row["vit_balance/calls"] for row in _by_step(rows, "vit_balance/calls").values()] == [
         CALLS_PER_STEP
     ] * STEPS
-    assert [row["vit_balance/applied_total"] for row in _by_step(rows, "vit_balance/calls").values()] == [
-        step + 1 for step in range(STEPS)
-    ]
-    losses, weights = _reference()
-    logged = _by_step(rows, "train_loss")
-    torch.testing.assert_close(
-        torch.tensor([logged[s]["train_loss"] for s in range(STEPS)]), torch.tensor(losses), **TOLERANCE
-    )
-    torch.testing.assert_close(results[0]["weights"], weights, **TOLERANCE)
+    _assert_trained_as_the_reference(rows, results[0]["weights"])
 
 
 @pytest.mark.timeout(240)

@@ -8,6 +8,7 @@ multirank.py); 2- and 3-rank cases balance over a subgroup of it (which also exe
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 from typing import Any
 
@@ -608,16 +609,35 @@ def _assert_checkpointed_grads(
     torch.testing.assert_close(summed["balanced"], summed["direct"], rtol=1e-4, atol=1e-5)
 
 
-def _checkpointed_calls_with_cost_fit(reentrant: bool, steps: int) -> dict[str, Any]:
-    """Two checkpointed balanced calls per step under the online cost fit, whose refits (after
-    every call) change plans between a call and its recomputation; the batches come back every
-    four steps. Every recomputation must encode its forward's balanced batch."""
+def _timed_by_load(balancer: ViTBalancer, rank: int) -> None:
+    """Have ``balancer`` report, for this rank's previous call, a ViT time that follows its load
+    instead of the measured one, by a law that alternates between calls (quadratic, then linear in
+    each image's patches): the cost fit then refits on every call, the same way in every run, and
+    its plans keep changing."""
+    reads = itertools.count()
 
+    def read() -> int:
+        counts = balancer._encoded_counts
+        if counts is None:
+            return -1
+        quadratic = next(reads) % 2 == 0
+        return int(sum(count * count / 4 if quadratic else 40 * count for count in counts[rank]))
+
+    balancer._clock.read = read  # type: ignore[method-assign]
+
+
+def _checkpointed_calls_with_cost_fit(reentrant: bool, steps: int) -> dict[str, Any]:
+    """Two checkpointed balanced calls per step under the online cost fit, refitting after every
+    call (:func:`_timed_by_load`); the batches come back every four steps. Every recomputation must
+    encode its forward's balanced batch. (With measured times this failed without ``PlanMemory``,
+    but a fit's timing then depends on the machine; :func:`_many_checkpointed_calls_in_flight`
+    fails without it with these times too.)"""
     rank = dist.get_rank()
     torch.manual_seed(0)
     vit = towers.TensorTower()
     config = ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0, calibrate_cost=True)
     balancer = ViTBalancer(config)
+    _timed_by_load(balancer, rank)
     for step in range(steps):
         batches = [
             towers.make_batch(STRAGGLER_GRIDS[(rank + step + shift) % POOL], seed=rank + 10 * step + shift)
@@ -649,6 +669,7 @@ def _many_checkpointed_calls_in_flight(in_flight: int) -> dict[str, Any]:
     torch.manual_seed(0)
     vit = towers.TensorTower()
     balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0, calibrate_cost=True))
+    _timed_by_load(balancer, rank)
     draw = random.Random(10 + rank)
     batches = []
     for k in range(in_flight):

@@ -54,12 +54,12 @@ def _outcome(fn: Any) -> tuple[str, str, float]:
 
 
 def _balance_with(
-    config: ViTBalanceConfig, group: Any, rank: int, balancer: ViTBalancer | None = None
+    config: ViTBalanceConfig, group: Any, rank: int, balancer: ViTBalancer | None = None, merge: int = 2
 ) -> tuple[str, str, float]:
-    """One balanced call of this rank's batch under ``config`` (by ``balancer`` when given); then a
-    good call on every rank."""
+    """One balanced call of this rank's batch under ``config`` (by ``balancer`` when given) of a
+    tower merging ``merge`` x ``merge`` patches; then a good call on every rank."""
     torch.manual_seed(0)
-    tower = towers.TensorTower()
+    tower = towers.TensorTower(merge=merge)
     pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
     outcome = _outcome(lambda: (balancer or ViTBalancer(config, group))(tower, pixels, grid))
     _still_in_step(group, rank)
@@ -107,13 +107,8 @@ def _merge_case() -> tuple[str, str, float] | None:
     rank = dist.get_rank()
     if rank >= RANKS:
         return None
-    torch.manual_seed(0)
-    tower = towers.TensorTower(merge=1 if rank == 1 else 2)
-    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
     with torch.no_grad():
-        outcome = _outcome(lambda: ViTBalancer(ViTBalanceConfig(**APPLY), group)(tower, pixels, grid))
-    _still_in_step(group, rank)
-    return outcome
+        return _balance_with(ViTBalanceConfig(**APPLY), group, rank, merge=1 if rank == 1 else 2)
 
 
 def test_merge_sizes_that_differ_raise_on_every_rank(multirank: Any) -> None:

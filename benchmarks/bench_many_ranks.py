@@ -1,6 +1,6 @@
 """The balancer on many ranks: its host gathers, and its host work per call.
 
-``make bench-ranks`` prints three tables.
+``make bench-ranks`` prints four tables.
 
 **gathers**: spawns ``P`` gloo ranks on CPU (file-store rendezvous, no ports) for each ``P`` asked
 for, and times the two gathers every balanced call makes on host rows (on a gloo group, or an
@@ -21,6 +21,17 @@ has its own cores and the hops' network latency is what adds up (see BENCHMARKS.
 every rank's metadata row, the input and settings check, the plan (next to a plain heap LPT on the
 same batch, its floor), this rank's route and the two trips' layouts. Process CPU time, median
 over repeats, 1-8 images per rank (photos and documents, one in five a 4-step video).
+
+**return trip**: the return buffer's codec on one rank at ``P`` = 8-512, in one process (no
+communication): packing the token outputs of the images this rank encoded for others
+(``wire.pack_return``), reading this rank's own back in their order (``wire.unpack_return``) and
+both backward, four token outputs of 64 float32 values per row. Two ranks of each batch: the one
+with the most runs of rows to put back in order (images sent to several ranks, alternately) and
+the one encoding for the most home ranks. ``pieces`` is the layout's codec pieces, made once per
+plan (in ``prepare()`` when the plan is made ahead); the floor is four copies of the buffer (a
+packing, an unpacking and each backward must each write every value once). Process CPU time,
+median over repeats. Batches: ``photos`` (1-8 images per rank, as above) and ``many small``
+(64-256 images of 64-1,024 patches per rank).
 
 **garbage collector**: the same host work, called again and again in a process holding a training
 job's heap of long-lived Python objects (a ballast of small dicts), with the rest of each step
@@ -61,6 +72,7 @@ from lightning_vit_balance.exchange import (
     metadata_row,
 )
 from lightning_vit_balance.problems import InputProblem
+from lightning_vit_balance.wire import pack_return, unpack_return
 
 #: int64 values in a metadata row: the header (6), the details (4), a fingerprint of about 8 and
 #: four per run of grid rows.
@@ -153,7 +165,8 @@ def _host_work(gathered: np.ndarray, config: ViTBalanceConfig) -> dict[str, Call
         fresh = plan()
         route = ExchangeRoute.from_plan(fresh, 0)
         PixelTrip.from_route(route, metadata[0].patch_counts)
-        ReturnLayout.from_route(fresh, route, ["merged"], 2, [2048])
+        layout = ReturnLayout.from_route(fresh, route, ["merged"], 2, [2048])
+        _ = layout.send_pieces, layout.receive_pieces
 
     return {
         "read rows": lambda: metadata_of_rows(gathered[:, :grids_at], gathered[:, grids_at:]),
@@ -185,6 +198,80 @@ def host_work_table(sizes: list[int], repeats: int) -> None:
         ms = {name: _cpu_ms(fn, repeats) for name, fn in steps.items()}
         total = ms["read rows"] + ms["check"] + ms["plan + layouts"]
         print(f"{num_ranks:>5} | " + " ".join(f"{ms[c]:>14.2f}" for c in columns) + f" | {total:>11.2f}")
+
+
+def _many_small_counts(num_ranks: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [
+        [4 * int(rng.integers(4, 16)) * int(rng.integers(4, 16)) for _ in range(int(rng.integers(64, 257)))]
+        for _ in range(num_ranks)
+    ]
+
+
+def _trip_counts(batch: str, num_ranks: int, config: ViTBalanceConfig) -> list[list[int]]:
+    if batch == "many small":
+        return _many_small_counts(num_ranks, seed=num_ranks)
+    gathered = _gathered_rows(num_ranks, config, seed=num_ranks)
+    grids_at = gathered.shape[1] - 4 * exchange.GATHER_CAPACITY
+    return [list(m.patch_counts) for m in metadata_of_rows(gathered[:, :grids_at], gathered[:, grids_at:])]
+
+
+def _codec_steps(plan: Any, rank: int, outputs: int, width: int) -> dict[str, Callable[[], Any]]:
+    """Rank ``rank``'s return-trip codec under ``plan``, each step a call (the layout made once)."""
+    kinds = ["merged"] * outputs
+    layout = ReturnLayout.from_plan(plan, rank, kinds, 2, [width] * outputs)
+    rows = sum(plan.receive_patches(rank)) // 4
+    leaves = [torch.randn(rows, width, requires_grad=True) for _ in range(outputs)]
+    back = torch.randn(sum(layout.receive_splits), requires_grad=True)
+    likes = [torch.empty(0, width)] * outputs
+    buffer = pack_return(leaves, layout, torch.float32)
+    returned = unpack_return(back, likes, layout, [width] * outputs)
+    upstream = [torch.ones_like(out) for out in returned]
+
+    def pieces() -> None:
+        fresh = ReturnLayout.from_plan(plan, rank, kinds, 2, [width] * outputs)
+        _ = fresh.send_pieces, fresh.receive_pieces
+
+    def backward() -> None:
+        torch.autograd.grad([buffer, *returned], [*leaves, back], [buffer, *upstream], retain_graph=True)
+
+    def floor() -> None:
+        for _ in range(2):
+            buffer.detach().clone()
+            back.detach().clone()
+
+    return {
+        "layout": lambda: ReturnLayout.from_plan(plan, rank, kinds, 2, [width] * outputs),
+        "layout + pieces": pieces,
+        "pack": lambda: pack_return(leaves, layout, torch.float32),
+        "unpack": lambda: unpack_return(back, likes, layout, [width] * outputs),
+        "backward": backward,
+        "floor": floor,
+    }
+
+
+def return_trip_table(sizes: list[int], repeats: int) -> None:
+    """The ``return trip`` table (see the module docstring)."""
+    config = ViTBalanceConfig()
+    print(f"\nReturn trip's codec on one rank (CPU ms, median of {repeats}; 4 outputs x 64 float32;")
+    print("pieces = layout + pieces - layout, once per plan; per call = pack + unpack + backward)")
+    columns = ["runs", "homes", "layout", "pieces", "pack", "unpack", "backward", "per call", "floor"]
+    print(f"{'P':>4} {'batch':>10} {'rank':>5} | " + " ".join(f"{c:>8}" for c in columns))
+    for num_ranks in sizes:
+        for batch in ("photos", "many small"):
+            plan = plan_rebalance(_trip_counts(batch, num_ranks, config), config)
+            if not plan.applied:
+                continue
+            layouts = [ReturnLayout.from_plan(plan, r, ["merged"], 2, [1]) for r in range(num_ranks)]
+            runs = [len(lay.restore[0]) if lay.restore is not None else 0 for lay in layouts]
+            homes = [sum(1 for ranges in lay.send_rows if ranges[0][1] > ranges[0][0]) for lay in layouts]
+            for rank in dict.fromkeys((int(np.argmax(runs)), int(np.argmax(homes)))):
+                ms = {name: _cpu_ms(fn, repeats) for name, fn in _codec_steps(plan, rank, 4, 64).items()}
+                ms["pieces"] = ms["layout + pieces"] - ms["layout"]
+                ms["per call"] = ms["pack"] + ms["unpack"] + ms["backward"]
+                cells = [f"{runs[rank]:>8}", f"{homes[rank]:>8}"]
+                cells += [f"{ms[c]:>8.3f}" for c in columns[2:]]
+                print(f"{num_ranks:>4} {batch:>10} {rank:>5} | " + " ".join(cells), flush=True)
 
 
 def _under_collector(work: Callable[[], Any], calls: int) -> dict[str, float]:
@@ -277,10 +364,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20, help="gathers per timed round")
     parser.add_argument("--host-ranks", type=int, nargs="+", default=[64, 256, 1024], help="host work table")
     parser.add_argument("--host-repeats", type=int, default=15, help="host work: timed calls per step")
+    parser.add_argument("--trip-ranks", type=int, nargs="+", default=[8, 64, 512], help="return trip table")
     parser.add_argument("--gc-calls", type=int, default=300, help="garbage collector table: calls per row")
     parser.add_argument("--gc-ballast", type=int, default=1_000_000, help="long-lived objects in the process")
     args = parser.parse_args()
     host_work_table(args.host_ranks, args.host_repeats)
+    return_trip_table(args.trip_ranks, args.host_repeats)
     gc_table(args.host_ranks, args.gc_calls, args.gc_ballast)
     print()
     gathers_table(args.ranks, args.calls)

@@ -80,6 +80,7 @@ from lightning_vit_balance.planning import RebalancePlan, plan_rebalance
 from lightning_vit_balance.prepared import DeviceGridChecks, PreparedPlan
 from lightning_vit_balance.problems import DTYPES, InputProblem, describe_problem
 from lightning_vit_balance.recompute import PlanMemory, in_backward_pass
+from lightning_vit_balance.routes import RouteCache
 from lightning_vit_balance.wire import elements_per_row, pack_return, transit_dtype, unpack_return
 
 __all__ = ["BalanceStats", "PreparedPlan", "ViTBalancer", "balanced_encode"]
@@ -320,6 +321,8 @@ class ViTBalancer:
         self._sharded_vits: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
         # Plans for activation checkpointing's recomputations, where refits may change the plan.
         self._plan_memory = PlanMemory()
+        # Routes, trips and return layouts of recent plans: made once per plan, ahead where it is.
+        self._routes = RouteCache()
         # Patch counts (and temporal steps) every rank encoded in the previous gathered call: what its
         # measured ViT time (carried in the next gather) paid for.
         self._encoded_counts: tuple[tuple[int, ...], ...] | None = None
@@ -413,6 +416,10 @@ class ViTBalancer:
         )
         metadata, reference = self._gather(call, pixel_values, grid_thw, check_device=False)
         plan = self._plan(call, metadata)
+        # The plan's routes, trips and return layout too, so that its call only looks them up.
+        started = time.perf_counter()
+        self._routes.warm(plan, call.rank, homes=(True, False) if self.config.overlap_pixel_trip else (True,))
+        call.timed("plan", started)
         # With split_videos the plan's items are temporal steps; the call passes the videos whole.
         call_grids = grid_rows(grid_thw) if self.config.split_videos else None
         if call_grids == metadata[call.rank].grids:
@@ -518,18 +525,17 @@ class ViTBalancer:
         by the status gather instead of the ViT's outcome; the trip still runs with zero rows of
         the planned sizes, so no rank waits.
         """
-        route = ExchangeRoute.from_plan(plan, call.rank)
         if self.config.overlap_pixel_trip and problem is None and self._may_overlap(vit):
-            batch, encoded = self._overlapped(call, vit, pixel_values, grid_thw, route, metadata, reference)
+            batch, encoded = self._overlapped(call, vit, pixel_values, grid_thw, plan, metadata, reference)
         else:
             batch = self._dispatch(
-                call, pixel_values, grid_thw, route, metadata, reference, problem is not None
+                call, pixel_values, grid_thw, plan, metadata, reference, problem is not None
             )
             self._clock.start(batch.pixels.device)
             encoded = self._encode(call, vit, batch, ValueError(problem) if problem is not None else None)
         self._clock.stop()
         call.seconds["encode"] = encoded.seconds
-        returned = self._combine(call, vit, encoded, plan, route, batch, reference)
+        returned = self._combine(call, vit, encoded, plan, batch, reference)
         return self._rebuild(vit, encoded, returned, grid_thw, plan.patch_counts[call.rank])
 
     def _may_overlap(self, vit: Any) -> bool:
@@ -575,16 +581,18 @@ class ViTBalancer:
         vit: Any,
         pixel_values: torch.Tensor,
         grid_thw: torch.Tensor,
-        route: ExchangeRoute,
+        plan: RebalancePlan,
         metadata: Sequence[RankMetadata],
         reference: _Reference,
     ) -> tuple[BalancedBatch, EncodedBatch]:
         """The pixel trip in flight while this rank encodes its own images, then the arrivals."""
         started = time.perf_counter()
         mine = metadata[call.rank].patch_counts
+        route = self._routes.route(plan, call.rank)
         # Only the trip's start is its own: waiting for it falls within the ViT clock's bracket.
         self._trips.start(pixel_values.device)
-        pending = self._start_pixel_trip(call, pixel_values, route, metadata, reference, False, home=False)
+        trip = self._routes.trip(plan, call.rank, home=False)
+        pending = self._start_pixel_trip(call, pixel_values, trip, route, metadata, reference, False)
         self._trips.stop()
         home = [i for src, i in route.arrivals if src == call.rank]
         call.timed("dispatch", started)
@@ -752,7 +760,7 @@ class ViTBalancer:
         call: _Call,
         pixel_values: torch.Tensor,
         grid_thw: torch.Tensor,
-        route: ExchangeRoute,
+        plan: RebalancePlan,
         metadata: Sequence[RankMetadata],
         reference: _Reference,
         zeros: bool = False,
@@ -760,8 +768,9 @@ class ViTBalancer:
         """The forward trip: pixel rows to the rank that encodes each image (``zeros``: rows of the
         planned sizes standing in for input that does not match a prepared plan)."""
         started = time.perf_counter()
+        route, trip = self._routes.route(plan, call.rank), self._routes.trip(plan, call.rank)
         self._trips.start(pixel_values.device)
-        pending = self._start_pixel_trip(call, pixel_values, route, metadata, reference, zeros)
+        pending = self._start_pixel_trip(call, pixel_values, trip, route, metadata, reference, zeros)
         received = pending.wait()  # [sum(receive_patches), C], images in arrival order
         self._trips.stop()
         call.timed("dispatch", started)
@@ -779,14 +788,14 @@ class ViTBalancer:
         self,
         call: _Call,
         pixel_values: torch.Tensor,
+        trip: PixelTrip,
         route: ExchangeRoute,
         metadata: Sequence[RankMetadata],
         reference: _Reference,
         zeros: bool,
-        home: bool = True,
     ) -> PendingExchange:
-        """Start the pixel trip (``zeros``: zero rows of the planned sizes; ``home``: the batch holds
-        this rank's own images, see :class:`PixelTrip`). Counts its collective and bytes."""
+        """Start ``trip`` (``zeros``: zero rows of the planned sizes stand in for the pixels).
+        Counts its collective and bytes."""
         mine = metadata[call.rank].patch_counts
         pixels = pixel_values
         if zeros or not mine:
@@ -801,7 +810,7 @@ class ViTBalancer:
         # The wire dtype is the plan's: every image owner's (checked at the gather, or by a prepared call).
         pending = start_pixel_trip(
             pixels,
-            PixelTrip.from_route(route, mine, home=home),
+            trip,
             reference.dtype,
             call.group,
             differentiable=reference.pixels_differentiable,
@@ -821,7 +830,6 @@ class ViTBalancer:
         vit: Any,
         encoded: EncodedBatch,
         plan: RebalancePlan,
-        route: ExchangeRoute,
         batch: BalancedBatch,
         reference: _Reference,
     ) -> list[torch.Tensor]:
@@ -832,7 +840,7 @@ class ViTBalancer:
         memory there ended this rank alone and left the others waiting in the return trip."""
         started = time.perf_counter()
         self._trips.start(batch.pixels.device)
-        encoded, packed = self._packed(call, encoded, plan, route, batch, reference)
+        encoded, packed = self._packed(call, encoded, plan, batch, reference)
         self._trips.stop()
         report = start_status(encoded.status(), call.host, plan.digest).wait()
         call.collectives += report.collectives
@@ -866,12 +874,11 @@ class ViTBalancer:
         call.timed("combine", started)
         return returned
 
-    @staticmethod
     def _packed(
+        self,
         call: _Call,
         encoded: EncodedBatch,
         plan: RebalancePlan,
-        route: ExchangeRoute,
         batch: BalancedBatch,
         reference: _Reference,
     ) -> tuple[EncodedBatch, _ReturnBuffer | None]:
@@ -887,7 +894,7 @@ class ViTBalancer:
             transit = transit_dtype([leaf.dtype for leaf in leaves])
             elements = [elements_per_row(leaf, transit) for leaf in leaves]
             kinds = [encoded.kinds[k].kind for k in tokens]
-            layout = ReturnLayout.from_route(plan, route, kinds, call.merge, elements)
+            layout = self._routes.layout(plan, call.rank, kinds, call.merge, elements)
             tie = batch.received if reference.pixels_differentiable else None
             buffer = pack_return(leaves, layout, transit, tie)
             arrivals = buffer.new_empty(sum(layout.receive_splits))

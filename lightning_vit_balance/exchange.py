@@ -28,8 +28,8 @@ import functools
 import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import groupby
-from typing import Any, Protocol, TypeVar
+from itertools import groupby, pairwise
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -49,7 +49,9 @@ __all__ = [
     "PendingStatus",
     "PixelTrip",
     "RankMetadata",
+    "ReceivePieces",
     "ReturnLayout",
+    "SendPieces",
     "StatusReport",
     "TripTimer",
     "ViTStatus",
@@ -936,6 +938,104 @@ class ReturnLayout:
             runs = {kind: row_runs(rows[order], position) for kind, rows in image_rows.items()}
             restore = tuple(runs[kind] for kind in kinds)
         return cls(send_rows, send_splits, receive_rows, receive_splits, restore)
+
+    @cached_value
+    def send_pieces(self) -> SendPieces:
+        """How the return buffer is cut from the outputs: see :class:`SendPieces`. Computed once
+        per layout, so that a call reusing its layout only splits and concatenates.
+
+        Raises:
+            ValueError: An output's rows for a home start before the previous home's end: the
+                balanced batch holds its images home by home, in rank order.
+        """
+        outputs = len(self.send_rows[0]) if self.send_rows else 0
+        cuts: list[list[int]] = [[] for _ in range(outputs)]
+        ends = [0] * outputs
+        order = []
+        for home, ranges in enumerate(self.send_rows):
+            for k, (start, end) in enumerate(ranges):
+                if end <= start:
+                    continue
+                if start < ends[k]:
+                    raise ValueError(
+                        f"send_rows[{home}][{k}] = {(start, end)} starts before row {ends[k]}, where the "
+                        "previous home's rows end: expected each output's rows home by home, in rank order."
+                    )
+                if start > ends[k]:
+                    cuts[k].append(start - ends[k])  # rows sent nowhere
+                order.append((k, len(cuts[k])))
+                cuts[k].append(end - start)
+                ends[k] = end
+        return SendPieces(tuple(map(tuple, cuts)), tuple(order))
+
+    @cached_value
+    def receive_pieces(self) -> ReceivePieces:
+        """How the outputs are read from the received buffer: see :class:`ReceivePieces`. Computed
+        once per layout, every output at once; a piece is a run of rows of one worker's block of one
+        output that stays together in the restored order."""
+        received = np.asarray(self.receive_rows, dtype=np.int64).reshape(len(self.receive_rows), -1)  # [P, K]
+        outputs = received.shape[1]
+        if self.restore is None:  # in order: a piece per worker's block, taken in the buffer's order
+            workers, ks = np.nonzero(received)
+            picks = tuple(tuple(np.flatnonzero(ks == k).tolist()) for k in range(outputs))
+            return ReceivePieces(tuple(received[workers, ks].tolist()), tuple(ks.tolist()), picks)
+        ends = np.cumsum(received, axis=0)  # [P, K]: where each worker's block of output k ends
+        totals = ends[-1] if ends.size else np.zeros(outputs, dtype=np.int64)
+        slices = list(self.restore)
+        slice_output = np.repeat(np.arange(outputs), [len(s) for s in slices])
+        slice_rows = np.asarray([r for s in slices for r in s], dtype=np.int64).reshape(-1, 2)
+        # Every output's cuts as one sorted array keyed by ``k * span + row``, as in send_pieces.
+        span = int(totals.max(initial=0)) + 1
+        base = np.arange(outputs) * span
+        block_ends = (ends + base).T.reshape(-1)  # sorted: output-major, then worker
+        slice_starts = slice_output * span + slice_rows[:, 0]
+        cut = np.unique(
+            np.concatenate((base, block_ends, slice_starts, slice_output * span + slice_rows[:, 1]))
+        )
+        output, start = cut // span, cut % span
+        length = np.diff(cut, append=outputs * span)
+        # Each output's last cut ends its rows: what follows up to the next output is no piece.
+        kept = (length > 0) & np.append(output[1:] == output[:-1], False)
+        output, start, length, keyed = output[kept], start[kept], length[kept], cut[kept]
+        worker = np.searchsorted(block_ends, keyed, side="right") - output * received.shape[0]
+        by_start = np.argsort(slice_starts, kind="stable")
+        inside = by_start[np.searchsorted(slice_starts[by_start], keyed, side="right") - 1]
+        order = np.lexsort((start, output, worker))  # the buffer's order: worker, then output, then row
+        position = np.empty_like(order)
+        position[order] = np.arange(order.size)
+        restored = np.lexsort((start, inside))  # slices are numbered output by output, in restore order
+        picks_of = position[restored]
+        bounds = np.searchsorted(output[restored], np.arange(outputs + 1))
+        picks = tuple(tuple(picks_of[i:j].tolist()) for i, j in pairwise(bounds))
+        return ReceivePieces(tuple(length[order].tolist()), tuple(output[order].tolist()), picks)
+
+
+class SendPieces(NamedTuple):
+    """The return buffer as pieces of the token outputs (the sending side of :class:`ReturnLayout`).
+
+    Attributes:
+        cuts: ``cuts[k]``: rows of consecutive pieces of output ``k`` from its first row, cut where
+            a home's rows begin or end (rows sent nowhere are pieces too); rows past the last cut
+            are sent nowhere.
+        order: ``(k, j)``: piece ``j`` of output ``k``, for each piece of the buffer in order.
+    """
+
+    cuts: tuple[tuple[int, ...], ...]
+    order: tuple[tuple[int, int], ...]
+
+
+class ReceivePieces(NamedTuple):
+    """The received buffer as pieces of the token outputs (the receiving side of :class:`ReturnLayout`).
+
+    Attributes:
+        rows: Rows of each piece, in the buffer's order (they tile it).
+        outputs: The output each piece belongs to.
+        picks: ``picks[k]``: the pieces of output ``k`` in its rows' original order.
+    """
+
+    rows: tuple[int, ...]
+    outputs: tuple[int, ...]
+    picks: tuple[tuple[int, ...], ...]
 
 
 def _rows_by_rank(patches: Sequence[int], kinds: Sequence[str], merge_size: int) -> np.ndarray:

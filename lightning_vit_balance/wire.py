@@ -11,15 +11,13 @@ buffer holds and how it is read back.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Sequence
-from itertools import accumulate
 from typing import Any
 
 import torch
 
-from lightning_vit_balance.exchange import ReturnLayout, gradient_buffer
+from lightning_vit_balance.exchange import ReceivePieces, ReturnLayout, SendPieces
 
 __all__ = [
     "elements_per_row",
@@ -98,43 +96,71 @@ def unpack_rows(chunk: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Ten
 # -- the return trip's buffer, for autograd -------------------------------------------------------
 
 
+def _row_sizes(rows: Sequence[int], elements: int) -> list[int]:
+    return [n * elements for n in rows]
+
+
 class _PackFunction(torch.autograd.Function):
-    """:func:`pack_return` for autograd. Its backward puts each piece's gradient in place in one pass
-    (slicing under autograd would zero-fill, then sum, a whole leaf-sized gradient per piece)."""
+    """:func:`pack_return` for autograd: each output packed whole, split at the layout's cuts in one
+    call, the pieces concatenated in the buffer's order; the backward the same way back. Python work
+    per piece is then a list lookup, not a slice (hundreds of pieces on hundreds of ranks)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, layout: ReturnLayout, transit: torch.dtype, tie: torch.Tensor | None, *leaves: torch.Tensor
     ) -> torch.Tensor:
-        places = [(k, a, b) for ranges in layout.send_rows for k, (a, b) in enumerate(ranges) if b > a]
-        pieces = [pack_rows(leaves[k][a:b], transit) for k, a, b in places]
-        ctx.places = [(k, a, b, piece.numel()) for (k, a, b), piece in zip(places, pieces)]
+        pieces = layout.send_pieces
+        elements = [elements_per_row(leaf, transit) for leaf in leaves]
+        split = [
+            _split_with_tail(pack_rows(leaf, transit), _row_sizes(cuts, per_row))
+            for leaf, cuts, per_row in zip(leaves, pieces.cuts, elements)
+        ]
+        ctx.pieces, ctx.elements = pieces, elements
         ctx.leaves = [(leaf.shape, leaf.dtype, leaf.device) for leaf in leaves]
         ctx.tie = None if tie is None else (tie.shape, tie.dtype, tie.device)
-        if not pieces:
+        if not pieces.order:
             return torch.zeros(0, dtype=transit, device=leaves[0].device if leaves else None)
-        return torch.cat(pieces)
+        return torch.cat([split[k][j] for k, j in pieces.order])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        covered = [0] * len(ctx.leaves)
-        for k, a, b, _ in ctx.places:
-            covered[k] += b - a
+        pieces: SendPieces = ctx.pieces
+        sizes = [ctx.elements[k] * pieces.cuts[k][j] for k, j in pieces.order]
+        received = dict(zip(pieces.order, torch.split(grad, sizes)))
         grads = [
-            gradient_buffer(shape, dtype, device, rows == shape[0]) if _is_float(dtype) else None
-            for (shape, dtype, device), rows in zip(ctx.leaves, covered)
+            _gathered(received, k, cuts, per_row, shape, dtype, grad) if _is_float(dtype) else None
+            for k, (cuts, per_row, (shape, dtype, _)) in enumerate(zip(pieces.cuts, ctx.elements, ctx.leaves))
         ]
-        at = 0
-        for k, a, b, size in ctx.places:
-            target = grads[k]
-            if target is not None:
-                target[a:b] = grad[at : at + size].view(b - a, *target.shape[1:])
-            at += size
         tie = None
         if ctx.tie is not None:  # a zero gradient: the forward trip's backward exchange still runs
             shape, dtype, device = ctx.tie
             tie = torch.zeros((), dtype=dtype, device=device).expand(shape)
         return None, None, tie, *grads
+
+
+def _split_with_tail(flat: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """``flat`` split at ``sizes``, the rest (rows past the last cut) one more piece."""
+    return torch.split(flat, [*sizes, flat.numel() - sum(sizes)])
+
+
+def _gathered(
+    received: dict[tuple[int, int], torch.Tensor],
+    k: int,
+    cuts: Sequence[int],
+    per_row: int,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    like: torch.Tensor,
+) -> torch.Tensor:
+    """Output ``k``'s gradient from the buffer gradient's pieces, zeros where its rows went nowhere."""
+    tail = math.prod(shape) - per_row * sum(cuts)
+    zero = like.new_zeros(())
+    parts = [received[k, j] if (k, j) in received else zero.expand(n * per_row) for j, n in enumerate(cuts)]
+    if tail:
+        parts.append(zero.expand(tail))
+    if not parts:
+        return torch.zeros(shape, dtype=dtype, device=like.device)
+    return torch.cat(parts).view(shape).to(dtype)
 
 
 def pack_return(
@@ -159,85 +185,46 @@ def pack_return(
 
 
 class _UnpackFunction(torch.autograd.Function):
-    """:func:`unpack_return` for autograd; its backward writes every output's gradient into one
-    buffer-sized gradient in one pass."""
+    """:func:`unpack_return` for autograd: the received buffer split at the layout's pieces in one
+    call, each output one ``cat`` of its pieces in its images' order; the backward the same way
+    back, one ``cat`` for the whole buffer's gradient."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, back: torch.Tensor, layout: ReturnLayout, elements: Sequence[int], *likes: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        chunks: list[list[torch.Tensor]] = [[] for _ in likes]
-        at = 0
-        for rows_from_worker in layout.receive_rows:
-            for k, rows in enumerate(rows_from_worker):
-                if rows:
-                    chunks[k].append(unpack_rows(back[at : at + rows * elements[k]], rows, likes[k]))
-                    at += rows * elements[k]
+        pieces = layout.receive_pieces
+        sizes = [rows * elements[k] for rows, k in zip(pieces.rows, pieces.outputs)]
+        split = torch.split(back, sizes)
         outputs = []
         for k, like in enumerate(likes):
-            if not chunks[k]:
+            picks = pieces.picks[k] if k < len(pieces.picks) else ()
+            if not picks:
                 outputs.append(unpack_rows(back[:0], 0, like).clone())
-            elif layout.restore is None:
-                outputs.append(torch.cat(chunks[k]))
-            else:
-                outputs.append(torch.cat(_pick_rows(chunks[k], layout.restore[k])))
-        ctx.layout, ctx.elements, ctx.back = layout, elements, (back.shape, back.dtype, back.device)
+                continue
+            rows = sum(pieces.rows[i] for i in picks)
+            outputs.append(unpack_rows(torch.cat([split[i] for i in picks]), rows, like))
+        ctx.pieces, ctx.sizes, ctx.back = pieces, sizes, (back.shape, back.dtype, back.device)
         ctx.mark_non_differentiable(*(out for out in outputs if not _is_float(out.dtype)))
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        layout: ReturnLayout = ctx.layout
-        ordered = [
-            _arrival_order(grad, layout.restore[k] if layout.restore is not None else None)
-            if grad is not None and _is_float(grad.dtype)
-            else None
-            for k, grad in enumerate(grads)
-        ]
+        pieces: ReceivePieces = ctx.pieces
         shape, dtype, device = ctx.back
-        # The pieces cover the whole buffer exactly when every output has a gradient.
-        grad_back = gradient_buffer(shape, dtype, device, all(g is not None for g in ordered))
-        at, first = 0, [0] * len(grads)
-        for rows_from_worker in layout.receive_rows:
-            for k, rows in enumerate(rows_from_worker):
-                size = rows * ctx.elements[k]
-                source = ordered[k]
-                if rows and source is not None:
-                    grad_back[at : at + size] = source[first[k] : first[k] + rows].reshape(-1)
-                at, first[k] = at + size, first[k] + rows
-        return grad_back, None, None, *(None for _ in grads)
-
-
-def _arrival_order(grad: torch.Tensor, restore: Sequence[tuple[int, int]] | None) -> torch.Tensor:
-    """An output's gradient with its rows back in the order they arrived in (the inverse of restore).
-
-    The slices of ``restore`` tile the received rows, so sorting them by where they arrived gives
-    the arrival order as one ``cat`` of views of ``grad`` (one copy, not one per slice).
-    """
-    if restore is None:
-        return grad
-    starts = list(accumulate((b - a for a, b in restore), initial=0))
-    by_arrival = sorted(range(len(restore)), key=lambda j: restore[j][0])
-    return torch.cat([grad[starts[j] : starts[j + 1]] for j in by_arrival])
-
-
-def _pick_rows(chunks: Sequence[torch.Tensor], slices: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
-    """Views of rows ``[a, b)`` of ``chunks`` as if concatenated, for each slice in turn, adjacent
-    rows of one chunk in one view: the restored order is then one ``cat`` away."""
-    starts = [0]
-    for chunk in chunks:
-        starts.append(starts[-1] + chunk.shape[0])
-    runs: list[tuple[int, int, int]] = []  # (chunk, first row, end row)
-    for a, b in slices:
-        while a < b:
-            j = bisect.bisect_right(starts, a) - 1
-            end = min(b, starts[j + 1])
-            if runs and runs[-1][0] == j and runs[-1][2] == a - starts[j]:
-                runs[-1] = (j, runs[-1][1], end - starts[j])
-            else:
-                runs.append((j, a - starts[j], end - starts[j]))
-            a = end
-    return [chunks[j][first:end] for j, first, end in runs]
+        parts: list[torch.Tensor | None] = [None] * len(ctx.sizes)
+        for k, grad in enumerate(grads):
+            if grad is None or not _is_float(grad.dtype) or k >= len(pieces.picks) or not pieces.picks[k]:
+                continue
+            picks = pieces.picks[k]
+            flat = grad.reshape(-1).to(dtype)
+            for i, part in zip(picks, torch.split(flat, [ctx.sizes[i] for i in picks])):
+                parts[i] = part
+        if all(part is None for part in parts):
+            return torch.zeros(shape, dtype=dtype, device=device), None, None, *(None for _ in grads)
+        zero = torch.zeros((), dtype=dtype, device=device)
+        whole = [zero.expand(size) if part is None else part for part, size in zip(parts, ctx.sizes)]
+        return torch.cat(whole), None, None, *(None for _ in grads)
 
 
 def unpack_return(

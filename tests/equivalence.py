@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ import towers
 from multirank import subgroup
 
 from lightning_vit_balance import ViTBalanceConfig, ViTBalancer
+from lightning_vit_balance.exchange import ExchangeRoute, PixelTrip, ReturnLayout
 from lightning_vit_balance.outputs import flatten_output
 
 __all__ = [
@@ -293,6 +295,7 @@ class _CaseRun:
             "moved_images": stats.moved_images,
             "plan_seconds": stats.plan_seconds,
             "prepare_seconds": stats.prepare_seconds,
+            "made_in_forward": self.made_in_forward,
         }
 
     def _direct(self, batch: _CaseBatch) -> tuple[Any, torch.Tensor | None, torch.Tensor]:
@@ -317,8 +320,9 @@ class _CaseRun:
         host = batch.host_pixels.detach().requires_grad_(batch.pixel_grad)
         ticket = self.balancer.prepare(host, batch.host_grid, self.model) if self.prepared else None
         counter = CollectiveCounter()
-        with counter.active():
+        with counter.active(), _ExchangeValuesMade() as made:
             balanced = self.balancer(self.model, pixels, batch.host_grid.to(self.device), prepared=ticket)
+        self.made_in_forward = made.count
         # A rank without images has no reference; its passthrough outputs come from the dummy
         # forward and feed no loss in the reference run, so leave them out of the loss.
         layout = self.output_layout or {}
@@ -328,6 +332,35 @@ class _CaseRun:
             loss.backward()
         summed, got_grads = summed_grads(self.model, self.group)
         return balanced, pixels.grad, summed, got_grads, len(counter.calls)
+
+
+class _ExchangeValuesMade:
+    """Counts the routes, pixel trips and return layouts made while it is entered."""
+
+    def __enter__(self) -> _ExchangeValuesMade:
+        self.count = 0
+        self._patches = [
+            mock.patch.object(owner, name, side_effect=self._counted(getattr(owner, name)))
+            for owner, name in (
+                (ExchangeRoute, "from_plan"),
+                (PixelTrip, "from_route"),
+                (ReturnLayout, "from_route"),
+            )
+        ]
+        for patch in self._patches:
+            patch.start()
+        return self
+
+    def _counted(self, make: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return make(*args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc: object) -> None:
+        for patch in reversed(self._patches):
+            patch.stop()
 
 
 class CompiledSources:

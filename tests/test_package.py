@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "exchange": 3,
     "host_group": 3,  # the gloo twin of an NCCL group, for the host-side gathers
     "wire": 3,  # the return buffer's codec: no communication, reads exchange's ReturnLayout
+    "routes": 3,  # exchange's values of recent plans, made once per plan: no communication
     "outputs": 4,
     "encoding": 5,  # the ViT side of a balanced call: checks, the forward, its status
     "prepared": 5,  # a plan made before the forward

@@ -46,6 +46,10 @@ def test_prepared_calls_equal_the_direct_call(multirank: Any, n: int, checked: b
                 expected = PREPARED_APPLIED if r["applied"] else int(checked)
                 assert r["counted"] == r["collectives"] == expected, r
                 assert r["plan_seconds"] == 0.0 and r["prepare_seconds"] > 0.0, r
+            # Routes, trips and return layouts are made in prepare(), except the first applied
+            # call's layout, made before the ViT's outputs were ever seen.
+            assert results[0]["made_in_forward"] == 1
+            assert all(r["made_in_forward"] == 0 for r in results[1:]), results
 
 
 #: Every plan of :func:`_mismatch`'s batches skips, and skipped calls are checked.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from lightning_vit_balance.exchange import (
     PixelTrip,
     RankMetadata,
     ReturnLayout,
+    SendPieces,
     ViTStatus,
     grid_runs,
     metadata_of_rows,
@@ -26,6 +28,7 @@ from lightning_vit_balance.exchange import (
 )
 from lightning_vit_balance.planning import RebalancePlan
 from lightning_vit_balance.problems import PROBLEMS, InputProblem, describe_problem, problem_details
+from lightning_vit_balance.routes import RouteCache
 from lightning_vit_balance.wire import (
     elements_per_row,
     pack_return,
@@ -320,6 +323,99 @@ def test_return_buffer_values_and_gradients_match_plain_autograd() -> None:
     assert torch.equal(got, want) and got[6:].abs().sum() > 0
     both = [(out[0] * weights).sum() + out[1].float().sum() for out in (returned, reference)]
     assert torch.equal(*(torch.autograd.grad(loss, back)[0] for loss in both))
+
+
+def _tagged_rows(plan: RebalancePlan, images: list[tuple[int, int]], kind: str, width: int) -> torch.Tensor:
+    """Rows of output ``kind`` of ``images``, each row ``[1e6 * rank + 1e3 * image + row]`` repeated."""
+    rows = [
+        1e6 * src + 1e3 * i + j
+        for src, i in images
+        for j in range(rows_per_image(kind, plan.patch_counts[src][i], 2))
+    ]
+    return torch.tensor(rows, dtype=torch.float64)[:, None].repeat(1, width)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_simulated_return_trip_gives_every_home_its_rows_and_gradients(data: st.DataObject) -> None:
+    """Every rank packs its balanced batch's outputs, the collective is done by hand under autograd,
+    every rank unpacks: each gets its own images' rows in their order, and each worker's outputs get
+    the gradients their rows' homes gave them (the pieces, restore and gaps of both codecs)."""
+    ranks = data.draw(st.integers(2, 4))
+    counts = tuple(
+        tuple(4 * n for n in data.draw(st.lists(st.integers(1, 6), max_size=5))) for _ in range(ranks)
+    )
+    destinations = tuple(tuple(data.draw(st.integers(0, ranks - 1)) for _ in row) for row in counts)
+    plan = _hand_plan(counts, destinations, power=1)
+    kinds = data.draw(st.lists(st.sampled_from(["patch", "merged"]), min_size=1, max_size=3))
+    widths = [k + 1 for k in range(len(kinds))]
+    leaves = [
+        [
+            _tagged_rows(plan, list(plan.arrivals(r)), kind, width).requires_grad_(True)
+            for kind, width in zip(kinds, widths)
+        ]
+        for r in range(ranks)
+    ]
+    layouts = [ReturnLayout.from_plan(plan, r, kinds, 2, widths) for r in range(ranks)]
+    sent = [
+        torch.split(pack_return(leaves[r], layouts[r], torch.float64), list(layouts[r].send_splits))
+        for r in range(ranks)
+    ]
+    weights = [torch.randn(()) for _ in range(ranks)]
+    loss = torch.zeros((), dtype=torch.float64)
+    for home in range(ranks):
+        back = torch.cat([sent[worker][home] for worker in range(ranks)])
+        outputs = unpack_return(back, leaves[home], layouts[home], widths)
+        for kind, width, out in zip(kinds, widths, outputs):
+            expected = _tagged_rows(plan, [(home, i) for i in range(len(counts[home]))], kind, width)
+            torch.testing.assert_close(out.detach(), expected, rtol=0, atol=0)
+            loss = loss + (out * (weights[home] + out.detach() * 1e-9)).sum()
+    loss.backward()
+    for r in range(ranks):
+        for leaf in leaves[r]:
+            assert leaf.grad is not None
+            homes = torch.div(leaf.detach(), 1e6, rounding_mode="floor").long()
+            # Each row's gradient is its home's weight plus its own tag's share: exact in float64.
+            expected = torch.stack(weights).double()[homes] + leaf.detach() * 1e-9
+            torch.testing.assert_close(leaf.grad, expected, rtol=1e-12, atol=0)
+
+
+def test_send_pieces_cut_rows_sent_nowhere_and_refuse_homes_out_of_order() -> None:
+    # Output 0: rows 0-1 to home 0, row 2 nowhere, rows 3-4 to home 1, rows 5+ nowhere.
+    layout = ReturnLayout((((0, 2), (0, 0)), ((3, 5), (0, 1))), (0, 0), ((0, 0), (0, 0)), (0, 0), None)
+    assert layout.send_pieces == SendPieces(cuts=((2, 1, 2), (1,)), order=((0, 0), (0, 2), (1, 0)))
+    leaves = [torch.arange(7.0)[:, None].requires_grad_(True), torch.tensor([[9.0]], requires_grad=True)]
+    packed = pack_return(leaves, layout, torch.float32)
+    assert packed.tolist() == [0.0, 1.0, 3.0, 4.0, 9.0]
+    (grad,) = torch.autograd.grad(packed, leaves[0], torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))
+    assert grad.reshape(-1).tolist() == [1.0, 2.0, 0.0, 3.0, 4.0, 0.0, 0.0]
+    backwards = ReturnLayout((((2, 4),), ((0, 2),)), (0, 0), ((0,), (0,)), (0, 0), None)
+    with pytest.raises(ValueError, match=r"send_rows\[1\]\[0\] = \(0, 2\) starts before row 4"):
+        _ = backwards.send_pieces
+
+
+def test_route_cache_makes_each_plans_values_once() -> None:
+    plan, other = _plan(), _trip_plan()
+    cache = RouteCache(plans=2)
+    route = cache.route(plan, 0)
+    assert route == ExchangeRoute.from_plan(plan, 0) and cache.route(plan, 0) is route
+    assert cache.route(plan, 1) is not route  # per rank
+    trip = cache.trip(plan, 0)
+    assert trip == PixelTrip.from_route(route, plan.patch_counts[0]) and cache.trip(plan, 0) is trip
+    assert cache.trip(plan, 0, home=False) == PixelTrip.from_route(route, plan.patch_counts[0], home=False)
+    layout = cache.layout(plan, 0, ["patch", "merged"], 2, [5, 7])
+    assert layout == ReturnLayout.from_plan(plan, 0, ["patch", "merged"], 2, [5, 7])
+    assert "receive_pieces" in vars(layout) and "send_pieces" in vars(layout)  # made with it
+    assert cache.layout(plan, 0, ["patch", "merged"], 2, [5, 7]) is layout
+    assert cache.layout(plan, 0, ["patch", "merged"], 2, [5, 8]) is not layout  # another signature
+    # A plan equal in value is another plan: found by identity, never by hashing a whole plan.
+    assert cache.route(dataclasses.replace(plan), 0) is not route
+    # warm() makes the last signature's layout for a new plan; the oldest plan is dropped.
+    cache.warm(other, 1, homes=(True, False))
+    with mock.patch.object(ReturnLayout, "from_route", side_effect=AssertionError("made again")):
+        cache.layout(other, 1, ["patch", "merged"], 2, [5, 8])
+        cache.trip(other, 1, home=False)
+    assert cache.route(plan, 0) is not route
 
 
 def test_status_codec_round_trip_and_digest() -> None:

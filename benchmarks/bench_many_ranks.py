@@ -25,7 +25,8 @@ over repeats, 1-8 images per rank (photos and documents, one in five a 4-step vi
 **return trip**: the return buffer's codec on one rank at ``P`` = 8-512, in one process (no
 communication): packing the token outputs of the images this rank encoded for others
 (``wire.pack_return``), reading this rank's own back in their order (``wire.unpack_return``) and
-both backward, four token outputs of 64 float32 values per row. Two ranks of each batch: the one
+both backward, four token outputs of one float32 value per row (so that the figures are the host
+work, not the copies; one thread). Two ranks of each batch: the one
 with the most runs of rows to put back in order (images sent to several ranks, alternately) and
 the one encoding for the most home ranks. ``pieces`` is the layout's codec pieces, made once per
 plan (in ``prepare()`` when the plan is made ahead); the floor is four copies of the buffer (a
@@ -253,7 +254,9 @@ def _codec_steps(plan: Any, rank: int, outputs: int, width: int) -> dict[str, Ca
 def return_trip_table(sizes: list[int], repeats: int) -> None:
     """The ``return trip`` table (see the module docstring)."""
     config = ViTBalanceConfig()
-    print(f"\nReturn trip's codec on one rank (CPU ms, median of {repeats}; 4 outputs x 64 float32;")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    print(f"\nReturn trip's codec on one rank (CPU ms, median of {repeats}; 4 outputs x 1 float32, 1 thread;")
     print("pieces = layout + pieces - layout, once per plan; per call = pack + unpack + backward)")
     columns = ["runs", "homes", "layout", "pieces", "pack", "unpack", "backward", "per call", "floor"]
     print(f"{'P':>4} {'batch':>10} {'rank':>5} | " + " ".join(f"{c:>8}" for c in columns))
@@ -266,12 +269,13 @@ def return_trip_table(sizes: list[int], repeats: int) -> None:
             runs = [len(lay.restore[0]) if lay.restore is not None else 0 for lay in layouts]
             homes = [sum(1 for ranges in lay.send_rows if ranges[0][1] > ranges[0][0]) for lay in layouts]
             for rank in dict.fromkeys((int(np.argmax(runs)), int(np.argmax(homes)))):
-                ms = {name: _cpu_ms(fn, repeats) for name, fn in _codec_steps(plan, rank, 4, 64).items()}
+                ms = {name: _cpu_ms(fn, repeats) for name, fn in _codec_steps(plan, rank, 4, 1).items()}
                 ms["pieces"] = ms["layout + pieces"] - ms["layout"]
                 ms["per call"] = ms["pack"] + ms["unpack"] + ms["backward"]
                 cells = [f"{runs[rank]:>8}", f"{homes[rank]:>8}"]
                 cells += [f"{ms[c]:>8.3f}" for c in columns[2:]]
                 print(f"{num_ranks:>4} {batch:>10} {rank:>5} | " + " ".join(cells), flush=True)
+    torch.set_num_threads(threads)
 
 
 def _under_collector(work: Callable[[], Any], calls: int) -> dict[str, float]:

@@ -53,6 +53,7 @@ __all__ = [
     "ReturnLayout",
     "SendPieces",
     "StatusReport",
+    "TripPieces",
     "TripTimer",
     "ViTStatus",
     "all_to_all",
@@ -61,7 +62,6 @@ __all__ = [
     "exchange_status",
     "gather_host_values",
     "gather_metadata",
-    "gradient_buffer",
     "grid_rows",
     "grid_runs",
     "grid_steps",
@@ -71,6 +71,7 @@ __all__ = [
     "metadata_row",
     "row_runs",
     "rows_per_image",
+    "split_rows",
     "start_pixel_trip",
     "start_row_gather",
     "start_status",
@@ -750,6 +751,35 @@ class PixelTrip:
         """Rows ``[a, b)`` of the batch the collective fills."""
         return self.received_at, self.received_at + sum(self.receive_splits)
 
+    @cached_value
+    def pieces(self) -> TripPieces:
+        """The pixel rows cut at every run's bounds (see :class:`TripPieces`): the trip then takes
+        its runs with one ``torch.split``, not a slice each. Made once per trip."""
+        bounds = sorted({0, *(row for run in (*self.local, *self.sent) for row in run)})
+        index = {start: k for k, start in enumerate(bounds)}
+        cuts = tuple(b - a for a, b in pairwise(bounds))
+        return TripPieces(cuts, tuple(index[a] for a, _ in self.sent), tuple(index[a] for a, _ in self.local))
+
+
+class TripPieces(NamedTuple):
+    """A :class:`PixelTrip`'s runs as pieces of the pixel rows.
+
+    Attributes:
+        cuts: Rows of consecutive pieces of the pixel rows from row 0, cut where a run begins or
+            ends (rows in no run are pieces too); rows past the last cut are in no run.
+        sent: The piece of each run the collective carries, in sending order.
+        local: The piece of each run copied straight into the batch, in batch order.
+    """
+
+    cuts: tuple[int, ...]
+    sent: tuple[int, ...]
+    local: tuple[int, ...]
+
+
+def split_rows(tensor: torch.Tensor, cuts: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    """Views of ``tensor``'s rows in pieces of ``cuts`` rows, the rest one more piece (one call)."""
+    return torch.split(tensor, [*cuts, tensor.shape[0] - sum(cuts)])
+
 
 def _trip_forward(
     pixels: torch.Tensor, trip: PixelTrip, dtype: torch.dtype, group: Any, *, may_view: bool = False
@@ -759,7 +789,8 @@ def _trip_forward(
     With ``may_view`` (no autograd), a batch that is one run of ``pixels`` (nothing received) is
     that run itself, as the direct call would pass it, not a copy.
     """
-    sent = take_rows(pixels, trip.sent).to(dtype).contiguous()
+    pieces = split_rows(pixels, trip.pieces.cuts)
+    sent = _joined([pieces[k] for k in trip.pieces.sent], pixels).to(dtype).contiguous()
     a, b = trip.received_rows
     if may_view and a == b and len(trip.local) == 1 and trip.local[0][1] - trip.local[0][0] == trip.rows:
         start, stop = trip.local[0]
@@ -775,11 +806,17 @@ def _trip_forward(
         group=group,
         async_op=True,
     )
-    at = trip.local_at
-    for start, stop in trip.local:
-        batch[at : at + stop - start].copy_(pixels[start:stop])
-        at += stop - start
+    if trip.local:
+        home = [pieces[k] for k in trip.pieces.local]
+        torch.cat(home, out=batch[trip.local_at : trip.local_at + sum(p.shape[0] for p in home)])
     return batch, work
+
+
+def _joined(pieces: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """``pieces`` as one tensor: a view of the only one, no copy; ``like``'s zero rows for none."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces) if pieces else like[:0]
 
 
 class _PixelTripFunction(torch.autograd.Function):
@@ -815,23 +852,18 @@ class _PixelTripFunction(torch.autograd.Function):
         grad_batch = grad_batch.contiguous()
         a, b = trip.received_rows
         back = _exchange(grad_batch[a:b], list(trip.receive_splits), list(trip.send_splits), ctx.group)
-        covered = sum(stop - start for start, stop in (*trip.local, *trip.sent))
-        every_row = covered == ctx.pixel_shape[0]
-        grad = gradient_buffer(ctx.pixel_shape, ctx.pixel_dtype, grad_batch.device, every_row)
-        for source, at, runs in ((back, 0, trip.sent), (grad_batch, trip.local_at, trip.local)):
-            for start, stop in runs:
-                grad[start:stop] = source[at : at + stop - start]
-                at += stop - start
-        return grad
-
-
-def gradient_buffer(
-    shape: torch.Size, dtype: torch.dtype, device: torch.device, every_row: bool
-) -> torch.Tensor:
-    """A gradient buffer of ``shape`` that pieces fill row by row: left uninitialised when they
-    cover ``every_row`` (no zero-fill pass), zeros otherwise (a row no piece covers has no
-    gradient)."""
-    return (torch.empty if every_row else torch.zeros)(shape, dtype=dtype, device=device)
+        pieces = trip.pieces
+        placed = dict(zip(pieces.sent, split_rows(back, [b - a for a, b in trip.sent])))
+        local = grad_batch[trip.local_at :]
+        placed.update(zip(pieces.local, split_rows(local, [b - a for a, b in trip.local])))
+        rows, width = ctx.pixel_shape[0], ctx.pixel_shape[1:]
+        zero = grad_batch.new_zeros(())
+        parts = [placed[k] if k in placed else zero.expand(n, *width) for k, n in enumerate(pieces.cuts)]
+        if rows > sum(pieces.cuts):  # rows in no run: a zero gradient
+            parts.append(zero.expand(rows - sum(pieces.cuts), *width))
+        if not parts:
+            return torch.zeros(ctx.pixel_shape, dtype=ctx.pixel_dtype, device=grad_batch.device)
+        return torch.cat(parts).to(ctx.pixel_dtype)
 
 
 def start_pixel_trip(

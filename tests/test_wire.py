@@ -24,6 +24,7 @@ from lightning_vit_balance.exchange import (
     metadata_row,
     row_runs,
     rows_per_image,
+    split_rows,
     take_rows,
 )
 from lightning_vit_balance.planning import RebalancePlan
@@ -261,6 +262,24 @@ def test_pixel_trip_builds_the_balanced_batch(home: bool) -> None:
     assert trips[0].local == ((4, 6),) and trips[0].sent == ((0, 4), (6, 12))
     assert trips[1].local == () and trips[1].receive_splits == (10, 3, 5)
     assert trips[2].received_rows == (1, 1) and trips[2].local_at == 0 and trips[2].rows == 1
+
+
+@pytest.mark.parametrize("home", [True, False])
+def test_trip_pieces_are_the_runs_of_the_pixel_rows(home: bool) -> None:
+    plan = _hand_plan(((4, 2, 6, 3, 5), (3,), (5, 1)), ((1, 0, 2, 1, 0), (1,), (1, 2)), power=1)
+    for rank, counts in enumerate(plan.patch_counts):
+        trip = PixelTrip.from_route(ExchangeRoute.from_plan(plan, rank), counts, home=home)
+        pixels = torch.arange(float(sum(counts)))[:, None]
+        pieces = split_rows(pixels, trip.pieces.cuts)
+        assert sum(p.shape[0] for p in pieces) == pixels.shape[0]
+        for runs, picked in ((trip.sent, trip.pieces.sent), (trip.local, trip.pieces.local)):
+            want = take_rows(pixels, runs) if runs else pixels[:0]
+            assert torch.equal(torch.cat([pieces[k] for k in picked] + [pixels[:0]]), want)
+    # Rank 0 keeps images 1 and 4 and sends 0 and 3 to rank 1, 2 to rank 2: five runs, five pieces
+    # (without the home images, image 4's rows are past the last cut).
+    trip = PixelTrip.from_route(ExchangeRoute.from_plan(plan, 0), plan.patch_counts[0], home=home)
+    assert trip.pieces.cuts == ((4, 2, 6, 3, 5) if home else (4, 2, 6, 3))
+    assert trip.pieces.sent == (0, 3, 2) and trip.pieces.local == ((1, 4) if home else ())
 
 
 def _codec_leaves() -> list[torch.Tensor]:

@@ -19,7 +19,8 @@ has its own cores and the hops' network latency is what adds up (see BENCHMARKS.
 **host work**: what one rank's balanced call computes on the host from the gathered metadata at
 ``P`` = 64-1024 ranks, in one process (no communication; rows as the gather delivers them): reading
 every rank's metadata row, the input and settings check, the plan (next to a plain heap LPT on the
-same batch, its floor), this rank's route and the two trips' layouts. Process CPU time, median
+same batch, its floor), this rank's route and the two trips' layouts (the return layout's codec
+pieces included). Process CPU time, median
 over repeats, 1-8 images per rank (photos and documents, one in five a 4-step video).
 
 **return trip**: the return buffer's codec on one rank at ``P`` = 8-512, in one process (no

@@ -894,7 +894,7 @@ class ViTBalancer:
             transit = transit_dtype([leaf.dtype for leaf in leaves])
             elements = [elements_per_row(leaf, transit) for leaf in leaves]
             kinds = [encoded.kinds[k].kind for k in tokens]
-            layout = self._routes.layout(plan, call.rank, kinds, call.merge, elements)
+            layout = self._routes.layout(plan, call.rank, (tuple(kinds), call.merge, tuple(elements)))
             tie = batch.received if reference.pixels_differentiable else None
             buffer = pack_return(leaves, layout, transit, tie)
             arrivals = buffer.new_empty(sum(layout.receive_splits))

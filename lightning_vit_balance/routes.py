@@ -62,24 +62,16 @@ class RouteCache:
             trip = entry.trips[home] = PixelTrip.from_route(entry.route, plan.patch_counts[rank], home=home)
         return trip
 
-    def layout(
-        self,
-        plan: RebalancePlan,
-        rank: int,
-        kinds: Sequence[str],
-        merge_size: int,
-        row_elements: Sequence[int],
-    ) -> ReturnLayout:
-        """This rank's return layout under ``plan`` for outputs of ``kinds`` (as
-        :meth:`ReturnLayout.from_plan`), its codec's pieces made."""
+    def layout(self, plan: RebalancePlan, rank: int, signature: OutputSignature) -> ReturnLayout:
+        """This rank's return layout under ``plan`` for outputs of ``signature`` (kinds, merge size,
+        elements per row: as :meth:`ReturnLayout.from_plan` takes them), its codec's pieces made."""
         entry = self._entry(plan, rank)
-        signature: OutputSignature = (tuple(kinds), merge_size, tuple(row_elements))
         self._last_signature = signature
         layout = entry.layouts.get(signature)
         if layout is None:
             if len(entry.layouts) >= RETURN_SIGNATURES:
                 entry.layouts.pop(next(iter(entry.layouts)))
-            layout = ReturnLayout.from_route(plan, entry.route, kinds, merge_size, row_elements)
+            layout = ReturnLayout.from_route(plan, entry.route, *signature)
             _ = layout.send_pieces, layout.receive_pieces
             entry.layouts[signature] = layout
         return layout
@@ -93,7 +85,7 @@ class RouteCache:
         for home in homes:
             self.trip(plan, rank, home=home)
         if self._last_signature is not None:
-            self.layout(plan, rank, *self._last_signature)
+            self.layout(plan, rank, self._last_signature)
 
     def _entry(self, plan: RebalancePlan, rank: int) -> _Entry:
         for at in range(len(self._entries) - 1, -1, -1):

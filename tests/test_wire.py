@@ -422,17 +422,17 @@ def test_route_cache_makes_each_plans_values_once() -> None:
     trip = cache.trip(plan, 0)
     assert trip == PixelTrip.from_route(route, plan.patch_counts[0]) and cache.trip(plan, 0) is trip
     assert cache.trip(plan, 0, home=False) == PixelTrip.from_route(route, plan.patch_counts[0], home=False)
-    layout = cache.layout(plan, 0, ["patch", "merged"], 2, [5, 7])
+    layout = cache.layout(plan, 0, (("patch", "merged"), 2, (5, 7)))
     assert layout == ReturnLayout.from_plan(plan, 0, ["patch", "merged"], 2, [5, 7])
     assert "receive_pieces" in vars(layout) and "send_pieces" in vars(layout)  # made with it
-    assert cache.layout(plan, 0, ["patch", "merged"], 2, [5, 7]) is layout
-    assert cache.layout(plan, 0, ["patch", "merged"], 2, [5, 8]) is not layout  # another signature
+    assert cache.layout(plan, 0, (("patch", "merged"), 2, (5, 7))) is layout
+    assert cache.layout(plan, 0, (("patch", "merged"), 2, (5, 8))) is not layout  # another signature
     # A plan equal in value is another plan: found by identity, never by hashing a whole plan.
     assert cache.route(dataclasses.replace(plan), 0) is not route
     # warm() makes the last signature's layout for a new plan; the oldest plan is dropped.
     cache.warm(other, 1, homes=(True, False))
     with mock.patch.object(ReturnLayout, "from_route", side_effect=AssertionError("made again")):
-        cache.layout(other, 1, ["patch", "merged"], 2, [5, 8])
+        cache.layout(other, 1, (("patch", "merged"), 2, (5, 8)))
         cache.trip(other, 1, home=False)
     assert cache.route(plan, 0) is not route
 

@@ -1016,7 +1016,8 @@ class ReturnLayout:
         slices = list(self.restore)
         slice_output = np.repeat(np.arange(outputs), [len(s) for s in slices])
         slice_rows = np.asarray([r for s in slices for r in s], dtype=np.int64).reshape(-1, 2)
-        # Every output's cuts as one sorted array keyed by ``k * span + row``, as in send_pieces.
+        # Every output's cuts in one sorted array, keyed ``k * span + row`` (``span``: more rows than any
+        # output has), so that one sort and one search serve every output.
         span = int(totals.max(initial=0)) + 1
         base = np.arange(outputs) * span
         block_ends = (ends + base).T.reshape(-1)  # sorted: output-major, then worker

@@ -55,11 +55,13 @@ class RouteCache:
         return self._entry(plan, rank).route
 
     def trip(self, plan: RebalancePlan, rank: int, *, home: bool = True) -> PixelTrip:
-        """This rank's pixel trip under ``plan`` (``home``: as :meth:`PixelTrip.from_route`)."""
+        """This rank's pixel trip under ``plan`` (``home``: as :meth:`PixelTrip.from_route`), its
+        pieces made."""
         entry = self._entry(plan, rank)
         trip = entry.trips.get(home)
         if trip is None:
             trip = entry.trips[home] = PixelTrip.from_route(entry.route, plan.patch_counts[rank], home=home)
+            _ = trip.pieces
         return trip
 
     def layout(self, plan: RebalancePlan, rank: int, signature: OutputSignature) -> ReturnLayout:

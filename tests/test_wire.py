@@ -421,6 +421,7 @@ def test_route_cache_makes_each_plans_values_once() -> None:
     assert cache.route(plan, 1) is not route  # per rank
     trip = cache.trip(plan, 0)
     assert trip == PixelTrip.from_route(route, plan.patch_counts[0]) and cache.trip(plan, 0) is trip
+    assert "pieces" in vars(trip)  # made with it, not in the call's forward
     assert cache.trip(plan, 0, home=False) == PixelTrip.from_route(route, plan.patch_counts[0], home=False)
     layout = cache.layout(plan, 0, (("patch", "merged"), 2, (5, 7)))
     assert layout == ReturnLayout.from_plan(plan, 0, ["patch", "merged"], 2, [5, 7])

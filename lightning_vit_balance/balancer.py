@@ -331,6 +331,8 @@ class ViTBalancer:
         self._trips = TripClock()
         # Prepared calls' grids on a device, compared there; read at the next metadata gather.
         self._grid_checks = DeviceGridChecks()
+        # A prepared call the plan skipped whose input did not match the plan: told at the next gather.
+        self._skipped_mismatch = False
         self._print = report if report is not None else _print_line
 
     # -- entry point -------------------------------------------------------------------------
@@ -472,6 +474,7 @@ class ViTBalancer:
         """The balanced call on a plan made before the forward: no gather, no planning here."""
         call = self._start(vit, pixel_values)
         problem = prepared.mismatch(pixel_values, grid_thw) or _device_mismatch(call, pixel_values)
+        given_grid = grid_thw
         if problem is not None and not isinstance(grid_thw, torch.Tensor):
             # Only its device and dtype are read, for the zero rows that stand in for the input
             # until the status gather reports the problem to every rank.
@@ -491,7 +494,7 @@ class ViTBalancer:
             )
         else:
             has_images = bool(prepared.metadata[call.rank].grids)
-            output = self._at_home(call, vit, pixel_values, grid_thw, has_images, reference, problem)
+            output = self._at_home(call, vit, pixel_values, given_grid, has_images, reference, problem)
         self._record(plan, call, prepared.metadata, prepare_seconds=prepared.prepare_seconds)
         return output
 
@@ -686,6 +689,10 @@ class ViTBalancer:
         )
         if self._grid_checks.differed():
             local = dataclasses.replace(local, status=InputProblem.PREPARED_GRID_VALUES, details=(), grids=())
+        elif self._skipped_mismatch:
+            problem = InputProblem.PREPARED_SKIPPED_MISMATCH
+            local = dataclasses.replace(local, status=problem, details=(), grids=())
+        self._skipped_mismatch = False
         metadata, collectives = _gathered_metadata(local, call.host)
         if self.config.split_videos:
             # After the gather, on every rank alike: a video travels as one grid row, not one per
@@ -936,12 +943,13 @@ class ViTBalancer:
         call: _Call,
         vit: Any,
         pixel_values: torch.Tensor,
-        grid_thw: torch.Tensor,
+        grid_thw: Any,
         has_images: bool,
         reference: _Reference,
         problem: str | None = None,
     ) -> Any:
         """A call the plan skips: this rank encodes its own images (a dummy one when it has none).
+        ``grid_thw`` is a tensor unless ``problem`` says why not.
 
         With ``check_skipped_calls`` (and a host-side group for the word), the status gather
         follows, so that a ViT that raised, or a prepared call whose input does not match its plan
@@ -955,7 +963,7 @@ class ViTBalancer:
 
         if not (self.config.check_skipped_calls and host_device(call.host).type == "cpu"):
             if problem is not None:
-                raise ValueError(f"Invalid prepared balanced ViT call on rank {call.rank}: {problem}.")
+                return self._skipped_with_mismatch(call, vit, pixel_values, grid_thw, reference, problem)
             return encode()
         error: BaseException | None = ValueError(problem) if problem is not None else None
         output = None
@@ -971,6 +979,33 @@ class ViTBalancer:
         call.timed("status", started)
         raise_for_vit(report, encoded, call.merge)
         return output
+
+    def _skipped_with_mismatch(
+        self,
+        call: _Call,
+        vit: Any,
+        pixel_values: Any,
+        grid_thw: Any,
+        reference: _Reference,
+        problem: str,
+    ) -> Any:
+        """A prepared call the plan skipped, unchecked, whose input is not the prepared batch: no
+        collective follows, so raising here would leave the other ranks waiting at their next one.
+        This rank warns, encodes its own input directly (no image moves, so the plan plays no part
+        in its output) and reports the problem at its next gather, where every rank raises. Input
+        the ViT cannot take as it is (not tensors) still raises here."""
+        message = f"Invalid prepared balanced ViT call on rank {call.rank}: {problem}."
+        if not isinstance(pixel_values, torch.Tensor) or not isinstance(grid_thw, torch.Tensor):
+            raise ValueError(message)
+        warnings.warn(
+            f"{message} The plan moved no image, so this rank encodes its own batch directly; every rank "
+            "raises at the next gather.",
+            stacklevel=4,
+        )
+        self._skipped_mismatch = True
+        if grid_thw.dim() == 2 and grid_thw.shape[0] > 0:
+            return self._timed_direct(call, vit, pixel_values, grid_thw)
+        return self._empty_output(vit, pixel_values, grid_thw, call.merge, reference)
 
     def _timed_direct(self, call: _Call, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
         started = time.perf_counter()

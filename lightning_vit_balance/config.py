@@ -96,8 +96,10 @@ class ViTBalanceConfig:
             for Hugging Face's Qwen2-VL, Qwen2.5-VL and Qwen3-VL towers (``CostModel.from_vit`` sets
             it for them). Default ``False``: the seed's whole-item ``l**2``. Images (``T = 1``) cost
             the same either way.
-        refine_tolerance: Seed solver: stop refining once ``(max - min) / min`` is below this.
-        refine_iterations: Seed solver: at most this many move/swap refinements.
+        refine_tolerance: Seed solver, and the locality solver's final refinement: stop refining once
+            ``(max - min) / min`` is below this.
+        refine_iterations: Seed solver, and the locality solver's final refinement: at most this
+            many move/swap refinements.
         min_gain: Locality solver: skip (reason ``"no-gain"``) when the plan lowers the makespan
             by less than this fraction of the unbalanced makespan, since the exchange would cost
             more than it saves.

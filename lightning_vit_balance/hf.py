@@ -1305,7 +1305,7 @@ class BalancedVisionTower:
     Attributes:
         model: The model passed in.
         base: The submodule holding the tower (``model.model`` for ``*ForConditionalGeneration``).
-        tower: ``base.visual``.
+        tower: ``base.visual`` (``vision_tower`` or ``vision_model`` for the families the README lists).
         config: Balancing settings (``None``: ``ViTBalanceConfig()`` with the cost model of the tower,
             ``CostModel.from_vit(tower)``: its FLOPs, attention within each temporal step).
         group: The data-parallel process group (``None``: the default group).
@@ -2332,8 +2332,11 @@ def balance_vision_tower(
         print(handle.last_stats)
 
     Args:
-        model: The model (or any module containing exactly one ``visual`` tower).
-        config: Balancing settings; None: ``ViTBalanceConfig()``.
+        model: The model (or any module containing exactly one ``visual`` tower, or ``vision_tower``
+            / ``vision_model`` for the families the README lists).
+        config: Balancing settings; None: ``ViTBalanceConfig()`` priced by
+            ``CostModel.from_vit(tower)``, with ``split_videos`` for towers that attend within each
+            temporal step.
         group: The data-parallel process group; None: the default group.
         evaluation: Balance evaluation forwards too (``model.eval()`` or no gradients; not
             ``generate()``'s, but its image encoding where the tower's parameters are sharded).

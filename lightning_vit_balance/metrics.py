@@ -6,6 +6,7 @@ since training started. The Lightning callback and the Hugging Face ``Trainer`` 
 it gives; a plain PyTorch loop can log it too::
 
     metrics = BalanceMetrics()
+    handle.pop_stats()  # the handle keeps each forward's stats from its first call on
     for step, batch in enumerate(loader):
         loss = model(**batch).loss  # a model given to balance_vision_tower
         ...

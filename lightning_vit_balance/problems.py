@@ -74,6 +74,7 @@ class InputProblem(IntEnum):
     DTYPE_MISMATCH = 12
     GRID_DEVICE = 13
     PREPARED_GRID_VALUES = 14
+    PREPARED_SKIPPED_MISMATCH = 15
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,13 @@ PROBLEMS: dict[InputProblem, ProblemTemplate] = {
         "that plan's (same shape and rows; compared on the device and read at this rank's next gather, so "
         "that the forward never waited): that call encoded its images with the prepared grid rows. "
         "Expected each call to pass the grid_thw its plan was prepared from",
+    ),
+    InputProblem.PREPARED_SKIPPED_MISMATCH: ProblemTemplate(
+        (),
+        "an earlier call given a prepared plan that moved no image passed input that does not match that "
+        "plan (this rank warned what differed): that call encoded this rank's own batch directly, as an "
+        "unbalanced call would, and raised at this rank's next gather so that every rank raises together. "
+        "Expected each call to pass the batch its plan was prepared from",
     ),
     InputProblem.CHANNELS_MISMATCH: ProblemTemplate(
         ("channels", "other_rank", "other_channels"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, NamedTuple
 from unittest import mock
 
@@ -135,6 +136,66 @@ def test_a_call_that_does_not_match_its_plan_fails_everywhere(
     assert len({o[1] for o in outcomes}) == 1, outcomes
     assert "rank 1" in outcomes[0][1] and fragment in outcomes[0][1], outcomes[0][1]
     assert all(o[2] < 10.0 for o in outcomes), outcomes
+
+
+def _skipped_mismatch(kind: str) -> dict[str, Any] | None:
+    """A skipped, unchecked prepared call whose input on rank 1 is not the prepared batch."""
+    grids = [[(1, 8, 8), (1, 8, 8)], [(1, 2, 2)], [(1, 4, 4)]]
+    setup = _on_three_ranks(grids, {"trigger_threshold": 100.0})
+    if setup is None:
+        return None
+    rank, tower, pixels, grid, balancer = setup
+    ticket = balancer.prepare(pixels, grid, tower)
+    assert ticket is not None and not ticket.plan.applied
+    if rank == 1 and kind == "rows":
+        pixels, grid = towers.make_batch([(1, 2, 4)], seed=rank)  # another batch than prepared
+    if rank == 1 and kind == "empty":
+        pixels, grid = torch.empty((0, pixels.shape[1])), torch.empty((0, 3), dtype=torch.long)
+    if rank == 1 and kind == "no_grid":
+        grid = None
+    result: dict[str, Any] = {"rank": rank}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            output = balancer(tower, pixels, grid, prepared=ticket)
+            if grid is not None and len(grid):
+                torch.testing.assert_close(output, tower(pixels, grid), rtol=0, atol=0)  # the direct call
+            result["rows"] = int(output.shape[0])
+        except ValueError as error:
+            result["raised"] = str(error)
+    result["warned"] = [str(w.message) for w in caught if "Invalid prepared" in str(w.message)]
+    # The next gather: every rank raises together, or goes on where no rank raised.
+    pixels, grid = towers.make_batch(grids[rank], seed=rank)
+    try:
+        balancer.prepare(pixels, grid, tower)
+    except ValueError as error:
+        result["next"] = str(error)
+    torch.testing.assert_close(balancer(tower, pixels, grid), tower(pixels, grid), rtol=1e-4, atol=1e-5)
+    return result
+
+
+@pytest.mark.parametrize("kind", ["rows", "empty"])
+def test_a_skipped_call_that_does_not_match_its_plan_encodes_directly_and_every_rank_raises_next(
+    multirank: Any, kind: str
+) -> None:
+    """Unchecked, a skipped call makes no collective: raising there alone would leave the other ranks
+    waiting at their next collective. Rank 1 warns and encodes its own input as the direct call does;
+    at the next gather every rank raises the same error, then all go on."""
+    with multirank(POOL) as w:
+        results = w.run(_skipped_mismatch, kind)[:3]
+    assert all("raised" not in r for r in results), results
+    assert [bool(r["warned"]) for r in results] == [False, True, False], results
+    assert "rank 1" in results[1]["warned"][0] and "encodes its own batch directly" in results[1]["warned"][0]
+    assert results[1]["rows"] == (2 if kind == "rows" else 0)
+    assert len({r["next"] for r in results}) == 1, results
+    assert "rank 1: an earlier call given a prepared plan that moved no image" in results[0]["next"]
+
+
+def test_a_skipped_call_without_tensors_still_raises_on_its_rank(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        results = w.run(_skipped_mismatch, "no_grid")[:3]
+    assert "must be tensors" in results[1]["raised"] and "next" not in results[1], results
+    assert all("raised" not in r and "next" not in r for r in (results[0], results[2])), results
 
 
 def _values_compared_on_the_device() -> dict[str, Any] | None:

@@ -106,9 +106,9 @@ class ViTBalanceCallback(Callback):
 
         ``applied_total + sum(skipped/*) == calls_total``. A step without ViT calls logs nothing.
         The ``vit_ms`` series are measured, not modelled: each balanced call carries every rank's
-        host-timed ViT forward of its previous call in the metadata gather it makes anyway, so
-        they trail by one call and cost no collective (CUDA timings are host launch times: see
-        the README).
+        ViT forward time of its previous call (a host timer on CPU; CUDA events on a GPU, read a
+        call later) in the metadata gather it makes anyway, so they trail by one call and cost no
+        collective (see the README).
         The cumulative counts are saved in checkpoints and resume with them.
 
     Args:

@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby, pairwise
 from typing import Any, NamedTuple, Protocol, TypeVar
@@ -60,6 +60,7 @@ __all__ = [
     "collective_device",
     "device_problem",
     "exchange_status",
+    "fill_rows",
     "gather_host_values",
     "gather_metadata",
     "grid_rows",
@@ -781,6 +782,19 @@ def split_rows(tensor: torch.Tensor, cuts: Sequence[int]) -> tuple[torch.Tensor,
     return torch.split(tensor, [*cuts, tensor.shape[0] - sum(cuts)])
 
 
+def fill_rows(
+    placed: Mapping[int, torch.Tensor], cuts: Sequence[int], rows: int, like: torch.Tensor
+) -> torch.Tensor:
+    """The inverse of :func:`split_rows`: ``rows`` rows whose piece ``j`` (of ``cuts[j]`` rows) is
+    ``placed[j]``, zeros for the pieces not placed and the rows past the last cut, in one ``cat``.
+    ``like`` gives the zeros' dtype, device and row shape."""
+    zero, width = like.new_zeros(()), like.shape[1:]
+    parts = [placed[j] if j in placed else zero.expand(n, *width) for j, n in enumerate(cuts)]
+    if rows > sum(cuts):
+        parts.append(zero.expand(rows - sum(cuts), *width))
+    return torch.cat(parts) if parts else like.new_zeros((0, *width))
+
+
 def _trip_forward(
     pixels: torch.Tensor, trip: PixelTrip, dtype: torch.dtype, group: Any, *, may_view: bool = False
 ) -> tuple[torch.Tensor, Any]:
@@ -856,14 +870,8 @@ class _PixelTripFunction(torch.autograd.Function):
         placed = dict(zip(pieces.sent, split_rows(back, [b - a for a, b in trip.sent])))
         local = grad_batch[trip.local_at :]
         placed.update(zip(pieces.local, split_rows(local, [b - a for a, b in trip.local])))
-        rows, width = ctx.pixel_shape[0], ctx.pixel_shape[1:]
-        zero = grad_batch.new_zeros(())
-        parts = [placed[k] if k in placed else zero.expand(n, *width) for k, n in enumerate(pieces.cuts)]
-        if rows > sum(pieces.cuts):  # rows in no run: a zero gradient
-            parts.append(zero.expand(rows - sum(pieces.cuts), *width))
-        if not parts:
-            return torch.zeros(ctx.pixel_shape, dtype=ctx.pixel_dtype, device=grad_batch.device)
-        return torch.cat(parts).to(ctx.pixel_dtype)
+        # Rows in no run (the home images of an overlapped trip) get a zero gradient.
+        return fill_rows(placed, pieces.cuts, ctx.pixel_shape[0], grad_batch).to(ctx.pixel_dtype)
 
 
 def start_pixel_trip(

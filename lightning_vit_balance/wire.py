@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_vit_balance.exchange import ReceivePieces, ReturnLayout, SendPieces
+from lightning_vit_balance.exchange import ReceivePieces, ReturnLayout, SendPieces, fill_rows
 
 __all__ = [
     "elements_per_row",
@@ -126,9 +126,14 @@ class _PackFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         pieces: SendPieces = ctx.pieces
         sizes = [ctx.elements[k] * pieces.cuts[k][j] for k, j in pieces.order]
-        received = dict(zip(pieces.order, torch.split(grad, sizes)))
+        placed: list[dict[int, torch.Tensor]] = [{} for _ in ctx.leaves]
+        for (k, j), part in zip(pieces.order, torch.split(grad, sizes)):
+            placed[k][j] = part
+        # Each output's gradient in transit values, zeros where its rows went nowhere.
         grads = [
-            _gathered(received, k, cuts, per_row, shape, dtype, grad) if _is_float(dtype) else None
+            fill_rows(placed[k], _row_sizes(cuts, per_row), math.prod(shape), grad).view(shape).to(dtype)
+            if _is_float(dtype)
+            else None
             for k, (cuts, per_row, (shape, dtype, _)) in enumerate(zip(pieces.cuts, ctx.elements, ctx.leaves))
         ]
         tie = None
@@ -141,26 +146,6 @@ class _PackFunction(torch.autograd.Function):
 def _split_with_tail(flat: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
     """``flat`` split at ``sizes``, the rest (rows past the last cut) one more piece."""
     return torch.split(flat, [*sizes, flat.numel() - sum(sizes)])
-
-
-def _gathered(
-    received: dict[tuple[int, int], torch.Tensor],
-    k: int,
-    cuts: Sequence[int],
-    per_row: int,
-    shape: torch.Size,
-    dtype: torch.dtype,
-    like: torch.Tensor,
-) -> torch.Tensor:
-    """Output ``k``'s gradient from the buffer gradient's pieces, zeros where its rows went nowhere."""
-    tail = math.prod(shape) - per_row * sum(cuts)
-    zero = like.new_zeros(())
-    parts = [received[k, j] if (k, j) in received else zero.expand(n * per_row) for j, n in enumerate(cuts)]
-    if tail:
-        parts.append(zero.expand(tail))
-    if not parts:
-        return torch.zeros(shape, dtype=dtype, device=like.device)
-    return torch.cat(parts).view(shape).to(dtype)
 
 
 def pack_return(

@@ -956,20 +956,22 @@ class ViTBalancer:
         (``problem``), fails every rank at once, as in a call that moves images.
         """
 
-        def encode() -> Any:
-            if has_images:
+        def encode(images: bool) -> Any:
+            if images:
                 return self._timed_direct(call, vit, pixel_values, grid_thw)
             return self._empty_output(vit, pixel_values, grid_thw, call.merge, reference)
 
         if not (self.config.check_skipped_calls and host_device(call.host).type == "cpu"):
-            if problem is not None:
-                return self._skipped_with_mismatch(call, vit, pixel_values, grid_thw, reference, problem)
-            return encode()
+            if problem is None:
+                return encode(has_images)
+            self._defer_mismatch(call, pixel_values, grid_thw, problem)
+            # Its own input, not the prepared one: nothing moves, so the plan plays no part in it.
+            return encode(grid_thw.dim() == 2 and grid_thw.shape[0] > 0)
         error: BaseException | None = ValueError(problem) if problem is not None else None
         output = None
         if error is None:
             try:
-                output = encode()
+                output = encode(has_images)
             except Exception as caught:  # every rank must hear of it before this one re-raises
                 error = caught
         started = time.perf_counter()
@@ -980,20 +982,12 @@ class ViTBalancer:
         raise_for_vit(report, encoded, call.merge)
         return output
 
-    def _skipped_with_mismatch(
-        self,
-        call: _Call,
-        vit: Any,
-        pixel_values: Any,
-        grid_thw: Any,
-        reference: _Reference,
-        problem: str,
-    ) -> Any:
+    def _defer_mismatch(self, call: _Call, pixel_values: Any, grid_thw: Any, problem: str) -> None:
         """A prepared call the plan skipped, unchecked, whose input is not the prepared batch: no
         collective follows, so raising here would leave the other ranks waiting at their next one.
-        This rank warns, encodes its own input directly (no image moves, so the plan plays no part
-        in its output) and reports the problem at its next gather, where every rank raises. Input
-        the ViT cannot take as it is (not tensors) still raises here."""
+        This rank warns and reports the problem at its next gather, where every rank raises; the
+        caller encodes its own input directly (no image moves). Input the ViT cannot take as it is
+        (not tensors) still raises here."""
         message = f"Invalid prepared balanced ViT call on rank {call.rank}: {problem}."
         if not isinstance(pixel_values, torch.Tensor) or not isinstance(grid_thw, torch.Tensor):
             raise ValueError(message)
@@ -1003,9 +997,6 @@ class ViTBalancer:
             stacklevel=4,
         )
         self._skipped_mismatch = True
-        if grid_thw.dim() == 2 and grid_thw.shape[0] > 0:
-            return self._timed_direct(call, vit, pixel_values, grid_thw)
-        return self._empty_output(vit, pixel_values, grid_thw, call.merge, reference)
 
     def _timed_direct(self, call: _Call, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
         started = time.perf_counter()

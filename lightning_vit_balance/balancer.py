@@ -43,6 +43,7 @@ from lightning_vit_balance.encoding import (
     ViTClock,
     encode,
     parameters_sharded,
+    raise_for_gradients,
     raise_for_input,
     raise_for_plans,
     raise_for_vit,
@@ -164,6 +165,66 @@ class BalanceStats:
     prepare_seconds: float = 0.0
     trip_ms: float = -1.0
 
+    @classmethod
+    def of_direct_call(
+        cls,
+        config: ViTBalanceConfig,
+        grid_thw: Any,
+        *,
+        pixel_rows: int = 0,
+        reason: str = "single-rank",
+        rank: int = 0,
+        num_ranks: int = 1,
+    ) -> BalanceStats:
+        """The stats of a call that encoded its own batch directly, nothing gathered (one rank,
+        balancing disabled): nothing moved, the imbalance over this rank's load alone (0).
+
+        The grid is read only on the CPU: a ``grid_thw`` on a device is not (reading it would make
+        the host wait for the device), so its stats hold no loads, each grid row counts as one
+        image and each pixel row as one patch. With ``split_videos`` each temporal step of a video
+        read counts as an image, as in a balanced call.
+
+        Args:
+            config: The balancing settings (the cost model and ``split_videos``).
+            grid_thw: The call's ``[n, 3]`` grid.
+            pixel_rows: The call's pixel rows, the patches of a grid on a device.
+            reason: ``"single-rank"`` or ``"disabled"``.
+            rank: This rank in the data-parallel group.
+            num_ranks: Ranks in the group.
+        """
+        counts: tuple[int, ...] = ()
+        frames: tuple[int, ...] = ()
+        grid = grid_thw if isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 else None
+        if grid is not None and grid.shape[1] == 3 and grid.device.type == "cpu":
+            rows = grid.tolist()
+            counts = tuple(int(t) * int(h) * int(w) for t, h, w in rows)
+            frames = tuple(int(t) for t, _, _ in rows)
+        if any(n <= 0 for n in (*counts, *frames)):
+            counts = frames = ()
+        # A one-rank plan gives this rank's load, imbalance 0 and nothing moved.
+        plan = plan_rebalance([counts], config, frames=[frames])
+        unread = grid is not None and grid.device.type != "cpu"
+        items = sum(frames) if config.split_videos else len(counts)
+        return cls(
+            applied=False,
+            reason=reason,
+            rank=rank,
+            num_ranks=num_ranks,
+            loads_before=() if unread else plan.loads_before,
+            loads_after=() if unread else plan.loads_after,
+            imbalance_before=0.0,
+            imbalance_after=0.0,
+            num_images=int(grid.shape[0]) if unread else items,
+            moved_images=0,
+            moved_patches=0,
+            total_patches=pixel_rows if unread else plan.total_patches,
+            bytes_sent=0,
+            bytes_received=0,
+            plan_seconds=0.0,
+            exchange_seconds=0.0,
+            collectives=0,
+        )
+
 
 _Params = ParamSpec("_Params")
 _Result = TypeVar("_Result")
@@ -274,7 +335,10 @@ class ViTBalancer:
       a ``RuntimeError`` too, when every failing rank ran out of memory, so that a loop skipping
       such batches skips them on every rank);
     * an output whose rows fit no kind, or outputs whose dtype or trailing shape differ between
-      ranks, raise a ``ValueError`` after the ViT, before the return trip.
+      ranks, raise a ``ValueError`` after the ViT, before the return trip;
+    * so do ranks that differ in whether the call carries gradients back (a ViT frozen on some
+      ranks only, a call under ``torch.no_grad()`` on some) in a call that moves images: the
+      others' backward pass would wait for them in the trips.
 
     Args:
         config: Balancing options; default ``ViTBalanceConfig()``.
@@ -367,7 +431,7 @@ class ViTBalancer:
             output = vit(pixel_values, grid_thw)
             rank = dist.get_rank(self.group) if distributed else 0
             world = dist.get_world_size(self.group) if distributed else 1
-            self._record_local("disabled", rank, world, grid_thw)
+            self._record_local("disabled", rank, world, pixel_values, grid_thw)
             return output
         if not distributed or dist.get_world_size(self.group) == 1:
             merge = merge_size_of(vit, self.output_layout)
@@ -376,7 +440,7 @@ class ViTBalancer:
                 output = self._empty_output(vit, pixel_values, grid_thw, merge, reference)
             else:
                 output = self._direct(vit, pixel_values, grid_thw)
-            self._record_local("single-rank", 0, 1, grid_thw)
+            self._record_local("single-rank", 0, 1, pixel_values, grid_thw)
             return output
         return self._balanced(vit, pixel_values, grid_thw)
 
@@ -849,17 +913,18 @@ class ViTBalancer:
         self._trips.start(batch.pixels.device)
         encoded, packed = self._packed(call, encoded, plan, batch, reference)
         self._trips.stop()
-        report = start_status(encoded.status(), call.host, plan.digest).wait()
+        grad_wanted = torch.is_grad_enabled() and (reference.pixels_differentiable or _vit_requires_grad(vit))
+        report = start_status(encoded.status(), call.host, plan.digest, grad_wanted).wait()
         call.collectives += report.collectives
         call.timed("combine", started)
         call.timed("status", started)
         raise_for_plans(report)
         raise_for_vit(report, encoded, call.merge)
+        raise_for_gradients(report)
         assert packed is not None  # every rank's status was fine, this rank's too
         started = time.perf_counter()
         self._trips.start(packed.buffer.device)
         leaves, layout, transit, elements, buffer, arrivals = packed
-        grad_wanted = torch.is_grad_enabled() and (reference.pixels_differentiable or _vit_requires_grad(vit))
         back = all_to_all(
             buffer,
             layout.send_splits,
@@ -1096,17 +1161,16 @@ class ViTBalancer:
         )
         self._report()
 
-    def _record_local(self, reason: str, rank: int, world: int, grid_thw: Any) -> None:
-        counts: tuple[int, ...] = ()
-        frames: tuple[int, ...] = ()
-        if isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 and grid_thw.shape[1] == 3:
-            counts = tuple(int(t) * int(h) * int(w) for t, h, w in grid_thw.tolist())
-            frames = tuple(int(t) for t, _, _ in grid_thw.tolist())
-        if any(n <= 0 for n in (*counts, *frames)):
-            counts = frames = ()
-        # A one-rank plan gives this rank's load, imbalance 0 and nothing moved.
-        plan = plan_rebalance([counts], self.config, frames=[frames])
-        self._record(plan, None, rank=rank, num_ranks=world, reason=reason)
+    def _record_local(self, reason: str, rank: int, world: int, pixel_values: Any, grid_thw: Any) -> None:
+        if in_backward_pass():
+            return
+        tensor = isinstance(pixel_values, torch.Tensor) and pixel_values.dim() > 0
+        rows = int(pixel_values.shape[0]) if tensor else 0
+        stats = BalanceStats.of_direct_call(
+            self.config, grid_thw, pixel_rows=rows, reason=reason, rank=rank, num_ranks=world
+        )
+        self.last_stats = dataclasses.replace(stats, trip_ms=self._trips.end_call())
+        self._report()
 
     def _report(self) -> None:
         stats = self.last_stats

@@ -53,6 +53,7 @@ __all__ = [
     "encode",
     "gathered_per_call",
     "parameters_sharded",
+    "raise_for_gradients",
     "raise_for_input",
     "raise_for_plans",
     "raise_for_vit",
@@ -486,6 +487,29 @@ def raise_for_plans(report: StatusReport) -> None:
         "Plans depend on nothing else, so the ranks' environments differ (compare "
         '`python -c "import sys, numpy; print(sys.version, numpy.__version__)"` on each) or this is '
         "a bug in lightning-vit-balance: please report it."
+    )
+
+
+def raise_for_gradients(report: StatusReport) -> None:
+    """After the status gather, before the return trip: raise on every rank when some ranks' return
+    trips carry gradients and others' do not.
+
+    Whether a trip carries gradients is each rank's own reading (grad mode, and whether its ViT has
+    trainable parameters or any rank's pixels require grad). Where the ranks disagree (a ViT frozen
+    on some ranks only, a call under ``torch.no_grad()`` on some), the ranks with gradients would
+    wait in the trips' backward pass for ranks that run none, until the backend's timeout.
+    """
+    flags = report.gradients
+    if len(set(flags)) <= 1:
+        return
+    with_grad = [r for r, flag in enumerate(flags) if flag]
+    without = [r for r, flag in enumerate(flags) if not flag]
+    raise ValueError(
+        f"The balanced ViT call failed: ranks {with_grad} encode with gradients and ranks {without} "
+        "without (grad mode off there, torch.no_grad() or inference_mode, or the ViT's parameters "
+        "frozen there while trainable on the others), so the backward pass would wait for ranks that "
+        "run none. Expected every rank of the group to make the call in the same grad mode, with the "
+        "same parameters of the ViT requiring grad."
     )
 
 

@@ -1184,12 +1184,14 @@ class StatusReport:
         collectives: Collectives issued (1, or 2 when the details were gathered).
         plan_digests: Every rank's :attr:`~lightning_vit_balance.RebalancePlan.digest` of the
             call's plan, in rank order (0 where the call moved no images).
+        gradients: Whether each rank's return trip carries gradients back, in rank order.
     """
 
     consistent: bool
     statuses: tuple[ViTStatus, ...]
     collectives: int
     plan_digests: tuple[int, ...] = ()
+    gradients: tuple[bool, ...] = ()
 
 
 def _encode_detail(status: ViTStatus) -> torch.Tensor:
@@ -1216,29 +1218,36 @@ class PendingStatus:
 
     def wait(self) -> StatusReport:
         """Block until every rank's status word has arrived; gather the details when they disagree."""
-        gathered = self._words.wait()  # [P, 4]: flag, output digest, output count, plan digest
+        # [P, 5]: flag, output digest, output count, plan digest, gradients
+        gathered = self._words.wait()
         words = gathered.cpu().tolist()
         plan_digests = tuple(w[3] for w in words)
+        gradients = tuple(bool(w[4]) for w in words)
         if all(w[:3] == [0, words[0][1], words[0][2]] for w in words):
-            return StatusReport(True, (), 1, plan_digests)
+            return StatusReport(True, (), 1, plan_digests, gradients)
         details = _gathered_array(_encode_detail(self._status), gathered.device, self._group)
-        return StatusReport(False, tuple(_decode_detail(d) for d in details), 2, plan_digests)
+        return StatusReport(False, tuple(_decode_detail(d) for d in details), 2, plan_digests, gradients)
 
 
-def start_status(status: ViTStatus, group: Any, plan_digest: int = 0) -> PendingStatus:
+def start_status(
+    status: ViTStatus, group: Any, plan_digest: int = 0, gradients: bool = False
+) -> PendingStatus:
     """:func:`exchange_status`, started asynchronously: prepare the return trip, then ``wait()``."""
     device = host_device(group)
-    values = [status.flag, status.digest(), len(status.leaves), plan_digest]
+    values = [status.flag, status.digest(), len(status.leaves), plan_digest, int(gradients)]
     word = torch.tensor(values, dtype=torch.int64).to(device)
     return PendingStatus(status, start_row_gather(word, group), group)
 
 
-def exchange_status(status: ViTStatus, group: Any, plan_digest: int = 0) -> StatusReport:
+def exchange_status(
+    status: ViTStatus, group: Any, plan_digest: int = 0, gradients: bool = False
+) -> StatusReport:
     """Gather every rank's :class:`ViTStatus` after the ViT forward, before the return trip.
 
-    One all_gather of four int64 per rank (flag, output digest, output count, ``plan_digest``) in
-    the common case; when any rank's ViT raised, made rows that fit no kind, or made outputs that
-    differ from another rank's (trailing shape, dtype: autocast on one rank only), a second
+    One all_gather of five int64 per rank (flag, output digest, output count, ``plan_digest``,
+    ``gradients``) in the common case; when any rank's ViT raised, made rows that fit no kind, or
+    made outputs that differ from another rank's (trailing shape, dtype: autocast on one rank
+    only), a second
     all_gather brings every rank's full status, so each can raise the same error. The buffers are
     host (CPU) tensors where the backend carries them (gloo, or a ``"cpu:gloo,cuda:nccl"`` group),
     so no device sync happens.
@@ -1248,5 +1257,7 @@ def exchange_status(status: ViTStatus, group: Any, plan_digest: int = 0) -> Stat
         group: The group to gather on (a host-side one where there is one).
         plan_digest: This rank's :attr:`~lightning_vit_balance.RebalancePlan.digest` of the call's
             plan; 0 in a call that moves no images.
+        gradients: Whether this rank's return trip carries gradients back (its backward pass then
+            exchanges them with every rank's).
     """
-    return start_status(status, group, plan_digest).wait()
+    return start_status(status, group, plan_digest, gradients).wait()

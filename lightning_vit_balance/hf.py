@@ -1506,6 +1506,20 @@ class BalancedVisionTower:
     def record(self, stats: BalanceStats) -> None:
         """Called with each balanced forward's stats (after :attr:`last_stats` is set)."""
 
+    def encoded_directly(self, parts: tuple[tuple[Any, Any], ...]) -> None:
+        """Called for a forward that would balance but that :meth:`settings` sends directly (one
+        rank, balancing disabled), with its ``(pixels, grid)`` per modality (``None`` where absent).
+
+        The default keeps the stats of a forward sent directly because the group has one rank, as
+        ``ViTBalancer`` records its own ``"single-rank"`` calls (:meth:`pop_stats`, and a
+        ``Trainer``'s callback, then see one device as many); with balancing disabled, none.
+        """
+        config = self.config if self.config is not None else self._default_config()
+        distributed = dist.is_available() and dist.is_initialized()
+        if not config.enabled or (distributed and dist.get_world_size(self.group) > 1) or in_backward_pass():
+            return
+        self._count(direct_call_stats(config, parts), None)
+
     def pop_stats(self) -> list[BalanceStats]:
         """Return and forget the stats of the balanced forwards since the previous call, oldest
         first (for :class:`~lightning_vit_balance.BalanceMetrics`).
@@ -1578,7 +1592,9 @@ class BalancedVisionTower:
         """This rank's pixel rows that are not the patch images the tower takes (none for a tower
         of ``[S, C]`` rows): :func:`rows_to_plan` hands the plan such rows as no tensor, so every
         rank raises, and the rank at fault adds these."""
-        if not self._row_shape or not isinstance(batch, Mapping):
+        if not isinstance(batch, Mapping):
+            return [unreadable_batch(batch, _PREPARE_KEYS)]
+        if not self._row_shape:
             return []
         found = [(key, batch.get(key)) for key, _ in _PREPARE_KEYS]
         problems = [
@@ -1761,8 +1777,11 @@ class BalancedVisionTower:
         # Bind to the class's signature: a forward patched in before us may take (*args, **kwargs).
         signature = inspect.signature(type(self.base).forward)
         bound = signature.bind_partial(self.base, *args, **kwargs).arguments
-        settings = self.settings() if self._balances(bound) else None
+        balances = self._balances(bound)
+        settings = self.settings() if balances else None
         if settings is None:
+            if balances:
+                self.encoded_directly(tuple((bound.get(p), bound.get(g)) for p, g in _PREPARE_KEYS))
             return _Route(original, args, kwargs)
         pending = self._encode(bound, *settings)
         finish = functools.partial(self._zero_added, pending)
@@ -2139,6 +2158,35 @@ class BalancedVisionTower:
         return self._original("tower")(pixels, grid_thw=grid_thw, **kwargs)
 
 
+def direct_call_stats(config: ViTBalanceConfig, parts: tuple[tuple[Any, Any], ...]) -> BalanceStats:
+    """:meth:`BalanceStats.of_direct_call` of a one-rank call of ``parts``, its ``(pixels, grid)``
+    per modality (``None`` where absent): the grids are read only where all are on the CPU."""
+    grids = [grid for _, grid in parts if isinstance(grid, torch.Tensor) and grid.dim() == 2]
+    grid: torch.Tensor | None = None
+    if grids and all(found.device.type == "cpu" for found in grids):
+        grid = torch.cat(grids)
+    elif grids:  # not read: its rows stand for the images
+        grid = torch.empty((sum(int(found.shape[0]) for found in grids), 3), dtype=torch.long, device="meta")
+    rows = sum(
+        int(pixels.shape[0]) for pixels, _ in parts if isinstance(pixels, torch.Tensor) and pixels.dim()
+    )
+    return BalanceStats.of_direct_call(config, grid, pixel_rows=rows)
+
+
+def key_names(keys: tuple[tuple[str, str], ...]) -> str:
+    """``(pixels, grid)`` batch keys as a message names them: ``'a'/'b', 'c'/'d'``."""
+    return ", ".join(f"{pixels!r}/{grid!r}" for pixels, grid in keys)
+
+
+def unreadable_batch(batch: Any, keys: tuple[tuple[str, str], ...]) -> str:
+    """Why a plan cannot be made from ``batch`` (not a mapping), naming the keys it is read by."""
+    return (
+        f"the batch is a {type(batch).__name__}, not a mapping: a plan made ahead reads the pixel "
+        f"rows and grids of a batch by name ({key_names(keys)}); collate batches into a dict with "
+        "those keys"
+    )
+
+
 def rows_to_plan(
     batch: Any,
     keys: tuple[tuple[str, str], ...],
@@ -2153,6 +2201,10 @@ def rows_to_plan(
     grids of their ``step_grid_keys`` one temporal step per row (GLM-4.xV), and the pixels in the
     towers' dtype when they share one (the model casts them to it; a bf16 tower's rows then travel
     as bf16), and of the towers' width when the batch has no pixels (a text-only batch)."""
+    if not isinstance(batch, Mapping):
+        # Nothing to read by name: handed on as no tensor, for the prepare's checks to report on
+        # every rank (planning it as a text-only batch would fail only at the call, one rank late).
+        return batch, None
     towers = tuple(tower for tower in towers if tower.installed)
     step_keys = {key for tower in towers for key in tower.step_grid_keys}
     tower_dtypes = {tower.pixel_dtype for tower in towers}

@@ -49,6 +49,8 @@ class PreparedPlan:
         call_grids: The grid rows the call passes, where they differ from the plan's items (with
             ``split_videos``, a video is one row there and one item per temporal step here);
             ``None``: the items' rows.
+        source: Where the plan was made from, where not from the caller's own ``prepare`` (the
+            Lightning mixin's ``plan_ahead``): named in :meth:`mismatch`'s reasons.
     """
 
     plan: RebalancePlan
@@ -61,6 +63,7 @@ class PreparedPlan:
     plan_seconds: float
     collectives: int
     call_grids: tuple[tuple[int, int, int], ...] | None = None
+    source: str = ""
 
     @property
     def prepare_seconds(self) -> float:
@@ -80,11 +83,15 @@ class PreparedPlan:
         return self.call_grids if self.call_grids is not None else self.metadata[self.rank].grids
 
     def mismatch(self, pixel_values: Any, grid_thw: Any) -> str | None:
-        """Why this call's input is not the prepared batch, or None when it is.
+        """Why this call's input is not the prepared batch (naming :attr:`source`), or None when it is.
 
         Reads only shapes and dtypes, and the grid values when ``grid_thw`` is on the CPU, so it never
         waits for the device.
         """
+        problem = self._mismatch(pixel_values, grid_thw)
+        return f"{problem} ({self.source})" if problem is not None and self.source else problem
+
+    def _mismatch(self, pixel_values: Any, grid_thw: Any) -> str | None:
         grids = self.call_grid_rows
         if not isinstance(pixel_values, torch.Tensor) or not isinstance(grid_thw, torch.Tensor):
             return "pixel_values and grid_thw must be tensors, as when the plan was prepared"

@@ -404,6 +404,24 @@ def test_single_process_calls_the_vit_directly() -> None:
     assert disabled.last_stats is not None and disabled.last_stats.reason == "disabled"
 
 
+def test_direct_call_stats_read_no_grid_off_the_host() -> None:
+    """A direct call's stats read a CPU grid for this rank's load; a grid on a device is not read
+    (that would make the host wait for it): no loads, a grid row per image, the pixel rows."""
+    grid = torch.tensor([[1, 4, 4], [2, 2, 4]])
+    on_host = BalanceStats.of_direct_call(ViTBalanceConfig(), grid, pixel_rows=32)
+    assert (on_host.loads_before, on_host.num_images, on_host.total_patches) == ((16.0**2 * 2,), 2, 32)
+    off_host = BalanceStats.of_direct_call(
+        ViTBalanceConfig(), grid.to("meta"), pixel_rows=32, reason="disabled"
+    )
+    assert (off_host.loads_before, off_host.num_images, off_host.total_patches) == ((), 2, 32)
+    assert (off_host.reason, off_host.applied, off_host.imbalance_before, off_host.moved_patches) == (
+        "disabled",
+        False,
+        0.0,
+        0,
+    )
+
+
 def test_verbose_report(capsys: pytest.CaptureFixture[str]) -> None:
     """config.verbose prints the decision, imbalance, loads and the applied/total count."""
     torch.manual_seed(0)

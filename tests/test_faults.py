@@ -287,6 +287,43 @@ def test_packing_the_return_trip_out_of_memory_on_one_rank(multirank: Any) -> No
     assert all(seconds < FAST_S for _, _, seconds in results), results
 
 
+def _gradients_case(mode: str) -> dict[str, Any] | None:
+    """Rank 1 encodes without gradients (its ViT frozen, or under ``torch.no_grad()``) while the
+    others encode with them; each rank then backpropagates what it can."""
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    if mode == "frozen" and rank == 1:
+        tower.requires_grad_(False)
+    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    balancer = ViTBalancer(ViTBalanceConfig(**APPLY), group)
+
+    def call() -> None:
+        with torch.set_grad_enabled(not (mode == "no_grad" and rank == 1)):
+            out = balancer(tower, pixels, grid)
+        if out.requires_grad:
+            out.sum().backward()
+
+    kind, message, seconds = _outcome(call)
+    _still_in_step(group, rank)
+    return {"kind": kind, "message": message, "seconds": seconds}
+
+
+@pytest.mark.parametrize("mode", ["frozen", "no_grad"])
+def test_ranks_that_differ_in_gradients_raise_instead_of_waiting(multirank: Any, mode: str) -> None:
+    """A ViT frozen on one rank only, or a call under no_grad there: the others' backward pass
+    would wait in the trips for a rank that runs none. Every rank raises, in the forward."""
+    with multirank(POOL) as w:
+        results = w.run(_gradients_case, mode)[:RANKS]
+    assert {r["kind"] for r in results} == {"ValueError"}, results
+    assert len({r["message"] for r in results}) == 1
+    assert "ranks [0, 2] encode with gradients and ranks [1] without" in results[0]["message"]
+    assert all(r["seconds"] < FAST_S for r in results), results
+
+
 def _skipped_vit_case(prepared: bool) -> dict[str, Any] | None:
     """A call every rank's plan skips, checked; rank 1's ViT raises."""
     group = subgroup(RANKS)

@@ -1689,13 +1689,14 @@ def test_encode_visual_without_a_balancer_calls_the_vit_once() -> None:
 
 
 def test_one_process_calls_the_model_unchanged() -> None:
-    """Without torch.distributed (or with one rank) nothing is balanced or recorded."""
+    """Without torch.distributed (or with one rank) nothing is balanced: the forward is recorded as
+    ``single-rank``, as ``ViTBalancer`` records its own direct calls."""
     plain = tiny_model("qwen2_5_vl")
     balanced = copy.deepcopy(plain)
     handle = balance_vision_tower(balanced)
     batch = make_inputs("qwen2_5_vl", [{"images": [(1, 4, 4)], "videos": [(2, 2, 2)]}, {}], seed=0)
     assert torch.equal(balanced(**batch).loss, plain(**batch).loss)
-    assert (handle.calls, handle.last_stats) == (0, None)
+    assert (handle.calls, handle.applied_calls, handle.last_stats.reason) == (0, 0, "single-rank")
 
 
 def _snapshot(module: nn.Module) -> dict[str, Any]:
@@ -2576,6 +2577,42 @@ def test_mixin_handle_prepares_for_the_next_forward_from_any_hook() -> None:
         assert handle.prepare(make_inputs("qwen2_vl", [{"images": [(1, 4, 4)]}], seed=0)) is None
         handle.settings()
     assert [call.kwargs["ahead"] for call in settings.call_args_list] == [True, False]
+
+
+def test_mixin_drop_in_records_its_forwards_on_one_process() -> None:
+    """One process (no group): the drop-in's forwards run as the plain model's, and each training
+    forward is recorded as ``single-rank`` (images and videos together; a text-only one too), as
+    ``encode_images`` records its direct calls, so the callback logs on one device as on many."""
+    module = _MixinOnly()
+    model = tiny_model("qwen2_vl")
+    module.balance_vision_tower(model)
+    model.train()
+    inputs = make_inputs("qwen2_vl", [{"images": [(1, 4, 4), (1, 2, 4)]}, {"videos": [(2, 4, 4)]}], seed=0)
+    model(**inputs).loss.backward()
+    model(**make_inputs("qwen2_vl", [{}], seed=1)).loss.backward()
+    with torch.no_grad():
+        module.eval()  # the module decides, as for encode_images: eval mode, not balanced
+        model.eval()
+        model(**inputs)
+    stats = module.pop_vit_balance_stats()
+    assert [(s.reason, s.applied, s.num_ranks, s.imbalance_after) for s in stats] == [
+        ("single-rank", False, 1, 0.0)
+    ] * 2
+    pixels = inputs["pixel_values"].shape[0] + inputs["pixel_values_videos"].shape[0]
+    assert (stats[0].num_images, stats[0].total_patches, stats[1].num_images) == (4, pixels, 0)
+    # The handle without Lightning keeps them too (a Trainer's callback logs them on one device).
+    model = tiny_model("qwen2_vl")
+    handle = balance_vision_tower(model)
+    assert handle.pop_stats() == []
+    model(**inputs).loss.backward()
+    kept = handle.pop_stats()
+    assert [(s.reason, s.num_images, s.total_patches) for s in kept] == [("single-rank", 4, pixels)]
+    assert handle.last_stats is kept[0]
+    disabled = tiny_model("qwen2_vl")
+    off = balance_vision_tower(disabled, config=ViTBalanceConfig(enabled=False))
+    off.pop_stats()
+    disabled(**inputs).loss.backward()
+    assert off.pop_stats() == [] and off.last_stats is None
 
 
 def _mixin_worker() -> dict[str, Any]:

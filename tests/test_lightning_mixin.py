@@ -14,13 +14,14 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning_fit_script import quiet_trainer
 from multirank import launched_by_torchrun, world
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 from towers import CHANNELS, TensorTower
 
-from lightning_vit_balance import ViTBalanceCallback, ViTBalanceConfig, ViTBalanceMixin
+from lightning_vit_balance import ViTBalanceCallback, ViTBalanceConfig, ViTBalanceMixin, ViTBalancer
 from lightning_vit_balance.lightning.mixin import _loop_balances
 
 
@@ -93,13 +94,31 @@ def _images(count: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_without_a_trainer_it_calls_the_vit_directly_in_either_base_order() -> None:
+    """One process: the ViT is called directly, and the call is recorded as the engine records its
+    own (``single-rank``: this rank's load read from the CPU grid, nothing moved)."""
     for module in (MixinFirst(), LightningFirst()):
         pixel_values, grid = _images(3)
         out = module.encode_images(module.visual, pixel_values, grid)
         torch.testing.assert_close(out, module.visual(pixel_values, grid), rtol=0, atol=0)
         assert module.visual.seen == [3, 3]
         assert module.resolved_vit_balance_config() == ViTBalanceConfig()
-        assert module.last_vit_balance_stats is None
+        stats = module.last_vit_balance_stats
+        assert stats is not None and (stats.reason, stats.applied, stats.num_ranks) == (
+            "single-rank",
+            False,
+            1,
+        )
+        assert (stats.num_images, stats.total_patches, stats.imbalance_before) == (
+            3,
+            pixel_values.shape[0],
+            0.0,
+        )
+        engine = ViTBalancer()
+        engine(module.visual, pixel_values, grid)
+        assert stats == engine.last_stats
+        assert module.pop_vit_balance_stats() == [stats]
+        module.eval()  # eval mode without vit_balance_evaluation: not a call that would balance
+        module.encode_images(module.visual, pixel_values, grid)
         assert module.pop_vit_balance_stats() == []
 
 
@@ -125,8 +144,14 @@ def test_single_device_fit_looks_the_group_up_once_per_fit_and_calls_directly(tm
             devices=1,
             max_epochs=1,
             logger=CSVLogger(tmp_path),
-            callbacks=[callback],
-            enable_checkpointing=False,
+            log_every_n_steps=1,
+            callbacks=[
+                callback,
+                ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="vit_balance/imbalance_after", mode="min"),
+                EarlyStopping(
+                    monitor="vit_balance/imbalance_after", mode="min", check_on_train_epoch_end=True
+                ),
+            ],
             enable_progress_bar=False,
             enable_model_summary=False,
         )
@@ -139,7 +164,13 @@ def test_single_device_fit_looks_the_group_up_once_per_fit_and_calls_directly(tm
     assert len(module.visual.seen) == 6
     run()
     assert module.group_lookups == 2  # a new fit looks again
-    assert callback.calls_total == 0  # one device: nothing balanced, nothing recorded
+    # One device: nothing balanced, every call recorded as single-rank, so the keys are logged (and
+    # the README's monitors of them work) as on many devices.
+    assert (callback.calls_total, callback.applied_total) == (6, 0)
+    assert callback.skipped_total["single-rank"] == 6
+    logged = (tmp_path / "lightning_logs" / "version_1" / "metrics.csv").read_text()
+    assert "vit_balance/imbalance_after" in logged and "vit_balance/skipped/single-rank" in logged
+    assert list((tmp_path / "ckpt").glob("*.ckpt"))  # the monitored key was there to save by
 
 
 class WorldGroup(MixinFirst):
@@ -199,6 +230,48 @@ def _two_rank_encode(enabled: bool) -> dict[str, Any]:
         "lookups": module.group_lookups,
         "grad": [p.grad.clone() for p in module.visual.parameters()],
     }
+
+
+def _plans_from_unreadable_batches() -> dict[str, Any]:
+    """Plans made ahead from a batch that is not a mapping (rank 1), then from dicts under other
+    keys than ``vit_balance_prepare_keys`` (every rank)."""
+    rank = dist.get_rank()
+    module = MixinFirst(ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))
+    module.vit_balance_group = dist.group.WORLD
+    pixel_values, grid = _images(3, seed=rank)
+    batch = {"pixel_values": pixel_values, "image_grid_thw": grid}
+    try:
+        module.prepare_vit_balance((pixel_values, grid) if rank == 1 else batch)
+        error = ""
+    except ValueError as err:
+        error = str(err)
+    ticket = module.prepare_vit_balance({"images": pixel_values, "grids": grid})  # read as text-only
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module.encode_images(module.visual, pixel_values, grid)
+    return {
+        "error": error,
+        "planned": sum(map(len, ticket.plan.patch_counts)),
+        "warned": [str(w.message) for w in caught],
+    }
+
+
+def test_plans_made_ahead_from_unreadable_batches_say_so() -> None:
+    """A batch that is not a mapping cannot be read by name: every rank raises before any call,
+    the rank at fault naming its batch and the keys (instead of planning it as a text-only batch
+    and failing at a later call). A dict under other keys plans as text-only, and the call that
+    then encodes images names the keys the plan was read by."""
+    with world(2) as w:
+        results = w.run(_plans_from_unreadable_batches, timeout=60)
+    for rank, result in enumerate(results):
+        assert "Invalid balanced ViT input (2 ranks): rank 1:" in result["error"], result
+        assert ("the batch is a tuple, not a mapping" in result["error"]) == (rank == 1), result
+        assert "'pixel_values'/'image_grid_thw'" in result["error"] or rank == 0
+        assert result["planned"] == 0
+        assert any(
+            "holds 0 images on this rank" in message and "(vit_balance_prepare_keys)" in message
+            for message in result["warned"]
+        ), result["warned"]
 
 
 def test_without_a_trainer_the_calls_queue_for_the_loop_boundedly() -> None:

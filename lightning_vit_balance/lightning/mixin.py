@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -24,9 +25,12 @@ from lightning_vit_balance.hf import (
     KEPT_STATS,
     BalancedVisionTower,
     continue_fit,
+    direct_call_stats,
     encode_visual,
+    key_names,
     rows_to_plan,
     saved_state,
+    unreadable_batch,
 )
 from lightning_vit_balance.host_group import make_host_group, release_host_group
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
@@ -210,6 +214,12 @@ class _ModuleTowerBalance(BalancedVisionTower):
 
     def record(self, stats: BalanceStats) -> None:
         self.module._vit_balance_keep(stats)
+
+    def encoded_directly(self, parts: tuple[tuple[Any, Any], ...]) -> None:
+        # Counted where encode_images counts its direct calls (one device in a balancing loop),
+        # priced as settings() would price them.
+        own = getattr(self.module, "vit_balance_config", None) is None
+        self.module._vit_balance_keep_direct(self.tower, parts, self._default_config() if own else None)
 
     def prepared_plan(self) -> PreparedPlan | None:
         return self.module._vit_balance_take_ticket()
@@ -413,7 +423,9 @@ class ViTBalanceMixin:
         """
         settings = self._vit_balance_settings(vit)
         if settings is None:  # compiled with the module when it is
-            return vit(pixel_values, grid_thw)
+            output = vit(pixel_values, grid_thw)
+            self._vit_balance_keep_direct(vit, ((pixel_values, grid_thw),))
+            return output
         return self._vit_balance_call(
             settings, lambda balancer, ticket: balancer(vit, pixel_values, grid_thw, prepared=ticket)
         )
@@ -648,7 +660,18 @@ class ViTBalanceMixin:
         # share one (so the call finds it as prepared, not rebuilt).
         layouts = [tower.output_layout for tower in towers if tower.installed]
         layout = layouts[0] if layouts and all(found == layouts[0] for found in layouts) else None
-        state.ticket = self._vit_balance_balancer(*settings, layout).prepare(pixels, grid)
+        keys = self.vit_balance_prepare_keys
+        try:
+            ticket = self._vit_balance_balancer(*settings, layout).prepare(pixels, grid)
+        except ValueError as err:
+            if isinstance(batch, Mapping):
+                raise
+            raise ValueError(f"{err} On this rank: {unreadable_batch(batch, keys)}.") from err
+        if ticket is not None:
+            # Named in the call's mismatch errors: the user never handled this plan themselves.
+            source = f"the plan was made ahead from the batch's {key_names(keys)} (vit_balance_prepare_keys)"
+            ticket = dataclasses.replace(ticket, source=source)
+        state.ticket = ticket
 
     def _vit_balance_towers_balance(self) -> bool:
         """Whether the step's drop-in forwards balance, as far as the towers decide: in evaluation,
@@ -658,6 +681,26 @@ class ViTBalanceMixin:
         training = trainer.training if trainer is not None else bool(getattr(self, "training", True))
         towers = [tower for tower in self._vit_balance_towers if tower.installed]
         return training or not towers or any(tower.evaluation for tower in towers)
+
+    @eager
+    def _vit_balance_keep_direct(
+        self, vit: object, parts: tuple[tuple[Any, Any], ...], pricing: ViTBalanceConfig | None = None
+    ) -> None:
+        """Record a call made directly because the group has one rank (one device), in a loop that
+        would balance it, as the engine records its own ``"single-rank"`` calls: the callback then
+        logs the same keys (imbalance 0, nothing moved) on one device as on many, so monitors of
+        them work there too. ``parts``: the call's ``(pixel_values, grid_thw)`` per modality;
+        ``pricing``: the configuration its balanced calls would take, where not the module's."""
+        if in_backward_pass():  # a recomputation is its forward call again
+            return
+        config = self.resolved_vit_balance_config()
+        if not config.enabled or not self._vit_balance_loop_balances(vit, False):
+            return
+        state = self._vit_balance_state_object()
+        self._vit_balance_refresh(state)
+        if state.group is not None and state.group_size > 1:
+            return  # many ranks: the call was direct for another reason (no stats, as before)
+        self._vit_balance_keep(direct_call_stats(pricing or config, parts))
 
     def _vit_balance_keep(self, stats: BalanceStats | None) -> None:
         state = self._vit_balance_state_object()
@@ -725,7 +768,9 @@ class ViTBalanceMixin:
         """
         settings = self._vit_balance_settings(vit)
         if settings is None:  # compiled with the module when it is
-            return encode_visual(vit, images, videos)
+            encoded = encode_visual(vit, images, videos)
+            self._vit_balance_keep_direct(vit, tuple(part for part in (images, videos) if part is not None))
+            return encoded
         return self._vit_balance_call(
             settings,
             lambda balancer, ticket: encode_visual(vit, images, videos, balancer=balancer, prepared=ticket),

@@ -201,23 +201,26 @@ class BalanceStats:
             frames = tuple(int(t) for t, _, _ in rows)
         if any(n <= 0 for n in (*counts, *frames)):
             counts = frames = ()
-        # A one-rank plan gives this rank's load, imbalance 0 and nothing moved.
-        plan = plan_rebalance([counts], config, frames=[frames])
-        unread = grid is not None and grid.device.type != "cpu"
-        items = sum(frames) if config.split_videos else len(counts)
+        loads: tuple[float, ...] = ()
+        images, patches = (int(grid.shape[0]), pixel_rows) if grid is not None else (0, 0)
+        if grid is None or grid.device.type == "cpu":
+            # A one-rank plan prices this rank's load.
+            loads = plan_rebalance([counts], config, frames=[frames]).loads_before
+            images = sum(frames) if config.split_videos else len(counts)
+            patches = sum(counts)
         return cls(
             applied=False,
             reason=reason,
             rank=rank,
             num_ranks=num_ranks,
-            loads_before=() if unread else plan.loads_before,
-            loads_after=() if unread else plan.loads_after,
+            loads_before=loads,
+            loads_after=loads,
             imbalance_before=0.0,
             imbalance_after=0.0,
-            num_images=int(grid.shape[0]) if unread else items,
+            num_images=images,
             moved_images=0,
             moved_patches=0,
-            total_patches=pixel_rows if unread else plan.total_patches,
+            total_patches=patches,
             bytes_sent=0,
             bytes_received=0,
             plan_seconds=0.0,

@@ -233,41 +233,44 @@ def _two_rank_encode(enabled: bool) -> dict[str, Any]:
 
 
 def _plans_from_unreadable_batches() -> dict[str, Any]:
-    """Plans made ahead from a batch that is not a mapping (rank 1), then from dicts under other
-    keys than ``vit_balance_prepare_keys`` (every rank)."""
+    """Plans made ahead from a batch that is not a mapping (rank 1) for a call that encodes images;
+    then for a step that encodes none (every rank); then from dicts under other keys than
+    ``vit_balance_prepare_keys`` (every rank)."""
     rank = dist.get_rank()
     module = MixinFirst(ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))
     module.vit_balance_group = dist.group.WORLD
     pixel_values, grid = _images(3, seed=rank)
     batch = {"pixel_values": pixel_values, "image_grid_thw": grid}
+    module.prepare_vit_balance((pixel_values, grid) if rank == 1 else batch)
     try:
-        module.prepare_vit_balance((pixel_values, grid) if rank == 1 else batch)
+        module.encode_images(module.visual, pixel_values, grid)
         error = ""
     except ValueError as err:
         error = str(err)
+    no_images = module.prepare_vit_balance((pixel_values, grid))  # a step that encodes no image
     ticket = module.prepare_vit_balance({"images": pixel_values, "grids": grid})  # read as text-only
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         module.encode_images(module.visual, pixel_values, grid)
     return {
         "error": error,
-        "planned": sum(map(len, ticket.plan.patch_counts)),
+        "planned": [sum(map(len, plan.plan.patch_counts)) for plan in (no_images, ticket)],
         "warned": [str(w.message) for w in caught],
     }
 
 
 def test_plans_made_ahead_from_unreadable_batches_say_so() -> None:
-    """A batch that is not a mapping cannot be read by name: every rank raises before any call,
-    the rank at fault naming its batch and the keys (instead of planning it as a text-only batch
-    and failing at a later call). A dict under other keys plans as text-only, and the call that
-    then encodes images names the keys the plan was read by."""
+    """A batch that is not a mapping cannot be read by name: it is planned without images (a step
+    that encodes none works), and a call that encodes images fails on every rank, naming the
+    batch and the keys, instead of a ticket the user never held. A dict under other keys plans as
+    text-only too, and the call that then encodes images names the keys the plan was read by."""
     with world(2) as w:
         results = w.run(_plans_from_unreadable_batches, timeout=60)
-    for rank, result in enumerate(results):
-        assert "Invalid balanced ViT input (2 ranks): rank 1:" in result["error"], result
-        assert ("the batch is a tuple, not a mapping" in result["error"]) == (rank == 1), result
-        assert "'pixel_values'/'image_grid_thw'" in result["error"] or rank == 0
-        assert result["planned"] == 0
+    for result in results:
+        assert "The balanced ViT call failed: rank 1:" in result["error"], result
+        assert "the batch is a tuple, not a mapping" in result["error"], result
+        assert "'pixel_values'/'image_grid_thw'" in result["error"], result
+        assert result["planned"] == [0, 0]
         assert any(
             "holds 0 images on this rank" in message and "(vit_balance_prepare_keys)" in message
             for message in result["warned"]
@@ -291,10 +294,18 @@ def test_without_a_trainer_the_calls_queue_for_the_loop_boundedly() -> None:
     assert module.pop_vit_balance_stats() == stats[3:]
 
 
+def _without_a_group_on_two_ranks() -> Any:
+    """Many ranks, no group given (balancing turned off): a direct call, recorded by none."""
+    module = MixinFirst()
+    module.encode_images(module.visual, *_images(2, seed=dist.get_rank()))
+    return module.last_vit_balance_stats
+
+
 def test_explicit_group_balances_across_two_ranks() -> None:
     with world(2) as w:
         balanced = w.run(_two_rank_encode, True)
         direct = w.run(_two_rank_encode, False)
+        assert w.run(_without_a_group_on_two_ranks) == [None, None]  # not a one-rank call
     for rank in range(2):
         assert balanced[rank]["equal"] and direct[rank]["equal"]
         assert balanced[rank]["stats"] == (True, "applied", 2)

@@ -655,21 +655,21 @@ class ViTBalanceMixin:
         if not self._vit_balance_towers_balance():
             return
         towers = self._vit_balance_towers
-        pixels, grid = rows_to_plan(batch, self.vit_balance_prepare_keys, towers)
+        keys = self.vit_balance_prepare_keys
+        # A batch that is not a mapping holds no keys to read: planned as one without images (a
+        # step that encodes none works), named in the error of a call that encodes some.
+        readable = isinstance(batch, Mapping)
+        pixels, grid = rows_to_plan(batch if readable else {}, keys, towers)
         # The balancer the step's drop-in call takes: with its towers' output layout, when they
         # share one (so the call finds it as prepared, not rebuilt).
         layouts = [tower.output_layout for tower in towers if tower.installed]
         layout = layouts[0] if layouts and all(found == layouts[0] for found in layouts) else None
-        keys = self.vit_balance_prepare_keys
-        try:
-            ticket = self._vit_balance_balancer(*settings, layout).prepare(pixels, grid)
-        except ValueError as err:
-            if isinstance(batch, Mapping):
-                raise
-            raise ValueError(f"{err} On this rank: {unreadable_batch(batch, keys)}.") from err
+        ticket = self._vit_balance_balancer(*settings, layout).prepare(pixels, grid)
         if ticket is not None:
             # Named in the call's mismatch errors: the user never handled this plan themselves.
             source = f"the plan was made ahead from the batch's {key_names(keys)} (vit_balance_prepare_keys)"
+            if not readable:
+                source = f"{unreadable_batch(batch, keys)}; so it was planned without images"
             ticket = dataclasses.replace(ticket, source=source)
         state.ticket = ticket
 
@@ -698,8 +698,12 @@ class ViTBalanceMixin:
             return
         state = self._vit_balance_state_object()
         self._vit_balance_refresh(state)
-        if state.group is not None and state.group_size > 1:
-            return  # many ranks: the call was direct for another reason (no stats, as before)
+        distributed = dist.is_available() and dist.is_initialized()
+        ranks = state.group_size if state.group is not None else (dist.get_world_size() if distributed else 1)
+        if ranks > 1:
+            # Many ranks: the call was direct for another reason (configure_vit_balance_group gave
+            # no group: balancing turned off), recorded by none, as before.
+            return
         self._vit_balance_keep(direct_call_stats(pricing or config, parts))
 
     def _vit_balance_keep(self, stats: BalanceStats | None) -> None:

@@ -179,10 +179,9 @@ class BalanceStats:
         """The stats of a call that encoded its own batch directly, nothing gathered (one rank,
         balancing disabled): nothing moved, the imbalance over this rank's load alone (0).
 
-        The grid is read only on the CPU: a ``grid_thw`` on a device is not (reading it would make
-        the host wait for the device), so its stats hold no loads, each grid row counts as one
-        image and each pixel row as one patch. With ``split_videos`` each temporal step of a video
-        read counts as an image, as in a balanced call.
+        The grid is read only on the CPU (reading one on a device would make the host wait for
+        it): from a device grid, no loads, a grid row per image and a pixel row per patch. With
+        ``split_videos`` each temporal step of a video read counts as an image, as when balanced.
 
         Args:
             config: The balancing settings (the cost model and ``split_videos``).

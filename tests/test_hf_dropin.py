@@ -1505,20 +1505,23 @@ def test_a_model_calling_its_tower_itself_is_told_it_is_not_balanced(multirank: 
 def _bad_input_on_rank_1(family: str, ahead: str | None, grid: str) -> str:
     """Rank 1 passes image pixels without their grid (``grid="none"``), with a grid of 4 columns
     (``"4 columns"``) or as flat rows where the tower takes patch images (``"flat pixels"``),
-    planned in the forward or ahead (``ahead``, as in :func:`_check_case`); every rank must raise,
-    none may hang."""
+    or prepares a tuple of the batch's values (``"tuple"``), planned in the forward or ahead
+    (``ahead``, as in :func:`_check_case`); every rank must raise, none may hang."""
     import torch.distributed as dist
 
     model = tiny_model(family)
     handle = balance_vision_tower(model, config_for(family))
     batch = make_inputs(family, [{"images": [(1, 4, 4)]}], seed=dist.get_rank())
+    prepared: Any = batch
     if dist.get_rank() == 1 and grid == "flat pixels":
         batch["pixel_values"] = batch["pixel_values"].reshape(16, -1)
+    elif dist.get_rank() == 1 and grid == "tuple":
+        prepared = tuple(batch.values())
     elif dist.get_rank() == 1:
         batch["image_grid_thw"] = None if grid == "none" else torch.tensor([[1, 4, 4, 1]])
     try:
         if ahead == "prepare":
-            handle.prepare(batch)
+            handle.prepare(prepared)
         elif ahead == "collator":
             batch = handle.plan_ahead(_first)([batch])
         model(**batch)
@@ -1535,6 +1538,7 @@ def _bad_input_on_rank_1(family: str, ahead: str | None, grid: str) -> str:
         ("prepare", "none", "grid_thw is not a torch.Tensor"),
         ("prepare", "4 columns", "grid_thw has shape (1, 4)"),
         ("collator", "4 columns", "grid_thw has shape (1, 4)"),
+        ("prepare", "tuple", "On this rank: the batch is a tuple, not a mapping"),
     ],
 )
 def test_bad_input_on_one_rank_raises_on_every_rank(

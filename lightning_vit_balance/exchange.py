@@ -1247,10 +1247,9 @@ def exchange_status(
     One all_gather of five int64 per rank (flag, output digest, output count, ``plan_digest``,
     ``gradients``) in the common case; when any rank's ViT raised, made rows that fit no kind, or
     made outputs that differ from another rank's (trailing shape, dtype: autocast on one rank
-    only), a second
-    all_gather brings every rank's full status, so each can raise the same error. The buffers are
-    host (CPU) tensors where the backend carries them (gloo, or a ``"cpu:gloo,cuda:nccl"`` group),
-    so no device sync happens.
+    only), a second all_gather brings every rank's full status, so each can raise the same error.
+    The buffers are host (CPU) tensors where the backend carries them (gloo, or a
+    ``"cpu:gloo,cuda:nccl"`` group), so no device sync happens.
 
     Args:
         status: This rank's.

@@ -2203,7 +2203,7 @@ def rows_to_plan(
     as bf16), and of the towers' width when the batch has no pixels (a text-only batch)."""
     if not isinstance(batch, Mapping):
         # Nothing to read by name: handed on as no tensor, for the prepare's checks to report on
-        # every rank (planning it as a text-only batch would fail only at the call, one rank late).
+        # every rank (model(**batch) could not take it; the mixin plans it as having no images).
         return batch, None
     towers = tuple(tower for tower in towers if tower.installed)
     step_keys = {key for tower in towers for key in tower.step_grid_keys}

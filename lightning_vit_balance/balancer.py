@@ -99,7 +99,8 @@ class BalanceStats:
         loads_before: Cost per rank with every image at home. For ``"disabled"`` and
             ``"single-rank"`` calls (nothing gathered) only this rank's load.
         loads_after: Cost per rank under the plan.
-        imbalance_before: ``max(load) / mean(load) - 1`` before.
+        imbalance_before: ``max(load) / mean(load) - 1`` before; NaN for a ``"disabled"`` call on
+            many ranks (nothing gathered, so unknown).
         imbalance_after: The same under the plan.
         num_images: Images over all ranks (this rank's only when nothing was gathered); with
             ``split_videos``, each temporal step of a video counts as an image.
@@ -177,7 +178,8 @@ class BalanceStats:
         num_ranks: int = 1,
     ) -> BalanceStats:
         """The stats of a call that encoded its own batch directly, nothing gathered (one rank,
-        balancing disabled): nothing moved, the imbalance over this rank's load alone (0).
+        balancing disabled): nothing moved; imbalance 0 on one rank, NaN on many (no rank knows the
+        others' loads), left out of :class:`~lightning_vit_balance.BalanceMetrics`' means.
 
         The grid is read only on the CPU (reading one on a device would make the host wait for
         it): from a device grid, no loads, a grid row per image and a pixel row per patch. With
@@ -191,15 +193,8 @@ class BalanceStats:
             rank: This rank in the data-parallel group.
             num_ranks: Ranks in the group.
         """
-        counts: tuple[int, ...] = ()
-        frames: tuple[int, ...] = ()
         grid = grid_thw if isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 else None
-        if grid is not None and grid.shape[1] == 3 and grid.device.type == "cpu":
-            rows = grid.tolist()
-            counts = tuple(int(t) * int(h) * int(w) for t, h, w in rows)
-            frames = tuple(int(t) for t, _, _ in rows)
-        if any(n <= 0 for n in (*counts, *frames)):
-            counts = frames = ()
+        counts, frames = _host_grid_items(grid)
         loads: tuple[float, ...] = ()
         images, patches = (int(grid.shape[0]), pixel_rows) if grid is not None else (0, 0)
         if grid is None or grid.device.type == "cpu":
@@ -207,6 +202,7 @@ class BalanceStats:
             loads = plan_rebalance([counts], config, frames=[frames]).loads_before
             images = sum(frames) if config.split_videos else len(counts)
             patches = sum(counts)
+        imbalance = math.nan if num_ranks > 1 else 0.0
         return cls(
             applied=False,
             reason=reason,
@@ -214,8 +210,8 @@ class BalanceStats:
             num_ranks=num_ranks,
             loads_before=loads,
             loads_after=loads,
-            imbalance_before=0.0,
-            imbalance_after=0.0,
+            imbalance_before=imbalance,
+            imbalance_after=imbalance,
             num_images=images,
             moved_images=0,
             moved_patches=0,
@@ -226,6 +222,17 @@ class BalanceStats:
             exchange_seconds=0.0,
             collectives=0,
         )
+
+
+def _host_grid_items(grid: torch.Tensor | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(patch counts, temporal steps)`` per image of a valid ``[n, 3]`` grid on the CPU; empty
+    for any other (a grid on a device is not read)."""
+    if grid is None or grid.shape[1] != 3 or grid.device.type != "cpu":
+        return (), ()
+    rows = grid.tolist()
+    counts = tuple(int(t) * int(h) * int(w) for t, h, w in rows)
+    frames = tuple(int(t) for t, _, _ in rows)
+    return ((), ()) if any(n <= 0 for n in (*counts, *frames)) else (counts, frames)
 
 
 _Params = ParamSpec("_Params")

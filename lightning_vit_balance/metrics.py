@@ -19,6 +19,7 @@ it gives; a plain PyTorch loop can log it too::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,7 @@ class _Window:
 
     def __init__(self) -> None:
         self.calls = 0
+        self.imbalance_calls = 0  # calls whose imbalance is known (not NaN)
         self.totals: dict[str, float] = dict.fromkeys(_MEANS + _SUMS, 0.0)
         self.load_calls = 0
         self.loads: dict[str, list[float]] = {}
@@ -93,7 +95,13 @@ class _Window:
 
     def add(self, stats: BalanceStats, per_rank_loads: bool | None) -> None:
         self.calls += 1
-        for name, value in _call_figures(stats).items():
+        figures = _call_figures(stats)
+        if math.isnan(figures["imbalance_before"]) or math.isnan(figures["imbalance_after"]):
+            # Unknown (balancing disabled on many ranks: nothing gathered): left out of the means.
+            figures["imbalance_before"] = figures["imbalance_after"] = 0.0
+        else:
+            self.imbalance_calls += 1
+        for name, value in figures.items():
             self.totals[name] += value
         self._add_vit_ms(tuple(getattr(stats, "vit_ms", ())))
         before, after = tuple(stats.loads_before), tuple(stats.loads_after)
@@ -139,8 +147,13 @@ class _Window:
         """The window's metrics (without the cumulative counts); empty without calls."""
         if self.calls == 0:
             return {}
-        metrics = {PREFIX + "calls": float(self.calls)}
-        metrics.update({PREFIX + name: self.totals[name] / self.calls for name in _MEANS})
+        metrics = {
+            PREFIX + "calls": float(self.calls),
+            PREFIX + "applied": self.totals["applied"] / self.calls,
+        }
+        if self.imbalance_calls:
+            for name in ("imbalance_before", "imbalance_after"):
+                metrics[PREFIX + name] = self.totals[name] / self.imbalance_calls
         for side in ("before", "after"):
             for r, total in enumerate(self.loads.get(side, ())):
                 metrics[f"{PREFIX}load_{side}/rank_{r}"] = total / self.load_calls

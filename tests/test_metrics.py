@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
 
-from lightning_vit_balance import BalanceMetrics, BalanceStats
+from lightning_vit_balance import BalanceMetrics, BalanceStats, ViTBalanceConfig
 from lightning_vit_balance.planning import REASONS
 
 
@@ -68,6 +69,28 @@ def test_a_window_averages_its_calls_and_sums_their_traffic() -> None:
     assert (got["vit_balance/applied_total"], got["vit_balance/calls_total"]) == (1.0, 2.0)
     assert got["vit_balance/skipped/below-threshold"] == 1.0
     assert {f"vit_balance/skipped/{r}" for r in REASONS if r != "applied"} <= set(got)
+
+
+def test_a_disabled_call_on_many_ranks_has_no_imbalance_to_average() -> None:
+    """Balancing disabled on many ranks: nothing is gathered, so the imbalance is unknown (NaN).
+    Such calls count, and move nothing, but stay out of the imbalance means; a window of them
+    alone has no imbalance keys (a monitor of them says so) rather than a made-up 0 or a NaN."""
+    disabled = BalanceStats.of_direct_call(
+        ViTBalanceConfig(enabled=False), None, reason="disabled", num_ranks=4
+    )
+    assert math.isnan(disabled.imbalance_before) and math.isnan(disabled.imbalance_after)
+    one_rank = BalanceStats.of_direct_call(ViTBalanceConfig(), None)
+    assert (one_rank.imbalance_before, one_rank.imbalance_after) == (0.0, 0.0)
+    metrics = BalanceMetrics()
+    metrics.add(disabled)
+    got = metrics.metrics()
+    assert got["vit_balance/calls"] == 1.0 and got["vit_balance/skipped/disabled"] == 1.0
+    assert "vit_balance/imbalance_before" not in got and "vit_balance/imbalance_after" not in got
+    metrics.add(APPLIED)
+    got = metrics.metrics()
+    assert got["vit_balance/applied"] == 0.5
+    assert got["vit_balance/imbalance_before"] == pytest.approx(0.8)  # the applied call's alone
+    assert got["vit_balance/imbalance_after"] == pytest.approx(0.0)
 
 
 def test_a_new_window_keeps_the_counts() -> None:

@@ -225,7 +225,8 @@ class ViTBalanceCallback(Callback):
         trainer.callback_metrics.update(zip(metrics, values.unbind()))
         if self.prog_bar:
             for key in (PREFIX + "imbalance_before", PREFIX + "imbalance_after"):
-                pl_module.log(key, metrics[key], prog_bar=True, logger=False, on_step=True)
+                if key in metrics:  # unknown where balancing is disabled on many ranks
+                    pl_module.log(key, metrics[key], prog_bar=True, logger=False, on_step=True)
 
     # ------------------------------------------------------------------ hooks
 

@@ -303,6 +303,23 @@ def _layout_of(output_layout: OutputLayout | Mapping[str, str] | None) -> Output
     )
 
 
+def _advise_host_group(group: Any) -> None:
+    """Warn (on the group's rank 0) where ``group`` carries CUDA tensors alone (NCCL) and no host
+    group was given: every balanced call's small gathers then go through CUDA buffers, and reading
+    them makes the host wait for the GPU in the forward."""
+    if host_device(group).type != "cuda" or dist.get_rank(group) != 0:
+        return
+    warnings.warn(
+        "ViTBalancer: group is an NCCL group and no host_group was given, so every balanced call "
+        "gathers its metadata and status words through CUDA buffers: a device-to-host copy each, "
+        "which makes the host wait for the GPU in the forward (and prepare() wait for it). Expected "
+        "host_group=make_host_group(group), made once on every process at the same point (or "
+        "host_group=group to gather there knowingly).",
+        RuntimeWarning,
+        stacklevel=5,
+    )
+
+
 def _vit_requires_grad(vit: Any) -> bool:
     if isinstance(vit, torch.nn.Module):
         return any(p.requires_grad for p in vit.parameters())
@@ -361,7 +378,9 @@ class ViTBalancer:
         host_group: A group over the same ranks, in the same order, whose backend carries CPU
             tensors (gloo), for the metadata and status gathers: with an NCCL ``group`` they then
             cost no device-to-host copy. :func:`~lightning_vit_balance.make_host_group` makes one
-            (as ``ViTBalanceMixin`` and the Hugging Face drop-in do). Default: ``group`` itself.
+            (as ``ViTBalanceMixin`` and the Hugging Face drop-in do). Default: ``group`` itself,
+            with a warning on its rank 0 at the first call where ``group`` is NCCL's alone (pass
+            ``group`` itself to gather there knowingly).
 
     Attributes:
         last_stats: :class:`BalanceStats` of the last call, ``None`` before the first.
@@ -384,6 +403,7 @@ class ViTBalancer:
         self.group = group
         self.host_group = host_group
         self._host_checked = host_group is None
+        self._host_advised = host_group is not None
         self.output_layout = _layout_of(output_layout)
         self.last_stats: BalanceStats | None = None
         self.calls = 0
@@ -725,6 +745,9 @@ class ViTBalancer:
 
     def _host(self) -> Any:
         """The group for host-side gathers, checked once to hold the same ranks as ``group``."""
+        if not self._host_advised:
+            self._host_advised = True
+            _advise_host_group(self.group)
         if not self._host_checked:
             ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
             try:

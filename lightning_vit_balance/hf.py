@@ -1953,6 +1953,8 @@ class BalancedVisionTower:
         if self._balancer is None or self._balancer_key != key:
             carried = self._balancer.state_dict() if self._balancer is not None else self._carried
             host = self._host_group(group)
+            if host is None:  # none needed, or none could be made (make_host_group warned why)
+                host = group if group is not None else dist.group.WORLD
             self._balancer = ViTBalancer(config, group, output_layout=layout, host_group=host)
             self._balancer_key, self._carried = key, None
             if carried:

@@ -434,3 +434,29 @@ def test_a_twin_across_two_network_namespaces(tmp_path: Path) -> None:
             assert not got["twin"] and got["applied"] and got["seconds"] < 30, (mode, got)
             assert len(got["warnings"]) == (1 if rank == 0 else 0), (mode, got)
         assert "its ranks could not connect (rank " in results[mode][0]["warnings"][0], results
+
+
+def test_a_balancer_on_nccl_without_a_host_group_says_what_it_costs(
+    one_rank_world: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bare ``ViTBalancer`` on a group that carries CUDA tensors alone, given no host group, warns
+    once at its first call that its gathers will wait for the GPU; given the group itself as its
+    host group (what the mixin and the drop-in pass where no twin could be made, after
+    ``make_host_group`` warned why), it does not. Patched: this group is gloo, and no GPU."""
+    from lightning_vit_balance import ViTBalancer
+    from lightning_vit_balance import balancer as balancer_module
+
+    monkeypatch.setattr(balancer_module, "host_device", lambda group: torch.device("cuda", 0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        balancer = ViTBalancer()
+        balancer._host()
+        balancer._host()
+        ViTBalancer(host_group=dist.group.WORLD)._host()
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "host_group=make_host_group(group)" in messages[0], messages
+    monkeypatch.undo()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ViTBalancer()._host()  # gloo: nothing to say
+    assert not caught

@@ -475,6 +475,8 @@ class ViTBalanceMixin:
         if state.balancer is None or state.balancer_config != config or state.balancer_layout != layout:
             self._vit_balance_refuse_peer_fits(config)
             host = state.host_group if group is state.group else None
+            if host is None:  # none needed, or none could be made (make_host_group warned why)
+                host = group if group is not None else dist.group.WORLD
             carried = state.balancer_state()
             state.balancer = ViTBalancer(
                 config, group, report=rank_zero_info, host_group=host, output_layout=layout

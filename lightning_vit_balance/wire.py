@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_vit_balance.exchange import ReceivePieces, ReturnLayout, SendPieces, fill_rows
+from lightning_vit_balance.exchange import ReceivePieces, ReturnLayout, SendPieces, fill_rows, split_rows
 
 __all__ = [
     "elements_per_row",
@@ -112,7 +112,7 @@ class _PackFunction(torch.autograd.Function):
         pieces = layout.send_pieces
         elements = [elements_per_row(leaf, transit) for leaf in leaves]
         split = [
-            _split_with_tail(pack_rows(leaf, transit), _row_sizes(cuts, per_row))
+            split_rows(pack_rows(leaf, transit), _row_sizes(cuts, per_row))  # 1-D: rows are values
             for leaf, cuts, per_row in zip(leaves, pieces.cuts, elements)
         ]
         ctx.pieces, ctx.elements = pieces, elements
@@ -141,11 +141,6 @@ class _PackFunction(torch.autograd.Function):
             shape, dtype, device = ctx.tie
             tie = torch.zeros((), dtype=dtype, device=device).expand(shape)
         return None, None, tie, *grads
-
-
-def _split_with_tail(flat: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
-    """``flat`` split at ``sizes``, the rest (rows past the last cut) one more piece."""
-    return torch.split(flat, [*sizes, flat.numel() - sum(sizes)])
 
 
 def pack_return(
@@ -197,19 +192,16 @@ class _UnpackFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         pieces: ReceivePieces = ctx.pieces
         shape, dtype, device = ctx.back
-        parts: list[torch.Tensor | None] = [None] * len(ctx.sizes)
+        placed: dict[int, torch.Tensor] = {}
         for k, grad in enumerate(grads):
             if grad is None or not _is_float(grad.dtype) or k >= len(pieces.picks) or not pieces.picks[k]:
                 continue
             picks = pieces.picks[k]
             flat = grad.reshape(-1).to(dtype)
-            for i, part in zip(picks, torch.split(flat, [ctx.sizes[i] for i in picks])):
-                parts[i] = part
-        if all(part is None for part in parts):
-            return torch.zeros(shape, dtype=dtype, device=device), None, None, *(None for _ in grads)
-        zero = torch.zeros((), dtype=dtype, device=device)
-        whole = [zero.expand(size) if part is None else part for part, size in zip(parts, ctx.sizes)]
-        return torch.cat(whole), None, None, *(None for _ in grads)
+            placed.update(zip(picks, torch.split(flat, [ctx.sizes[i] for i in picks])))
+        # Zeros where an output had no gradient.
+        like = torch.empty(0, dtype=dtype, device=device)
+        return fill_rows(placed, ctx.sizes, shape[0], like), None, None, *(None for _ in grads)
 
 
 def unpack_return(

@@ -447,14 +447,23 @@ class ViTBalanceMixin:
         """``(config, group)`` when a call of ``vit`` should balance (as :meth:`encode_images`
         decides), else None. ``ahead``: for a plan made before the step (in
         ``on_before_batch_transfer``), for the step's calls."""
+        found = self._vit_balance_in_loop(vit, ahead)
+        if found is None:
+            return None
+        config, state = found
+        if state.group is None or state.group_size < 2:
+            return None
+        return config, state.group
+
+    def _vit_balance_in_loop(self, vit: object, ahead: bool) -> tuple[ViTBalanceConfig, _State] | None:
+        """The configuration and this run's state (its group looked up) where balancing is on and
+        the running loop makes such a call on every rank, whatever the group's size; else None."""
         config = self.resolved_vit_balance_config()
         if not config.enabled or not self._vit_balance_loop_balances(vit, ahead):
             return None
         state = self._vit_balance_state_object()
         self._vit_balance_refresh(state)
-        if state.group is None or state.group_size < 2:
-            return None
-        return config, state.group
+        return config, state
 
     def _vit_balance_loop_balances(self, vit: object, ahead: bool) -> bool:
         """Whether every rank makes this call of ``vit`` (or, ``ahead``, the step's calls)."""
@@ -693,13 +702,10 @@ class ViTBalanceMixin:
         logs the same keys (imbalance 0, nothing moved) on one device as on many, so monitors of
         them work there too. ``parts``: the call's ``(pixel_values, grid_thw)`` per modality;
         ``pricing``: the configuration its balanced calls would take, where not the module's."""
-        if in_backward_pass():  # a recomputation is its forward call again
+        found = None if in_backward_pass() else self._vit_balance_in_loop(vit, False)
+        if found is None:  # not a call that would balance (a recomputation is its forward's again)
             return
-        config = self.resolved_vit_balance_config()
-        if not config.enabled or not self._vit_balance_loop_balances(vit, False):
-            return
-        state = self._vit_balance_state_object()
-        self._vit_balance_refresh(state)
+        config, state = found
         distributed = dist.is_available() and dist.is_initialized()
         ranks = state.group_size if state.group is not None else (dist.get_world_size() if distributed else 1)
         if ranks > 1:

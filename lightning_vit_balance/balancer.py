@@ -1146,29 +1146,25 @@ class ViTBalancer:
     def _record(
         self,
         plan: RebalancePlan,
-        call: _Call | None,
-        metadata: Sequence[RankMetadata] = (),
+        call: _Call,
+        metadata: Sequence[RankMetadata],
         *,
-        rank: int = 0,
-        num_ranks: int | None = None,
-        reason: str | None = None,
         prepare_seconds: float = 0.0,
     ) -> None:
-        """Keep ``plan``'s figures and ``call``'s measurements as :attr:`last_stats`; ``num_ranks`` and
-        ``reason`` override the plan's for calls that planned over this rank alone;
+        """Keep ``plan``'s figures and ``call``'s measurements as :attr:`last_stats`;
         ``prepare_seconds``: what making a prepared plan took before the call. A recomputation
         (activation checkpointing) keeps its forward call's figures."""
         if in_backward_pass():
             return
         if plan.applied:
             self.applied_calls += 1
-        seconds = call.seconds if call is not None else {}
+        seconds = call.seconds
         exchange = sum(seconds.get(step, 0.0) for step in ("gather", "dispatch", "combine"))
         self.last_stats = BalanceStats(
             applied=plan.applied,
-            reason=reason if reason is not None else plan.reason,
-            rank=call.rank if call is not None else rank,
-            num_ranks=num_ranks if num_ranks is not None else plan.num_ranks,
+            reason=plan.reason,
+            rank=call.rank,
+            num_ranks=plan.num_ranks,
             loads_before=plan.loads_before,
             loads_after=plan.loads_after,
             imbalance_before=plan.imbalance_before,
@@ -1177,11 +1173,11 @@ class ViTBalancer:
             moved_images=plan.moved_images,
             moved_patches=plan.moved_patches,
             total_patches=plan.total_patches,
-            bytes_sent=call.bytes_sent if call is not None else 0,
-            bytes_received=call.bytes_received if call is not None else 0,
+            bytes_sent=call.bytes_sent,
+            bytes_received=call.bytes_received,
             plan_seconds=seconds.get("plan", 0.0),
             exchange_seconds=exchange,
-            collectives=call.collectives if call is not None else 0,
+            collectives=call.collectives,
             gather_seconds=seconds.get("gather", 0.0),
             dispatch_seconds=seconds.get("dispatch", 0.0),
             encode_seconds=seconds.get("encode", 0.0),

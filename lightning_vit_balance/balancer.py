@@ -852,11 +852,13 @@ class ViTBalancer:
         return self._calibrator.model
 
     def _settings_fingerprint(self) -> tuple[tuple[str, int], ...]:
-        if self._calibrator is None:
-            return self._fingerprint
         # The settings' part is fixed; only the fitted model changes between calls (rehashing the
-        # whole config took 21 us per call, in the forward).
-        return (*self._fingerprint, ("cost_fit", setting_digest(self._calibrator.state_fingerprint())))
+        # whole config took 21 us per call, in the forward). "cost_fit" is there without a
+        # calibrator too: a rank calibrating and one not then differ in named settings, not in
+        # the length of their gather rows (gloo aborts on that, NCCL would hang).
+        calibrator = self._calibrator
+        fit = 0 if calibrator is None else setting_digest(calibrator.state_fingerprint())
+        return (*self._fingerprint, ("cost_fit", fit))
 
     def _dispatch(
         self,

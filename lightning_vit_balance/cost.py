@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_vit_balance.config import ViTBalanceConfig, _check_int, _check_number
+from lightning_vit_balance.config import ViTBalanceConfig, _check_int, _check_number, stable_digest
 
 __all__ = ["CostCalibrator", "CostModel", "pixel_row_factors"]
 
@@ -231,22 +231,28 @@ class CostModel:
         forward code cannot be read from its modules (``examples/tiny_vlm.py``'s tower, for one,
         attends over a whole video). Pass ``per_frame_attention`` to say otherwise.
 
+        A tower inside a wrapper that hides its ``config`` (``DistributedDataParallel``, DeepSpeed's
+        engine, FSDP1, activation checkpointing's wrapper) is read through it.
+
         Args:
             vit: The vision tower.
             window_layers: Blocks with windowed attention, overriding the config; ``()`` for none.
-            window_patches: Patches per window in those blocks.
+            window_patches: Patches per window in the windowed blocks, overriding the config's
+                (each of the two overrides alone).
             per_frame_attention: Overrides what the tower's type says (see above).
 
         Raises:
             ValueError: when neither the config nor the modules give a width and a depth, when
                 the blocks differ, or when windows are unknown; the message says what to pass.
         """
+        vit = _unwrapped(vit)
         shape = _shape_from_config(getattr(vit, "config", None)) or _shape_from_modules(vit)
         if shape is None:
             raise ValueError(
                 f"CostModel.from_vit: {type(vit).__name__} has no `config` with a hidden size and a "
                 "depth, and no attention layers in its modules (an nn.Linear named *qkv* with "
-                "out_features == 3 * in_features, a q_proj, or an nn.MultiheadAttention). Build the model "
+                "out_features == in_features + 2 * kv, 0 < kv <= in_features, a q_proj, or an "
+                "nn.MultiheadAttention). Build the model "
                 "with CostModel.from_vit_shape(hidden_size=..., depth=..., intermediate_size=..., "
                 "patch_input_dim=..., window_layers=..., window_patches=...) instead."
             )
@@ -287,6 +293,7 @@ class CostModel:
                 "CostModel.fit needs two 1-D sequences of the same length >= 2, got "
                 f"patch_counts shape {counts.shape} and seconds shape {times.shape}."
             )
+        _check_measurements(counts, times, window_patches)
         per_frame = frames is not None if per_frame_attention is None else per_frame_attention
         span = counts / _steps(frames, counts) if per_frame and frames is not None else counts
         columns = {"quadratic": counts * span, "linear": counts, "constant": np.ones_like(counts)}
@@ -311,6 +318,22 @@ class CostModel:
         )
 
 
+def _check_measurements(counts: np.ndarray, times: np.ndarray, window_patches: Any) -> None:
+    """:meth:`CostModel.fit`'s measurements checked: a ``ValueError`` naming the first bad one."""
+    for name, values, rule in (("patch_counts", counts, counts > 0), ("seconds", times, times >= 0)):
+        bad = np.flatnonzero(~(rule & np.isfinite(values)))
+        if bad.size:
+            raise ValueError(
+                f"CostModel.fit: {name}[{bad[0]}]={float(values[bad[0]])!r} is invalid: expected a finite "
+                f"number {'> 0' if name == 'patch_counts' else '>= 0'}."
+            )
+    if not _is_int(window_patches) or window_patches < 0:
+        raise ValueError(
+            f"CostModel.fit: window_patches={window_patches!r} is invalid: expected an int >= 0 (0: no "
+            "windowed term)."
+        )
+
+
 def _steps(frames: Any, counts: np.ndarray) -> np.ndarray:
     """``frames`` as float64 temporal steps, one per entry of ``counts``; raises ValueError if not."""
     try:
@@ -327,6 +350,11 @@ def _steps(frames: Any, counts: np.ndarray) -> np.ndarray:
             f"of each item, shaped like the patch counts {counts.shape}."
         )
     return steps
+
+
+def _is_int(value: Any) -> bool:
+    """An integer, Python's or NumPy's (not a bool, not a float however whole)."""
+    return not isinstance(value, bool) and hasattr(type(value), "__index__")
 
 
 def _short(value: Any) -> str:
@@ -363,17 +391,60 @@ _PER_FRAME_MODEL_TYPES = frozenset(
 def _set_windows(
     vit: Any, shape: dict[str, Any], window_layers: Iterable[int] | None, window_patches: int | None
 ) -> None:
-    """Put the caller's windowed blocks into ``shape``, or refuse a windowed tower that says none."""
+    """Put the caller's windowed blocks and window into ``shape`` (each overrides the config's
+    alone), or refuse a windowed tower that says none."""
     if window_layers is not None:
-        shape["window_layers"] = tuple(window_layers)
-        shape["window_patches"] = 0 if window_patches is None else window_patches
-    elif "window_layers" not in shape and callable(getattr(vit, "get_window_index", None)):
+        shape["window_layers"] = _block_indices(window_layers)
+    if window_patches is not None:
+        if not _is_int(window_patches):
+            raise ValueError(
+                f"CostModel.from_vit: window_patches={window_patches!r} is invalid: expected an int "
+                "(patches per attention window)."
+            )
+        if window_patches and not shape.get("window_layers"):
+            raise ValueError(
+                f"CostModel.from_vit: window_patches={window_patches!r} was given, but "
+                f"{type(vit).__name__} has no windowed blocks: pass window_layers=[block indices] too."
+            )
+        shape["window_patches"] = window_patches
+    if "window_layers" not in shape and callable(getattr(vit, "get_window_index", None)):
         raise ValueError(
             f"CostModel.from_vit: {type(vit).__name__} has a get_window_index (windowed attention) "
             "but no config saying which blocks use windows; pass window_layers=[block indices] and "
             "window_patches=<patches per window>, or window_layers=() when every block attends to "
             "whole images."
         )
+
+
+def _block_indices(window_layers: Iterable[int]) -> tuple[int, ...]:
+    """``window_layers`` as block indices, or a ValueError naming it."""
+    try:
+        indices = tuple(window_layers)
+    except TypeError:
+        indices = None
+    if indices is None or not all(_is_int(i) for i in indices):
+        raise ValueError(
+            f"CostModel.from_vit: window_layers={window_layers!r} is invalid: expected block indices "
+            "(ints), or () when every block attends to whole images."
+        )
+    return indices
+
+
+#: Attributes under which wrappers hold the module they wrap: DistributedDataParallel's and
+#: DeepSpeed's ``module``, FSDP1's ``_fsdp_wrapped_module``, activation checkpointing's
+#: ``_checkpoint_wrapped_module`` (``torch.compile``'s module forwards attributes by itself).
+_WRAPPED = ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def _unwrapped(vit: Any) -> Any:
+    """The tower inside wrappers that hide its ``config`` and ``get_window_index``."""
+    while getattr(vit, "config", None) is None and not callable(getattr(vit, "get_window_index", None)):
+        inners = (getattr(vit, name, None) for name in _WRAPPED)
+        inner = next((m for m in inners if callable(getattr(m, "named_modules", None))), None)
+        if inner is None:
+            return vit
+        vit = inner
+    return vit
 
 
 def _attends_per_frame(vit: Any) -> bool:
@@ -430,6 +501,8 @@ def _check_vit_shape(
         )
     if any(not 0 <= i < depth for i in windowed_layers):
         raise ValueError(f"window_layers={windowed_layers!r} must lie in [0, depth={depth}).")
+    if not _is_int(window_patches):
+        raise ValueError(f"window_patches={window_patches!r} is invalid: expected an int (patches a window).")
     if windowed_layers and window_patches <= 0:
         raise ValueError(
             f"window_patches={window_patches!r} must be > 0 when window_layers={windowed_layers!r}."
@@ -592,7 +665,8 @@ def _shape_from_modules(vit: Any) -> dict[str, Any] | None:
     if len(widths) != 1:
         raise ValueError(
             f"CostModel.from_vit: the attention layers of {type(vit).__name__} read different widths "
-            f"{widths}; build the model with CostModel.from_vit_shape(...) instead."
+            f"{widths}: expected the vision tower alone (e.g. model.model.visual, not the whole "
+            "model); for a tower of mixed widths, build the model with CostModel.from_vit_shape(...)."
         )
     width = widths[0]
     if len(kv_sizes) != 1:
@@ -688,6 +762,16 @@ class _NormalEquations:
             {a: math.fsum(p.moments[a] for p in parts) for a in names},
             math.fsum(p.total for p in parts),
         )
+
+
+@dataclass(frozen=True)
+class _WindowStep:
+    """One observed step in a :class:`CostCalibrator`'s window: its rows (``_ROW``'s columns),
+    their normal equations and a digest of the rows' float64 bytes."""
+
+    rows: np.ndarray
+    equations: _NormalEquations
+    digest: int
 
 
 def _nonnegative_least_squares(
@@ -808,9 +892,7 @@ class CostCalibrator:
         self.min_rank_steps = min_rank_steps
         self.min_spread = float(min_spread)
         self.outlier_factor = float(outlier_factor)
-        self._steps: collections.deque[tuple[np.ndarray, _NormalEquations]] = collections.deque(
-            maxlen=history
-        )
+        self._steps: collections.deque[_WindowStep] = collections.deque(maxlen=history)
         self._overhead = 0.0
         self._measured_steps = 0
         self.steps_observed = 0
@@ -834,12 +916,13 @@ class CostCalibrator:
 
     def state_fingerprint(self) -> tuple[float, ...]:
         """:meth:`fingerprint` and what decides the next fits: the counters, the window's length
-        and its first and last steps' sums. Equal on every rank that fed the calibrator the same
-        figures, so a state loaded on some ranks only (a fit one call early there, plans apart) is
-        told apart before it plans."""
-        window = (self._steps[0][1].total, self._steps[-1][1].total) if self._steps else (0.0, 0.0)
+        and a digest of its rows. Equal on every rank that fed the calibrator the same figures, so
+        a state loaded on some ranks only, or other states on other ranks (fits apart, so plans
+        apart), is told apart before it plans."""
         counters = (self.steps_observed, self._measured_steps, self.fits, len(self._steps))
-        return (*self.fingerprint(), *counters, *window)
+        # 52 bits, so that the digest survives the float the settings' fingerprint reads it as.
+        window = stable_digest(b"".join(step.digest.to_bytes(8, "little") for step in self._steps)) >> 10
+        return (*self.fingerprint(), *counters, window)
 
     def observe(
         self,
@@ -867,8 +950,7 @@ class CostCalibrator:
         self._measured_steps += 1
         if self._measured_steps <= self.warmup_steps:
             return self._model
-        # Each step's normal equations are summed once; the window's are their sum.
-        self._steps.append((rows, self._equations(rows)))
+        self._steps.append(self._window_step(rows))
         fitted = self._fit()
         if fitted is not None:
             self._model, self._overhead = fitted
@@ -888,7 +970,7 @@ class CostCalibrator:
             "call_overhead_ms": self._overhead,
             "steps_observed": self.steps_observed,
             "fits": self.fits,
-            "history": [rows.tolist() for rows, _ in self._steps],
+            "history": [step.rows.tolist() for step in self._steps],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -909,7 +991,7 @@ class CostCalibrator:
             self._model, self._overhead = model, float(state["call_overhead_ms"])
         self._steps.clear()
         for rows in history:
-            self._steps.append((rows, self._equations(rows)))
+            self._steps.append(self._window_step(rows))
         self._measured_steps = 0
         self.steps_observed = state["steps_observed"]
         self.fits = state["fits"]
@@ -946,12 +1028,12 @@ class CostCalibrator:
 
     def _fit(self) -> tuple[CostModel, float] | None:
         """The rule of the class docstring: enough rows and spread, one outlier pass."""
-        rows = np.concatenate([step_rows for step_rows, _ in self._steps])
+        rows = np.concatenate([step.rows for step in self._steps])
         if len(rows) < self.min_rank_steps:
             return None
         if rows[:, _ROW.index("largest")].max() < self.min_spread * rows[:, _ROW.index("smallest")].min():
             return None
-        terms = _nonnegative_least_squares(_NormalEquations.sum([eq for _, eq in self._steps]))
+        terms = _nonnegative_least_squares(_NormalEquations.sum([step.equations for step in self._steps]))
         if terms is None:
             return None
         errors = np.abs(self._predict(terms, rows) / rows[:, _ROW.index("ms")] - 1.0)
@@ -963,6 +1045,11 @@ class CostCalibrator:
             return None
         fitted = CostModel._from_terms(terms, self.window_patches, self.per_frame_attention)
         return fitted, terms.get("overhead", 0.0)
+
+    def _window_step(self, rows: np.ndarray) -> _WindowStep:
+        # Each step's normal equations are summed once (the window's are their sum), and its rows
+        # hashed once (the state's fingerprint combines the steps' digests).
+        return _WindowStep(rows, self._equations(rows), stable_digest(rows.tobytes()))
 
     def _columns(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         names = _ROW[:5] if self.window_patches else _ROW[:4]

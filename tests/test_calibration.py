@@ -85,6 +85,28 @@ def test_a_cost_fit_state_loaded_on_some_ranks_only_fails_on_every_rank(multiran
     assert errors[0][0].startswith("step 5: ") and "settings differ between ranks: cost_fit" in errors[0][0]
 
 
+def _calibrating_on_one_rank() -> str | None:
+    group = subgroup(RANKS)
+    if dist.get_rank() >= RANKS:
+        return None
+    balancer = ViTBalancer(ViTBalanceConfig(calibrate_cost=dist.get_rank() == 1), group)
+    try:
+        balancer(towers.TensorTower(), *towers.make_batch([(1, 2, 4)], seed=0))
+    except ValueError as error:
+        return str(error).splitlines()[0]
+    return "no error"
+
+
+def test_calibrate_cost_on_some_ranks_only_fails_on_every_rank(multirank: Any) -> None:
+    """The fit's state travels in every rank's gather row, calibrating or not: a rank calibrating
+    among ranks that do not differs in named settings, not in the length of its row (which gloo
+    aborts on and NCCL would wait for)."""
+    with multirank(POOL) as w:
+        errors = w.run(_calibrating_on_one_rank)[:RANKS]
+    assert len(set(errors)) == 1, errors
+    assert "settings differ between ranks: calibrate_cost (ranks [1] differ from rank 0)" in errors[0]
+
+
 def test_a_balancer_checkpoints_its_cost_fit_only_when_it_calibrates() -> None:
     plain, calibrating = ViTBalancer(ViTBalanceConfig()), ViTBalancer(ViTBalanceConfig(calibrate_cost=True))
     assert plain.state_dict() == {}

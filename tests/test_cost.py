@@ -288,6 +288,24 @@ def test_fit_recovers_known_coefficients() -> None:
         CostModel.fit([1.0], [1.0])
 
 
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ({"seconds": [1.0, math.nan, 3.0]}, r"seconds\[1\]=nan is invalid"),
+        ({"seconds": [1.0, math.inf, 3.0]}, r"seconds\[1\]=inf is invalid"),
+        ({"seconds": [-1.0, 2.0, 3.0]}, r"seconds\[0\]=-1.0 is invalid"),
+        ({"patch_counts": [16, 0, 64]}, r"patch_counts\[1\]=0.0 is invalid: expected a finite number > 0"),
+        ({"window_patches": -4}, r"window_patches=-4 is invalid"),
+        ({"window_patches": 4.5}, r"window_patches=4.5 is invalid"),
+    ],
+)
+def test_fit_names_the_measurement_it_cannot_use(case: dict[str, Any], message: str) -> None:
+    arguments: dict[str, Any] = {"patch_counts": [16, 32, 64], "seconds": [1.0, 2.0, 3.0], **case}
+    counts, seconds = arguments.pop("patch_counts"), arguments.pop("seconds")
+    with pytest.raises(ValueError, match=rf"CostModel\.fit: {message}"):
+        CostModel.fit(counts, seconds, **arguments)
+
+
 # -- CostModel.from_vit without a Hugging Face config ------------------------------------------
 
 
@@ -349,6 +367,27 @@ def test_from_vit_modules_agree_with_hugging_face_configs(name: str) -> None:
     assert CostModel.from_vit(holder, window_layers=windows, window_patches=window) == from_config
 
 
+def test_from_vit_reads_a_tower_through_its_wrapper_and_each_window_override_alone() -> None:
+    pytest.importorskip("transformers")
+    from torch import nn
+
+    tower = _load("towers").qwen2_5_vl_tower()
+    from_config = CostModel.from_vit(tower)
+    assert from_config.windowed > 0 and from_config.window_patches == 16
+    wrapper = nn.Module()  # as DistributedDataParallel holds it: no config, no get_window_index
+    wrapper.module = tower
+    assert CostModel.from_vit(wrapper) == from_config
+    # Each override alone keeps the config's other half.
+    assert CostModel.from_vit(tower, window_patches=64) == dataclasses.replace(from_config, window_patches=64)
+    assert CostModel.from_vit(tower, window_layers=[0, 1]).window_patches == 16
+    with pytest.raises(ValueError, match=r"window_patches=64 was given, but .* no windowed blocks"):
+        CostModel.from_vit(tower, window_layers=(), window_patches=64)
+    with pytest.raises(ValueError, match=r"window_layers='ab' is invalid: expected block indices"):
+        CostModel.from_vit(tower, window_layers="ab")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"window_patches=4.5 is invalid: expected an int"):
+        CostModel.from_vit(tower, window_patches=4.5)  # type: ignore[arg-type]
+
+
 def test_from_vit_multihead_attention_and_clear_errors() -> None:
     from torch import nn
 
@@ -360,7 +399,7 @@ def test_from_vit_multihead_attention_and_clear_errors() -> None:
     mixed = nn.Module()
     mixed.a, mixed.b = nn.Linear(8, 24), nn.Linear(16, 48)
     mixed.a.qkv, mixed.b.qkv = nn.Linear(8, 24), nn.Linear(16, 48)
-    with pytest.raises(ValueError, match=r"different widths \[8, 16\]"):
+    with pytest.raises(ValueError, match=r"different widths \[8, 16\]: expected the vision tower alone"):
         CostModel.from_vit(mixed)
 
 
@@ -564,6 +603,25 @@ def test_calibrator_state_resumes_the_fit_bit_for_bit(through: str) -> None:
     # afresh on the same steps fits other coefficients at every step.
     assert len(fingerprints) == len(noisy[14:]) and not fingerprints & afresh
     assert resumed.steps_observed == whole.steps_observed + 2 and resumed.fits == whole.fits
+
+
+def test_calibrator_state_fingerprint_sees_the_window_rows() -> None:
+    """Two states with equal counters but other measured rows fit apart at the next refit, so
+    their fingerprints must differ before either plans; a saved and loaded state keeps its own."""
+    steps = _steps(21, 6)
+    shifted = [(counts, [t * 1.5 if rank == 0 else t for rank, t in enumerate(ms)]) for counts, ms in steps]
+    first, second = CostCalibrator(warmup_steps=0), CostCalibrator(warmup_steps=0)
+    for (counts, ms), (_, other_ms) in zip(steps, shifted):
+        first.observe(counts, ms)
+        second.observe(counts, other_ms)
+    counters = slice(5, 9)
+    assert first.state_fingerprint()[counters] == second.state_fingerprint()[counters]
+    assert first.state_fingerprint() != second.state_fingerprint()
+    loaded, reloaded = CostCalibrator(warmup_steps=0), CostCalibrator(warmup_steps=0)
+    loaded.load_state_dict(first.state_dict())
+    reloaded.load_state_dict(_saved_and_loaded(first.state_dict()))
+    assert loaded.state_fingerprint() == reloaded.state_fingerprint()
+    assert loaded.state_fingerprint()[-1] == first.state_fingerprint()[-1]  # the same rows
 
 
 def test_calibrator_state_of_other_terms_is_refused_and_changes_nothing() -> None:

@@ -35,6 +35,12 @@ packing, an unpacking and each backward must each write every value once). Proce
 median over repeats. Batches: ``photos`` (1-8 images per rank, as above) and ``many small``
 (64-256 images of 64-1,024 patches per rank).
 
+**calibration**: what ``calibrate_cost=True`` adds to a call at ``P`` = 8-1024 ranks, in one
+process: ``CostCalibrator.observe`` of one step of every rank's patch counts and measured time,
+once its window holds 32 steps (it refits at every call): times as a cost model says, each off
+by a random 5% as measured times are (the outlier pass then drops a few rows and fits again),
+and with one rank in twenty 20x slow too. Process CPU time, median of the calls.
+
 **garbage collector**: the same host work, called again and again in a process holding a training
 job's heap of long-lived Python objects (a ballast of small dicts), with the rest of each step
 allocating too, once with Python's cyclic collector running through the call and once paused for
@@ -61,7 +67,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from bench_planning import heap_lpt
 
-from lightning_vit_balance import ViTBalanceConfig, exchange, plan_rebalance
+from lightning_vit_balance import CostCalibrator, ViTBalanceConfig, exchange, plan_rebalance
 from lightning_vit_balance.balancer import _collector_paused
 from lightning_vit_balance.encoding import raise_for_input
 from lightning_vit_balance.exchange import (
@@ -200,6 +206,39 @@ def host_work_table(sizes: list[int], repeats: int) -> None:
         ms = {name: _cpu_ms(fn, repeats) for name, fn in steps.items()}
         total = ms["read rows"] + ms["check"] + ms["plan + layouts"]
         print(f"{num_ranks:>5} | " + " ".join(f"{ms[c]:>14.2f}" for c in columns) + f" | {total:>11.2f}")
+
+
+def _calibration_steps(
+    num_ranks: int, outliers: bool, steps: int
+) -> list[tuple[list[list[int]], list[float]]]:
+    """Random steps of 1-8 images per rank and their ranks' times (ms) under a known model, each
+    off by a random 5% (``outliers``: and one rank in twenty 20x slow)."""
+    rng = np.random.default_rng(num_ranks)
+    out = []
+    for _ in range(steps):
+        counts = [rng.integers(16, 4000, int(rng.integers(1, 9))).tolist() for _ in range(num_ranks)]
+        ms = [1.0 + sum(1e-6 * n * n + 1e-3 * n for n in c) for c in counts]
+        slow = rng.random(num_ranks) < (0.05 if outliers else 0.0)
+        out.append((counts, [t * (20.0 if s else float(rng.lognormal(0.0, 0.05))) for t, s in zip(ms, slow)]))
+    return out
+
+
+def _observe_ms(num_ranks: int, outliers: bool, calls: int) -> float:
+    calibrator = CostCalibrator()
+    steps = _calibration_steps(num_ranks, outliers, 34 + calls)
+    for counts, times in steps[:34]:  # warm-up and a full window
+        calibrator.observe(counts, times)
+    rest = iter(steps[34:])
+    return _cpu_ms(lambda: calibrator.observe(*next(rest)), calls)
+
+
+def calibration_table(sizes: list[int], calls: int) -> None:
+    """The ``calibration`` table (see the module docstring)."""
+    print(f"\nCostCalibrator.observe per call, window full (32 steps; CPU ms, median of {calls} calls)")
+    print(f"{'P':>5} | {'5% noise':>11} {'+ 20x slow':>11}")
+    for num_ranks in sizes:
+        ms = [_observe_ms(num_ranks, outliers, calls) for outliers in (False, True)]
+        print(f"{num_ranks:>5} | {ms[0]:>11.2f} {ms[1]:>11.2f}")
 
 
 def _many_small_counts(num_ranks: int, seed: int) -> list[list[int]]:
@@ -370,11 +409,13 @@ def main() -> None:
     parser.add_argument("--host-ranks", type=int, nargs="+", default=[64, 256, 1024], help="host work table")
     parser.add_argument("--host-repeats", type=int, default=15, help="host work: timed calls per step")
     parser.add_argument("--trip-ranks", type=int, nargs="+", default=[8, 64, 512], help="return trip table")
+    parser.add_argument("--calibration-ranks", type=int, nargs="+", default=[8, 64, 256, 1024])
     parser.add_argument("--gc-calls", type=int, default=300, help="garbage collector table: calls per row")
     parser.add_argument("--gc-ballast", type=int, default=1_000_000, help="long-lived objects in the process")
     args = parser.parse_args()
     host_work_table(args.host_ranks, args.host_repeats)
     return_trip_table(args.trip_ranks, args.host_repeats)
+    calibration_table(args.calibration_ranks, args.host_repeats)
     gc_table(args.host_ranks, args.gc_calls, args.gc_ballast)
     print()
     gathers_table(args.ranks, args.calls)

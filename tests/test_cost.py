@@ -624,6 +624,32 @@ def test_calibrator_state_fingerprint_sees_the_window_rows() -> None:
     assert loaded.state_fingerprint()[-1] == first.state_fingerprint()[-1]  # the same rows
 
 
+def test_expansions_sum_exactly() -> None:
+    from fractions import Fraction
+
+    from lightning_vit_balance.cost import _expansion
+
+    rng = np.random.default_rng(5)
+    for scale in (0.0, 1.0, 30.0, 100.0):  # magnitudes alike, then up to about 2**+-500 apart
+        values = (rng.normal(size=200) * np.exp(rng.normal(0.0, scale, 200))).tolist()
+        terms = _expansion(values, math.fsum(values))
+        assert terms[0] == math.fsum(values) and 1 <= len(terms) <= 30
+        assert sum(map(Fraction, terms)) == sum(map(Fraction, values))
+    assert _expansion([], 0.0) == (0.0,)
+
+
+def test_a_refit_without_outliers_is_the_kept_rows_fit_bit_for_bit() -> None:
+    rng = np.random.default_rng(8)
+    calibrator = CostCalibrator(warmup_steps=0, window_patches=64)
+    for counts, ms in _steps(31, 10, ranks=16):
+        calibrator.observe(counts, [t * (25.0 if rng.random() < 0.1 else rng.uniform(0.9, 1.1)) for t in ms])
+    rows = np.concatenate([step.rows for step in calibrator._steps])
+    dropped = rng.random(len(rows)) < 0.15
+    kept = calibrator._equations(rows[~dropped])
+    assert calibrator._equations_without(rows[dropped]) == kept  # each entry the same float
+    assert calibrator._equations_without(rows[:0]) == calibrator._equations(rows)
+
+
 def test_calibrator_state_of_other_terms_is_refused_and_changes_nothing() -> None:
     fitted = CostCalibrator(warmup_steps=0)
     for counts, ms in _steps(13, 4):

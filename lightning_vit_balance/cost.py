@@ -219,7 +219,8 @@ class CostModel:
         * a block is the largest module holding one attention layer; its other linears from ``d`` to
           a width other than ``d`` are the MLP (two of them: a gated MLP; none: no MLP);
         * the patch embedding is the first linear (or convolution) into ``d`` from a width other
-          than ``d`` and the MLP's; spatial mergers (inputs of ``merge**2 * d``) are not counted.
+          than ``d`` and the MLP's; spatial mergers (inputs of ``merge**2 * d``) are not counted;
+        * modules inside a linear (a LoRA layer's base layer and low-rank pair) are that linear.
 
         Which blocks attend within windows is not in the modules: a tower with a
         ``get_window_index`` and no config saying it needs ``window_layers``.
@@ -648,13 +649,25 @@ def _patch_input_dim(modules: list[tuple[str, Any]], width: int, mlp: int) -> in
     return 0
 
 
+def _outside_linears(modules: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``modules`` without those inside a linear: an adapter's parts (a LoRA layer's base layer
+    and its low-rank pair), which the linear holding them stands for."""
+    linears = {name for name, m in modules if _is_linear(m)}
+
+    def nested(name: str) -> bool:
+        parts = name.split(".")
+        return any(".".join(parts[:k]) in linears for k in range(1, len(parts)))
+
+    return [(name, m) for name, m in modules if not nested(name)]
+
+
 def _shape_from_modules(vit: Any) -> dict[str, Any] | None:
     """:meth:`CostModel.from_vit_shape` arguments read from a tower's module tree (see
     :meth:`CostModel.from_vit`), or ``None`` when it has no recognisable attention layer."""
     named = getattr(vit, "named_modules", None)
     if not callable(named):
         return None
-    modules = list(named())
+    modules = _outside_linears(list(named()))
     layers = [(n, m, w) for n, m in modules if (w := _attention_width(n, m)) is not None]
     if not layers:
         return None

@@ -388,6 +388,19 @@ def test_from_vit_reads_a_tower_through_its_wrapper_and_each_window_override_alo
         CostModel.from_vit(tower, window_patches=4.5)  # type: ignore[arg-type]
 
 
+def test_from_vit_reads_a_lora_adapted_tower_as_its_base() -> None:
+    """A LoRA layer is a linear holding a base layer and a low-rank pair: the parts are not more
+    MLP projections, so the adapted tower prices as its base."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, inject_adapter_in_model
+
+    tower = _load("tiny_vlm").TinyVisionTower(patch_dim=12, embed_dim=64, depth=2)
+    base = CostModel.from_vit(tower, window_layers=())
+    for targets in (["qkv", "proj"], ["qkv", "proj", "mlp.0", "mlp.2"]):
+        adapted = inject_adapter_in_model(LoraConfig(r=8, target_modules=targets), copy.deepcopy(tower))
+        assert CostModel.from_vit(adapted, window_layers=()) == base, targets
+
+
 def test_from_vit_multihead_attention_and_clear_errors() -> None:
     from torch import nn
 
@@ -397,7 +410,7 @@ def test_from_vit_multihead_attention_and_clear_errors() -> None:
     with pytest.raises(ValueError, match=r"Sequential has no `config`.*from_vit_shape\(hidden_size="):
         CostModel.from_vit(nn.Sequential(nn.Linear(4, 8), nn.ReLU()))
     mixed = nn.Module()
-    mixed.a, mixed.b = nn.Linear(8, 24), nn.Linear(16, 48)
+    mixed.a, mixed.b = nn.Module(), nn.Module()
     mixed.a.qkv, mixed.b.qkv = nn.Linear(8, 24), nn.Linear(16, 48)
     with pytest.raises(ValueError, match=r"different widths \[8, 16\]: expected the vision tower alone"):
         CostModel.from_vit(mixed)

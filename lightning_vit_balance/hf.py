@@ -208,7 +208,7 @@ from lightning_vit_balance.cost import CostModel, pixel_row_factors
 from lightning_vit_balance.eager import eager, eager_frame
 from lightning_vit_balance.encoding import gathered_per_call, parameters_sharded
 from lightning_vit_balance.exchange import gather_host_values, grid_rows, grid_steps, host_to_device
-from lightning_vit_balance.host_group import make_host_group, release_host_group
+from lightning_vit_balance.host_group import owned_host_group, release_host_group
 from lightning_vit_balance.outputs import (
     OutputLayout,
     classify_output,
@@ -1675,12 +1675,13 @@ class BalancedVisionTower:
         them again (at the same point on every rank, as the first one did). A process that goes on
         to other runs with new models (a sweep's trials) then holds no twin per run, ``P + 3``
         open files each. ``ViTBalanceTrainerCallback`` calls it when training ends. Local: no
-        collective."""
+        collective. Forwards after it are kept for :meth:`pop_stats` again from its next call."""
         if self._balancer is not None:
             self._carried = self._balancer.state_dict()
         self._balancer, self._balancer_key = None, None
         release_host_group(self._twin)
         self._twin, self._twin_of = None, None
+        self._kept = None  # the run's reader is done (kept again from its next pop_stats)
 
     def remove(self) -> None:
         """Undo :func:`balance_vision_tower`: the patched instance attributes go (or the ones found
@@ -1967,7 +1968,7 @@ class BalancedVisionTower:
         balanced forward or a :meth:`prepare`, which every rank makes alike."""
         if self._twin_of != id(group):
             release_host_group(self._twin)
-            self._twin, self._twin_of = make_host_group(group), id(group)
+            self._twin, self._twin_of = owned_host_group(group, self), id(group)
         return self._twin
 
     def _encode(self, bound: Mapping[str, Any], config: ViTBalanceConfig, group: Any) -> _Pending:

@@ -38,11 +38,13 @@ patient it is, and neither may be left to gloo's defaults:
 from __future__ import annotations
 
 import contextlib
+import gc
 import ipaddress
 import math
 import os
 import socket
 import warnings
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -147,6 +149,33 @@ def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
     return twins.get(ranks)
 
 
+#: Twins made for an owner that may be dropped without releasing its twin, each with its owner's
+#: weak reference: see :func:`owned_host_group`.
+_OWNED: list[tuple[weakref.ref[Any], dist.ProcessGroup]] = []
+
+
+def owned_host_group(group: Any, owner: object) -> dist.ProcessGroup | None:
+    """:func:`make_host_group` for ``owner``, which releases the twin (:func:`release_host_group`)
+    when its run ends, after destroying the twins of owners gone without releasing theirs.
+
+    A run that raises skips its owner's release: Lightning calls no module ``teardown`` after an
+    exception, and Hugging Face's ``Trainer`` no callback's ``on_train_end``. A sweep whose trials
+    fail or are pruned (an exception too), each with a new module or model, would otherwise hold
+    one twin per such trial for the life of the process: ``P + 3`` open files and three threads
+    each. A cyclic collection runs first where such a twin is left, since a failed run's module
+    and trainer refer to each other. Every rank calls it at the same point, as
+    :func:`make_host_group`; destroying is local.
+    """
+    if _OWNED:
+        gc.collect()
+        for orphan in [twin for owner_ref, twin in _OWNED if owner_ref() is None]:
+            release_host_group(orphan)
+    twin = make_host_group(group)
+    if twin is not None:
+        _OWNED.append((weakref.ref(owner), twin))
+    return twin
+
+
 def release_host_group(host_group: dist.ProcessGroup | None) -> None:
     """Destroy a twin from :func:`make_host_group`: torch lets go of it, and its sockets and gloo's
     threads close as soon as no reference to it is left (the balancer that used it included).
@@ -156,6 +185,8 @@ def release_host_group(host_group: dist.ProcessGroup | None) -> None:
     twin otherwise lives as long as the process: a process that runs many fits would hold one per
     fit, ``P + 3`` open files each.
     """
+    # Not held here past its release either (that would keep its sockets open).
+    _OWNED[:] = [entry for entry in _OWNED if entry[1] is not host_group]
     if host_group is None or not (dist.is_available() and dist.is_initialized()):
         return
     with contextlib.suppress(ValueError):  # "Invalid process group specified": destroyed already

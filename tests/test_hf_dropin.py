@@ -2844,6 +2844,31 @@ def test_mixin_balancer_is_built_again_for_another_output_layout() -> None:
     assert merged.state_dict() == plain.state_dict()
 
 
+def test_mixin_keeps_no_model_it_no_longer_balances() -> None:
+    """A module that balances a new model each run (a sweep, ``configure_model``) holds the handles
+    of the models it balances now, not every model it ever balanced; copies and pickles of the
+    module hold their own models' handles."""
+    import gc
+    import weakref
+
+    module = _MixinOnly()
+    first = tiny_model("qwen2_vl")
+    removed = module.balance_vision_tower(tiny_model("qwen2_vl"))
+    removed.remove()
+    module.model = first
+    module.balance_vision_tower(first)
+    replaced = weakref.ref(first)
+    module.model = tiny_model("qwen2_vl")
+    handle = module.balance_vision_tower(module.model)
+    del first
+    gc.collect()
+    assert replaced() is None, "the module kept a model it no longer balances"
+    assert module._vit_balance_towers == (handle,)
+    for clone in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+        (copied,) = clone._vit_balance_towers
+        assert copied is not handle and copied is BalancedVisionTower.of(clone.model)
+
+
 def test_mixin_balance_vision_tower_is_idempotent() -> None:
     module = HFFinetune("unused", balanced=True)
     handle = BalancedVisionTower.of(module.model)

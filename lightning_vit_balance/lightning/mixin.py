@@ -32,7 +32,7 @@ from lightning_vit_balance.hf import (
     saved_state,
     unreadable_batch,
 )
-from lightning_vit_balance.host_group import make_host_group, release_host_group
+from lightning_vit_balance.host_group import owned_host_group, release_host_group
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
 from lightning_vit_balance.lightning.strategy import dp_group_from_strategy, tensor_parallel_size
 from lightning_vit_balance.outputs import OutputLayout
@@ -187,6 +187,27 @@ class _State:
         copied = _State()
         copied.carried = copy.deepcopy(self.balancer_state(), memo)
         return copied
+
+
+class _TowerRefs:
+    """A module's drop-in handles, held weakly: a handle lives as long as the model it is installed
+    on (whose patched forward holds it), so a model replaced since (a sweep, a ``configure_model``
+    loading one per fit) is not kept alive by the module, nor is a handle removed since. Copies and
+    pickles of the module hold the live handles themselves, which travel with the models that
+    hold them (one deep copy or pickle shares them)."""
+
+    def __init__(self, towers: tuple[BalancedVisionTower, ...] = ()) -> None:
+        self._refs = tuple(weakref.ref(tower) for tower in towers)
+
+    def live(self) -> tuple[BalancedVisionTower, ...]:
+        found = (ref() for ref in self._refs)
+        return tuple(tower for tower in found if tower is not None and tower.installed)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"towers": self.live()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["towers"])  # type: ignore[misc]
 
 
 class _ModuleTowerBalance(BalancedVisionTower):
@@ -386,7 +407,7 @@ class ViTBalanceMixin:
         state.group = group
         state.group_size = size
         release_host_group(state.host_group)  # a run that ended without its teardown (an exception)
-        state.host_group = make_host_group(group) if group is not None else None
+        state.host_group = owned_host_group(group, state) if group is not None else None
         # Under a Trainer, queue records only for a callback that drains them; without one (Fabric)
         # for the loop's own reader (BalanceMetrics), the latest KEPT_STATS at most.
         callbacks = trainer.callbacks if trainer is not None else ()
@@ -635,9 +656,14 @@ class ViTBalanceMixin:
         ("pixel_values_videos", "video_grid_thw"),
     )
 
-    #: The drop-in handles :meth:`balance_vision_tower` made: a plan made ahead is made for the rows
-    #: their forwards pass the tower (video steps, dtype).
-    _vit_balance_towers: tuple[BalancedVisionTower, ...] = ()
+    #: The drop-in handles :meth:`balance_vision_tower` made, held weakly (see :class:`_TowerRefs`).
+    _vit_balance_tower_refs: _TowerRefs = _TowerRefs()
+
+    @property
+    def _vit_balance_towers(self) -> tuple[BalancedVisionTower, ...]:
+        """The drop-in handles :meth:`balance_vision_tower` made that still balance a model: a plan
+        made ahead is made for the rows their forwards pass the tower (video steps, dtype)."""
+        return self._vit_balance_tower_refs.live()
 
     def prepare_vit_balance(self, batch: Any) -> PreparedPlan | None:
         """Plan the step's first balanced call from ``batch`` while it is still on the host.
@@ -753,7 +779,7 @@ class ViTBalanceMixin:
             existing.evaluation = evaluation
             return existing
         handle = _ModuleTowerBalance(model, self, evaluation)
-        object.__setattr__(self, "_vit_balance_towers", (*self._vit_balance_towers, handle))
+        object.__setattr__(self, "_vit_balance_tower_refs", _TowerRefs((*self._vit_balance_towers, handle)))
         return handle
 
     @eager_frame

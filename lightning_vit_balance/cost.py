@@ -802,12 +802,10 @@ class _NormalEquations:
     def sum(cls, parts: Sequence[_NormalEquations]) -> _NormalEquations:
         """The equations of all parts' rows together (parts with the same names)."""
         names = parts[0].names
-        return cls(
-            names,
-            {key: math.fsum(p.gram[key] for p in parts) for key in parts[0].gram},
-            {a: math.fsum(p.moments[a] for p in parts) for a in names},
-            math.fsum(p.total for p in parts),
-        )
+        pairs = [(a, b) for i, a in enumerate(names) for b in names[i:]]
+        pairs += [(a, _TARGET) for a in (*names, _TARGET)]
+        # Each symmetric entry summed once (the Gram matrix holds both orders).
+        return cls.from_sums(names, {pair: math.fsum(p.entry(pair) for p in parts) for pair in pairs})
 
 
 @dataclass

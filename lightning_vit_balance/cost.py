@@ -203,7 +203,8 @@ class CostModel:
         window_patches: int | None = None,
         per_frame_attention: bool | None = None,
     ) -> CostModel:
-        """Derive the model from a vision tower: its Hugging Face ``config``, else its modules.
+        """Derive the model from a vision tower: its Hugging Face ``config``, else its modules (read
+        through a wrapper hiding them: DDP, DeepSpeed's engine, FSDP1, a checkpoint wrapper).
 
         With a ``config``, reads Qwen2-VL (``embed_dim``, ``mlp_ratio``), Qwen2.5-VL
         (``hidden_size``, ``intermediate_size``, gated MLP, ``window_size`` in pixels with
@@ -232,9 +233,6 @@ class CostModel:
         forward code cannot be read from its modules (``examples/tiny_vlm.py``'s tower, for one,
         attends over a whole video). Pass ``per_frame_attention`` to say otherwise.
 
-        A tower inside a wrapper that hides its ``config`` (``DistributedDataParallel``, DeepSpeed's
-        engine, FSDP1, activation checkpointing's wrapper) is read through it.
-
         Args:
             vit: The vision tower.
             window_layers: Blocks with windowed attention, overriding the config; ``()`` for none.
@@ -249,14 +247,7 @@ class CostModel:
         vit = _unwrapped(vit)
         shape = _shape_from_config(getattr(vit, "config", None)) or _shape_from_modules(vit)
         if shape is None:
-            raise ValueError(
-                f"CostModel.from_vit: {type(vit).__name__} has no `config` with a hidden size and a "
-                "depth, and no attention layers in its modules (an nn.Linear named *qkv* with "
-                "out_features == in_features + 2 * kv, 0 < kv <= in_features, a q_proj, or an "
-                "nn.MultiheadAttention). Build the model "
-                "with CostModel.from_vit_shape(hidden_size=..., depth=..., intermediate_size=..., "
-                "patch_input_dim=..., window_layers=..., window_patches=...) instead."
-            )
+            raise _no_shape(vit)
         _set_windows(vit, shape, window_layers, window_patches)
         if per_frame_attention is None:
             per_frame_attention = _attends_per_frame(vit)
@@ -387,6 +378,18 @@ _PER_FRAME_MODEL_TYPES = frozenset(
         *("ovis2_5", "ovis2_5_vision"),
     }
 )
+
+
+def _no_shape(vit: Any) -> ValueError:
+    """:meth:`CostModel.from_vit`'s error for a tower it cannot read."""
+    return ValueError(
+        f"CostModel.from_vit: {type(vit).__name__} has no `config` with a hidden size and a "
+        "depth, and no attention layers in its modules (an nn.Linear named *qkv* with "
+        "out_features == in_features + 2 * kv, 0 < kv <= in_features, a q_proj, or an "
+        "nn.MultiheadAttention). Build the model with CostModel.from_vit_shape(hidden_size=..., "
+        "depth=..., intermediate_size=..., patch_input_dim=..., window_layers=..., "
+        "window_patches=...) instead."
+    )
 
 
 def _set_windows(

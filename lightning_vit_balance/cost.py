@@ -204,7 +204,7 @@ class CostModel:
         per_frame_attention: bool | None = None,
     ) -> CostModel:
         """Derive the model from a vision tower: its Hugging Face ``config``, else its modules (read
-        through a wrapper hiding them: DDP, DeepSpeed's engine, FSDP1, a checkpoint wrapper).
+        through a wrapper: DDP, DataParallel, DeepSpeed's engine, FSDP1, a checkpoint wrapper).
 
         With a ``config``, reads Qwen2-VL (``embed_dim``, ``mlp_ratio``), Qwen2.5-VL
         (``hidden_size``, ``intermediate_size``, gated MLP, ``window_size`` in pixels with
@@ -223,8 +223,9 @@ class CostModel:
           than ``d`` and the MLP's; spatial mergers (inputs of ``merge**2 * d``) are not counted;
         * modules inside a linear (a LoRA layer's base layer and low-rank pair) are that linear.
 
-        Which blocks attend within windows is not in the modules: a tower with a
-        ``get_window_index`` and no config saying it needs ``window_layers``.
+        Which blocks attend within windows is not in the modules: a tower holding a module with a
+        ``get_window_index`` (or transformers 5's ``permute_input_for_window_attn``) and no config
+        saying which needs ``window_layers``.
 
         Whether attention runs per temporal step (:attr:`per_frame_attention`): ``True`` for
         Hugging Face's Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and -MoE) and Qwen3.5 (and -MoE) towers
@@ -411,13 +412,25 @@ def _set_windows(
                 f"{type(vit).__name__} has no windowed blocks: pass window_layers=[block indices] too."
             )
         shape["window_patches"] = window_patches
-    if "window_layers" not in shape and callable(getattr(vit, "get_window_index", None)):
+    if "window_layers" not in shape and _has_windows(vit):
         raise ValueError(
-            f"CostModel.from_vit: {type(vit).__name__} has a get_window_index (windowed attention) "
-            "but no config saying which blocks use windows; pass window_layers=[block indices] and "
-            "window_patches=<patches per window>, or window_layers=() when every block attends to "
-            "whole images."
+            f"CostModel.from_vit: {type(vit).__name__} has windowed attention (a module with a "
+            f"{' or '.join(_WINDOW_METHODS)}) but no config saying which blocks use windows; pass "
+            "window_layers=[block indices] and window_patches=<patches per window>, or "
+            "window_layers=() when every block attends to whole images."
         )
+
+
+#: Methods of towers with windowed attention: Qwen2.5-VL's in transformers 4.x (and towers of
+#: its shape), and in 5.x.
+_WINDOW_METHODS = ("get_window_index", "permute_input_for_window_attn")
+
+
+def _has_windows(vit: Any) -> bool:
+    """Whether ``vit``, or a module inside it, has windowed attention (:data:`_WINDOW_METHODS`)."""
+    named = getattr(vit, "named_modules", None)
+    modules = [m for _, m in named()] if callable(named) else [vit]
+    return any(callable(getattr(m, name, None)) for m in modules for name in _WINDOW_METHODS)
 
 
 def _block_indices(window_layers: Iterable[int]) -> tuple[int, ...]:
@@ -434,18 +447,22 @@ def _block_indices(window_layers: Iterable[int]) -> tuple[int, ...]:
     return indices
 
 
-#: Attributes under which wrappers hold the module they wrap: DistributedDataParallel's and
-#: DeepSpeed's ``module``, FSDP1's ``_fsdp_wrapped_module``, activation checkpointing's
-#: ``_checkpoint_wrapped_module`` (``torch.compile``'s module forwards attributes by itself).
-_WRAPPED = ("module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+#: Wrappers that hide the ``config`` and ``get_window_index`` of the module they wrap, by type
+#: name, with the attribute holding it (``torch.compile``'s module forwards attributes by itself).
+_WRAPPERS = {
+    "DistributedDataParallel": "module",
+    "DataParallel": "module",
+    "DeepSpeedEngine": "module",
+    "FullyShardedDataParallel": "_fsdp_wrapped_module",
+    "CheckpointWrapper": "_checkpoint_wrapped_module",
+}
 
 
 def _unwrapped(vit: Any) -> Any:
-    """The tower inside wrappers that hide its ``config`` and ``get_window_index``."""
-    while getattr(vit, "config", None) is None and not callable(getattr(vit, "get_window_index", None)):
-        inners = (getattr(vit, name, None) for name in _WRAPPED)
-        inner = next((m for m in inners if callable(getattr(m, "named_modules", None))), None)
-        if inner is None:
+    """The tower inside such wrappers (a tower's own child named ``module`` is not one)."""
+    while (name := _WRAPPERS.get(type(vit).__name__)) is not None:
+        inner = getattr(vit, name, None)
+        if not callable(getattr(inner, "named_modules", None)):
             return vit
         vit = inner
     return vit

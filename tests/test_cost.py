@@ -374,9 +374,12 @@ def test_from_vit_reads_a_tower_through_its_wrapper_and_each_window_override_alo
     tower = _load("towers").qwen2_5_vl_tower()
     from_config = CostModel.from_vit(tower)
     assert from_config.windowed > 0 and from_config.window_patches == 16
-    wrapper = nn.Module()  # as DistributedDataParallel holds it: no config, no get_window_index
-    wrapper.module = tower
-    assert CostModel.from_vit(wrapper) == from_config
+    # DataParallel holds the tower as DistributedDataParallel does (no config, no get_window_index).
+    assert CostModel.from_vit(nn.DataParallel(tower)) == from_config
+    holder = nn.Module()  # a tower's own child named "module" is not a wrapper's
+    holder.module = tower
+    with pytest.raises(ValueError, match="has windowed attention"):  # its modules read, windows unknown
+        CostModel.from_vit(holder)
     # Each override alone keeps the config's other half.
     assert CostModel.from_vit(tower, window_patches=64) == dataclasses.replace(from_config, window_patches=64)
     assert CostModel.from_vit(tower, window_layers=[0, 1]).window_patches == 16

@@ -23,6 +23,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -221,11 +222,12 @@ class CostModel:
           a width other than ``d`` are the MLP (two of them: a gated MLP; none: no MLP);
         * the patch embedding is the first linear (or convolution) into ``d`` from a width other
           than ``d`` and the MLP's; spatial mergers (inputs of ``merge**2 * d``) are not counted;
-        * modules inside a linear (a LoRA layer's base layer and low-rank pair) are that linear.
+        * an adapter holding a ``base_layer`` (peft's LoRA) is read as that base layer.
 
         Which blocks attend within windows is not in the modules: a tower holding a module with a
         ``get_window_index`` (or transformers 5's ``permute_input_for_window_attn``) and no config
-        saying which needs ``window_layers``.
+        saying which needs ``window_layers``; one whose config alone names them (Ovis2.5's) is
+        read as attending to whole images without it.
 
         Whether attention runs per temporal step (:attr:`per_frame_attention`): ``True`` for
         Hugging Face's Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and -MoE) and Qwen3.5 (and -MoE) towers
@@ -347,7 +349,13 @@ def _steps(frames: Any, counts: np.ndarray) -> np.ndarray:
 
 def _is_int(value: Any) -> bool:
     """An integer, Python's or NumPy's (not a bool, not a float however whole)."""
-    return not isinstance(value, bool) and hasattr(type(value), "__index__")
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)  # a float tensor has an __index__ that raises
+    except TypeError:
+        return False
+    return True
 
 
 def _short(value: Any) -> str:
@@ -522,7 +530,7 @@ def _check_vit_shape(
         )
     if any(not 0 <= i < depth for i in windowed_layers):
         raise ValueError(f"window_layers={windowed_layers!r} must lie in [0, depth={depth}).")
-    if not _is_int(window_patches):
+    if windowed_layers and not _is_int(window_patches):
         raise ValueError(f"window_patches={window_patches!r} is invalid: expected an int (patches a window).")
     if windowed_layers and window_patches <= 0:
         raise ValueError(
@@ -669,16 +677,23 @@ def _patch_input_dim(modules: list[tuple[str, Any]], width: int, mlp: int) -> in
     return 0
 
 
-def _outside_linears(modules: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """``modules`` without those inside a linear: an adapter's parts (a LoRA layer's base layer
-    and its low-rank pair), which the linear holding them stands for."""
-    linears = {name for name, m in modules if _is_linear(m)}
+def _adapters_as_bases(modules: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``modules`` with each adapter (a module holding its ``base_layer``: peft's LoRA layers, on a
+    linear or a convolution) read as its base layer under the adapter's name, and the adapter's
+    own parts (the base layer, the low-rank pair) left out: the tower is priced as its base."""
+    adapters = {
+        name
+        for name, m in modules
+        if callable(getattr(getattr(m, "base_layer", None), "named_modules", None))
+    }
 
-    def nested(name: str) -> bool:
+    def inside_adapter(name: str) -> bool:
         parts = name.split(".")
-        return any(".".join(parts[:k]) in linears for k in range(1, len(parts)))
+        return any(".".join(parts[:k]) in adapters for k in range(1, len(parts)))
 
-    return [(name, m) for name, m in modules if not nested(name)]
+    return [
+        (name, m.base_layer if name in adapters else m) for name, m in modules if not inside_adapter(name)
+    ]
 
 
 def _shape_from_modules(vit: Any) -> dict[str, Any] | None:
@@ -687,7 +702,7 @@ def _shape_from_modules(vit: Any) -> dict[str, Any] | None:
     named = getattr(vit, "named_modules", None)
     if not callable(named):
         return None
-    modules = _outside_linears(list(named()))
+    modules = _adapters_as_bases(list(named()))
     layers = [(n, m, w) for n, m in modules if (w := _attention_width(n, m)) is not None]
     if not layers:
         return None
@@ -758,7 +773,10 @@ def _expansion(values: list[float], first: float) -> tuple[float, ...]:
 
     :func:`math.fsum` rounds correctly, so each pass gives what the terms so far miss, rounded,
     and 0.0 only when they miss nothing (every float is a multiple of ``2**-1074``: no rest
-    rounds to 0). Each rest is below half an ulp of the one before, so two or three terms do."""
+    rounds to 0). Each rest is below half an ulp of the one before: two terms on measured times,
+    up to about 26 where the values span ``1e-100`` to ``1e100``."""
+    if not math.isfinite(first):  # a NaN rest is never 0.0: refuse rather than loop
+        raise ValueError(f"_expansion: the values sum to {first!r}: expected finite values.")
     terms = [first]
     while (rest := math.fsum(itertools.chain(values, [-t for t in terms]))) != 0.0:
         terms.append(rest)
@@ -1237,6 +1255,7 @@ def _parse_state(
 def _int_rows(name: str, rows: Sequence[Sequence[int]], milliseconds: Sequence[float]) -> list[np.ndarray]:
     """``rows`` as one int64 array per rank, every value > 0, or a ValueError naming ``name``."""
     try:
+        rows = [row if isinstance(row, (list, tuple)) else list(row) for row in rows]  # read twice
         sizes = [len(row) for row in rows]
         flat = np.asarray([int(n) for row in rows for n in row], dtype=np.int64)
     except (TypeError, ValueError) as error:

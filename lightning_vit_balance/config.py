@@ -196,6 +196,8 @@ class ViTBalanceConfig:
         for name in ("cost_quadratic", "cost_linear", "cost_constant", "cost_windowed"):
             _check_number(name, getattr(self, name), ">= 0", lambda v: v >= 0)
         _check_int("cost_window_patches", self.cost_window_patches, 0)
+        if self.cost_windowed > 0 and self.cost_window_patches == 0:  # every windowed cost would be 0
+            _fail("cost_window_patches", 0, "a window > 0 (patches) with cost_windowed > 0")
         if self.cost_quadratic + self.cost_linear + self.cost_constant + self.cost_windowed <= 0:
             _fail("cost_quadratic", self.cost_quadratic, "at least one cost coefficient > 0")
 

@@ -67,6 +67,11 @@ class CostModel:
         for name in ("quadratic", "linear", "constant", "windowed"):
             _check_number(name, getattr(self, name), ">= 0", lambda v: v >= 0, owner="CostModel")
         _check_int("window_patches", self.window_patches, 0, owner="CostModel")
+        if self.windowed > 0 and self.window_patches == 0:  # every windowed cost would be 0
+            raise ValueError(
+                f"CostModel.window_patches=0 is invalid with windowed={self.windowed!r}: expected a "
+                "window > 0 (patches), or windowed=0."
+            )
         if not isinstance(self.per_frame_attention, bool):
             raise ValueError(
                 f"CostModel.per_frame_attention={self.per_frame_attention!r} is invalid: expected a bool."

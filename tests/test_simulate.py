@@ -121,6 +121,29 @@ def _write(path: Path, lines: list[Any]) -> Path:
     return path
 
 
+def test_files_are_utf8_with_or_without_a_byte_order_mark(tmp_path: Path) -> None:
+    marked = tmp_path / "marked.csv"  # what a spreadsheet's "CSV UTF-8" writes
+    marked.write_bytes(b"\xef\xbb\xbfwidth,height\n640,480\n")
+    assert read_dataset(marked).num_images == 1
+    latin = tmp_path / "latin.jsonl"
+    grid = b'{"image_grid_thw": [[1, 4, 4]]'
+    latin.write_bytes(grid + b"}\n" + grid + b', "caption": "caf\xe9"}\n')
+    with pytest.raises(InputError, match=r"latin.jsonl:2: field '<line>' .* expected UTF-8 text"):
+        read_dataset(latin)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs a folder nobody can write in: /proc")
+def test_a_file_that_cannot_be_written_leaves_none(
+    tiny_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    picture = tmp_path / "gain.png"
+    before = sorted(tmp_path.iterdir())
+    with pytest.raises(SystemExit) as done:
+        main([str(tiny_file), "--steps", "2", "--plot", str(picture), "--json", "/proc/report.json"])
+    assert done.value.code == 2 and "nothing written" in capsys.readouterr().err
+    assert sorted(tmp_path.iterdir()) == before  # the plot, which could be written, is not
+
+
 def test_json_lines_grids_sizes_and_text_only(tmp_path: Path) -> None:
     path = _write(
         tmp_path / "mix.jsonl",
@@ -158,9 +181,13 @@ def test_timings_csv_and_json_lines(tmp_path: Path) -> None:
     assert read_timings(table) == ([100, 400], [1.5, 4.0])
     lines = _write(
         tmp_path / "timings.jsonl",
-        [{"patch_count": 100, "milliseconds": 1.5}, {"grid_thw": [2, 4, 4], "milliseconds": 2}],
+        [{"patch_count": 100, "milliseconds": 1.5}, {"grid_thw": [1, 4, 4], "milliseconds": 2}],
     )
-    assert read_timings(lines) == ([100, 32], [1.5, 2.0])
+    assert read_timings(lines) == ([100, 16], [1.5, 2.0])
+    # A video's timing would be fitted as one sequence of t*h*w patches: refused, saying why.
+    video = _write(tmp_path / "video.jsonl", [{"grid_thw": [2, 4, 4], "milliseconds": 2}] * 2)
+    with pytest.raises(InputError, match=r"video.jsonl:1: field 'grid_thw' is \[2, 4, 4\]: expected t = 1"):
+        read_timings(video)
 
 
 BAD_INPUTS = [
@@ -171,6 +198,8 @@ BAD_INPUTS = [
     ("d.jsonl", ['{"image_grid_thw": [[0, 4, 4]]}'], 1, "image_grid_thw[0]", "a positive integer"),
     ("e.jsonl", ['{"images": [{"width": 0, "height": 9}]}'], 1, "images[0].width", "a positive integer"),
     ("f.jsonl", ["", '{"images": [{"width": 9}]}'], 2, "images[0].height", "the key 'height'"),
+    ("f2.jsonl", ['{"image_grid_thw": [[1, 4, 1' + 20 * "0" + "]]}"], 1, "image_grid_thw[0]", "below 2**31"),
+    ("f3.csv", ["width,height", "640,480,7"], 2, "<row>", "2 cells, as the header has"),
     ("g.jsonl", ['{"videos": [{"width": 64, "height": 64}]}'], 1, "videos[0].frames", "the key 'frames'"),
     ("h.jsonl", ['{"images": {"width": 64}}'], 1, "images", "a list"),
     ("i.jsonl", ["{not json"], 1, "<line>", "one JSON object per line"),
@@ -383,6 +412,8 @@ BAD_OPTIONS = [
     (["--plot", "gain.xyz"], "expected a file name ending in one of"),
     (["--json", "."], "is a folder"),
     (["--timings", "/no/such/timings.csv"], "No such file"),
+    (["--cost-coefficients", "windowed=1"], "CostModel.window_patches=0 is invalid with windowed=1.0"),
+    (["--vit-shape", "hidden_size=64,depth=8,window_layers=6-0,window_patches=4"], "LOW <= HIGH"),
 ]
 
 

@@ -290,19 +290,27 @@ def _run(args: argparse.Namespace, setup: _Setup) -> tuple[dict[str, Any], tuple
     return report, results
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, then rename it over ``path``."""
-    handle, temporary = tempfile.mkstemp(dir=path.resolve().parent, prefix=f".{path.name}.", suffix=".tmp")
+def _write_all(files: list[tuple[Path, bytes]]) -> None:
+    """Write each ``(path, data)`` to a temporary file beside ``path``, then, once all are written,
+    rename them over their paths: a file that cannot be written leaves none of them."""
+    temporaries: list[tuple[str, Path]] = []
     try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(data)
-        # mkstemp makes the file private; give it the permissions a plain open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)
-        os.replace(temporary, path)
+        for path, data in files:
+            handle, temporary = tempfile.mkstemp(
+                dir=path.resolve().parent, prefix=f".{path.name}.", suffix=".tmp"
+            )
+            temporaries.append((temporary, path))
+            with os.fdopen(handle, "wb") as stream:
+                stream.write(data)
+            # mkstemp makes the file private; give it the permissions a plain open() would.
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(temporary, 0o666 & ~umask)
+        for temporary, path in temporaries:
+            os.replace(temporary, path)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        for temporary, _ in temporaries:
+            Path(temporary).unlink(missing_ok=True)
         raise
 
 
@@ -314,10 +322,10 @@ def _emit(args: argparse.Namespace, report: dict[str, Any], results: tuple[DPRes
         from lightning_vit_balance.simulate.plot import render_plot
 
         picture = render_plot(results, args.plot.suffix.lstrip(".").lower())
-    if picture is not None:
-        _write_atomic(args.plot, picture)
+    files = [(args.plot, picture)] if picture is not None else []
     if args.json not in (None, "-"):
-        _write_atomic(Path(args.json), text.encode())
+        files.append((Path(args.json), text.encode()))
+    _write_all(files)
     sys.stdout.write(text if args.json == "-" else render_table(report))
 
 
@@ -327,12 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         setup = _prepare(args)
+        report, results = _run(args, setup)
     except (ValueError, OSError) as error:
         parser.exit(2, f"{PROG}: error: {error}\n")
-    try:
-        report, results = _run(args, setup)
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG}: interrupted; nothing written.\n")
         return 130
-    _emit(args, report, results)
+    try:
+        _emit(args, report, results)
+    except OSError as error:  # a folder that cannot be written, a full disk
+        parser.exit(2, f"{PROG}: error: {error}; nothing written.\n")
     return 0

@@ -69,7 +69,10 @@ def _as_layers(text: str) -> list[int]:
     layers: list[int] = []
     for part in filter(None, text.split("+")):
         low, _, high = part.partition("-")
-        layers.extend(range(int(low), int(high or low) + 1))
+        first, last = int(low), int(high or low)
+        if last < first:
+            raise ValueError(f"{part}: expected LOW-HIGH with LOW <= HIGH")
+        layers.extend(range(first, last + 1))
     return layers
 
 

@@ -74,6 +74,8 @@ class _Where:
             value = _parse_int(value)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             self.fail(field, value, "a positive integer")
+        if value >= 2**31:  # patches t*h*w must fit the planner's int64 sums
+            self.fail(field, value, "a positive integer below 2**31")
         return int(value)  # type: ignore[arg-type]
 
     def entry(self, record: Any, key: str, field: str) -> Any:
@@ -159,33 +161,48 @@ def _json_sample(where: _Where, record: object, rule: ResizeRule) -> tuple[list[
     return images, videos
 
 
-def _json_lines(path: Path) -> Iterator[tuple[_Where, object]]:
-    with open(path, encoding="utf-8") as handle:
-        for number, text in enumerate(handle, start=1):
-            if not text.strip():
-                continue
-            where = _Where(path, number)
+def _text_lines(path: Path) -> Iterator[str]:
+    """``path``'s lines as UTF-8 text (a byte order mark, as spreadsheets write, is skipped), or an
+    :class:`InputError` naming the line that is not UTF-8."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
             try:
-                record = json.loads(text)
-            except json.JSONDecodeError as error:
-                where.fail("<line>", text.strip(), f"one JSON object per line ({error.msg})")
-            yield where, record
+                yield raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                shown = raw[max(error.start - 20, 0) : error.end + 20]
+                _Where(path, number).fail(
+                    "<line>", shown, f"UTF-8 text ({error.reason} at byte {error.start})"
+                )
+
+
+def _json_lines(path: Path) -> Iterator[tuple[_Where, object]]:
+    for number, text in enumerate(_text_lines(path), start=1):
+        if not text.strip():
+            continue
+        where = _Where(path, number)
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as error:
+            where.fail("<line>", text.strip(), f"one JSON object per line ({error.msg})")
+        yield where, record
 
 
 def _csv_rows(
     path: Path, required: tuple[str, ...], note: str = ""
 ) -> Iterator[tuple[_Where, dict[str, str]]]:
-    with open(path, encoding="utf-8", newline="") as handle:
-        reader = csv.DictReader(handle)
-        columns = [name.strip() for name in reader.fieldnames or []]
-        for name in required:
-            if name not in columns:
-                expected = f"a header row with the columns {', '.join(required)}{note}"
-                _Where(path, 1).fail(name, _MISSING, expected)
-        for row in reader:
-            cells = {(k or "").strip(): (v or "").strip() for k, v in row.items()}
-            if any(cells.values()):
-                yield _Where(path, reader.line_num), cells
+    reader = csv.DictReader(_text_lines(path))
+    columns = [name.strip() for name in reader.fieldnames or []]
+    for name in required:
+        if name not in columns:
+            expected = f"a header row with the columns {', '.join(required)}{note}"
+            _Where(path, 1).fail(name, _MISSING, expected)
+    for row in reader:
+        where = _Where(path, reader.line_num)
+        if None in row:  # cells beyond the header's columns
+            where.fail("<row>", [*row.values()][:-1] + row[None], f"{len(columns)} cells, as the header has")
+        cells = {(k or "").strip(): (v or "").strip() for k, v in row.items()}
+        if any(cells.values()):
+            yield where, cells
 
 
 def _is_csv(path: Path) -> bool:
@@ -193,7 +210,7 @@ def _is_csv(path: Path) -> bool:
         return True
     if path.suffix.lower() in (".jsonl", ".json", ".ndjson"):
         return False
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8-sig", errors="replace") as handle:  # reading tells what is not
         return not handle.read(4096).lstrip().startswith("{")
 
 
@@ -258,7 +275,11 @@ def _milliseconds(where: _Where, value: object) -> float:
 
 def _timing_row(where: _Where, record: object, rule: ResizeRule) -> tuple[int, float]:
     if isinstance(record, dict) and "patch_count" not in record and "grid_thw" in record:
-        patches, _ = _grid_patches(where, "grid_thw", record["grid_thw"], rule)
+        patches, steps = _grid_patches(where, "grid_thw", record["grid_thw"], rule)
+        if steps > 1:  # a whole-item fit would price its attention as one sequence of t*h*w
+            where.fail(
+                "grid_thw", record["grid_thw"], "t = 1: the fit is a whole-item model; give patch_count"
+            )
     else:
         patches = where.positive_int("patch_count", where.entry(record, "patch_count", ""))
     return patches, _milliseconds(where, where.entry(record, "milliseconds", ""))

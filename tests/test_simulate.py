@@ -411,6 +411,7 @@ BAD_OPTIONS = [
     (["--plot", "/no/such/folder/gain.png"], "does not exist"),
     (["--plot", "gain.xyz"], "expected a file name ending in one of"),
     (["--json", "."], "is a folder"),
+    (["--json", "TINY"], "is an input of this run"),
     (["--timings", "/no/such/timings.csv"], "No such file"),
     (["--cost-coefficients", "windowed=1"], "CostModel.window_patches=0 is invalid with windowed=1.0"),
     (["--vit-shape", "hidden_size=64,depth=8,window_layers=6-0,window_patches=4"], "LOW <= HIGH"),
@@ -421,6 +422,7 @@ BAD_OPTIONS = [
 def test_bad_options_exit_2(
     tiny_file: Path, options: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    options = [str(tiny_file) if option == "TINY" else option for option in options]
     with pytest.raises(SystemExit) as done:
         main([str(tiny_file), "--steps", "2", *options])
     assert done.value.code == 2

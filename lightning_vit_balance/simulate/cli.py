@@ -182,9 +182,12 @@ def _cost_model(args: argparse.Namespace, rule: ResizeRule) -> tuple[CostModel, 
     return named_cost_model(args.cost_model), name
 
 
-def _check_output(path: str | Path | None, option: str) -> None:
+def _check_output(path: str | Path | None, option: str, inputs: tuple[Path | None, ...] = ()) -> None:
     if path is None or str(path) == "-":
         return
+    for source in inputs:  # `--json data.jsonl` would replace the data with the report
+        if source is not None and Path(path).resolve() == Path(source).resolve():
+            raise ValueError(f"{option} {path} is an input of this run: expected another file name.")
     parent = Path(path).resolve().parent
     if not parent.is_dir():
         raise ValueError(f"{option} {path}: the folder {parent} does not exist.")
@@ -196,8 +199,9 @@ def _prepare(args: argparse.Namespace) -> _Setup:
     """Validate options and read the inputs; raises ValueError or OSError (exit status 2)."""
     if args.seed < 0:
         raise ValueError(f"--seed {args.seed} is invalid: expected an int >= 0.")
-    _check_output(args.json, "--json")
-    _check_output(args.plot, "--plot")
+    inputs = (args.dataset, args.timings)
+    _check_output(args.json, "--json", inputs)
+    _check_output(args.plot, "--plot", inputs)
     if args.plot is not None:
         from lightning_vit_balance.simulate.plot import check_format
 

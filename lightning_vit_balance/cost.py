@@ -767,10 +767,15 @@ def _pair_products(
     """Per pair of columns (each with itself and the later ones, in their order), the elementwise
     products whose sum is that entry of the normal equations, as Python floats (``negated``: each
     product's negation, which is exact)."""
-    names = tuple(columns)
     if negated:
-        return {(a, b): (-(columns[a] * columns[b])).tolist() for i, a in enumerate(names) for b in names[i:]}
-    return {(a, b): (columns[a] * columns[b]).tolist() for i, a in enumerate(names) for b in names[i:]}
+        return {(a, b): (-(columns[a] * columns[b])).tolist() for a, b in _pairs(tuple(columns))}
+    return {(a, b): (columns[a] * columns[b]).tolist() for a, b in _pairs(tuple(columns))}
+
+
+def _pairs(names: tuple[str, ...]) -> list[tuple[str, str]]:
+    """Each name with itself and the later ones, in their order: the entries of the normal
+    equations (with :data:`_TARGET` last among ``names``, the moments and the total too)."""
+    return [(a, b) for i, a in enumerate(names) for b in names[i:]]
 
 
 def _expansion(values: list[float], first: float) -> tuple[float, ...]:
@@ -830,9 +835,8 @@ class _NormalEquations:
     def from_sums(cls, names: tuple[str, ...], sums: Mapping[tuple[str, str], float]) -> _NormalEquations:
         """The equations whose entries are ``sums`` (by :func:`_pair_products`'s pairs)."""
         gram = {}
-        for i, a in enumerate(names):
-            for b in names[i:]:
-                gram[a, b] = gram[b, a] = sums[a, b]
+        for a, b in _pairs(names):
+            gram[a, b] = gram[b, a] = sums[a, b]
         return cls(names, gram, {a: sums[a, _TARGET] for a in names}, sums[_TARGET, _TARGET])
 
     def entry(self, pair: tuple[str, str]) -> float:
@@ -845,10 +849,9 @@ class _NormalEquations:
     def sum(cls, parts: Sequence[_NormalEquations]) -> _NormalEquations:
         """The equations of all parts' rows together (parts with the same names)."""
         names = parts[0].names
-        pairs = [(a, b) for i, a in enumerate(names) for b in names[i:]]
-        pairs += [(a, _TARGET) for a in (*names, _TARGET)]
         # Each symmetric entry summed once (the Gram matrix holds both orders).
-        return cls.from_sums(names, {pair: math.fsum(p.entry(pair) for p in parts) for pair in pairs})
+        sums = {pair: math.fsum(p.entry(pair) for p in parts) for pair in _pairs((*names, _TARGET))}
+        return cls.from_sums(names, sums)
 
 
 @dataclass

@@ -208,7 +208,7 @@ from lightning_vit_balance.cost import CostModel, pixel_row_factors
 from lightning_vit_balance.eager import eager, eager_frame
 from lightning_vit_balance.encoding import gathered_per_call, parameters_sharded
 from lightning_vit_balance.exchange import gather_host_values, grid_rows, grid_steps, host_to_device
-from lightning_vit_balance.host_group import owned_host_group, release_host_group
+from lightning_vit_balance.host_group import gathers_on, owned_host_group, release_host_group
 from lightning_vit_balance.outputs import (
     OutputLayout,
     classify_output,
@@ -1956,9 +1956,7 @@ class BalancedVisionTower:
         key = (config, id(group), layout)
         if self._balancer is None or self._balancer_key != key:
             carried = self._balancer.state_dict() if self._balancer is not None else self._carried
-            host = self._host_group(group)
-            if host is None:  # none needed, or none could be made (make_host_group warned why)
-                host = group if group is not None else dist.group.WORLD
+            host = gathers_on(self._host_group(group), group)
             self._balancer = ViTBalancer(config, group, output_layout=layout, host_group=host)
             self._balancer_key, self._carried = key, None
             if carried:

@@ -176,6 +176,15 @@ def owned_host_group(group: Any, owner: object) -> dist.ProcessGroup | None:
     return twin
 
 
+def gathers_on(twin: dist.ProcessGroup | None, group: Any) -> Any:
+    """The ``host_group`` a balancer on ``group`` is given: its twin, else ``group`` itself (the
+    world for ``None``), passed explicitly where no twin was needed or could be made
+    (:func:`make_host_group` said why), so that the balancer does not warn about it again."""
+    if twin is not None:
+        return twin
+    return group if group is not None else dist.group.WORLD
+
+
 def release_host_group(host_group: dist.ProcessGroup | None) -> None:
     """Destroy a twin from :func:`make_host_group`: torch lets go of it, and its sockets and gloo's
     threads close as soon as no reference to it is left (the balancer that used it included).

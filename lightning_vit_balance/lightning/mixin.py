@@ -32,7 +32,7 @@ from lightning_vit_balance.hf import (
     saved_state,
     unreadable_batch,
 )
-from lightning_vit_balance.host_group import owned_host_group, release_host_group
+from lightning_vit_balance.host_group import gathers_on, owned_host_group, release_host_group
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
 from lightning_vit_balance.lightning.strategy import dp_group_from_strategy, tensor_parallel_size
 from lightning_vit_balance.outputs import OutputLayout
@@ -504,9 +504,7 @@ class ViTBalanceMixin:
         state = self._vit_balance_state_object()
         if state.balancer is None or state.balancer_config != config or state.balancer_layout != layout:
             self._vit_balance_refuse_peer_fits(config)
-            host = state.host_group if group is state.group else None
-            if host is None:  # none needed, or none could be made (make_host_group warned why)
-                host = group if group is not None else dist.group.WORLD
+            host = gathers_on(state.host_group if group is state.group else None, group)
             carried = state.balancer_state()
             state.balancer = ViTBalancer(
                 config, group, report=rank_zero_info, host_group=host, output_layout=layout
@@ -699,7 +697,7 @@ class ViTBalanceMixin:
         pixels, grid = rows_to_plan(batch if readable else {}, keys, towers)
         # The balancer the step's drop-in call takes: with its towers' output layout, when they
         # share one (so the call finds it as prepared, not rebuilt).
-        layouts = [tower.output_layout for tower in towers if tower.installed]
+        layouts = [tower.output_layout for tower in towers]
         layout = layouts[0] if layouts and all(found == layouts[0] for found in layouts) else None
         ticket = self._vit_balance_balancer(*settings, layout).prepare(pixels, grid)
         if ticket is not None:
@@ -716,7 +714,7 @@ class ViTBalanceMixin:
         without towers (``encode_images``) leaves it to the loop."""
         trainer, _ = self._vit_balance_runner()
         training = trainer.training if trainer is not None else bool(getattr(self, "training", True))
-        towers = [tower for tower in self._vit_balance_towers if tower.installed]
+        towers = self._vit_balance_towers
         return training or not towers or any(tower.evaluation for tower in towers)
 
     @eager

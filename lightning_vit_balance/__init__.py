@@ -1,10 +1,11 @@
 """Balance vision-encoder (ViT) work across data-parallel ranks in VLM training.
 
 The engine (configuration, cost model, planning, exchange, balanced encode) needs only torch.
-The Lightning face (:class:`ViTBalanceMixin`, :class:`ViTBalanceCallback`,
-:func:`dp_group_from_strategy`) and the Hugging Face ``Trainer`` callback
-(:class:`ViTBalanceTrainerCallback`) are imported on first use, so plain ``torch.distributed``
-programs and the spawned processes of a job never pay for importing Lightning or transformers.
+Everything beyond the configuration, the cost model and planning (which need only NumPy) is
+imported on first use: the simulator and offline planning never import torch, plain
+``torch.distributed`` programs and the spawned processes of a job never import Lightning
+(:class:`ViTBalanceMixin`, :class:`ViTBalanceCallback`, :func:`dp_group_from_strategy`) or
+transformers (:class:`ViTBalanceTrainerCallback`).
 """
 
 from __future__ import annotations
@@ -12,22 +13,22 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer, balanced_encode
 from lightning_vit_balance.config import ViTBalanceConfig, add_vit_balance_args
 from lightning_vit_balance.cost import CostCalibrator, CostModel
-from lightning_vit_balance.hf import BalancedVisionTower, balance_vision_tower, encode_visual
-from lightning_vit_balance.host_group import make_host_group, release_host_group
-from lightning_vit_balance.metrics import BalanceMetrics
-from lightning_vit_balance.outputs import OutputLayout
 from lightning_vit_balance.planning import REASONS, RebalancePlan, plan_rebalance
 
 if TYPE_CHECKING:
+    from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer, balanced_encode
+    from lightning_vit_balance.hf import BalancedVisionTower, balance_vision_tower, encode_visual
     from lightning_vit_balance.hf_trainer import ViTBalanceTrainerCallback
+    from lightning_vit_balance.host_group import make_host_group, release_host_group
     from lightning_vit_balance.lightning import (
         ViTBalanceCallback,
         ViTBalanceMixin,
         dp_group_from_strategy,
     )
+    from lightning_vit_balance.metrics import BalanceMetrics
+    from lightning_vit_balance.outputs import OutputLayout
 
 __all__ = [
     "REASONS",
@@ -54,8 +55,19 @@ __all__ = [
     "release_host_group",
 ]
 
-#: Names imported on first use, and the module each comes from.
+#: Names imported on first use (they import torch, Lightning or transformers), and their modules.
 _LAZY_NAMES = {
+    "BalanceStats": "lightning_vit_balance.balancer",
+    "PreparedPlan": "lightning_vit_balance.balancer",
+    "ViTBalancer": "lightning_vit_balance.balancer",
+    "balanced_encode": "lightning_vit_balance.balancer",
+    "BalancedVisionTower": "lightning_vit_balance.hf",
+    "balance_vision_tower": "lightning_vit_balance.hf",
+    "encode_visual": "lightning_vit_balance.hf",
+    "make_host_group": "lightning_vit_balance.host_group",
+    "release_host_group": "lightning_vit_balance.host_group",
+    "BalanceMetrics": "lightning_vit_balance.metrics",
+    "OutputLayout": "lightning_vit_balance.outputs",
     "ViTBalanceCallback": "lightning_vit_balance.lightning",
     "ViTBalanceMixin": "lightning_vit_balance.lightning",
     "dp_group_from_strategy": "lightning_vit_balance.lightning",

@@ -109,7 +109,24 @@ def _grid_patches(where: _Where, field: str, row: object, rule: ResizeRule) -> _
     t, h, w = (where.positive_int(field, value) for value in row)
     if h % rule.merge_size or w % rule.merge_size:
         where.fail(field, row, f"h and w divisible by the merge size {rule.merge_size}")
+    if h * w > _most_patches_a_frame(rule):  # the grid counts pixels: every plan would be priced wrong
+        where.fail(
+            field,
+            row,
+            f"at most {_most_patches_a_frame(rule):,} patches a frame (16 times the larger of max_pixels and "
+            f"video_max_pixels, in {rule.patch_size}-pixel patches): grid rows count patches, not pixels; "
+            "raise --max-pixels if your processor allows such frames",
+        )
     return t * h * w, t
+
+
+def _most_patches_a_frame(rule: ResizeRule) -> int:
+    """The most patches a grid row's frame may hold: 16 times ``rule``'s larger pixel limit.
+
+    Qwen2.5-VL's default limit (12,845,056 pixels: 65,536 patches) stays within it under Qwen2-VL's
+    limits (81,920 patches), while a grid written in pixels (``[1, 1080, 1920]``) is far beyond.
+    """
+    return 16 * max(rule.max_pixels, rule.video_max_pixels) // rule.patch_size**2
 
 
 def _size_patches(where: _Where, field: str, entry: object, rule: ResizeRule, video: bool) -> _Visual:

@@ -167,9 +167,10 @@ def test_json_lines_grids_sizes_and_text_only(tmp_path: Path) -> None:
 
 def test_csv_rows_grouped_by_sample(tmp_path: Path) -> None:
     path = tmp_path / "sizes.csv"
-    path.write_text("sample,width,height,frames\ns1,224,224,\ns2,640,360,16\ns1,4032,3024,\n,224,224,\n")
+    rows = "s1,224,224,\ns2,640,360,16\ns3,,,\ns1,4032,3024,\n,224,224,\n,,,\n"  # s3: text only
+    path.write_text("sample,width,height,frames\n" + rows)
     data = read_dataset(path)
-    assert data.samples == ((256, 60 * 82), (8 * 26 * 46,), (256,))
+    assert data.samples == ((256, 60 * 82), (8 * 26 * 46,), (), (256,))
     no_group = tmp_path / "plain.csv"
     no_group.write_text("width,height\n224,224\n224,224\n")
     assert read_dataset(no_group).samples == ((256,), (256,))
@@ -412,15 +413,18 @@ BAD_OPTIONS = [
     (["--vit-shape", "depth=2"], "lacks hidden_size"),
     (["--vit-shape", "width=2"], "KEY=VALUE with KEY in"),
     (["--cost-coefficients", "quadratic=0"], "at least one cost coefficient > 0"),
-    (["--min-gain", "2"], "ViTBalanceConfig.min_gain=2.0"),
-    (["--max-len-ratio", "0.5"], "ViTBalanceConfig.max_len_ratio=0.5"),
+    (["--min-gain", "2"], "--min-gain 2.0 is invalid"),
+    (["--max-len-ratio", "0.5"], "--max-len-ratio 0.5 is invalid"),
     (["--seed", "-1"], "--seed -1"),
-    (["--min-pixels", "0"], "ResizeRule.min_pixels=0"),
+    (["--min-pixels", "9999999"], "--min-pixels 9999999 is invalid: expected at most --max-pixels 1003520"),
+    (["--trigger-threshold", "nan"], "--trigger-threshold nan is invalid"),
+    (["--min-pixels", "0"], "--min-pixels 0 is invalid"),
     (["--plot", "/no/such/folder/gain.png"], "does not exist"),
     (["--plot", "gain.xyz"], "expected a file name ending in one of"),
     (["--json", "."], "is a folder"),
     (["--json", "TINY"], "is an input of this run"),
     (["--timings", "/no/such/timings.csv"], "No such file"),
+    (["--timings", "FLAT"], "FLAT: the fit prices every image alike (1 ms, nothing per patch)"),
     (["--cost-coefficients", "windowed=1"], "CostModel.window_patches=0 is invalid with windowed=1.0"),
     (["--vit-shape", "hidden_size=64,depth=8,window_layers=6-0,window_patches=4"], "LOW <= HIGH"),
 ]
@@ -430,7 +434,10 @@ BAD_OPTIONS = [
 def test_bad_options_exit_2(
     tiny_file: Path, options: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    flat = tiny_file.with_name("flat.csv")  # times that do not grow with the patches
+    flat.write_text("patch_count,milliseconds\n100,1\n400,1\n")
     options = [str(tiny_file) if option == "TINY" else option for option in options]
+    options, message = [str(flat) if o == "FLAT" else o for o in options], message.replace("FLAT", str(flat))
     with pytest.raises(SystemExit) as done:
         main([str(tiny_file), "--steps", "2", *options])
     assert done.value.code == 2

@@ -9,12 +9,15 @@ written only once everything succeeded, each atomically.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import re
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -173,6 +176,11 @@ def _cost_model(args: argparse.Namespace, rule: ResizeRule) -> tuple[CostModel, 
     if args.timings is not None:
         counts, milliseconds = read_timings(args.timings, rule)
         model = CostModel.fit(counts, milliseconds, window_patches=args.fit_window_patches)
+        if not (model.quadratic or model.linear or model.windowed):  # no image would outweigh another
+            raise ValueError(
+                f"--timings {args.timings}: the fit prices every image alike ({model.constant:.4g} ms, "
+                "nothing per patch): expected times that grow with patch_count; time images of several sizes."
+            )
         return model, f"fitted to {args.timings} ({len(counts)} timings, milliseconds)"
     if args.vit_shape is not None:
         return vit_shape_model(args.vit_shape), f"ViT shape {args.vit_shape}"
@@ -195,6 +203,22 @@ def _check_output(path: str | Path | None, option: str, inputs: tuple[Path | Non
         raise ValueError(f"{option} {path} is a folder: expected a file name.")
 
 
+@contextlib.contextmanager
+def _named_as_options(owner: type) -> Iterator[None]:
+    """Re-raise ``owner``'s ValueErrors naming the command's options (``--min-pixels 0``), not the
+    fields they set (``ResizeRule.min_pixels=0``)."""
+    try:
+        yield
+    except ValueError as error:
+        fields = "|".join(field.name for field in dataclasses.fields(owner))
+        message = re.sub(rf"^{owner.__name__}\.({fields})=", lambda m: f"{_option(m[1])} ", str(error))
+        raise ValueError(re.sub(rf"\b({fields})=", lambda m: f"{_option(m[1])} ", message)) from None
+
+
+def _option(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
 def _prepare(args: argparse.Namespace) -> _Setup:
     """Validate options and read the inputs; raises ValueError or OSError (exit status 2)."""
     if args.seed < 0:
@@ -206,15 +230,17 @@ def _prepare(args: argparse.Namespace) -> _Setup:
         from lightning_vit_balance.simulate.plot import check_format
 
         check_format(args.plot)
-    rule = ResizeRule(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ResizeRule)})
+    with _named_as_options(ResizeRule):
+        rule = ResizeRule(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ResizeRule)})
     model, cost_name = _cost_model(args, rule)
-    base = ViTBalanceConfig(
-        solver=args.solver,
-        trigger_threshold=args.trigger_threshold,
-        min_gain=args.min_gain,
-        max_len_ratio=args.max_len_ratio,
-        split_videos=args.split_videos,
-    )
+    with _named_as_options(ViTBalanceConfig):
+        base = ViTBalanceConfig(
+            solver=args.solver,
+            trigger_threshold=args.trigger_threshold,
+            min_gain=args.min_gain,
+            max_len_ratio=args.max_len_ratio,
+            split_videos=args.split_videos,
+        )
     config = model.to_config(base)
     dataset = read_dataset(args.dataset, rule)
     return _Setup(dataset, config, cost_name, rule, args.channels or rule.channels)

@@ -236,16 +236,16 @@ def _read_json_dataset(path: Path, rule: ResizeRule) -> list[tuple[list[_Visual]
 
 
 def _read_csv_dataset(path: Path, rule: ResizeRule) -> list[tuple[list[_Visual], list[_Visual]]]:
-    """One image or video per row; rows sharing a non-empty ``sample`` cell form one sample."""
+    """One image or video per row; rows sharing a non-empty ``sample`` cell form one sample; a row
+    with ``width``, ``height`` and ``frames`` empty (but another cell filled) is a text-only sample."""
     samples: dict[object, tuple[list[_Visual], list[_Visual]]] = {}
     rows = _csv_rows(path, ("width", "height"), " (optional: frames for videos, sample to group rows)")
     for where, cells in rows:
-        video = bool(cells.get("frames"))
         entry = {k: cells[k] for k in ("width", "height", "frames") if cells.get(k)}
-        visual = _size_patches(where, "", entry, rule, video)
-        key = cells.get("sample") or ("row", where.line)
-        images, videos = samples.setdefault(key, ([], []))
-        (videos if video else images).append(visual)
+        images, videos = samples.setdefault(cells.get("sample") or ("row", where.line), ([], []))
+        if entry:
+            video = "frames" in entry
+            (videos if video else images).append(_size_patches(where, "", entry, rule, video))
     return list(samples.values())
 
 

@@ -579,7 +579,8 @@ class ViTBalancer:
         differentiable = prepared.pixels_require_grad and torch.is_grad_enabled()
         reference = _Reference(prepared.channels, prepared.dtype, differentiable)
         if problem is None and not prepared.holds_images:
-            # No rank has images: each makes its dummy image from its own rows, as unprepared.
+            # No rank has images: each makes its dummy image from its own rows. (Unprepared, every
+            # rank takes rank 0's, which the forward's gather brings; here no collective could.)
             reference = _Reference(int(pixel_values.shape[1]), pixel_values.dtype, differentiable)
         if plan.applied:
             output = self._exchange_and_encode(
@@ -799,7 +800,9 @@ class ViTBalancer:
         ref = raise_for_input(metadata, [name for name, _ in fingerprint])
         differentiable = torch.is_grad_enabled() and any(m.requires_grad for m in metadata)
         if ref is None:
-            return metadata, _Reference(int(pixel_values.shape[1]), pixel_values.dtype, differentiable)
+            # No rank has images: every rank encodes a dummy image, all of rank 0's width and dtype,
+            # so that a rank whose empty rows the ViT cannot take fails on every rank alike, not alone.
+            ref = 0
         code = metadata[ref].dtype_code
         dtype = DTYPES[code] if code >= 0 else pixel_values.dtype
         return metadata, _Reference(metadata[ref].channels, dtype, differentiable)

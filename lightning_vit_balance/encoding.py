@@ -43,6 +43,7 @@ from lightning_vit_balance.problems import (
     describe_problem,
     problem_details,
 )
+from lightning_vit_balance.wire import autocast_off
 
 __all__ = [
     "BalancedBatch",
@@ -539,7 +540,8 @@ def splice_encoded(
         kind = kinds[k].kind
         cut = sum(rows_per_image(kind, n, merge) for n in counts_before)
         rows = away.leaves[k][1]
-        leaves[k] = (leaves[k][0], torch.cat([rows[:cut], home.leaves[k][1], rows[cut:]]))
+        with autocast_off(rows.device):
+            leaves[k] = (leaves[k][0], torch.cat([rows[:cut], home.leaves[k][1], rows[cut:]]))
         problem = max(away.kinds[k].problem, home.kinds[k].problem)
         kinds[k] = Classification(
             kind,

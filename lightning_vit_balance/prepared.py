@@ -104,8 +104,10 @@ class PreparedPlan:
                 f"{len(grids)} images on this rank: pass the ticket prepared for this batch"
             )
         rows = sum(self.metadata[self.rank].patch_counts)
-        # With no images on any rank, only the row count is the batch's.
-        width = self.channels if self.holds_images or pixel_values.dim() != 2 else pixel_values.shape[1]
+        # A rank without images sends no row and builds what it encodes in the plan's width and
+        # dtype: its empty rows may have any, as in a call not prepared.
+        free = rows == 0
+        width = pixel_values.shape[1] if free and pixel_values.dim() == 2 else self.channels
         if pixel_values.dim() != 2 or pixel_values.shape[0] != rows or pixel_values.shape[1] != width:
             return (
                 f"pixel_values has shape {tuple(pixel_values.shape)} while the prepared plan expects "
@@ -113,7 +115,7 @@ class PreparedPlan:
             )
         # Equal, not only held exactly: a rank that encodes another's images builds its batch in
         # the plan's dtype, which must be the dtype their owner's direct call would have passed.
-        if not pixel_values.is_floating_point() or (self.holds_images and pixel_values.dtype != self.dtype):
+        if not pixel_values.is_floating_point() or (not free and pixel_values.dtype != self.dtype):
             return (
                 f"pixel_values has dtype {pixel_values.dtype} while the plan was prepared for {self.dtype}: "
                 "prepare with pixel_values of the dtype the forward passes (cast the batch before the "

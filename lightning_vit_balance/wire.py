@@ -11,6 +11,7 @@ buffer holds and how it is read back.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 from lightning_vit_balance.exchange import ReceivePieces, ReturnLayout, SendPieces, fill_rows, split_rows
 
 __all__ = [
+    "autocast_off",
     "elements_per_row",
     "pack_return",
     "pack_rows",
@@ -96,6 +98,19 @@ def unpack_rows(chunk: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Ten
 # -- the return trip's buffer, for autograd -------------------------------------------------------
 
 
+def autocast_off(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """The caller's autocast, off while the ViT's outputs are moved: under ``float16`` autocast
+    ``torch.cat`` refuses ``bfloat16`` rows (and the reverse), which the ViT returned as they are
+    and the direct call hands on unchanged. Moving rows casts nothing, so nothing else changes."""
+    try:
+        enabled = torch.is_autocast_enabled(device.type)
+    except TypeError:  # torch < 2.4: no device argument
+        enabled = torch.is_autocast_cpu_enabled() if device.type == "cpu" else torch.is_autocast_enabled()
+    except RuntimeError:  # a device without autocast (meta)
+        enabled = False
+    return torch.autocast(device.type, enabled=False) if enabled else contextlib.nullcontext()
+
+
 def _row_sizes(rows: Sequence[int], elements: int) -> list[int]:
     return [n * elements for n in rows]
 
@@ -120,7 +135,8 @@ class _PackFunction(torch.autograd.Function):
         ctx.tie = None if tie is None else (tie.shape, tie.dtype, tie.device)
         if not pieces.order:
             return torch.zeros(0, dtype=transit, device=leaves[0].device if leaves else None)
-        return torch.cat([split[k][j] for k, j in pieces.order])
+        with autocast_off(leaves[0].device):
+            return torch.cat([split[k][j] for k, j in pieces.order])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
@@ -183,7 +199,8 @@ class _UnpackFunction(torch.autograd.Function):
                 outputs.append(unpack_rows(back[:0], 0, like).clone())
                 continue
             rows = sum(pieces.rows[i] for i in picks)
-            outputs.append(unpack_rows(torch.cat([split[i] for i in picks]), rows, like))
+            with autocast_off(back.device):
+                outputs.append(unpack_rows(torch.cat([split[i] for i in picks]), rows, like))
         ctx.pieces, ctx.sizes, ctx.back = pieces, sizes, (back.shape, back.dtype, back.device)
         ctx.mark_non_differentiable(*(out for out in outputs if not _is_float(out.dtype)))
         return tuple(outputs)

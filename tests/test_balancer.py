@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import towers
-from equivalence import APPLIED_COLLECTIVES, CompiledSources, run_cases, summed_grads
+from equivalence import APPLIED_COLLECTIVES, CompiledSources, run_cases, summed_grads, tolerances
 from multirank import subgroup
 
 from lightning_vit_balance import (
@@ -796,6 +796,64 @@ def test_a_rank_without_images_encodes_others_in_their_dtype(multirank: Any, ove
     with multirank(POOL) as w:
         per_rank = w.run(_empty_rank_of_another_dtype, overlap)
     assert per_rank == [{"applied": True, "encodes": True}] * POOL, per_rank
+
+
+class Bf16OutTower(CastingTower):
+    """Returns bfloat16 outputs whatever autocast says (a tower cast to bf16 would too)."""
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return super().forward(pixel_values, grid_thw).to(torch.bfloat16)
+
+
+def _bf16_outputs_under_fp16_autocast(overlap: bool) -> dict[str, Any]:
+    """Under float16 autocast a tower returns bfloat16 rows: the direct call hands them on, so the
+    balanced call must move them as they are (``torch.cat`` under that autocast refused them)."""
+    vit, grids, pixels, grid, balancer = _straggler_batch(Bf16OutTower, overlap)
+    group = dist.group.WORLD
+    with torch.autocast("cpu", dtype=torch.float16):
+        balanced = balancer(vit, pixels, grid)
+    balanced.float().pow(2).sum().backward()
+    balanced_grads, _ = summed_grads(vit, group)
+    vit.zero_grad(set_to_none=True)
+    if grids:  # the rank without images adds no gradient to the direct calls' sum
+        with torch.autocast("cpu", dtype=torch.float16):
+            direct = vit(pixels, grid)
+        direct.float().pow(2).sum().backward()
+        # Rows rounded to bf16 at the tower's end, after fp16 matmuls in batches of other sizes: a
+        # couple of bf16 ulps; the summed gradients carry that rounding.
+        torch.testing.assert_close(balanced, direct, **tolerances(torch.bfloat16))
+    direct_grads, _ = summed_grads(vit, group)
+    torch.testing.assert_close(balanced_grads, direct_grads, **tolerances(torch.bfloat16))
+    return {"applied": balancer.last_stats.applied, "dtype": str(balanced.dtype)}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_outputs_of_a_dtype_autocast_refuses_travel_as_they_are(multirank: Any, overlap: bool) -> None:
+    with multirank(POOL) as w:
+        per_rank = w.run(_bf16_outputs_under_fp16_autocast, overlap)
+    assert per_rank == [{"applied": True, "dtype": "torch.bfloat16"}] * POOL, per_rank
+
+
+def _text_only_step_with_other_empty_rows() -> dict[str, Any]:
+    """No rank has images and rank 1's empty rows have another width and dtype: every rank encodes
+    its dummy image in rank 0's, so no rank fails alone (the ViT cannot take 3 values a row)."""
+    torch.manual_seed(0)
+    vit = towers.TensorTower()
+    rank = dist.get_rank()
+    pixels = torch.empty((0, 3), dtype=torch.bfloat16) if rank == 1 else torch.empty((0, towers.CHANNELS))
+    out = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0))(vit, pixels, torch.empty((0, 3), dtype=torch.long))
+    out.sum().backward()  # the dummy forward keeps every parameter in the graph, here too
+    return {
+        "shape": tuple(out.shape),
+        "dtype": str(out.dtype),
+        "grads": all(p.grad is not None for p in vit.parameters()),
+    }
+
+
+def test_a_text_only_step_encodes_every_dummy_in_rank_0s_rows(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        per_rank = w.run(_text_only_step_with_other_empty_rows)
+    assert per_rank == [{"shape": (0, 24), "dtype": "torch.float32", "grads": True}] * POOL, per_rank
 
 
 def _gradient_penalty(overlap: bool) -> dict[str, Any]:

@@ -257,6 +257,35 @@ def test_a_text_only_step_needs_no_pixel_width_in_its_plan(multirank: Any) -> No
     assert results == [{"shape": (0, 24), "dtype": "torch.bfloat16", "unprepared": (0, 24)}] * 2, results
 
 
+def _text_only_rank_of_its_own_rows() -> dict[str, Any] | None:
+    """Rank 1 has no images and passes empty float16 rows of 3 values, the others float32 rows of
+    12: it sends no row, so its prepared call takes them, as a call not prepared does."""
+    group = subgroup(3)
+    if dist.get_rank() >= 3:
+        return None
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    rank = dist.get_rank()
+    grids = [[(1, 8, 8), (1, 6, 6)], [], [(1, 2, 2)]][rank]
+    pixels, grid = towers.make_batch(grids, seed=rank)
+    if not grids:
+        pixels = torch.empty((0, 3), dtype=torch.float16)
+    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group)
+    ticket = balancer.prepare(pixels, grid)
+    assert ticket is not None
+    prepared = balancer(tower, pixels, grid, prepared=ticket)
+    # Same ops on the same rows in batches of other sizes: fp32 agrees to a few ulps.
+    torch.testing.assert_close(prepared, balancer(tower, pixels, grid), rtol=1e-5, atol=1e-5)
+    return {"applied": balancer.last_stats.applied, "shape": tuple(prepared.shape)}
+
+
+def test_a_prepared_rank_without_images_takes_empty_rows_of_any_width_and_dtype(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        results = w.run(_text_only_rank_of_its_own_rows)[:3]
+    assert [r["shape"] for r in results] == [(25, 24), (0, 24), (1, 24)], results
+    assert all(r["applied"] for r in results), results
+
+
 def _bad_prepare() -> str | None:
     group = subgroup(3)
     rank = dist.get_rank()

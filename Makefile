@@ -46,7 +46,8 @@ bench-e2e: $(STAMP)
 	$(PY) benchmarks/bench_e2e.py --batch-size 2
 
 # The engine's own machinery next to its floors: the status gather, skipped calls checked or not,
-# bookkeeping at 20,000 images, and the overlapped pixel trip (2 gloo CPU ranks).
+# bookkeeping at 20,000 images, videos planned by temporal step, and the overlapped pixel trip
+# (2 gloo CPU ranks).
 bench-engine: $(STAMP)
 	$(PY) benchmarks/bench_engine.py
 

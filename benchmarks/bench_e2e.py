@@ -1,16 +1,17 @@
 """End-to-end benchmark: real ranks, the demo's tower and batches, forward and backward.
 
 ``make bench-e2e`` runs both parts below on its default mix, 4 samples per rank and step (12 steps),
-then the e2e part again on the demo's 2 samples per rank (about five minutes in all on 2 shared
-cores); ``--mode`` picks one part, ``--batch-size`` the samples per rank (the demo's 2 when not
-given). With 2 samples per rank a single document page or video outweighs the mean load in many
-steps, so whole images leave a floor near 1.1 that no balancer can go below; with 4 the floor is
-near 1.02 and the exchange's own cost shows.
+then both again on the demo's 2 samples per rank (about three minutes in all on 2 cores); ``--mode``
+picks one part, ``--batch-size`` the samples per rank (the demo's 2 when not given). With 2 samples
+per rank a single document page or video outweighs the mean load in many steps, so whole images
+leave a floor near 1.1 that no balancer can go below; with 4 the floor is near 1.02 and the
+exchange's own cost shows.
 
 **e2e**: 2 ranks (``--ranks``) spawned with ``torch.multiprocessing`` and joined through a file
 store (gloo on CPU; NCCL when every rank has a GPU). Each rank draws its batches from the demo's
-:class:`SyntheticVLMDataset` (scale 1.3, 2 samples per rank and step, split as Lightning's
-``DistributedSampler`` splits them) and encodes them with the demo's :class:`TinyVisionTower`,
+:class:`SyntheticVLMDataset` (scale 1.3, 2 samples per rank and step, in dataset order, split as
+``DistributedSampler(shuffle=False)`` splits them: the demo's training shuffles, so its steps hold
+other batches of the same samples) and encodes them with the demo's :class:`TinyVisionTower`,
 forward and backward, four ways per step, on the same batch, in an order rotating with the step:
 
 * *unbalanced*: ``vit(pixel_values, grid_thw)``;
@@ -45,6 +46,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -699,6 +701,10 @@ def _overhead_table(per_step: list[list[dict[str, Any]]]) -> dict[str, float]:
 # -- entry point ----------------------------------------------------------------------------------
 
 
+#: Rank batches the online fit needs before its first fit (``CostCalibrator``'s ``min_rank_steps``).
+FIT_FROM_ROWS = inspect.signature(CostCalibrator).parameters["min_rank_steps"].default
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -719,6 +725,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.device = "cuda" if enough else "cpu"
     if args.ranks < 2 or args.steps <= WARMUP_STEPS or args.calibration_steps < 4:
         parser.error("need --ranks >= 2, --steps > 3 and --calibration-steps >= 4")
+    fit_rows = 2 * args.calibration_steps // 3 * args.ranks  # rank batches the online fit sees
+    if args.mode != "e2e" and fit_rows < FIT_FROM_ROWS:
+        parser.error(
+            f"--calibration-steps {args.calibration_steps}: its first two thirds give the online fit "
+            f"{fit_rows} rank batches at {args.ranks} ranks; it fits from {FIT_FROM_ROWS}"
+        )
     return args
 
 

@@ -4,7 +4,7 @@
 
 * **status**: the status gather after the ViT (the check that turns a ViT failure on one rank into
   one error on every rank) per call, next to a whole applied balanced call on the demo's tower and
-  batches, and next to a raw ``all_gather`` of the same four int64 values;
+  batches, and next to a raw ``all_gather`` of the same int64 values (``exchange.STATUS_WORD``);
 * **skipped**: a call the plan skips, prepared before the forward, without and with
   ``check_skipped_calls`` (the status gather after the ViT), the two settings alternating call by
   call; the slowest rank's wall time per call, which is what the step waits for;
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from tiny_vlm import SyntheticVLMDataset, TinyVisionTower, collate_vlm
 
 from lightning_vit_balance import CostModel, ViTBalanceConfig, ViTBalancer
-from lightning_vit_balance.exchange import ViTStatus, exchange_status
+from lightning_vit_balance.exchange import STATUS_WORD, ViTStatus, exchange_status
 
 RANKS = 2
 
@@ -82,7 +82,7 @@ def _status_table(repeats: int) -> list[str]:
     balancer = ViTBalancer(config)
     ok = ViTStatus()
     status_ms = _median_ms(lambda: exchange_status(ok, None), repeats)
-    word = torch.zeros(4, dtype=torch.int64)
+    word = torch.zeros(len(STATUS_WORD), dtype=torch.int64)
     raw_ms = _median_ms(
         lambda: dist.all_gather([torch.empty_like(word) for _ in range(RANKS)], word), repeats
     )
@@ -98,7 +98,7 @@ def _status_table(repeats: int) -> list[str]:
         "| piece | ms per call (median) |",
         "|---|---|",
         f"| status gather after the ViT | {status_ms:.3f} |",
-        f"| raw all_gather of the same 4 int64 | {raw_ms:.3f} |",
+        f"| raw all_gather of the same {len(STATUS_WORD)} int64 | {raw_ms:.3f} |",
         f"| whole applied balanced call, demo tower (applied={applied}) | {call_ms:.1f} |",
         f"| status share of the call | {100 * status_ms / call_ms:.2f}% |",
     ]

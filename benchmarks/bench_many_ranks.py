@@ -1,12 +1,12 @@
 """The balancer on many ranks: its host gathers, and its host work per call.
 
-``make bench-ranks`` prints four tables.
+``make bench-ranks`` prints five tables.
 
 **gathers**: spawns ``P`` gloo ranks on CPU (file-store rendezvous, no ports) for each ``P`` asked
-for, and times the two gathers every balanced call makes on host rows (on a gloo group, or an
-NCCL group's gloo twin): the metadata row (header, fingerprint and ``GATHER_CAPACITY`` runs of
-grid rows, int64) and the status word (three int64). Each is gathered both ways through
-``exchange.start_row_gather``, the two ways alternating round by round:
+for, and times the two gathers every balanced call makes on host rows (on a gloo group, or an NCCL
+group's gloo twin): the metadata row (header, fingerprint and ``GATHER_CAPACITY`` runs of grid rows,
+int64) and the status word (``exchange.STATUS_WORD``: five int64). Each is gathered both ways
+through ``exchange.start_row_gather``, the two ways alternating round by round:
 
 * ``ring``: one ``dist.all_gather`` (gloo's ring: ``P - 1`` hops, each waiting for the one before);
 * ``doubling``: Bruck's rounds of point-to-point messages (``ceil(log2 P)`` rounds).
@@ -85,7 +85,7 @@ from lightning_vit_balance.wire import pack_return, unpack_return
 #: int64 values in a metadata row: the header (6), the details (4), a fingerprint of about 8 and
 #: four per run of grid rows.
 METADATA_VALUES = 18 + 4 * exchange.GATHER_CAPACITY
-STATUS_VALUES = 3
+STATUS_VALUES = len(exchange.STATUS_WORD)
 #: Both ways, each alternately, this many rounds; each round times ``calls`` gathers.
 ROUNDS = 3
 

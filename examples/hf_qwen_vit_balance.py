@@ -152,10 +152,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--family", choices=(*FAMILIES, "both"), default="both")
-    parser.add_argument("--output", default="demo_output/hf_qwen")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per tower (default 4)")
+    parser.add_argument("--devices", type=int, default=2, help="CPU ranks (default 2)")
+    parser.add_argument(
+        "--family", choices=(*FAMILIES, "both"), default="both", help="the tower to train (default both)"
+    )
+    parser.add_argument(
+        "--output", default="demo_output/hf_qwen", help="the CSV logs' folder (default demo_output/hf_qwen)"
+    )
     args = parser.parse_args(argv)
     families = FAMILIES if args.family == "both" else (args.family,)
     results = {}

@@ -25,6 +25,7 @@ with a real checkpoint, ``from_pretrained`` and the processor replace them. Run 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -45,7 +46,10 @@ __all__ = ["main", "summarize"]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Run it with torchrun --nproc_per_node 2 (or more): alone it has nothing to balance.",
+    )
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     parser.add_argument("--batch-size", type=int, default=2, help="samples per rank and step (default 2)")
     parser.add_argument("--output", default="demo_output/hf_trainer", help="the Trainer's output directory")
@@ -127,7 +131,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         remove_unused_columns=False,  # the collator reads the samples' own keys (images, videos, text)
         report_to=[],
         use_cpu=not on_gpu,
-        ddp_backend=None if on_gpu else "gloo",
+        # gloo for CPU ranks under torchrun; alone (no LOCAL_RANK) there is no process group to make.
+        ddp_backend="gloo" if not on_gpu and "LOCAL_RANK" in os.environ else None,
+        # Every rank calls the tower, a text-only one too, so no parameter goes unused.
+        ddp_find_unused_parameters=False,
         disable_tqdm=True,
         seed=0,
     )
@@ -141,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     ViTBalanceTrainerCallback().attach(trainer)  # <-- vit balance
     trainer.train()
     summary = summarize(trainer.state.log_history)
-    if trainer.is_world_process_zero() and summary:
+    if trainer.is_world_process_zero() and trainer.args.world_size > 1:
         trainer.save_state()  # trainer_state.json: the log history the dashboard reads
         dashboard = draw_dashboard([args.output, "-o", str(Path(args.output) / "vit_balance_dashboard.png")])
         _print(summary, dashboard)

@@ -4,8 +4,8 @@ The file feeds the ViT-balance simulator (``python -m lightning_vit_balance.simu
 synthetic, drawn with a fixed seed, and only sizes matter (no pixels). 400 samples, one JSON
 object per line, with the raw sizes a data pipeline knows before any processor runs::
 
-    {"id": "photo-0001", "kind": "photo", "images": [{"width": 4032, "height": 3024}]}
-    {"id": "video-0007", "kind": "video", "videos": [{"width": 1280, "height": 720, "frames": 24}]}
+    {"id": "photo-0001", "kind": "photo", "images": [{"width": 308, "height": 231}]}
+    {"id": "video-0001", "kind": "video", "videos": [{"width": 837, "height": 470, "frames": 32}]}
 
 The mix (``kind``):
 
@@ -17,13 +17,16 @@ The mix (``kind``):
 * ``text`` (7.5%): no visual at all (text-only samples leave ranks without images).
 
 Sides are jittered by up to 10% so that not every photo has the same size. Run this script to
-regenerate the file; ``tests/test_simulate.py`` checks that the committed file is its output.
+regenerate the file (``--output FILE`` writes elsewhere); ``tests/test_simulate.py`` checks that
+the committed file is its output.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["KIND_COUNTS", "OUTPUT", "build_samples", "main", "render"]
@@ -81,9 +84,14 @@ def render(seed: int = 0) -> str:
     return "".join(json.dumps(sample, separators=(", ", ": ")) + "\n" for sample in build_samples(seed))
 
 
-def main() -> None:
-    OUTPUT.write_text(render())
-    print(f"wrote {OUTPUT} ({len(KIND_COUNTS)} kinds, {sum(KIND_COUNTS.values())} samples)")
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--output", type=Path, default=OUTPUT, help=f"the file to write (default {OUTPUT.name})"
+    )
+    args = parser.parse_args(argv)
+    args.output.write_text(render())
+    print(f"wrote {args.output} ({len(KIND_COUNTS)} kinds, {sum(KIND_COUNTS.values())} samples)")
 
 
 if __name__ == "__main__":

@@ -397,7 +397,11 @@ def main(argv: Sequence[str] | None = None) -> Path:
     parser.add_argument("-o", "--output", default="vit_balance_dashboard.png", help="PNG to write")
     parser.add_argument("--title", default="ViT data-parallel balance")
     args = parser.parse_args(argv)
-    out = plot_dashboard(load_metrics(args.path), args.output, title=args.title)
+    try:
+        metrics = load_metrics(args.path)
+    except (OSError, ValueError) as error:  # a path without the metrics: say so, no traceback
+        parser.error(str(error))
+    out = plot_dashboard(metrics, args.output, title=args.title)
     print(f"wrote {out}")
     return out
 

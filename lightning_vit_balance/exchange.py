@@ -43,6 +43,7 @@ from lightning_vit_balance.problems import DEVICE_TYPES, MAX_DETAILS, InputProbl
 __all__ = [
     "DOUBLING_FROM_RANKS",
     "GATHER_CAPACITY",
+    "STATUS_WORD",
     "ExchangeRoute",
     "LeafSignature",
     "PendingExchange",
@@ -1218,7 +1219,7 @@ class PendingStatus:
 
     def wait(self) -> StatusReport:
         """Block until every rank's status word has arrived; gather the details when they disagree."""
-        # [P, 5]: flag, output digest, output count, plan digest, gradients
+        # [P, len(STATUS_WORD)]
         gathered = self._words.wait()
         words = gathered.cpu().tolist()
         plan_digests = tuple(w[3] for w in words)
@@ -1229,12 +1230,16 @@ class PendingStatus:
         return StatusReport(False, tuple(_decode_detail(d) for d in details), 2, plan_digests, gradients)
 
 
+#: The status word every rank gathers after the ViT, one int64 each, in this order.
+STATUS_WORD: tuple[str, ...] = ("flag", "output_digest", "output_count", "plan_digest", "gradients")
+
+
 def start_status(
     status: ViTStatus, group: Any, plan_digest: int = 0, gradients: bool = False
 ) -> PendingStatus:
     """:func:`exchange_status`, started asynchronously: prepare the return trip, then ``wait()``."""
     device = host_device(group)
-    values = [status.flag, status.digest(), len(status.leaves), plan_digest, int(gradients)]
+    values = [status.flag, status.digest(), len(status.leaves), plan_digest, int(gradients)]  # STATUS_WORD
     word = torch.tensor(values, dtype=torch.int64).to(device)
     return PendingStatus(status, start_row_gather(word, group), group)
 

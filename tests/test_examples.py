@@ -328,6 +328,9 @@ def test_dashboard_errors_name_the_path(tmp_path: Path) -> None:
     _write_csv(tmp_path / "metrics.csv", [{"step": 0, "train_loss": 1.0}])
     with pytest.raises(ValueError, match="ViTBalanceCallback"):
         plot_vit_balance.load_metrics(tmp_path)
+    with pytest.raises(SystemExit) as done:  # the command line: one line, exit status 2
+        plot_vit_balance.main([str(tmp_path)])
+    assert done.value.code == 2
 
 
 # --------------------------------------------------------------------------- multi-rank equivalence

@@ -2921,6 +2921,19 @@ def test_trainer_example_short_run(tmp_path: Path) -> None:
     assert (tmp_path / "vit_balance_dashboard.png").stat().st_size > 1000
 
 
+@pytest.mark.timeout(120)
+def test_trainer_example_alone_trains_on_one_rank(tmp_path: Path) -> None:
+    """Run without ``torchrun`` the example trains on one rank and says there was nothing to
+    balance (it asked the ``Trainer`` for a gloo process group that did not exist)."""
+    import subprocess
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer_finetune.py"
+    command = [sys.executable, str(example), "--steps", "2", "--batch-size", "1", "--output", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "One rank: nothing was balanced" in done.stdout, done.stdout[-2000:]
+
+
 @pytest.mark.timeout(240)
 def test_finetune_example_short_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``examples/hf_qwen_finetune.py --steps 3``: two 2-rank fits, same losses, images moved."""

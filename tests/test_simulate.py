@@ -250,13 +250,18 @@ def test_bad_timing_errors(tmp_path: Path, lines: list[str], line: int, field: s
     assert (caught.value.line, caught.value.field) == (line, field)
 
 
-def test_example_file_is_the_generators_output_and_reads() -> None:
+def test_example_file_is_the_generators_output_and_reads(tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT / "examples"))
     try:
         import make_sample_visual_sizes as generator
     finally:
         sys.path.remove(str(ROOT / "examples"))
     assert EXAMPLE.read_text() == generator.render()
+    generator.main(["--output", str(tmp_path / "copy.jsonl")])
+    assert (tmp_path / "copy.jsonl").read_text() == EXAMPLE.read_text()
+    docstring = (generator.__doc__ or "").splitlines()
+    shown = [line.strip() for line in docstring if line.strip().startswith('{"id"')]
+    assert shown and all(line in EXAMPLE.read_text().splitlines() for line in shown), shown  # the file's rows
     assert EXAMPLE.stat().st_size < 1_000_000
     data = read_dataset(EXAMPLE)
     kinds = [json.loads(line)["kind"] for line in EXAMPLE.read_text().splitlines()]

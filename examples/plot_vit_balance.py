@@ -162,7 +162,16 @@ def _latest_trainer_state(root: Path) -> list[Path]:
     states = sorted(root.rglob("trainer_state.json"))
     if not states:
         return []
-    return [max(states, key=lambda state: json.loads(state.read_text()).get("global_step", 0))]
+    return [max(states, key=_global_step)]
+
+
+def _global_step(state: Path) -> int:
+    """A ``trainer_state.json``'s ``global_step``, or a ValueError naming the file."""
+    try:
+        step = json.loads(state.read_text()).get("global_step", 0)
+    except (ValueError, AttributeError) as error:  # not JSON, or not an object
+        raise ValueError(f"{state}: not a Trainer's state ({type(error).__name__}: {error})") from error
+    return step if isinstance(step, int) else 0
 
 
 def find_metric_files(path: str | Path) -> list[Path]:
@@ -193,7 +202,12 @@ def _read_files(files: Sequence[Path]) -> Metrics:
     metrics: Metrics = {}
     readers = {".csv": read_csv, ".json": read_trainer_state}
     for file in files:
-        part = readers.get(file.suffix, read_tensorboard)(file)
+        try:
+            part = readers.get(file.suffix, read_tensorboard)(file)
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError) as error:  # not a log's shape
+            raise ValueError(
+                f"{file}: not a log this dashboard reads ({type(error).__name__}: {error})"
+            ) from error
         for key, pairs in part.items():
             name = key.removeprefix(HF_TRAIN_PREFIX) if key.startswith(HF_TRAIN_PREFIX + PREFIX) else key
             if name.startswith(PREFIX):

@@ -1,9 +1,9 @@
 """Balance vision-encoder (ViT) work across data-parallel ranks in VLM training.
 
-The engine (configuration, cost model, planning, exchange, balanced encode) needs only torch.
-Everything beyond the configuration, the cost model and planning (which need only NumPy) is
-imported on first use: the simulator and offline planning never import torch, plain
-``torch.distributed`` programs and the spawned processes of a job never import Lightning
+The engine needs only torch: its configuration, cost model and planning only NumPy. Everything
+beyond those three (the exchange, the balanced encode, the integrations, and submodules accessed
+as attributes) is imported on first use: the simulator and offline planning never import torch,
+plain ``torch.distributed`` programs and the spawned processes of a job never import Lightning
 (:class:`ViTBalanceMixin`, :class:`ViTBalanceCallback`, :func:`dp_group_from_strategy`) or
 transformers (:class:`ViTBalanceTrainerCallback`).
 """
@@ -11,6 +11,7 @@ transformers (:class:`ViTBalanceTrainerCallback`).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from lightning_vit_balance.config import ViTBalanceConfig, add_vit_balance_args
@@ -80,6 +81,9 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
         globals()[name] = value
         return value
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        # A submodule (``lightning_vit_balance.exchange``), as after an import of it.
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'lightning_vit_balance' has no attribute {name!r}")
 
 

@@ -579,8 +579,9 @@ class ViTBalancer:
         differentiable = prepared.pixels_require_grad and torch.is_grad_enabled()
         reference = _Reference(prepared.channels, prepared.dtype, differentiable)
         if problem is None and not prepared.holds_images:
-            # No rank has images: each makes its dummy image from its own rows. (Unprepared, every
-            # rank takes rank 0's, which the forward's gather brings; here no collective could.)
+            # No rank has images: each makes its dummy image from its own rows (unprepared, every
+            # rank takes rank 0's, which the forward's gather brings), and the status gather
+            # follows, so that rows the ViT cannot take fail every rank, not that one alone.
             reference = _Reference(int(pixel_values.shape[1]), pixel_values.dtype, differentiable)
         if plan.applied:
             output = self._exchange_and_encode(
@@ -588,7 +589,9 @@ class ViTBalancer:
             )
         else:
             has_images = bool(prepared.metadata[call.rank].grids)
-            output = self._at_home(call, vit, pixel_values, given_grid, has_images, reference, problem)
+            output = self._at_home(
+                call, vit, pixel_values, given_grid, has_images, reference, problem, not prepared.holds_images
+            )
         self._record(plan, call, prepared.metadata, prepare_seconds=prepared.prepare_seconds)
         return output
 
@@ -1049,13 +1052,14 @@ class ViTBalancer:
         has_images: bool,
         reference: _Reference,
         problem: str | None = None,
+        checked: bool = False,
     ) -> Any:
         """A call the plan skips: this rank encodes its own images (a dummy one when it has none).
         ``grid_thw`` is a tensor unless ``problem`` says why not.
 
-        With ``check_skipped_calls`` (and a host-side group for the word), the status gather
-        follows, so that a ViT that raised, or a prepared call whose input does not match its plan
-        (``problem``), fails every rank at once, as in a call that moves images.
+        With ``check_skipped_calls`` or ``checked`` (and a host-side group for the word), the status
+        gather follows, so that a ViT that raised, or a prepared call whose input does not match its
+        plan (``problem``), fails every rank at once, as in a call that moves images.
         """
 
         def encode(images: bool) -> Any:
@@ -1063,7 +1067,7 @@ class ViTBalancer:
                 return self._timed_direct(call, vit, pixel_values, grid_thw)
             return self._empty_output(vit, pixel_values, grid_thw, call.merge, reference)
 
-        if not (self.config.check_skipped_calls and host_device(call.host).type == "cpu"):
+        if not ((self.config.check_skipped_calls or checked) and host_device(call.host).type == "cpu"):
             if problem is None:
                 return encode(has_images)
             self._defer_mismatch(call, pixel_values, grid_thw, problem)

@@ -1209,6 +1209,11 @@ def _decode_detail(values: np.ndarray) -> ViTStatus:
     return ViTStatus.decode(values[4 : 4 + length].tobytes())
 
 
+#: The status word every rank gathers after the ViT, one int64 each, in this order.
+STATUS_WORD: tuple[str, ...] = ("flag", "output_digest", "output_count", "plan_digest", "gradients")
+_PLAN_DIGEST, _GRADIENTS = STATUS_WORD.index("plan_digest"), STATUS_WORD.index("gradients")
+
+
 class PendingStatus:
     """A status gather in flight (see :func:`start_status`): :meth:`wait` gives the report."""
 
@@ -1219,19 +1224,15 @@ class PendingStatus:
 
     def wait(self) -> StatusReport:
         """Block until every rank's status word has arrived; gather the details when they disagree."""
-        # [P, len(STATUS_WORD)]
-        gathered = self._words.wait()
+        gathered = self._words.wait()  # [P, len(STATUS_WORD)]
         words = gathered.cpu().tolist()
-        plan_digests = tuple(w[3] for w in words)
-        gradients = tuple(bool(w[4]) for w in words)
-        if all(w[:3] == [0, words[0][1], words[0][2]] for w in words):
+        plan_digests = tuple(w[_PLAN_DIGEST] for w in words)
+        gradients = tuple(bool(w[_GRADIENTS]) for w in words)
+        # Every rank's ViT succeeded with outputs alike: the flag 0, the outputs' digest and count rank 0's.
+        if all(w[:_PLAN_DIGEST] == [0, *words[0][1:_PLAN_DIGEST]] for w in words):
             return StatusReport(True, (), 1, plan_digests, gradients)
         details = _gathered_array(_encode_detail(self._status), gathered.device, self._group)
         return StatusReport(False, tuple(_decode_detail(d) for d in details), 2, plan_digests, gradients)
-
-
-#: The status word every rank gathers after the ViT, one int64 each, in this order.
-STATUS_WORD: tuple[str, ...] = ("flag", "output_digest", "output_count", "plan_digest", "gradients")
 
 
 def start_status(
@@ -1239,7 +1240,14 @@ def start_status(
 ) -> PendingStatus:
     """:func:`exchange_status`, started asynchronously: prepare the return trip, then ``wait()``."""
     device = host_device(group)
-    values = [status.flag, status.digest(), len(status.leaves), plan_digest, int(gradients)]  # STATUS_WORD
+    fields = {
+        "flag": status.flag,
+        "output_digest": status.digest(),
+        "output_count": len(status.leaves),
+        "plan_digest": plan_digest,
+        "gradients": int(gradients),
+    }
+    values = [fields[name] for name in STATUS_WORD]
     word = torch.tensor(values, dtype=torch.int64).to(device)
     return PendingStatus(status, start_row_gather(word, group), group)
 

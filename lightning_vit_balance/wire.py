@@ -193,13 +193,13 @@ class _UnpackFunction(torch.autograd.Function):
         sizes = [rows * elements[k] for rows, k in zip(pieces.rows, pieces.outputs)]
         split = torch.split(back, sizes)
         outputs = []
-        for k, like in enumerate(likes):
-            picks = pieces.picks[k] if k < len(pieces.picks) else ()
-            if not picks:
-                outputs.append(unpack_rows(back[:0], 0, like).clone())
-                continue
-            rows = sum(pieces.rows[i] for i in picks)
-            with autocast_off(back.device):
+        with autocast_off(back.device):
+            for k, like in enumerate(likes):
+                picks = pieces.picks[k] if k < len(pieces.picks) else ()
+                if not picks:
+                    outputs.append(unpack_rows(back[:0], 0, like).clone())
+                    continue
+                rows = sum(pieces.rows[i] for i in picks)
                 outputs.append(unpack_rows(torch.cat([split[i] for i in picks]), rows, like))
         ctx.pieces, ctx.sizes, ctx.back = pieces, sizes, (back.shape, back.dtype, back.device)
         ctx.mark_non_differentiable(*(out for out in outputs if not _is_float(out.dtype)))

@@ -331,6 +331,14 @@ def test_dashboard_errors_name_the_path(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as done:  # the command line: one line, exit status 2
         plot_vit_balance.main([str(tmp_path)])
     assert done.value.code == 2
+    for broken in ("[1, 2]", '{"log_history": 5}', "{"):  # not a Trainer's state: the file is named
+        state = tmp_path / "hf" / "trainer_state.json"
+        state.parent.mkdir(exist_ok=True)
+        state.write_text(broken)
+        with pytest.raises(ValueError, match=r"trainer_state\.json: not a"):
+            plot_vit_balance.load_metrics(state)
+        with pytest.raises(ValueError, match=r"trainer_state\.json: not a"):  # found in its folder
+            plot_vit_balance.load_metrics(state.parent)
 
 
 # --------------------------------------------------------------------------- multi-rank equivalence

@@ -103,6 +103,7 @@ def test_importing_the_package_imports_only_what_is_used() -> None:
         "assert 'torch' not in sys.modules, 'eager torch import'; "
         "m.ViTBalancer; "
         "assert 'torch' in sys.modules; "
+        "assert m.exchange.STATUS_WORD and m.balancer.ViTBalancer is m.ViTBalancer; "  # as after imports
         "assert 'lightning' not in sys.modules, 'eager lightning import'; "
         "assert 'torchmetrics' not in sys.modules, 'eager torchmetrics import'; "
         "assert 'transformers' not in sys.modules, 'eager transformers import'; "

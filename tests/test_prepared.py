@@ -36,15 +36,16 @@ def _prepared_suite(n: int, checked: bool) -> dict[str, Any] | None:
 @pytest.mark.parametrize(("n", "checked"), [(2, False), (3, False), (3, True)])
 def test_prepared_calls_equal_the_direct_call(multirank: Any, n: int, checked: bool) -> None:
     """Outputs and summed gradients as the direct call; no gather and no plan in the forward, and
-    in a skipped call nothing at all, or only the status gather with ``check_skipped_calls``. The
-    stats give the preparation's time apart from the call's (``prepare_seconds``)."""
+    in a skipped call nothing at all, or only the status gather with ``check_skipped_calls`` (and
+    in a step without images anywhere, where each rank encodes a dummy of its own rows). The stats
+    give the preparation's time apart from the call's (``prepare_seconds``)."""
     with multirank(POOL) as w:
         per_rank = w.run(_prepared_suite, n, checked)[:n]
     for rank_results in per_rank:
         for results in rank_results.values():
             assert results[0]["applied"] and not all(r["applied"] for r in results)
             for r in results:
-                expected = PREPARED_APPLIED if r["applied"] else int(checked)
+                expected = PREPARED_APPLIED if r["applied"] else int(checked or r["reason"] == "no-images")
                 assert r["counted"] == r["collectives"] == expected, r
                 assert r["plan_seconds"] == 0.0 and r["prepare_seconds"] > 0.0, r
             # Routes, trips and return layouts are made in prepare(), except the first applied
@@ -255,6 +256,33 @@ def test_a_text_only_step_needs_no_pixel_width_in_its_plan(multirank: Any) -> No
     with multirank(POOL) as w:
         results = w.run(_text_only_step)[:2]
     assert results == [{"shape": (0, 24), "dtype": "torch.bfloat16", "unprepared": (0, 24)}] * 2, results
+
+
+def _text_only_step_with_rows_the_vit_cannot_take() -> str | None:
+    """No rank has images and rank 1's empty rows are bf16 for a float32 ViT: its dummy forward
+    raises, and the status gather that follows a prepared step without images fails every rank."""
+    group = subgroup(3)
+    if dist.get_rank() >= 3:
+        return None
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    dtype = torch.bfloat16 if dist.get_rank() == 1 else torch.float32
+    pixels, grid = torch.empty((0, towers.CHANNELS), dtype=dtype), torch.empty((0, 3), dtype=torch.long)
+    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group)
+    ticket = balancer.prepare(pixels, grid)
+    assert ticket is not None and not ticket.holds_images
+    try:
+        balancer(tower, pixels, grid, prepared=ticket)
+    except RuntimeError as caught:
+        return str(caught)
+    return "no error"
+
+
+def test_a_prepared_text_only_step_fails_every_rank_when_one_cannot_encode(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        errors = w.run(_text_only_step_with_rows_the_vit_cannot_take)[:3]
+    assert all("same dtype" in error for error in errors), errors
+    assert "rank 1: the ViT raised" in errors[0] and "rank 1: the ViT raised" in errors[2], errors
 
 
 def _text_only_rank_of_its_own_rows() -> dict[str, Any] | None:

@@ -201,13 +201,13 @@ BAD_INPUTS = [
     ("f.jsonl", ["", '{"images": [{"width": 9}]}'], 2, "images[0].height", "the key 'height'"),
     ("f2.jsonl", ['{"image_grid_thw": [[1, 4, 1' + 20 * "0" + "]]}"], 1, "image_grid_thw[0]", "below 2**31"),
     ("f3.csv", ["width,height", "640,480,7"], 2, "<row>", "2 cells, as the header has"),
-    # a grid in pixels (1080p): 81,920 patches a frame at most under Qwen2-VL's limits
+    # a grid in pixels (1080p): 262,144 patches a frame at most under Qwen2-VL's limits
     (
         "f4.jsonl",
         ['{"image_grid_thw": [[1, 4, 4]]}', '{"video_grid_thw": [[2, 1080, 1920]]}'],
         2,
         "video_grid_thw[0]",
-        "at most 81,920 patches a frame",
+        "at most 262,144 patches a frame",
     ),
     ("g.jsonl", ['{"videos": [{"width": 64, "height": 64}]}'], 1, "videos[0].frames", "the key 'frames'"),
     ("h.jsonl", ['{"images": {"width": 64}}'], 1, "images", "a list"),

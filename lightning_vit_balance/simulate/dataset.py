@@ -97,6 +97,8 @@ def _parse_int(text: str) -> int | str:
         return text
 
 
+#: The most patches a frame of the Qwen-VL processors has under their default pixel limits.
+_LARGEST_DEFAULT_PATCHES = 65_536
 #: A visual: (patches ``t * h * w``, temporal steps ``t``).
 _Visual = tuple[int, int]
 
@@ -113,20 +115,21 @@ def _grid_patches(where: _Where, field: str, row: object, rule: ResizeRule) -> _
         where.fail(
             field,
             row,
-            f"at most {_most_patches_a_frame(rule):,} patches a frame (16 times the larger of max_pixels and "
-            f"video_max_pixels, in {rule.patch_size}-pixel patches): grid rows count patches, not pixels; "
-            "raise --max-pixels if your processor allows such frames",
+            f"at most {_most_patches_a_frame(rule):,} patches a frame (four times the Qwen-VL processors' "
+            "largest default limit, or 16 times that of --max-pixels or --video-max-pixels): grid rows "
+            "count patches, not pixels; raise --max-pixels if your processor allows such frames",
         )
     return t * h * w, t
 
 
 def _most_patches_a_frame(rule: ResizeRule) -> int:
-    """The most patches a grid row's frame may hold: 16 times ``rule``'s larger pixel limit.
-
-    Qwen2.5-VL's default limit (12,845,056 pixels: 65,536 patches) stays within it under Qwen2-VL's
-    limits (81,920 patches), while a grid written in pixels (``[1, 1080, 1920]``) is far beyond.
-    """
-    return 16 * max(rule.max_pixels, rule.video_max_pixels) // rule.patch_size**2
+    """The most patches a grid row's frame may hold: four times the largest default limit of the
+    Qwen-VL processors (65,536 patches: Qwen2.5-VL's 12,845,056 pixels of 14 px, Qwen3-VL's
+    16,777,216 of 16 px), or 16 times ``rule``'s larger pixel limit where that is more. A grid
+    written in pixels (``[1, 1080, 1920]``: 2,073,600) is far beyond it."""
+    return max(
+        4 * _LARGEST_DEFAULT_PATCHES, 16 * max(rule.max_pixels, rule.video_max_pixels) // rule.patch_size**2
+    )
 
 
 def _size_patches(where: _Where, field: str, entry: object, rule: ResizeRule, video: bool) -> _Visual:

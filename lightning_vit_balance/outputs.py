@@ -17,7 +17,7 @@ towers where the rows are ambiguous or the merge size cannot be looked up.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,58 +142,62 @@ def flatten_output(output: Any) -> tuple[list[tuple[str, Any]], Structure]:
     Tensors, ``None`` and any other non-container values are leaves.
     """
     leaves: list[tuple[str, Any]] = []
+    return leaves, _flatten(output, "", leaves)
 
-    def visit(value: Any, path: str) -> Structure:
-        def child(key: Any) -> str:
-            return f"{path}.{key}" if path else str(key)
 
-        if _is_model_output(value):
-            keys = tuple(value.keys())
-            return Structure(
-                "model_output", type(value), keys, tuple(visit(value[k], child(k)) for k in keys)
-            )
-        if isinstance(value, Mapping):
-            keys = tuple(value.keys())
-            return Structure("dict", type(value), keys, tuple(visit(value[k], child(k)) for k in keys))
-        if isinstance(value, tuple) and hasattr(value, "_fields"):
-            return Structure(
-                "namedtuple", type(value), (), tuple(visit(v, child(i)) for i, v in enumerate(value))
-            )
-        if isinstance(value, (tuple, list)):
-            node = "tuple" if isinstance(value, tuple) else "list"
-            return Structure(node, type(value), (), tuple(visit(v, child(i)) for i, v in enumerate(value)))
-        leaves.append((path, value))
-        return Structure("leaf")
+# Recursion by module-level functions, not nested ones: a nested function that calls itself is a
+# reference cycle holding its closure (the leaves: the ViT's outputs) until the next cyclic garbage
+# collection, which the balanced call pauses; the outputs would outlive the step's use of them.
+def _flatten(value: Any, path: str, leaves: list[tuple[str, Any]]) -> Structure:
+    if _is_model_output(value):
+        keys = tuple(value.keys())
+        children = tuple(_flatten(value[k], _child(path, k), leaves) for k in keys)
+        return Structure("model_output", type(value), keys, children)
+    if isinstance(value, Mapping):
+        keys = tuple(value.keys())
+        return Structure(
+            "dict", type(value), keys, tuple(_flatten(value[k], _child(path, k), leaves) for k in keys)
+        )
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        children = tuple(_flatten(v, _child(path, i), leaves) for i, v in enumerate(value))
+        return Structure("namedtuple", type(value), (), children)
+    if isinstance(value, (tuple, list)):
+        node = "tuple" if isinstance(value, tuple) else "list"
+        return Structure(
+            node, type(value), (), tuple(_flatten(v, _child(path, i), leaves) for i, v in enumerate(value))
+        )
+    leaves.append((path, value))
+    return Structure("leaf")
 
-    structure = visit(output, "")
-    return leaves, structure
+
+def _child(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
 
 
 def rebuild_output(structure: Structure, leaves: Sequence[Any]) -> Any:
     """The inverse of :func:`flatten_output`: the same containers around new leaves."""
-    remaining = iter(leaves)
+    return _rebuild(structure, iter(leaves))
 
-    def build(node: Structure) -> Any:
-        if node.node == "leaf":
-            return next(remaining)
-        values = [build(c) for c in node.children]
-        container = node.container
-        assert container is not None
-        if node.node == "model_output":
-            return container(**dict(zip(node.keys, values)))
-        if node.node == "dict":
-            try:
-                return container(zip(node.keys, values))
-            except TypeError:
-                return dict(zip(node.keys, values))
-        if node.node == "namedtuple":
-            return container(*values)
+
+def _rebuild(node: Structure, remaining: Iterator[Any]) -> Any:
+    if node.node == "leaf":
+        return next(remaining)
+    values = [_rebuild(c, remaining) for c in node.children]
+    container = node.container
+    assert container is not None
+    if node.node == "model_output":
+        return container(**dict(zip(node.keys, values)))
+    if node.node == "dict":
         try:
-            return container(values)
+            return container(zip(node.keys, values))
         except TypeError:
-            return tuple(values) if node.node == "tuple" else list(values)
-
-    return build(structure)
+            return dict(zip(node.keys, values))
+    if node.node == "namedtuple":
+        return container(*values)
+    try:
+        return container(values)
+    except TypeError:
+        return tuple(values) if node.node == "tuple" else list(values)
 
 
 @dataclass(frozen=True)

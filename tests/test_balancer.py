@@ -8,6 +8,7 @@ multirank.py); 2- and 3-rank cases balance over a subgroup of it (which also exe
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import random
 from typing import Any
@@ -854,6 +855,30 @@ def test_a_text_only_step_encodes_every_dummy_in_rank_0s_rows(multirank: Any) ->
     with multirank(POOL) as w:
         per_rank = w.run(_text_only_step_with_other_empty_rows)
     assert per_rank == [{"shape": (0, 24), "dtype": "torch.float32", "grads": True}] * POOL, per_rank
+
+
+def _tensors_left_in_cycles(overlap: bool) -> list[tuple[int, ...]]:
+    """Shapes of the tensors that only the cyclic garbage collector would free after a balanced
+    step: none, so the ViT's outputs go when the step drops them (the balanced call pauses the
+    collector, and a cycle through them kept them alive through the rest of the step)."""
+    vit, _, pixels, grid, balancer = _straggler_batch(towers.TensorTower, overlap)
+    gc.collect()
+    for _ in range(2):  # the second call runs on warm caches
+        balancer(vit, pixels, grid).pow(2).sum().backward()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        return [tuple(o.shape) for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_balanced_step_leaves_no_tensor_in_reference_cycles(multirank: Any, overlap: bool) -> None:
+    with multirank(POOL) as w:
+        per_rank = w.run(_tensors_left_in_cycles, overlap)
+    assert per_rank == [[]] * POOL, per_rank
 
 
 def _gradient_penalty(overlap: bool) -> dict[str, Any]:

@@ -11,7 +11,7 @@ CONSTRAINTS ?= requirements/constraints.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-transformers4 demo bench bench-e2e bench-engine bench-ranks gpu-check bench-gpu plan-versions lint clean
+.PHONY: install test test-transformers4 demo bench bench-e2e bench-engine bench-memory bench-ranks gpu-check bench-gpu plan-versions lint clean
 
 install: $(STAMP)
 
@@ -50,6 +50,12 @@ bench-e2e: $(STAMP)
 # (2 gloo CPU ranks).
 bench-engine: $(STAMP)
 	$(PY) benchmarks/bench_engine.py
+
+# Peak tensor memory per rank of one ViT forward and backward (torch.profiler's allocation events),
+# unbalanced, balanced (also overlapped and prepared) and the plan alone without the exchange, on the
+# demo's tower and batches (2 gloo CPU ranks); the method is checked on known cases first.
+bench-memory: $(STAMP)
+	$(PY) benchmarks/bench_memory.py
 
 # The balancer on many ranks: one call's host work at 64-1024 ranks (in one process), then the host
 # gathers (metadata, status) on 2-32 gloo CPU ranks, gloo's ring all_gather against the doubling

@@ -62,3 +62,13 @@ def test_many_ranks_benchmark_short(tmp_path: Path) -> None:
     ]
     out = _run("bench_many_ranks.py", *arguments, cwd=tmp_path)
     assert f"status = {len(STATUS_WORD)};" in out, out[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_memory_benchmark_short(tmp_path: Path) -> None:
+    out = _run("bench_memory.py", "--steps", "1", cwd=tmp_path)
+    assert "validate: all as expected" in out, out[-2000:]
+    assert "peak_forward 52.00 (expect 52), at_backward 36.00 (expect 36), peak 56.00 (expect 56)" in out
+    assert "unbalanced   balanced    overlap   prepared  plan_only" in out, out[-2000:]
+    loss_line = next(line for line in out.splitlines() if "relative |variant - unbalanced|" in line)
+    assert float(loss_line.rsplit("=", 1)[1]) < 1e-5, loss_line  # the same images: the same losses

@@ -187,24 +187,25 @@ def _main_thread_frees() -> None:
             self._work = None
         return self._output
 
-    def waited_exchange(
-        tensor: torch.Tensor,
-        send_splits: list[int],
-        receive_splits: list[int],
-        group: Any,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        # exchange._exchange's collective, async and waited, so that this thread holds the work.
-        tensor = tensor.contiguous()
-        output = out if out is not None else tensor.new_empty((sum(receive_splits), *tensor.shape[1:]))
-        work = dist.all_to_all_single(output, tensor, receive_splits, send_splits, group=group, async_op=True)
-        work.wait()
-        time.sleep(0.005)
-        del work
-        return output
+    class WaitedDist:
+        """``torch.distributed`` as exchange.py sees it, but a synchronous ``all_to_all_single``
+        runs asynchronously and is waited here, so that this thread holds and drops the work."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(dist, name)
+
+        @staticmethod
+        def all_to_all_single(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+            work = dist.all_to_all_single(*args, async_op=True, **kwargs)
+            if async_op:
+                return work
+            work.wait()
+            time.sleep(0.005)
+            del work
+            return None
 
     exchange.PendingExchange.wait = wait
-    exchange._exchange = waited_exchange
+    exchange.dist = WaitedDist()  # type: ignore[assignment]
 
 
 # -- the ranks ------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from lightning_vit_balance.encoding import (
     raise_for_input,
     raise_for_plans,
     raise_for_vit,
+    release_frames,
     splice_encoded,
     validate_input,
 )
@@ -1011,6 +1012,7 @@ class ViTBalancer:
             buffer = pack_return(leaves, layout, transit, tie)
             arrivals = buffer.new_empty(sum(layout.receive_splits))
         except Exception as caught:  # every rank must hear of it before this one re-raises
+            release_frames(caught)
             return dataclasses.replace(encoded, error=caught, packing_problem=True), None
         return encoded, _ReturnBuffer(leaves, layout, transit, elements, buffer, arrivals)
 
@@ -1079,6 +1081,7 @@ class ViTBalancer:
             try:
                 output = encode(has_images)
             except Exception as caught:  # every rank must hear of it before this one re-raises
+                release_frames(caught)
                 error = caught
         started = time.perf_counter()
         encoded = EncodedBatch([], None, [], error, 0.0, input_problem=problem is not None)

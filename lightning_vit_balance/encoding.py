@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,7 @@ __all__ = [
     "raise_for_input",
     "raise_for_plans",
     "raise_for_vit",
+    "release_frames",
     "splice_encoded",
     "validate_input",
 ]
@@ -390,6 +392,7 @@ def encode(
         else:
             output = vit(batch.pixels, batch.grid)
     except Exception as error:  # every rank must hear of it before this one re-raises
+        release_frames(error)
         return EncodedBatch([], None, [], error, time.perf_counter() - started)
     seconds = time.perf_counter() - started
     leaves, structure = flatten_output(output)
@@ -518,6 +521,18 @@ def _out_of_memory(error: str) -> bool:
     """Whether a rank's status ``error`` says its ViT, or packing its outputs, ran out of memory."""
     raised = error[len(PACKING_ERROR) :] if error.startswith(PACKING_ERROR) else error
     return raised.startswith(f"{torch.OutOfMemoryError.__name__}: ")
+
+
+def release_frames(error: BaseException) -> None:
+    """Drop the local variables of the finished frames an out-of-memory error's traceback holds.
+
+    The error is kept, to be reported to every rank and re-raised, and its traceback holds the
+    ViT's frames with their partial activations in a reference cycle, freed only at the next cyclic
+    garbage collection, while a loop that skips the batch goes on to the next one. The trace's text
+    (files and lines) stays; only those frames' locals go, and only for out-of-memory errors.
+    """
+    if isinstance(error, torch.OutOfMemoryError):
+        traceback.clear_frames(error.__traceback__)
 
 
 def splice_encoded(

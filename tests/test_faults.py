@@ -8,7 +8,9 @@ correct outputs; and the group is still in step afterwards (a good call works on
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
+import weakref
 from typing import Any
 from unittest import mock
 
@@ -229,6 +231,48 @@ def test_vit_exception_on_one_rank(multirank: Any) -> None:
     assert len({r["message"] for r in others}) == 1
     assert "rank 1" in others[0]["message"] and "OutOfMemoryError" in others[0]["message"]
     assert all(r["seconds"] < FAST_S for r in results), results
+
+
+class _OutOfMemoryTower(towers.TensorTower):
+    """Runs out of memory on rank 1 after making an activation it keeps in a local variable."""
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+        activation = torch.ones(1 << 20)  # partial activations of the failed forward, 4 MiB
+        self.activation = weakref.ref(activation)
+        if dist.get_rank() == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return super().forward(pixel_values, grid_thw)
+
+
+def _activations_of_a_failed_call(skipped: bool) -> dict[str, Any] | None:
+    """Whether the failed forward's activations outlive the error the call raised, with no cyclic
+    garbage collection (a loop that skips the batch goes on to the next one at once)."""
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    torch.manual_seed(0)
+    tower = _OutOfMemoryTower()
+    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    config = {"trigger_threshold": 100.0, "check_skipped_calls": True} if skipped else APPLY
+    balancer = ViTBalancer(ViTBalanceConfig(**config), group)
+    gc.disable()
+    try:
+        balancer(tower, pixels, grid)
+    except torch.OutOfMemoryError as error:
+        kind = type(error).__name__
+    finally:
+        gc.enable()
+    return {"kind": kind, "alive": tower.activation() is not None}
+
+
+@pytest.mark.parametrize("skipped", [False, True])
+def test_an_out_of_memory_error_lets_go_of_the_failed_forwards_activations(
+    multirank: Any, skipped: bool
+) -> None:
+    with multirank(POOL) as w:
+        results = w.run(_activations_of_a_failed_call, skipped)[:RANKS]
+    assert results == [{"kind": "OutOfMemoryError", "alive": False}] * RANKS, results
 
 
 @pytest.mark.parametrize(

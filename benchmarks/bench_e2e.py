@@ -526,9 +526,13 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, mix: Mix, args
         Path(out_dir, f"rank_{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
-    # The results are written: skip the interpreter's teardown, where a native thread sometimes
-    # aborted the process on a loaded machine ("terminate called without an active exception",
-    # no Python frame; 1-4 runs in 8 while other jobs ran, at this commit and the one before).
+    exit_without_teardown()
+
+
+def exit_without_teardown() -> None:
+    """End a spawned rank whose results are written, skipping the interpreter's teardown, where a
+    native thread sometimes aborted the process on a loaded machine ("terminate called without an
+    active exception", no Python frame; 1-4 runs in 8 while other jobs ran)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from bench_e2e import Mix, _balanced_batch, demo_mix, make_tower, rank_batch, vit_loss
+from bench_e2e import Mix, _balanced_batch, demo_mix, exit_without_teardown, make_tower, rank_batch, vit_loss
 from tiny_vlm import SyntheticVLMDataset
 
 # The allocator's frees are only in the profiler's event tree (function_events lists allocations
@@ -282,11 +282,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, mix: Mix, step
         Path(out_dir, f"rank_{rank}.json").write_text(json.dumps(records))
     finally:
         dist.destroy_process_group()
-    # The results are written: skip the interpreter's teardown, where a native thread sometimes
-    # aborted the process on a loaded machine (see bench_e2e's _worker).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()
 
 
 def run_ranks(mix: Mix, ranks: int, steps: int) -> list[list[dict[str, Any]]]:

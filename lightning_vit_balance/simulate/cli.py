@@ -211,8 +211,8 @@ def _named_as_options(owner: type) -> Iterator[None]:
         yield
     except ValueError as error:
         fields = "|".join(field.name for field in dataclasses.fields(owner))
-        message = re.sub(rf"^{owner.__name__}\.({fields})=", lambda m: f"{_option(m[1])} ", str(error))
-        raise ValueError(re.sub(rf"\b({fields})=", lambda m: f"{_option(m[1])} ", message)) from None
+        named = re.sub(rf"(?:{owner.__name__}\.)?\b({fields})=", lambda m: f"{_option(m[1])} ", str(error))
+        raise ValueError(named) from None
 
 
 def _option(field: str) -> str:

@@ -111,13 +111,14 @@ def _grid_patches(where: _Where, field: str, row: object, rule: ResizeRule) -> _
     t, h, w = (where.positive_int(field, value) for value in row)
     if h % rule.merge_size or w % rule.merge_size:
         where.fail(field, row, f"h and w divisible by the merge size {rule.merge_size}")
-    if h * w > _most_patches_a_frame(rule):  # the grid counts pixels: every plan would be priced wrong
+    limit = _most_patches_a_frame(rule)
+    if h * w > limit:  # the grid counts pixels: every plan would be priced wrong
         where.fail(
             field,
             row,
-            f"at most {_most_patches_a_frame(rule):,} patches a frame (four times the Qwen-VL processors' "
-            "largest default limit, or 16 times that of --max-pixels or --video-max-pixels): grid rows "
-            "count patches, not pixels; raise --max-pixels if your processor allows such frames",
+            f"at most {limit:,} patches a frame (four times the Qwen-VL processors' largest default "
+            "limit, or 16 times that of --max-pixels or --video-max-pixels): grid rows count patches, "
+            "not pixels; raise --max-pixels if your processor allows such frames",
         )
     return t * h * w, t
 

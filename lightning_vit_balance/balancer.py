@@ -45,9 +45,11 @@ from lightning_vit_balance.encoding import (
     parameters_sharded,
     raise_for_gradients,
     raise_for_input,
+    raise_for_merge,
     raise_for_plans,
     raise_for_vit,
     release_frames,
+    release_own_frames,
     splice_encoded,
     validate_input,
 )
@@ -422,6 +424,7 @@ class ViTBalancer:
         self._encoded_counts: tuple[tuple[int, ...], ...] | None = None
         self._encoded_frames: tuple[tuple[int, ...], ...] | None = None
         self._clock = ViTClock()
+        self._last_merge = 1
         self._trips = TripClock()
         # Prepared calls' grids on a device, compared there; read at the next metadata gather.
         self._grid_checks = DeviceGridChecks()
@@ -454,6 +457,18 @@ class ViTBalancer:
         """
         # A recomputation (activation checkpointing) is the forward's call again: not counted.
         self.calls += int(not in_backward_pass())
+        try:
+            return self._call(vit, pixel_values, grid_thw, prepared)
+        except BaseException as error:
+            # No figure of a failed call may reach the cost fit (a rank's time up to its error, or
+            # an earlier call's), and the error must not keep the call's buffers alive.
+            self._clock.forget()
+            release_own_frames(error)
+            raise
+
+    def _call(
+        self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor, prepared: PreparedPlan | None
+    ) -> Any:
         distributed = dist.is_available() and dist.is_initialized()
         if prepared is not None and distributed and self.config.enabled:
             return self._balanced_prepared(vit, pixel_values, grid_thw, prepared)
@@ -506,7 +521,7 @@ class ViTBalancer:
         call = _Call(
             group=self.group,
             rank=dist.get_rank(self.group),
-            merge=merge_size_of(vit, self.output_layout) if vit is not None else 1,
+            merge=merge_size_of(vit, self.output_layout) if vit is not None else self._last_merge,
             device=collective_device(self.group, torch.device("cpu")),
             host=self._host(),
         )
@@ -531,6 +546,7 @@ class ViTBalancer:
             plan_seconds=call.seconds.get("plan", 0.0),
             collectives=call.collectives,
             call_grids=call_grids,
+            merge_checked=call.merge,
         )
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -567,6 +583,9 @@ class ViTBalancer:
     ) -> Any:
         """The balanced call on a plan made before the forward: no gather, no planning here."""
         call = self._start(vit, pixel_values)
+        if call.merge != prepared.merge_checked:
+            # Prepared without this ViT: every rank holds every rank's rows, so all raise alike here.
+            raise_for_merge(prepared.metadata, call.merge, steps=self.config.split_videos)
         problem = prepared.mismatch(pixel_values, grid_thw) or _device_mismatch(call, pixel_values)
         given_grid = grid_thw
         if problem is not None and not isinstance(grid_thw, torch.Tensor):
@@ -740,10 +759,12 @@ class ViTBalancer:
 
     def _start(self, vit: Any, pixel_values: Any) -> _Call:
         preferred = pixel_values.device if isinstance(pixel_values, torch.Tensor) else None
+        # What a plan made ahead without the ViT checks the grid rows against (see prepare).
+        self._last_merge = merge_size_of(vit, self.output_layout)
         return _Call(
             group=self.group,
             rank=dist.get_rank(self.group),
-            merge=merge_size_of(vit, self.output_layout),
+            merge=self._last_merge,
             device=collective_device(self.group, preferred),
             host=self._host(),
         )
@@ -831,6 +852,8 @@ class ViTBalancer:
                 )
                 for rows in (plan.patch_counts, frames)
             )
+        # The gather carried the previous call's time; this plan's images are not timed yet.
+        self._clock.forget()
         call.timed("plan", started)
         return plan
 
@@ -1011,7 +1034,7 @@ class ViTBalancer:
             tie = batch.received if reference.pixels_differentiable else None
             buffer = pack_return(leaves, layout, transit, tie)
             arrivals = buffer.new_empty(sum(layout.receive_splits))
-        except Exception as caught:  # every rank must hear of it before this one re-raises
+        except BaseException as caught:  # every rank must hear of it before this one re-raises
             release_frames(caught)
             return dataclasses.replace(encoded, error=caught, packing_problem=True), None
         return encoded, _ReturnBuffer(leaves, layout, transit, elements, buffer, arrivals)
@@ -1080,7 +1103,7 @@ class ViTBalancer:
         if error is None:
             try:
                 output = encode(has_images)
-            except Exception as caught:  # every rank must hear of it before this one re-raises
+            except BaseException as caught:  # every rank must hear of it before this one re-raises
                 release_frames(caught)
                 error = caught
         started = time.perf_counter()

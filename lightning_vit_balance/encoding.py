@@ -10,7 +10,9 @@ on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import time
 import traceback
 from collections.abc import Sequence
@@ -57,9 +59,11 @@ __all__ = [
     "parameters_sharded",
     "raise_for_gradients",
     "raise_for_input",
+    "raise_for_merge",
     "raise_for_plans",
     "raise_for_vit",
     "release_frames",
+    "release_own_frames",
     "splice_encoded",
     "validate_input",
 ]
@@ -68,6 +72,8 @@ __all__ = [
 INPUT_ERROR = "input: "
 #: Prefix of the status a rank reports when packing its outputs for the return trip raised.
 PACKING_ERROR = "packing: "
+#: This package's source folder: its frames are the ones :func:`release_own_frames` clears.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 #: Output kinds whose rows travel back to the images' home ranks.
 TOKEN_KINDS = ("patch", "merged")
 
@@ -391,7 +397,7 @@ def encode(
                 output = vit(batch.pixels, batch.grid)
         else:
             output = vit(batch.pixels, batch.grid)
-    except Exception as error:  # every rank must hear of it before this one re-raises
+    except BaseException as error:  # every rank must hear of it (an interrupt too) before this one re-raises
         release_frames(error)
         return EncodedBatch([], None, [], error, time.perf_counter() - started)
     seconds = time.perf_counter() - started
@@ -535,6 +541,64 @@ def release_frames(error: BaseException) -> None:
         traceback.clear_frames(error.__traceback__)
 
 
+def release_own_frames(error: BaseException) -> None:
+    """Drop the local variables of this package's finished frames in the traceback of ``error`` (and
+    of its causes and contexts), as it leaves a balanced call.
+
+    Those frames hold the error itself (kept to be reported to every rank, then re-raised), so the
+    error, its traceback and the frames made a reference cycle that kept the call's buffers (the
+    pixel rows that arrived, the outputs) and, through the traceback, the ViT's partial activations
+    alive until the next cyclic garbage collection, after the loop had caught the error and gone
+    on. Without the cycle they are freed when the error is, as after a direct call. The ViT's own
+    frames keep their locals (a post-mortem debugger still sees them); the trace's text stays.
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        for frame in _own_frames(current):
+            with contextlib.suppress(RuntimeError):  # a frame still running: the caller's own
+                frame.clear()
+        pending += [current.__cause__, current.__context__]
+
+
+def _own_frames(error: BaseException) -> list[Any]:
+    """This package's frames in ``error``'s traceback and among their callers (a finished frame
+    keeps its caller's frame alive: the overlapped trip's holds the other forward's error)."""
+    frames: dict[int, Any] = {}
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        while frame is not None and id(frame) not in frames:
+            frames[id(frame)] = frame
+            frame = frame.f_back
+    return [frame for frame in frames.values() if frame.f_code.co_filename.startswith(_PACKAGE_DIR)]
+
+
+def raise_for_merge(metadata: Sequence[RankMetadata], merge: int, steps: bool = False) -> None:
+    """Raise the same ValueError on every rank when a gathered image's H or W is not divisible by
+    the ViT's spatial merge size ``merge``: for rows gathered before that size was known (a plan
+    made ahead without the ViT), checked at the call, from rows every rank holds alike. ``steps``:
+    the rows are videos' temporal steps (``split_videos``), and the index counts steps."""
+    problems = []
+    for rank, rank_metadata in enumerate(metadata):
+        bad = next((i for i, (_, h, w) in enumerate(rank_metadata.grids) if h % merge or w % merge), None)
+        if bad is not None:
+            _, h, w = rank_metadata.grids[bad]
+            details = problem_details(InputProblem.NOT_DIVISIBLE, index=bad, h=h, w=w, merge=merge)
+            text = describe_problem(InputProblem.NOT_DIVISIBLE, details)
+            if steps:
+                text = text.replace(f"grid_thw[{bad}]", f"temporal step {bad} of grid_thw's images")
+            problems.append(f"rank {rank}: {text}")
+    if problems:
+        raise ValueError(
+            f"Invalid balanced ViT input ({len(metadata)} ranks): " + "; ".join(problems) + " (checked at "
+            "the call: the plan was made ahead before the ViT's merge size was known; prepare(..., vit=vit) "
+            "checks it there)."
+        )
+
+
 def splice_encoded(
     away: EncodedBatch, home: EncodedBatch, counts_before: Sequence[int], merge: int
 ) -> EncodedBatch:
@@ -598,6 +662,13 @@ class ViTClock:
             self._pending = (self._pending[0], end)
         else:
             self.last_us = int((time.perf_counter() - self._started) * 1e6)
+
+    def forget(self) -> None:
+        """Drop the latest figure: the call it timed failed, or a plan for other images was made
+        since (a prepared plan whose call never ran), so that no time is paired with images it did
+        not measure."""
+        self._pending = None
+        self.last_us = -1
 
     def read(self) -> int:
         """Microseconds of the latest forward; -1 before the first, or while its CUDA events still

@@ -51,6 +51,9 @@ class PreparedPlan:
             ``None``: the items' rows.
         source: Where the plan was made from, where not from the caller's own ``prepare`` (the
             Lightning mixin's ``plan_ahead``): named in :meth:`mismatch`'s reasons.
+        merge_checked: The spatial merge size every rank's grid rows were checked against when
+            prepared: the ViT's when ``prepare`` was given it, else the balancer's previous call's
+            (1 before any). A call whose ViT merges otherwise checks the rows again.
     """
 
     plan: RebalancePlan
@@ -64,6 +67,7 @@ class PreparedPlan:
     collectives: int
     call_grids: tuple[tuple[int, int, int], ...] | None = None
     source: str = ""
+    merge_checked: int = 1
 
     @property
     def prepare_seconds(self) -> float:
@@ -91,6 +95,11 @@ class PreparedPlan:
         problem = self._mismatch(pixel_values, grid_thw)
         return f"{problem} ({self.source})" if problem is not None and self.source else problem
 
+    def _other_batch(self, problem: str) -> str:
+        """``problem``, a call given another batch than the plan's, with what to do about it: a plan
+        made by the mixin was never the user's to pass (:attr:`source` names where it came from)."""
+        return problem if self.source else f"{problem}: pass the plan prepared for this batch"
+
     def _mismatch(self, pixel_values: Any, grid_thw: Any) -> str | None:
         grids = self.call_grid_rows
         if not isinstance(pixel_values, torch.Tensor) or not isinstance(grid_thw, torch.Tensor):
@@ -99,9 +108,9 @@ class PreparedPlan:
             expected = f"expected {GRID_DTYPE_NAMES}, as when the plan was prepared"
             return f"grid_thw has dtype {grid_thw.dtype}: {expected}"
         if tuple(grid_thw.shape) != (len(grids), 3):
-            return (
+            return self._other_batch(
                 f"grid_thw has shape {tuple(grid_thw.shape)} while the prepared plan holds "
-                f"{len(grids)} images on this rank: pass the ticket prepared for this batch"
+                f"{len(grids)} images on this rank"
             )
         rows = sum(self.metadata[self.rank].patch_counts)
         # A rank without images sends no row and builds what it encodes in the plan's width and
@@ -109,7 +118,7 @@ class PreparedPlan:
         free = rows == 0
         width = pixel_values.shape[1] if free and pixel_values.dim() == 2 else self.channels
         if pixel_values.dim() != 2 or pixel_values.shape[0] != rows or pixel_values.shape[1] != width:
-            return (
+            return self._other_batch(
                 f"pixel_values has shape {tuple(pixel_values.shape)} while the prepared plan expects "
                 f"[{rows}, {self.channels}] on this rank"
             )
@@ -124,7 +133,7 @@ class PreparedPlan:
         if bool(pixel_values.requires_grad) and not self.pixels_require_grad:
             return "pixel_values requires grad, but did not when the plan was prepared"
         if _read_on_host(grid_thw) and not torch.equal(grid_thw.long(), self._call_grid_tensor):
-            return "grid_thw holds other values than the prepared plan: pass the plan prepared for this batch"
+            return self._other_batch("grid_thw holds other values than the prepared plan")
         return None
 
     @cached_value

@@ -55,6 +55,57 @@ def test_every_rank_fits_the_same_cost_model(multirank: Any) -> None:
     assert len(results[0]["vit_ms"]) == RANKS and all(v >= 0 for v in results[0]["vit_ms"])
 
 
+class _FailsOnRankOne(towers.TensorTower):
+    """Raises on rank 1 while ``failing``: a caught error the loop goes on from."""
+
+    failing = False
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+        if self.failing and dist.get_rank() == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return super().forward(pixel_values, grid_thw)
+
+
+def _figures_after_a_failure(skipped: bool) -> dict[str, Any] | None:
+    """The ViT times the calls after a failed call, and after a plan made ahead but never used,
+    carry into their gathers (the cost fit's input)."""
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    torch.manual_seed(0)
+    tower = _FailsOnRankOne()
+    fields = {"trigger_threshold": 100.0, "check_skipped_calls": True} if skipped else {}
+    config = ViTBalanceConfig(calibrate_cost=True, **{"trigger_threshold": 0.0, "min_gain": 0.0, **fields})
+    balancer = ViTBalancer(config, group)
+    grids = [[(1, 8, 8), (1, 8, 8)], [(1, 2, 2)], [(1, 4, 4)]][rank]
+    pixels, grid = towers.make_batch(grids, seed=rank)
+    balancer(tower, pixels, grid)
+    tower.failing = True
+    with pytest.raises(RuntimeError, match="rank 1: the ViT raised OutOfMemoryError"):
+        balancer(tower, pixels, grid)
+    tower.failing = False
+    balancer(tower, pixels, grid)
+    assert balancer.last_stats is not None
+    after_failure = balancer.last_stats.vit_ms
+    timed = balancer.prepare(pixels, grid, tower)  # a ticket never used...
+    assert timed is not None and all(m.vit_us >= 0 for m in timed.metadata)  # ...carrying a good call's
+    unused = balancer.prepare(pixels, grid, tower)
+    assert unused is not None
+    return {"after_failure": after_failure, "after_unused_plan": [m.vit_us for m in unused.metadata]}
+
+
+@pytest.mark.parametrize("skipped", [False, True])
+def test_no_figure_of_a_failed_call_reaches_the_fit(multirank: Any, skipped: bool) -> None:
+    """A failed call's time is unknown on every rank (the failing rank's time up to its error, or
+    an earlier call's, fitted a quadratic term 700x too small), and so is the time of a plan never
+    used (no forward ran for its images)."""
+    with multirank(POOL) as w:
+        results = w.run(_figures_after_a_failure, skipped)[:RANKS]
+    assert all(r["after_failure"] == (-1.0,) * RANKS for r in results), results
+    assert all(r["after_unused_plan"] == [-1] * RANKS for r in results), results
+
+
 def _state_loaded_on_one_rank() -> list[str]:
     """A fit's state saved after the first steps, loaded again on rank 0 alone: its window and
     counters then differ from the others', so it would fit on other calls (plans apart)."""

@@ -335,6 +335,46 @@ def test_bad_input_fails_in_prepare_on_every_rank(multirank: Any) -> None:
     assert len(set(messages)) == 1 and "rank 2: pixel_values has 15 rows" in messages[0], messages
 
 
+def _grid_the_vit_cannot_merge(config: dict[str, Any], split_videos: bool) -> list[str] | None:
+    """Plans made ahead without the ViT (as the Lightning mixin makes them), of rank 1's rows that
+    a 2x2 merge cannot take: in the first call, before the balancer knew the merge size, and in a
+    later one, after it did."""
+    grids = [[(1, 8, 8), (2, 8, 8)], [(1, 4, 4), (2, 3, 3)], [(1, 2, 2)]]
+    setup = _on_three_ranks(grids, {**config, "split_videos": split_videos})
+    if setup is None:
+        return None
+    messages = []
+    for _ in range(2):
+        try:
+            ticket = setup.balancer.prepare(setup.pixels, setup.grid)
+            setup.balancer(setup.tower, setup.pixels, setup.grid, prepared=ticket)
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+@pytest.mark.parametrize("config", [THRESHOLD_0, {"trigger_threshold": 100.0}], ids=["applied", "skipped"])
+@pytest.mark.parametrize("split_videos", [False, True])
+def test_rows_the_vit_cannot_merge_fail_every_rank_without_the_vit_in_prepare(
+    multirank: Any, config: dict[str, Any], split_videos: bool
+) -> None:
+    """The rows are checked against the ViT's merge size at the call when ``prepare`` did not know
+    it: unchecked, rank 1 failed alone in its ViT (a reshape), or its rows were merged wrongly
+    without a word where their count happened to divide."""
+    with multirank(POOL) as w:
+        results = w.run(_grid_the_vit_cannot_merge, config, split_videos)[:3]
+    first, second = zip(*results)
+    assert len(set(first)) == 1 and len(set(second)) == 1, results
+    where = "temporal step 1 of grid_thw's images" if split_videos else "grid_thw[1]"
+    assert (
+        f"rank 1: {where} has H=3, W=3: expected both divisible by the ViT's spatial merge size 2" in first[0]
+    )
+    assert "checked at the call" in first[0], first[0]
+    # The balancer knows the merge size from then on: prepare checks the rows itself.
+    assert "rank 1: grid_thw[1] has H=3, W=3" in second[0] and "checked at the call" not in second[0]
+
+
 def test_prepare_without_a_process_group_returns_none() -> None:
     pixels, grid = towers.make_batch([(1, 4, 4)], seed=0)
     balancer = ViTBalancer()

@@ -94,6 +94,16 @@ def test_cuda_forward_that_raised_reports_unknown(cuda_events: list[_Event]) -> 
     assert clock.read() >= 0
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_forgotten_figure_reads_unknown(cuda_events: list[_Event], device: str) -> None:
+    """A failed call, or a plan for other images since, leaves no figure to pair with them."""
+    clock = ViTClock()
+    clock.start(torch.device(device))
+    clock.stop()
+    clock.forget()
+    assert clock.read() == -1
+
+
 def test_cpu_trips_are_summed_and_reported_once_by_the_next_call() -> None:
     trips = TripClock()
     for _ in range(2):  # the pixel trip and the return trip

@@ -96,8 +96,10 @@ class _Window:
     def add(self, stats: BalanceStats, per_rank_loads: bool | None) -> None:
         self.calls += 1
         figures = _call_figures(stats)
-        if math.isnan(figures["imbalance_before"]) or math.isnan(figures["imbalance_after"]):
-            # Unknown (balancing disabled on many ranks: nothing gathered): left out of the means.
+        unknown = math.isnan(figures["imbalance_before"]) or math.isnan(figures["imbalance_after"])
+        if unknown or stats.reason == "no-images":
+            # Unknown (balancing disabled on many ranks: nothing gathered), or no load to balance
+            # (text-only steps, whose 0 would pass for perfect balance): left out of the means.
             figures["imbalance_before"] = figures["imbalance_after"] = 0.0
         else:
             self.imbalance_calls += 1

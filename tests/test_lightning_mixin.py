@@ -17,7 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning_fit_script import quiet_trainer
-from multirank import launched_by_torchrun, world
+from multirank import launched_by_torchrun, skip_without_cpu_fsdp2, world
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 from towers import CHANNELS, TensorTower
 
@@ -77,7 +77,11 @@ def test_lightning_first_in_the_bases_warns_that_the_hooks_are_shadowed() -> Non
     first: a class listing LightningModule first is told so when it is defined."""
     (warned,) = [str(w.message) for w in _defined]
     assert warned.startswith("LightningFirst lists LightningModule before ViTBalanceMixin"), warned
-    assert "on_before_batch_transfer, on_save_checkpoint, on_load_checkpoint, teardown" in warned
+    hooks = (
+        "on_before_batch_transfer, on_train_batch_end, on_validation_batch_end, on_test_batch_end, "
+        "on_save_checkpoint, on_load_checkpoint, teardown"
+    )
+    assert hooks in warned, warned
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
 
@@ -647,6 +651,51 @@ def test_plan_ahead_plans_the_validation_steps_too(tmp_path: Path) -> None:
         assert all(prepared and collectives == 3 and exact for _, prepared, collectives, exact in calls)
 
 
+class IteratedSteps(PlannedSteps):
+    """Training steps that take ``dataloader_iter`` (Lightning calls no ``on_before_batch_transfer``
+    for them), and a validation step that encodes nothing for its second batch: the plan made for
+    that batch is not taken by its step."""
+
+    def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
+        batch, batch_idx, _ = next(dataloader_iter)
+        return self._step(batch, batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        return self._step(batch, batch_idx) if batch_idx == 0 else None
+
+
+def _iterated_fit(out: str) -> list[tuple[str, bool, int, bool]]:
+    with launched_by_torchrun():
+        module = IteratedSteps()
+        settings = {
+            "logger": False,
+            "callbacks": [],
+            "use_distributed_sampler": True,
+            "num_sanity_val_steps": 2,
+        }
+        trainer = quiet_trainer(out, "", strategy="ddp", max_steps=2, **settings)
+        trainer.fit(module)
+    return module.calls
+
+
+def test_a_plan_its_step_did_not_take_is_dropped_when_the_step_ends(tmp_path: Path) -> None:
+    """The sanity check's second batch was planned and not encoded: the next training step (no plan
+    of its own) took that plan, warned that its batch did not match, and every rank failed at the
+    following gather. Dropped at the batch's end, the steps that take ``dataloader_iter`` plan in
+    their call (4 collectives), the others take their own plans."""
+    with world(2) as w:
+        ranks = w.run(_iterated_fit, str(tmp_path), timeout=120)
+    for calls in ranks:
+        assert [stage for stage, *_ in calls] == ["sanity", "train", "train", "validate"], calls
+        assert [(prepared, collectives) for _, prepared, collectives, _ in calls] == [
+            (True, 3),
+            (False, 4),
+            (False, 4),
+            (True, 3),
+        ], calls
+        assert all(exact for *_, exact in calls)
+
+
 def test_plans_made_ahead_go_to_the_steps() -> None:
     """A plan made before the step is the step's: a call from another hook of the loop (a sharded
     ViT's, say) leaves it alone; without a Trainer the next call takes it. In evaluation, a module
@@ -696,6 +745,7 @@ def _sharded_evaluation(sharded: bool) -> dict[str, Any]:
 
 
 def test_without_a_trainer_evaluation_balances_where_the_tower_is_sharded() -> None:
+    skip_without_cpu_fsdp2()
     with world(2) as w:
         assert w.run(_sharded_evaluation, True) == [{"equal": True, "applied": True}] * 2
         assert w.run(_sharded_evaluation, False) == [{"equal": True, "applied": None}] * 2

@@ -93,6 +93,24 @@ def test_a_disabled_call_on_many_ranks_has_no_imbalance_to_average() -> None:
     assert got["vit_balance/imbalance_after"] == pytest.approx(0.0)
 
 
+def test_a_call_without_images_stays_out_of_the_imbalance_means() -> None:
+    """No rank had images (text-only steps): no load to balance. Its imbalance of 0 would pass for
+    perfect balance (and win a monitor of ``imbalance_after`` in mode ``min``); it counts as a
+    call and a skip, and stays out of the means."""
+    no_load = {"loads_before": (0.0, 0.0), "loads_after": (0.0, 0.0), "num_images": 0, "total_patches": 0}
+    text_only = _stats(False, (1.0, 1.0), (1.0, 1.0), reason="no-images", **no_load)
+    assert (text_only.imbalance_before, text_only.imbalance_after) == (0.0, 0.0)
+    metrics = BalanceMetrics()
+    metrics.add(text_only)
+    got = metrics.metrics()
+    assert got["vit_balance/calls"] == 1.0 and got["vit_balance/skipped/no-images"] == 1.0
+    assert "vit_balance/imbalance_before" not in got and "vit_balance/imbalance_after" not in got
+    metrics.add(SKIPPED)
+    got = metrics.metrics()
+    assert got["vit_balance/imbalance_before"] == pytest.approx(0.2)  # the call with images alone
+    assert got["vit_balance/imbalance_after"] == pytest.approx(0.2)
+
+
 def test_a_new_window_keeps_the_counts() -> None:
     metrics = BalanceMetrics(per_rank_loads=False)
     metrics.add(APPLIED)

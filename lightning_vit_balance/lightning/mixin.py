@@ -112,7 +112,15 @@ def _sharded(vit: object) -> bool:
 
 
 #: The Lightning hooks the mixin implements; each must come before LightningModule's in the MRO.
-_MIXIN_HOOKS = ("on_before_batch_transfer", "on_save_checkpoint", "on_load_checkpoint", "teardown")
+_MIXIN_HOOKS = (
+    "on_before_batch_transfer",
+    "on_train_batch_end",
+    "on_validation_batch_end",
+    "on_test_batch_end",
+    "on_save_checkpoint",
+    "on_load_checkpoint",
+    "teardown",
+)
 
 
 def _shadowed_hooks(cls: type) -> list[str]:
@@ -576,6 +584,37 @@ class ViTBalanceMixin:
             batch = parent(batch, dataloader_idx)
         self._vit_balance_plan_ahead(batch)
         return batch
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Drop a plan made ahead that the step did not take (see :meth:`on_before_batch_transfer`).
+        An override of the hook must call ``super().on_train_batch_end``."""
+        self._vit_balance_drop_ticket()
+        parent = getattr(super(), "on_train_batch_end", None)
+        if parent is not None:
+            parent(outputs, batch, batch_idx)
+
+    def on_validation_batch_end(
+        self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        """As :meth:`on_train_batch_end`, for validation and its sanity check."""
+        self._vit_balance_drop_ticket()
+        parent = getattr(super(), "on_validation_batch_end", None)
+        if parent is not None:
+            parent(outputs, batch, batch_idx, dataloader_idx)
+
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """As :meth:`on_train_batch_end`, for test."""
+        self._vit_balance_drop_ticket()
+        parent = getattr(super(), "on_test_batch_end", None)
+        if parent is not None:
+            parent(outputs, batch, batch_idx, dataloader_idx)
+
+    def _vit_balance_drop_ticket(self) -> None:
+        # A step that did not take its plan (it encoded nothing) must not leave it to a later step
+        # that makes none of its own: a step taking `dataloader_iter` has no on_before_batch_transfer.
+        state = self.__dict__.get("_vit_balance_state")
+        if state is not None:
+            state.ticket = None
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the balancer's state in the checkpoint under ``"vit_balance"``: with

@@ -11,7 +11,7 @@ CONSTRAINTS ?= requirements/constraints.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-transformers4 demo bench bench-e2e bench-engine bench-memory bench-ranks gpu-check bench-gpu plan-versions lint clean
+.PHONY: install test test-transformers4 test-torch-oldest demo bench bench-e2e bench-engine bench-memory bench-ranks gpu-check bench-gpu plan-versions lint clean
 
 install: $(STAMP)
 
@@ -30,6 +30,12 @@ test: $(STAMP)
 # it after `make test`.
 test-transformers4:
 	$(MAKE) test VENV=.venv-transformers4 TRANSFORMERS_REQUIREMENTS=requirements/transformers4.txt
+
+# The same suite on the oldest releases the package supports, torch 2.9 and transformers 4.57, in
+# a virtual environment of its own (without DeepSpeed: its ZeRO tests are skipped there).
+test-torch-oldest:
+	$(MAKE) test VENV=.venv-torch-oldest TORCH_REQUIREMENTS=requirements/torch-oldest.txt \
+		TRANSFORMERS_REQUIREMENTS=requirements/transformers4.txt DEEPSPEED_REQUIREMENTS=
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
@@ -105,4 +111,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) .venv-transformers4 .venv-plan-* demo_output .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-transformers4 .venv-torch-oldest .venv-plan-* demo_output .pytest_cache .ruff_cache

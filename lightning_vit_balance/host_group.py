@@ -244,8 +244,8 @@ def _connected(
 
 def _set_timeout(twin: dist.ProcessGroup, timeout: timedelta) -> None:
     """Give ``twin``'s gathers ``timeout`` from now on: through gloo's public setter where torch has
-    one (2.13 does), else the private one that torch's own ``_set_pg_timeout`` calls (2.6 and 2.7
-    have only that; the public one raised AttributeError there, so no twin was ever made)."""
+    one (2.9 on), else the private one that torch's own ``_set_pg_timeout`` calls (2.6-2.8 have only
+    that; the public one raised AttributeError there, so no twin was ever made)."""
     backend = twin._get_backend(torch.device("cpu"))
     setter = getattr(backend, "set_timeout", None) or backend._set_default_timeout
     setter(timeout)

@@ -505,7 +505,9 @@ class ViTBalancer:
         Args:
             pixel_values: ``[sum(T*H*W), C]`` (its rows, ``C``, dtype and ``requires_grad``).
             grid_thw: ``[n_images, 3]``.
-            vit: The ViT, for its merge size (divisibility is checked then); optional.
+            vit: The ViT, for its merge size (divisibility is checked then); optional: without it,
+                the merge size of this balancer's previous call (1 before any), and a call whose
+                ViT merges otherwise checks every rank's rows again before anything moves.
 
         Returns:
             The prepared plan; ``None`` when nothing would be balanced (disabled, no process

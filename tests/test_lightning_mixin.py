@@ -624,15 +624,15 @@ class PlannedSteps(FabricVLM):
         return self._loader()
 
 
-def _planned_fit(out: str) -> list[tuple[str, bool, int, bool]]:
+def _planned_fit(out: str, iterated: bool = False) -> list[tuple[str, bool, int, bool]]:
     with launched_by_torchrun():
-        module = PlannedSteps()
+        module = IteratedSteps() if iterated else PlannedSteps()
         # Lightning's DistributedSampler on both loaders (2 batches per rank): validation balances.
         settings = {
             "logger": False,
             "callbacks": [],
             "use_distributed_sampler": True,
-            "num_sanity_val_steps": 1,
+            "num_sanity_val_steps": 2 if iterated else 1,
         }
         trainer = quiet_trainer(out, "", strategy="ddp", max_steps=2, **settings)
         trainer.fit(module)
@@ -664,27 +664,13 @@ class IteratedSteps(PlannedSteps):
         return self._step(batch, batch_idx) if batch_idx == 0 else None
 
 
-def _iterated_fit(out: str) -> list[tuple[str, bool, int, bool]]:
-    with launched_by_torchrun():
-        module = IteratedSteps()
-        settings = {
-            "logger": False,
-            "callbacks": [],
-            "use_distributed_sampler": True,
-            "num_sanity_val_steps": 2,
-        }
-        trainer = quiet_trainer(out, "", strategy="ddp", max_steps=2, **settings)
-        trainer.fit(module)
-    return module.calls
-
-
 def test_a_plan_its_step_did_not_take_is_dropped_when_the_step_ends(tmp_path: Path) -> None:
     """The sanity check's second batch was planned and not encoded: the next training step (no plan
     of its own) took that plan, warned that its batch did not match, and every rank failed at the
     following gather. Dropped at the batch's end, the steps that take ``dataloader_iter`` plan in
     their call (4 collectives), the others take their own plans."""
     with world(2) as w:
-        ranks = w.run(_iterated_fit, str(tmp_path), timeout=120)
+        ranks = w.run(_planned_fit, str(tmp_path), True, timeout=120)
     for calls in ranks:
         assert [stage for stage, *_ in calls] == ["sanity", "train", "train", "validate"], calls
         assert [(prepared, collectives) for _, prepared, collectives, _ in calls] == [

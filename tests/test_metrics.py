@@ -81,16 +81,22 @@ def test_a_disabled_call_on_many_ranks_has_no_imbalance_to_average() -> None:
     assert math.isnan(disabled.imbalance_before) and math.isnan(disabled.imbalance_after)
     one_rank = BalanceStats.of_direct_call(ViTBalanceConfig(), None)
     assert (one_rank.imbalance_before, one_rank.imbalance_after) == (0.0, 0.0)
-    metrics = BalanceMetrics()
-    metrics.add(disabled)
-    got = metrics.metrics()
-    assert got["vit_balance/calls"] == 1.0 and got["vit_balance/skipped/disabled"] == 1.0
-    assert "vit_balance/imbalance_before" not in got and "vit_balance/imbalance_after" not in got
-    metrics.add(APPLIED)
-    got = metrics.metrics()
+    got = _left_out_of_the_means(disabled, APPLIED)
     assert got["vit_balance/applied"] == 0.5
     assert got["vit_balance/imbalance_before"] == pytest.approx(0.8)  # the applied call's alone
     assert got["vit_balance/imbalance_after"] == pytest.approx(0.0)
+
+
+def _left_out_of_the_means(left_out: BalanceStats, counted: BalanceStats) -> dict[str, float]:
+    """The metrics of a window of ``left_out``, checked to count it with no imbalance key; then of
+    that window with ``counted`` added."""
+    metrics = BalanceMetrics()
+    metrics.add(left_out)
+    got = metrics.metrics()
+    assert got["vit_balance/calls"] == 1.0 and got[f"vit_balance/skipped/{left_out.reason}"] == 1.0
+    assert "vit_balance/imbalance_before" not in got and "vit_balance/imbalance_after" not in got
+    metrics.add(counted)
+    return metrics.metrics()
 
 
 def test_a_call_without_images_stays_out_of_the_imbalance_means() -> None:
@@ -100,13 +106,7 @@ def test_a_call_without_images_stays_out_of_the_imbalance_means() -> None:
     no_load = {"loads_before": (0.0, 0.0), "loads_after": (0.0, 0.0), "num_images": 0, "total_patches": 0}
     text_only = _stats(False, (1.0, 1.0), (1.0, 1.0), reason="no-images", **no_load)
     assert (text_only.imbalance_before, text_only.imbalance_after) == (0.0, 0.0)
-    metrics = BalanceMetrics()
-    metrics.add(text_only)
-    got = metrics.metrics()
-    assert got["vit_balance/calls"] == 1.0 and got["vit_balance/skipped/no-images"] == 1.0
-    assert "vit_balance/imbalance_before" not in got and "vit_balance/imbalance_after" not in got
-    metrics.add(SKIPPED)
-    got = metrics.metrics()
+    got = _left_out_of_the_means(text_only, SKIPPED)
     assert got["vit_balance/imbalance_before"] == pytest.approx(0.2)  # the call with images alone
     assert got["vit_balance/imbalance_after"] == pytest.approx(0.2)
 

@@ -49,7 +49,6 @@ from lightning_vit_balance.encoding import (
     raise_for_plans,
     raise_for_vit,
     release_frames,
-    release_own_frames,
     splice_encoded,
     validate_input,
 )
@@ -463,7 +462,7 @@ class ViTBalancer:
             # No figure of a failed call may reach the cost fit (a rank's time up to its error, or
             # an earlier call's), and the error must not keep the call's buffers alive.
             self._clock.forget()
-            release_own_frames(error)
+            release_frames(error)
             raise
 
     def _call(
@@ -1037,7 +1036,6 @@ class ViTBalancer:
             buffer = pack_return(leaves, layout, transit, tie)
             arrivals = buffer.new_empty(sum(layout.receive_splits))
         except BaseException as caught:  # every rank must hear of it before this one re-raises
-            release_frames(caught)
             return dataclasses.replace(encoded, error=caught, packing_problem=True), None
         return encoded, _ReturnBuffer(leaves, layout, transit, elements, buffer, arrivals)
 
@@ -1106,7 +1104,6 @@ class ViTBalancer:
             try:
                 output = encode(has_images)
             except BaseException as caught:  # every rank must hear of it before this one re-raises
-                release_frames(caught)
                 error = caught
         started = time.perf_counter()
         encoded = EncodedBatch([], None, [], error, 0.0, input_problem=problem is not None)

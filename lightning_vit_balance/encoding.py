@@ -63,7 +63,6 @@ __all__ = [
     "raise_for_plans",
     "raise_for_vit",
     "release_frames",
-    "release_own_frames",
     "splice_encoded",
     "validate_input",
 ]
@@ -72,7 +71,7 @@ __all__ = [
 INPUT_ERROR = "input: "
 #: Prefix of the status a rank reports when packing its outputs for the return trip raised.
 PACKING_ERROR = "packing: "
-#: This package's source folder: its frames are the ones :func:`release_own_frames` clears.
+#: This package's source folder: its frames are the ones :func:`release_frames` always clears.
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 #: Output kinds whose rows travel back to the images' home ranks.
 TOKEN_KINDS = ("patch", "merged")
@@ -398,7 +397,6 @@ def encode(
         else:
             output = vit(batch.pixels, batch.grid)
     except BaseException as error:  # every rank must hear of it (an interrupt too) before this one re-raises
-        release_frames(error)
         return EncodedBatch([], None, [], error, time.perf_counter() - started)
     seconds = time.perf_counter() - started
     leaves, structure = flatten_output(output)
@@ -530,27 +528,18 @@ def _out_of_memory(error: str) -> bool:
 
 
 def release_frames(error: BaseException) -> None:
-    """Drop the local variables of the finished frames an out-of-memory error's traceback holds.
+    """Drop the local variables of the finished frames that ``error`` (and its causes and contexts)
+    keeps alive, as it leaves a balanced call: this package's frames always, and for an
+    out-of-memory error every frame of its traceback.
 
-    The error is kept, to be reported to every rank and re-raised, and its traceback holds the
-    ViT's frames with their partial activations in a reference cycle, freed only at the next cyclic
-    garbage collection, while a loop that skips the batch goes on to the next one. The trace's text
-    (files and lines) stays; only those frames' locals go, and only for out-of-memory errors.
-    """
-    if isinstance(error, torch.OutOfMemoryError):
-        traceback.clear_frames(error.__traceback__)
-
-
-def release_own_frames(error: BaseException) -> None:
-    """Drop the local variables of this package's finished frames in the traceback of ``error`` (and
-    of its causes and contexts), as it leaves a balanced call.
-
-    Those frames hold the error itself (kept to be reported to every rank, then re-raised), so the
-    error, its traceback and the frames made a reference cycle that kept the call's buffers (the
-    pixel rows that arrived, the outputs) and, through the traceback, the ViT's partial activations
-    alive until the next cyclic garbage collection, after the loop had caught the error and gone
-    on. Without the cycle they are freed when the error is, as after a direct call. The ViT's own
-    frames keep their locals (a post-mortem debugger still sees them); the trace's text stays.
+    The package's frames hold the error itself (kept to be reported to every rank, then re-raised),
+    so the error, its traceback and those frames made a reference cycle that kept the call's buffers
+    (the pixel rows that arrived, the outputs) and, through the traceback, the ViT's partial
+    activations alive until the next cyclic garbage collection, after the loop had caught the error
+    and gone on. Without the cycle they are freed when the error is, as after a direct call; the
+    ViT's frames keep their locals for a post-mortem debugger. An out-of-memory error's go at once,
+    so that memory returns to the device while the loop still holds the error (its ``except``
+    block). The trace's text (files and lines) stays.
     """
     seen: set[int] = set()
     pending: list[BaseException | None] = [error]
@@ -559,6 +548,8 @@ def release_own_frames(error: BaseException) -> None:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
+        if isinstance(current, torch.OutOfMemoryError):
+            traceback.clear_frames(current.__traceback__)
         for frame in _own_frames(current):
             with contextlib.suppress(RuntimeError):  # a frame still running: the caller's own
                 frame.clear()

@@ -237,18 +237,9 @@ def _connected(
         if twin_ranks in failed:
             release_host_group(twin)
             continue
-        _set_timeout(twin, timeout or default_pg_timeout)
+        twin._get_backend(torch.device("cpu")).set_timeout(timeout or default_pg_timeout)
         twins[twin_ranks] = twin
     return twins, failed
-
-
-def _set_timeout(twin: dist.ProcessGroup, timeout: timedelta) -> None:
-    """Give ``twin``'s gathers ``timeout`` from now on: through gloo's public setter where torch has
-    one (2.9 on), else the private one that torch's own ``_set_pg_timeout`` calls (2.6-2.8 have only
-    that; the public one raised AttributeError there, so no twin was ever made)."""
-    backend = twin._get_backend(torch.device("cpu"))
-    setter = getattr(backend, "set_timeout", None) or backend._set_default_timeout
-    setter(timeout)
 
 
 def _connect_timeout(timeout: timedelta | None) -> timedelta:

@@ -60,7 +60,7 @@ __all__ = [
     "groups_taken_for_nccl",
     "launched_by_torchrun",
     "set_launcher_variables",
-    "skip_without_cpu_fsdp2",
+    "skip_without_fsdp2",
     "subgroup",
     "world",
 ]
@@ -278,19 +278,12 @@ def launched_by_torchrun() -> Iterator[None]:
             deciders[key].rank = rank
 
 
-def skip_without_cpu_fsdp2() -> None:
-    """Skip the calling test where this torch has no FSDP2 that runs on the CPU: no
-    ``fully_shard``, or one whose collectives record events on a CPU stream that has no
-    ``record_event`` (torch 2.6)."""
+def skip_without_fsdp2() -> None:
+    """Skip the calling test where this torch has no FSDP2 (``fully_shard``)."""
     import pytest
-    import torch
 
     if not hasattr(pytest.importorskip("torch.distributed.fsdp"), "fully_shard"):
         pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
-    if not hasattr(torch.cpu.Stream, "record_event"):
-        pytest.skip(
-            f"torch {torch.__version__}'s FSDP2 does not run on the CPU (no torch.cpu.Stream.record_event)"
-        )
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import towers
 from equivalence import APPLIED_COLLECTIVES, CompiledSources, run_cases, summed_grads, tolerances
-from multirank import skip_without_cpu_fsdp2, subgroup
+from multirank import skip_without_fsdp2, subgroup
 
 from lightning_vit_balance import (
     BalanceStats,
@@ -738,7 +738,7 @@ def _sharded_tower_overlap() -> dict[str, Any]:
 
 
 def test_a_sharded_tower_encodes_in_one_call_with_the_overlapped_trip(multirank: Any) -> None:
-    skip_without_cpu_fsdp2()
+    skip_without_fsdp2()
     with multirank(POOL) as w:
         per_rank = w.run(_sharded_tower_overlap)
     # Two balanced calls, one ViT forward each, and one warning saying why.

@@ -36,7 +36,7 @@ from lightning_fit_script import (
     predict_from_checkpoint,
     quiet_trainer,
 )
-from multirank import World, groups_taken_for_nccl, launched_by_torchrun, skip_without_cpu_fsdp2
+from multirank import World, groups_taken_for_nccl, launched_by_torchrun, skip_without_fsdp2
 from towers import TensorTower
 
 from lightning_vit_balance import CostModel, ViTBalanceConfig
@@ -373,7 +373,7 @@ def _mesh_fit(out: str, calibrate: bool = False) -> list[tuple[list[int], int, b
 def test_model_parallel_mesh_plans_ahead_on_host_twins(tmp_path: Path, multirank: Any) -> None:
     """ModelParallelStrategy with tensor parallelism: the data-parallel group is a subgroup of the
     mesh, and the mixin still gathers on a gloo twin of it, made at the same point on every rank."""
-    skip_without_cpu_fsdp2()
+    skip_without_fsdp2()
     with multirank(4) as pool:
         results = pool.run(_mesh_fit, str(tmp_path), timeout=200)
     for rank, calls in enumerate(results):
@@ -387,7 +387,7 @@ def test_model_parallel_mesh_refuses_the_online_cost_fit(tmp_path: Path, multira
     """Each data-parallel group fitted its own model from its own ranks' times, so tensor-parallel
     peers (the same images, other groups) planned apart: 12 of 16 steps in a reviewer's run, and a
     tensor-parallel ViT's collectives then failed. The fit now stops on every rank, saying why."""
-    skip_without_cpu_fsdp2()
+    skip_without_fsdp2()
     with multirank(4) as pool:
         errors = pool.run(_mesh_fit, str(tmp_path), True, timeout=200)
     assert len(set(errors)) == 1, errors

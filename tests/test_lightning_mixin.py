@@ -17,7 +17,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning_fit_script import quiet_trainer
-from multirank import launched_by_torchrun, skip_without_cpu_fsdp2, world
+from multirank import launched_by_torchrun, world
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 from towers import CHANNELS, TensorTower
 
@@ -731,7 +731,6 @@ def _sharded_evaluation(sharded: bool) -> dict[str, Any]:
 
 
 def test_without_a_trainer_evaluation_balances_where_the_tower_is_sharded() -> None:
-    skip_without_cpu_fsdp2()
     with world(2) as w:
         assert w.run(_sharded_evaluation, True) == [{"equal": True, "applied": True}] * 2
         assert w.run(_sharded_evaluation, False) == [{"equal": True, "applied": None}] * 2

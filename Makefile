@@ -32,9 +32,10 @@ test-transformers4:
 	$(MAKE) test VENV=.venv-transformers4 TRANSFORMERS_REQUIREMENTS=requirements/transformers4.txt
 
 # The same suite on the oldest releases the package supports, torch 2.9 and transformers 4.57, in
-# a virtual environment of its own (without DeepSpeed: its ZeRO tests are skipped there).
+# a virtual environment of its own (without DeepSpeed: its ZeRO tests are skipped there). PyPI has no
+# CPU build of torch 2.9 for x86-64: its CUDA build (about 7 GB installed) is not kept in pip's cache.
 test-torch-oldest:
-	$(MAKE) test VENV=.venv-torch-oldest TORCH_REQUIREMENTS=requirements/torch-oldest.txt \
+	PIP_NO_CACHE_DIR=1 $(MAKE) test VENV=.venv-torch-oldest TORCH_REQUIREMENTS=requirements/torch-oldest.txt \
 		TRANSFORMERS_REQUIREMENTS=requirements/transformers4.txt DEEPSPEED_REQUIREMENTS=
 
 demo: $(STAMP)

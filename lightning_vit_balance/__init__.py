@@ -56,6 +56,12 @@ __all__ = [
     "release_host_group",
 ]
 
+#: Names that need an optional dependency, and the extra that installs it.
+_EXTRAS = {"ViTBalanceTrainerCallback": ("transformers", "hf")}
+# ``from lightning_vit_balance import *`` without an optional dependency leaves out what needs it
+# (looking for a package imports nothing).
+__all__ = [name for name in __all__ if name not in _EXTRAS or importlib.util.find_spec(_EXTRAS[name][0])]
+
 #: Names imported on first use (they import torch, Lightning or transformers), and their modules.
 _LAZY_NAMES = {
     "BalanceStats": "lightning_vit_balance.balancer",
@@ -78,6 +84,12 @@ _LAZY_NAMES = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY_NAMES:
+        needed, extra = _EXTRAS.get(name, (None, None))
+        if needed is not None and importlib.util.find_spec(needed) is None:
+            raise ImportError(
+                f"lightning_vit_balance.{name} needs {needed}, which is not installed: "
+                f"pip install 'lightning-vit-balance[{extra}]' (or {needed} itself)."
+            )
         value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
         globals()[name] = value
         return value

@@ -112,6 +112,32 @@ def test_importing_the_package_imports_only_what_is_used() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_without_transformers_the_rest_imports_and_the_trainer_callback_says_what_to_install() -> None:
+    # transformers hidden from the import system (None in sys.modules) and from the installed
+    # distributions, which torchmetrics (imported by Lightning) asks before importing it.
+    code = (
+        "import sys, importlib.metadata as md\n"
+        "sys.modules['transformers'] = None\n"
+        "def hide(real):\n"
+        "    def hidden(name, *args, **kwargs):\n"
+        "        if name == 'transformers':\n"
+        "            raise md.PackageNotFoundError(name)\n"
+        "        return real(name, *args, **kwargs)\n"
+        "    return hidden\n"
+        "md.version, md.distribution = hide(md.version), hide(md.distribution)\n"
+        "from lightning_vit_balance import *\n"
+        "import lightning_vit_balance as m\n"
+        "assert ViTBalanceMixin and balance_vision_tower and 'ViTBalanceTrainerCallback' not in dir()\n"
+        "try:\n"
+        "    m.ViTBalanceTrainerCallback\n"
+        "except ImportError as error:\n"
+        "    assert \"pip install 'lightning-vit-balance[hf]'\" in str(error), error\n"
+        "else:\n"
+        "    raise AssertionError('no ImportError')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_the_drop_in_names_the_transformers_releases_make_tests() -> None:
     """The drop-in's refusals say which transformers releases it is tested with: those the
     requirements files pin (a release moved there must move in the message too)."""

@@ -80,7 +80,7 @@ from lightning_vit_balance.outputs import (
     window_index_fn,
 )
 from lightning_vit_balance.planning import RebalancePlan, plan_rebalance
-from lightning_vit_balance.prepared import DeviceGridChecks, PreparedPlan
+from lightning_vit_balance.prepared import DeviceGridChecks, PreparedPlan, grid_gcd
 from lightning_vit_balance.problems import DTYPES, InputProblem, describe_problem
 from lightning_vit_balance.recompute import PlanMemory, in_backward_pass
 from lightning_vit_balance.routes import RouteCache
@@ -423,7 +423,6 @@ class ViTBalancer:
         self._encoded_counts: tuple[tuple[int, ...], ...] | None = None
         self._encoded_frames: tuple[tuple[int, ...], ...] | None = None
         self._clock = ViTClock()
-        self._last_merge = 1
         self._trips = TripClock()
         # Prepared calls' grids on a device, compared there; read at the next metadata gather.
         self._grid_checks = DeviceGridChecks()
@@ -505,8 +504,8 @@ class ViTBalancer:
             pixel_values: ``[sum(T*H*W), C]`` (its rows, ``C``, dtype and ``requires_grad``).
             grid_thw: ``[n_images, 3]``.
             vit: The ViT, for its merge size (divisibility is checked then); optional: without it,
-                the merge size of this balancer's previous call (1 before any), and a call whose
-                ViT merges otherwise checks every rank's rows again before anything moves.
+                the call checks its ViT's merge size against every rank's rows, before anything
+                moves (the plan holds their greatest common divisor: no host work in the forward).
 
         Returns:
             The prepared plan; ``None`` when nothing would be balanced (disabled, no process
@@ -522,7 +521,7 @@ class ViTBalancer:
         call = _Call(
             group=self.group,
             rank=dist.get_rank(self.group),
-            merge=merge_size_of(vit, self.output_layout) if vit is not None else self._last_merge,
+            merge=merge_size_of(vit, self.output_layout) if vit is not None else 1,
             device=collective_device(self.group, torch.device("cpu")),
             host=self._host(),
         )
@@ -536,6 +535,7 @@ class ViTBalancer:
         call_grids = grid_rows(grid_thw) if self.config.split_videos else None
         if call_grids == metadata[call.rank].grids:
             call_grids = None
+        encoded_counts, encoded_frames = self._encoded_by(plan, metadata)
         return PreparedPlan(
             plan=plan,
             metadata=metadata,
@@ -547,7 +547,9 @@ class ViTBalancer:
             plan_seconds=call.seconds.get("plan", 0.0),
             collectives=call.collectives,
             call_grids=call_grids,
-            merge_checked=call.merge,
+            grid_gcd=grid_gcd(metadata),
+            encoded_counts=encoded_counts,
+            encoded_frames=encoded_frames,
         )
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -584,9 +586,12 @@ class ViTBalancer:
     ) -> Any:
         """The balanced call on a plan made before the forward: no gather, no planning here."""
         call = self._start(vit, pixel_values)
-        if call.merge != prepared.merge_checked:
+        if prepared.grid_gcd % call.merge:
             # Prepared without this ViT: every rank holds every rank's rows, so all raise alike here.
             raise_for_merge(prepared.metadata, call.merge, steps=self.config.split_videos)
+        if not in_backward_pass():
+            # What this call's measured time pays for, whenever the plan was made.
+            self._encoded_counts, self._encoded_frames = prepared.encoded_counts, prepared.encoded_frames
         problem = prepared.mismatch(pixel_values, grid_thw) or _device_mismatch(call, pixel_values)
         given_grid = grid_thw
         if problem is not None and not isinstance(grid_thw, torch.Tensor):
@@ -621,6 +626,8 @@ class ViTBalancer:
         call = self._start(vit, pixel_values)
         metadata, reference = self._gather(call, pixel_values, grid_thw)
         plan = self._plan(call, metadata)
+        if not in_backward_pass():
+            self._encoded_counts, self._encoded_frames = self._encoded_by(plan, metadata)
         if plan.applied:
             output = self._exchange_and_encode(call, vit, pixel_values, grid_thw, plan, metadata, reference)
         else:
@@ -730,7 +737,9 @@ class ViTBalancer:
         received = pending.wait()  # [rows from other ranks, C], in arrival order
         call.timed("dispatch", started)
         away = [(src, i) for src, i in route.arrivals if src != call.rank]
-        if not away and home_encoded is not None:
+        if home_encoded is not None and (not away or home_encoded.error is not None):
+            # A home forward that failed ends this rank's encoding: its error is the one reported
+            # (an interrupt must not run the ViT again, nor give way to the arrivals' error).
             return self._batch(received, received, away, metadata, grid_thw), home_encoded
         batch = self._batch(received, received, away, metadata, grid_thw)  # the owners' dtype
         if not away:
@@ -760,12 +769,10 @@ class ViTBalancer:
 
     def _start(self, vit: Any, pixel_values: Any) -> _Call:
         preferred = pixel_values.device if isinstance(pixel_values, torch.Tensor) else None
-        # What a plan made ahead without the ViT checks the grid rows against (see prepare).
-        self._last_merge = merge_size_of(vit, self.output_layout)
         return _Call(
             group=self.group,
             rank=dist.get_rank(self.group),
-            merge=self._last_merge,
+            merge=merge_size_of(vit, self.output_layout),
             device=collective_device(self.group, preferred),
             host=self._host(),
         )
@@ -845,18 +852,30 @@ class ViTBalancer:
         plan = self._planned(metadata, frames, self._calibrated(metadata))
         if self._calibrator is not None:
             self._plan_memory.remember(metadata, plan)
-            arrivals = plan.arrivals_of_every_rank() if plan.applied else None
-            self._encoded_counts, self._encoded_frames = (
-                tuple(
-                    tuple(rows[src][i] for src, i in arrivals[r]) if arrivals is not None else tuple(rows[r])
-                    for r in range(plan.num_ranks)
-                )
-                for rows in (plan.patch_counts, frames)
-            )
-        # The gather carried the previous call's time; this plan's images are not timed yet.
+        # The gather carried the previous call's time: read once (the next gather, made ahead of
+        # this plan's call or not, must not carry it again).
         self._clock.forget()
         call.timed("plan", started)
         return plan
+
+    def _encoded_by(
+        self, plan: RebalancePlan, metadata: Sequence[RankMetadata]
+    ) -> tuple[tuple[tuple[int, ...], ...] | None, tuple[tuple[int, ...], ...] | None]:
+        """Every rank's patch counts and temporal steps in the call that runs ``plan``: what its
+        measured ViT time, carried in the gather after it, pays for (``None`` where the cost model
+        is not fitted online)."""
+        if self._calibrator is None:
+            return None, None
+        frames = [[t for t, _, _ in m.grids] for m in metadata]
+        arrivals = plan.arrivals_of_every_rank() if plan.applied else None
+        counts, steps = (
+            tuple(
+                tuple(rows[src][i] for src, i in arrivals[r]) if arrivals is not None else tuple(rows[r])
+                for r in range(plan.num_ranks)
+            )
+            for rows in (plan.patch_counts, frames)
+        )
+        return counts, steps
 
     def _planned(
         self, metadata: Sequence[RankMetadata], frames: list[list[int]], cost_model: CostModel | None

@@ -545,7 +545,9 @@ def release_frames(error: BaseException) -> None:
     pending: list[BaseException | None] = [error]
     while pending:
         current = pending.pop()
-        if current is None or id(current) in seen:
+        if current is None or id(current) in seen or not _raised_through_package(current):
+            # Not raised in a balanced call (the caller's own error, being handled as it called):
+            # its frames are the caller's to keep.
             continue
         seen.add(id(current))
         if isinstance(current, torch.OutOfMemoryError):
@@ -554,6 +556,12 @@ def release_frames(error: BaseException) -> None:
             with contextlib.suppress(RuntimeError):  # a frame still running: the caller's own
                 frame.clear()
         pending += [current.__cause__, current.__context__]
+
+
+def _raised_through_package(error: BaseException) -> bool:
+    """Whether ``error`` passed through one of this package's frames on its way up."""
+    frames = traceback.walk_tb(error.__traceback__)
+    return any(frame.f_code.co_filename.startswith(_PACKAGE_DIR) for frame, _ in frames)
 
 
 def _own_frames(error: BaseException) -> list[Any]:

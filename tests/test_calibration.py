@@ -106,6 +106,54 @@ def test_no_figure_of_a_failed_call_reaches_the_fit(multirank: Any, skipped: boo
     assert all(r["after_unused_plan"] == [-1] * RANKS for r in results), results
 
 
+def _observed_with_plans_made_a_batch_ahead() -> dict[str, Any] | None:
+    """Plans made one batch ahead (``prepare`` of batch n + 1 before the call of batch n, as early as
+    the batches are known): the patch counts each measured time is fitted with."""
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    balancer = ViTBalancer(ViTBalanceConfig(calibrate_cost=True, trigger_threshold=0.0, min_gain=0.0), group)
+    assert balancer._calibrator is not None
+    observed: list[tuple[int, ...]] = []
+    observe = balancer._calibrator.observe
+
+    def recording(counts: Any, milliseconds: list[float], frames: Any = None) -> None:
+        if all(m >= 0 for m in milliseconds):  # a time measured on every rank
+            observed.append(tuple(sum(rank_counts) for rank_counts in counts))
+        observe(counts, milliseconds, frames)
+
+    balancer._calibrator.observe = recording  # type: ignore[method-assign]
+    sides = [8, 2, 6, 4, 10]
+    batches = [towers.make_batch([(1, side, 2 + 2 * rank)] * (1 + rank), seed=rank) for side in sides]
+    tickets = [balancer.prepare(*batches[0])]
+    encoded = []
+    for n in range(len(batches) - 1):
+        tickets.append(balancer.prepare(*batches[n + 1]))
+        balancer(tower, *batches[n], prepared=tickets[n])
+        plan = tickets[n].plan
+        arrivals = (
+            plan.arrivals_of_every_rank()
+            if plan.applied
+            else [[(r, i) for i in range(len(c))] for r, c in enumerate(plan.patch_counts)]
+        )
+        encoded.append(tuple(sum(plan.patch_counts[src][i] for src, i in images) for images in arrivals))
+    return {"observed": observed, "encoded": encoded}
+
+
+def test_a_measured_time_is_fitted_with_the_images_its_call_encoded(multirank: Any) -> None:
+    """A plan made ahead of the call before it took the place of that call's patch counts: the fit
+    paired call n's time with the images of call n + 1 (the last one planned)."""
+    with multirank(POOL) as w:
+        results = w.run(_observed_with_plans_made_a_batch_ahead)[:RANKS]
+    observed, encoded = results[0]["observed"], results[0]["encoded"]
+    assert all(r == results[0] for r in results), results
+    # Each prepare n + 1 (n >= 1) carries the time of call n - 1: the calls before the last one.
+    assert observed == encoded[: len(observed)] and len(observed) == len(encoded) - 1, results[0]
+
+
 def _state_loaded_on_one_rank() -> list[str]:
     """A fit's state saved after the first steps, loaded again on rank 0 alone: its window and
     counters then differ from the others', so it would fit on other calls (plans apart)."""

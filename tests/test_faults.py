@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
+import traceback
 import weakref
 from typing import Any
 from unittest import mock
@@ -177,12 +178,14 @@ class _FailingTower(towers.TensorTower):
         super().__init__()
         self.bad_rank = bad_rank
         self.mode = mode
+        self.forwards = 0
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
         out = super().forward(pixel_values, grid_thw)
         if dist.get_rank() != self.bad_rank:
             return out
-        if self.mode == "raise":
+        self.forwards += 1
+        if self.mode == "raise" or (self.mode == "interrupt" and self.forwards > 1):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         if self.mode == "interrupt":
             raise KeyboardInterrupt  # or a preemption handler's SystemExit: no Exception
@@ -197,7 +200,7 @@ class _FailingTower(towers.TensorTower):
         raise AssertionError(self.mode)
 
 
-def _vit_case(mode: str, bad_rank: int) -> dict[str, Any] | None:
+def _vit_case(mode: str, bad_rank: int, overlapped: bool = False) -> dict[str, Any] | None:
     group = subgroup(RANKS)
     rank = dist.get_rank()
     if rank >= RANKS:
@@ -205,8 +208,8 @@ def _vit_case(mode: str, bad_rank: int) -> dict[str, Any] | None:
     torch.manual_seed(0)
     tower = _FailingTower(bad_rank, mode)
     pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
-    balancer = ViTBalancer(ViTBalanceConfig(**APPLY), group)
-    result: dict[str, Any] = {}
+    balancer = ViTBalancer(ViTBalanceConfig(**APPLY, overlap_pixel_trip=overlapped), group)
+    result: dict[str, Any] = {"forwards": tower.forwards}
 
     def call() -> None:
         out = balancer(tower, pixels, grid)
@@ -214,7 +217,7 @@ def _vit_case(mode: str, bad_rank: int) -> dict[str, Any] | None:
         out.sum().backward()
 
     kind, message, seconds = _outcome(call)
-    result.update(kind=kind, message=message, seconds=seconds)
+    result.update(kind=kind, message=message, seconds=seconds, forwards=tower.forwards)
     if mode == "nan":
         assert balancer.last_stats is not None and balancer.last_stats.applied
     _still_in_step(group, rank)
@@ -235,18 +238,46 @@ def test_vit_exception_on_one_rank(multirank: Any) -> None:
     assert all(r["seconds"] < FAST_S for r in results), results
 
 
-def test_an_interrupt_in_the_vit_on_one_rank_fails_every_rank(multirank: Any) -> None:
+@pytest.mark.parametrize("overlapped", [False, True], ids=["applied", "overlapped"])
+def test_an_interrupt_in_the_vit_on_one_rank_fails_every_rank(multirank: Any, overlapped: bool) -> None:
     """A ``BaseException`` that is no ``Exception`` (``KeyboardInterrupt``; ``SystemExit`` from a
     preemption handler) goes through the status gather too: the failing rank re-raises it, the
     others raise a RuntimeError naming it. Left out, the others waited in the status gather until
-    the failing rank's next gather met theirs, and gloo aborted their processes."""
+    the failing rank's next gather met theirs, and gloo aborted their processes. With the pixel trip
+    overlapped, an interrupt in the forward of the rank's own images ends its encoding: the ViT ran
+    again on the arrivals, and the out-of-memory error it raised there was reported instead."""
     with multirank(POOL) as w:
-        results = w.run(_vit_case, "interrupt", 1)[:RANKS]
-    assert results[1]["kind"] == "KeyboardInterrupt", results[1]
+        results = w.run(_vit_case, "interrupt", 1, overlapped)[:RANKS]
+    assert results[1]["kind"] == "KeyboardInterrupt" and results[1]["forwards"] == 1, results[1]
     others = [results[0], results[2]]
     assert {r["kind"] for r in others} == {"RuntimeError"} and others[0]["message"] == others[1]["message"]
     assert "rank 1: the ViT raised KeyboardInterrupt" in others[0]["message"], others[0]
     assert all(r["seconds"] < FAST_S for r in results), results
+
+
+def _users_own_step() -> None:
+    activations_to_inspect = torch.ones(4)  # noqa: F841 (what a post-mortem debugger would read)
+    raise torch.OutOfMemoryError("CUDA out of memory (the user's own step)")
+
+
+def test_a_failed_call_keeps_the_frames_of_the_error_its_caller_was_handling() -> None:
+    """A balanced call made while its caller handles an error of its own (an out-of-memory error of
+    its step, say) raises an error chained to that one: clearing the failed call's frames cleared
+    the caller's too (the whole traceback of an out-of-memory error), where a direct call keeps them."""
+
+    def failing_vit(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+        raise ValueError("a bug in the tower")
+
+    try:
+        _users_own_step()
+    except torch.OutOfMemoryError as own:
+        with pytest.raises(ValueError, match="a bug in the tower") as raised:
+            ViTBalancer()(failing_vit, *towers.make_batch([(1, 2, 2)], seed=0))
+        assert raised.value.__context__ is own
+        (frame,) = [
+            f for f, _ in traceback.walk_tb(own.__traceback__) if f.f_code.co_name == "_users_own_step"
+        ]
+        assert "activations_to_inspect" in frame.f_locals
 
 
 class _FailingForwardTower(towers.TensorTower):

@@ -17,7 +17,9 @@ from test_balancer import THRESHOLD_0, standard_cases
 
 from lightning_vit_balance import ViTBalanceConfig, ViTBalancer, make_host_group
 from lightning_vit_balance import prepared as prepared_module
+from lightning_vit_balance.exchange import RankMetadata
 from lightning_vit_balance.host_group import _twin_ranks
+from lightning_vit_balance.prepared import grid_gcd
 
 POOL = 4
 #: In the forward of a prepared applied call: the pixel trip, the status gather, the return trip.
@@ -338,16 +340,22 @@ def test_bad_input_fails_in_prepare_on_every_rank(multirank: Any) -> None:
 def _grid_the_vit_cannot_merge(config: dict[str, Any], split_videos: bool) -> list[str] | None:
     """Plans made ahead without the ViT (as the Lightning mixin makes them), of rank 1's rows that
     a 2x2 merge cannot take: in the first call, before the balancer knew the merge size, and in a
-    later one, after it did."""
+    later one, after it did; then the same rows for a tower without merging (one that a step calls
+    after the other), which takes them."""
     grids = [[(1, 8, 8), (2, 8, 8)], [(1, 4, 4), (2, 3, 3)], [(1, 2, 2)]]
     setup = _on_three_ranks(grids, {**config, "split_videos": split_videos})
     if setup is None:
         return None
+    unmerged = towers.TensorTower(merge=1)
     messages = []
-    for _ in range(2):
+    for tower in (setup.tower, setup.tower, unmerged):
         try:
             ticket = setup.balancer.prepare(setup.pixels, setup.grid)
-            setup.balancer(setup.tower, setup.pixels, setup.grid, prepared=ticket)
+            output = setup.balancer(tower, setup.pixels, setup.grid, prepared=ticket)
+            # The call planned in the forward (with split_videos the tower attends within each
+            # temporal step, unlike a direct call): the same ops on the same rows, equal.
+            planned_in_the_call = setup.balancer(tower, setup.pixels, setup.grid)
+            torch.testing.assert_close(output, planned_in_the_call, rtol=0, atol=0)
             messages.append("no error")
         except ValueError as error:
             messages.append(str(error))
@@ -364,15 +372,26 @@ def test_rows_the_vit_cannot_merge_fail_every_rank_without_the_vit_in_prepare(
     without a word where their count happened to divide."""
     with multirank(POOL) as w:
         results = w.run(_grid_the_vit_cannot_merge, config, split_videos)[:3]
-    first, second = zip(*results)
-    assert len(set(first)) == 1 and len(set(second)) == 1, results
+    first, second, unmerged = zip(*results)
+    assert len(set(first)) == 1 and second == first, results
     where = "temporal step 1 of grid_thw's images" if split_videos else "grid_thw[1]"
     assert (
         f"rank 1: {where} has H=3, W=3: expected both divisible by the ViT's spatial merge size 2" in first[0]
     )
     assert "checked at the call" in first[0], first[0]
-    # The balancer knows the merge size from then on: prepare checks the rows itself.
-    assert "rank 1: grid_thw[1] has H=3, W=3" in second[0] and "checked at the call" not in second[0]
+    # A plan made without the ViT was checked against the previous call's merge size: the rows of
+    # a tower that merges less, valid, failed on every rank.
+    assert unmerged == ("no error",) * 3, results
+
+
+def test_grid_gcd_divides_every_height_and_width_and_no_temporal_size() -> None:
+    def rank(*grids: tuple[int, int, int]) -> RankMetadata:
+        return RankMetadata(0, (), 3, 0, False, grids)
+
+    assert grid_gcd([rank(), rank()]) == 0  # no images: every merge size divides
+    assert grid_gcd([rank((3, 8, 12)), rank(), rank((1, 4, 28), (5, 16, 16))]) == 4
+    assert grid_gcd([rank((1, 6, 6)), rank((1, 4, 10))]) == 2
+    assert grid_gcd([rank((1, 3, 3), (1, 8, 8))]) == 1
 
 
 def test_prepare_without_a_process_group_returns_none() -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import datetime
 import io
 import pickle
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -77,10 +79,7 @@ def test_lightning_first_in_the_bases_warns_that_the_hooks_are_shadowed() -> Non
     first: a class listing LightningModule first is told so when it is defined."""
     (warned,) = [str(w.message) for w in _defined]
     assert warned.startswith("LightningFirst lists LightningModule before ViTBalanceMixin"), warned
-    hooks = (
-        "on_before_batch_transfer, on_train_batch_end, on_validation_batch_end, on_test_batch_end, "
-        "on_save_checkpoint, on_load_checkpoint, teardown"
-    )
+    hooks = "on_before_batch_transfer, on_save_checkpoint, on_load_checkpoint, teardown"
     assert hooks in warned, warned
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -280,6 +279,8 @@ def test_plans_made_ahead_from_unreadable_batches_say_so() -> None:
         assert result["planned"] == [0, 0]
         message = result["text_only_error"]
         assert "holds 0 images on this rank" in message and "(vit_balance_prepare_keys)" in message, result
+        # A CombinedLoader's batch keeps each loader's batch under its own key: those are named.
+        assert "the batch holds none of them, only 'images', 'grids'" in message, result
 
 
 def test_without_a_trainer_the_calls_queue_for_the_loop_boundedly() -> None:
@@ -653,22 +654,32 @@ def test_plan_ahead_plans_the_validation_steps_too(tmp_path: Path) -> None:
 
 class IteratedSteps(PlannedSteps):
     """Training steps that take ``dataloader_iter`` (Lightning calls no ``on_before_batch_transfer``
-    for them), and a validation step that encodes nothing for its second batch: the plan made for
-    that batch is not taken by its step."""
+    for them; the second plans its batch itself, in the step), and a validation step that encodes
+    nothing for its second batch: the plan made for that batch is not taken by its step. The batch
+    hooks are overridden as users do, without ``super()``, and with one dataloader's arguments."""
 
     def training_step(self, dataloader_iter: Any) -> torch.Tensor:  # type: ignore[override]
         batch, batch_idx, _ = next(dataloader_iter)
+        if batch_idx == 1:
+            self.prepare_vit_balance(batch)
         return self._step(batch, batch_idx)
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         return self._step(batch, batch_idx) if batch_idx == 0 else None
 
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.ended = batch_idx
 
-def test_a_plan_its_step_did_not_take_is_dropped_when_the_step_ends(tmp_path: Path) -> None:
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.ended = batch_idx
+
+
+def test_a_plan_its_step_did_not_take_goes_to_no_other_step(tmp_path: Path) -> None:
     """The sanity check's second batch was planned and not encoded: the next training step (no plan
     of its own) took that plan, warned that its batch did not match, and every rank failed at the
-    following gather. Dropped at the batch's end, the steps that take ``dataloader_iter`` plan in
-    their call (4 collectives), the others take their own plans."""
+    following gather. A plan is kept for the loop's batch it was made for: the first step that takes
+    ``dataloader_iter`` plans in its call (4 collectives), the second takes the plan it made itself,
+    the others their own plans."""
     with world(2) as w:
         ranks = w.run(_planned_fit, str(tmp_path), True, timeout=120)
     for calls in ranks:
@@ -676,10 +687,57 @@ def test_a_plan_its_step_did_not_take_is_dropped_when_the_step_ends(tmp_path: Pa
         assert [(prepared, collectives) for _, prepared, collectives, _ in calls] == [
             (True, 3),
             (False, 4),
-            (False, 4),
+            (True, 3),
             (True, 3),
         ], calls
         assert all(exact for *_, exact in calls)
+
+
+class ClockedSteps(PlannedSteps):
+    """Rank 0 works 0.15 s longer after each training batch (logging samples, say): with a time
+    ``val_check_interval`` Lightning checks each rank's own clock, and the ranks validate after
+    different training batches."""
+
+    def _step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        before = self.last_vit_balance_stats
+        embeds = self.encode_images(self.visual, batch["pixel_values"], batch["image_grid_thw"])
+        stage = "sanity" if self.trainer.sanity_checking else self.trainer.state.stage.value
+        balanced = self.last_vit_balance_stats is not before
+        direct = self.visual(batch["pixel_values"], batch["image_grid_thw"])
+        # Same ops on the same rows in batches of other sizes: fp32 agrees to a few ulps.
+        exact = torch.allclose(embeds, direct, rtol=1e-5, atol=1e-6)
+        self.calls.append((stage, balanced, self.global_step, exact))
+        return embeds.pow(2).mean()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.global_rank == 0:
+            time.sleep(0.15)
+
+
+def _clocked_fit(out: str) -> tuple[list[tuple[str, bool, int, bool]], list[str]]:
+    with launched_by_torchrun(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = ClockedSteps()
+        settings = {"logger": False, "callbacks": [], "use_distributed_sampler": True}
+        interval = datetime.timedelta(seconds=0.3)
+        trainer = quiet_trainer(out, "", strategy="ddp", max_steps=6, val_check_interval=interval, **settings)
+        trainer.fit(module)
+    return module.calls, [str(w.message) for w in caught if "val_check_interval is a time" in str(w.message)]
+
+
+def test_validation_on_each_ranks_own_clock_encodes_directly(tmp_path: Path) -> None:
+    """A time ``val_check_interval``: the ranks validated after different training batches, and a
+    balanced validation call waited for the other rank's training step until the group's timeout.
+    Such a fit's validation encodes directly (told once, on rank 0); its training still balances,
+    and its sanity check too (every rank runs it before training)."""
+    with world(2) as w:
+        ranks = w.run(_clocked_fit, str(tmp_path), timeout=120)
+    for rank, (calls, told) in enumerate(ranks):
+        assert all(balanced for stage, balanced, *_ in calls if stage in ("train", "sanity")), calls
+        validated = [balanced for stage, balanced, *_ in calls if stage == "validate"]
+        assert validated and not any(validated), calls
+        assert all(exact for *_, exact in calls), calls
+        assert len(told) == (1 if rank == 0 else 0), told
 
 
 def test_plans_made_ahead_go_to_the_steps() -> None:
@@ -691,7 +749,8 @@ def test_plans_made_ahead_go_to_the_steps() -> None:
     state = module._vit_balance_state_object()
     trainer = mock.Mock(training=False)
     with mock.patch.object(MixinFirst, "_vit_balance_runner", return_value=(trainer, None)):
-        state.ticket = ticket
+        module._current_fx_name = "validation_step"
+        module._vit_balance_keep_ticket(ticket)
         module._current_fx_name = "on_validation_batch_end"
         assert module._vit_balance_take_ticket() is None and state.ticket is ticket
         module._current_fx_name = "validation_step"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
@@ -70,6 +72,22 @@ def _draws_evenly(loader: object) -> bool:
 #: another hook (a callback's ``on_train_epoch_end`` that logs samples on rank 0, say) is direct,
 #: unless the ViT's parameters are sharded (:func:`_sharded`).
 _STEP_HOOKS = frozenset({"training_step", "validation_step", "test_step"})
+#: The hooks Lightning calls as it moves a batch to the device, before it counts the batch ready.
+_TRANSFER_HOOKS = frozenset(
+    {"on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer"}
+)
+
+
+def _loop_batch(trainer: Any) -> tuple[int, bool, int] | None:
+    """Where the Trainer's running loop is: its batch progress (by identity: progress values
+    compare equal across loops), whether it is the sanity check, and the batches it counted ready
+    (before a batch's step, after the batch moved to the device). None outside the loops."""
+    loop = getattr(trainer, "_active_loop", None)
+    loop = getattr(loop, "epoch_loop", loop)  # a fit's training steps run in its epoch loop
+    progress = getattr(loop, "batch_progress", None)
+    if progress is None:
+        return None
+    return id(progress), bool(getattr(trainer, "sanity_checking", False)), progress.total.ready
 
 
 def _loop_balances(trainer: Any) -> bool:
@@ -77,18 +95,37 @@ def _loop_balances(trainer: Any) -> bool:
 
     Training does (DDP needs the same steps on every rank anyway); validation, its sanity check
     and test do when every dataloader of the loop draws evenly (:func:`_draws_evenly`, true for
-    Lightning's default sampler); predict never does (Lightning's predict sampler does not pad);
-    outside a loop nothing is promised. Without a Trainer, see :func:`_own_loop_balances`.
+    Lightning's default sampler), except a fit's validation on each rank's own clock
+    (:func:`_validates_on_own_clock`); predict never does (Lightning's predict sampler does not
+    pad); outside a loop nothing is promised. Without a Trainer, see :func:`_own_loop_balances`.
     """
     if trainer.training:
         return True
     if not (trainer.sanity_checking or trainer.validating or trainer.testing):
+        return False
+    if trainer.validating and _validates_on_own_clock(trainer):
         return False
     # The running evaluation loop's own loaders: `trainer.val_dataloaders` would give a previous
     # fit's loaders during `trainer.validate()`.
     combined = getattr(trainer._active_loop, "_combined_loader", None)
     loaders = getattr(combined, "flattened", None)
     return bool(loaders) and all(_draws_evenly(loader) for loader in loaders)
+
+
+def _validates_on_own_clock(trainer: Any) -> bool:
+    """Whether the fit validates when each rank's own clock says (``val_check_interval`` a time):
+    Lightning decides on every rank apart, so ranks validate after different training batches, and
+    a balanced validation call would wait, until the timeout, for ranks still training."""
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    return fitting and getattr(trainer, "_val_check_time_interval", None) is not None
+
+
+def _some_keys(batch: Mapping[Any, Any]) -> str:
+    """A mapping's first keys, for a message: a batch of several loaders (``CombinedLoader``) holds
+    each loader's batch under its own key, where a plan made ahead finds none of its keys."""
+    names = [repr(key) for key in itertools.islice(batch, 8)]
+    more = ", ..." if len(batch) > 8 else ""
+    return f"{', '.join(names)}{more}" if names else "no keys"
 
 
 def _own_loop_balances(training: bool, evaluation: bool, vit: object) -> bool:
@@ -114,9 +151,6 @@ def _sharded(vit: object) -> bool:
 #: The Lightning hooks the mixin implements; each must come before LightningModule's in the MRO.
 _MIXIN_HOOKS = (
     "on_before_batch_transfer",
-    "on_train_batch_end",
-    "on_validation_batch_end",
-    "on_test_batch_end",
     "on_save_checkpoint",
     "on_load_checkpoint",
     "teardown",
@@ -163,6 +197,9 @@ class _State:
         self.records: collections.deque[BalanceStats] = collections.deque(maxlen=KEPT_STATS)
         self.last_stats: BalanceStats | None = None
         self.ticket: PreparedPlan | None = None
+        #: The loop's batch the ticket was made for (see ViTBalanceMixin._vit_balance_keep_ticket).
+        self.ticket_batch: tuple[int, bool, int] | None = None
+        self.told_own_clock = False
         self.host_group: dist.ProcessGroup | None = None
         #: A balancer state the next balancer starts from: a loaded checkpoint's, or the last
         #: run's (what a checkpoint saved between runs keeps).
@@ -269,7 +306,7 @@ class _ModuleTowerBalance(BalancedVisionTower):
             self._planning_ahead = False
         # The module's calls take the module's plan (as its plan_ahead hook makes it).
         self._ticket = None
-        self.module._vit_balance_state_object().ticket = ticket
+        self.module._vit_balance_keep_ticket(ticket)
         return ticket
 
     def state_dict(self) -> dict[str, Any]:
@@ -498,9 +535,25 @@ class ViTBalanceMixin:
         """Whether every rank makes this call of ``vit`` (or, ``ahead``, the step's calls)."""
         trainer, _ = self._vit_balance_runner()
         if trainer is not None:
-            return _loop_balances(trainer) and (ahead or self._vit_balance_in_step() or _sharded(vit))
+            balances = _loop_balances(trainer)
+            if not balances and trainer.validating and _validates_on_own_clock(trainer):
+                self._vit_balance_tell_own_clock()
+            return balances and (ahead or self._vit_balance_in_step() or _sharded(vit))
         training = bool(getattr(self, "training", True))
         return _own_loop_balances(training, bool(self.vit_balance_evaluation), vit)
+
+    def _vit_balance_tell_own_clock(self) -> None:
+        state = self._vit_balance_state_object()
+        if state.told_own_clock:
+            return
+        state.told_own_clock = True
+        rank_zero_warn(
+            "val_check_interval is a time: Lightning decides on each rank's own clock when to "
+            "validate, so ranks validate after different training batches, and a balanced validation "
+            "call would wait for ranks still training. This fit's validation encodes directly (its "
+            "training still balances); give val_check_interval as a number of batches to balance it.",
+            category=UserWarning,
+        )
 
     def _vit_balance_balancer(
         self, config: ViTBalanceConfig, group: Any, layout: OutputLayout | None = None
@@ -563,7 +616,24 @@ class ViTBalanceMixin:
             return None  # a recomputation plans as its forward call did (see recompute.py)
         state = self._vit_balance_state_object()
         ticket, state.ticket = state.ticket, None
+        if ticket is not None and trainer is not None and state.ticket_batch != _loop_batch(trainer):
+            # Made for another batch, whose step did not take it: this step's batch had no
+            # on_before_batch_transfer (a step taking `dataloader_iter`). Planned in the call, on
+            # every rank alike (they run the same loops).
+            return None
         return ticket
+
+    def _vit_balance_keep_ticket(self, ticket: PreparedPlan | None) -> None:
+        """Keep ``ticket`` for the step that encodes the batch it was made for: under a Trainer, the
+        loop's batch about to be counted ready (made as it moves to the device) or the running
+        step's (made inside it); only that step takes it."""
+        state = self._vit_balance_state_object()
+        state.ticket = ticket
+        trainer, _ = self._vit_balance_runner()
+        where = _loop_batch(trainer) if trainer is not None else None
+        if where is not None and getattr(self, "_current_fx_name", None) in _TRANSFER_HOOKS:
+            where = (where[0], where[1], where[2] + 1)
+        state.ticket_batch = where
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """With ``plan_ahead``, plan the batch's ViT call while it is still on the host.
@@ -584,37 +654,6 @@ class ViTBalanceMixin:
             batch = parent(batch, dataloader_idx)
         self._vit_balance_plan_ahead(batch)
         return batch
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Drop a plan made ahead that the step did not take (see :meth:`on_before_batch_transfer`).
-        An override of the hook must call ``super().on_train_batch_end``."""
-        self._vit_balance_drop_ticket()
-        parent = getattr(super(), "on_train_batch_end", None)
-        if parent is not None:
-            parent(outputs, batch, batch_idx)
-
-    def on_validation_batch_end(
-        self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
-    ) -> None:
-        """As :meth:`on_train_batch_end`, for validation and its sanity check."""
-        self._vit_balance_drop_ticket()
-        parent = getattr(super(), "on_validation_batch_end", None)
-        if parent is not None:
-            parent(outputs, batch, batch_idx, dataloader_idx)
-
-    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        """As :meth:`on_train_batch_end`, for test."""
-        self._vit_balance_drop_ticket()
-        parent = getattr(super(), "on_test_batch_end", None)
-        if parent is not None:
-            parent(outputs, batch, batch_idx, dataloader_idx)
-
-    def _vit_balance_drop_ticket(self) -> None:
-        # A step that did not take its plan (it encoded nothing) must not leave it to a later step
-        # that makes none of its own: a step taking `dataloader_iter` has no on_before_batch_transfer.
-        state = self.__dict__.get("_vit_balance_state")
-        if state is not None:
-            state.ticket = None
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the balancer's state in the checkpoint under ``"vit_balance"``: with
@@ -744,8 +783,14 @@ class ViTBalanceMixin:
             source = f"the plan was made ahead from the batch's {key_names(keys)} (vit_balance_prepare_keys)"
             if not readable:
                 source = f"{unreadable_batch(batch, keys)}; so it was planned without images"
+            elif not any(key in batch for pair in keys for key in pair):
+                source = (
+                    f"{source}; the batch holds none of them, only {_some_keys(batch)}, so it was planned "
+                    "without images (for the batch of one loader among several, plan_ahead=False and "
+                    "self.prepare_vit_balance(batch[key]) in on_before_batch_transfer)"
+                )
             ticket = dataclasses.replace(ticket, source=source)
-        state.ticket = ticket
+        self._vit_balance_keep_ticket(ticket)
 
     def _vit_balance_towers_balance(self) -> bool:
         """Whether the step's drop-in forwards balance, as far as the towers decide: in evaluation,

@@ -46,6 +46,7 @@ from lightning_vit_balance.problems import (
     describe_problem,
     problem_details,
 )
+from lightning_vit_balance.recompute import in_backward_pass
 from lightning_vit_balance.wire import autocast_off
 
 __all__ = [
@@ -637,6 +638,10 @@ class ViTClock:
     of CUDA events brackets it, and the elapsed time is read at the next call (by then the events
     have normally completed; ``Event.query()`` checks without blocking, and a pair still running is
     reported as unknown). Either way the figure travels in the next metadata gather.
+
+    A recomputation in the backward pass (activation checkpointing) is neither timed nor makes the
+    clock forget: the figure is its forward's, paired with that forward's images (non-reentrant
+    checkpointing ends each recomputation early, with an error the call sees as a failure).
     """
 
     def __init__(self) -> None:
@@ -646,6 +651,8 @@ class ViTClock:
         self.last_us = -1
 
     def start(self, device: torch.device) -> None:
+        if in_backward_pass():
+            return
         self._cuda = device.type == "cuda"
         if self._cuda:
             begin = torch.cuda.Event(enable_timing=True)
@@ -655,6 +662,8 @@ class ViTClock:
             self._started = time.perf_counter()
 
     def stop(self) -> None:
+        if in_backward_pass():
+            return
         if self._cuda and self._pending is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -666,6 +675,8 @@ class ViTClock:
         """Drop the latest figure: the call it timed failed, or a plan for other images was made
         since (a prepared plan whose call never ran), so that no time is paired with images it did
         not measure."""
+        if in_backward_pass():
+            return
         self._pending = None
         self.last_us = -1
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 import towers
 from multirank import subgroup
+from torch.utils.checkpoint import checkpoint
 
 from lightning_vit_balance import ViTBalanceConfig, ViTBalancer
 
@@ -106,9 +108,10 @@ def test_no_figure_of_a_failed_call_reaches_the_fit(multirank: Any, skipped: boo
     assert all(r["after_unused_plan"] == [-1] * RANKS for r in results), results
 
 
-def _observed_with_plans_made_a_batch_ahead() -> dict[str, Any] | None:
+def _observed_with_plans_made_a_batch_ahead(checkpointed: bool) -> dict[str, Any] | None:
     """Plans made one batch ahead (``prepare`` of batch n + 1 before the call of batch n, as early as
-    the batches are known): the patch counts each measured time is fitted with."""
+    the batches are known): the patch counts each measured time is fitted with. ``checkpointed``:
+    each call under non-reentrant activation checkpointing, recomputed in its backward pass."""
     group = subgroup(RANKS)
     rank = dist.get_rank()
     if rank >= RANKS:
@@ -132,7 +135,12 @@ def _observed_with_plans_made_a_batch_ahead() -> dict[str, Any] | None:
     encoded = []
     for n in range(len(batches) - 1):
         tickets.append(balancer.prepare(*batches[n + 1]))
-        balancer(tower, *batches[n], prepared=tickets[n])
+        pixels, grid = batches[n]
+        if checkpointed:
+            call = functools.partial(balancer, tower, grid_thw=grid, prepared=tickets[n])
+            checkpoint(call, pixels, use_reentrant=False).pow(2).sum().backward()
+        else:
+            balancer(tower, pixels, grid, prepared=tickets[n])
         plan = tickets[n].plan
         arrivals = (
             plan.arrivals_of_every_rank()
@@ -143,11 +151,16 @@ def _observed_with_plans_made_a_batch_ahead() -> dict[str, Any] | None:
     return {"observed": observed, "encoded": encoded}
 
 
-def test_a_measured_time_is_fitted_with_the_images_its_call_encoded(multirank: Any) -> None:
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_a_measured_time_is_fitted_with_the_images_its_call_encoded(
+    multirank: Any, checkpointed: bool
+) -> None:
     """A plan made ahead of the call before it took the place of that call's patch counts: the fit
-    paired call n's time with the images of call n + 1 (the last one planned)."""
+    paired call n's time with the images of call n + 1 (the last one planned). Under non-reentrant
+    checkpointing no time reached the fit: each recomputation, ended early by an error the call saw
+    as a failure, made the clock forget its forward's time."""
     with multirank(POOL) as w:
-        results = w.run(_observed_with_plans_made_a_batch_ahead)[:RANKS]
+        results = w.run(_observed_with_plans_made_a_batch_ahead, checkpointed)[:RANKS]
     observed, encoded = results[0]["observed"], results[0]["encoded"]
     assert all(r == results[0] for r in results), results
     # Each prepare n + 1 (n >= 1) carries the time of call n - 1: the calls before the last one.

@@ -625,18 +625,37 @@ class PlannedSteps(FabricVLM):
         return self._loader()
 
 
-def _planned_fit(out: str, iterated: bool = False) -> list[tuple[str, bool, int, bool]]:
+class PlanningData(L.LightningDataModule):
+    """Plans each batch in its own ``on_before_batch_transfer``: Lightning then runs the datamodule's
+    hook instead of the module's, and a plan made ahead is asked for there."""
+
+    def __init__(self, module: PlannedSteps) -> None:
+        super().__init__()
+        self.module = module
+
+    def train_dataloader(self) -> Any:
+        return self.module._loader()
+
+    def val_dataloader(self) -> Any:
+        return self.module._loader()
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        self.module.prepare_vit_balance(batch)
+        return batch
+
+
+def _planned_fit(out: str, kind: str = "planned") -> list[tuple[str, bool, int, bool]]:
     with launched_by_torchrun():
-        module = IteratedSteps() if iterated else PlannedSteps()
+        module = IteratedSteps() if kind == "iterated" else PlannedSteps()
         # Lightning's DistributedSampler on both loaders (2 batches per rank): validation balances.
         settings = {
             "logger": False,
             "callbacks": [],
             "use_distributed_sampler": True,
-            "num_sanity_val_steps": 2 if iterated else 1,
+            "num_sanity_val_steps": 2 if kind == "iterated" else 1,
         }
         trainer = quiet_trainer(out, "", strategy="ddp", max_steps=2, **settings)
-        trainer.fit(module)
+        trainer.fit(module, datamodule=PlanningData(module) if kind == "datamodule" else None)
     return module.calls
 
 
@@ -644,9 +663,11 @@ def test_plan_ahead_plans_the_validation_steps_too(tmp_path: Path) -> None:
     """``plan_ahead`` under a Trainer plans every batch of a loop whose steps balance: the training
     steps, and the sanity check's and validation's steps on ``DistributedSampler`` loaders. Each
     call takes the plan made before the forward (3 collectives: no metadata gather) and returns
-    the direct call's outputs."""
+    the direct call's outputs. So does a plan a datamodule's own ``on_before_batch_transfer`` asks
+    for (Lightning runs it instead of the module's)."""
     with world(2) as w:
         ranks = w.run(_planned_fit, str(tmp_path), timeout=120)
+        ranks += w.run(_planned_fit, str(tmp_path / "datamodule"), "datamodule", timeout=120)
     for calls in ranks:
         assert [stage for stage, *_ in calls] == ["sanity", "train", "train", "validate", "validate"]
         assert all(prepared and collectives == 3 and exact for _, prepared, collectives, exact in calls)
@@ -681,7 +702,7 @@ def test_a_plan_its_step_did_not_take_goes_to_no_other_step(tmp_path: Path) -> N
     ``dataloader_iter`` plans in its call (4 collectives), the second takes the plan it made itself,
     the others their own plans."""
     with world(2) as w:
-        ranks = w.run(_planned_fit, str(tmp_path), True, timeout=120)
+        ranks = w.run(_planned_fit, str(tmp_path), "iterated", timeout=120)
     for calls in ranks:
         assert [stage for stage, *_ in calls] == ["sanity", "train", "train", "validate"], calls
         assert [(prepared, collectives) for _, prepared, collectives, _ in calls] == [

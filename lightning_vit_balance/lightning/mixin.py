@@ -72,22 +72,19 @@ def _draws_evenly(loader: object) -> bool:
 #: another hook (a callback's ``on_train_epoch_end`` that logs samples on rank 0, say) is direct,
 #: unless the ViT's parameters are sharded (:func:`_sharded`).
 _STEP_HOOKS = frozenset({"training_step", "validation_step", "test_step"})
-#: The hooks Lightning calls as it moves a batch to the device, before it counts the batch ready.
-_TRANSFER_HOOKS = frozenset(
-    {"on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer"}
-)
 
 
 def _loop_batch(trainer: Any) -> tuple[int, bool, int] | None:
-    """Where the Trainer's running loop is: its batch progress (by identity: progress values
-    compare equal across loops), whether it is the sanity check, and the batches it counted ready
-    (before a batch's step, after the batch moved to the device). None outside the loops."""
+    """Which batch the Trainer's running loop is at: its batch progress (by identity: progress
+    values compare equal across loops), whether it is the sanity check, and the batches it has
+    completed (counted after a batch's end hooks: the same from the hooks that move the batch to
+    the device, the module's or a datamodule's, through its step). None outside the loops."""
     loop = getattr(trainer, "_active_loop", None)
     loop = getattr(loop, "epoch_loop", loop)  # a fit's training steps run in its epoch loop
     progress = getattr(loop, "batch_progress", None)
     if progress is None:
         return None
-    return id(progress), bool(getattr(trainer, "sanity_checking", False)), progress.total.ready
+    return id(progress), bool(getattr(trainer, "sanity_checking", False)), progress.total.completed
 
 
 def _loop_balances(trainer: Any) -> bool:
@@ -625,15 +622,11 @@ class ViTBalanceMixin:
 
     def _vit_balance_keep_ticket(self, ticket: PreparedPlan | None) -> None:
         """Keep ``ticket`` for the step that encodes the batch it was made for: under a Trainer, the
-        loop's batch about to be counted ready (made as it moves to the device) or the running
-        step's (made inside it); only that step takes it."""
+        loop's batch at hand (moving to the device, or in its step); only that batch's step takes it."""
         state = self._vit_balance_state_object()
         state.ticket = ticket
         trainer, _ = self._vit_balance_runner()
-        where = _loop_batch(trainer) if trainer is not None else None
-        if where is not None and getattr(self, "_current_fx_name", None) in _TRANSFER_HOOKS:
-            where = (where[0], where[1], where[2] + 1)
-        state.ticket_batch = where
+        state.ticket_batch = _loop_batch(trainer) if trainer is not None else None
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """With ``plan_ahead``, plan the batch's ViT call while it is still on the host.

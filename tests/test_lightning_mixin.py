@@ -629,9 +629,10 @@ class PlanningData(L.LightningDataModule):
     """Plans each batch in its own ``on_before_batch_transfer``: Lightning then runs the datamodule's
     hook instead of the module's, and a plan made ahead is asked for there."""
 
-    def __init__(self, module: PlannedSteps) -> None:
+    def __init__(self, module: PlannedSteps, plans: bool = True) -> None:
         super().__init__()
         self.module = module
+        self.plans = plans
 
     def train_dataloader(self) -> Any:
         return self.module._loader()
@@ -640,12 +641,17 @@ class PlanningData(L.LightningDataModule):
         return self.module._loader()
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        self.module.prepare_vit_balance(batch)
+        if self.plans:
+            self.module.prepare_vit_balance(batch)
         return batch
 
 
-def _planned_fit(out: str, kind: str = "planned") -> list[tuple[str, bool, int, bool]]:
-    with launched_by_torchrun():
+def _planned_fit(out: str, kind: str = "planned") -> tuple[list[tuple[str, bool, int, bool]], list[str]]:
+    """The calls of a 2-step fit (``kind``: ``PlannedSteps``, ``IteratedSteps``, or ``PlannedSteps``
+    given a ``PlanningData`` that plans, or that does not: ``"datamodule-silent"``), and the
+    warnings the mixin told."""
+    with launched_by_torchrun(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         module = IteratedSteps() if kind == "iterated" else PlannedSteps()
         # Lightning's DistributedSampler on both loaders (2 batches per rank): validation balances.
         settings = {
@@ -655,8 +661,9 @@ def _planned_fit(out: str, kind: str = "planned") -> list[tuple[str, bool, int, 
             "num_sanity_val_steps": 2 if kind == "iterated" else 1,
         }
         trainer = quiet_trainer(out, "", strategy="ddp", max_steps=2, **settings)
-        trainer.fit(module, datamodule=PlanningData(module) if kind == "datamodule" else None)
-    return module.calls
+        datamodule = PlanningData(module, kind == "datamodule") if kind.startswith("datamodule") else None
+        trainer.fit(module, datamodule=datamodule)
+    return module.calls, [str(w.message) for w in caught if "plan_ahead=True, but" in str(w.message)]
 
 
 def test_plan_ahead_plans_the_validation_steps_too(tmp_path: Path) -> None:
@@ -664,13 +671,19 @@ def test_plan_ahead_plans_the_validation_steps_too(tmp_path: Path) -> None:
     steps, and the sanity check's and validation's steps on ``DistributedSampler`` loaders. Each
     call takes the plan made before the forward (3 collectives: no metadata gather) and returns
     the direct call's outputs. So does a plan a datamodule's own ``on_before_batch_transfer`` asks
-    for (Lightning runs it instead of the module's)."""
+    for (Lightning runs it instead of the module's); one that does not ask is told of, once."""
     with world(2) as w:
         ranks = w.run(_planned_fit, str(tmp_path), timeout=120)
         ranks += w.run(_planned_fit, str(tmp_path / "datamodule"), "datamodule", timeout=120)
-    for calls in ranks:
+        silent = w.run(_planned_fit, str(tmp_path / "silent"), "datamodule-silent", timeout=120)
+    for calls, told in ranks:
         assert [stage for stage, *_ in calls] == ["sanity", "train", "train", "validate", "validate"]
         assert all(prepared and collectives == 3 and exact for _, prepared, collectives, exact in calls)
+        assert told == []
+    for rank, (calls, told) in enumerate(silent):
+        assert not any(prepared for _, prepared, *_ in calls) and all(exact for *_, exact in calls), calls
+        assert len(told) == (1 if rank == 0 else 0), told  # rank_zero_warn
+        assert all("PlanningData defines on_before_batch_transfer" in message for message in told), told
 
 
 class IteratedSteps(PlannedSteps):
@@ -703,7 +716,7 @@ def test_a_plan_its_step_did_not_take_goes_to_no_other_step(tmp_path: Path) -> N
     the others their own plans."""
     with world(2) as w:
         ranks = w.run(_planned_fit, str(tmp_path), "iterated", timeout=120)
-    for calls in ranks:
+    for calls, _ in ranks:
         assert [stage for stage, *_ in calls] == ["sanity", "train", "train", "validate"], calls
         assert [(prepared, collectives) for _, prepared, collectives, _ in calls] == [
             (True, 3),

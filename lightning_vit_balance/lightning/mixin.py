@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
@@ -197,6 +199,10 @@ class _State:
         #: The loop's batch the ticket was made for (see ViTBalanceMixin._vit_balance_keep_ticket).
         self.ticket_batch: tuple[int, bool, int] | None = None
         self.told_own_clock = False
+        #: Whether a plan was ever made ahead, and whether a datamodule's hook that keeps the
+        #: module's from making one was told of.
+        self.planned_ahead = False
+        self.told_datamodule_hook = False
         self.host_group: dist.ProcessGroup | None = None
         #: A balancer state the next balancer starts from: a loaded checkpoint's, or the last
         #: run's (what a checkpoint saved between runs keeps).
@@ -613,6 +619,8 @@ class ViTBalanceMixin:
             return None  # a recomputation plans as its forward call did (see recompute.py)
         state = self._vit_balance_state_object()
         ticket, state.ticket = state.ticket, None
+        if not state.planned_ahead and trainer is not None:
+            self._vit_balance_tell_datamodule_hook(trainer)
         if ticket is not None and trainer is not None and state.ticket_batch != _loop_batch(trainer):
             # Made for another batch, whose step did not take it: this step's batch had no
             # on_before_batch_transfer (a step taking `dataloader_iter`). Planned in the call, on
@@ -625,8 +633,28 @@ class ViTBalanceMixin:
         loop's batch at hand (moving to the device, or in its step); only that batch's step takes it."""
         state = self._vit_balance_state_object()
         state.ticket = ticket
+        state.planned_ahead = True
         trainer, _ = self._vit_balance_runner()
         state.ticket_batch = _loop_batch(trainer) if trainer is not None else None
+
+    def _vit_balance_tell_datamodule_hook(self, trainer: Any) -> None:
+        """With ``plan_ahead`` and no plan made yet: where the datamodule defines
+        ``on_before_batch_transfer``, Lightning calls it instead of the module's, which plans; told
+        once (the steps then plan in their calls)."""
+        state = self._vit_balance_state_object()
+        datamodule = getattr(trainer, "datamodule", None)
+        if state.told_datamodule_hook or not self.resolved_vit_balance_config().plan_ahead:
+            return
+        if not is_overridden("on_before_batch_transfer", datamodule, parent=LightningDataModule):
+            return
+        state.told_datamodule_hook = True
+        rank_zero_warn(
+            f"ViTBalanceConfig.plan_ahead=True, but {type(datamodule).__name__} defines "
+            "on_before_batch_transfer, which Lightning calls instead of the module's, so no plan is "
+            "made ahead and each step plans in its call. Plan there: "
+            "self.trainer.lightning_module.prepare_vit_balance(batch).",
+            category=UserWarning,
+        )
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """With ``plan_ahead``, plan the batch's ViT call while it is still on the host.

@@ -20,14 +20,23 @@ RANKS = 3
 STEPS = 16
 
 
-def _calibrating_run() -> dict[str, Any] | None:
+def _calibrating() -> tuple[int, towers.TensorTower, ViTBalancer] | None:
+    """In a worker: this rank, the tensor tower and a balancer over ranks 0-2 that calibrates and
+    applies every plan; None on the other ranks."""
     group = subgroup(RANKS)
     rank = dist.get_rank()
     if rank >= RANKS:
         return None
     torch.manual_seed(0)
-    tower = towers.TensorTower()
-    balancer = ViTBalancer(ViTBalanceConfig(calibrate_cost=True, trigger_threshold=0.0, min_gain=0.0), group)
+    config = ViTBalanceConfig(calibrate_cost=True, trigger_threshold=0.0, min_gain=0.0)
+    return rank, towers.TensorTower(), ViTBalancer(config, group)
+
+
+def _calibrating_run() -> dict[str, Any] | None:
+    setup = _calibrating()
+    if setup is None:
+        return None
+    rank, tower, balancer = setup
     draw = random.Random(1234 + rank)
     models = []
     for step in range(STEPS):
@@ -112,13 +121,10 @@ def _observed_with_plans_made_a_batch_ahead(checkpointed: bool) -> dict[str, Any
     """Plans made one batch ahead (``prepare`` of batch n + 1 before the call of batch n, as early as
     the batches are known): the patch counts each measured time is fitted with. ``checkpointed``:
     each call under non-reentrant activation checkpointing, recomputed in its backward pass."""
-    group = subgroup(RANKS)
-    rank = dist.get_rank()
-    if rank >= RANKS:
+    setup = _calibrating()
+    if setup is None:
         return None
-    torch.manual_seed(0)
-    tower = towers.TensorTower()
-    balancer = ViTBalancer(ViTBalanceConfig(calibrate_cost=True, trigger_threshold=0.0, min_gain=0.0), group)
+    rank, tower, balancer = setup
     assert balancer._calibrator is not None
     observed: list[tuple[int, ...]] = []
     observe = balancer._calibrator.observe

@@ -531,10 +531,6 @@ class ViTBalancer:
         started = time.perf_counter()
         self._routes.warm(plan, call.rank, homes=(True, False) if self.config.overlap_pixel_trip else (True,))
         call.timed("plan", started)
-        # With split_videos the plan's items are temporal steps; the call passes the videos whole.
-        call_grids = grid_rows(grid_thw) if self.config.split_videos else None
-        if call_grids == metadata[call.rank].grids:
-            call_grids = None
         encoded_counts, encoded_frames = self._encoded_by(plan, metadata)
         return PreparedPlan(
             plan=plan,
@@ -546,11 +542,17 @@ class ViTBalancer:
             gather_seconds=call.seconds.get("gather", 0.0),
             plan_seconds=call.seconds.get("plan", 0.0),
             collectives=call.collectives,
-            call_grids=call_grids,
+            call_grids=self._call_grids(grid_thw, metadata[call.rank]),
             grid_gcd=grid_gcd(metadata),
             encoded_counts=encoded_counts,
             encoded_frames=encoded_frames,
         )
+
+    def _call_grids(self, grid_thw: Any, planned: RankMetadata) -> tuple[tuple[int, int, int], ...] | None:
+        """The grid rows a prepared call passes, where they differ from the plan's items: with
+        ``split_videos`` the items are temporal steps, and the call passes the videos whole."""
+        call_grids = grid_rows(grid_thw) if self.config.split_videos else None
+        return None if call_grids == planned.grids else call_grids
 
     # -- checkpoints -------------------------------------------------------------------------
 

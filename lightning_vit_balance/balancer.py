@@ -1295,7 +1295,10 @@ _OUT_OF_STEP = (
     "every rank of the group must make the same balanced calls, in the same order, including "
     "ranks without images (zero rows and a [0, 3] grid). The usual cause is a rank that skipped "
     "the call (a text-only batch behind an `if`), made it alone (evaluation or sample logging on "
-    "one rank), or stopped (look for a rank that raised first)"
+    "one rank), started a validation after other training batches than the rest (Lightning "
+    "validates at each rank's own epoch position: training loaders of different lengths per rank; "
+    "validate every N batches of the fit instead, val_check_interval=N with "
+    "check_val_every_n_epoch=None), or stopped (look for a rank that raised first)"
 )
 
 

@@ -646,6 +646,16 @@ class PlanningData(L.LightningDataModule):
         return batch
 
 
+class ExampleOnRankZero(L.Callback):
+    """Runs the batch hooks on an example batch, on rank 0 alone, when training ends: what an export
+    (``to_onnx``, ``to_torchscript``) or a logger's ``log_graph`` does there."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: PlannedSteps) -> None:
+        if trainer.is_global_zero:
+            pixel_values, grid = _images(2, seed=0)
+            pl_module._on_before_batch_transfer({"pixel_values": pixel_values, "image_grid_thw": grid})
+
+
 def _planned_fit(out: str, kind: str = "planned") -> tuple[list[tuple[str, bool, int, bool]], list[str]]:
     """The calls of a 2-step fit (``kind``: ``PlannedSteps``, ``IteratedSteps``, or ``PlannedSteps``
     given a ``PlanningData`` that plans, or that does not: ``"datamodule-silent"``), and the
@@ -656,7 +666,7 @@ def _planned_fit(out: str, kind: str = "planned") -> tuple[list[tuple[str, bool,
         # Lightning's DistributedSampler on both loaders (2 batches per rank): validation balances.
         settings = {
             "logger": False,
-            "callbacks": [],
+            "callbacks": [ExampleOnRankZero()],
             "use_distributed_sampler": True,
             "num_sanity_val_steps": 2 if kind == "iterated" else 1,
         }
@@ -671,7 +681,9 @@ def test_plan_ahead_plans_the_validation_steps_too(tmp_path: Path) -> None:
     steps, and the sanity check's and validation's steps on ``DistributedSampler`` loaders. Each
     call takes the plan made before the forward (3 collectives: no metadata gather) and returns
     the direct call's outputs. So does a plan a datamodule's own ``on_before_batch_transfer`` asks
-    for (Lightning runs it instead of the module's); one that does not ask is told of, once."""
+    for (Lightning runs it instead of the module's); one that does not ask is told of, once. The
+    batch hooks run outside the loops, on rank 0 alone (an export when training ends), plan nothing:
+    rank 0 waited alone in the gather of a plan."""
     with world(2) as w:
         ranks = w.run(_planned_fit, str(tmp_path), timeout=120)
         ranks += w.run(_planned_fit, str(tmp_path / "datamodule"), "datamodule", timeout=120)

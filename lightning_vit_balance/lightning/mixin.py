@@ -5,7 +5,9 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import functools
 import itertools
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -74,6 +76,37 @@ def _draws_evenly(loader: object) -> bool:
 #: another hook (a callback's ``on_train_epoch_end`` that logs samples on rank 0, say) is direct,
 #: unless the ViT's parameters are sharded (:func:`_sharded`).
 _STEP_HOOKS = frozenset({"training_step", "validation_step", "test_step"})
+
+
+@functools.cache
+def _loop_batch_codes() -> frozenset[Any] | None:
+    """The code of Lightning's loop methods that move a batch to the device through the batch hooks
+    and run its step (training, evaluation); None where this Lightning has other ones."""
+    try:
+        from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
+        from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+        return frozenset({_TrainingEpochLoop.advance.__code__, _EvaluationLoop._evaluation_step.__code__})
+    except (ImportError, AttributeError):
+        return None
+
+
+def _moving_a_loop_batch(depth: int = 64) -> bool:
+    """Whether a Lightning loop's batch runs the hook running now (its transfer, its step): Lightning
+    also calls the batch hooks outside its loops, on an example input (``to_onnx``,
+    ``to_torchscript``, a logger's ``log_graph``, the model summary), on rank 0 alone where it
+    exports or logs there. True where the loops' methods are unknown (as before this check)."""
+    codes = _loop_batch_codes()
+    if codes is None:
+        return True
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _loop_batch(trainer: Any) -> tuple[int, bool, int] | None:
@@ -774,20 +807,26 @@ class ViTBalanceMixin:
         :attr:`vit_balance_evaluation` set (and, for a drop-in, a tower balancing evaluation).
 
         Returns:
-            The plan, or None where the step's calls do not balance (eval mode without
+            The plan, or None where the step's calls do not balance (a batch no loop runs, an
+            example input for an export, say; eval mode without
             :attr:`vit_balance_evaluation`, one rank, balancing disabled): that step plans nothing.
         """
-        self._vit_balance_plan_ahead(batch, asked=True)
+        if not self._vit_balance_plan_ahead(batch, asked=True):
+            return None
         return self._vit_balance_state_object().ticket
 
-    def _vit_balance_plan_ahead(self, batch: Any, asked: bool = False) -> None:
+    def _vit_balance_plan_ahead(self, batch: Any, asked: bool = False) -> bool:
+        """Plan ``batch``'s step, where its loop balances; False (the kept plan untouched) for a
+        batch that is no loop's: an example input, on one rank maybe (an export, a graph)."""
+        trainer, _ = self._vit_balance_runner()
+        if trainer is not None and not _moving_a_loop_batch():
+            return False
         state = self._vit_balance_state_object()
         state.ticket = None
         settings = self._vit_balance_settings(ahead=True)
-        if settings is None or not (asked or settings[0].plan_ahead):
-            return
-        if not self._vit_balance_towers_balance():
-            return
+        wanted = settings is not None and (asked or settings[0].plan_ahead)
+        if not wanted or not self._vit_balance_towers_balance():
+            return True
         towers = self._vit_balance_towers
         keys = self.vit_balance_prepare_keys
         # A batch that is not a mapping holds no keys to read: planned as one without images (a
@@ -812,6 +851,7 @@ class ViTBalanceMixin:
                 )
             ticket = dataclasses.replace(ticket, source=source)
         self._vit_balance_keep_ticket(ticket)
+        return True
 
     def _vit_balance_towers_balance(self) -> bool:
         """Whether the step's drop-in forwards balance, as far as the towers decide: in evaluation,

@@ -232,10 +232,10 @@ class _State:
         #: The loop's batch the ticket was made for (see ViTBalanceMixin._vit_balance_keep_ticket).
         self.ticket_batch: tuple[int, bool, int] | None = None
         self.told_own_clock = False
-        #: Whether a plan was ever made ahead, and whether a datamodule's hook that keeps the
-        #: module's from making one was told of.
+        #: Whether a plan was ever made ahead, and whether a datamodule's hook that would keep the
+        #: module's from making one was looked for (once, at the first step without a plan).
         self.planned_ahead = False
-        self.told_datamodule_hook = False
+        self.looked_for_datamodule_hook = False
         self.host_group: dist.ProcessGroup | None = None
         #: A balancer state the next balancer starts from: a loaded checkpoint's, or the last
         #: run's (what a checkpoint saved between runs keeps).
@@ -652,7 +652,8 @@ class ViTBalanceMixin:
             return None  # a recomputation plans as its forward call did (see recompute.py)
         state = self._vit_balance_state_object()
         ticket, state.ticket = state.ticket, None
-        if not state.planned_ahead and trainer is not None:
+        if not (state.planned_ahead or state.looked_for_datamodule_hook) and trainer is not None:
+            state.looked_for_datamodule_hook = True
             self._vit_balance_tell_datamodule_hook(trainer)
         if ticket is not None and trainer is not None and state.ticket_batch != _loop_batch(trainer):
             # Made for another batch, whose step did not take it: this step's batch had no
@@ -673,14 +674,12 @@ class ViTBalanceMixin:
     def _vit_balance_tell_datamodule_hook(self, trainer: Any) -> None:
         """With ``plan_ahead`` and no plan made yet: where the datamodule defines
         ``on_before_batch_transfer``, Lightning calls it instead of the module's, which plans; told
-        once (the steps then plan in their calls)."""
-        state = self._vit_balance_state_object()
+        (the steps then plan in their calls)."""
         datamodule = getattr(trainer, "datamodule", None)
-        if state.told_datamodule_hook or not self.resolved_vit_balance_config().plan_ahead:
-            return
         if not is_overridden("on_before_batch_transfer", datamodule, parent=LightningDataModule):
             return
-        state.told_datamodule_hook = True
+        if not self.resolved_vit_balance_config().plan_ahead:
+            return
         rank_zero_warn(
             f"ViTBalanceConfig.plan_ahead=True, but {type(datamodule).__name__} defines "
             "on_before_batch_transfer, which Lightning calls instead of the module's, so no plan is "

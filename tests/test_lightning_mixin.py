@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.trainer import setup as trainer_setup
 from lightning_fit_script import quiet_trainer
 from multirank import launched_by_torchrun, world
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
@@ -771,6 +772,10 @@ def _clocked_fit(out: str) -> tuple[list[tuple[str, bool, int, bool]], list[str]
     return module.calls, [str(w.message) for w in caught if "val_check_interval is a time" in str(w.message)]
 
 
+@pytest.mark.skipif(
+    not hasattr(trainer_setup, "_parse_time_interval_seconds"),
+    reason="Lightning < 2.6: no time val_check_interval",
+)
 def test_validation_on_each_ranks_own_clock_encodes_directly(tmp_path: Path) -> None:
     """A time ``val_check_interval``: the ranks validated after different training batches, and a
     balanced validation call waited for the other rank's training step until the group's timeout.

@@ -240,6 +240,10 @@ def _host_grid_items(grid: torch.Tensor | None) -> tuple[tuple[int, ...], tuple[
 _Params = ParamSpec("_Params")
 _Result = TypeVar("_Result")
 
+#: Every rank's patch counts and temporal steps in a call, in the order it encodes them (``None``
+#: where the cost model is not fitted online): what the call's measured time pays for.
+_Encoding = tuple[tuple[tuple[int, ...], ...] | None, tuple[tuple[int, ...], ...] | None]
+
 
 def _collector_paused(method: Callable[_Params, _Result]) -> Callable[_Params, _Result]:
     """``method`` with Python's cyclic garbage collector paused while it runs (if it was running).
@@ -526,12 +530,11 @@ class ViTBalancer:
             host=self._host(),
         )
         metadata, reference = self._gather(call, pixel_values, grid_thw, check_device=False)
-        plan = self._plan(call, metadata)
+        plan, (encoded_counts, encoded_frames) = self._plan(call, metadata)
         # The plan's routes, trips and return layout too, so that its call only looks them up.
         started = time.perf_counter()
         self._routes.warm(plan, call.rank, homes=(True, False) if self.config.overlap_pixel_trip else (True,))
         call.timed("plan", started)
-        encoded_counts, encoded_frames = self._encoded_by(plan, metadata)
         return PreparedPlan(
             plan=plan,
             metadata=metadata,
@@ -627,9 +630,9 @@ class ViTBalancer:
     def _balanced(self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
         call = self._start(vit, pixel_values)
         metadata, reference = self._gather(call, pixel_values, grid_thw)
-        plan = self._plan(call, metadata)
-        if not in_backward_pass():
-            self._encoded_counts, self._encoded_frames = self._encoded_by(plan, metadata)
+        plan, encoding = self._plan(call, metadata)
+        if not in_backward_pass():  # a recomputation's plan is its forward's: counted there
+            self._encoded_counts, self._encoded_frames = encoding
         if plan.applied:
             output = self._exchange_and_encode(call, vit, pixel_values, grid_thw, plan, metadata, reference)
         else:
@@ -842,14 +845,16 @@ class ViTBalancer:
         dtype = DTYPES[code] if code >= 0 else pixel_values.dtype
         return metadata, _Reference(metadata[ref].channels, dtype, differentiable)
 
-    def _plan(self, call: _Call, metadata: Sequence[RankMetadata]) -> RebalancePlan:
+    def _plan(self, call: _Call, metadata: Sequence[RankMetadata]) -> tuple[RebalancePlan, _Encoding]:
+        """The plan of ``metadata``, and what every rank encodes in the call that runs it (see
+        :meth:`_encoded_by`)."""
         started = time.perf_counter()
         if self._calibrator is not None and in_backward_pass():
             # Activation checkpointing's recomputation: the forward's plan, whatever was fitted
             # since; its figures were observed by the forward's gather.
             plan = self._plan_memory.recall(metadata)
             call.timed("plan", started)
-            return plan
+            return plan, (None, None)
         frames = [[t for t, _, _ in m.grids] for m in metadata]
         plan = self._planned(metadata, frames, self._calibrated(metadata))
         if self._calibrator is not None:
@@ -857,18 +862,16 @@ class ViTBalancer:
         # The gather carried the previous call's time: read once (the next gather, made ahead of
         # this plan's call or not, must not carry it again).
         self._clock.forget()
+        encoding = self._encoded_by(plan, frames)
         call.timed("plan", started)
-        return plan
+        return plan, encoding
 
-    def _encoded_by(
-        self, plan: RebalancePlan, metadata: Sequence[RankMetadata]
-    ) -> tuple[tuple[tuple[int, ...], ...] | None, tuple[tuple[int, ...], ...] | None]:
-        """Every rank's patch counts and temporal steps in the call that runs ``plan``: what its
-        measured ViT time, carried in the gather after it, pays for (``None`` where the cost model
-        is not fitted online)."""
+    def _encoded_by(self, plan: RebalancePlan, frames: list[list[int]]) -> _Encoding:
+        """Every rank's patch counts and temporal steps (``frames``: each rank's images' ``T``) in
+        the call that runs ``plan``: what its measured ViT time, carried in the gather after it,
+        pays for (``None`` where the cost model is not fitted online)."""
         if self._calibrator is None:
             return None, None
-        frames = [[t for t, _, _ in m.grids] for m in metadata]
         arrivals = plan.arrivals_of_every_rank() if plan.applied else None
         counts, steps = (
             tuple(

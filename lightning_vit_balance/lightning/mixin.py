@@ -181,12 +181,7 @@ def _sharded(vit: object) -> bool:
 
 
 #: The Lightning hooks the mixin implements; each must come before LightningModule's in the MRO.
-_MIXIN_HOOKS = (
-    "on_before_batch_transfer",
-    "on_save_checkpoint",
-    "on_load_checkpoint",
-    "teardown",
-)
+_MIXIN_HOOKS = ("on_before_batch_transfer", "on_save_checkpoint", "on_load_checkpoint", "teardown")
 
 
 def _shadowed_hooks(cls: type) -> list[str]:

@@ -791,6 +791,61 @@ def test_validation_on_each_ranks_own_clock_encodes_directly(tmp_path: Path) -> 
         assert len(told) == (1 if rank == 0 else 0), told
 
 
+class UnevenEpochs(ClockedSteps):
+    """Rank r's training loader gives 3 + r batches an epoch (shards of their own, no
+    ``DistributedSampler``), its validation loader a ``DistributedSampler``'s even share: with
+    ``max_steps`` the ranks validate at their own epochs' ends, rank 0 after steps 3 and 6, rank 1
+    after 4 and 8. ``settings``: the Trainer's validation arguments."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        pass
+
+    def train_dataloader(self) -> Any:
+        loader = self._loader()
+        shard = TensorDataset(torch.arange(3.0 + self.global_rank))
+        return DataLoader(shard, collate_fn=loader.collate_fn)
+
+    def val_dataloader(self) -> Any:
+        loader = self._loader()
+        sampler = DistributedSampler(loader.dataset, num_replicas=2, rank=self.global_rank, shuffle=False)
+        return DataLoader(loader.dataset, sampler=sampler, collate_fn=loader.collate_fn)
+
+
+def _uneven_epochs_fit(out: str, **validation: Any) -> tuple[list[tuple[str, bool, int, bool]], list[str]]:
+    with launched_by_torchrun(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = UnevenEpochs()
+        settings = {"logger": False, "callbacks": [], "use_distributed_sampler": False}
+        trainer = quiet_trainer(out, "", strategy="ddp", max_steps=8, **validation, **settings)
+        trainer.fit(module)
+    return module.calls, [str(w.message) for w in caught if "training epochs differ" in str(w.message)]
+
+
+def test_ranks_whose_training_epochs_differ_validate_directly(tmp_path: Path) -> None:
+    """Training loaders of 3 and 4 batches and validation at each epoch's end: rank 0's balanced
+    validation call met rank 1's training step, and the fit failed at the group's timeout. The
+    ranks' epoch lengths are gathered once, at the first training call; such a fit's validation
+    encodes directly (told once, on rank 0, with the lengths), its training and sanity check still
+    balance. Validation every N batches of the fit (``check_val_every_n_epoch=None``) is counted
+    alike on every rank and stays balanced."""
+    with world(2) as w:
+        ranks = w.run(_uneven_epochs_fit, str(tmp_path / "epochs"), timeout=120)
+        counted = w.run(
+            _uneven_epochs_fit, str(tmp_path / "steps"), val_check_interval=3, check_val_every_n_epoch=None
+        )
+    for rank, (calls, told) in enumerate(ranks):
+        assert all(balanced for stage, balanced, *_ in calls if stage in ("train", "sanity")), calls
+        validated = [step for stage, balanced, step, _ in calls if stage == "validate" and not balanced]
+        assert validated == ([3, 3, 6, 6] if rank == 0 else [4, 4, 8, 8]), calls
+        assert all(exact for *_, exact in calls), calls
+        lengths = "the ranks' training epochs differ in length (3, 4 batches, by rank)"
+        assert [message.startswith(lengths) for message in told] == ([True] if rank == 0 else []), told
+    for calls, told in counted:
+        validated = [(step, balanced) for stage, balanced, step, _ in calls if stage == "validate"]
+        assert validated == [(3, True), (3, True), (6, True), (6, True)], calls
+        assert not told and all(exact for *_, exact in calls), calls
+
+
 def test_plans_made_ahead_go_to_the_steps() -> None:
     """A plan made before the step is the step's: a call from another hook of the loop (a sharded
     ViT's, say) leaves it alone; without a Trainer the next call takes it. In evaluation, a module

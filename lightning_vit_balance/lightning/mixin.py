@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import functools
 import itertools
+import math
 import sys
 import warnings
 import weakref
@@ -27,6 +28,7 @@ from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.eager import eager, eager_frame
 from lightning_vit_balance.encoding import parameters_sharded
+from lightning_vit_balance.exchange import gather_host_values
 from lightning_vit_balance.hf import (
     KEPT_STATS,
     BalancedVisionTower,
@@ -122,20 +124,21 @@ def _loop_batch(trainer: Any) -> tuple[int, bool, int] | None:
     return id(progress), bool(getattr(trainer, "sanity_checking", False)), progress.total.completed
 
 
-def _loop_balances(trainer: Any) -> bool:
+def _loop_balances(trainer: Any, epoch_lengths: tuple[int, ...] | None = None) -> bool:
     """Whether the Trainer's running loop makes the same ``encode_images`` calls on every rank.
 
     Training does (DDP needs the same steps on every rank anyway); validation, its sanity check
     and test do when every dataloader of the loop draws evenly (:func:`_draws_evenly`, true for
     Lightning's default sampler), except a fit's validation on each rank's own clock
-    (:func:`_validates_on_own_clock`); predict never does (Lightning's predict sampler does not
-    pad); outside a loop nothing is promised. Without a Trainer, see :func:`_own_loop_balances`.
+    (:func:`_own_clock`; ``epoch_lengths``: every rank's, where gathered); predict
+    never does (Lightning's predict sampler does not pad); outside a loop nothing is promised.
+    Without a Trainer, see :func:`_own_loop_balances`.
     """
     if trainer.training:
         return True
     if not (trainer.sanity_checking or trainer.validating or trainer.testing):
         return False
-    if trainer.validating and _validates_on_own_clock(trainer):
+    if trainer.validating and _own_clock(trainer, epoch_lengths):
         return False
     # The running evaluation loop's own loaders: `trainer.val_dataloaders` would give a previous
     # fit's loaders during `trainer.validate()`.
@@ -144,12 +147,35 @@ def _loop_balances(trainer: Any) -> bool:
     return bool(loaders) and all(_draws_evenly(loader) for loader in loaders)
 
 
-def _validates_on_own_clock(trainer: Any) -> bool:
-    """Whether the fit validates when each rank's own clock says (``val_check_interval`` a time):
-    Lightning decides on every rank apart, so ranks validate after different training batches, and
-    a balanced validation call would wait, until the timeout, for ranks still training."""
-    fitting = trainer.state.fn == TrainerFn.FITTING
-    return fitting and getattr(trainer, "_val_check_time_interval", None) is not None
+def _own_clock(trainer: Any, epoch_lengths: tuple[int, ...] | None) -> str | None:
+    """Why the fit validates at each rank's own moment, None where every rank validates after the
+    same training batch. Lightning decides on every rank apart: by its own clock where
+    ``val_check_interval`` is a time, and by its own epoch's position (its end, a fraction of it,
+    every N of its batches) unless ``check_val_every_n_epoch=None``, which counts the fit's batches
+    alike on every rank. Ranks validating apart make a balanced validation call wait, until the
+    timeout, for ranks still training. ``epoch_lengths``: every rank's training epoch length in
+    batches (:func:`_epoch_lengths`), None where not gathered."""
+    if trainer.state.fn != TrainerFn.FITTING:
+        return None
+    if getattr(trainer, "_val_check_time_interval", None) is not None:
+        return "val_check_interval is a time: Lightning decides on each rank's own clock when to validate"
+    if epoch_lengths and len(set(epoch_lengths)) > 1 and trainer.check_val_every_n_epoch is not None:
+        shown = ", ".join("unknown" if length < 0 else str(length) for length in epoch_lengths[:8])
+        more = ", ..." if len(epoch_lengths) > 8 else ""
+        return (
+            f"the ranks' training epochs differ in length ({shown}{more} batches, by rank), and "
+            "Lightning validates at each rank's own position in its epoch"
+        )
+    return None
+
+
+def _epoch_lengths(trainer: Any, group: Any) -> tuple[int, ...]:
+    """Every rank's training epoch length in batches (-1 for an unknown one), in rank order: one
+    gather over ``group``'s host twin, once per fit, at its first balanced training call or plan
+    (every rank's first training batch: the ranks' later epochs may begin at different steps)."""
+    length = trainer.num_training_batches
+    mine = int(length) if math.isfinite(length) else -1
+    return tuple(int(value) for value in gather_host_values([mine], group)[:, 0])
 
 
 def _some_keys(batch: Mapping[Any, Any]) -> str:
@@ -227,6 +253,9 @@ class _State:
         #: The loop's batch the ticket was made for (see ViTBalanceMixin._vit_balance_keep_ticket).
         self.ticket_batch: tuple[int, bool, int] | None = None
         self.told_own_clock = False
+        #: Every rank's training epoch length, gathered at this fit's first balanced training call
+        #: or plan (None before it): ranks whose epochs differ validate apart (see _own_clock).
+        self.epoch_lengths: tuple[int, ...] | None = None
         #: Whether a plan was ever made ahead, and whether a datamodule's hook that would keep the
         #: module's from making one was looked for (once, at the first step without a plan).
         self.planned_ahead = False
@@ -482,6 +511,7 @@ class ViTBalanceMixin:
         state.fit_key = key
         state.group = group
         state.group_size = size
+        state.epoch_lengths = None
         release_host_group(state.host_group)  # a run that ended without its teardown (an exception)
         state.host_group = owned_host_group(group, state) if group is not None else None
         # Under a Trainer, queue records only for a callback that drains them; without one (Fabric)
@@ -560,29 +590,34 @@ class ViTBalanceMixin:
             return None
         state = self._vit_balance_state_object()
         self._vit_balance_refresh(state)
+        trainer, _ = self._vit_balance_runner()
+        if state.epoch_lengths is None and state.group_size > 1 and trainer is not None and trainer.training:
+            state.epoch_lengths = _epoch_lengths(trainer, gathers_on(state.host_group, state.group))
         return config, state
 
     def _vit_balance_loop_balances(self, vit: object, ahead: bool) -> bool:
         """Whether every rank makes this call of ``vit`` (or, ``ahead``, the step's calls)."""
         trainer, _ = self._vit_balance_runner()
         if trainer is not None:
-            balances = _loop_balances(trainer)
-            if not balances and trainer.validating and _validates_on_own_clock(trainer):
-                self._vit_balance_tell_own_clock()
+            lengths = self._vit_balance_state_object().epoch_lengths
+            balances = _loop_balances(trainer, lengths)
+            cause = _own_clock(trainer, lengths) if not balances and trainer.validating else None
+            if cause is not None:
+                self._vit_balance_tell_own_clock(cause)
             return balances and (ahead or self._vit_balance_in_step() or _sharded(vit))
         training = bool(getattr(self, "training", True))
         return _own_loop_balances(training, bool(self.vit_balance_evaluation), vit)
 
-    def _vit_balance_tell_own_clock(self) -> None:
+    def _vit_balance_tell_own_clock(self, cause: str) -> None:
         state = self._vit_balance_state_object()
         if state.told_own_clock:
             return
         state.told_own_clock = True
         rank_zero_warn(
-            "val_check_interval is a time: Lightning decides on each rank's own clock when to "
-            "validate, so ranks validate after different training batches, and a balanced validation "
-            "call would wait for ranks still training. This fit's validation encodes directly (its "
-            "training still balances); give val_check_interval as a number of batches to balance it.",
+            f"{cause}, so ranks validate after different training batches, and a balanced "
+            "validation call would wait for ranks still training. This fit's validation encodes "
+            "directly (its training still balances); to balance it, validate every N batches of the "
+            "fit: val_check_interval=N with check_val_every_n_epoch=None.",
             category=UserWarning,
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import io
 import pickle
@@ -795,7 +796,7 @@ class UnevenEpochs(ClockedSteps):
     """Rank r's training loader gives 3 + r batches an epoch (shards of their own, no
     ``DistributedSampler``), its validation loader a ``DistributedSampler``'s even share: with
     ``max_steps`` the ranks validate at their own epochs' ends, rank 0 after steps 3 and 6, rank 1
-    after 4 and 8. ``settings``: the Trainer's validation arguments."""
+    after 4 and 8."""
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         pass
@@ -811,10 +812,13 @@ class UnevenEpochs(ClockedSteps):
         return DataLoader(loader.dataset, sampler=sampler, collate_fn=loader.collate_fn)
 
 
-def _uneven_epochs_fit(out: str, **validation: Any) -> tuple[list[tuple[str, bool, int, bool]], list[str]]:
+def _uneven_epochs_fit(
+    out: str, plan_ahead: bool, **validation: Any
+) -> tuple[list[tuple[str, bool, int, bool]], list[str]]:
     with launched_by_torchrun(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         module = UnevenEpochs()
+        module.vit_balance_config = dataclasses.replace(module.vit_balance_config, plan_ahead=plan_ahead)
         settings = {"logger": False, "callbacks": [], "use_distributed_sampler": False}
         trainer = quiet_trainer(out, "", strategy="ddp", max_steps=8, **validation, **settings)
         trainer.fit(module)
@@ -824,14 +828,18 @@ def _uneven_epochs_fit(out: str, **validation: Any) -> tuple[list[tuple[str, boo
 def test_ranks_whose_training_epochs_differ_validate_directly(tmp_path: Path) -> None:
     """Training loaders of 3 and 4 batches and validation at each epoch's end: rank 0's balanced
     validation call met rank 1's training step, and the fit failed at the group's timeout. The
-    ranks' epoch lengths are gathered once, at the first training call; such a fit's validation
+    ranks' epoch lengths are gathered once, at the first training plan or call; such a fit's validation
     encodes directly (told once, on rank 0, with the lengths), its training and sanity check still
     balance. Validation every N batches of the fit (``check_val_every_n_epoch=None``) is counted
-    alike on every rank and stays balanced."""
+    alike on every rank and stays balanced (planned in the calls, the lengths gathered there)."""
     with world(2) as w:
-        ranks = w.run(_uneven_epochs_fit, str(tmp_path / "epochs"), timeout=120)
+        ranks = w.run(_uneven_epochs_fit, str(tmp_path / "epochs"), True, timeout=120)
         counted = w.run(
-            _uneven_epochs_fit, str(tmp_path / "steps"), val_check_interval=3, check_val_every_n_epoch=None
+            _uneven_epochs_fit,
+            str(tmp_path / "steps"),
+            False,
+            val_check_interval=3,
+            check_val_every_n_epoch=None,
         )
     for rank, (calls, told) in enumerate(ranks):
         assert all(balanced for stage, balanced, *_ in calls if stage in ("train", "sanity")), calls

@@ -590,9 +590,6 @@ class ViTBalanceMixin:
             return None
         state = self._vit_balance_state_object()
         self._vit_balance_refresh(state)
-        trainer, _ = self._vit_balance_runner()
-        if state.epoch_lengths is None and state.group_size > 1 and trainer is not None and trainer.training:
-            state.epoch_lengths = _epoch_lengths(trainer, gathers_on(state.host_group, state.group))
         return config, state
 
     def _vit_balance_loop_balances(self, vit: object, ahead: bool) -> bool:
@@ -629,9 +626,13 @@ class ViTBalanceMixin:
         changes. ``layout``: a drop-in tower's (:attr:`BalancedVisionTower.output_layout`), None for
         :meth:`encode_images` and :meth:`encode_visual`, whose ViTs the engine reads."""
         state = self._vit_balance_state_object()
+        host = gathers_on(state.host_group if group is state.group else None, group)
+        trainer, _ = self._vit_balance_runner()
+        if state.epoch_lengths is None and trainer is not None and trainer.training:
+            # Every rank's first balanced training call or plan of the fit: its first training batch.
+            state.epoch_lengths = _epoch_lengths(trainer, host)
         if state.balancer is None or state.balancer_config != config or state.balancer_layout != layout:
             self._vit_balance_refuse_peer_fits(config)
-            host = gathers_on(state.host_group if group is state.group else None, group)
             carried = state.balancer_state()
             state.balancer = ViTBalancer(
                 config, group, report=rank_zero_info, host_group=host, output_layout=layout

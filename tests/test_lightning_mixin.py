@@ -649,13 +649,23 @@ class PlanningData(L.LightningDataModule):
 
 
 class ExampleOnRankZero(L.Callback):
-    """Runs the batch hooks on an example batch, on rank 0 alone, when training ends: what an export
-    (``to_onnx``, ``to_torchscript``) or a logger's ``log_graph`` does there."""
+    """Runs the batch hooks on an example batch, on rank 0 alone, after a training batch (within the
+    loop's method) and when training ends: what an export (``to_onnx``, ``to_torchscript``) or a
+    logger's ``log_graph`` does there."""
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: PlannedSteps) -> None:
+    def _example(self, trainer: L.Trainer, pl_module: PlannedSteps) -> None:
         if trainer.is_global_zero:
             pixel_values, grid = _images(2, seed=0)
-            pl_module._on_before_batch_transfer({"pixel_values": pixel_values, "image_grid_thw": grid})
+            example = pl_module._on_before_batch_transfer(
+                {"pixel_values": pixel_values, "image_grid_thw": grid}
+            )
+            pl_module._apply_batch_transfer_handler(example)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: PlannedSteps, *args: Any) -> None:
+        self._example(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: PlannedSteps) -> None:
+        self._example(trainer, pl_module)
 
 
 def _planned_fit(out: str, kind: str = "planned") -> tuple[list[tuple[str, bool, int, bool]], list[str]]:
@@ -684,8 +694,8 @@ def test_plan_ahead_plans_the_validation_steps_too(tmp_path: Path) -> None:
     call takes the plan made before the forward (3 collectives: no metadata gather) and returns
     the direct call's outputs. So does a plan a datamodule's own ``on_before_batch_transfer`` asks
     for (Lightning runs it instead of the module's); one that does not ask is told of, once. The
-    batch hooks run outside the loops, on rank 0 alone (an export when training ends), plan nothing:
-    rank 0 waited alone in the gather of a plan."""
+    batch hooks run on an example input, on rank 0 alone (an export after a training batch, and when
+    training ends), plan nothing: rank 0 waited alone in the gather of a plan."""
     with world(2) as w:
         ranks = w.run(_planned_fit, str(tmp_path), timeout=120)
         ranks += w.run(_planned_fit, str(tmp_path / "datamodule"), "datamodule", timeout=120)

@@ -12,7 +12,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -80,15 +80,26 @@ def _draws_evenly(loader: object) -> bool:
 _STEP_HOOKS = frozenset({"training_step", "validation_step", "test_step"})
 
 
-@functools.cache
-def _loop_batch_codes() -> frozenset[Any] | None:
+class _BatchCodes(NamedTuple):
     """The code of Lightning's loop methods that move a batch to the device through the batch hooks
-    and run its step (training, evaluation); None where this Lightning has other ones."""
+    and run its step (training, evaluation), and of the module's methods that run those hooks (the
+    loops call them, and so do exports on an example input)."""
+
+    loops: frozenset[Any]
+    transfers: frozenset[Any]
+
+
+@functools.cache
+def _loop_batch_codes() -> _BatchCodes | None:
+    """See :class:`_BatchCodes`; None where this Lightning has other methods."""
     try:
+        from lightning.pytorch.core.module import LightningModule
         from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
         from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
-        return frozenset({_TrainingEpochLoop.advance.__code__, _EvaluationLoop._evaluation_step.__code__})
+        loops = {_TrainingEpochLoop.advance.__code__, _EvaluationLoop._evaluation_step.__code__}
+        hooks = (LightningModule._on_before_batch_transfer, LightningModule._apply_batch_transfer_handler)
+        return _BatchCodes(frozenset(loops), frozenset(hook.__code__ for hook in hooks))
     except (ImportError, AttributeError):
         return None
 
@@ -97,7 +108,8 @@ def _moving_a_loop_batch(depth: int = 64) -> bool:
     """Whether a Lightning loop's batch runs the hook running now (its transfer, its step): Lightning
     also calls the batch hooks outside its loops, on an example input (``to_onnx``,
     ``to_torchscript``, a logger's ``log_graph``, the model summary), on rank 0 alone where it
-    exports or logs there. True where the loops' methods are unknown (as before this check)."""
+    exports or logs there, from a callback's batch-end hook too, within the loop's method: the
+    batch hooks' caller tells. True where the loops' methods are unknown (as before this check)."""
     codes = _loop_batch_codes()
     if codes is None:
         return True
@@ -105,9 +117,17 @@ def _moving_a_loop_batch(depth: int = 64) -> bool:
     for _ in range(depth):
         if frame is None:
             return False
-        if frame.f_code in codes:
+        if frame.f_code in codes.loops:
             return True
-        frame = frame.f_back
+        caller = frame.f_back
+        if frame.f_code in codes.transfers and caller is not None:
+            # The loops run the first hook themselves and the second through their strategy's
+            # batch_to_device; an export runs both itself.
+            if caller.f_code in codes.loops:
+                return True
+            if caller.f_code.co_name != "batch_to_device":
+                return False
+        frame = caller
     return False
 
 

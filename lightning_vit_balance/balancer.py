@@ -530,7 +530,7 @@ class ViTBalancer:
             host=self._host(),
         )
         metadata, reference = self._gather(call, pixel_values, grid_thw, check_device=False)
-        plan, (encoded_counts, encoded_frames) = self._plan(call, metadata)
+        plan, (encoded_counts, encoded_frames) = self._plan(call, metadata, remember=False)
         # The plan's routes, trips and return layout too, so that its call only looks them up.
         started = time.perf_counter()
         self._routes.warm(plan, call.rank, homes=(True, False) if self.config.overlap_pixel_trip else (True,))
@@ -595,8 +595,12 @@ class ViTBalancer:
             # Prepared without this ViT: every rank holds every rank's rows, so all raise alike here.
             raise_for_merge(prepared.metadata, call.merge, steps=self.config.split_videos)
         if not in_backward_pass():
-            # What this call's measured time pays for, whenever the plan was made.
+            # What this call's measured time pays for, whenever the plan was made; and its plan, for
+            # its recomputation, as built in this call's grad mode (a call under no_grad, a frozen
+            # teacher's, builds no graph that a recomputation could come from).
             self._encoded_counts, self._encoded_frames = prepared.encoded_counts, prepared.encoded_frames
+            if self._calibrator is not None:
+                self._plan_memory.remember(prepared.metadata, prepared.plan)
         problem = prepared.mismatch(pixel_values, grid_thw) or _device_mismatch(call, pixel_values)
         given_grid = grid_thw
         if problem is not None and not isinstance(grid_thw, torch.Tensor):
@@ -845,9 +849,12 @@ class ViTBalancer:
         dtype = DTYPES[code] if code >= 0 else pixel_values.dtype
         return metadata, _Reference(metadata[ref].channels, dtype, differentiable)
 
-    def _plan(self, call: _Call, metadata: Sequence[RankMetadata]) -> tuple[RebalancePlan, _Encoding]:
+    def _plan(
+        self, call: _Call, metadata: Sequence[RankMetadata], remember: bool = True
+    ) -> tuple[RebalancePlan, _Encoding]:
         """The plan of ``metadata``, and what every rank encodes in the call that runs it (see
-        :meth:`_encoded_by`)."""
+        :meth:`_encoded_by`). ``remember``: for its call's recomputation, in the call's grad mode
+        (a plan made ahead is remembered when its call runs, see :meth:`_balanced_prepared`)."""
         started = time.perf_counter()
         if self._calibrator is not None and in_backward_pass():
             # Activation checkpointing's recomputation: the forward's plan, whatever was fitted
@@ -857,7 +864,7 @@ class ViTBalancer:
             return plan, (None, None)
         frames = [[t for t, _, _ in m.grids] for m in metadata]
         plan = self._planned(metadata, frames, self._calibrated(metadata))
-        if self._calibrator is not None:
+        if self._calibrator is not None and remember:
             self._plan_memory.remember(metadata, plan)
         # The gather carried the previous call's time: read once (the next gather, made ahead of
         # this plan's call or not, must not carry it again).

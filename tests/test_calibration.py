@@ -13,7 +13,7 @@ import towers
 from multirank import subgroup
 from torch.utils.checkpoint import checkpoint
 
-from lightning_vit_balance import ViTBalanceConfig, ViTBalancer
+from lightning_vit_balance import ViTBalanceConfig, ViTBalancer, plan_rebalance
 
 POOL = 4
 RANKS = 3
@@ -171,6 +171,57 @@ def test_a_measured_time_is_fitted_with_the_images_its_call_encoded(
     assert all(r == results[0] for r in results), results
     # Each prepare n + 1 (n >= 1) carries the time of call n - 1: the calls before the last one.
     assert observed == encoded[: len(observed)] and len(observed) == len(encoded) - 1, results[0]
+
+
+def _teacher_planned_ahead_then_checkpointed_student() -> list[tuple[bool, bool]] | None:
+    """Two calls of one calibrating balancer on the same images each step: a frozen teacher's under
+    ``no_grad`` on a plan made ahead, then a student's under non-reentrant checkpointing. The
+    teacher's plans are made to differ from the student's (skipped; the student's applied), as the
+    cost fit refitted between the two calls can make them. Per step: whether the teacher's plan and
+    the student's were applied."""
+    setup = _calibrating()
+    if setup is None:
+        return None
+    rank, tower, balancer = setup
+    student = towers.TensorTower(dim=8)
+    planned, skipping = balancer._planned, [False]
+
+    def planned_for(metadata: Any, frames: Any, cost_model: Any) -> Any:
+        if skipping[0]:
+            return plan_rebalance([m.patch_counts for m in metadata], ViTBalanceConfig(trigger_threshold=5.0))
+        return planned(metadata, frames, cost_model)
+
+    balancer._planned = planned_for  # type: ignore[method-assign]
+    applied = []
+    for step in range(3):
+        pixels, grid = towers.make_batch([(1, 4, 2 + 2 * rank)] * (1 + 2 * rank), seed=step)
+        skipping[0] = True
+        ticket = balancer.prepare(pixels, grid, tower)
+        skipping[0] = False
+        assert ticket is not None
+        with torch.no_grad():
+            balancer(tower, pixels, grid, prepared=ticket)
+        rows = pixels.clone().requires_grad_(True)
+        out = checkpoint(functools.partial(balancer, student, grid_thw=grid), rows, use_reentrant=False)
+        out.pow(2).sum().backward()  # the recomputation recalls the student's plan
+        stats = balancer.last_stats
+        assert stats is not None
+        applied.append((ticket.plan.applied, stats.applied))
+        reference = pixels.clone().requires_grad_(True)
+        student(reference, grid).pow(2).sum().backward()
+        # Same ops on the same rows in batches of other sizes: fp32 agrees to a few ulps.
+        torch.testing.assert_close(rows.grad, reference.grad, rtol=1e-4, atol=1e-5)
+    return applied
+
+
+def test_a_recomputation_recalls_its_calls_plan_past_a_frozen_call_planned_ahead(multirank: Any) -> None:
+    """A plan made ahead was remembered for recomputation in the grad mode of ``prepare``: a frozen
+    teacher's call under ``no_grad`` then counted as one that built a graph, and the student's
+    recomputation of the same images, planned otherwise, raised on every rank that it could not
+    tell which plan was its own. A plan made ahead is remembered when its call runs."""
+    with multirank(POOL) as w:
+        results = w.run(_teacher_planned_ahead_then_checkpointed_student)[:RANKS]
+    assert all(r == [(False, True)] * 3 for r in results), results
 
 
 def _state_loaded_on_one_rank() -> list[str]:

@@ -1141,13 +1141,19 @@ class _Route(NamedTuple):
     finish: Callable[[Any], Any] | None = None
 
 
-@dataclass(frozen=True)
 class _HostGrids:
     """A batch's grids as its collator made them, under :data:`GRIDS_KEY`: ``(grid key, value)``
-    pairs. No tensor and no ``to`` method, so accelerate and the ``Trainer``, which move a batch's
-    tensors to the device, pass it on as it is, on the host."""
+    pairs. Neither a tensor, a collection nor a dataclass, and no ``to`` method, so what moves a
+    batch's tensors to the device (accelerate, the ``Trainer``, Lightning's and Fabric's
+    ``apply_to_collection``, which rebuilds dataclasses) passes it on as it is, on the host."""
 
-    grids: tuple[tuple[str, Any], ...]
+    __slots__ = ("grids",)
+
+    def __init__(self, grids: tuple[tuple[str, Any], ...]) -> None:
+        self.grids = grids
+
+    def __repr__(self) -> str:
+        return f"_HostGrids({self.grids!r})"
 
 
 class _GridsOnHost:
@@ -1747,6 +1753,10 @@ class BalancedVisionTower:
         balanced and no plan is waiting already; a plan it leaves untaken is dropped with it. Not in
         a recomputation (activation checkpointing), which plans as its forward call did."""
         if self._ticket is not None or in_backward_pass() or not self._balances(kwargs):
+            return _Route(forward, args, kwargs)
+        if self.settings() is None:
+            # This forward is direct (a LightningModule's hook on one rank, logging samples): a
+            # plan here would be a gather on this rank alone.
             return _Route(forward, args, kwargs)
         view = {pixels: kwargs.get(pixels) for pixels, _ in _PREPARE_KEYS}
         ticket = self.prepare({**view, **dict(grids.grids)})

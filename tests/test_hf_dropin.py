@@ -2113,6 +2113,50 @@ def test_lightning_ddp_fit_without_find_unused_parameters(
         assert any(float(r["vit_balance/applied"]) for r in rows), rows
 
 
+class HFCollated(HFFinetune):
+    """:class:`HFFinetune` whose batches come from the drop-in's collator
+    (``handle.plan_ahead(collate)``): each forward plans from the grids it carries."""
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        batches = [fit_batch(step, self.global_rank, self.family) for step in range(FIT_STEPS)]
+        collate = self._vit_balance_towers[0].plan_ahead(_first)
+        return torch.utils.data.DataLoader(batches, batch_size=1, collate_fn=collate)
+
+
+class SamplesOnRankZero(L.Callback):
+    """Runs the model on the training batch on rank 0 alone after each step (logging samples)."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: HFFinetune, *args: Any) -> None:
+        if trainer.is_global_zero:
+            with torch.no_grad():
+                pl_module.model(**args[1])
+
+
+def _collated_fit(out_dir: str) -> None:
+    module = HFCollated(out_dir, balanced=True)
+    with launched_by_torchrun():
+        trainer = quiet_trainer(out_dir, "fit", devices=FIT_RANKS, max_steps=FIT_STEPS, strategy="ddp")
+        trainer.callbacks.append(SamplesOnRankZero())
+        trainer.fit(module)
+
+
+@pytest.mark.timeout(240)
+def test_the_plan_ahead_collator_under_a_lightning_fit(tmp_path: Path, multirank: Any) -> None:
+    """The drop-in's collator in a Lightning fit: Lightning's device move refused the batch (its
+    grids were a frozen dataclass, which ``apply_to_collection`` rebuilds), and a forward on rank
+    0 alone in a callback (sample logging, direct as any hook's call) planned from the grids its
+    batch carries: a gather on rank 0 alone. The fit gives the plain model's losses."""
+    with multirank(FIT_RANKS) as pool:
+        pool.run(_collated_fit, str(tmp_path), timeout=200)
+    expected = _reference(tiny_model(FIT_FAMILY))
+    for rank in range(FIT_RANKS):
+        losses = json.loads((tmp_path / f"losses_rank_{rank}.json").read_text())
+        torch.testing.assert_close(torch.tensor(losses), expected[rank], **TOL)
+    with open(tmp_path / "fit" / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("vit_balance/calls")]
+    assert [float(r["vit_balance/calls"]) for r in rows] == [1.0] * FIT_STEPS  # the hook's: direct
+
+
 class HFValidated(HFFinetune):
     """:class:`HFFinetune` with ``plan_ahead``, validating on a ``DistributedSampler`` loader of the
     fit's batches (each rank collates its own): each validation step notes its loss, whether its

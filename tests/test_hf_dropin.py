@@ -2502,6 +2502,37 @@ def test_handle_state_round_trips_and_refuses_a_fit_of_other_terms() -> None:
     assert plain.state_dict() == {}
 
 
+def test_trainer_callback_counts_a_fresh_run_from_zero() -> None:
+    """One callback for several runs (a hyperparameter search's trials reuse theirs): a fresh run's
+    ``TrainerState`` holds the callback's own counts of a moment ago, and the second run logged
+    ``calls_total`` 3, 4 after the first's 1, 2. A resumed run (its state at a step) counts on."""
+    from test_metrics import APPLIED
+    from transformers import TrainerState
+    from transformers.trainer_callback import TrainerControl
+
+    model = tiny_model(FIT_FAMILY)
+    handle = balance_vision_tower(model)
+    queued: list[Any] = []
+    handle.pop_stats = lambda: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
+    callback, control = ViTBalanceTrainerCallback(), TrainerControl()
+    totals = []
+    for resumed_at in (0, 0, 2):
+        # As the Trainer builds it: a fresh state snapshots its stateful callbacks; a resumed one
+        # is read from the checkpoint, at its step.
+        state = TrainerState(stateful_callbacks=[callback])
+        state.global_step = resumed_at
+        callback.on_train_begin(None, state, control, model=model)  # type: ignore[arg-type]
+        for _ in range(2):
+            callback.on_step_begin(None, state, control)  # type: ignore[arg-type]
+            queued.append(APPLIED)
+            callback.on_step_end(None, state, control)  # type: ignore[arg-type]
+            state.global_step += 1
+            logs = {"loss": 1.0}
+            callback.on_log(None, state, control, logs=logs)  # type: ignore[arg-type]
+            totals.append(logs["vit_balance/calls_total"])
+    assert totals == [1.0, 2.0, 1.0, 2.0, 3.0, 4.0], totals
+
+
 def test_trainer_callback_logs_every_forward_of_a_step_in_training_logs_only() -> None:
     """Each optimizer step's forwards (every micro-batch of gradient accumulation) go into the
     next training log; forwards between steps (evaluation) and logs without ``loss`` (evaluation,

@@ -2157,6 +2157,42 @@ def test_the_plan_ahead_collator_under_a_lightning_fit(tmp_path: Path, multirank
     assert [float(r["vit_balance/calls"]) for r in rows] == [1.0] * FIT_STEPS  # the hook's: direct
 
 
+class HFDistilled(HFFinetune):
+    """:class:`HFFinetune` with ``plan_ahead`` and a frozen bf16 teacher, also balanced, whose
+    forward comes first in each step (its logits unused: the losses stay the plain model's)."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__(out_dir, balanced=True, plan_ahead=True)
+        self.teacher = tiny_model(FIT_FAMILY).to(torch.bfloat16).requires_grad_(False)
+        self.balance_vision_tower(self.teacher)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        with torch.no_grad():
+            self.teacher(**batch)
+        return super().training_step(batch, batch_idx)
+
+
+def _distilled_fit(out_dir: str) -> None:
+    module = HFDistilled(out_dir)
+    with launched_by_torchrun():
+        trainer = quiet_trainer(out_dir, "fit", devices=FIT_RANKS, max_steps=FIT_STEPS, strategy="ddp")
+        trainer.fit(module)
+
+
+@pytest.mark.timeout(240)
+def test_plans_made_ahead_with_towers_of_two_dtypes(tmp_path: Path, multirank: Any) -> None:
+    """Towers of different dtypes plan the batch's own rows (float32 here); the bf16 teacher's
+    call, first in the step, took that plan and every rank raised that its pixel rows were bf16.
+    A plan made for rows of another dtype is left to the tower of that dtype; the teacher plans
+    in its call. The student's losses are the plain model's."""
+    with multirank(FIT_RANKS) as pool:
+        pool.run(_distilled_fit, str(tmp_path), timeout=200)
+    expected = _reference(tiny_model(FIT_FAMILY))
+    for rank in range(FIT_RANKS):
+        losses = json.loads((tmp_path / f"losses_rank_{rank}.json").read_text())
+        torch.testing.assert_close(torch.tensor(losses), expected[rank], **TOL)
+
+
 class HFValidated(HFFinetune):
     """:class:`HFFinetune` with ``plan_ahead``, validating on a ``DistributedSampler`` loader of the
     fit's batches (each rank collates its own): each validation step notes its loss, whether its

@@ -368,7 +368,14 @@ class _ModuleTowerBalance(BalancedVisionTower):
         self.module._vit_balance_keep_direct(self.tower, parts, self._default_config() if own else None)
 
     def prepared_plan(self) -> PreparedPlan | None:
-        return self.module._vit_balance_take_ticket()
+        ticket = self.module._vit_balance_take_ticket()
+        if ticket is not None and ticket.holds_images and ticket.dtype != self.pixel_dtype:
+            # Made for rows of another dtype: towers of several dtypes plan the batch's own rows,
+            # for a tower of the batch's dtype. Kept for that tower's call; this one plans in its
+            # call (the same towers on every rank: all decide alike).
+            self.module._vit_balance_state_object().ticket = ticket
+            return None
+        return ticket
 
     def _layout_balancer(
         self, config: ViTBalanceConfig, group: Any, layout: OutputLayout | None

@@ -518,17 +518,9 @@ class ViTBalancer:
         Raises:
             ValueError: On every rank, for invalid input or settings on any rank.
         """
-        if not self.config.enabled or not dist.is_available() or not dist.is_initialized():
+        call = self._call_before_forward(vit)
+        if call is None:
             return None
-        if dist.get_world_size(self.group) == 1:
-            return None
-        call = _Call(
-            group=self.group,
-            rank=dist.get_rank(self.group),
-            merge=merge_size_of(vit, self.output_layout) if vit is not None else 1,
-            device=collective_device(self.group, torch.device("cpu")),
-            host=self._host(),
-        )
         metadata, reference = self._gather(call, pixel_values, grid_thw, check_device=False)
         plan, (encoded_counts, encoded_frames) = self._plan(call, metadata, remember=False)
         # The plan's routes, trips and return layout too, so that its call only looks them up.
@@ -549,6 +541,44 @@ class ViTBalancer:
             grid_gcd=grid_gcd(metadata),
             encoded_counts=encoded_counts,
             encoded_frames=encoded_frames,
+        )
+
+    def check_pending(self) -> None:
+        """Report now what the latest calls given a prepared plan left for the next call's gather.
+
+        A call given a prepared plan compares its grid values with the plan's on their device
+        (read a call later, so that the forward never waits for the device), and a call the plan
+        skipped whose input did not match it encodes its own batch and warns on its rank: the next
+        gather tells every rank. Where no balanced call follows (the end of a loop), call this on
+        every rank of the group instead: one small gather, after waiting for the comparisons still
+        running. The Lightning mixin does it when a run ends, ``ViTBalanceTrainerCallback`` when
+        training ends. Nothing to do (no collective) where calls are not balanced: disabled, no
+        process group, one rank.
+
+        Raises:
+            ValueError: On every rank, when a rank's earlier call did not match its prepared plan.
+        """
+        call = self._call_before_forward(None)
+        if call is None:
+            return
+        self._grid_checks.wait()
+        # No rows: only what the earlier calls left, and the settings, go into the gather; the last
+        # call's measured time stays for the next call's gather (read, not consumed).
+        self._gather(call, torch.empty((0, 1)), torch.empty((0, 3), dtype=torch.long), check_device=False)
+
+    def _call_before_forward(self, vit: Any) -> _Call | None:
+        """The call :meth:`prepare` and :meth:`check_pending` gather in (on the host group, merge 1
+        without ``vit``), or None where calls are not balanced."""
+        if not self.config.enabled or not dist.is_available() or not dist.is_initialized():
+            return None
+        if dist.get_world_size(self.group) == 1:
+            return None
+        return _Call(
+            group=self.group,
+            rank=dist.get_rank(self.group),
+            merge=merge_size_of(vit, self.output_layout) if vit is not None else 1,
+            device=collective_device(self.group, torch.device("cpu")),
+            host=self._host(),
         )
 
     def _call_grids(self, grid_thw: Any, planned: RankMetadata) -> tuple[tuple[int, int, int], ...] | None:

@@ -1458,6 +1458,8 @@ class BalancedVisionTower:
         self._pending: _Pending | None = None
         self._encoding = False
         self._ticket: PreparedPlan | None = None
+        #: Whether this handle's balancer made a plan ahead since the run began (see check_pending).
+        self._planned_ahead = False
         #: The rows of the :attr:`step_grid_keys` grids of the batch :attr:`_ticket` was prepared for,
         #: read on the host: the per-step grid is indexed from them (:meth:`_tower_grid`).
         self._ticket_rows: dict[str, tuple[Grid, ...]] | None = None
@@ -1590,6 +1592,7 @@ class BalancedVisionTower:
         pixels, grid = rows_to_plan(batch, _PREPARE_KEYS, (self,))
         try:
             self._ticket = self._balancer_for(*settings).prepare(pixels, grid, self.tower)
+            self._planned_ahead = True
         except ValueError as err:
             mine = self._pixel_problems(batch)
             if not mine:
@@ -1687,10 +1690,24 @@ class BalancedVisionTower:
         collective. Forwards after it are kept for :meth:`pop_stats` again from its next call."""
         if self._balancer is not None:
             self._carried = self._balancer.state_dict()
-        self._balancer, self._balancer_key = None, None
+        self._balancer, self._balancer_key, self._planned_ahead = None, None, False
         release_host_group(self._twin)
         self._twin, self._twin_of = None, None
         self._kept = None  # the run's reader is done (kept again from its next pop_stats)
+
+    def check_pending(self) -> None:
+        """Report what the last forwards given a plan made ahead (:meth:`prepare`, the
+        :meth:`plan_ahead` collator) left for the next forward's gather: a grid compared on the
+        device that differed from its plan's (see :meth:`ViTBalancer.check_pending`). Collective:
+        call it on every rank where no balanced forward follows (the end of a loop that plans
+        ahead); ``ViTBalanceTrainerCallback`` calls it when training ends. Nothing to do where
+        this handle made no plan ahead (a LightningModule's handle: the module reports).
+
+        Raises:
+            ValueError: On every rank, when a rank's forward did not match the plan made for it.
+        """
+        if self._planned_ahead and self._balancer is not None:
+            self._balancer.check_pending()
 
     def remove(self) -> None:
         """Undo :func:`balance_vision_tower`: the patched instance attributes go (or the ones found

@@ -123,7 +123,10 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self._handle is not None:
-            self._handle.release()  # the gloo twin: a process running trial after trial holds none
+            try:
+                self._handle.check_pending()  # the last step's forward: no later gather reads it
+            finally:
+                self._handle.release()  # the gloo twin: a process running trial after trial holds none
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

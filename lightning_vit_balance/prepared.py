@@ -186,6 +186,13 @@ class DeviceGridChecks:
         done.record()
         self._pending.append((on_host, done))
 
+    def wait(self) -> None:
+        """Wait for the comparisons still running on their device (at the end of a loop, where
+        no later call would read them)."""
+        for _, done in self._pending:
+            if done is not None:
+                done.synchronize()
+
     def differed(self) -> bool:
         """Whether a comparison that has finished found other values. Each finished one is read once
         and forgotten; those still running stay for a later call."""

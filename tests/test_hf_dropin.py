@@ -2617,7 +2617,8 @@ def test_trainer_callback_goes_on_from_the_resumed_state_or_says_why_not() -> No
     def resumed(state: dict[str, Any], metric_counts: Any = counts) -> Any:
         attributes = {"balancer_state": state, "metric_counts": metric_counts}
         saved = {"args": {"log_per_rank_loads": True}, "attributes": json.loads(json.dumps(attributes))}
-        return TrainerState(stateful_callbacks={"ViTBalanceTrainerCallback": saved})
+        # A checkpoint's state, read back at its step.
+        return TrainerState(stateful_callbacks={"ViTBalanceTrainerCallback": saved}, global_step=5)
 
     callback.on_train_begin(None, resumed(_calibrator_state()), None, model=model)  # type: ignore[arg-type]
     assert handle.state_dict() == _calibrator_state()

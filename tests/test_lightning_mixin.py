@@ -25,6 +25,7 @@ from multirank import launched_by_torchrun, world
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 from towers import CHANNELS, TensorTower
 
+import lightning_vit_balance.prepared as prepared_module
 from lightning_vit_balance import ViTBalanceCallback, ViTBalanceConfig, ViTBalanceMixin, ViTBalancer
 from lightning_vit_balance.lightning.mixin import _loop_balances
 
@@ -862,6 +863,40 @@ def test_ranks_whose_training_epochs_differ_validate_directly(tmp_path: Path) ->
         validated = [(step, balanced) for stage, balanced, step, _ in calls if stage == "validate"]
         assert validated == [(3, True), (3, True), (6, True), (6, True)], calls
         assert not told and all(exact for *_, exact in calls), calls
+
+
+class LastBatchReordered(PlannedSteps):
+    """Test steps of plans made ahead; the last one on rank 0 passes its grid rows reordered (same
+    shape, other values), as read on a device: compared there, and read at the next gather."""
+
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1 and self.global_rank == 0:
+            batch = {**batch, "image_grid_thw": batch["image_grid_thw"].roll(1, 0)}
+        return self._step(batch, batch_idx)
+
+    def test_dataloader(self) -> Any:
+        return self._loader()
+
+
+def _reordered_last_test_batch(out: str) -> str:
+    with launched_by_torchrun(), mock.patch.object(prepared_module, "_read_on_host", lambda tensor: False):
+        trainer = quiet_trainer(
+            out, "", strategy="ddp", logger=False, callbacks=[], use_distributed_sampler=True
+        )
+        try:
+            trainer.test(LastBatchReordered())
+        except ValueError as error:
+            return str(error)
+    return "no error"
+
+
+def test_a_run_reports_its_last_calls_mismatch_when_it_ends(tmp_path: Path) -> None:
+    """A grid compared on the device is read at the next gather; after a run's last call there is
+    none, and ``trainer.test`` returned rank 0's last outputs for other images than its own, with
+    no error. The mixin reports such a mismatch when the run ends, on every rank."""
+    with world(2) as w:
+        ranks = w.run(_reordered_last_test_batch, str(tmp_path), timeout=120)
+    assert all("rank 0: an earlier call given a prepared plan passed a grid_thw" in r for r in ranks), ranks
 
 
 def test_plans_made_ahead_go_to_the_steps() -> None:

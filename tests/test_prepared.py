@@ -220,15 +220,25 @@ def _values_compared_on_the_device() -> dict[str, Any] | None:
             found = "no error"
         except ValueError as error:
             found = str(error)
-    # Read once and forgotten: the next call works.
-    torch.testing.assert_close(balancer(tower, pixels, grid), tower(pixels, grid), rtol=1e-4, atol=1e-5)
-    return {"found": found}
+        # Read once and forgotten: the next call works.
+        torch.testing.assert_close(balancer(tower, pixels, grid), tower(pixels, grid), rtol=1e-4, atol=1e-5)
+        # A loop's last call: no next gather reads it, check_pending does.
+        balancer(tower, pixels, swapped, prepared=balancer.prepare(pixels, grid, tower))
+        try:
+            balancer.check_pending()
+            last = "no error"
+        except ValueError as error:
+            last = str(error)
+        balancer.check_pending()  # nothing left
+    return {"found": found, "last": last}
 
 
 def test_grid_values_compared_on_the_device_fail_every_rank_at_the_next_gather(multirank: Any) -> None:
+    """...and, after a loop's last call, at :meth:`ViTBalancer.check_pending` (no next gather reads
+    them: the last batch of a test run returned other outputs silently)."""
     with multirank(POOL) as w:
         results = w.run(_values_compared_on_the_device)[:3]
-    messages = {r["found"] for r in results}
+    messages = {r["found"] for r in results} | {r["last"] for r in results}
     assert len(messages) == 1, results
     message = messages.pop()
     assert "rank 1: an earlier call given a prepared plan" in message and "rank 0" not in message, message

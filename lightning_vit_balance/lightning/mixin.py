@@ -815,7 +815,8 @@ class ViTBalanceMixin:
         module_state.carried, module_state.balancer = carried, None
 
     def teardown(self, stage: str) -> None:
-        """At the end of a fit, validate, test or predict run: let go of that run's process groups.
+        """At the end of a fit, validate, test or predict run: report what its last calls left to
+        report (:meth:`check_vit_balance_pending`) and let go of that run's process groups.
 
         The balancer and the groups it holds belong to one run of processes (the next run makes
         its own). Holding them past the run kept the gloo process group alive until the interpreter
@@ -825,10 +826,27 @@ class ViTBalanceMixin:
         """
         state = self.__dict__.get("_vit_balance_state")
         if state is not None:
-            state.release()
+            try:
+                self.check_vit_balance_pending()  # Lightning tears down after a run every rank ended
+            finally:
+                state.release()
         parent = getattr(super(), "teardown", None)
         if parent is not None:
             parent(stage)
+
+    def check_vit_balance_pending(self) -> None:
+        """Where plans were made ahead, report what the run's last balanced calls left for a next
+        call's gather (see :meth:`ViTBalancer.check_pending`): a call whose grid values, compared on
+        the device, differed from its plan's. Collective: call it on every rank at the end of a loop
+        that plans ahead without a Trainer (Fabric); under a Trainer the mixin calls it when a run
+        ends. Nothing to do where no plan was made ahead.
+
+        Raises:
+            ValueError: On every rank, when a rank's call did not match the plan made for it.
+        """
+        state = self._vit_balance_state_object()
+        if state.planned_ahead and state.balancer is not None:
+            state.balancer.check_pending()
 
     #: Without a Trainer (Fabric, or ``vit_balance_group`` set on a plain module): balance calls
     #: made with the module in eval mode too. Set it when every rank makes the same evaluation

@@ -1338,7 +1338,10 @@ _OUT_OF_STEP = (
     "one rank), started a validation after other training batches than the rest (Lightning "
     "validates at each rank's own epoch position: training loaders of different lengths per rank; "
     "validate every N batches of the fit instead, val_check_interval=N with "
-    "check_val_every_n_epoch=None), or stopped (look for a rank that raised first)"
+    "check_val_every_n_epoch=None), ran more evaluation batches than the rest (a DistributedSampler "
+    "over a dataset of another length on each rank: give every rank the same dataset, or no "
+    "DistributedSampler, which the Lightning mixin encodes directly), or stopped (look for a rank "
+    "that raised first)"
 )
 
 

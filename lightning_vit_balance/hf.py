@@ -1588,7 +1588,7 @@ class BalancedVisionTower:
         settings = self.settings()
         if settings is None:
             return None
-        self._ticket_rows = _host_grid_rows(batch, self.step_grid_keys)
+        self._keep_host_rows(batch)
         pixels, grid = rows_to_plan(batch, _PREPARE_KEYS, (self,))
         try:
             self._ticket = self._balancer_for(*settings).prepare(pixels, grid, self.tower)
@@ -1599,6 +1599,12 @@ class BalancedVisionTower:
                 raise
             raise ValueError(f"{err} On this rank: {'; '.join(mine)}.") from err
         return self._ticket
+
+    def _keep_host_rows(self, batch: Any) -> None:
+        """Keep the rows of ``batch``'s :attr:`step_grid_keys` grids as read on the host, for the
+        next forward given a plan made ahead from ``batch`` (here, or by a LightningModule for its
+        towers): its per-step grid is then indexed from them, not read from the device."""
+        self._ticket_rows = _host_grid_rows(batch, self.step_grid_keys)
 
     def _pixel_problems(self, batch: Any) -> list[str]:
         """This rank's pixel rows that are not the patch images the tower takes (none for a tower

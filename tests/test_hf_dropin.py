@@ -77,7 +77,7 @@ from lightning_vit_balance import (
     hf,
 )
 from lightning_vit_balance.exchange import grid_steps
-from lightning_vit_balance.hf import rows_to_plan
+from lightning_vit_balance.hf import _host_grid_rows, rows_to_plan
 from lightning_vit_balance.outputs import OutputLayout, flatten_output
 
 RANKS = 3
@@ -1976,6 +1976,11 @@ class HFFinetune(ViTBalanceMixin, L.LightningModule):
         self.losses: list[float] = []
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        if self.vit_balance_config.plan_ahead:
+            for tower in self._vit_balance_towers:
+                # The rows a plan made ahead read on the host: the forward's step grids (GLM-4.xV)
+                # are indexed from them, not read on the device (nor from an earlier batch's).
+                assert tower._ticket_rows == _host_grid_rows(batch, tower.step_grid_keys)
         loss = self.model(**batch).loss
         self.losses.append(float(loss.detach()))
         return loss

@@ -913,6 +913,8 @@ class ViTBalanceMixin:
         layouts = [tower.output_layout for tower in towers]
         layout = layouts[0] if layouts and all(found == layouts[0] for found in layouts) else None
         ticket = self._vit_balance_balancer(*settings, layout).prepare(pixels, grid)
+        for tower in towers:  # their step grids (GLM-4.xV) from these rows, not read on the device
+            tower._keep_host_rows(batch)
         if ticket is not None:
             # Named in the call's mismatch errors: the user never handled this plan themselves.
             source = f"the plan was made ahead from the batch's {key_names(keys)} (vit_balance_prepare_keys)"

@@ -2137,31 +2137,6 @@ class SamplesOnRankZero(L.Callback):
                 pl_module.model(**args[1])
 
 
-def _collated_fit(out_dir: str) -> None:
-    module = HFCollated(out_dir, balanced=True)
-    with launched_by_torchrun():
-        trainer = quiet_trainer(out_dir, "fit", devices=FIT_RANKS, max_steps=FIT_STEPS, strategy="ddp")
-        trainer.callbacks.append(SamplesOnRankZero())
-        trainer.fit(module)
-
-
-@pytest.mark.timeout(240)
-def test_the_plan_ahead_collator_under_a_lightning_fit(tmp_path: Path, multirank: Any) -> None:
-    """The drop-in's collator in a Lightning fit: Lightning's device move refused the batch (its
-    grids were a frozen dataclass, which ``apply_to_collection`` rebuilds), and a forward on rank
-    0 alone in a callback (sample logging, direct as any hook's call) planned from the grids its
-    batch carries: a gather on rank 0 alone. The fit gives the plain model's losses."""
-    with multirank(FIT_RANKS) as pool:
-        pool.run(_collated_fit, str(tmp_path), timeout=200)
-    expected = _reference(tiny_model(FIT_FAMILY))
-    for rank in range(FIT_RANKS):
-        losses = json.loads((tmp_path / f"losses_rank_{rank}.json").read_text())
-        torch.testing.assert_close(torch.tensor(losses), expected[rank], **TOL)
-    with open(tmp_path / "fit" / "metrics.csv") as f:
-        rows = [row for row in csv.DictReader(f) if row.get("vit_balance/calls")]
-    assert [float(r["vit_balance/calls"]) for r in rows] == [1.0] * FIT_STEPS  # the hook's: direct
-
-
 class HFDistilled(HFFinetune):
     """:class:`HFFinetune` with ``plan_ahead`` and a frozen bf16 teacher, also balanced, whose
     forward comes first in each step (its logits unused: the losses stay the plain model's)."""
@@ -2177,11 +2152,36 @@ class HFDistilled(HFFinetune):
         return super().training_step(batch, batch_idx)
 
 
-def _distilled_fit(out_dir: str) -> None:
-    module = HFDistilled(out_dir)
+def _fit_of(out_dir: str, kind: str) -> None:
+    """Worker: a fit of :class:`HFCollated` (with :class:`SamplesOnRankZero`) or :class:`HFDistilled`."""
+    module = HFCollated(out_dir, balanced=True) if kind == "collated" else HFDistilled(out_dir)
     with launched_by_torchrun():
         trainer = quiet_trainer(out_dir, "fit", devices=FIT_RANKS, max_steps=FIT_STEPS, strategy="ddp")
+        if kind == "collated":
+            trainer.callbacks.append(SamplesOnRankZero())
         trainer.fit(module)
+
+
+def _assert_plain_losses(out_dir: Path) -> None:
+    """Each rank's losses of a fit of :data:`FIT_BATCHES` are the plain model's."""
+    expected = _reference(tiny_model(FIT_FAMILY))
+    for rank in range(FIT_RANKS):
+        losses = json.loads((out_dir / f"losses_rank_{rank}.json").read_text())
+        torch.testing.assert_close(torch.tensor(losses), expected[rank], **TOL)
+
+
+@pytest.mark.timeout(240)
+def test_the_plan_ahead_collator_under_a_lightning_fit(tmp_path: Path, multirank: Any) -> None:
+    """The drop-in's collator in a Lightning fit: Lightning's device move refused the batch (its
+    grids were a frozen dataclass, which ``apply_to_collection`` rebuilds), and a forward on rank
+    0 alone in a callback (sample logging, direct as any hook's call) planned from the grids its
+    batch carries: a gather on rank 0 alone. The fit gives the plain model's losses."""
+    with multirank(FIT_RANKS) as pool:
+        pool.run(_fit_of, str(tmp_path), "collated", timeout=200)
+    _assert_plain_losses(tmp_path)
+    with open(tmp_path / "fit" / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("vit_balance/calls")]
+    assert [float(r["vit_balance/calls"]) for r in rows] == [1.0] * FIT_STEPS  # the hook's: direct
 
 
 @pytest.mark.timeout(240)
@@ -2191,11 +2191,8 @@ def test_plans_made_ahead_with_towers_of_two_dtypes(tmp_path: Path, multirank: A
     A plan made for rows of another dtype is left to the tower of that dtype; the teacher plans
     in its call. The student's losses are the plain model's."""
     with multirank(FIT_RANKS) as pool:
-        pool.run(_distilled_fit, str(tmp_path), timeout=200)
-    expected = _reference(tiny_model(FIT_FAMILY))
-    for rank in range(FIT_RANKS):
-        losses = json.loads((tmp_path / f"losses_rank_{rank}.json").read_text())
-        torch.testing.assert_close(torch.tensor(losses), expected[rank], **TOL)
+        pool.run(_fit_of, str(tmp_path), "distilled", timeout=200)
+    _assert_plain_losses(tmp_path)
 
 
 class HFValidated(HFFinetune):

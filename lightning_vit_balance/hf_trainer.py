@@ -98,12 +98,12 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         self._handle.pop_stats()  # from here on the handle keeps each forward's stats for us
         saved = _resumed_attributes(state.stateful_callbacks, type(self).__name__)
         warn = warn_at_caller if state.is_world_process_zero else _quiet
-        # A fresh run's state holds this callback's own counts of a moment ago (the last run's, with
-        # one callback for several runs: a hyperparameter search's trials): counted from zero.
+        # A fresh run's state holds this callback's own state of a moment ago (the last run's, with
+        # one callback for several runs: a hyperparameter search's trials, each with a new model):
+        # nothing to go on from, the counts start at zero and the cost fit as the handle's.
         resumed = state.global_step > 0
         self._count_on(saved.get("metric_counts") if resumed else None, warn)
-        balancer = saved.get("balancer_state")
-        # A fresh run holds this callback's own state of a moment ago: nothing to go on from.
+        balancer = saved.get("balancer_state") if resumed else None
         if not isinstance(balancer, Mapping) or not balancer or balancer == self._handle.state_dict():
             return
         source = "ViTBalanceTrainerCallback: the checkpoint's balancer state"

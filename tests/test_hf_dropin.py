@@ -2543,13 +2543,14 @@ def test_handle_state_round_trips_and_refuses_a_fit_of_other_terms() -> None:
 def test_trainer_callback_counts_a_fresh_run_from_zero() -> None:
     """One callback for several runs (a hyperparameter search's trials reuse theirs): a fresh run's
     ``TrainerState`` holds the callback's own counts of a moment ago, and the second run logged
-    ``calls_total`` 3, 4 after the first's 1, 2. A resumed run (its state at a step) counts on."""
+    ``calls_total`` 3, 4 after the first's 1, 2, and a new model's handle went on from the last
+    handle's cost fit. A resumed run (its state at a step) counts on."""
     from test_metrics import APPLIED
     from transformers import TrainerState
     from transformers.trainer_callback import TrainerControl
 
     model = tiny_model(FIT_FAMILY)
-    handle = balance_vision_tower(model)
+    handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG, calibrate_cost=True))
     queued: list[Any] = []
     handle.pop_stats = lambda: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
     callback, control = ViTBalanceTrainerCallback(), TrainerControl()
@@ -2569,6 +2570,12 @@ def test_trainer_callback_counts_a_fresh_run_from_zero() -> None:
             callback.on_log(None, state, control, logs=logs)  # type: ignore[arg-type]
             totals.append(logs["vit_balance/calls_total"])
     assert totals == [1.0, 2.0, 1.0, 2.0, 3.0, 4.0], totals
+    # The next trial's new model starts its cost fit afresh, not from the last trial's handle.
+    trial = balance_vision_tower(tiny_model(FIT_FAMILY), ViTBalanceConfig(**CONFIG, calibrate_cost=True))
+    fresh_fit = trial.state_dict()
+    handle.load_state_dict(_calibrator_state())
+    callback.on_train_begin(None, TrainerState(stateful_callbacks=[callback]), control, model=trial.base)  # type: ignore[arg-type]
+    assert trial.state_dict() == fresh_fit
 
 
 def test_trainer_callback_logs_every_forward_of_a_step_in_training_logs_only() -> None:

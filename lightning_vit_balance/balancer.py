@@ -432,6 +432,9 @@ class ViTBalancer:
         self._grid_checks = DeviceGridChecks()
         # A prepared call the plan skipped whose input did not match the plan: told at the next gather.
         self._skipped_mismatch = False
+        # Whether a call given a prepared plan ran since the last check_pending (a comparison of its
+        # may still run after the next gathers): every rank makes that call, so all hold one answer.
+        self._prepared_since_check = False
         self._print = report if report is not None else _print_line
 
     # -- entry point -------------------------------------------------------------------------
@@ -552,19 +555,28 @@ class ViTBalancer:
         gather tells every rank. Where no balanced call follows (the end of a loop), call this on
         every rank of the group instead: one small gather, after waiting for the comparisons still
         running. The Lightning mixin does it when a run ends, ``ViTBalanceTrainerCallback`` when
-        training ends. Nothing to do (no collective) where calls are not balanced: disabled, no
-        process group, one rank.
+        training ends. Nothing to do (no collective) where no call given a prepared plan ran since
+        the last check (on every rank alike: every rank makes that call), or calls are not balanced.
 
         Raises:
             ValueError: On every rank, when a rank's earlier call did not match its prepared plan.
         """
-        call = self._call_before_forward(None)
+        call = self._call_before_forward(None) if self._prepared_since_check else None
         if call is None:
             return
+        self._prepared_since_check = False
         self._grid_checks.wait()
         # No rows: only what the earlier calls left, and the settings, go into the gather; the last
         # call's measured time stays for the next call's gather (read, not consumed).
         self._gather(call, torch.empty((0, 1)), torch.empty((0, 3), dtype=torch.long), check_device=False)
+
+    def _take_pending(self, previous: ViTBalancer) -> None:
+        """Take what ``previous`` (a balancer this one replaces: another configuration or layout)
+        left for its next gather to tell (see :meth:`check_pending`): this one's next gather tells it."""
+        self._grid_checks, previous._grid_checks = previous._grid_checks, DeviceGridChecks()
+        self._skipped_mismatch = self._skipped_mismatch or previous._skipped_mismatch
+        self._prepared_since_check = self._prepared_since_check or previous._prepared_since_check
+        previous._skipped_mismatch = previous._prepared_since_check = False
 
     def _call_before_forward(self, vit: Any) -> _Call | None:
         """The call :meth:`prepare` and :meth:`check_pending` gather in (on the host group, merge 1
@@ -629,6 +641,7 @@ class ViTBalancer:
             # its recomputation, as built in this call's grad mode (a call under no_grad, a frozen
             # teacher's, builds no graph that a recomputation could come from).
             self._encoded_counts, self._encoded_frames = prepared.encoded_counts, prepared.encoded_frames
+            self._prepared_since_check = True
             if self._calibrator is not None:
                 self._plan_memory.remember(prepared.metadata, prepared.plan)
         problem = prepared.mismatch(pixel_values, grid_thw) or _device_mismatch(call, pixel_values)

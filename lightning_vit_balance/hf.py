@@ -1458,8 +1458,6 @@ class BalancedVisionTower:
         self._pending: _Pending | None = None
         self._encoding = False
         self._ticket: PreparedPlan | None = None
-        #: Whether this handle's balancer made a plan ahead since the run began (see check_pending).
-        self._planned_ahead = False
         #: The rows of the :attr:`step_grid_keys` grids of the batch :attr:`_ticket` was prepared for,
         #: read on the host: the per-step grid is indexed from them (:meth:`_tower_grid`).
         self._ticket_rows: dict[str, tuple[Grid, ...]] | None = None
@@ -1592,7 +1590,6 @@ class BalancedVisionTower:
         pixels, grid = rows_to_plan(batch, _PREPARE_KEYS, (self,))
         try:
             self._ticket = self._balancer_for(*settings).prepare(pixels, grid, self.tower)
-            self._planned_ahead = True
         except ValueError as err:
             mine = self._pixel_problems(batch)
             if not mine:
@@ -1696,7 +1693,7 @@ class BalancedVisionTower:
         collective. Forwards after it are kept for :meth:`pop_stats` again from its next call."""
         if self._balancer is not None:
             self._carried = self._balancer.state_dict()
-        self._balancer, self._balancer_key, self._planned_ahead = None, None, False
+        self._balancer, self._balancer_key = None, None
         release_host_group(self._twin)
         self._twin, self._twin_of = None, None
         self._kept = None  # the run's reader is done (kept again from its next pop_stats)
@@ -1707,12 +1704,12 @@ class BalancedVisionTower:
         device that differed from its plan's (see :meth:`ViTBalancer.check_pending`). Collective:
         call it on every rank where no balanced forward follows (the end of a loop that plans
         ahead); ``ViTBalanceTrainerCallback`` calls it when training ends. Nothing to do where
-        this handle made no plan ahead (a LightningModule's handle: the module reports).
+        no forward took a plan made ahead since (a LightningModule's handle: the module reports).
 
         Raises:
             ValueError: On every rank, when a rank's forward did not match the plan made for it.
         """
-        if self._planned_ahead and self._balancer is not None:
+        if self._balancer is not None:
             self._balancer.check_pending()
 
     def remove(self) -> None:
@@ -1988,9 +1985,12 @@ class BalancedVisionTower:
         Lightning mixin's handle takes its module's balancer instead (built with ``layout`` too)."""
         key = (config, id(group), layout)
         if self._balancer is None or self._balancer_key != key:
-            carried = self._balancer.state_dict() if self._balancer is not None else self._carried
+            previous = self._balancer
+            carried = previous.state_dict() if previous is not None else self._carried
             host = gathers_on(self._host_group(group), group)
             self._balancer = ViTBalancer(config, group, output_layout=layout, host_group=host)
+            if previous is not None:
+                self._balancer._take_pending(previous)
             self._balancer_key, self._carried = key, None
             if carried:
                 source = "balance_vision_tower: the cost fit of the previous configuration"

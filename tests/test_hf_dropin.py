@@ -2122,6 +2122,9 @@ class HFCollated(HFFinetune):
     """:class:`HFFinetune` whose batches come from the drop-in's collator
     (``handle.plan_ahead(collate)``): each forward plans from the grids it carries."""
 
+    def __init__(self, out_dir: str) -> None:
+        super().__init__(out_dir, balanced=True)
+
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         batches = [fit_batch(step, self.global_rank, self.family) for step in range(FIT_STEPS)]
         collate = self._vit_balance_towers[0].plan_ahead(_first)
@@ -2152,11 +2155,32 @@ class HFDistilled(HFFinetune):
         return super().training_step(batch, batch_idx)
 
 
+class HFSampledInValidation(HFFinetune):
+    """:class:`HFFinetune` whose validation (a loader without ``DistributedSampler``: not balanced)
+    asks its handle for a plan on rank 0 alone, logging a sample: ``prepare`` returns None there."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__(out_dir, balanced=True)
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        if self.global_rank == 0 and batch_idx == 0:
+            assert self._vit_balance_towers[0].prepare(batch) is None
+        with torch.no_grad():
+            self.model(**batch)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return self.train_dataloader()
+
+
 def _fit_of(out_dir: str, kind: str) -> None:
-    """Worker: a fit of :class:`HFCollated` (with :class:`SamplesOnRankZero`) or :class:`HFDistilled`."""
-    module = HFCollated(out_dir, balanced=True) if kind == "collated" else HFDistilled(out_dir)
+    """Worker: a fit of :class:`HFCollated` (with :class:`SamplesOnRankZero`), :class:`HFDistilled`
+    or :class:`HFSampledInValidation` (validating after the last step)."""
+    kinds = {"collated": HFCollated, "distilled": HFDistilled, "sampled": HFSampledInValidation}
+    module = kinds[kind](out_dir)
     with launched_by_torchrun():
-        trainer = quiet_trainer(out_dir, "fit", devices=FIT_RANKS, max_steps=FIT_STEPS, strategy="ddp")
+        trainer = quiet_trainer(
+            out_dir, "fit", devices=FIT_RANKS, max_steps=FIT_STEPS, strategy="ddp", num_sanity_val_steps=0
+        )
         if kind == "collated":
             trainer.callbacks.append(SamplesOnRankZero())
         trainer.fit(module)
@@ -2192,6 +2216,16 @@ def test_plans_made_ahead_with_towers_of_two_dtypes(tmp_path: Path, multirank: A
     in its call. The student's losses are the plain model's."""
     with multirank(FIT_RANKS) as pool:
         pool.run(_fit_of, str(tmp_path), "distilled", timeout=200)
+    _assert_plain_losses(tmp_path)
+
+
+@pytest.mark.timeout(240)
+def test_a_plan_asked_for_on_one_rank_where_nothing_balances(tmp_path: Path, multirank: Any) -> None:
+    """``handle.prepare`` on rank 0 alone in a validation that does not balance returns None; the
+    fit's end then made the gather that reports a last call's mismatch on rank 0 alone (it took
+    the None for a plan made ahead). Only calls that took a plan are reported on."""
+    with multirank(FIT_RANKS) as pool:
+        pool.run(_fit_of, str(tmp_path), "sampled", timeout=200)
     _assert_plain_losses(tmp_path)
 
 

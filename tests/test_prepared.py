@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from typing import Any, NamedTuple
@@ -230,15 +231,26 @@ def _values_compared_on_the_device() -> dict[str, Any] | None:
         except ValueError as error:
             last = str(error)
         balancer.check_pending()  # nothing left
-    return {"found": found, "last": last}
+        # A balancer replaced (another configuration) hands its pending checks to the new one.
+        balancer(tower, pixels, swapped, prepared=balancer.prepare(pixels, grid, tower))
+        replacement = ViTBalancer(dataclasses.replace(balancer.config, min_gain=0.5), balancer.group)
+        replacement._take_pending(balancer)
+        balancer.check_pending()  # nothing left there: no gather
+        try:
+            replacement.check_pending()
+            moved = "no error"
+        except ValueError as error:
+            moved = str(error)
+    return {"found": found, "last": last, "moved": moved}
 
 
 def test_grid_values_compared_on_the_device_fail_every_rank_at_the_next_gather(multirank: Any) -> None:
     """...and, after a loop's last call, at :meth:`ViTBalancer.check_pending` (no next gather reads
-    them: the last batch of a test run returned other outputs silently)."""
+    them: the last batch of a test run returned other outputs silently), also where the balancer
+    was replaced since (the mixin's, for another configuration)."""
     with multirank(POOL) as w:
         results = w.run(_values_compared_on_the_device)[:3]
-    messages = {r["found"] for r in results} | {r["last"] for r in results}
+    messages = {r[key] for r in results for key in ("found", "last", "moved")}
     assert len(messages) == 1, results
     message = messages.pop()
     assert "rank 1: an earlier call given a prepared plan" in message and "rank 0" not in message, message

@@ -189,6 +189,13 @@ def _own_clock(trainer: Any, epoch_lengths: tuple[int, ...] | None) -> str | Non
     return None
 
 
+def _training_data_set_up(trainer: Any) -> bool:
+    """Whether the fit's training loop has set up its data (its epoch length is known): a sharded
+    ViT's balanced calls in ``setup``, ``configure_model`` or ``on_fit_start`` come before, with
+    ``trainer.training`` set already. False where this Lightning keeps its loader elsewhere."""
+    return trainer.training and getattr(trainer.fit_loop, "_combined_loader", None) is not None
+
+
 def _epoch_lengths(trainer: Any, group: Any) -> tuple[int, ...]:
     """Every rank's training epoch length in batches (-1 for an unknown one), in rank order: one
     gather over ``group``'s host twin, once per fit, at its first balanced training call or plan
@@ -196,6 +203,16 @@ def _epoch_lengths(trainer: Any, group: Any) -> tuple[int, ...]:
     length = trainer.num_training_batches
     mine = int(length) if math.isfinite(length) else -1
     return tuple(int(value) for value in gather_host_values([mine], group)[:, 0])
+
+
+def _same_run(old: tuple[weakref.ref | None, ...] | None, new: tuple[weakref.ref | None, ...]) -> bool:
+    """Whether run keys (``ViTBalanceMixin._vit_balance_run_key``) name the same objects."""
+    if old is None:
+        return False
+    return all(
+        (was is None and now is None) or (was is not None and now is not None and was() is now())
+        for was, now in zip(old, new)
+    )
 
 
 def _some_keys(batch: Mapping[Any, Any]) -> str:
@@ -518,19 +535,21 @@ class ViTBalanceMixin:
             return None
         return dp_group_from_strategy(runner.strategy)
 
-    def _vit_balance_refresh(self, state: _State) -> None:
+    def _vit_balance_run_key(self) -> tuple[weakref.ref | None, ...]:
+        """What marks the run of processes this module runs in now (see :func:`_same_run`)."""
         trainer, fabric = self._vit_balance_runner()
         runner = fabric if fabric is not None else trainer
         strategy = None if runner is None else runner.strategy
         # Lightning wraps the module anew (DDP, FSDP, DeepSpeed engine) at every fit, so the
         # wrapper's identity marks a new fit; the runner and strategy mark a new Trainer.
         model = getattr(strategy, "model", None) if trainer is not None else None
-        key = (_ref(runner), _ref(strategy), _ref(model))
-        if state.fit_key is not None and all(
-            (old is None and new is None) or (old is not None and new is not None and old() is new())
-            for old, new in zip(state.fit_key, key)
-        ):
+        return (_ref(runner), _ref(strategy), _ref(model))
+
+    def _vit_balance_refresh(self, state: _State) -> None:
+        key = self._vit_balance_run_key()
+        if _same_run(state.fit_key, key):
             return
+        trainer, _ = self._vit_balance_runner()
         group = self.configure_vit_balance_group()
         size = 1
         if group is not None and dist.is_available() and dist.is_initialized():
@@ -655,15 +674,17 @@ class ViTBalanceMixin:
         state = self._vit_balance_state_object()
         host = gathers_on(state.host_group if group is state.group else None, group)
         trainer, _ = self._vit_balance_runner()
-        if state.epoch_lengths is None and trainer is not None and trainer.training:
-            # Every rank's first balanced training call or plan of the fit: its first training batch.
+        if state.epoch_lengths is None and trainer is not None and _training_data_set_up(trainer):
+            # Every rank's first balanced training call or plan of the fit's loop: its first batch.
             state.epoch_lengths = _epoch_lengths(trainer, host)
         if state.balancer is None or state.balancer_config != config or state.balancer_layout != layout:
             self._vit_balance_refuse_peer_fits(config)
-            carried = state.balancer_state()
+            previous, carried = state.balancer, state.balancer_state()
             state.balancer = ViTBalancer(
                 config, group, report=rank_zero_info, host_group=host, output_layout=layout
             )
+            if previous is not None:
+                state.balancer._take_pending(previous)
             state.balancer_config, state.balancer_layout = config, layout
             state.carried = None
             if carried:
@@ -827,7 +848,10 @@ class ViTBalanceMixin:
         state = self.__dict__.get("_vit_balance_state")
         if state is not None:
             try:
-                self.check_vit_balance_pending()  # Lightning tears down after a run every rank ended
+                # Lightning tears down after a run every rank ended (not after one that raised,
+                # whose balancer a later run that balances nothing, predict, would find here).
+                if _same_run(state.fit_key, self._vit_balance_run_key()):
+                    self.check_vit_balance_pending()
             finally:
                 state.release()
         parent = getattr(super(), "teardown", None)
@@ -839,13 +863,13 @@ class ViTBalanceMixin:
         call's gather (see :meth:`ViTBalancer.check_pending`): a call whose grid values, compared on
         the device, differed from its plan's. Collective: call it on every rank at the end of a loop
         that plans ahead without a Trainer (Fabric); under a Trainer the mixin calls it when a run
-        ends. Nothing to do where no plan was made ahead.
+        ends. Nothing to do where no call took a plan made ahead since the last check.
 
         Raises:
             ValueError: On every rank, when a rank's call did not match the plan made for it.
         """
         state = self._vit_balance_state_object()
-        if state.planned_ahead and state.balancer is not None:
+        if state.balancer is not None:
             state.balancer.check_pending()
 
     #: Without a Trainer (Fabric, or ``vit_balance_group`` set on a plain module): balance calls

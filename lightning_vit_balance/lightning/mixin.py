@@ -673,8 +673,8 @@ class ViTBalanceMixin:
         :meth:`encode_images` and :meth:`encode_visual`, whose ViTs the engine reads."""
         state = self._vit_balance_state_object()
         host = gathers_on(state.host_group if group is state.group else None, group)
-        trainer, _ = self._vit_balance_runner()
-        if state.epoch_lengths is None and trainer is not None and _training_data_set_up(trainer):
+        trainer = self._vit_balance_runner()[0] if state.epoch_lengths is None else None
+        if trainer is not None and _training_data_set_up(trainer):
             # Every rank's first balanced training call or plan of the fit's loop: its first batch.
             state.epoch_lengths = _epoch_lengths(trainer, host)
         if state.balancer is None or state.balancer_config != config or state.balancer_layout != layout:

@@ -215,6 +215,11 @@ def _same_run(old: tuple[weakref.ref | None, ...] | None, new: tuple[weakref.ref
     )
 
 
+def _entry_point(trainer: Any) -> object:
+    """The Trainer's running entry point (``TrainerFn``: fit, validate, test, predict), or None."""
+    return None if trainer is None else trainer.state.fn
+
+
 def _some_keys(batch: Mapping[Any, Any]) -> str:
     """A mapping's first keys, for a message: a batch of several loaders (``CombinedLoader``) holds
     each loader's batch under its own key, where a plan made ahead finds none of its keys."""
@@ -278,6 +283,8 @@ class _State:
 
     def __init__(self) -> None:
         self.fit_key: tuple[weakref.ref | None, ...] | None = None
+        #: The Trainer's entry point (fit, validate, test, predict) when the key was taken.
+        self.fit_entry: object = None
         self.group: dist.ProcessGroup | None = None
         self.group_size = 1
         self.record = False
@@ -555,6 +562,7 @@ class ViTBalanceMixin:
         if group is not None and dist.is_available() and dist.is_initialized():
             size = dist.get_world_size(group)
         state.fit_key = key
+        state.fit_entry = _entry_point(trainer)
         state.group = group
         state.group_size = size
         state.epoch_lengths = None
@@ -848,15 +856,27 @@ class ViTBalanceMixin:
         state = self.__dict__.get("_vit_balance_state")
         if state is not None:
             try:
-                # Lightning tears down after a run every rank ended (not after one that raised,
-                # whose balancer a later run that balances nothing, predict, would find here).
-                if _same_run(state.fit_key, self._vit_balance_run_key()):
+                if self._vit_balance_run_ends(state):
                     self.check_vit_balance_pending()
             finally:
                 state.release()
         parent = getattr(super(), "teardown", None)
         if parent is not None:
             parent(stage)
+
+    def _vit_balance_run_ends(self, state: _State) -> bool:
+        """Whether the run whose teardown this is made the state's balancer.
+
+        Lightning tears down after a run every rank ended, not after one that raised: a later run
+        that balances nothing (predict) would find that run's balancer here. The run key's wrapper
+        cannot tell them apart, as the strategy unwraps the fit's module (DDP) before the module's
+        teardown; the runner, its strategy and the entry point can.
+        """
+        if state.fit_key is None:
+            return False
+        trainer, _ = self._vit_balance_runner()
+        same_runner = _same_run(state.fit_key[:2], self._vit_balance_run_key()[:2])
+        return same_runner and state.fit_entry == _entry_point(trainer)
 
     def check_vit_balance_pending(self) -> None:
         """Where plans were made ahead, report what the run's last balanced calls left for a next

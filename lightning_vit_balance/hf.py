@@ -1703,7 +1703,8 @@ class BalancedVisionTower:
         :meth:`plan_ahead` collator) left for the next forward's gather: a grid compared on the
         device that differed from its plan's (see :meth:`ViTBalancer.check_pending`). Collective:
         call it on every rank where no balanced forward follows (the end of a loop that plans
-        ahead); ``ViTBalanceTrainerCallback`` calls it when training ends. Nothing to do where
+        ahead); ``ViTBalanceTrainerCallback`` calls it when training, an evaluation or a
+        prediction ends. Nothing to do where
         no forward took a plan made ahead since (a LightningModule's handle: the module reports).
 
         Raises:

@@ -51,8 +51,11 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
     state the model's configuration cannot go on from (a cost fit of another window or per-frame
     attention) is left behind with a warning, and the fit starts afresh.
 
-    **End of training.** The handle lets go of its gloo twin (:meth:`BalancedVisionTower.release`):
-    a process that trains model after model (a hyperparameter search's trials) holds none per run.
+    **End of a loop.** When training, an evaluation or a prediction ends, every rank reports what
+    the loop's last forward given a plan made ahead left for a next gather
+    (:meth:`BalancedVisionTower.check_pending`). When training ends, the handle also lets go of its
+    gloo twin (:meth:`BalancedVisionTower.release`): a process that trains model after model (a
+    hyperparameter search's trials) holds none per run.
 
     Args:
         log_per_rank_loads: Log the ``load_before/rank_{r}``, ``load_after/rank_{r}`` and
@@ -127,6 +130,24 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
                 self._handle.check_pending()  # the last step's forward: no later gather reads it
             finally:
                 self._handle.release()  # the gloo twin: a process running trial after trial holds none
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._check_pending(kwargs.get("model"))  # the evaluation's last forward, in training or not
+
+    def on_predict(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._check_pending(kwargs.get("model"))
+
+    def _check_pending(self, model: Any) -> None:
+        # Every rank evaluates and predicts (the Trainer's loaders pad), so every rank checks. The
+        # Trainer's model names the handle: a callback added after the Trainer's start (attach,
+        # add_callback) saw no on_init_end, and evaluate may run before any training.
+        handle = _handle_of(model, required=False) or self._handle
+        if handle is not None:
+            handle.check_pending()
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

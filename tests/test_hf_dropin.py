@@ -64,6 +64,7 @@ from multirank import (
 )
 from transformers import TrainerCallback
 
+import lightning_vit_balance.prepared as prepared_module
 from lightning_vit_balance import (
     BalancedVisionTower,
     CostCalibrator,
@@ -2380,12 +2381,48 @@ def _hf_trainer_fit(out_dir: str, plan_ahead: bool = False) -> dict[str, Any]:
     }
 
 
+def _last_evaluation_forward_reordered(out_dir: str, entry: str) -> str:
+    """``trainer.evaluate()`` or ``trainer.predict()`` (``entry``) alone, of a drop-in that balances
+    evaluation, on batches from ``handle.plan_ahead``'s collator, grids compared as on a device:
+    rank 1's last forward passes its grid rows reordered (same shape, other values). What the
+    entry raised, or ``"no error"``."""
+    from transformers import Trainer
+
+    set_launcher_variables(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    size, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    handle = balance_vision_tower(tiny_model(FIT_FAMILY), ViTBalanceConfig(**CONFIG), evaluation=True)
+    forwards = iter(range(2))
+
+    class LastReordered(Trainer):
+        def compute_loss(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            if next(forwards) == 1 and rank == 1:  # rank 1's last batch holds two images
+                inputs = {**inputs, "image_grid_thw": inputs["image_grid_thw"].roll(1, 0)}
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    batches = [fit_batch(step, r) for step in (0, 2) for r in range(size)]
+    arguments = _training_arguments(out_dir, 1, per_device_eval_batch_size=1, prediction_loss_only=True)
+    trainer = LastReordered(model=handle.model, args=arguments, data_collator=handle.plan_ahead(_first))
+    ViTBalanceTrainerCallback().attach(trainer)
+    with mock.patch.object(prepared_module, "_read_on_host", lambda tensor: False):
+        try:
+            trainer.evaluate(batches) if entry == "evaluate" else trainer.predict(batches)
+        except ValueError as error:
+            return str(error)
+    return "no error"
+
+
 def _trains_as_the_plain_model(tmp_path: Path, plan_ahead: bool) -> list[dict[str, Any]]:
     """:func:`_hf_trainer_fit` on a pool of its own (accelerate's state and the launcher's variables
-    are process-wide), each rank's losses checked against the plain model's; the results."""
+    are process-wide), each rank's losses checked against the plain model's; the results. With
+    ``plan_ahead``, :func:`_last_evaluation_forward_reordered` follows in the pool: each entry's
+    mismatch is reported on every rank."""
     pool = World(FIT_RANKS)
     try:
         results = pool.run(_hf_trainer_fit, str(tmp_path), plan_ahead, timeout=150)
+        for entry in ("evaluate", "predict") if plan_ahead else ():
+            told = pool.run(_last_evaluation_forward_reordered, str(tmp_path / entry), entry, timeout=120)
+            expected = "rank 1: an earlier call given a prepared plan passed a grid_thw"
+            assert all(expected in message for message in told), (entry, told)
     finally:
         pool.close(kill=True)
     expected = _reference(tiny_model(FIT_FAMILY))
@@ -2430,7 +2467,9 @@ def test_hugging_face_trainer_plans_from_the_collators_host_grids(tmp_path: Path
     """``data_collator=handle.plan_ahead(collate)``: the same losses as the plain model, and every
     balanced call took the plan made at the start of the forward from the grids the collator kept
     on the host (accelerate and the Trainer moved the rest of the batch): no metadata gather in it,
-    so on a GPU no grid is read back from the device."""
+    so on a GPU no grid is read back from the device. A standalone ``evaluate``/``predict`` whose
+    last forward's grid differs on the device from its plan's raises on every rank at its end
+    (no later gather reads it: that forward's outputs were wrong, with no error)."""
     for result in _trains_as_the_plain_model(tmp_path, plan_ahead=True):
         # Skipped calls make none, but the status word where no rank has images.
         expected = {"applied": (3, True), "no-images": (1, False)}

@@ -1471,6 +1471,9 @@ class BalancedVisionTower:
             self._release_late_touch()
         #: ``generate()``'s calls for dummy items after the first forward's embeddings (``late_call``).
         self._late_touch: _ProjectionTouch | None = None
+        #: Since the last :meth:`drop_text_only_grads`: None before a training forward, else whether
+        #: every one held no images on any rank, the first with the gradients unset.
+        self._text_only_since: bool | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -2071,6 +2074,45 @@ class BalancedVisionTower:
         self.record(stats)
         if self._kept is not None:
             self._kept.append(stats)
+        if torch.is_grad_enabled():
+            self._note_text_only(stats)
+
+    def _note_text_only(self, stats: BalanceStats) -> None:
+        # Only a forward without images reads the gradients (host work on the tower's parameters).
+        if stats.reason != "no-images":
+            self._text_only_since = False
+        elif self._text_only_since is None:
+            self._text_only_since = all(param.grad is None for param in self._touched_parameters())
+
+    def _touched_parameters(self) -> list[nn.Parameter]:
+        """The trained parameters a balanced forward gives a gradient on every rank: the tower's
+        and :attr:`projection`'s."""
+        modules = [self.tower, *self._projection_modules()]
+        return [param for module in modules for param in module.parameters() if param.requires_grad]
+
+    def drop_text_only_grads(self) -> bool:
+        """Unset the tower's and :attr:`projection`'s gradients (``None``) where every training
+        forward since the last call held no images on any rank and found them unset: what the
+        plain model leaves there (it never called the tower), where the balanced forwards gave
+        them all-zero gradients (the ``+0.0`` every rank's loss depends on, see the module
+        docstring). An optimizer skips a parameter without a gradient, but steps one with a zero
+        gradient (AdamW: its momentum and weight decay), so the towers would drift apart.
+
+        Call it once per optimizer step, after the backward (DDP's reduction) and before the step,
+        on every rank (the decision comes from every rank's gathered images, the same everywhere);
+        ``ViTBalanceTrainerCallback`` calls it before each of the Trainer's optimizer steps. Where
+        the gradients are sharded by the optimizer (DeepSpeed's ZeRO), its own zeros stay: as the
+        plain model's under ZeRO.
+
+        Returns:
+            Whether the gradients were unset.
+        """
+        unset = self._text_only_since is True
+        self._text_only_since = None
+        if unset:
+            for param in self._touched_parameters():
+                param.grad = None
+        return unset
 
     def _dummy_modalities(self, combined: _Combined, group: Any) -> dict[str, _Dummy] | None:
         """Where :attr:`projection` has parameters that only a call of it gathers (ZeRO-3, an FSDP2

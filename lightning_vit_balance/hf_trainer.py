@@ -155,6 +155,12 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         if self._handle is not None:
             self._handle.pop_stats()  # forwards between steps (evaluation) are not training's
 
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._handle is not None:
+            self._handle.drop_text_only_grads()  # a step of text alone: the plain model's None
+
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:

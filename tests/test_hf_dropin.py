@@ -2004,11 +2004,13 @@ def _reference(
     steps: int = FIT_STEPS,
     ranks: int = FIT_RANKS,
     lr: float = SGD_LR,
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.SGD,
 ) -> list[torch.Tensor]:
-    """DDP by hand: each step, the mean of the ranks' losses (DDP averages gradients), then SGD.
+    """DDP by hand: each step, the mean of the ranks' losses (DDP averages gradients), then SGD
+    (or ``optimizer_class``).
 
     Returns ``losses[rank]``: that rank's loss at each step, as a tensor."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer = optimizer_class(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
         optimizer.zero_grad()
@@ -2017,6 +2019,72 @@ def _reference(
         optimizer.step()
         losses.append([float(loss.detach()) for loss in per_rank])
     return list(torch.tensor(losses).T)
+
+
+#: Images (a text-only rank), text alone on every rank, then images: FIT_BATCHES' steps.
+TEXT_ONLY_STEPS = (0, 3, 2)
+ADAMW_LR = 1e-2
+
+
+def _adamw_steps(drop: bool) -> tuple[list[float], list[bool]]:
+    """DDP (``find_unused_parameters=False``: the drop-in gives every rank's tower a gradient) and
+    AdamW on :data:`TEXT_ONLY_STEPS`; with ``drop``, ``handle.drop_text_only_grads()`` before each
+    step. This rank's losses, and what each call unset."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = tiny_model(FIT_FAMILY)
+    handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR)
+    losses, unset = [], []
+    for step in TEXT_ONLY_STEPS:
+        optimizer.zero_grad()
+        loss = ddp(**fit_batch(step, torch.distributed.get_rank())).loss
+        loss.backward()
+        if drop:
+            unset.append(handle.drop_text_only_grads())
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses, unset
+
+
+def test_a_step_of_text_alone_leaves_the_towers_gradients_unset(multirank: Any) -> None:
+    """A step where no rank has images: the plain model never calls its tower, whose gradients stay
+    unset and AdamW skips it; the drop-in's ``+0.0`` gave them zeros, and AdamW moved the tower
+    (momentum, weight decay), so the next step's losses differed. ``drop_text_only_grads`` before
+    the optimizer step unsets them (``ViTBalanceTrainerCallback`` calls it)."""
+    step_of = functools.partial(_step_batch, TEXT_ONLY_STEPS)
+    expected = _reference(
+        tiny_model(FIT_FAMILY), step_of, len(TEXT_ONLY_STEPS), lr=ADAMW_LR, optimizer_class=torch.optim.AdamW
+    )
+    with multirank(FIT_RANKS) as w:
+        per_rank, drifted = w.run(_adamw_steps, True), w.run(_adamw_steps, False)
+    for rank, (losses, unset) in enumerate(per_rank):
+        torch.testing.assert_close(torch.tensor(losses), expected[rank], **TOL)
+        assert unset == [False, True, False], unset
+    assert not torch.allclose(torch.tensor(drifted[0][0][-1]), expected[0][-1], **TOL), drifted
+
+
+def test_the_mixin_and_the_trainer_callback_drop_text_only_grads_before_each_step() -> None:
+    """The mixin's ``on_before_optimizer_step`` and ``ViTBalanceTrainerCallback``'s
+    ``on_pre_optimizer_step`` (the Trainer's hook between its clipping and its optimizer step) ask
+    each of their drop-in handles to unset a step of text alone's gradients."""
+    from transformers import TrainerState
+    from transformers.trainer_callback import TrainerControl
+
+    module = HFFinetune("", balanced=True)
+    (handle,) = module._vit_balance_towers
+    with mock.patch.object(handle, "drop_text_only_grads") as drop:
+        module.on_before_optimizer_step(mock.Mock())
+        assert drop.call_count == 1
+        callback = ViTBalanceTrainerCallback()
+        callback.on_init_end(None, TrainerState(), TrainerControl(), model=module.model)  # type: ignore[arg-type]
+        callback.on_pre_optimizer_step(None, TrainerState(), TrainerControl())  # type: ignore[arg-type]
+        assert drop.call_count == 2
+
+
+def _step_batch(steps: tuple[int, ...], index: int, rank: int) -> dict[str, Any]:
+    return fit_batch(steps[index], rank)
 
 
 @pytest.mark.parametrize(("family", "tower_dtype"), [(FIT_FAMILY, torch.bfloat16), ("glm4v", torch.float64)])

@@ -249,7 +249,13 @@ def _sharded(vit: object) -> bool:
 
 
 #: The Lightning hooks the mixin implements; each must come before LightningModule's in the MRO.
-_MIXIN_HOOKS = ("on_before_batch_transfer", "on_save_checkpoint", "on_load_checkpoint", "teardown")
+_MIXIN_HOOKS = (
+    "on_before_batch_transfer",
+    "on_before_optimizer_step",
+    "on_save_checkpoint",
+    "on_load_checkpoint",
+    "teardown",
+)
 
 
 def _shadowed_hooks(cls: type) -> list[str]:
@@ -486,7 +492,8 @@ class ViTBalanceMixin:
             warnings.warn(
                 f"{cls.__qualname__} lists LightningModule before ViTBalanceMixin in its bases, so "
                 f"LightningModule's {', '.join(shadowed)} run instead of the mixin's: plan_ahead plans "
-                "nothing, checkpoints lose the calibrate_cost fit and a fit's end keeps its gloo twin. "
+                "nothing, checkpoints lose the calibrate_cost fit, a fit's end keeps its gloo twin and a "
+                "drop-in tower's steps of text alone step it with zero gradients. "
                 f"List ViTBalanceMixin first: class {cls.__name__}(ViTBalanceMixin, LightningModule).",
                 UserWarning,
                 stacklevel=2,
@@ -794,6 +801,17 @@ class ViTBalanceMixin:
             batch = parent(batch, dataloader_idx)
         self._vit_balance_plan_ahead(batch)
         return batch
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Before each optimizer step: where no rank had images in the step, unset the gradients
+        the drop-in gave the towers of models given to :meth:`balance_vision_tower`, as the plain
+        model leaves them (:meth:`BalancedVisionTower.drop_text_only_grads`). An override of the
+        hook must call ``super().on_before_optimizer_step``."""
+        for handle in self._vit_balance_towers:
+            handle.drop_text_only_grads()
+        parent = getattr(super(), "on_before_optimizer_step", None)
+        if parent is not None:
+            parent(optimizer)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the balancer's state in the checkpoint under ``"vit_balance"``: with

@@ -34,7 +34,8 @@ def _rows(table: str) -> list[list[str]]:
 
 def test_timings_feed_the_simulator(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "gpu_timings.csv"
-    arguments = ["--device", "cpu", "--size", "tiny", "--max-patches", "1024", "--repeats", "1"]
+    # The median of 3 timed pairs per size: one taken while other jobs share the cores can flatten the fit.
+    arguments = ["--device", "cpu", "--size", "tiny", "--max-patches", "1024", "--repeats", "3"]
     _bench().main([*arguments, "--ranks", "2", "8", "--steps", "20", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "fit to these timings, as fitted" in printed and "ms per call" in printed

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from lightning_vit_balance.exchange import (
     LeafSignature,
@@ -450,20 +451,28 @@ def raise_for_vit(report: StatusReport, encoded: EncodedBatch, merge: int) -> No
     """
     if report.consistent:
         return
-    reference = next((s for s in report.statuses if not s.error), ViTStatus())
+    own, statuses = encoded.error, dict(enumerate(report.statuses))
+    if any(s.error and not s.error.startswith(_EARLY_STOP) for s in report.statuses):
+        # Non-reentrant checkpointing stops a recomputation once it has what the backward pass
+        # needs, by raising in it: no failure. Where another rank's ViT failed, a rank stopped so
+        # raises as a rank whose ViT ran; re-raised, checkpoint would swallow the signal and the
+        # ranks would go on apart.
+        statuses = {r: s for r, s in statuses.items() if not s.error.startswith(_EARLY_STOP)}
+        own = None if _stopped_early(own) else own
+    reference = next((s for s in statuses.values() if not s.error), ViTStatus())
     problems = [
         text
-        for worker, status in enumerate(report.statuses)
+        for worker, status in statuses.items()
         if (text := _describe(worker, status, reference, merge)) is not None
     ]
     message = "The balanced ViT call failed: " + "; ".join(problems) + "."
-    if encoded.error is not None and encoded.input_problem:
-        raise ValueError(message) from encoded.error
-    if encoded.error is not None:
-        if hasattr(encoded.error, "add_note"):  # Python 3.11+
-            encoded.error.add_note(message)
-        raise encoded.error
-    errors = [s.error for s in report.statuses if s.error]
+    if own is not None and encoded.input_problem:
+        raise ValueError(message) from own
+    if own is not None:
+        if hasattr(own, "add_note"):  # Python 3.11+
+            own.add_note(message)
+        raise own
+    errors = [s.error for s in statuses.values() if s.error]
     # Input that did not match its prepared plan is a ValueError everywhere; a ViT failure is not.
     if errors and not all(e.startswith(INPUT_ERROR) for e in errors):
         if all(_out_of_memory(e) for e in errors):
@@ -520,6 +529,17 @@ def raise_for_gradients(report: StatusReport) -> None:
         "run none. Expected every rank of the group to make the call in the same grad mode, with the "
         "same parameters of the ViT requiring grad."
     )
+
+
+#: How a rank's status names non-reentrant checkpointing's early stop of its recomputation.
+_EARLY_STOP = "_StopRecomputationError: "
+
+
+def _stopped_early(error: BaseException | None) -> bool:
+    """Whether ``error`` is non-reentrant checkpointing's signal that a recomputation has every
+    tensor the backward pass needs (``torch.utils.checkpoint``'s early stop), not a failure."""
+    stop = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)
+    return stop is not None and isinstance(error, stop)
 
 
 def _out_of_memory(error: str) -> bool:

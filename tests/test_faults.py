@@ -20,12 +20,14 @@ import torch
 import torch.distributed as dist
 import towers
 from multirank import subgroup
+from torch.utils.checkpoint import checkpoint
 
 from lightning_vit_balance import CostModel, ViTBalanceConfig, ViTBalancer
 from lightning_vit_balance import balancer as balancer_module
 from lightning_vit_balance import config as config_module
 from lightning_vit_balance.encoding import PACKING_ERROR, EncodedBatch, raise_for_vit
 from lightning_vit_balance.exchange import StatusReport, ViTStatus
+from lightning_vit_balance.recompute import in_backward_pass
 from lightning_vit_balance.wire import pack_return
 
 POOL = 4
@@ -181,12 +183,17 @@ class _FailingTower(towers.TensorTower):
         self.forwards = 0
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+        if self.mode == "recompute" and in_backward_pass() and dist.get_rank() == self.bad_rank:
+            # Before the recomputation has what it needs (checkpoint's early stop raises then).
+            raise torch.OutOfMemoryError("CUDA out of memory (recomputing the ViT)")
         out = super().forward(pixel_values, grid_thw)
         if dist.get_rank() != self.bad_rank:
             return out
         self.forwards += 1
         if self.mode == "raise" or (self.mode == "interrupt" and self.forwards > 1):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        if self.mode == "recompute":
+            return out
         if self.mode == "interrupt":
             raise KeyboardInterrupt  # or a preemption handler's SystemExit: no Exception
         if self.mode == "far_rows":
@@ -222,6 +229,34 @@ def _vit_case(mode: str, bad_rank: int, overlapped: bool = False) -> dict[str, A
         assert balancer.last_stats is not None and balancer.last_stats.applied
     _still_in_step(group, rank)
     return result
+
+
+def _recomputed_vit_case(bad_rank: int) -> tuple[str, str, float] | None:
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    torch.manual_seed(0)
+    tower = _FailingTower(bad_rank, "recompute")
+    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    balancer = ViTBalancer(ViTBalanceConfig(**APPLY), group)
+    # Torch's default early stop: each rank's recomputation ends by raising inside the ViT.
+    checkpointed = lambda: checkpoint(balancer, tower, pixels, grid, use_reentrant=False)  # noqa: E731
+    outcome = _outcome(lambda: checkpointed().sum().backward())
+    _still_in_step(group, rank)
+    return outcome
+
+
+def test_a_vit_failing_in_its_recomputation_on_one_rank_fails_every_rank(multirank: Any) -> None:
+    """Non-reentrant checkpointing stops a recomputation early by raising in it: the ranks whose
+    recomputation stopped so re-raised that signal, which checkpoint swallows, and went on with
+    their backward pass while rank 1's ran out of memory. They raise its error now."""
+    with multirank(POOL) as w:
+        outcomes = w.run(_recomputed_vit_case, 1)[:RANKS]
+    assert [kind for kind, _, _ in outcomes] == ["OutOfMemoryError"] * RANKS, outcomes
+    assert outcomes[0][1] == outcomes[2][1] and "rank 1: the ViT raised OutOfMemoryError" in outcomes[0][1]
+    assert "_StopRecomputationError" not in outcomes[0][1], outcomes
+    assert all(seconds < FAST_S for *_, seconds in outcomes), outcomes
 
 
 def test_vit_exception_on_one_rank(multirank: Any) -> None:

@@ -478,7 +478,7 @@ class ViTBalancer:
         if prepared is not None and distributed and self.config.enabled:
             return self._balanced_prepared(vit, pixel_values, grid_thw, prepared)
         if not self.config.enabled:
-            output = vit(pixel_values, grid_thw)
+            output = self._direct(vit, pixel_values, grid_thw)  # the same outputs as when enabled
             rank = dist.get_rank(self.group) if distributed else 0
             world = dist.get_world_size(self.group) if distributed else 1
             self._record_local("disabled", rank, world, pixel_values, grid_thw)
@@ -536,7 +536,9 @@ class ViTBalancer:
             rank=call.rank,
             channels=reference.channels,
             dtype=reference.dtype,
-            pixels_require_grad=reference.pixels_differentiable,
+            # The rows' own flag, not prepare's grad mode (the call applies its own): a plan made
+            # under no_grad (a collator's thread) for pixels that require grad is theirs.
+            pixels_require_grad=any(m.requires_grad for m in metadata),
             gather_seconds=call.seconds.get("gather", 0.0),
             plan_seconds=call.seconds.get("plan", 0.0),
             collectives=call.collectives,

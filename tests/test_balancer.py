@@ -510,6 +510,9 @@ def _drop_checks(n: int) -> list[int] | None:
     expected = full(tower, pixels, grid)
     got = dropping(tower, pixels, grid)
     assert got["patch_embeds"] is None and got["deepstack"] == [None, None]
+    # Turned off, the same outputs, as on one rank: not the ViT's whole output.
+    disabled = ViTBalancer(ViTBalanceConfig(enabled=False), group, output_layout=dropping.output_layout)
+    assert disabled(tower, pixels, grid)["deepstack"] == [None, None]
     torch.testing.assert_close(got["merged"], expected["merged"], rtol=0, atol=0)
     assert torch.equal(got["patch_ids"], expected["patch_ids"])
     assert full.last_stats is not None and dropping.last_stats is not None
@@ -519,7 +522,7 @@ def _drop_checks(n: int) -> list[int] | None:
 
 
 def test_dropped_outputs_do_not_travel(multirank: Any) -> None:
-    """Outputs named "drop" come back as None and their bytes stay home."""
+    """Outputs named "drop" come back as None and their bytes stay home; with balancing off too."""
     with multirank(POOL) as w:
         per_rank = w.run(_drop_checks, 2)[:2]
     assert all(dropped < full for full, dropped in per_rank), per_rank

@@ -464,7 +464,8 @@ def test_gathers_on_a_host_group(multirank: Any) -> None:
 def _with_subgroup_twins() -> dict[str, Any]:
     """The pool as a 2 x 2 (data x tensor parallel) layout: data-parallel pairs [0, 2] and [1, 3],
     taken for NCCL groups. Each gets its gloo twin; a plan made ahead and gathered on it gives the
-    direct call's outputs and gradients. Overlapping groups get no twin, on every rank."""
+    direct call's outputs and gradients (made under ``no_grad`` for pixels that require grad: it
+    was refused as made for pixels that did not). Overlapping groups get no twin, on every rank."""
     rank = dist.get_rank()
     pairs = [dist.new_group(ranks=[0, 2]), dist.new_group(ranks=[1, 3])]
     overlapping = [dist.new_group(ranks=[0, 1, 2]), dist.new_group(ranks=[1, 3])]
@@ -480,7 +481,8 @@ def _with_subgroup_twins() -> dict[str, Any]:
     pixels, grid = towers.make_batch(grids, seed=rank // 2)
     balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), data_parallel, host_group=twin)
     balanced_pixels = pixels.clone().requires_grad_(True)
-    ticket = balancer.prepare(balanced_pixels, grid, tower)
+    with torch.no_grad():  # as a collator's thread plans: the pixels' own flag counts, not this mode
+        ticket = balancer.prepare(balanced_pixels, grid, tower)
     out = balancer(tower, balanced_pixels, grid, prepared=ticket)
     out.square().sum().backward()
     direct_pixels = pixels.clone().requires_grad_(True)

@@ -39,6 +39,7 @@ from lightning_vit_balance.eager import eager
 from lightning_vit_balance.encoding import (
     BalancedBatch,
     EncodedBatch,
+    GatherFor,
     TripClock,
     ViTClock,
     encode,
@@ -524,7 +525,7 @@ class ViTBalancer:
         call = self._call_before_forward(vit)
         if call is None:
             return None
-        metadata, reference = self._gather(call, pixel_values, grid_thw, check_device=False)
+        metadata, reference = self._gather(call, pixel_values, grid_thw, GatherFor.PREPARE)
         plan, (encoded_counts, encoded_frames) = self._plan(call, metadata, remember=False)
         # The plan's routes, trips and return layout too, so that its call only looks them up.
         started = time.perf_counter()
@@ -570,7 +571,7 @@ class ViTBalancer:
         self._grid_checks.wait()
         # No rows: only what the earlier calls left, and the settings, go into the gather; the last
         # call's measured time stays for the next call's gather (read, not consumed).
-        self._gather(call, torch.empty((0, 1)), torch.empty((0, 3), dtype=torch.long), check_device=False)
+        self._gather(call, torch.empty((0, 1)), torch.empty((0, 3), dtype=torch.long), GatherFor.CHECK)
 
     def _take_pending(self, previous: ViTBalancer) -> None:
         """Take what ``previous`` (a balancer this one replaces: another configuration or layout)
@@ -856,12 +857,16 @@ class ViTBalancer:
         return self.host_group if self.host_group is not None else self.group
 
     def _gather(
-        self, call: _Call, pixel_values: Any, grid_thw: Any, check_device: bool = True
+        self, call: _Call, pixel_values: Any, grid_thw: Any, gather_for: GatherFor = GatherFor.CALL
     ) -> tuple[tuple[RankMetadata, ...], _Reference]:
         """Validate locally, gather every rank's metadata, raise the same error on every rank."""
         started = time.perf_counter()
         # The merge size sizes every rank's output rows of the images it encodes for others.
-        fingerprint = (*self._settings_fingerprint(), ("spatial_merge_size", call.merge))
+        fingerprint = (
+            ("gather", int(gather_for)),
+            *self._settings_fingerprint(),
+            ("spatial_merge_size", call.merge),
+        )
         local = validate_input(
             pixel_values,
             grid_thw,
@@ -869,7 +874,8 @@ class ViTBalancer:
             call.group,
             fingerprint=tuple(value for _, value in fingerprint),
             vit_us=self._clock.read(),
-            check_device=check_device,
+            # Only a call's own gather holds the device's grid (a plan made ahead reads the host's).
+            check_device=gather_for is GatherFor.CALL,
         )
         if self._grid_checks.differed():
             local = dataclasses.replace(local, status=InputProblem.PREPARED_GRID_VALUES, details=(), grids=())

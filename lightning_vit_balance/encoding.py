@@ -11,6 +11,7 @@ on every rank.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import os
 import time
@@ -249,11 +250,44 @@ def _mismatch(metadata: Sequence[RankMetadata]) -> str | None:
     return None
 
 
+class GatherFor(enum.IntEnum):
+    """What a metadata gather is for, in its fingerprint (the first setting): a rank's gather met
+    by another's of another kind (a rank that prepared its step's plan next to one that did not)
+    raises on every rank, instead of pairing up and leaving the ranks to plan apart."""
+
+    CALL = 0  #: a balanced call without a prepared plan
+    PREPARE = 1  #: ViTBalancer.prepare
+    CHECK = 2  #: ViTBalancer.check_pending
+
+
+_GATHERS_FOR = {
+    GatherFor.CALL: "a balanced call without a prepared plan",
+    GatherFor.PREPARE: "prepare",
+    GatherFor.CHECK: "check_pending",
+}
+
+
+def _gathers_apart(metadata: Sequence[RankMetadata]) -> str:
+    kinds = [m.fingerprint[0] for m in metadata]
+    held = "; ".join(
+        f"{_GATHERS_FOR[kind]} on ranks {[r for r, k in enumerate(kinds) if k == kind]}"
+        for kind in GatherFor
+        if kind in kinds
+    )
+    return (
+        f"the ranks gathered for different steps ({held}). Every rank must prepare a step's plan, "
+        "or none; pass each rank's plan to the call that encodes that step; and call check_pending "
+        "on every rank together"
+    )
+
+
 def _fingerprint_problem(metadata: Sequence[RankMetadata], names: Sequence[str]) -> str | None:
     """Text naming the settings that differ between ranks, or None when every rank agrees."""
     reference = metadata[0].fingerprint
     if all(m.fingerprint == reference for m in metadata):
         return None  # one tuple comparison per rank; the setting by setting scan names the ones apart
+    if names[:1] == ["gather"] and any(m.fingerprint[0] != reference[0] for m in metadata):
+        return _gathers_apart(metadata)
     differing: list[str] = []
     for k, name in enumerate(names):
         ranks = [r for r, m in enumerate(metadata) if m.fingerprint[k] != reference[k]]

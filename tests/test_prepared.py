@@ -116,6 +116,40 @@ def _mismatch(kind: str, skipped: bool) -> tuple[str, str, float] | None:
     return outcome
 
 
+def _prepared_on_some_ranks(checked: bool) -> tuple[str, str] | None:
+    """Ranks 0 and 2 prepare their step's plan, rank 1 calls without one (``checked``: every rank
+    prepared and called, rank 1 then checks its pending calls while the others call again)."""
+    setup = _on_three_ranks([[(1, 8, 8), (1, 8, 8)], [(1, 2, 2)], [(1, 4, 4)]], THRESHOLD_0)
+    if setup is None:
+        return None
+    rank, tower, pixels, grid, balancer = setup
+    try:
+        if checked:
+            balancer(tower, pixels, grid, prepared=balancer.prepare(pixels, grid, tower))
+            if rank == 1:
+                balancer.check_pending()
+        ticket = balancer.prepare(pixels, grid, tower) if rank != 1 else None
+        balancer(tower, pixels, grid, prepared=ticket)
+        outcome = ("ok", "")
+    except ValueError as error:
+        outcome = ("ValueError", str(error))
+    # Still in step: an unprepared call works everywhere.
+    torch.testing.assert_close(balancer(tower, pixels, grid), tower(pixels, grid), rtol=1e-4, atol=1e-5)
+    return outcome
+
+
+@pytest.mark.parametrize("checked", [False, True], ids=["prepare", "check_pending"])
+def test_gathers_of_different_steps_fail_everywhere(multirank: Any, checked: bool) -> None:
+    """A rank's gather that met another kind on the others (a plan prepared on some ranks only,
+    check_pending on one) paired up: the step ran, and check_pending at the loop's end waited on
+    the ranks that had prepared. Every rank now raises at that gather, naming what each made."""
+    with multirank(POOL) as w:
+        outcomes = w.run(_prepared_on_some_ranks, checked)[:3]
+    assert len(set(outcomes)) == 1 and outcomes[0][0] == "ValueError", outcomes
+    made = "check_pending on ranks [1]" if checked else "a balanced call without a prepared plan on ranks [1]"
+    assert "the ranks gathered for different steps" in outcomes[0][1] and made in outcomes[0][1], outcomes
+
+
 @pytest.mark.parametrize(
     ("kind", "fragment", "skipped"),
     [

@@ -974,6 +974,13 @@ def _pool_frames(tower: Any, parts: Sequence[_Part], outputs: Sequence[Any]) -> 
         output["pooler_output"] = tower.temporal_merge(hidden, grid, *kernel)
 
 
+def _all_zero(grads: list[torch.Tensor]) -> bool:
+    """Whether every one of ``grads`` (this rank's shard of a sharded one) holds zeros only."""
+    local = [grad.to_local() if hasattr(grad, "to_local") else grad for grad in grads]
+    peaks = [grad.detach().abs().amax().float().cpu() for grad in local if grad.numel() > 0]
+    return not peaks or float(torch.stack(peaks).max()) == 0.0
+
+
 def _exact_zero(output: Any) -> torch.Tensor | None:
     """``+0.0`` depending on every differentiable tensor of ``output`` (zero-row slices summed)."""
     leaves, _ = flatten_output(output)
@@ -1700,6 +1707,7 @@ class BalancedVisionTower:
         release_host_group(self._twin)
         self._twin, self._twin_of = None, None
         self._kept = None  # the run's reader is done (kept again from its next pop_stats)
+        self._text_only_since = None  # a step the run left unfinished (it raised) is not the next run's
 
     def check_pending(self) -> None:
         """Report what the last forwards given a plan made ahead (:meth:`prepare`, the
@@ -1900,6 +1908,8 @@ class BalancedVisionTower:
             finish = self._unbatched if self._form.batched_output or self._form.dropped else None
             return _Route(original, self._tower_form_args(args), self._tower_keywords, finish=finish)
         if self._pending is None:
+            if torch.is_grad_enabled():
+                self._text_only_since = False  # the tower's gradients may come from this call too
             if self.base.training and torch.is_grad_enabled() and self.settings() is not None:
                 self._warn_outside()
             return _Route(original, args, kwargs)
@@ -2074,7 +2084,7 @@ class BalancedVisionTower:
         self.record(stats)
         if self._kept is not None:
             self._kept.append(stats)
-        if torch.is_grad_enabled():
+        if self.base.training and torch.is_grad_enabled():  # an optimizer step follows
             self._note_text_only(stats)
 
     def _note_text_only(self, stats: BalanceStats) -> None:
@@ -2092,27 +2102,33 @@ class BalancedVisionTower:
 
     def drop_text_only_grads(self) -> bool:
         """Unset the tower's and :attr:`projection`'s gradients (``None``) where every training
-        forward since the last call held no images on any rank and found them unset: what the
-        plain model leaves there (it never called the tower), where the balanced forwards gave
-        them all-zero gradients (the ``+0.0`` every rank's loss depends on, see the module
-        docstring). An optimizer skips a parameter without a gradient, but steps one with a zero
-        gradient (AdamW: its momentum and weight decay), so the towers would drift apart.
+        forward since the last call held no images on any rank and found them unset, and where
+        they hold zeros only: what the plain model leaves there (it never called the tower), where
+        the balanced forwards gave them all-zero gradients (the ``+0.0`` every rank's loss depends
+        on, see the module docstring). An optimizer skips a parameter without a gradient, but
+        steps one with a zero gradient (AdamW: its momentum and weight decay), so the towers would
+        drift apart. Gradients from elsewhere stay: a call of the tower outside the balanced
+        forward (ColQwen2's own, ``get_image_features``), a loss term on its weights.
 
         Call it once per optimizer step, after the backward (DDP's reduction) and before the step,
-        on every rank (the decision comes from every rank's gathered images, the same everywhere);
-        ``ViTBalanceTrainerCallback`` calls it before each of the Trainer's optimizer steps. Where
-        the gradients are sharded by the optimizer (DeepSpeed's ZeRO), its own zeros stay: as the
-        plain model's under ZeRO.
+        on every rank; ``ViTBalanceTrainerCallback`` calls it before each of the Trainer's optimizer
+        steps, the Lightning mixin in ``on_before_optimizer_step``. After a step without images it
+        reads the gradients' peaks once from the device (zeros only?). Where the optimizer shards
+        the gradients itself (DeepSpeed's ZeRO), its own zeros stay, as the plain model's do there.
 
         Returns:
             Whether the gradients were unset.
         """
         unset = self._text_only_since is True
         self._text_only_since = None
-        if unset:
-            for param in self._touched_parameters():
-                param.grad = None
-        return unset
+        params = self._touched_parameters() if unset else []
+        # Only the zeros the balanced forwards gave: a gradient from elsewhere (a loss term on the
+        # tower's weights) stays. One read of the device, in a step without images only.
+        if not params or not _all_zero([param.grad for param in params if param.grad is not None]):
+            return False
+        for param in params:
+            param.grad = None
+        return True
 
     def _dummy_modalities(self, combined: _Combined, group: Any) -> dict[str, _Dummy] | None:
         """Where :attr:`projection` has parameters that only a call of it gathers (ZeRO-3, an FSDP2
@@ -2232,6 +2248,7 @@ class BalancedVisionTower:
         # Unsharded, this rank encodes the call itself, as the plain model would: the same outputs
         # and gradients, no collective (the balanced call's backward still runs on every rank).
         self.unmatched_calls += 1
+        self._text_only_since = False
         if self.unmatched_calls == 1:
             message = problem + ": encoded directly, unbalanced (warned once)."
             warnings.warn(message, RuntimeWarning, stacklevel=2)

@@ -2048,21 +2048,53 @@ def _adamw_steps(drop: bool) -> tuple[list[float], list[bool]]:
     return losses, unset
 
 
+def _text_only_steps_with_other_gradients() -> dict[str, bool]:
+    """Steps of text alone on every rank where the tower's gradients are not only the drop-in's
+    zeros, or where a forward that no optimizer step follows came first: what
+    ``drop_text_only_grads`` did each time."""
+    model = tiny_model(FIT_FAMILY)
+    handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG), evaluation=True)
+    text, rank = fit_batch(3, torch.distributed.get_rank()), torch.distributed.get_rank()
+    weight = next(handle.tower.parameters())
+    done: dict[str, bool] = {}
+    # A loss term on the tower's weights: a real gradient, which the plain model's optimizer steps.
+    (model(**text).loss + weight.square().sum()).backward()
+    done["penalty"] = handle.drop_text_only_grads() or weight.grad is None
+    model.zero_grad()
+    # The tower called outside the balanced forward (ColQwen2 encodes its images itself).
+    image = make_inputs(FIT_FAMILY, [{"images": [(1, 4, 4)]}], seed=rank)
+    encoded = handle.tower(image["pixel_values"], grid_thw=image["image_grid_thw"])
+    (model(**text).loss + flatten_output(encoded)[0][0][1].sum()).backward()
+    done["own_tower_call"] = handle.drop_text_only_grads()
+    model.zero_grad()
+    # An evaluation forward with images and gradients on, then a training step of text alone.
+    model.eval()
+    model(**fit_batch(2, rank)).loss.backward()
+    model.train().zero_grad()
+    model(**text).loss.backward()
+    done["after_evaluation"] = handle.drop_text_only_grads() and weight.grad is None
+    return done
+
+
 def test_a_step_of_text_alone_leaves_the_towers_gradients_unset(multirank: Any) -> None:
     """A step where no rank has images: the plain model never calls its tower, whose gradients stay
     unset and AdamW skips it; the drop-in's ``+0.0`` gave them zeros, and AdamW moved the tower
     (momentum, weight decay), so the next step's losses differed. ``drop_text_only_grads`` before
-    the optimizer step unsets them (``ViTBalanceTrainerCallback`` calls it)."""
+    the optimizer step unsets them (``ViTBalanceTrainerCallback`` calls it), and only them."""
     step_of = functools.partial(_step_batch, TEXT_ONLY_STEPS)
     expected = _reference(
         tiny_model(FIT_FAMILY), step_of, len(TEXT_ONLY_STEPS), lr=ADAMW_LR, optimizer_class=torch.optim.AdamW
     )
     with multirank(FIT_RANKS) as w:
         per_rank, drifted = w.run(_adamw_steps, True), w.run(_adamw_steps, False)
+        others = w.run(_text_only_steps_with_other_gradients)
     for rank, (losses, unset) in enumerate(per_rank):
         torch.testing.assert_close(torch.tensor(losses), expected[rank], **TOL)
         assert unset == [False, True, False], unset
     assert not torch.allclose(torch.tensor(drifted[0][0][-1]), expected[0][-1], **TOL), drifted
+    # Gradients from elsewhere stay (ColQwen2's tower trained on nothing else); an evaluation
+    # forward's images, no optimizer step after them, do not count for the step.
+    assert others == [{"penalty": False, "own_tower_call": False, "after_evaluation": True}] * FIT_RANKS
 
 
 def test_the_mixin_and_the_trainer_callback_drop_text_only_grads_before_each_step() -> None:

@@ -975,10 +975,14 @@ def _pool_frames(tower: Any, parts: Sequence[_Part], outputs: Sequence[Any]) -> 
 
 
 def _all_zero(grads: list[torch.Tensor]) -> bool:
-    """Whether every one of ``grads`` (this rank's shard of a sharded one) holds zeros only."""
-    local = [grad.to_local() if hasattr(grad, "to_local") else grad for grad in grads]
-    peaks = [grad.detach().abs().amax().float().cpu() for grad in local if grad.numel() > 0]
-    return not peaks or float(torch.stack(peaks).max()) == 0.0
+    """Whether every one of ``grads`` (this rank's shard of a sharded one) holds zeros only: one
+    read from each device that holds some."""
+    peaks: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in grads:
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        if local.numel() > 0:
+            peaks.setdefault(local.device, []).append(local.detach().abs().amax().float())
+    return all(float(torch.stack(found).max()) == 0.0 for found in peaks.values())
 
 
 def _exact_zero(output: Any) -> torch.Tensor | None:

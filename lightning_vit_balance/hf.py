@@ -1719,8 +1719,8 @@ class BalancedVisionTower:
         device that differed from its plan's (see :meth:`ViTBalancer.check_pending`). Collective:
         call it on every rank where no balanced forward follows (the end of a loop that plans
         ahead); ``ViTBalanceTrainerCallback`` calls it when training, an evaluation or a
-        prediction ends. Nothing to do where
-        no forward took a plan made ahead since (a LightningModule's handle: the module reports).
+        prediction ends. Nothing to do where no forward took a plan made ahead since (a
+        LightningModule's handle: the module reports).
 
         Raises:
             ValueError: On every rank, when a rank's forward did not match the plan made for it.

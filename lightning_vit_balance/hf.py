@@ -974,6 +974,18 @@ def _pool_frames(tower: Any, parts: Sequence[_Part], outputs: Sequence[Any]) -> 
         output["pooler_output"] = tower.temporal_merge(hidden, grid, *kernel)
 
 
+def _flat_parameter_view(param: torch.Tensor) -> bool:
+    """Whether ``param`` is an FSDP1 unit's original parameter (``use_orig_params=True``): a view
+    into the unit's ``FlatParameter``, marked as flattened, but not one itself."""
+    if not getattr(param, "_fsdp_flattened", False):
+        return False
+    try:
+        from torch.distributed.fsdp._flat_param import FlatParameter
+    except ImportError:  # torch's layout moved: take it for a view, whose zeros then stay
+        return True
+    return not isinstance(param, FlatParameter)
+
+
 def _all_zero(grads: list[torch.Tensor]) -> bool:
     """Whether every one of ``grads`` (this rank's shard of a sharded one) holds zeros only: one
     read from each device that holds some."""
@@ -1483,7 +1495,7 @@ class BalancedVisionTower:
         #: ``generate()``'s calls for dummy items after the first forward's embeddings (``late_call``).
         self._late_touch: _ProjectionTouch | None = None
         #: Since the last :meth:`drop_text_only_grads`: None before a training forward, else whether
-        #: every one held no images on any rank, the first with the gradients unset.
+        #: every one held no images on any rank.
         self._text_only_since: bool | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -2092,27 +2104,34 @@ class BalancedVisionTower:
             self._note_text_only(stats)
 
     def _note_text_only(self, stats: BalanceStats) -> None:
-        # Only a forward without images reads the gradients (host work on the tower's parameters).
         if stats.reason != "no-images":
             self._text_only_since = False
         elif self._text_only_since is None:
-            self._text_only_since = all(param.grad is None for param in self._touched_parameters())
+            self._text_only_since = True
 
     def _touched_parameters(self) -> list[nn.Parameter]:
-        """The trained parameters a balanced forward gives a gradient on every rank: the tower's
-        and :attr:`projection`'s."""
+        """The trained parameters a balanced forward gives a gradient on every rank, the tower's
+        and :attr:`projection`'s, whose gradient the plain model leaves unset when it does not
+        call them: not an FSDP1 unit's original parameters (``use_orig_params``), which share
+        their unit's flat gradient with other modules' (zeros there, for the plain model too)."""
         modules = [self.tower, *self._projection_modules()]
-        return [param for module in modules for param in module.parameters() if param.requires_grad]
+        return [
+            param
+            for module in modules
+            for param in module.parameters()
+            if param.requires_grad and not _flat_parameter_view(param)
+        ]
 
     def drop_text_only_grads(self) -> bool:
         """Unset the tower's and :attr:`projection`'s gradients (``None``) where every training
-        forward since the last call held no images on any rank and found them unset, and where
-        they hold zeros only: what the plain model leaves there (it never called the tower), where
-        the balanced forwards gave them all-zero gradients (the ``+0.0`` every rank's loss depends
-        on, see the module docstring). An optimizer skips a parameter without a gradient, but
-        steps one with a zero gradient (AdamW: its momentum and weight decay), so the towers would
-        drift apart. Gradients from elsewhere stay: a call of the tower outside the balanced
-        forward (ColQwen2's own, ``get_image_features``), a loss term on its weights.
+        forward since the last call held no images on any rank, and where they hold zeros only:
+        what the plain model leaves there (it never called the tower, and optimizers' ``zero_grad``
+        unsets gradients), where the balanced forwards gave them all-zero gradients (the ``+0.0``
+        every rank's loss depends on, see the module docstring). An optimizer skips a parameter
+        without a gradient, but steps one with a zero gradient (AdamW: its momentum and weight
+        decay), so the towers would drift apart. Gradients from elsewhere stay: a call of the
+        tower outside the balanced forward (ColQwen2's own, ``get_image_features``), a loss term on
+        its weights. With ``zero_grad(set_to_none=False)`` the plain model steps zeros there.
 
         Call it once per optimizer step, after the backward (DDP's reduction) and before the step,
         on every rank; ``ViTBalanceTrainerCallback`` calls it before each of the Trainer's optimizer

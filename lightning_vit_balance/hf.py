@@ -986,15 +986,18 @@ def _flat_parameter_view(param: torch.Tensor) -> bool:
     return not isinstance(param, FlatParameter)
 
 
-def _all_zero(grads: list[torch.Tensor]) -> bool:
-    """Whether every one of ``grads`` (this rank's shard of a sharded one) holds zeros only: one
-    read from each device that holds some."""
-    peaks: dict[torch.device, list[torch.Tensor]] = {}
-    for grad in grads:
-        local = grad.to_local() if hasattr(grad, "to_local") else grad
-        if local.numel() > 0:
-            peaks.setdefault(local.device, []).append(local.detach().abs().amax().float())
-    return all(float(torch.stack(found).max()) == 0.0 for found in peaks.values())
+def _zero_grads(grads: Sequence[torch.Tensor]) -> list[bool]:
+    """Whether each of ``grads`` holds zeros only: one read from each device that holds some."""
+    zero = [True] * len(grads)
+    by_device: dict[torch.device, list[int]] = {}
+    for index, grad in enumerate(grads):
+        if grad.numel() > 0:
+            by_device.setdefault(grad.device, []).append(index)
+    for indices in by_device.values():
+        peaks = torch.stack([grads[i].detach().abs().amax().float() for i in indices]).tolist()
+        for index, peak in zip(indices, peaks):
+            zero[index] = peak == 0.0
+    return zero
 
 
 def _exact_zero(output: Any) -> torch.Tensor | None:
@@ -2112,26 +2115,29 @@ class BalancedVisionTower:
     def _touched_parameters(self) -> list[nn.Parameter]:
         """The trained parameters a balanced forward gives a gradient on every rank, the tower's
         and :attr:`projection`'s, whose gradient the plain model leaves unset when it does not
-        call them: not an FSDP1 unit's original parameters (``use_orig_params``), which share
-        their unit's flat gradient with other modules' (zeros there, for the plain model too)."""
+        call them and every rank holds whole. Not an FSDP1 unit's original parameters
+        (``use_orig_params``), which share their unit's flat gradient with other modules' (zeros
+        there, for the plain model too); not FSDP2's or ZeRO-3's sharded ones, whose shards could
+        tell ranks apart (a later gradient clipping's collectives would then differ)."""
         modules = [self.tower, *self._projection_modules()]
         return [
             param
             for module in modules
             for param in module.parameters()
-            if param.requires_grad and not _flat_parameter_view(param)
+            if param.requires_grad and not _flat_parameter_view(param) and not gathered_per_call(param)
         ]
 
     def drop_text_only_grads(self) -> bool:
-        """Unset the tower's and :attr:`projection`'s gradients (``None``) where every training
-        forward since the last call held no images on any rank, and where they hold zeros only:
-        what the plain model leaves there (it never called the tower, and optimizers' ``zero_grad``
-        unsets gradients), where the balanced forwards gave them all-zero gradients (the ``+0.0``
-        every rank's loss depends on, see the module docstring). An optimizer skips a parameter
-        without a gradient, but steps one with a zero gradient (AdamW: its momentum and weight
-        decay), so the towers would drift apart. Gradients from elsewhere stay: a call of the
-        tower outside the balanced forward (ColQwen2's own, ``get_image_features``), a loss term on
-        its weights. With ``zero_grad(set_to_none=False)`` the plain model steps zeros there.
+        """Unset the tower's and :attr:`projection`'s gradients (``None``) that hold zeros only,
+        where every training forward since the last call held no images on any rank: what the
+        plain model leaves there (it never called the tower, and optimizers' ``zero_grad`` unsets
+        gradients), where the balanced forwards gave them all-zero gradients (the ``+0.0`` every
+        rank's loss depends on, see the module docstring). An optimizer skips a parameter without
+        a gradient, but steps one with a zero gradient (AdamW: its momentum and weight decay), so
+        the towers would drift apart. Gradients from elsewhere stay (a call of the tower outside
+        the balanced forward, ColQwen2's own or ``get_image_features``; a loss term on a weight),
+        unless exactly zero. With ``zero_grad(set_to_none=False)`` the plain model steps zeros
+        there. Sharded parameters keep their zeros (FSDP2, ZeRO-3, FSDP1's ``use_orig_params``).
 
         Call it once per optimizer step, after the backward (DDP's reduction) and before the step,
         on every rank; ``ViTBalanceTrainerCallback`` calls it before each of the Trainer's optimizer
@@ -2140,18 +2146,18 @@ class BalancedVisionTower:
         the gradients itself (DeepSpeed's ZeRO), its own zeros stay, as the plain model's do there.
 
         Returns:
-            Whether the gradients were unset.
+            Whether any gradient was unset.
         """
-        unset = self._text_only_since is True
+        text_only = self._text_only_since is True
         self._text_only_since = None
-        params = self._touched_parameters() if unset else []
-        # Only the zeros the balanced forwards gave: a gradient from elsewhere (a loss term on the
-        # tower's weights) stays. One read of the device, in a step without images only.
-        if not params or not _all_zero([param.grad for param in params if param.grad is not None]):
-            return False
-        for param in params:
-            param.grad = None
-        return True
+        params = [p for p in self._touched_parameters() if p.grad is not None] if text_only else []
+        # Only the zeros the balanced forwards gave: a gradient from elsewhere (a loss term on a
+        # tower weight) stays. One read of the device, in a step without images only.
+        zero = _zero_grads([param.grad for param in params])
+        for param, unset in zip(params, zero):
+            if unset:
+                param.grad = None
+        return any(zero)
 
     def _dummy_modalities(self, combined: _Combined, group: Any) -> dict[str, _Dummy] | None:
         """Where :attr:`projection` has parameters that only a call of it gathers (ZeRO-3, an FSDP2

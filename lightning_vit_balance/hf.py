@@ -1929,8 +1929,8 @@ class BalancedVisionTower:
         if self._pending is None:
             if torch.is_grad_enabled():
                 self._text_only_since = False  # the tower's gradients may come from this call too
-            if self.base.training and torch.is_grad_enabled() and self.settings() is not None:
-                self._warn_outside()
+                if self.base.training and self.settings() is not None:
+                    self._warn_outside()
             return _Route(original, args, kwargs)
         return _Route(self._serve, args, kwargs)
 
@@ -2124,7 +2124,7 @@ class BalancedVisionTower:
             param
             for module in modules
             for param in module.parameters()
-            if param.requires_grad and not _flat_parameter_view(param) and not gathered_per_call(param)
+            if _touchable(param) and not _flat_parameter_view(param)
         ]
 
     def drop_text_only_grads(self) -> bool:

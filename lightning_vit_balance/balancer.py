@@ -18,6 +18,7 @@ embeddings, even with zero rows), because those exchanges are collectives too.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -328,9 +329,13 @@ def _advise_host_group(group: Any) -> None:
 
 
 def _vit_requires_grad(vit: Any) -> bool:
-    if isinstance(vit, torch.nn.Module):
-        return any(p.requires_grad for p in vit.parameters())
-    return True
+    """Whether ``vit``'s outputs may require grad from its parameters. A module that lists none may
+    hold them where its parameters do not show: FSDP1 (``use_orig_params=False``) flattens them into
+    an outer unit's parameter, and its forward sets them as views, not parameters."""
+    if not isinstance(vit, torch.nn.Module):
+        return True
+    params = list(vit.parameters())
+    return not params or any(p.requires_grad for p in params)
 
 
 class ViTBalancer:
@@ -715,6 +720,8 @@ class ViTBalancer:
                 call, pixel_values, grid_thw, plan, metadata, reference, problem is not None
             )
             self._clock.start(batch.pixels.device)
+            if problem is not None:
+                self._call_as_the_others(call, vit, reference, batch.grid)
             encoded = self._encode(call, vit, batch, ValueError(problem) if problem is not None else None)
         self._clock.stop()
         call.seconds["encode"] = encoded.seconds
@@ -726,14 +733,7 @@ class ViTBalancer:
         parameters are sharded, where each call gathers them and a rank with only its own images,
         or only others', would make one gather fewer than the rest (a mismatch, or a hang on NCCL).
         The same on every rank: the model is sharded alike on all of them."""
-        if not isinstance(vit, torch.nn.Module):
-            return True
-        sharded = self._sharded_vits.get(vit)
-        if sharded is None:
-            # Read once per ViT (0.5 ms on a Qwen2-VL tower's 391 parameters): models are sharded
-            # when the run sets up, before their first call.
-            sharded = self._sharded_vits[vit] = parameters_sharded(vit)
-        if not sharded:
+        if not self._sharded(vit):
             return True
         if not self._warned_sharded_overlap:
             self._warned_sharded_overlap = True
@@ -745,6 +745,32 @@ class ViTBalancer:
                 stacklevel=2,
             )
         return False
+
+    def _sharded(self, vit: Any) -> bool:
+        """Whether ``vit``'s parameters are sharded (FSDP, ZeRO-3): each of its calls gathers them,
+        a collective. The same on every rank: the model is sharded alike on all of them."""
+        if not isinstance(vit, torch.nn.Module):
+            return False
+        sharded = self._sharded_vits.get(vit)
+        if sharded is None:
+            # Read once per ViT (0.5 ms on a Qwen2-VL tower's 391 parameters): models are sharded
+            # when the run sets up, before their first call.
+            sharded = self._sharded_vits[vit] = parameters_sharded(vit)
+        return sharded
+
+    def _call_as_the_others(self, call: _Call, vit: Any, reference: _Reference, like_grid: Any) -> None:
+        """On a rank whose input does not match its prepared plan (it encodes nothing, and reports
+        the problem in the status gather): where ``vit``'s parameters are sharded, call it once on a
+        dummy image, without gradients, so that its parameter gathers meet the other ranks' in
+        their ViT calls (not their status gather: an abort on gloo, a hang on NCCL)."""
+        if not self._sharded(vit):
+            return
+        if not isinstance(like_grid, torch.Tensor):
+            like_grid = torch.empty((0, 3), dtype=torch.long, device=call.device)
+        batch = BalancedBatch.dummy(call.merge, reference.channels, reference.dtype, like_grid, call.device)
+        # A failure here is not reported: the input's problem is what every rank raises.
+        with torch.no_grad(), contextlib.suppress(Exception):
+            vit(batch.pixels, batch.grid)
 
     def _encode(
         self, call: _Call, vit: Any, batch: BalancedBatch, skip_with: Exception | None = None
@@ -1182,7 +1208,9 @@ class ViTBalancer:
             return encode(grid_thw.dim() == 2 and grid_thw.shape[0] > 0)
         error: BaseException | None = ValueError(problem) if problem is not None else None
         output = None
-        if error is None:
+        if error is not None:
+            self._call_as_the_others(call, vit, reference, grid_thw)
+        else:
             try:
                 output = encode(has_images)
             except BaseException as caught:  # every rank must hear of it before this one re-raises

@@ -749,6 +749,44 @@ def test_a_sharded_tower_encodes_in_one_call_with_the_overlapped_trip(multirank:
     assert per_rank == [{"applied": True, "forwards": 2, "warnings": warned}] * POOL, per_rank
 
 
+class _TowerAndHead(torch.nn.Module):
+    """A tower and a head in one module, the tower called through ``balancer``."""
+
+    def __init__(self, vit: towers.TensorTower, balancer: ViTBalancer) -> None:
+        super().__init__()
+        self.visual, self.head, self.balancer = vit, torch.nn.Linear(vit.merger.out_features, 1), balancer
+
+    def forward(self, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        return self.head(self.balancer(self.visual, pixels, grid)).pow(2).sum()
+
+
+def _tower_in_an_outer_flat_unit() -> dict[str, Any]:
+    """FSDP1 with ``use_orig_params=False`` and the tower inside the root unit (no unit of its own):
+    its forward sees its parameters as views of the root's flat one, not parameters, so the call
+    took the ViT for one without gradients and sent its images' outputs back without them."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    # Images on every rank: the direct call of the reference takes no empty batch.
+    pixels, grid = towers.make_batch(STRAGGLER_GRIDS[dist.get_rank()] or [(1, 2, 2)], seed=dist.get_rank())
+    shards = []
+    for enabled in (False, True):
+        torch.manual_seed(0)
+        balancer = ViTBalancer(ViTBalanceConfig(enabled=enabled, trigger_threshold=0.0))
+        module = _TowerAndHead(towers.TensorTower(), balancer)
+        model = FullyShardedDataParallel(module, use_orig_params=False, device_id=torch.device("cpu"))
+        model(pixels, grid).backward()
+        shards.append([p.grad for p in model.parameters() if p.grad is not None])
+    # This rank's shard of the flat gradient, balanced against direct: the same sums of the same
+    # products in other batch orders, to a few fp32 ulps.
+    torch.testing.assert_close(shards[1], shards[0], rtol=1e-4, atol=1e-6)
+    return {"applied": balancer.last_stats is not None and balancer.last_stats.applied}
+
+
+def test_a_tower_inside_an_fsdp1_flat_unit_gets_its_gradients(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        assert w.run(_tower_in_an_outer_flat_unit) == [{"applied": True}] * POOL
+
+
 def _pixel_gradients(overlap: bool) -> dict[str, Any]:
     """``torch.autograd.grad`` of each rank's loss with respect to its own pixel rows alone (a
     saliency map), the rank without images too: the direct calls' gradients, and no rank left

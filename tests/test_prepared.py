@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import towers
 from equivalence import run_cases
-from multirank import groups_taken_for_nccl, subgroup
+from multirank import groups_taken_for_nccl, skip_without_fsdp2, subgroup
 from test_balancer import THRESHOLD_0, standard_cases
 
 from lightning_vit_balance import ViTBalanceConfig, ViTBalancer, make_host_group
@@ -81,12 +81,17 @@ def _on_three_ranks(grids: list[list[tuple[int, int, int]]], config: dict[str, A
     return _Setup(rank, towers.TensorTower(), pixels, grid, ViTBalancer(ViTBalanceConfig(**config), group))
 
 
-def _mismatch(kind: str, skipped: bool) -> tuple[str, str, float] | None:
+def _mismatch(kind: str, skipped: bool, sharded: bool = False) -> tuple[str, str, float] | None:
     grids = [[(1, 8, 8), (1, 8, 8)], [(1, 2, 2)], [(1, 4, 4)]]
     setup = _on_three_ranks(grids, SKIPPED_CHECKED if skipped else THRESHOLD_0)
     if setup is None:
         return None
     rank, tower, pixels, grid, balancer = setup
+    if sharded:  # the tower an FSDP2 unit: each of its calls gathers its parameters
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(tower, mesh=DeviceMesh.from_group(balancer.group, "cpu"))
     ticket = balancer.prepare(pixels, grid, tower)
     assert ticket is not None and ticket.plan.applied is not skipped
     if rank == 1 and kind == "rows":
@@ -174,6 +179,21 @@ def test_a_call_that_does_not_match_its_plan_fails_everywhere(
     assert len({o[1] for o in outcomes}) == 1, outcomes
     assert "rank 1" in outcomes[0][1] and fragment in outcomes[0][1], outcomes[0][1]
     assert all(o[2] < 10.0 for o in outcomes), outcomes
+
+
+@pytest.mark.parametrize("skipped", [False, True], ids=["moved", "skipped_checked"])
+def test_a_sharded_tower_fails_everywhere_on_a_call_that_does_not_match_its_plan(
+    multirank: Any, skipped: bool
+) -> None:
+    """The tower an FSDP2 unit: the rank at fault skipped it, so its status gather met the other
+    ranks' parameter gathers in their tower calls (gloo aborted; NCCL would hang). It now calls the
+    tower on a dummy image first, and every rank raises the error."""
+    skip_without_fsdp2()
+    with multirank(POOL) as w:
+        outcomes = w.run(_mismatch, "rows", skipped, True)[:3]
+    assert {o[0] for o in outcomes} == {"ValueError"}, outcomes
+    assert len({o[1] for o in outcomes}) == 1, outcomes
+    assert "rank 1" in outcomes[0][1] and "shape" in outcomes[0][1], outcomes[0][1]
 
 
 def _skipped_mismatch(kind: str) -> dict[str, Any] | None:

@@ -1500,6 +1500,12 @@ class BalancedVisionTower:
         #: Since the last :meth:`drop_text_only_grads`: None before a training forward, else whether
         #: every one held no images on any rank.
         self._text_only_since: bool | None = None
+        #: The touched parameters' in-place versions at the latest training forward without images
+        #: on any rank, until a :meth:`drop_text_only_grads`, a forward with images or a tower call of
+        #: the model's own: a training forward that finds them changed (an optimizer step) tells of a
+        #: loop that stepped that forward's zero gradients without :meth:`drop_text_only_grads`.
+        self._text_only_versions: list[tuple[nn.Parameter, int]] | None = None
+        self._warned_stepped_zeros = getattr(self, "_warned_stepped_zeros", False)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -1514,6 +1520,7 @@ class BalancedVisionTower:
             "_twin_of",
             "_kept",
             "_late_touch",
+            "_text_only_versions",
         )
         for name in (*runtime, "last_stats"):
             state.pop(name, None)
@@ -1604,15 +1611,22 @@ class BalancedVisionTower:
         collective (the gather of every rank's grid rows). (GLM-4.xV models build their videos'
         per-step grid in the forward; the drop-in reads that one to match the model's tower call.)
 
+        The next balanced forward takes the plan: a forward that is not balanced (one under
+        ``no_grad`` in train mode without :attr:`evaluation`, a step of ``generate()`` where the
+        tower is not sharded) leaves it to the next one, which raises if its batch is another.
+
         Returns:
             The plan (the next forward takes it), or None when forwards are not balanced now
-            (balancing disabled, no process group, or one rank).
+            (balancing disabled, no process group, one rank, or eval mode without
+            :attr:`evaluation`): no gather then.
 
         Raises:
             ValueError: On every rank, for invalid input or settings on any rank.
         """
         self._ticket = None
-        settings = self.settings()
+        # In eval mode without `evaluation` the forwards encode directly: a plan would wait for a
+        # forward of another batch (the next training step's), which would fail on it.
+        settings = self.settings() if self.base.training or self.evaluation else None
         if settings is None:
             return None
         self._keep_host_rows(batch)
@@ -1726,7 +1740,8 @@ class BalancedVisionTower:
         release_host_group(self._twin)
         self._twin, self._twin_of = None, None
         self._kept = None  # the run's reader is done (kept again from its next pop_stats)
-        self._text_only_since = None  # a step the run left unfinished (it raised) is not the next run's
+        # A step the run left unfinished (it raised) is not the next run's.
+        self._text_only_since, self._text_only_versions = None, None
 
     def check_pending(self) -> None:
         """Report what the last forwards given a plan made ahead (:meth:`prepare`, the
@@ -1928,7 +1943,8 @@ class BalancedVisionTower:
             return _Route(original, self._tower_form_args(args), self._tower_keywords, finish=finish)
         if self._pending is None:
             if torch.is_grad_enabled():
-                self._text_only_since = False  # the tower's gradients may come from this call too
+                # The tower's gradients may come from this call too.
+                self._text_only_since, self._text_only_versions = False, None
                 if self.base.training and self.settings() is not None:
                     self._warn_outside()
             return _Route(original, args, kwargs)
@@ -2107,10 +2123,38 @@ class BalancedVisionTower:
             self._note_text_only(stats)
 
     def _note_text_only(self, stats: BalanceStats) -> None:
-        if stats.reason != "no-images":
+        text_only = stats.reason == "no-images"
+        if not text_only:
             self._text_only_since = False
         elif self._text_only_since is None:
             self._text_only_since = True
+        if self._warned_stepped_zeros:
+            return
+        if self._text_only_versions is not None:
+            self._warn_if_stepped()
+        # Host reads only (a few hundred ints), after a forward without images only.
+        touched = self._touched_parameters() if text_only else None
+        self._text_only_versions = None if touched is None else [(p, p._version) for p in touched]
+
+    def _warn_if_stepped(self) -> None:
+        """Warn (once) where the touched parameters changed in place since a training forward
+        without images on any rank, with no :meth:`drop_text_only_grads` in between: the loop's
+        optimizer stepped the zeros that forward gave them (the plain model gives none)."""
+        versions = self._text_only_versions or []
+        if not any(param._version != version for param, version in versions):
+            return  # the same step still (gradient accumulation), or nothing stepped the tower
+        self._warned_stepped_zeros = True
+        warnings.warn(
+            "balance_vision_tower: the tower's parameters changed (an optimizer step) after a training "
+            "forward in which no rank had images, with no drop_text_only_grads() in between. That "
+            "forward gave the tower and its projection all-zero gradients, which the plain model leaves "
+            "unset: an optimizer with momentum or weight decay (AdamW) stepped them, and the tower "
+            "drifts from the plain model's. Call handle.drop_text_only_grads() on every rank after the "
+            "backward and before optimizer.step() (with the Lightning mixin in a Fabric loop: "
+            "fabric.call('on_before_optimizer_step', optimizer)). Warned once.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _touched_parameters(self) -> list[nn.Parameter]:
         """The trained parameters a balanced forward gives a gradient on every rank, the tower's
@@ -2141,15 +2185,17 @@ class BalancedVisionTower:
 
         Call it once per optimizer step, after the backward (DDP's reduction) and before the step,
         on every rank; ``ViTBalanceTrainerCallback`` calls it before each of the Trainer's optimizer
-        steps, the Lightning mixin in ``on_before_optimizer_step``. After a step without images it
-        reads the gradients' peaks once from the device (zeros only?). Where the optimizer shards
+        steps, the Lightning mixin in ``on_before_optimizer_step`` (in a Fabric loop, run it with
+        ``fabric.call``). A training forward that finds the tower's parameters changed in place
+        since a forward without images, with no call in between, warns once. After a step without
+        images it reads the gradients' peaks once from the device (zeros only?). Where the optimizer shards
         the gradients itself (DeepSpeed's ZeRO), its own zeros stay, as the plain model's do there.
 
         Returns:
             Whether any gradient was unset.
         """
         text_only = self._text_only_since is True
-        self._text_only_since = None
+        self._text_only_since, self._text_only_versions = None, None
         params = [p for p in self._touched_parameters() if p.grad is not None] if text_only else []
         # Only the zeros the balanced forwards gave: a gradient from elsewhere (a loss term on a
         # tower weight) stays. One read of the device, in a step without images only.
@@ -2277,7 +2323,7 @@ class BalancedVisionTower:
         # Unsharded, this rank encodes the call itself, as the plain model would: the same outputs
         # and gradients, no collective (the balanced call's backward still runs on every rank).
         self.unmatched_calls += 1
-        self._text_only_since = False
+        self._text_only_since, self._text_only_versions = False, None
         if self.unmatched_calls == 1:
             message = problem + ": encoded directly, unbalanced (warned once)."
             warnings.warn(message, RuntimeWarning, stacklevel=2)

@@ -2090,6 +2090,59 @@ def _text_only_steps_with_other_gradients() -> dict[str, bool]:
     return done
 
 
+def _stepped_zeros_warned(steps: Callable[[nn.Module, Any, torch.optim.Optimizer], None]) -> bool:
+    """Whether a fresh drop-in warned that its zeros were stepped, over ``steps(model, handle,
+    optimizer)`` (SGD: without momentum, a zero gradient still moves a parameter in place)."""
+    model = tiny_model(FIT_FAMILY)
+    handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
+    optimizer = torch.optim.SGD(model.parameters(), lr=ADAMW_LR)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        steps(model, handle, optimizer)
+    return any("no drop_text_only_grads() in between" in str(w.message) for w in caught)
+
+
+def _stepped_zeros_cases() -> dict[str, bool]:
+    """When the drop-in warns of a loop that steps the zeros of a step without images (no
+    ``drop_text_only_grads`` between its backward and the optimizer step, as in a Fabric loop that
+    does not run the mixin's hook): at the next training forward, and only then."""
+    rank = torch.distributed.get_rank()
+    text, images = fit_batch(3, rank), fit_batch(2, rank)
+
+    def accumulated(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
+        for _ in range(2):  # micro-batches of one step: nothing stepped yet
+            model(**text).loss.backward()
+
+    def stepped(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
+        model(**text).loss.backward()
+        optimizer.step()
+        model(**images)
+
+    def dropped(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
+        model(**text).loss.backward()
+        handle.drop_text_only_grads()
+        optimizer.step()
+        model(**images)
+
+    def own_tower_call(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
+        image = make_inputs(FIT_FAMILY, [{"images": [(1, 4, 4)]}], seed=rank)
+        for _ in range(2):  # the tower's gradients are real: ColQwen2 encodes its images itself
+            encoded = handle.tower(image["pixel_values"], grid_thw=image["image_grid_thw"])
+            (model(**text).loss + flatten_output(encoded)[0][0][1].sum()).backward()
+            optimizer.step()
+
+    def prepared_in_eval_mode(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
+        # Eval forwards encode directly here: no plan (it would wait for the next training batch).
+        model.eval()
+        assert handle.prepare(text) is None
+        model.train()
+        model(**images)
+        assert handle.last_stats is not None and handle.last_stats.prepare_seconds == 0.0  # no plan taken
+
+    cases = [accumulated, stepped, dropped, own_tower_call, prepared_in_eval_mode]
+    return {case.__name__: _stepped_zeros_warned(case) for case in cases}
+
+
 def test_a_step_of_text_alone_leaves_the_towers_gradients_unset(multirank: Any) -> None:
     """A step where no rank has images: the plain model never calls its tower, whose gradients stay
     unset and AdamW skips it; the drop-in's ``+0.0`` gave them zeros, and AdamW moved the tower
@@ -2104,6 +2157,7 @@ def test_a_step_of_text_alone_leaves_the_towers_gradients_unset(multirank: Any) 
         # The forward of a step saw the last step's gradients still set.
         per_rank += w.run(_adamw_steps, True, True)
         others = w.run(_text_only_steps_with_other_gradients)
+        warned = w.run(_stepped_zeros_cases)
     for index, (losses, unset) in enumerate(per_rank):
         torch.testing.assert_close(torch.tensor(losses), expected[index % FIT_RANKS], **TOL)
         assert unset == [False, True, False], unset
@@ -2117,6 +2171,15 @@ def test_a_step_of_text_alone_leaves_the_towers_gradients_unset(multirank: Any) 
         "after_release": True,
     }
     assert others == [kept] * FIT_RANKS, others
+    # Without the drop, the next training forward warns that the optimizer stepped the zeros.
+    expected_warnings = {
+        "accumulated": False,
+        "stepped": True,
+        "dropped": False,
+        "own_tower_call": False,
+        "prepared_in_eval_mode": False,
+    }
+    assert warned == [expected_warnings] * FIT_RANKS, warned
 
 
 def test_the_mixin_and_the_trainer_callback_drop_text_only_grads_before_each_step() -> None:

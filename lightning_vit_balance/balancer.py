@@ -329,13 +329,21 @@ def _advise_host_group(group: Any) -> None:
 
 
 def _vit_requires_grad(vit: Any) -> bool:
-    """Whether ``vit``'s outputs may require grad from its parameters. A module that lists none may
-    hold them where its parameters do not show: FSDP1 (``use_orig_params=False``) flattens them into
-    an outer unit's parameter, and its forward sets them as views, not parameters."""
+    """Whether ``vit``'s outputs may require grad from its weights. A module that lists no
+    parameters may still hold trained weights: FSDP1 (``use_orig_params=False``) flattens those of
+    a tower inside an outer unit into that unit's parameter, and its forward sets them on the
+    modules as plain tensors, views of it that require grad. (Buffers, as frozen or quantized
+    towers hold their weights, do not.)"""
     if not isinstance(vit, torch.nn.Module):
         return True
     params = list(vit.parameters())
-    return not params or any(p.requires_grad for p in params)
+    if params:
+        return any(p.requires_grad for p in params)
+    return any(
+        isinstance(value, torch.Tensor) and value.requires_grad
+        for module in vit.modules()
+        for value in vars(module).values()
+    )
 
 
 class ViTBalancer:

@@ -193,6 +193,7 @@ import math
 import operator
 import sys
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -201,6 +202,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
 from lightning_vit_balance.config import ViTBalanceConfig
@@ -606,6 +608,30 @@ def _leaf_inputs_need_grad(module: nn.Module, args: tuple[Any, ...]) -> tuple[An
         )
     first = floating[0]
     return (*args[:first], args[first].detach().requires_grad_(), *args[first + 1 :])
+
+
+#: Handles whose training forwards since their last :meth:`BalancedVisionTower.drop_text_only_grads`
+#: held no images on any rank: the next optimizer step asks each first (:func:`_watch_optimizer_steps`).
+_STEP_WATCH: weakref.WeakSet[BalancedVisionTower] = weakref.WeakSet()
+#: The one optimizer-step pre-hook of the process, registered at the first such forward.
+_STEP_HOOK: list[Any] = []
+
+
+def _watch_optimizer_steps(handle: BalancedVisionTower) -> None:
+    """Have the next optimizer step ask ``handle`` first (``_before_optimizer_step``): loops of
+    one's own, Fabric's and accelerate's step without a hook of ours between the backward and the
+    step. One pre-hook on torch optimizers' steps for the process, kept once registered (removing
+    it within a step would change the hooks while torch runs them), a no-op while no handle is
+    watched."""
+    _STEP_WATCH.add(handle)
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_optimizer_step))
+
+
+@torch.compiler.disable  # a compiled optimizer step calls it as it is
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for handle in list(_STEP_WATCH):
+        handle._before_optimizer_step(optimizer)
 
 
 def _touchable(param: nn.Parameter) -> bool:
@@ -1500,12 +1526,12 @@ class BalancedVisionTower:
         #: Since the last :meth:`drop_text_only_grads`: None before a training forward, else whether
         #: every one held no images on any rank.
         self._text_only_since: bool | None = None
-        #: The touched parameters' in-place versions at the latest training forward without images
-        #: on any rank, until a :meth:`drop_text_only_grads`, a forward with images or a tower call of
-        #: the model's own: a training forward that finds them changed (an optimizer step) tells of a
-        #: loop that stepped that forward's zero gradients without :meth:`drop_text_only_grads`.
-        self._text_only_versions: list[tuple[nn.Parameter, int]] | None = None
-        self._warned_stepped_zeros = getattr(self, "_warned_stepped_zeros", False)
+        _STEP_WATCH.discard(self)
+        #: Per optimizer seen stepping: its number of parameter groups then, and whether it holds
+        #: any of the tower's or projection's trained parameters (:meth:`_steps_the_tower`).
+        self._stepping: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -1520,7 +1546,7 @@ class BalancedVisionTower:
             "_twin_of",
             "_kept",
             "_late_touch",
-            "_text_only_versions",
+            "_stepping",
         )
         for name in (*runtime, "last_stats"):
             state.pop(name, None)
@@ -1740,8 +1766,8 @@ class BalancedVisionTower:
         release_host_group(self._twin)
         self._twin, self._twin_of = None, None
         self._kept = None  # the run's reader is done (kept again from its next pop_stats)
-        # A step the run left unfinished (it raised) is not the next run's.
-        self._text_only_since, self._text_only_versions = None, None
+        self._text_only_since = None  # a step the run left unfinished (it raised) is not the next run's
+        _STEP_WATCH.discard(self)
 
     def check_pending(self) -> None:
         """Report what the last forwards given a plan made ahead (:meth:`prepare`, the
@@ -1943,8 +1969,7 @@ class BalancedVisionTower:
             return _Route(original, self._tower_form_args(args), self._tower_keywords, finish=finish)
         if self._pending is None:
             if torch.is_grad_enabled():
-                # The tower's gradients may come from this call too.
-                self._text_only_since, self._text_only_versions = False, None
+                self._gradients_from_elsewhere()
                 if self.base.training and self.settings() is not None:
                     self._warn_outside()
             return _Route(original, args, kwargs)
@@ -2123,38 +2148,41 @@ class BalancedVisionTower:
             self._note_text_only(stats)
 
     def _note_text_only(self, stats: BalanceStats) -> None:
-        text_only = stats.reason == "no-images"
-        if not text_only:
+        if stats.reason != "no-images":
             self._text_only_since = False
         elif self._text_only_since is None:
             self._text_only_since = True
-        if self._warned_stepped_zeros:
-            return
-        if self._text_only_versions is not None:
-            self._warn_if_stepped()
-        # Host reads only (a few hundred ints), after a forward without images only.
-        touched = self._touched_parameters() if text_only else None
-        self._text_only_versions = None if touched is None else [(p, p._version) for p in touched]
+        _watch_optimizer_steps(self)  # the step that ends this one may come without a drop
 
-    def _warn_if_stepped(self) -> None:
-        """Warn (once) where the touched parameters changed in place since a training forward
-        without images on any rank, with no :meth:`drop_text_only_grads` in between: the loop's
-        optimizer stepped the zeros that forward gave them (the plain model gives none)."""
-        versions = self._text_only_versions or []
-        if not any(param._version != version for param, version in versions):
-            return  # the same step still (gradient accumulation), or nothing stepped the tower
-        self._warned_stepped_zeros = True
-        warnings.warn(
-            "balance_vision_tower: the tower's parameters changed (an optimizer step) after a training "
-            "forward in which no rank had images, with no drop_text_only_grads() in between. That "
-            "forward gave the tower and its projection all-zero gradients, which the plain model leaves "
-            "unset: an optimizer with momentum or weight decay (AdamW) stepped them, and the tower "
-            "drifts from the plain model's. Call handle.drop_text_only_grads() on every rank after the "
-            "backward and before optimizer.step() (with the Lightning mixin in a Fabric loop: "
-            "fabric.call('on_before_optimizer_step', optimizer)). Warned once.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+    def _gradients_from_elsewhere(self) -> None:
+        """A call of the tower that gives its gradients values of their own (the model's own call,
+        outside the balanced forward): the step's gradients are not the drop-in's zeros alone."""
+        self._text_only_since = False
+        _watch_optimizer_steps(self)
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer is about to step after this handle's training forwards
+        (:func:`_watch_optimizer_steps`): where it holds the tower's parameters, the step ends
+        theirs, so :meth:`drop_text_only_grads` first where none of them had images on any rank
+        and the loop did not call it. Another model's optimizer (a GAN's discriminator, which may
+        step between the forward and its backward) neither drops nor ends the step."""
+        if not self._steps_the_tower(optimizer):
+            return
+        if self._text_only_since is True:
+            self.drop_text_only_grads()
+        self._text_only_since = None
+        _STEP_WATCH.discard(self)
+
+    def _steps_the_tower(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` holds any of the tower's or projection's trained parameters
+        (known per optimizer and number of parameter groups: read once)."""
+        groups = len(optimizer.param_groups)
+        known = self._stepping.get(optimizer)
+        if known is None or known[0] != groups:
+            touched = {id(param) for param in self._touched_parameters()}
+            holds = any(id(p) in touched for group in optimizer.param_groups for p in group["params"])
+            known = self._stepping[optimizer] = (groups, holds)
+        return known[1]
 
     def _touched_parameters(self) -> list[nn.Parameter]:
         """The trained parameters a balanced forward gives a gradient on every rank, the tower's
@@ -2183,19 +2211,24 @@ class BalancedVisionTower:
         unless exactly zero. With ``zero_grad(set_to_none=False)`` the plain model steps zeros
         there. Sharded parameters keep their zeros (FSDP2, ZeRO-3, FSDP1's ``use_orig_params``).
 
-        Call it once per optimizer step, after the backward (DDP's reduction) and before the step,
-        on every rank; ``ViTBalanceTrainerCallback`` calls it before each of the Trainer's optimizer
-        steps, the Lightning mixin in ``on_before_optimizer_step`` (in a Fabric loop, run it with
-        ``fabric.call``). A training forward that finds the tower's parameters changed in place
-        since a forward without images, with no call in between, warns once. After a step without
-        images it reads the gradients' peaks once from the device (zeros only?). Where the optimizer shards
-        the gradients itself (DeepSpeed's ZeRO), its own zeros stay, as the plain model's do there.
+        It runs once per optimizer step, after the backward (DDP's reduction) and before the step,
+        on every rank. The drop-in calls it itself where a forward without images left zeros: at
+        the start of the next step of a ``torch.optim.Optimizer`` that holds the tower's parameters
+        (a pre-hook on optimizer steps, which a loop of your own, Fabric and accelerate reach too,
+        after gradient clipping and a ``GradScaler``'s unscaling). ``ViTBalanceTrainerCallback``
+        calls it before each of the Trainer's optimizer steps, the Lightning mixin in
+        ``on_before_optimizer_step``. Call it yourself between the backward and the step where the
+        optimizer is no ``torch.optim.Optimizer``; a second call in a step does nothing. After a step
+        without images it reads the gradients' peaks once from the device (zeros only?). Where the
+        optimizer shards the gradients itself (DeepSpeed's ZeRO), its own zeros stay, as the plain
+        model's do there.
 
         Returns:
             Whether any gradient was unset.
         """
         text_only = self._text_only_since is True
-        self._text_only_since, self._text_only_versions = None, None
+        self._text_only_since = None
+        _STEP_WATCH.discard(self)
         params = [p for p in self._touched_parameters() if p.grad is not None] if text_only else []
         # Only the zeros the balanced forwards gave: a gradient from elsewhere (a loss term on a
         # tower weight) stays. One read of the device, in a step without images only.
@@ -2323,7 +2356,7 @@ class BalancedVisionTower:
         # Unsharded, this rank encodes the call itself, as the plain model would: the same outputs
         # and gradients, no collective (the balanced call's backward still runs on every rank).
         self.unmatched_calls += 1
-        self._text_only_since, self._text_only_versions = False, None
+        self._gradients_from_elsewhere()
         if self.unmatched_calls == 1:
             message = problem + ": encoded directly, unbalanced (warned once)."
             warnings.warn(message, RuntimeWarning, stacklevel=2)

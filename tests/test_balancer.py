@@ -782,9 +782,23 @@ def _tower_in_an_outer_flat_unit() -> dict[str, Any]:
     return {"applied": balancer.last_stats is not None and balancer.last_stats.applied}
 
 
+def _tower_of_buffers() -> dict[str, Any]:
+    """A frozen tower holding its weights in buffers (quantized, ``torch.jit.freeze``d): no
+    parameters, as under FSDP1's flat unit, but nothing that requires grad either."""
+    vit, _, pixels, grid, balancer = _straggler_batch(towers.TensorTower)
+    for module in list(vit.modules()):
+        for name, param in list(module.named_parameters(recurse=False)):
+            del module._parameters[name]
+            module.register_buffer(name, param.detach().clone())
+    out = balancer(vit, pixels, grid)
+    return {"applied": balancer.last_stats.applied, "requires_grad": out.requires_grad}
+
+
 def test_a_tower_inside_an_fsdp1_flat_unit_gets_its_gradients(multirank: Any) -> None:
     with multirank(POOL) as w:
         assert w.run(_tower_in_an_outer_flat_unit) == [{"applied": True}] * POOL
+        # Its outputs require grad as the direct call's do: not at all.
+        assert w.run(_tower_of_buffers) == [{"applied": True, "requires_grad": False}] * POOL
 
 
 def _pixel_gradients(overlap: bool) -> dict[str, Any]:

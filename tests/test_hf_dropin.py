@@ -2026,13 +2026,19 @@ TEXT_ONLY_STEPS = (0, 3, 2)
 ADAMW_LR = 1e-2
 
 
-def _adamw_steps(drop: bool, zero_after_forward: bool = False) -> tuple[list[float], list[bool]]:
+def _adamw_steps(
+    drop: bool, zero_after_forward: bool = False, watched: bool = True
+) -> tuple[list[float], list[bool]]:
     """DDP (``find_unused_parameters=False``: the drop-in gives every rank's tower a gradient) and
     AdamW on :data:`TEXT_ONLY_STEPS`; with ``drop``, ``handle.drop_text_only_grads()`` before each
-    step; ``zero_after_forward``: ``zero_grad`` between the forward and the backward, as Lightning's
-    closure calls it. This rank's losses, and what each call unset."""
+    step, else the drop-in's own at the step (not ``watched``: none); ``zero_after_forward``:
+    ``zero_grad`` between the forward and the backward, as Lightning's closure calls it. This
+    rank's losses, and what each call unset."""
     from torch.nn.parallel import DistributedDataParallel
 
+    if not watched:
+        with mock.patch("lightning_vit_balance.hf._watch_optimizer_steps"):
+            return _adamw_steps(drop, zero_after_forward)
     model = tiny_model(FIT_FAMILY)
     handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
     ddp = DistributedDataParallel(model)
@@ -2090,57 +2096,61 @@ def _text_only_steps_with_other_gradients() -> dict[str, bool]:
     return done
 
 
-def _stepped_zeros_warned(steps: Callable[[nn.Module, Any, torch.optim.Optimizer], None]) -> bool:
-    """Whether a fresh drop-in warned that its zeros were stepped, over ``steps(model, handle,
-    optimizer)`` (SGD: without momentum, a zero gradient still moves a parameter in place)."""
+def _unset_at_the_step(steps: Callable[[nn.Module, Any, torch.optim.Optimizer], None]) -> bool:
+    """Whether the tower's first weight was left without a gradient when ``steps(model, handle,
+    optimizer)`` (a fresh drop-in, SGD) stepped, without calling ``drop_text_only_grads``."""
     model = tiny_model(FIT_FAMILY)
     handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
     optimizer = torch.optim.SGD(model.parameters(), lr=ADAMW_LR)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        steps(model, handle, optimizer)
-    return any("no drop_text_only_grads() in between" in str(w.message) for w in caught)
+    weight = next(handle.tower.parameters())
+    at_step: list[bool] = []
+    optimizer.register_step_pre_hook(lambda *_: at_step.append(weight.grad is None))
+    steps(model, handle, optimizer)
+    assert len(at_step) == 1, at_step
+    return at_step[0]
 
 
-def _stepped_zeros_cases() -> dict[str, bool]:
-    """When the drop-in warns of a loop that steps the zeros of a step without images (no
-    ``drop_text_only_grads`` between its backward and the optimizer step, as in a Fabric loop that
-    does not run the mixin's hook): at the next training forward, and only then."""
+def _the_drop_in_at_the_step() -> dict[str, bool]:
+    """The drop-in's own drop at an optimizer step (a loop that never calls ``drop_text_only_grads``,
+    as Fabric's and accelerate's): after a step where no rank had images, and only then; also when
+    another model's optimizer stepped between the forward and the backward (a GAN's)."""
     rank = torch.distributed.get_rank()
     text, images = fit_batch(3, rank), fit_batch(2, rank)
 
-    def accumulated(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
-        for _ in range(2):  # micro-batches of one step: nothing stepped yet
-            model(**text).loss.backward()
-
-    def stepped(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
+    def text_alone(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
         model(**text).loss.backward()
         optimizer.step()
-        model(**images)
 
-    def dropped(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
-        model(**text).loss.backward()
-        handle.drop_text_only_grads()
+    def images_then_text(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
+        for batch in (images, text):  # micro-batches of one step: the images' gradients are real
+            model(**batch).loss.backward()
         optimizer.step()
-        model(**images)
+
+    def another_model_stepped_first(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
+        loss = model(**text).loss
+        other = nn.Linear(2, 1)
+        other(torch.ones(1, 2)).sum().backward()
+        torch.optim.SGD(other.parameters(), lr=0.1).step()  # before this step's backward
+        loss.backward()
+        optimizer.step()
 
     def own_tower_call(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
         image = make_inputs(FIT_FAMILY, [{"images": [(1, 4, 4)]}], seed=rank)
-        for _ in range(2):  # the tower's gradients are real: ColQwen2 encodes its images itself
-            encoded = handle.tower(image["pixel_values"], grid_thw=image["image_grid_thw"])
-            (model(**text).loss + flatten_output(encoded)[0][0][1].sum()).backward()
-            optimizer.step()
+        encoded = handle.tower(image["pixel_values"], grid_thw=image["image_grid_thw"])
+        (model(**text).loss + flatten_output(encoded)[0][0][1].sum()).backward()
+        optimizer.step()
 
     def prepared_in_eval_mode(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
         # Eval forwards encode directly here: no plan (it would wait for the next training batch).
         model.eval()
         assert handle.prepare(text) is None
         model.train()
-        model(**images)
+        model(**images).loss.backward()
         assert handle.last_stats is not None and handle.last_stats.prepare_seconds == 0.0  # no plan taken
+        optimizer.step()
 
-    cases = [accumulated, stepped, dropped, own_tower_call, prepared_in_eval_mode]
-    return {case.__name__: _stepped_zeros_warned(case) for case in cases}
+    cases = [text_alone, images_then_text, another_model_stepped_first, own_tower_call, prepared_in_eval_mode]
+    return {case.__name__: _unset_at_the_step(case) for case in cases}
 
 
 def test_a_step_of_text_alone_leaves_the_towers_gradients_unset(multirank: Any) -> None:
@@ -2153,15 +2163,19 @@ def test_a_step_of_text_alone_leaves_the_towers_gradients_unset(multirank: Any) 
         tiny_model(FIT_FAMILY), step_of, len(TEXT_ONLY_STEPS), lr=ADAMW_LR, optimizer_class=torch.optim.AdamW
     )
     with multirank(FIT_RANKS) as w:
-        per_rank, drifted = w.run(_adamw_steps, True), w.run(_adamw_steps, False)
+        per_rank, by_itself = w.run(_adamw_steps, True), w.run(_adamw_steps, False)
         # The forward of a step saw the last step's gradients still set.
         per_rank += w.run(_adamw_steps, True, True)
         others = w.run(_text_only_steps_with_other_gradients)
-        warned = w.run(_stepped_zeros_cases)
+        at_the_step = w.run(_the_drop_in_at_the_step)
+        unwatched = w.run(_adamw_steps, False, False, False)
     for index, (losses, unset) in enumerate(per_rank):
         torch.testing.assert_close(torch.tensor(losses), expected[index % FIT_RANKS], **TOL)
         assert unset == [False, True, False], unset
-    assert not torch.allclose(torch.tensor(drifted[0][0][-1]), expected[0][-1], **TOL), drifted
+    # Without calls of its own, the drop-in's at the optimizer step; without either, a drift.
+    for index, (losses, _) in enumerate(by_itself):
+        torch.testing.assert_close(torch.tensor(losses), expected[index % FIT_RANKS], **TOL)
+    assert not torch.allclose(torch.tensor(unwatched[0][0][-1]), expected[0][-1], **TOL), unwatched
     # Gradients from elsewhere stay (ColQwen2's tower trained on nothing else); an evaluation
     # forward's images, no optimizer step after them, do not count for the step.
     kept = {
@@ -2171,15 +2185,14 @@ def test_a_step_of_text_alone_leaves_the_towers_gradients_unset(multirank: Any) 
         "after_release": True,
     }
     assert others == [kept] * FIT_RANKS, others
-    # Without the drop, the next training forward warns that the optimizer stepped the zeros.
-    expected_warnings = {
-        "accumulated": False,
-        "stepped": True,
-        "dropped": False,
+    unset_at_the_step = {
+        "text_alone": True,
+        "images_then_text": False,
+        "another_model_stepped_first": True,
         "own_tower_call": False,
         "prepared_in_eval_mode": False,
     }
-    assert warned == [expected_warnings] * FIT_RANKS, warned
+    assert at_the_step == [unset_at_the_step] * FIT_RANKS, at_the_step
 
 
 def test_the_mixin_and_the_trainer_callback_drop_text_only_grads_before_each_step() -> None:

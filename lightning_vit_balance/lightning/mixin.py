@@ -805,9 +805,9 @@ class ViTBalanceMixin:
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """Before each optimizer step: where no rank had images in the step, unset the gradients
         the drop-in gave the towers of models given to :meth:`balance_vision_tower`, as the plain
-        model leaves them (:meth:`BalancedVisionTower.drop_text_only_grads`). Fabric does not call
-        it: ``fabric.call("on_before_optimizer_step", optimizer)`` between the backward and the
-        step does. An override of the hook must call ``super().on_before_optimizer_step``."""
+        model leaves them (:meth:`BalancedVisionTower.drop_text_only_grads`, which the drop-in also
+        runs at the step itself where no hook did, as in a Fabric loop). An override of the hook
+        must call ``super().on_before_optimizer_step``."""
         for handle in self._vit_balance_towers:
             handle.drop_text_only_grads()
         parent = getattr(super(), "on_before_optimizer_step", None)

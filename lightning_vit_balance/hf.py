@@ -1547,15 +1547,6 @@ class BalancedVisionTower:
         self._text_only_since: bool | None = None
         _STEP_WATCH.discard(self)
         _hook_optimizer_steps()
-        if getattr(self, "_sentinel_hook", None) is not None:
-            self._sentinel_hook[1].remove()
-        #: The tower's first trained parameter, and the hook on its gradient (:meth:`_backward_reached`).
-        self._sentinel_hook: tuple[nn.Parameter, Any] | None = None
-        #: Whether the step's first backward found that gradient there, zeroed in place
-        #: (``zero_grad(set_to_none=False)``): the plain model steps its zeros then. None before it.
-        self._grad_carried: bool | None = None
-        #: Whether the latest training forward held no images on any rank.
-        self._last_text_only = False
         #: The optimizers seen stepping that hold the tower's or projection's trained parameters.
         self._stepping: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
@@ -1573,7 +1564,6 @@ class BalancedVisionTower:
             "_kept",
             "_late_touch",
             "_stepping",
-            "_sentinel_hook",
         )
         for name in (*runtime, "last_stats"):
             state.pop(name, None)
@@ -2179,57 +2169,26 @@ class BalancedVisionTower:
         also after an optimizer step a ``GradScaler`` skipped), after an optimizer step of the
         tower or after a drop."""
         sentinel = next(self._touched(), None)
-        self._watch_backward(sentinel)
         if sentinel is not None and sentinel.grad is None:
             self._text_only_since = None
-        self._last_text_only = stats.reason == "no-images"
-        if not self._last_text_only:
+        if stats.reason != "no-images":
             self._text_only_since = False
         elif self._text_only_since is None:
             self._text_only_since = True
         _STEP_WATCH.add(self)  # the step that ends this one may come without a drop
 
-    def _watch_backward(self, sentinel: nn.Parameter | None) -> None:
-        """Hook :meth:`_backward_reached` on ``sentinel``'s gradient (the tower's first trained
-        parameter; once, again where another parameter became the first)."""
-        current = self._sentinel_hook
-        if current is not None and current[0] is sentinel:
-            return
-        if current is not None:
-            current[1].remove()
-        self._sentinel_hook = None
-        if sentinel is None:
-            return
-        handle, param = weakref.ref(self), weakref.ref(sentinel)
-
-        def reached(grad: torch.Tensor) -> None:
-            owner, watched = handle(), param()
-            if owner is not None and watched is not None:
-                owner._backward_reached(watched)
-
-        self._sentinel_hook = (sentinel, sentinel.register_hook(reached))
-
-    def _backward_reached(self, sentinel: nn.Parameter) -> None:
-        """A backward reached the tower's first trained parameter, before its gradient takes this
-        backward's. None there: the gradients were zeroed since the last backward, so they begin
-        with the latest forward's (the forwards before it were a step that did not step: a
-        ``GradScaler`` skipped it, with ``zero_grad`` between the forward and the backward, as
-        Lightning calls it). The first backward since the last step onto a gradient still there:
-        zeroed in place, which the plain model steps too."""
-        if sentinel.grad is None:
-            self._grad_carried = False
-            self._text_only_since = self._last_text_only
-        elif self._grad_carried is None:
-            self._grad_carried = True
-
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """An optimizer is about to step after this handle's training forwards (the module's
-        ``_before_optimizer_step`` hook): where it holds the tower's parameters, the step ends
-        theirs, so :meth:`drop_text_only_grads`, which drops where none of them had images on any
-        rank and the loop did not call it. Another model's optimizer (a GAN's discriminator, which
-        may step between the forward and its backward) neither drops nor ends the step."""
-        if self._steps_the_tower(optimizer):
+        """An optimizer is about to step after this handle's training forwards
+        (:func:`_watch_optimizer_steps`): where it holds the tower's parameters, the step ends
+        theirs, so :meth:`drop_text_only_grads` first where none of them had images on any rank
+        and the loop did not call it. Another model's optimizer (a GAN's discriminator, which may
+        step between the forward and its backward) neither drops nor ends the step."""
+        if not self._steps_the_tower(optimizer):
+            return
+        if self._text_only_since is True:
             self.drop_text_only_grads()
+        self._text_only_since = None
+        _STEP_WATCH.discard(self)
 
     def _steps_the_tower(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` holds any of the tower's or projection's trained parameters: read
@@ -2268,10 +2227,8 @@ class BalancedVisionTower:
         a gradient, but steps one with a zero gradient (AdamW: its momentum and weight decay), so
         the towers would drift apart. Gradients from elsewhere stay (a call of the tower outside
         the balanced forward, ColQwen2's own or ``get_image_features``; a loss term on a weight),
-        unless exactly zero. Gradients zeroed in place since the last step
-        (``zero_grad(set_to_none=False)``, seen by a hook on the tower's first trained parameter at
-        the step's first backward) stay too: the plain model has them and steps their zeros.
-        Sharded parameters keep their zeros (FSDP2, ZeRO-3, FSDP1's ``use_orig_params``).
+        unless exactly zero. With ``zero_grad(set_to_none=False)`` the plain model steps zeros
+        there. Sharded parameters keep their zeros (FSDP2, ZeRO-3, FSDP1's ``use_orig_params``).
 
         It runs once per optimizer step, after the backward (DDP's reduction) and before the step,
         on every rank, and decides alike there (the plans' reason and the reduced gradients). The
@@ -2291,10 +2248,8 @@ class BalancedVisionTower:
         Returns:
             Whether any gradient was unset.
         """
-        # Gradients zeroed in place since the last step (set_to_none=False): the plain model has
-        # them too, and steps their zeros.
-        text_only = self._text_only_since is True and not self._grad_carried
-        self._text_only_since, self._grad_carried = None, None
+        text_only = self._text_only_since is True
+        self._text_only_since = None
         _STEP_WATCH.discard(self)
         params = [p for p in self._touched_parameters() if p.grad is not None] if text_only else []
         # Only the zeros the balanced forwards gave: a gradient from elsewhere (a loss term on a

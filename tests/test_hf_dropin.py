@@ -2150,23 +2150,6 @@ def _the_drop_in_at_the_step() -> dict[str, bool]:
         optimizer.zero_grad()
         text_alone(model, handle, optimizer)
 
-    def skipped_zeroing_after_the_forward(
-        model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer
-    ) -> None:
-        # Lightning's order (zero_grad between the forward and the backward), a skipped step first.
-        for batch in (images, text):
-            loss = model(**batch).loss
-            optimizer.zero_grad()
-            loss.backward()
-        optimizer.step()
-
-    def zeroed_in_place(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
-        # zero_grad(set_to_none=False) after a step with images: the plain model keeps the zeroed
-        # gradients, and its optimizer steps them; so does the drop-in's.
-        images_then_text(model, handle, optimizer)
-        optimizer.zero_grad(set_to_none=False)
-        text_alone(model, handle, optimizer)
-
     def with_a_closure(model: nn.Module, handle: Any, optimizer: torch.optim.Optimizer) -> None:
         # As Lightning steps: the forward and backward run in the closure, after the step's hooks.
         text_alone(model, handle, optimizer)
@@ -2202,8 +2185,6 @@ def _the_drop_in_at_the_step() -> dict[str, bool]:
         own_tower_call,
         tower_called_on_one_rank,
         images_then_a_skipped_step,
-        skipped_zeroing_after_the_forward,
-        zeroed_in_place,
         with_a_closure,
         unfrozen_later,
         prepared_in_eval_mode,
@@ -2250,8 +2231,6 @@ def test_a_step_of_text_alone_leaves_the_towers_gradients_unset(multirank: Any) 
         "own_tower_call": False,
         "tower_called_on_one_rank": True,
         "images_then_a_skipped_step": True,
-        "skipped_zeroing_after_the_forward": True,
-        "zeroed_in_place": False,
         "with_a_closure": True,
         "unfrozen_later": True,
         "prepared_in_eval_mode": False,

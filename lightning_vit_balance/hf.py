@@ -2165,12 +2165,8 @@ class BalancedVisionTower:
     def _note_text_only(self, stats: BalanceStats) -> None:
         """Count a training forward for :meth:`drop_text_only_grads`: its step's gradients held
         no images on any rank while every one since the step began had none (the plan's reason,
-        the same on every rank). A step begins where the tower holds no gradient (``zero_grad``,
-        also after an optimizer step a ``GradScaler`` skipped), after an optimizer step of the
-        tower or after a drop."""
-        sentinel = next(self._touched(), None)
-        if sentinel is not None and sentinel.grad is None:
-            self._text_only_since = None
+        the same on every rank). A step begins after an optimizer step of the tower or a drop (not
+        at ``zero_grad``: a step of several forwards before one backward zeroes before the first)."""
         if stats.reason != "no-images":
             self._text_only_since = False
         elif self._text_only_since is None:
@@ -2239,8 +2235,9 @@ class BalancedVisionTower:
         calls it before each of the Trainer's optimizer steps, the Lightning mixin in
         ``on_before_optimizer_step``. Call it yourself between the backward and the step where the
         optimizer is no ``torch.optim.Optimizer``; a second call in a step does nothing. A step's
-        forwards are those since the tower's last optimizer step or its gradients' ``zero_grad``
-        (so a step a ``GradScaler`` skipped is not counted into the next). After a step without
+        forwards are those since the tower's last optimizer step or drop: in a loop of your own, a
+        step a ``GradScaler`` skipped counts into the next (the hooks of the mixin and
+        ``ViTBalanceTrainerCallback`` end it before the skip). After a step without
         images it reads the gradients' peaks once from the device (zeros only?). Where the
         optimizer shards the gradients itself (DeepSpeed's ZeRO), its own zeros stay, as the plain
         model's do there.

@@ -195,7 +195,7 @@ import sys
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -2174,8 +2174,8 @@ class BalancedVisionTower:
         _STEP_WATCH.add(self)  # the step that ends this one may come without a drop
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """An optimizer is about to step after this handle's training forwards
-        (:func:`_watch_optimizer_steps`): where it holds the tower's parameters, the step ends
+        """An optimizer is about to step after this handle's training forwards (the module's
+        ``_before_optimizer_step`` hook): where it holds the tower's parameters, the step ends
         theirs, so :meth:`drop_text_only_grads` first where none of them had images on any rank
         and the loop did not call it. Another model's optimizer (a GAN's discriminator, which may
         step between the forward and its backward) neither drops nor ends the step."""
@@ -2205,14 +2205,13 @@ class BalancedVisionTower:
         (``use_orig_params``), which share their unit's flat gradient with other modules' (zeros
         there, for the plain model too); not FSDP2's or ZeRO-3's sharded ones, whose shards could
         tell ranks apart (a later gradient clipping's collectives would then differ)."""
-        return list(self._touched())
-
-    def _touched(self) -> Iterator[nn.Parameter]:
-        """:meth:`_touched_parameters`, one at a time (the first without reading the rest)."""
-        for module in (self.tower, *self._projection_modules()):
-            for param in module.parameters():
-                if _touchable(param) and not _flat_parameter_view(param):
-                    yield param
+        modules = [self.tower, *self._projection_modules()]
+        return [
+            param
+            for module in modules
+            for param in module.parameters()
+            if _touchable(param) and not _flat_parameter_view(param)
+        ]
 
     def drop_text_only_grads(self) -> bool:
         """Unset the tower's and :attr:`projection`'s gradients (``None``) that hold zeros only,

@@ -336,9 +336,10 @@ def _vit_requires_grad(vit: Any) -> bool:
     towers hold their weights, do not.)"""
     if not isinstance(vit, torch.nn.Module):
         return True
-    params = list(vit.parameters())
-    if params:
-        return any(p.requires_grad for p in params)
+    params = iter(vit.parameters())
+    first = next(params, None)
+    if first is not None:
+        return first.requires_grad or any(p.requires_grad for p in params)
     return any(
         isinstance(value, torch.Tensor) and value.requires_grad
         for module in vit.modules()

@@ -2179,12 +2179,8 @@ class BalancedVisionTower:
         theirs, so :meth:`drop_text_only_grads` first where none of them had images on any rank
         and the loop did not call it. Another model's optimizer (a GAN's discriminator, which may
         step between the forward and its backward) neither drops nor ends the step."""
-        if not self._steps_the_tower(optimizer):
-            return
-        if self._text_only_since is True:
-            self.drop_text_only_grads()
-        self._text_only_since = None
-        _STEP_WATCH.discard(self)
+        if self._steps_the_tower(optimizer):
+            self.drop_text_only_grads()  # which ends the step, with or without anything to drop
 
     def _steps_the_tower(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` holds any of the tower's or projection's trained parameters: read

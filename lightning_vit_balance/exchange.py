@@ -73,6 +73,7 @@ __all__ = [
     "metadata_row",
     "row_runs",
     "rows_per_image",
+    "sharded_grads_all_zero",
     "split_rows",
     "start_pixel_trip",
     "start_row_gather",
@@ -410,6 +411,40 @@ def gather_host_values(values: Sequence[int], group: Any) -> np.ndarray:
     """Every rank's ``values`` (ints, as many on every rank) as a ``[P, len(values)]`` array in
     rank order: one gather of host values over ``group`` (a gloo group, or its twin)."""
     return _gathered_array(torch.tensor(list(values), dtype=torch.int64), host_device(group), group)
+
+
+def sharded_grads_all_zero(params: Sequence[torch.Tensor]) -> list[bool]:
+    """Whether the gradient of each of ``params`` (``DTensor`` parameters, FSDP2's shards) holds
+    zeros only on every rank of the parameter's device mesh (no gradient counts as zeros): the
+    same answers on every rank of it.
+
+    Every rank of each mesh must call this with the same parameters in the same order. Per mesh, in
+    the order of first appearance, one all-reduce (max) of a peak per gradient over each mesh
+    dimension's group, then one read of the peaks from the device.
+    """
+    zero = [True] * len(params)
+    meshes: dict[Any, list[int]] = {}
+    for index, param in enumerate(params):
+        meshes.setdefault(param.device_mesh, []).append(index)  # type: ignore[attr-defined]
+    for mesh, indices in meshes.items():
+        peaks = torch.stack([_local_peak(params[i]) for i in indices])
+        for dim in range(mesh.ndim):
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        for index, peak in zip(indices, peaks.tolist()):
+            zero[index] = peak == 0.0
+    return zero
+
+
+def _local_peak(param: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude in this rank's shard of ``param``'s gradient (0-d float32, on the
+    shard's device; zero for no gradient or an empty shard)."""
+    shard = param.to_local()  # type: ignore[attr-defined]
+    grad = param.grad
+    if hasattr(grad, "to_local"):  # a DTensor, as FSDP2 leaves it
+        grad = grad.to_local()
+    if grad is None or grad.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=shard.device)
+    return grad.detach().abs().amax().float()
 
 
 def _gathered_array(row: torch.Tensor, device: torch.device, group: Any) -> np.ndarray:

@@ -209,7 +209,13 @@ from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel, pixel_row_factors
 from lightning_vit_balance.eager import eager, eager_frame
 from lightning_vit_balance.encoding import gathered_per_call, parameters_sharded
-from lightning_vit_balance.exchange import gather_host_values, grid_rows, grid_steps, host_to_device
+from lightning_vit_balance.exchange import (
+    gather_host_values,
+    grid_rows,
+    grid_steps,
+    host_to_device,
+    sharded_grads_all_zero,
+)
 from lightning_vit_balance.host_group import gathers_on, owned_host_group, release_host_group
 from lightning_vit_balance.outputs import (
     OutputLayout,
@@ -2188,26 +2194,28 @@ class BalancedVisionTower:
         is held from then on), then known."""
         if optimizer in self._stepping:
             return True
-        touched = {id(param) for param in self._touched_parameters()}
+        whole, sharded = self._touched_parameters()
+        touched = {id(param) for param in (*whole, *sharded)}
         holds = any(id(param) in touched for group in optimizer.param_groups for param in group["params"])
         if holds:
             self._stepping.add(optimizer)
         return holds
 
-    def _touched_parameters(self) -> list[nn.Parameter]:
+    def _touched_parameters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """The trained parameters a balanced forward gives a gradient on every rank, the tower's
         and :attr:`projection`'s, whose gradient the plain model leaves unset when it does not
-        call them and every rank holds whole. Not an FSDP1 unit's original parameters
+        call them: those every rank holds whole, then FSDP2's (``DTensor`` shards, whose zeros
+        only the whole mesh can tell). Not an FSDP1 unit's original parameters
         (``use_orig_params``), which share their unit's flat gradient with other modules' (zeros
-        there, for the plain model too); not FSDP2's or ZeRO-3's sharded ones, whose shards could
-        tell ranks apart (a later gradient clipping's collectives would then differ)."""
-        modules = [self.tower, *self._projection_modules()]
-        return [
-            param
-            for module in modules
-            for param in module.parameters()
-            if _touchable(param) and not _flat_parameter_view(param)
-        ]
+        there, for the plain model too); not ZeRO-3's, whose gradients DeepSpeed keeps."""
+        whole: list[nn.Parameter] = []
+        sharded: list[nn.Parameter] = []
+        for module in (self.tower, *self._projection_modules()):
+            for param in module.parameters():
+                if not param.requires_grad or _flat_parameter_view(param) or hasattr(param, "ds_id"):
+                    continue
+                (sharded if gathered_per_call(param) else whole).append(param)
+        return whole, sharded
 
     def drop_text_only_grads(self) -> bool:
         """Unset the tower's and :attr:`projection`'s gradients (``None``) that hold zeros only,
@@ -2219,7 +2227,9 @@ class BalancedVisionTower:
         the towers would drift apart. Gradients from elsewhere stay (a call of the tower outside
         the balanced forward, ColQwen2's own or ``get_image_features``; a loss term on a weight),
         unless exactly zero. With ``zero_grad(set_to_none=False)`` the plain model steps zeros
-        there. Sharded parameters keep their zeros (FSDP2, ZeRO-3, FSDP1's ``use_orig_params``).
+        there. FSDP2's sharded gradients are unset where they are zero on every rank of their mesh
+        (one all-reduce of a peak per parameter first, so that every rank unsets the same ones);
+        ZeRO-3's and FSDP1's (``use_orig_params``) keep their zeros.
 
         It runs once per optimizer step, after the backward (DDP's reduction) and before the step,
         on every rank, and decides alike there (the plans' reason and the reduced gradients). The
@@ -2243,14 +2253,20 @@ class BalancedVisionTower:
         text_only = self._text_only_since is True
         self._text_only_since = None
         _STEP_WATCH.discard(self)
-        params = [p for p in self._touched_parameters() if p.grad is not None] if text_only else []
+        if not text_only:
+            return False
+        whole, sharded = self._touched_parameters()
+        whole = [param for param in whole if param.grad is not None]
         # Only the zeros the balanced forwards gave: a gradient from elsewhere (a loss term on a
-        # tower weight) stays. One read of the device, in a step without images only.
-        zero = _zero_grads([param.grad for param in params])
-        for param, unset in zip(params, zero):
-            if unset:
-                param.grad = None
-        return any(zero)
+        # tower weight) stays. One read of the device, in a step without images only; for FSDP2's
+        # shards one all-reduce first, so every rank unsets the same ones (a later clipping's
+        # collectives then match) and only where the whole gradient is zero.
+        params = [*whole, *sharded]
+        zero = [*_zero_grads([param.grad for param in whole]), *sharded_grads_all_zero(sharded)]
+        unset = [param for param, empty in zip(params, zero) if empty and param.grad is not None]
+        for param in unset:
+            param.grad = None
+        return bool(unset)
 
     def _dummy_modalities(self, combined: _Combined, group: Any) -> dict[str, _Dummy] | None:
         """Where :attr:`projection` has parameters that only a call of it gathers (ZeRO-3, an FSDP2

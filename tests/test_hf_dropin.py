@@ -904,6 +904,64 @@ def test_fsdp2_units_on_the_blocks_or_the_tower(multirank: Any) -> None:
         assert "is compiled as a whole" in r["errors"][1] and "block.compile()" in r["errors"][1], r
 
 
+def _fsdp2_adamw_text_only_steps(hsdp: bool) -> dict[str, Any]:
+    """FSDP2 (the tower and each decoder layer units, on a 1-D mesh; or HSDP's 2-D mesh of 2
+    replicas of 2 shards) and AdamW with weight decay, the plain FSDP2 model beside the balanced
+    one: images on every rank, text alone on every rank twice (the plain model never calls the
+    tower, so its gradients stay unset and AdamW skips it), images again. Returns each step's
+    losses and largest tower difference, and whether the balanced tower's gradients were unset
+    after each step as the plain model's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    shape, names = ((2, size // 2), ("replicate", "shard")) if hsdp else ((size,), ("shard",))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    plain = tiny_model("qwen2_5_vl")
+    balanced = copy.deepcopy(plain)
+    balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG))
+    for model in (plain, balanced):
+        for unit in (model.model.visual, *model.model.language_model.layers, model):
+            fully_shard(unit, mesh=mesh)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=ADAMW_LR, weight_decay=0.1) for m in (plain, balanced)]
+    images = [{"images": [(1, 8, 4 + 2 * rank)]}, {"images": [(1, 2, 2)] * (rank + 1)}]
+    steps = {"images": images, "text": [{}], "text again": [{}], "images again": images[::-1]}
+    results: dict[str, Any] = {}
+    for step, (name, samples) in enumerate(steps.items()):
+        batch = make_inputs("qwen2_5_vl", samples, seed=10 * step + rank)
+        losses = []
+        for model, optimizer in zip((plain, balanced), optimizers):
+            optimizer.zero_grad()
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()  # the drop-in's drop comes first (its optimizer step pre-hook)
+            losses.append(float(loss.detach()))
+        towers = [list(model.model.visual.parameters()) for model in (plain, balanced)]
+        apart = max(float((a - b).full_tensor().abs().max()) for a, b in zip(*towers))
+        unset = [[p.grad is None for p in tower] for tower in towers]
+        results[name] = (losses, apart, unset[0] == unset[1], all(unset[1]))
+    return results
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp2", "hsdp"])
+def test_fsdp2_steps_of_text_alone_leave_the_tower_to_adamw_as_the_plain_model(
+    multirank: Any, hsdp: bool
+) -> None:
+    """Under FSDP2 and HSDP a step of text alone on every rank unsets the sharded tower's zero
+    gradients as the plain model leaves them, so AdamW's weight decay and momentum skip it: the
+    plain model's losses and weights, step by step (apart by 0.0077 after the first such step
+    and 0.7% in the next step's losses before, when only unsharded gradients were unset)."""
+    skip_without_fsdp2()
+    with multirank(4 if hsdp else 2) as w:
+        results = w.run(_fsdp2_adamw_text_only_steps, hsdp, timeout=180)
+    for rank, per_step in enumerate(results):
+        for name, (losses, apart, unset_alike, all_unset) in per_step.items():
+            # Both models compute the same sums on the same shards: bit for bit, so exact.
+            assert losses[0] == losses[1] and apart == 0.0, (rank, name, losses, apart)
+            assert unset_alike and all_unset == name.startswith("text"), (rank, name)
+
+
 def _compiled_whole(family: str) -> dict[str, Any]:
     """The balanced model compiled as a whole (``torch.compile(model)``, what the ``Trainer``'s
     ``torch_compile=True`` does) and its tower's blocks compiled too: the plain model's losses and

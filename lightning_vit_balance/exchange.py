@@ -427,7 +427,7 @@ def sharded_grads_all_zero(params: Sequence[torch.Tensor]) -> list[bool]:
     for index, param in enumerate(params):
         meshes.setdefault(param.device_mesh, []).append(index)  # type: ignore[attr-defined]
     for mesh, indices in meshes.items():
-        peaks = torch.stack([_local_peak(params[i]) for i in indices])
+        peaks = _local_peaks([params[i] for i in indices])
         for dim in range(mesh.ndim):
             dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
         for index, peak in zip(indices, peaks.tolist()):
@@ -435,16 +435,18 @@ def sharded_grads_all_zero(params: Sequence[torch.Tensor]) -> list[bool]:
     return zero
 
 
-def _local_peak(param: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude in this rank's shard of ``param``'s gradient (0-d float32, on the
-    shard's device; zero for no gradient or an empty shard)."""
-    shard = param.to_local()  # type: ignore[attr-defined]
-    grad = param.grad
-    if hasattr(grad, "to_local"):  # a DTensor, as FSDP2 leaves it
-        grad = grad.to_local()
-    if grad is None or grad.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=shard.device)
-    return grad.detach().abs().amax().float()
+@torch.no_grad()  # a DTensor's to_local outside autograd: 10-20x cheaper on the host
+def _local_peaks(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The largest magnitude in this rank's shard of each of ``params``' gradients (``[n]``
+    float32, on their device; zero for no gradient or an empty shard)."""
+    none = torch.zeros((), dtype=torch.float32, device=params[0].device)
+    peaks = []
+    for param in params:
+        grad = param.grad
+        if hasattr(grad, "to_local"):  # a DTensor, as FSDP2 leaves it
+            grad = grad.to_local()
+        peaks.append(grad.abs().amax().float() if grad is not None and grad.numel() else none)
+    return torch.stack(peaks)
 
 
 def _gathered_array(row: torch.Tensor, device: torch.device, group: Any) -> np.ndarray:

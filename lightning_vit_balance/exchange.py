@@ -429,7 +429,10 @@ def sharded_grads_all_zero(params: Sequence[torch.Tensor]) -> list[bool]:
     for mesh, indices in meshes.items():
         peaks = _local_peaks([params[i] for i in indices])
         for dim in range(mesh.ndim):
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+            group = mesh.get_group(dim)
+            # Where the backend does not carry the shards' device (FSDP2's CPU offload under NCCL).
+            peaks = peaks.to(collective_device(group, peaks.device))
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
         for index, peak in zip(indices, peaks.tolist()):
             zero[index] = peak == 0.0
     return zero

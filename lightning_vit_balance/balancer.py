@@ -477,12 +477,15 @@ class ViTBalancer:
         """
         # A recomputation (activation checkpointing) is the forward's call again: not counted.
         self.calls += int(not in_backward_pass())
+        remembered = self._plan_memory.remembered
         try:
             return self._call(vit, pixel_values, grid_thw, prepared)
         except BaseException as error:
             # No figure of a failed call may reach the cost fit (a rank's time up to its error, or
-            # an earlier call's), and the error must not keep the call's buffers alive.
+            # an earlier call's), no recomputation of it will come to recall its plan, and the
+            # error must not keep the call's buffers alive.
             self._clock.forget()
+            self._plan_memory.forget_since(remembered)
             release_frames(error)
             raise
 

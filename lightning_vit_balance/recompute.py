@@ -64,10 +64,21 @@ class PlanMemory:
         self.size = size
         # [every rank's grid rows, the plan made from them, built a graph, recalled], oldest first.
         self._plans: deque[list[Any]] = deque(maxlen=size)
+        #: Plans remembered so far, less those forgotten: a mark for :meth:`forget_since`.
+        self.remembered = 0
 
     def remember(self, metadata: Sequence[RankMetadata], plan: RebalancePlan) -> None:
         """Keep the plan a forward call made from ``metadata`` (every rank's)."""
         self._plans.append([tuple(m.grids for m in metadata), plan, torch.is_grad_enabled(), False])
+        self.remembered += 1
+
+    def forget_since(self, mark: int) -> None:
+        """Let go of the plans remembered after :attr:`remembered` was ``mark``: those of a call
+        that raised, which built no graph, so that no recomputation of it will come (a batch
+        retried after it would otherwise find two calls of its images, maybe planned apart)."""
+        for _ in range(min(self.remembered - mark, len(self._plans))):
+            self._plans.pop()
+        self.remembered = min(self.remembered, mark)
 
     def recall(self, metadata: Sequence[RankMetadata]) -> RebalancePlan:
         """The plan remembered for the same gathered grids (see the class docstring).

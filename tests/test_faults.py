@@ -259,6 +259,39 @@ def test_a_vit_failing_in_its_recomputation_on_one_rank_fails_every_rank(multira
     assert all(seconds < FAST_S for *_, seconds in outcomes), outcomes
 
 
+def _retried_after_a_failed_call() -> tuple[str, str, bool] | None:
+    """A checkpointed call that raised on rank 1 (every rank skips the batch), then the same batch
+    retried with the cost fit refitted (here: priced per image), its backward recomputing it."""
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    torch.manual_seed(0)
+    tower = _FailingTower(1, "raise")
+    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    balancer = ViTBalancer(ViTBalanceConfig(calibrate_cost=True, **APPLY), group)
+    kind, _, _ = _outcome(lambda: checkpoint(balancer, tower, pixels, grid, use_reentrant=False))
+    tower.mode = "recompute"  # no failure in the forward; none in the recomputation on rank 1 either
+    tower.bad_rank = -1
+    refitted = CostModel(quadratic=0.0, constant=1.0)
+    with mock.patch.object(balancer, "_calibrated", return_value=refitted):
+        out = checkpoint(balancer, tower, pixels, grid, use_reentrant=False)
+    retried = _outcome(lambda: out.sum().backward())
+    applied = balancer.last_stats is not None and balancer.last_stats.applied
+    return kind, retried[0] + retried[1], applied
+
+
+def test_a_batch_retried_after_its_call_failed_recomputes_with_its_own_plan(multirank: Any) -> None:
+    """A loop that skips a batch on ``torch.OutOfMemoryError`` and retries it later: the failed
+    call's plan, kept for a recomputation that never comes, stood next to the retry's, and with
+    the cost fit refitted in between (planned otherwise) the retry's backward raised that it could
+    not tell which plan was its own. A failed call's plan is forgotten now."""
+    with multirank(POOL) as w:
+        results = w.run(_retried_after_a_failed_call)[:RANKS]
+    assert all(kind == "OutOfMemoryError" for kind, _, _ in results), results
+    assert all(retried == "ok" and applied for _, retried, applied in results), results
+
+
 def test_vit_exception_on_one_rank(multirank: Any) -> None:
     """The failing rank re-raises its own error; the others name it and the rank, in seconds."""
     with multirank(POOL) as w:

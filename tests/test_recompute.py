@@ -44,6 +44,22 @@ def test_a_recomputation_recalls_its_calls_plan_or_raises_where_it_cannot_tell()
         memory.recall(_metadata([[(1, 4, 4)], []]))
 
 
+def test_a_failed_calls_plans_are_forgotten_and_only_those() -> None:
+    grids = _metadata([[(1, 8, 8)], [(1, 2, 2)]])
+    applied = plan_rebalance([[64], [4]], ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))
+    skipped = plan_rebalance([[64], [4]], ViTBalanceConfig(trigger_threshold=5.0))
+    memory = PlanMemory(size=2)
+    memory.remember(grids, skipped)
+    memory.remember(grids, applied)
+    memory.remember(grids, applied)  # the oldest leaves the memory, not the count
+    mark = memory.remembered
+    memory.forget_since(mark)  # a call that raised before it planned
+    assert memory.recall(grids) is applied
+    memory.remember(grids, skipped)  # a call that raised after its plan (in its ViT)
+    memory.forget_since(mark)
+    assert memory.remembered == mark and memory.recall(grids) is applied  # no other plan among them
+
+
 class _Probe(torch.autograd.Function):
     """Records :func:`in_backward_pass` in its forward and backward."""
 

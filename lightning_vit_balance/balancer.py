@@ -61,6 +61,7 @@ from lightning_vit_balance.exchange import (
     PixelTrip,
     RankMetadata,
     ReturnLayout,
+    StatusReport,
     all_to_all,
     collective_device,
     device_problem,
@@ -450,6 +451,8 @@ class ViTBalancer:
         # Whether a call given a prepared plan ran since the last check_pending (a comparison of its
         # may still run after the next gathers): every rank makes that call, so all hold one answer.
         self._prepared_since_check = False
+        # Whether the failure of the call in progress reached every rank (the status gather's).
+        self._failed_everywhere = False
         self._print = report if report is not None else _print_line
 
     # -- entry point -------------------------------------------------------------------------
@@ -478,14 +481,17 @@ class ViTBalancer:
         # A recomputation (activation checkpointing) is the forward's call again: not counted.
         self.calls += int(not in_backward_pass())
         remembered = self._plan_memory.remembered
+        self._failed_everywhere = False
         try:
             return self._call(vit, pixel_values, grid_thw, prepared)
         except BaseException as error:
             # No figure of a failed call may reach the cost fit (a rank's time up to its error, or
-            # an earlier call's), no recomputation of it will come to recall its plan, and the
-            # error must not keep the call's buffers alive.
+            # an earlier call's), and the error must not keep the call's buffers alive. Where every
+            # rank raises (the status gather told them), no recomputation of the call will come:
+            # its plan goes. A failure of this rank alone keeps it, as the other ranks do.
             self._clock.forget()
-            self._plan_memory.forget_since(remembered)
+            if self._failed_everywhere:
+                self._plan_memory.forget_since(remembered)
             release_frames(error)
             raise
 
@@ -1103,9 +1109,7 @@ class ViTBalancer:
         call.collectives += report.collectives
         call.timed("combine", started)
         call.timed("status", started)
-        raise_for_plans(report)
-        raise_for_vit(report, encoded, call.merge)
-        raise_for_gradients(report)
+        self._raise_where_any_failed(report, encoded, call.merge)
         assert packed is not None  # every rank's status was fine, this rank's too
         started = time.perf_counter()
         self._trips.start(packed.buffer.device)
@@ -1232,8 +1236,17 @@ class ViTBalancer:
         report = start_status(encoded.status(), call.host).wait()
         call.collectives += report.collectives
         call.timed("status", started)
-        raise_for_vit(report, encoded, call.merge)
+        self._raise_where_any_failed(report, encoded, call.merge)
         return output
+
+    def _raise_where_any_failed(self, report: StatusReport, encoded: EncodedBatch, merge: int) -> None:
+        """The status gather's verdict: raise on every rank alike where any rank's plan, ViT,
+        outputs or gradients differ from the others' (then the call's plan is forgotten)."""
+        self._failed_everywhere = True
+        raise_for_plans(report)
+        raise_for_vit(report, encoded, merge)
+        raise_for_gradients(report)
+        self._failed_everywhere = False
 
     def _defer_mismatch(self, call: _Call, pixel_values: Any, grid_thw: Any, problem: str) -> None:
         """A prepared call the plan skipped, unchecked, whose input is not the prepared batch: no

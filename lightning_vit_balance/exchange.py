@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby, pairwise
@@ -449,7 +450,8 @@ def _local_peaks(params: Sequence[torch.Tensor]) -> torch.Tensor:
         if hasattr(grad, "to_local"):  # a DTensor, as FSDP2 leaves it
             grad = grad.to_local()
         peaks.append(grad.abs().amax().float() if grad is not None and grad.numel() else none)
-    return torch.stack(peaks)
+    # A NaN as infinity: a max all-reduce (gloo's) may drop a NaN from another rank.
+    return torch.stack(peaks).nan_to_num(nan=math.inf)
 
 
 def _gathered_array(row: torch.Tensor, device: torch.device, group: Any) -> np.ndarray:

@@ -189,6 +189,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import itertools
 import math
 import operator
 import sys
@@ -621,6 +622,9 @@ def _leaf_inputs_need_grad(module: nn.Module, args: tuple[Any, ...]) -> tuple[An
 _STEP_WATCH: weakref.WeakSet[BalancedVisionTower] = weakref.WeakSet()
 #: The one optimizer-step pre-hook of the process, registered with the first handle.
 _STEP_HOOK: list[Any] = []
+#: Handles in the order they were made (or reset), the same on every rank: several watched handles
+#: end their steps in it, as a drop of sharded gradients is a collective.
+_HANDLE_ORDER = itertools.count()
 
 
 def _hook_optimizer_steps() -> None:
@@ -655,7 +659,8 @@ def _before_optimizer_step(
 
 
 def _end_watched_steps(optimizer: torch.optim.Optimizer) -> None:
-    for handle in list(_STEP_WATCH):
+    # Not the WeakSet's order, which follows object ids and so differs between ranks.
+    for handle in sorted(_STEP_WATCH, key=operator.attrgetter("_order")):
         handle._before_optimizer_step(optimizer)
 
 
@@ -1552,6 +1557,7 @@ class BalancedVisionTower:
         #: training forward, else whether every one held no images on any rank.
         self._text_only_since: bool | None = None
         _STEP_WATCH.discard(self)
+        self._order = next(_HANDLE_ORDER)
         _hook_optimizer_steps()
         #: The optimizers seen stepping that hold the tower's or projection's trained parameters.
         self._stepping: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()

@@ -22,6 +22,7 @@ from lightning_vit_balance.exchange import (
     collective_device,
     gather_metadata,
     grid_steps,
+    sharded_grads_all_zero,
 )
 from lightning_vit_balance.planning import RebalancePlan
 from lightning_vit_balance.problems import DTYPES, InputProblem, describe_problem
@@ -400,3 +401,32 @@ def test_vit_exception_with_doubling_gathers(multirank: Any) -> None:
     assert results[1]["kind"] == "OutOfMemoryError", results[1]
     assert {r["kind"] for r in (results[0], results[2])} == {"OutOfMemoryError"}
     assert results[0]["message"] == results[2]["message"] and "rank 1" in results[0]["message"]
+
+
+def _sharded_zero_checks() -> list[bool]:
+    """Gradients of ``DTensor`` parameters sharded over every rank (rows split by rank): all zero;
+    one row off zero on the last rank only; NaN on the last rank only (a max all-reduce of gloo's
+    dropped it); no gradient; and an empty shard on the last rank (fewer rows than ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    size, last = dist.get_world_size(), dist.get_rank() == dist.get_world_size() - 1
+    mesh = init_device_mesh("cpu", (size,))
+    params = [
+        torch.nn.Parameter(distribute_tensor(torch.ones(rows, 2), mesh, [Shard(0)]))
+        for rows in (size, size, size, size, size - 1)
+    ]
+    shards = [torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), None, torch.zeros(int(not last), 2)]
+    if last:
+        shards[1][0, 1] = 1e-30
+        shards[2][0, 0] = float("nan")
+    for param, shard in zip(params, shards):
+        if shard is not None:
+            param.grad = DTensor.from_local(shard, mesh, [Shard(0)], shape=param.shape, stride=param.stride())
+    return sharded_grads_all_zero(params)
+
+
+def test_sharded_gradients_are_zero_only_where_every_rank_says_so(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        results = w.run(_sharded_zero_checks)
+    assert results == [[True, False, False, True, True]] * POOL, results

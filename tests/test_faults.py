@@ -292,6 +292,27 @@ def test_a_batch_retried_after_its_call_failed_recomputes_with_its_own_plan(mult
     assert all(retried == "ok" and applied for _, retried, applied in results), results
 
 
+def _remembered_after_a_failure_on_one_rank() -> int | None:
+    """A call the plan skips, unchecked (no collective after the ViT), whose ViT runs out of memory
+    on rank 1 alone: how many plans each rank still holds for recomputations."""
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    torch.manual_seed(0)
+    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    balancer = ViTBalancer(ViTBalanceConfig(calibrate_cost=True, trigger_threshold=5.0), group)
+    _outcome(lambda: balancer(_FailingTower(1, "raise"), pixels, grid))
+    return balancer._plan_memory.remembered
+
+
+def test_a_failure_on_one_rank_alone_keeps_the_plan_as_the_others_do(multirank: Any) -> None:
+    """Only rank 1 raised, so the others keep the call's plan: rank 1 keeps it too, or a later
+    recomputation of the same images would recall differently there (and wait in the exchange)."""
+    with multirank(POOL) as w:
+        assert w.run(_remembered_after_a_failure_on_one_rank)[:RANKS] == [1] * RANKS
+
+
 def test_vit_exception_on_one_rank(multirank: Any) -> None:
     """The failing rank re-raises its own error; the others name it and the rank, in seconds."""
     with multirank(POOL) as w:

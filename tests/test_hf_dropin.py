@@ -21,6 +21,7 @@ import pickle
 import re
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -2153,6 +2154,29 @@ def _text_only_steps_with_other_gradients() -> dict[str, bool]:
     model(**text).loss.backward()
     done["after_release"] = handle.drop_text_only_grads()
     return done
+
+
+class _Watched:
+    """What :func:`lightning_vit_balance.hf._end_watched_steps` asks of a watched handle."""
+
+    def __init__(self, order: int, asked: list[int]) -> None:
+        self._order, self.asked = order, asked
+
+    def _before_optimizer_step(self, optimizer: Any) -> None:
+        self.asked.append(self._order)
+
+
+def test_watched_handles_end_their_steps_in_the_order_they_were_made() -> None:
+    """Each handle's drop of sharded gradients is a collective, so the handles of several models in
+    one optimizer must end their steps in the same order on every rank: not in the watch set's
+    order, which follows object ids (made here against the handles' order)."""
+    from lightning_vit_balance import hf
+
+    asked: list[int] = []
+    handles = [_Watched(order, asked) for order in reversed(range(8))]
+    with mock.patch.object(hf, "_STEP_WATCH", weakref.WeakSet(handles)):
+        hf._end_watched_steps(torch.optim.SGD([nn.Parameter(torch.ones(1))]))
+    assert asked == list(range(8)), asked
 
 
 def _unset_at_the_step(steps: Callable[[nn.Module, Any, torch.optim.Optimizer], None]) -> bool:

@@ -620,6 +620,13 @@ def _leaf_inputs_need_grad(module: nn.Module, args: tuple[Any, ...]) -> tuple[An
 #: Handles with training forwards since their tower's last optimizer step (or drop): the next
 #: optimizer step asks each first (:func:`_before_optimizer_step`).
 _STEP_WATCH: weakref.WeakSet[BalancedVisionTower] = weakref.WeakSet()
+#: Named in the errors of a forward planned from the grids :meth:`BalancedVisionTower.plan_ahead`'s
+#: collator carried: those grids, not the forward's, were planned.
+_CARRIED_GRIDS = (
+    f"the plan was made from the grids handle.plan_ahead's collator carried in the batch ({GRIDS_KEY}): "
+    "a batch split or changed after collation does not match them; collate each micro-batch, or "
+    "collate without plan_ahead"
+)
 #: The one optimizer-step pre-hook of the process, registered with the first handle.
 _STEP_HOOK: list[Any] = []
 #: Handles in the order they were made (or reset), the same on every rank: several watched handles
@@ -1653,6 +1660,11 @@ class BalancedVisionTower:
         ticket, self._ticket = self._ticket, None
         return ticket
 
+    def plan_waiting(self) -> bool:
+        """Whether a plan made ahead waits for the next forward (:meth:`prepared_plan` would give
+        it): a forward given the collator's grids (:meth:`plan_ahead`) then plans nothing more."""
+        return self._ticket is not None
+
     @eager
     def prepare(self, batch: Mapping[str, Any]) -> PreparedPlan | None:
         """Plan the next balanced forward from its batch while the batch is still on the host.
@@ -1873,14 +1885,19 @@ class BalancedVisionTower:
         """``forward(*args, **kwargs)``, planned from ``grids`` (see :meth:`plan_ahead`) when it is
         balanced and no plan is waiting already; a plan it leaves untaken is dropped with it. Not in
         a recomputation (activation checkpointing), which plans as its forward call did."""
-        if self._ticket is not None or in_backward_pass() or not self._balances(kwargs):
+        if self.plan_waiting() or in_backward_pass() or not self._balances(kwargs):
             return _Route(forward, args, kwargs)
         if self.settings() is None:
             # This forward is direct (a LightningModule's hook on one rank, logging samples): a
             # plan here would be a gather on this rank alone.
             return _Route(forward, args, kwargs)
         view = {pixels: kwargs.get(pixels) for pixels, _ in _PREPARE_KEYS}
-        ticket = self.prepare({**view, **dict(grids.grids)})
+        try:
+            ticket = self.prepare({**view, **dict(grids.grids)})
+        except ValueError as err:  # every rank's, alike
+            raise ValueError(f"{err} ({_CARRIED_GRIDS})") from err
+        if ticket is not None:  # its mismatch errors name the carried grids, not a plan of the user's
+            ticket = self._ticket = replace(ticket, source=_CARRIED_GRIDS)
         return _Route(forward, args, kwargs, done=functools.partial(self._drop_ticket, ticket))
 
     @eager

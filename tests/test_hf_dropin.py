@@ -1803,6 +1803,41 @@ def test_the_plan_ahead_collator_keeps_the_grids_on_the_host(tmp_path: Path) -> 
     assert "forward" not in model.__dict__
 
 
+def _collated_then_changed() -> dict[str, str]:
+    """Batches of the drop-in's collator changed before their forward: fewer pixel rows (a batch
+    split by sample after collation), then one image's grid transposed (the same rows). Each
+    forward's error, on this rank."""
+    rank = torch.distributed.get_rank()
+    model = tiny_model(FIT_FAMILY)
+    handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
+    collate = handle.plan_ahead(_first)
+    errors = {}
+    images = [(1, 8, 8), (1, 8, 4)] if rank == 0 else [(1, 2, 2)]  # the plan moves one
+    for change in ("rows", "grid"):
+        batch = collate([make_inputs(FIT_FAMILY, [{"images": images}], seed=rank)])
+        if change == "rows":
+            batch["pixel_values"] = batch["pixel_values"][:-4]
+        elif rank == 0:
+            batch["image_grid_thw"] = batch["image_grid_thw"][:, [0, 2, 1]]
+        try:
+            model(**batch)
+        except ValueError as err:
+            errors[change] = str(err)
+    return errors
+
+
+def test_a_collated_batch_changed_after_collation_is_named_in_the_error(multirank: Any) -> None:
+    """The errors named only the forward's own pixel rows and grids (which agree with each other)
+    and told the user to pass the plan prepared for the batch, which a collator's user never
+    handles: they name the grids the collator carried."""
+    with multirank(FIT_RANKS) as w:
+        errors = w.run(_collated_then_changed)
+    assert errors[0] == errors[1] and set(errors[0]) == {"rows", "grid"}, errors
+    for message in errors[0].values():
+        assert "the plan was made from the grids handle.plan_ahead's collator carried" in message, message
+        assert "pass the plan prepared for this batch" not in message, message
+
+
 def test_remove_restores_the_model_bit_for_bit() -> None:
     model = tiny_model("qwen3_vl").eval()
     base, tower = model.model, model.model.visual
@@ -2170,8 +2205,6 @@ def test_watched_handles_end_their_steps_in_the_order_they_were_made() -> None:
     """Each handle's drop of sharded gradients is a collective, so the handles of several models in
     one optimizer must end their steps in the same order on every rank: not in the watch set's
     order, which follows object ids (made here against the handles' order)."""
-    from lightning_vit_balance import hf
-
     asked: list[int] = []
     handles = [_Watched(order, asked) for order in reversed(range(8))]
     with mock.patch.object(hf, "_STEP_WATCH", weakref.WeakSet(handles)):
@@ -2421,25 +2454,35 @@ def test_lightning_ddp_fit_without_find_unused_parameters(
             trained[key], value, rtol=1e-5, atol=2e-4 * moved, msg=lambda m, k=key: f"{k}: {m}"
         )
     # The callback logged the handle's stats: one balanced call per step.
-    with open(tmp_path / "fit" / "metrics.csv") as f:
+    rows = _logged_calls(tmp_path)
+    assert float(rows[-1]["vit_balance/calls_total"]) == FIT_STEPS
+    if plan_ahead:
+        _assert_no_gather_in_the_forward(rows)
+
+
+def _logged_calls(out_dir: Path) -> list[dict[str, str]]:
+    """The fit's logged steps (``ViTBalanceCallback``'s rows), each of one balanced call."""
+    with open(out_dir / "fit" / "metrics.csv") as f:
         rows = [row for row in csv.DictReader(f) if row.get("vit_balance/calls")]
     assert [float(r["vit_balance/calls"]) for r in rows] == [1.0] * FIT_STEPS
-    assert float(rows[-1]["vit_balance/calls_total"]) == FIT_STEPS
-    if plan_ahead:  # no metadata gather in the forward: the trips and the status gather only
-        expected = [
-            3.0 if float(r["vit_balance/applied"]) else float(r["vit_balance/skipped/no-images"])
-            for r in rows
-        ]  # a skipped call: nothing, but the status word where no rank has images
-        assert [float(r["vit_balance/collectives"]) for r in rows] == expected, rows
-        assert any(float(r["vit_balance/applied"]) for r in rows), rows
+    return rows
+
+
+def _assert_no_gather_in_the_forward(rows: list[dict[str, str]]) -> None:
+    """Each logged step's call planned ahead: the trips and the status gather only."""
+    expected = [
+        3.0 if float(r["vit_balance/applied"]) else float(r["vit_balance/skipped/no-images"]) for r in rows
+    ]  # a skipped call: nothing, but the status word where no rank has images
+    assert [float(r["vit_balance/collectives"]) for r in rows] == expected, rows
+    assert any(float(r["vit_balance/applied"]) for r in rows), rows
 
 
 class HFCollated(HFFinetune):
     """:class:`HFFinetune` whose batches come from the drop-in's collator
     (``handle.plan_ahead(collate)``): each forward plans from the grids it carries."""
 
-    def __init__(self, out_dir: str) -> None:
-        super().__init__(out_dir, balanced=True)
+    def __init__(self, out_dir: str, plan_ahead: bool = False) -> None:
+        super().__init__(out_dir, balanced=True, plan_ahead=plan_ahead)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         batches = [fit_batch(step, self.global_rank, self.family) for step in range(FIT_STEPS)]
@@ -2488,10 +2531,16 @@ class HFSampledInValidation(HFFinetune):
         return self.train_dataloader()
 
 
-def _fit_of(out_dir: str, kind: str) -> None:
+def _fit_of(out_dir: str, kind: str) -> int:
     """Worker: a fit of :class:`HFCollated` (with :class:`SamplesOnRankZero`), :class:`HFDistilled`
-    or :class:`HFSampledInValidation` (validating after the last step)."""
-    kinds = {"collated": HFCollated, "distilled": HFDistilled, "sampled": HFSampledInValidation}
+    or :class:`HFSampledInValidation` (validating after the last step). Returns the plans made
+    ahead on this rank (``ViTBalancer.prepare``'s gathers)."""
+    kinds = {
+        "collated": HFCollated,
+        "collated and planned ahead": functools.partial(HFCollated, plan_ahead=True),
+        "distilled": HFDistilled,
+        "sampled": HFSampledInValidation,
+    }
     module = kinds[kind](out_dir)
     with launched_by_torchrun():
         trainer = quiet_trainer(
@@ -2499,7 +2548,11 @@ def _fit_of(out_dir: str, kind: str) -> None:
         )
         if kind == "collated":
             trainer.callbacks.append(SamplesOnRankZero())
-        trainer.fit(module)
+        with mock.patch.object(
+            ViTBalancer, "prepare", autospec=True, side_effect=ViTBalancer.prepare
+        ) as prepare:
+            trainer.fit(module)
+    return prepare.call_count
 
 
 def _assert_plain_losses(out_dir: Path) -> None:
@@ -2519,9 +2572,18 @@ def test_the_plan_ahead_collator_under_a_lightning_fit(tmp_path: Path, multirank
     with multirank(FIT_RANKS) as pool:
         pool.run(_fit_of, str(tmp_path), "collated", timeout=200)
     _assert_plain_losses(tmp_path)
-    with open(tmp_path / "fit" / "metrics.csv") as f:
-        rows = [row for row in csv.DictReader(f) if row.get("vit_balance/calls")]
-    assert [float(r["vit_balance/calls"]) for r in rows] == [1.0] * FIT_STEPS  # the hook's: direct
+    _logged_calls(tmp_path)  # the hook's: direct
+
+
+@pytest.mark.timeout(240)
+def test_the_plan_ahead_collator_next_to_the_mixins_plan_ahead(tmp_path: Path, multirank: Any) -> None:
+    """Both ways of planning ahead at once: the collator's grids planned every forward again, a
+    gather in each, though the mixin's batch hook had planned it. The hook's plan serves now."""
+    with multirank(FIT_RANKS) as pool:
+        plans = pool.run(_fit_of, str(tmp_path), "collated and planned ahead", timeout=200)
+    assert plans == [FIT_STEPS] * FIT_RANKS, plans  # the batch hook's, one per step
+    _assert_plain_losses(tmp_path)
+    _assert_no_gather_in_the_forward(_logged_calls(tmp_path))
 
 
 @pytest.mark.timeout(240)

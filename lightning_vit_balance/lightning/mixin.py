@@ -407,6 +407,11 @@ class _ModuleTowerBalance(BalancedVisionTower):
             return None
         return ticket
 
+    def plan_waiting(self) -> bool:
+        # The module's plan for this step's batch (its plan_ahead hook's): the collator's grids
+        # (handle.plan_ahead) would otherwise gather and plan the batch again in the forward.
+        return self.module._vit_balance_ticket_waiting()
+
     def _layout_balancer(
         self, config: ViTBalanceConfig, group: Any, layout: OutputLayout | None
     ) -> ViTBalancer:
@@ -755,6 +760,15 @@ class ViTBalanceMixin:
             # every rank alike (they run the same loops).
             return None
         return ticket
+
+    def _vit_balance_ticket_waiting(self) -> bool:
+        """Whether a plan made ahead waits for this step's batch (what
+        :meth:`_vit_balance_take_ticket` would give a call of the step, without taking it)."""
+        state = self._vit_balance_state_object()
+        if state.ticket is None:
+            return False
+        trainer, _ = self._vit_balance_runner()
+        return trainer is None or state.ticket_batch == _loop_batch(trainer)
 
     def _vit_balance_keep_ticket(self, ticket: PreparedPlan | None) -> None:
         """Keep ``ticket`` for the step that encodes the batch it was made for: under a Trainer, the

@@ -259,16 +259,24 @@ def test_a_vit_failing_in_its_recomputation_on_one_rank_fails_every_rank(multira
     assert all(seconds < FAST_S for *_, seconds in outcomes), outcomes
 
 
-def _retried_after_a_failed_call() -> tuple[str, str, bool] | None:
-    """A checkpointed call that raised on rank 1 (every rank skips the batch), then the same batch
-    retried with the cost fit refitted (here: priced per image), its backward recomputing it."""
+def _failing_on_rank_1() -> tuple[Any, _FailingTower, torch.Tensor, torch.Tensor] | None:
+    """On the first :data:`RANKS` ranks (None on the others): their group, a tower that runs out of
+    memory on rank 1, and this rank's batch of :data:`GRIDS`."""
     group = subgroup(RANKS)
     rank = dist.get_rank()
     if rank >= RANKS:
         return None
     torch.manual_seed(0)
-    tower = _FailingTower(1, "raise")
     pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    return group, _FailingTower(1, "raise"), pixels, grid
+
+
+def _retried_after_a_failed_call() -> tuple[str, str, bool] | None:
+    """A checkpointed call that raised on rank 1 (every rank skips the batch), then the same batch
+    retried with the cost fit refitted (here: priced per image), its backward recomputing it."""
+    if (setup := _failing_on_rank_1()) is None:
+        return None
+    group, tower, pixels, grid = setup
     balancer = ViTBalancer(ViTBalanceConfig(calibrate_cost=True, **APPLY), group)
     kind, _, _ = _outcome(lambda: checkpoint(balancer, tower, pixels, grid, use_reentrant=False))
     tower.mode = "recompute"  # no failure in the forward; none in the recomputation on rank 1 either
@@ -295,14 +303,11 @@ def test_a_batch_retried_after_its_call_failed_recomputes_with_its_own_plan(mult
 def _remembered_after_a_failure_on_one_rank() -> int | None:
     """A call the plan skips, unchecked (no collective after the ViT), whose ViT runs out of memory
     on rank 1 alone: how many plans each rank still holds for recomputations."""
-    group = subgroup(RANKS)
-    rank = dist.get_rank()
-    if rank >= RANKS:
+    if (setup := _failing_on_rank_1()) is None:
         return None
-    torch.manual_seed(0)
-    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    group, tower, pixels, grid = setup
     balancer = ViTBalancer(ViTBalanceConfig(calibrate_cost=True, trigger_threshold=5.0), group)
-    _outcome(lambda: balancer(_FailingTower(1, "raise"), pixels, grid))
+    _outcome(lambda: balancer(tower, pixels, grid))
     return balancer._plan_memory.remembered
 
 
@@ -528,13 +533,9 @@ def test_ranks_that_differ_in_gradients_raise_instead_of_waiting(multirank: Any,
 
 def _skipped_vit_case(prepared: bool) -> dict[str, Any] | None:
     """A call every rank's plan skips, checked; rank 1's ViT raises."""
-    group = subgroup(RANKS)
-    rank = dist.get_rank()
-    if rank >= RANKS:
+    if (setup := _failing_on_rank_1()) is None:
         return None
-    torch.manual_seed(0)
-    tower = _FailingTower(1, "raise")
-    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    group, tower, pixels, grid = setup
     balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=100.0, check_skipped_calls=True), group)
 
     def call() -> None:
@@ -543,7 +544,7 @@ def _skipped_vit_case(prepared: bool) -> dict[str, Any] | None:
         balancer(tower, pixels, grid, prepared=ticket).sum().backward()
 
     kind, message, seconds = _outcome(call)
-    _still_in_step(group, rank)
+    _still_in_step(group, dist.get_rank())
     return {"kind": kind, "message": message, "seconds": seconds}
 
 

@@ -250,6 +250,13 @@ _FEATURE_METHODS = {"images": "get_image_features", "videos": "get_video_feature
 #: The batch key under which :meth:`BalancedVisionTower.plan_ahead`'s collator hands the model's
 #: forward the batch's grids as collated, on the host.
 GRIDS_KEY = "vit_balance_grids"
+#: Named in the errors of a forward planned from the grids :meth:`BalancedVisionTower.plan_ahead`'s
+#: collator carried: those grids, not the forward's, were planned.
+_CARRIED_GRIDS = (
+    f"the plan was made from the grids handle.plan_ahead's collator carried in the batch ({GRIDS_KEY}): "
+    "a batch split or changed after collation does not match them; collate each micro-batch, or "
+    "collate without plan_ahead"
+)
 #: The base model's forward parameters that carry ``generate()``'s cache (transformers 4.x, 5.x).
 _CACHE_ARGUMENTS = ("past_key_values", "cache")
 #: The ``generate()`` step of transformers 5 that encodes images and videos before the first
@@ -620,13 +627,6 @@ def _leaf_inputs_need_grad(module: nn.Module, args: tuple[Any, ...]) -> tuple[An
 #: Handles with training forwards since their tower's last optimizer step (or drop): the next
 #: optimizer step asks each first (:func:`_before_optimizer_step`).
 _STEP_WATCH: weakref.WeakSet[BalancedVisionTower] = weakref.WeakSet()
-#: Named in the errors of a forward planned from the grids :meth:`BalancedVisionTower.plan_ahead`'s
-#: collator carried: those grids, not the forward's, were planned.
-_CARRIED_GRIDS = (
-    f"the plan was made from the grids handle.plan_ahead's collator carried in the batch ({GRIDS_KEY}): "
-    "a batch split or changed after collation does not match them; collate each micro-batch, or "
-    "collate without plan_ahead"
-)
 #: The one optimizer-step pre-hook of the process, registered with the first handle.
 _STEP_HOOK: list[Any] = []
 #: Handles in the order they were made (or reset), the same on every rank: several watched handles

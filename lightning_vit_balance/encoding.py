@@ -52,6 +52,7 @@ from lightning_vit_balance.recompute import in_backward_pass
 from lightning_vit_balance.wire import autocast_off
 
 __all__ = [
+    "INVALID_INPUT",
     "BalancedBatch",
     "EncodedBatch",
     "TripClock",
@@ -72,6 +73,8 @@ __all__ = [
 
 #: Prefix of the status a rank reports when its input did not match a prepared plan.
 INPUT_ERROR = "input: "
+#: How the error every rank raises for any rank's invalid input (rows, grids, dtypes) begins.
+INVALID_INPUT = "Invalid balanced ViT input"
 #: Prefix of the status a rank reports when packing its outputs for the return trip raised.
 PACKING_ERROR = "packing: "
 #: This package's source folder: its frames are the ones :func:`release_frames` always clears.
@@ -322,7 +325,7 @@ def raise_for_input(metadata: Sequence[RankMetadata], fingerprint_names: Sequenc
             with_images = [r for r, m in enumerate(metadata) if m.grids]
             return with_images[0] if with_images else None
         problems.append(mismatch)
-    raise ValueError(f"Invalid balanced ViT input ({len(metadata)} ranks): " + "; ".join(problems) + ".")
+    raise ValueError(f"{INVALID_INPUT} ({len(metadata)} ranks): " + "; ".join(problems) + ".")
 
 
 @dataclass(frozen=True)
@@ -647,7 +650,7 @@ def raise_for_merge(metadata: Sequence[RankMetadata], merge: int, steps: bool = 
             problems.append(f"rank {rank}: {text}")
     if problems:
         raise ValueError(
-            f"Invalid balanced ViT input ({len(metadata)} ranks): " + "; ".join(problems) + " (checked at "
+            f"{INVALID_INPUT} ({len(metadata)} ranks): " + "; ".join(problems) + " (checked at "
             "the call: the plan was made ahead before the ViT's merge size was known; prepare(..., vit=vit) "
             "checks it there)."
         )

@@ -209,7 +209,7 @@ from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalanc
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel, pixel_row_factors
 from lightning_vit_balance.eager import eager, eager_frame
-from lightning_vit_balance.encoding import gathered_per_call, parameters_sharded
+from lightning_vit_balance.encoding import INVALID_INPUT, gathered_per_call, parameters_sharded
 from lightning_vit_balance.exchange import (
     gather_host_values,
     grid_rows,
@@ -1660,10 +1660,15 @@ class BalancedVisionTower:
         ticket, self._ticket = self._ticket, None
         return ticket
 
-    def plan_waiting(self) -> bool:
+    def plan_waiting(self, grids: object = None) -> bool:
         """Whether a plan made ahead waits for the next forward (:meth:`prepared_plan` would give
-        it): a forward given the collator's grids (:meth:`plan_ahead`) then plans nothing more."""
+        it): a forward given the collator's ``grids`` (:meth:`plan_ahead`) then plans nothing more."""
         return self._ticket is not None
+
+    def _named(self, ticket: PreparedPlan, source: str) -> PreparedPlan:
+        """``ticket``, the plan waiting for the next forward, naming ``source`` in its errors."""
+        self._ticket = replace(ticket, source=source)
+        return self._ticket
 
     @eager
     def prepare(self, batch: Mapping[str, Any]) -> PreparedPlan | None:
@@ -1885,7 +1890,7 @@ class BalancedVisionTower:
         """``forward(*args, **kwargs)``, planned from ``grids`` (see :meth:`plan_ahead`) when it is
         balanced and no plan is waiting already; a plan it leaves untaken is dropped with it. Not in
         a recomputation (activation checkpointing), which plans as its forward call did."""
-        if self.plan_waiting() or in_backward_pass() or not self._balances(kwargs):
+        if self.plan_waiting(grids) or in_backward_pass() or not self._balances(kwargs):
             return _Route(forward, args, kwargs)
         if self.settings() is None:
             # This forward is direct (a LightningModule's hook on one rank, logging samples): a
@@ -1895,9 +1900,11 @@ class BalancedVisionTower:
         try:
             ticket = self.prepare({**view, **dict(grids.grids)})
         except ValueError as err:  # every rank's, alike
-            raise ValueError(f"{err} ({_CARRIED_GRIDS})") from err
+            if str(err).startswith(INVALID_INPUT):  # the batch's rows and grids, not the settings
+                raise ValueError(f"{err} ({_CARRIED_GRIDS})") from err
+            raise
         if ticket is not None:  # its mismatch errors name the carried grids, not a plan of the user's
-            ticket = self._ticket = replace(ticket, source=_CARRIED_GRIDS)
+            ticket = self._named(ticket, _CARRIED_GRIDS)
         return _Route(forward, args, kwargs, done=functools.partial(self._drop_ticket, ticket))
 
     @eager

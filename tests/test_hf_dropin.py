@@ -1803,13 +1803,26 @@ def test_the_plan_ahead_collator_keeps_the_grids_on_the_host(tmp_path: Path) -> 
     assert "forward" not in model.__dict__
 
 
-def _collated_then_changed() -> dict[str, str]:
-    """Batches of the drop-in's collator changed before their forward: fewer pixel rows (a batch
-    split by sample after collation), then one image's grid transposed (the same rows). Each
-    forward's error, on this rank."""
+class _OwnLoopModule(ViTBalanceMixin, L.LightningModule):
+    """A LightningModule run by a loop of one's own (Fabric's, say), training on the default group."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.vit_balance_config = ViTBalanceConfig(**CONFIG)
+        self.vit_balance_group = torch.distributed.group.WORLD
+        self.model = model
+
+
+def _collated_then_changed(mixin: bool) -> dict[str, str]:
+    """Batches of the drop-in's collator (the handle's, or the mixin's with ``mixin``) changed before
+    their forward: fewer pixel rows (a batch split by sample after collation), then one image's grid
+    transposed (the same rows). Each forward's error, on this rank."""
     rank = torch.distributed.get_rank()
     model = tiny_model(FIT_FAMILY)
-    handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
+    if mixin:
+        handle = _OwnLoopModule(model).balance_vision_tower(model)
+    else:
+        handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG))
     collate = handle.plan_ahead(_first)
     errors = {}
     images = [(1, 8, 8), (1, 8, 4)] if rank == 0 else [(1, 2, 2)]  # the plan moves one
@@ -1826,12 +1839,13 @@ def _collated_then_changed() -> dict[str, str]:
     return errors
 
 
-def test_a_collated_batch_changed_after_collation_is_named_in_the_error(multirank: Any) -> None:
+@pytest.mark.parametrize("mixin", [False, True], ids=["handle", "mixin"])
+def test_a_collated_batch_changed_after_collation_is_named_in_the_error(multirank: Any, mixin: bool) -> None:
     """The errors named only the forward's own pixel rows and grids (which agree with each other)
     and told the user to pass the plan prepared for the batch, which a collator's user never
-    handles: they name the grids the collator carried."""
+    handles: they name the grids the collator carried, the mixin's handle's too."""
     with multirank(FIT_RANKS) as w:
-        errors = w.run(_collated_then_changed)
+        errors = w.run(_collated_then_changed, mixin)
     assert errors[0] == errors[1] and set(errors[0]) == {"rows", "grid"}, errors
     for message in errors[0].values():
         assert "the plan was made from the grids handle.plan_ahead's collator carried" in message, message
@@ -2490,6 +2504,23 @@ class HFCollated(HFFinetune):
         return torch.utils.data.DataLoader(batches, batch_size=1, collate_fn=collate)
 
 
+class HFCollatedInAMapping(HFCollated):
+    """:class:`HFCollated` with ``plan_ahead``, its loader one of a mapping of loaders (Lightning's
+    ``CombinedLoader``): the batch hook plans the outer batch, which holds no pixel keys (a plan
+    without images), and the forward gets the inner batch with the collator's grids."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__(out_dir, plan_ahead=True)
+
+    def train_dataloader(self) -> dict[str, torch.utils.data.DataLoader]:  # type: ignore[override]
+        return {"inner": super().train_dataloader()}
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch["inner"]).loss
+        self.losses.append(float(loss.detach()))
+        return loss
+
+
 class SamplesOnRankZero(L.Callback):
     """Runs the model on the training batch on rank 0 alone after each step (logging samples)."""
 
@@ -2538,6 +2569,7 @@ def _fit_of(out_dir: str, kind: str) -> int:
     kinds = {
         "collated": HFCollated,
         "collated and planned ahead": functools.partial(HFCollated, plan_ahead=True),
+        "collated in a mapping": HFCollatedInAMapping,
         "distilled": HFDistilled,
         "sampled": HFSampledInValidation,
     }
@@ -2584,6 +2616,18 @@ def test_the_plan_ahead_collator_next_to_the_mixins_plan_ahead(tmp_path: Path, m
     assert plans == [FIT_STEPS] * FIT_RANKS, plans  # the batch hook's, one per step
     _assert_plain_losses(tmp_path)
     _assert_no_gather_in_the_forward(_logged_calls(tmp_path))
+
+
+@pytest.mark.timeout(240)
+def test_the_plan_ahead_collator_in_a_mapping_of_loaders(tmp_path: Path, multirank: Any) -> None:
+    """The mixin's plan of the outer batch (no images: it holds the loaders' batches) waited when
+    the forward came with the inner batch's collated grids, which the fix of the double plan above
+    then took for planned: every rank raised that the forward's images were not in the plan. A
+    waiting plan serves only the batch that carries those grids; this one plans from them."""
+    with multirank(FIT_RANKS) as pool:
+        plans = pool.run(_fit_of, str(tmp_path), "collated in a mapping", timeout=200)
+    assert plans == [2 * FIT_STEPS] * FIT_RANKS, plans  # the outer batch's, then the inner one's
+    _assert_plain_losses(tmp_path)
 
 
 @pytest.mark.timeout(240)

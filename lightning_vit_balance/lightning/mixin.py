@@ -30,6 +30,7 @@ from lightning_vit_balance.eager import eager, eager_frame
 from lightning_vit_balance.encoding import parameters_sharded
 from lightning_vit_balance.exchange import gather_host_values
 from lightning_vit_balance.hf import (
+    GRIDS_KEY,
     KEPT_STATS,
     BalancedVisionTower,
     continue_fit,
@@ -302,6 +303,9 @@ class _State:
         self.ticket: PreparedPlan | None = None
         #: The loop's batch the ticket was made for (see ViTBalanceMixin._vit_balance_keep_ticket).
         self.ticket_batch: tuple[int, bool, int] | None = None
+        #: The grids the drop-in's collator carried in the batch the ticket was made from (by
+        #: identity: a forward given these grids is that batch's), else None.
+        self.ticket_grids: object = None
         self.told_own_clock = False
         #: Every rank's training epoch length, gathered at this fit's first balanced training call
         #: or plan (None before it): ranks whose epochs differ validate apart (see _own_clock).
@@ -407,10 +411,19 @@ class _ModuleTowerBalance(BalancedVisionTower):
             return None
         return ticket
 
-    def plan_waiting(self) -> bool:
-        # The module's plan for this step's batch (its plan_ahead hook's): the collator's grids
-        # (handle.plan_ahead) would otherwise gather and plan the batch again in the forward.
-        return self.module._vit_balance_ticket_waiting()
+    def plan_waiting(self, grids: object = None) -> bool:
+        # The module's plan made ahead from the batch that carries these grids (its plan_ahead
+        # hook's): the collator's grids (handle.plan_ahead) would otherwise plan it again.
+        return self.module._vit_balance_ticket_waiting(grids)
+
+    def _named(self, ticket: PreparedPlan, source: str) -> PreparedPlan:
+        # The module keeps the plan its calls take (see prepare).
+        named = super()._named(ticket, source)
+        self._ticket = None
+        state = self.module._vit_balance_state_object()
+        if state.ticket is ticket:
+            state.ticket = named
+        return named
 
     def _layout_balancer(
         self, config: ViTBalanceConfig, group: Any, layout: OutputLayout | None
@@ -761,20 +774,23 @@ class ViTBalanceMixin:
             return None
         return ticket
 
-    def _vit_balance_ticket_waiting(self) -> bool:
-        """Whether a plan made ahead waits for this step's batch (what
-        :meth:`_vit_balance_take_ticket` would give a call of the step, without taking it)."""
+    def _vit_balance_ticket_waiting(self, grids: object) -> bool:
+        """Whether a plan made ahead from the batch that carries ``grids`` (the drop-in's collator's)
+        waits for this step (what :meth:`_vit_balance_take_ticket` would give a call of the step):
+        not one made from another batch, such as the outer batch of several loaders'."""
         state = self._vit_balance_state_object()
-        if state.ticket is None:
+        if state.ticket is None or grids is None or state.ticket_grids is not grids:
             return False
         trainer, _ = self._vit_balance_runner()
         return trainer is None or state.ticket_batch == _loop_batch(trainer)
 
-    def _vit_balance_keep_ticket(self, ticket: PreparedPlan | None) -> None:
+    def _vit_balance_keep_ticket(self, ticket: PreparedPlan | None, carried: object = None) -> None:
         """Keep ``ticket`` for the step that encodes the batch it was made for: under a Trainer, the
-        loop's batch at hand (moving to the device, or in its step); only that batch's step takes it."""
+        loop's batch at hand (moving to the device, or in its step); only that batch's step takes it.
+        ``carried``: the grids the drop-in's collator carried in that batch."""
         state = self._vit_balance_state_object()
         state.ticket = ticket
+        state.ticket_grids = carried
         state.planned_ahead = True
         trainer, _ = self._vit_balance_runner()
         state.ticket_batch = _loop_batch(trainer) if trainer is not None else None
@@ -1004,7 +1020,7 @@ class ViTBalanceMixin:
                     "self.prepare_vit_balance(batch[key]) in on_before_batch_transfer)"
                 )
             ticket = dataclasses.replace(ticket, source=source)
-        self._vit_balance_keep_ticket(ticket)
+        self._vit_balance_keep_ticket(ticket, batch.get(GRIDS_KEY) if readable else None)
         return True
 
     def _vit_balance_towers_balance(self) -> bool:

@@ -1852,6 +1852,42 @@ def test_a_collated_batch_changed_after_collation_is_named_in_the_error(multiran
         assert "pass the plan prepared for this batch" not in message, message
 
 
+def _collated_and_planned_by_the_mixin(case: str) -> tuple[int, float, float]:
+    """A loop of one's own with the mixin's handle and its collator: the batch planned ahead by the
+    mixin (``prepare_vit_balance``) or by the handle (``prepare``), then its forward; with
+    ``copied on rank 1``, that rank's forward gets a deep copy of it (an augmentation of its own).
+    The plans made on this rank, and the loss beside the plain model's."""
+    rank = torch.distributed.get_rank()
+    model = tiny_model(FIT_FAMILY)
+    module = _OwnLoopModule(model)
+    handle = module.balance_vision_tower(model)
+    samples = [{"images": [(1, 8, 8)]}, {"images": [(1, 8, 4)]}] if rank == 0 else [{"images": [(1, 2, 2)]}]
+    batch = handle.plan_ahead(_first)([make_inputs(FIT_FAMILY, samples, seed=rank)])
+    with mock.patch.object(ViTBalancer, "prepare", autospec=True, side_effect=ViTBalancer.prepare) as prepare:
+        if case == "by the handle":
+            handle.prepare(batch)
+        else:
+            module.prepare_vit_balance(batch)
+        given = copy.deepcopy(batch) if case == "copied on rank 1" and rank == 1 else batch
+        loss = float(model(**given).loss)
+    plain = float(tiny_model(FIT_FAMILY)(**make_inputs(FIT_FAMILY, samples, seed=rank)).loss)
+    return prepare.call_count, loss, plain
+
+
+@pytest.mark.parametrize("case", ["by the mixin", "by the handle", "copied on rank 1"])
+def test_a_batch_the_mixin_planned_ahead_is_not_planned_again_from_its_collated_grids(
+    multirank: Any, case: str
+) -> None:
+    """The mixin's handle took a plan made ahead only for the very object of grids its batch carried:
+    a rank whose batch was copied planned again while the others did not, and waited in that
+    gather (30 s, then every rank failed); ``handle.prepare`` on the mixin's handle did not count."""
+    with multirank(FIT_RANKS) as w:
+        results = w.run(_collated_and_planned_by_the_mixin, case, timeout=60)
+    for plans, loss, plain in results:
+        assert plans == 1, results
+        assert loss == pytest.approx(plain, rel=1e-5), results  # float32 sums in another order
+
+
 def test_remove_restores_the_model_bit_for_bit() -> None:
     model = tiny_model("qwen3_vl").eval()
     base, tower = model.model, model.model.visual

@@ -303,8 +303,7 @@ class _State:
         self.ticket: PreparedPlan | None = None
         #: The loop's batch the ticket was made for (see ViTBalanceMixin._vit_balance_keep_ticket).
         self.ticket_batch: tuple[int, bool, int] | None = None
-        #: The grids the drop-in's collator carried in the batch the ticket was made from (by
-        #: identity: a forward given these grids is that batch's), else None.
+        #: The grids the drop-in's collator carried in the batch the ticket was made from, else None.
         self.ticket_grids: object = None
         self.told_own_clock = False
         #: Every rank's training epoch length, gathered at this fit's first balanced training call
@@ -412,9 +411,9 @@ class _ModuleTowerBalance(BalancedVisionTower):
         return ticket
 
     def plan_waiting(self, grids: object = None) -> bool:
-        # The module's plan made ahead from the batch that carries these grids (its plan_ahead
-        # hook's): the collator's grids (handle.plan_ahead) would otherwise plan it again.
-        return self.module._vit_balance_ticket_waiting(grids)
+        # The module's plan made ahead from a batch the collator made (its plan_ahead hook's): the
+        # collator's grids (handle.plan_ahead) would otherwise plan the batch again.
+        return self.module._vit_balance_ticket_waiting()
 
     def _named(self, ticket: PreparedPlan, source: str) -> PreparedPlan:
         # The module keeps the plan its calls take (see prepare).
@@ -441,7 +440,8 @@ class _ModuleTowerBalance(BalancedVisionTower):
             self._planning_ahead = False
         # The module's calls take the module's plan (as its plan_ahead hook makes it).
         self._ticket = None
-        self.module._vit_balance_keep_ticket(ticket)
+        carried = batch.get(GRIDS_KEY) if isinstance(batch, Mapping) else None
+        self.module._vit_balance_keep_ticket(ticket, carried)
         return ticket
 
     def state_dict(self) -> dict[str, Any]:
@@ -774,12 +774,14 @@ class ViTBalanceMixin:
             return None
         return ticket
 
-    def _vit_balance_ticket_waiting(self, grids: object) -> bool:
-        """Whether a plan made ahead from the batch that carries ``grids`` (the drop-in's collator's)
-        waits for this step (what :meth:`_vit_balance_take_ticket` would give a call of the step):
-        not one made from another batch, such as the outer batch of several loaders'."""
+    def _vit_balance_ticket_waiting(self) -> bool:
+        """Whether a plan made ahead from a batch the drop-in's collator made waits for this step
+        (what :meth:`_vit_balance_take_ticket` would give a call of the step): not one made from
+        another batch, such as the outer batch of several loaders'. Decided from what every rank's
+        loader gives alike, not from the forward's own batch (a forward that plans on some ranks
+        only would wait in the gather): a forward of another batch then raises at its plan."""
         state = self._vit_balance_state_object()
-        if state.ticket is None or grids is None or state.ticket_grids is not grids:
+        if state.ticket is None or state.ticket_grids is None:
             return False
         trainer, _ = self._vit_balance_runner()
         return trainer is None or state.ticket_batch == _loop_batch(trainer)

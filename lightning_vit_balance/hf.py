@@ -1660,9 +1660,9 @@ class BalancedVisionTower:
         ticket, self._ticket = self._ticket, None
         return ticket
 
-    def plan_waiting(self, grids: object = None) -> bool:
+    def plan_waiting(self) -> bool:
         """Whether a plan made ahead waits for the next forward (:meth:`prepared_plan` would give
-        it): a forward given the collator's ``grids`` (:meth:`plan_ahead`) then plans nothing more."""
+        it): a forward given the collator's grids (:meth:`plan_ahead`) then plans nothing more."""
         return self._ticket is not None
 
     def _named(self, ticket: PreparedPlan, source: str) -> PreparedPlan:
@@ -1890,7 +1890,7 @@ class BalancedVisionTower:
         """``forward(*args, **kwargs)``, planned from ``grids`` (see :meth:`plan_ahead`) when it is
         balanced and no plan is waiting already; a plan it leaves untaken is dropped with it. Not in
         a recomputation (activation checkpointing), which plans as its forward call did."""
-        if self.plan_waiting(grids) or in_backward_pass() or not self._balances(kwargs):
+        if self.plan_waiting() or in_backward_pass() or not self._balances(kwargs):
             return _Route(forward, args, kwargs)
         if self.settings() is None:
             # This forward is direct (a LightningModule's hook on one rank, logging samples): a

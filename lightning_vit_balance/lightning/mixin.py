@@ -303,8 +303,8 @@ class _State:
         self.ticket: PreparedPlan | None = None
         #: The loop's batch the ticket was made for (see ViTBalanceMixin._vit_balance_keep_ticket).
         self.ticket_batch: tuple[int, bool, int] | None = None
-        #: The grids the drop-in's collator carried in the batch the ticket was made from, else None.
-        self.ticket_grids: object = None
+        #: Whether the batch the ticket was made from carried the drop-in's collator's grids.
+        self.ticket_collated = False
         self.told_own_clock = False
         #: Every rank's training epoch length, gathered at this fit's first balanced training call
         #: or plan (None before it): ranks whose epochs differ validate apart (see _own_clock).
@@ -410,15 +410,14 @@ class _ModuleTowerBalance(BalancedVisionTower):
             return None
         return ticket
 
-    def plan_waiting(self, grids: object = None) -> bool:
+    def plan_waiting(self) -> bool:
         # The module's plan made ahead from a batch the collator made (its plan_ahead hook's): the
         # collator's grids (handle.plan_ahead) would otherwise plan the batch again.
         return self.module._vit_balance_ticket_waiting()
 
     def _named(self, ticket: PreparedPlan, source: str) -> PreparedPlan:
-        # The module keeps the plan its calls take (see prepare).
-        named = super()._named(ticket, source)
-        self._ticket = None
+        # The module keeps the plan its calls take (see prepare), not this handle.
+        named = dataclasses.replace(ticket, source=source)
         state = self.module._vit_balance_state_object()
         if state.ticket is ticket:
             state.ticket = named
@@ -440,8 +439,8 @@ class _ModuleTowerBalance(BalancedVisionTower):
             self._planning_ahead = False
         # The module's calls take the module's plan (as its plan_ahead hook makes it).
         self._ticket = None
-        carried = batch.get(GRIDS_KEY) if isinstance(batch, Mapping) else None
-        self.module._vit_balance_keep_ticket(ticket, carried)
+        collated = isinstance(batch, Mapping) and batch.get(GRIDS_KEY) is not None
+        self.module._vit_balance_keep_ticket(ticket, collated)
         return ticket
 
     def state_dict(self) -> dict[str, Any]:
@@ -781,18 +780,18 @@ class ViTBalanceMixin:
         loader gives alike, not from the forward's own batch (a forward that plans on some ranks
         only would wait in the gather): a forward of another batch then raises at its plan."""
         state = self._vit_balance_state_object()
-        if state.ticket is None or state.ticket_grids is None:
+        if state.ticket is None or not state.ticket_collated:
             return False
         trainer, _ = self._vit_balance_runner()
         return trainer is None or state.ticket_batch == _loop_batch(trainer)
 
-    def _vit_balance_keep_ticket(self, ticket: PreparedPlan | None, carried: object = None) -> None:
+    def _vit_balance_keep_ticket(self, ticket: PreparedPlan | None, collated: bool = False) -> None:
         """Keep ``ticket`` for the step that encodes the batch it was made for: under a Trainer, the
         loop's batch at hand (moving to the device, or in its step); only that batch's step takes it.
-        ``carried``: the grids the drop-in's collator carried in that batch."""
+        ``collated``: whether that batch carried the drop-in's collator's grids."""
         state = self._vit_balance_state_object()
         state.ticket = ticket
-        state.ticket_grids = carried
+        state.ticket_collated = collated
         state.planned_ahead = True
         trainer, _ = self._vit_balance_runner()
         state.ticket_batch = _loop_batch(trainer) if trainer is not None else None
@@ -1022,7 +1021,7 @@ class ViTBalanceMixin:
                     "self.prepare_vit_balance(batch[key]) in on_before_batch_transfer)"
                 )
             ticket = dataclasses.replace(ticket, source=source)
-        self._vit_balance_keep_ticket(ticket, batch.get(GRIDS_KEY) if readable else None)
+        self._vit_balance_keep_ticket(ticket, readable and batch.get(GRIDS_KEY) is not None)
         return True
 
     def _vit_balance_towers_balance(self) -> bool:

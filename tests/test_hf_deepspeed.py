@@ -187,13 +187,19 @@ def _evaluate_as_plain(engine: Any, plain: torch.nn.Module, family: str, rank: i
     assert_generates_as_plain(engine.module, plain, family)
 
 
-@pytest.fixture(scope="module")
-def deepspeed_world() -> Iterator[World]:
+def _pool() -> Iterator[World]:
     pool = World(RANKS)
     try:
         yield pool
     finally:
         pool.close(kill=True)
+
+
+deepspeed_world = pytest.fixture(_pool, scope="module", name="deepspeed_world")
+#: A pool that never runs ZeRO-3: ZeRO-3 replaces ``torch.nn.functional.linear`` in the processes
+#: that ran it, and that linear's backward hands a projection's weight and bias over in the other
+#: order (:func:`test_zero2_with_a_projection_outside_the_tower`).
+zero2_world = pytest.fixture(_pool, scope="module", name="zero2_world")
 
 
 #: A projection outside the tower (transformers 5): HyperCLOVAX Vision V2's ``projector``.
@@ -277,21 +283,16 @@ def test_zero3_leaves_and_checkpointing(deepspeed_world: World, family: str, ree
 
 
 @pytest.mark.parametrize("family", [PROJECTING, *DUMMY_FORMS, "paddleocr_vl"])
-def test_zero2_with_a_projection_outside_the_tower(family: str) -> None:
+def test_zero2_with_a_projection_outside_the_tower(zero2_world: World, family: str) -> None:
     """ZeRO-2 where the projection is outside the tower, which a text-only rank never calls: the
     drop-in runs the projection's modules on zero rows where the other ranks' backward reaches them,
     so ZeRO-2, which places each gradient in its reduction bucket in the order they arrive, reduces
     the plain model's gradients. HyperCLOVAX Vision V2's projector; Kimi-K2.5's and PaddleOCR-VL's,
     which start with a LayerNorm (its backward hands the weight over before the bias, a Linear's the
     bias first: zero-element slices of the parameters put them in the other order, and the
-    LayerNorm's gradients came out wrong); ERNIE-4.5-VL's resampler. Its own pool: ZeRO-3 replaces
-    ``torch.nn.functional.linear`` in the processes that ran it, and that linear's backward hands a
-    projection's weight and bias over in the other order."""
+    LayerNorm's gradients came out wrong); ERNIE-4.5-VL's resampler. In a pool where ZeRO-3 never
+    ran (:data:`zero2_world`)."""
     if not available(family):
         pytest.skip(f"this transformers has no {family}")
-    pool = World(RANKS)
-    try:
-        results = pool.run(_zero_steps, family, 2, timeout=180)
-    finally:
-        pool.close(kill=True)
+    results = zero2_world.run(_zero_steps, family, 2, timeout=180)
     assert [r["applied"] for r in results] == [[True, True, False, True] * 2] * RANKS, results

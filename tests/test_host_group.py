@@ -434,11 +434,12 @@ def test_a_twin_across_two_network_namespaces(tmp_path: Path) -> None:
     if not _gloo_endpoint().loopback:
         pytest.skip("this machine's hostname resolves to a routable address: gloo's default would work")
     script = Path(__file__).resolve().parent / "two_networks_script.py"
-    results = {}
+    modes = ("default", "named", "unreachable", "unreachable-lazy")
     with _two_networks() as networks:
-        for mode in ("default", "named", "unreachable", "unreachable-lazy"):
-            store = tmp_path / f"store-{mode}"
-            ranks = [
+        # The modes' jobs run side by side (each its own store, its own addresses): a rank's start,
+        # importing torch, is most of its time, and the unreachable modes wait on connect timeouts.
+        launched = {
+            mode: [
                 subprocess.Popen(
                     [
                         "ip",
@@ -447,7 +448,7 @@ def test_a_twin_across_two_network_namespaces(tmp_path: Path) -> None:
                         space,
                         sys.executable,
                         str(script),
-                        *map(str, (k, store)),
+                        *map(str, (k, tmp_path / f"store-{mode}")),
                         link,
                         mode,
                         nowhere,
@@ -458,12 +459,21 @@ def test_a_twin_across_two_network_namespaces(tmp_path: Path) -> None:
                 )
                 for k, (space, link, nowhere) in enumerate(networks)
             ]
-            outputs = [rank.communicate(timeout=120) for rank in ranks]
-            for rank, (out, err) in zip(ranks, outputs):
-                if _gloo_aborted_at_exit(rank.returncode, out, err):
-                    continue  # its result line is checked below
-                assert rank.returncode == 0, f"{mode}: exit {rank.returncode}\n{out}\n{err[-3000:]}"
-            results[mode] = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+            for mode in modes
+        }
+        results = {}
+        try:
+            for mode, ranks in launched.items():
+                outputs = [rank.communicate(timeout=180) for rank in ranks]
+                for rank, (out, err) in zip(ranks, outputs):
+                    if _gloo_aborted_at_exit(rank.returncode, out, err):
+                        continue  # its result line is checked below
+                    assert rank.returncode == 0, f"{mode}: exit {rank.returncode}\n{out}\n{err[-3000:]}"
+                results[mode] = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+        finally:  # a mode that failed or hung leaves no rank of another running
+            for rank in (rank for ranks in launched.values() for rank in ranks):
+                rank.kill()
+                rank.wait()
     for rank, got in enumerate(results["default"]):
         assert not got["twin"] and got["applied"], got
         assert len(got["warnings"]) == (1 if rank == 0 else 0), got

@@ -26,7 +26,7 @@ import math
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, ParamSpec, TypeVar
 
@@ -83,7 +83,7 @@ from lightning_vit_balance.outputs import (
     window_index_fn,
 )
 from lightning_vit_balance.planning import RebalancePlan, plan_rebalance
-from lightning_vit_balance.prepared import DeviceGridChecks, PreparedPlan, grid_gcd
+from lightning_vit_balance.prepared import DeviceGridChecks, PreparedPlan, batch_digest, grid_gcd
 from lightning_vit_balance.problems import DTYPES, InputProblem, describe_problem
 from lightning_vit_balance.recompute import PlanMemory, in_backward_pass
 from lightning_vit_balance.routes import RouteCache
@@ -287,9 +287,33 @@ class _Call:
     collectives: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    # A prepared call's PreparedPlan.batch_digest, compared with the plan's digest in the status
+    # gather (None: the plan was made in this call, from the gather every rank took part in).
+    batch_digest: int | None = None
 
     def timed(self, step: str, started: float) -> None:
         self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - started
+
+    @contextlib.contextmanager
+    def first_trip(self) -> Iterator[None]:
+        """Around the pixel trip. In a call given a plan made before it, the trip is the call's
+        first collective: a rank out of step there (another rank called without the plan, and
+        gathers) fails with gloo's or NCCL's text, which names neither the call nor the cause."""
+        if self.batch_digest is None:
+            yield
+            return
+        try:
+            yield
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as error:
+            # The same type (DistBackendError, say), for loops that catch the backend's errors.
+            kind = type(error) if issubclass(type(error), dist.DistError) else RuntimeError
+            raise kind(
+                "ViTBalancer: the pixel trip of a call given a plan made before it failed on this rank "
+                f"({error}): every rank must pass the plan made for its call (prepared=), or none; "
+                f"{_OUT_OF_STEP}."
+            ) from error
 
 
 @dataclass(frozen=True)
@@ -570,6 +594,8 @@ class ViTBalancer:
             grid_gcd=grid_gcd(metadata),
             encoded_counts=encoded_counts,
             encoded_frames=encoded_frames,
+            # Only a call that moves images compares plans (and builds batches from others' grids).
+            batch_digest=batch_digest(metadata) if plan.applied else 0,
         )
 
     def check_pending(self) -> None:
@@ -688,6 +714,7 @@ class ViTBalancer:
             # follows, so that rows the ViT cannot take fail every rank, not that one alone.
             reference = _Reference(int(pixel_values.shape[1]), pixel_values.dtype, differentiable)
         if plan.applied:
+            call.batch_digest = prepared.batch_digest
             output = self._exchange_and_encode(
                 call, vit, pixel_values, grid_thw, plan, prepared.metadata, reference, problem
             )
@@ -819,7 +846,8 @@ class ViTBalancer:
         # Only the trip's start is its own: waiting for it falls within the ViT clock's bracket.
         self._trips.start(pixel_values.device)
         trip = self._routes.trip(plan, call.rank, home=False)
-        pending = self._start_pixel_trip(call, pixel_values, trip, route, metadata, reference, False)
+        with call.first_trip():
+            pending = self._start_pixel_trip(call, pixel_values, trip, route, metadata, reference, False)
         self._trips.stop()
         home = [i for src, i in route.arrivals if src == call.rank]
         call.timed("dispatch", started)
@@ -833,7 +861,8 @@ class ViTBalancer:
                 call, vit, self._batch(rows, rows, [(call.rank, i) for i in home], metadata, grid_thw)
             )
         started = time.perf_counter()
-        received = pending.wait()  # [rows from other ranks, C], in arrival order
+        with call.first_trip():
+            received = pending.wait()  # [rows from other ranks, C], in arrival order
         call.timed("dispatch", started)
         away = [(src, i) for src, i in route.arrivals if src != call.rank]
         if home_encoded is not None and (not away or home_encoded.error is not None):
@@ -1031,9 +1060,11 @@ class ViTBalancer:
         planned sizes standing in for input that does not match a prepared plan)."""
         started = time.perf_counter()
         route, trip = self._routes.route(plan, call.rank), self._routes.trip(plan, call.rank)
-        self._trips.start(pixel_values.device)
-        pending = self._start_pixel_trip(call, pixel_values, trip, route, metadata, reference, zeros)
-        received = pending.wait()  # [sum(receive_patches), C], images in arrival order
+        # Zero rows stand in for input that may not be a tensor at all: the call's device then.
+        self._trips.start(pixel_values.device if isinstance(pixel_values, torch.Tensor) else call.device)
+        with call.first_trip():
+            pending = self._start_pixel_trip(call, pixel_values, trip, route, metadata, reference, zeros)
+            received = pending.wait()  # [sum(receive_patches), C], images in arrival order
         self._trips.stop()
         call.timed("dispatch", started)
         if not route.arrivals:
@@ -1105,11 +1136,13 @@ class ViTBalancer:
         encoded, packed = self._packed(call, encoded, plan, batch, reference)
         self._trips.stop()
         grad_wanted = torch.is_grad_enabled() and (reference.pixels_differentiable or _vit_requires_grad(vit))
-        report = start_status(encoded.status(), call.host, plan.digest, grad_wanted).wait()
+        # XOR keeps 62 bits: equal across ranks where both the plans and their batches are.
+        digest = plan.digest if call.batch_digest is None else plan.digest ^ call.batch_digest
+        report = start_status(encoded.status(), call.host, digest, grad_wanted).wait()
         call.collectives += report.collectives
         call.timed("combine", started)
         call.timed("status", started)
-        self._raise_where_any_failed(report, encoded, call.merge)
+        self._raise_where_any_failed(report, encoded, call.merge, prepared=call.batch_digest is not None)
         assert packed is not None  # every rank's status was fine, this rank's too
         started = time.perf_counter()
         self._trips.start(packed.buffer.device)
@@ -1239,11 +1272,14 @@ class ViTBalancer:
         self._raise_where_any_failed(report, encoded, call.merge)
         return output
 
-    def _raise_where_any_failed(self, report: StatusReport, encoded: EncodedBatch, merge: int) -> None:
+    def _raise_where_any_failed(
+        self, report: StatusReport, encoded: EncodedBatch, merge: int, prepared: bool = False
+    ) -> None:
         """The status gather's verdict: raise on every rank alike where any rank's plan, ViT,
-        outputs or gradients differ from the others' (then the call's plan is forgotten)."""
+        outputs or gradients differ from the others' (then the call's plan is forgotten).
+        ``prepared``: the call was given a plan made before it."""
         self._failed_everywhere = True
-        raise_for_plans(report)
+        raise_for_plans(report, prepared)
         raise_for_vit(report, encoded, merge)
         raise_for_gradients(report)
         self._failed_everywhere = False

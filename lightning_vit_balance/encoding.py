@@ -519,13 +519,15 @@ def raise_for_vit(report: StatusReport, encoded: EncodedBatch, merge: int) -> No
     raise ValueError(message)
 
 
-def raise_for_plans(report: StatusReport) -> None:
+def raise_for_plans(report: StatusReport, prepared: bool = False) -> None:
     """After the status gather, before the return trip: raise on every rank when the ranks' plans
     differ.
 
     Every rank plans from the same gathered batch, settings, package version and sources, so the
     plans are equal unless something outside them differs between the ranks (a Python or NumPy
-    release other than those ``make plan-versions`` found to plan alike) or a bug. Sizes that
+    release other than those ``make plan-versions`` found to plan alike) or a bug. Where the call
+    was given a plan made before it (``prepared``), the digests cover the batch each plan was made
+    from too, so they also differ where a rank was given the plan of another call. Sizes that
     still match would let the trips complete with images encoded as the wrong grids and their
     outputs returned to the wrong images' rows, silently: a ``RuntimeError`` with the same text on
     every rank ends the call instead.
@@ -534,12 +536,23 @@ def raise_for_plans(report: StatusReport) -> None:
     if len(set(digests)) <= 1:
         return
     ranks = [r for r, digest in enumerate(digests) if digest != digests[0]]
+    which = f"(plan digest {digests[ranks[0]]} on rank {ranks[0]}, {digests[0]} on rank 0)"
+    if prepared:
+        raise RuntimeError(
+            f"The balanced ViT call failed: ranks {ranks} were given a plan made before the call for "
+            f"another batch than rank 0's {which}, so images would be encoded as other images' grids "
+            "and come back to rows other images own; the call ends before its return trip on every "
+            "rank. Pass each call the plan `prepare` made for its batch, on every rank in the same "
+            "order (a plan taken twice, or plans of two batches taken in another order on some rank). "
+            "If every rank did, their environments differ (compare "
+            '`python -c "import sys, numpy; print(sys.version, numpy.__version__)"` on each) or this is '
+            "a bug in lightning-vit-balance: please report it."
+        )
     raise RuntimeError(
         f"The balanced ViT call failed: the ranks planned it differently. Ranks {ranks} made other "
-        "plans than rank 0 from the same gathered batch, settings, package version and sources "
-        f"(plan digest {digests[ranks[0]]} on rank {ranks[0]}, {digests[0]} on rank 0), so images would "
-        "come back to rows other images own; the call ends before its return trip on every rank. "
-        "Plans depend on nothing else, so the ranks' environments differ (compare "
+        f"plans than rank 0 from the same gathered batch, settings, package version and sources {which}, "
+        "so images would come back to rows other images own; the call ends before its return trip on "
+        "every rank. Plans depend on nothing else, so the ranks' environments differ (compare "
         '`python -c "import sys, numpy; print(sys.version, numpy.__version__)"` on each) or this is '
         "a bug in lightning-vit-balance: please report it."
     )

@@ -22,16 +22,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
+import numpy as np
 import torch
 
 from lightning_vit_balance.caching import cached_value
+from lightning_vit_balance.config import stable_digest
 from lightning_vit_balance.exchange import RankMetadata, host_to_device
 from lightning_vit_balance.planning import RebalancePlan
 from lightning_vit_balance.problems import GRID_DTYPE_NAMES, GRID_DTYPES
 
-__all__ = ["DeviceGridChecks", "PreparedPlan", "grid_gcd"]
+__all__ = ["DeviceGridChecks", "PreparedPlan", "batch_digest", "grid_gcd"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ class PreparedPlan:
         encoded_counts: The patch counts every rank encodes in the planned call, and
             ``encoded_frames`` their temporal steps, where the cost model is fitted online: what the
             call's measured time pays for (``None`` otherwise).
+        batch_digest: :func:`batch_digest` of :attr:`metadata`: the call compares it across ranks
+            with the plan's own digest, so that a rank given a plan prepared for another call
+            (plans taken in another order, or one passed twice) fails every rank.
     """
 
     plan: RebalancePlan
@@ -74,6 +80,7 @@ class PreparedPlan:
     grid_gcd: int = 0
     encoded_counts: tuple[tuple[int, ...], ...] | None = None
     encoded_frames: tuple[tuple[int, ...], ...] | None = None
+    batch_digest: int = 0
 
     @property
     def prepare_seconds(self) -> float:
@@ -204,6 +211,19 @@ class DeviceGridChecks:
                 found = found or bool(differs)
         self._pending = running
         return found
+
+
+def batch_digest(metadata: Sequence[RankMetadata]) -> int:
+    """A 62-bit digest of the gathered batch a plan is made from: every rank's grid rows (its image
+    count included), channels and dtype, which the balanced batches are built from. Two plans can
+    move images alike (the same patch counts) while the grids differ: a rank given another call's
+    plan would then encode the other ranks' rows as the wrong grids, with no error (about 1 ms at
+    1,024 ranks x 8 images, in ``prepare``)."""
+    counts = [len(m.grids) for m in metadata]
+    header = np.asarray([(n, m.channels, m.dtype_code) for n, m in zip(counts, metadata)], dtype="<i8")
+    rows = chain.from_iterable(chain.from_iterable(m.grids for m in metadata))
+    grids = np.fromiter(rows, dtype="<i8", count=3 * sum(counts))
+    return stable_digest(header.tobytes() + grids.tobytes())
 
 
 def grid_gcd(metadata: Sequence[RankMetadata]) -> int:

@@ -641,7 +641,7 @@ def _plans_case(mode: str) -> dict[str, Any] | None:
 
     with mock.patch.object(balancer_module, "plan_rebalance", planned):
         if mode == "unchecked":
-            with mock.patch.object(balancer_module, "raise_for_plans", lambda report: None):
+            with mock.patch.object(balancer_module, "raise_for_plans", lambda report, prepared=False: None):
                 result["kind"], result["message"], result["seconds"] = _outcome(call)
         else:
             result["kind"], result["message"], result["seconds"] = _outcome(call)
@@ -703,6 +703,42 @@ def test_a_rank_that_skips_a_call_is_named_as_the_cause(multirank: Any) -> None:
         assert kind == "RuntimeError" and "the gather that starts a balanced call failed" in message, message
         assert "every rank of the group must make the same balanced calls" in message, message
         assert seconds < FAST_S, seconds
+
+
+def _prepared_on_some_ranks_case() -> tuple[str, str, float] | None:
+    """Every rank prepares a plan that moves images; rank 1 forgets to pass it (``prepared=None``),
+    on a group whose collectives time out after 2 s; then a good call on the pool's group."""
+    from datetime import timedelta
+
+    short = dist.new_group(list(range(RANKS)), timeout=timedelta(seconds=2), backend="gloo")
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    balancer = ViTBalancer(ViTBalanceConfig(**APPLY), short)
+    ticket = balancer.prepare(pixels, grid, tower)
+    assert ticket is not None and ticket.plan.applied
+    outcome = _outcome(lambda: balancer(tower, pixels, grid, prepared=ticket if rank != 1 else None))
+    dist.destroy_process_group(short)
+    dist.barrier(subgroup(RANKS))  # the others' timeouts are over
+    _still_in_step(subgroup(RANKS), rank)
+    return outcome
+
+
+def test_a_rank_that_calls_without_the_prepared_plan_is_named_as_the_cause(multirank: Any) -> None:
+    """The ranks given their plan start with the pixel trip, the one without it with the metadata
+    gather: they wait for the group's timeout. The ranks in the trip raised gloo's text alone; now
+    they say what to do, as the rank in the gather does (and keep the backend's error type)."""
+    with multirank(POOL) as w:
+        results = w.run(_prepared_on_some_ranks_case, timeout=60)[:RANKS]
+    assert all(kind in {"RuntimeError", "DistBackendError"} for kind, _, _ in results), results
+    for _, message, seconds in (results[0], results[2]):
+        assert "the pixel trip of a call given a plan made before it failed" in message, message
+        assert "every rank must pass the plan made for its call (prepared=), or none" in message, message
+        assert seconds < FAST_S, seconds
+    assert "the gather that starts a balanced call failed" in results[1][1], results[1]
 
 
 def _gather_raising(error: BaseException) -> Any:

@@ -107,6 +107,8 @@ def _mismatch(kind: str, skipped: bool, sharded: bool = False) -> tuple[str, str
         grid = grid.to(torch.int16)  # too narrow to hold every rank's grid rows
     if rank == 1 and kind == "no_grid":
         grid = None  # what the drop-in passes for images and videos it could not combine
+    if rank == 1 and kind == "no_pixels":
+        pixels = None  # a text-only batch's pixel_values, where the plan was made for rows
     if rank == 1 and kind == "device":
         pixels = pixels.to("meta")  # a device the group cannot carry: the trip would fail here alone
     started = time.perf_counter()
@@ -163,6 +165,7 @@ def test_gathers_of_different_steps_fail_everywhere(multirank: Any, checked: boo
         ("dtype", "float64", False),
         ("narrow", "float16", False),
         ("no_grid", "must be tensors", False),
+        ("no_pixels", "must be tensors", False),
         ("grid_dtype", "torch.int16: expected int32 or int64", False),
         ("device", "is on a meta device", False),
         ("rows", "shape", True),
@@ -194,6 +197,58 @@ def test_a_sharded_tower_fails_everywhere_on_a_call_that_does_not_match_its_plan
     assert {o[0] for o in outcomes} == {"ValueError"}, outcomes
     assert len({o[1] for o in outcomes}) == 1, outcomes
     assert "rank 1" in outcomes[0][1] and "shape" in outcomes[0][1], outcomes[0][1]
+
+
+def _another_calls_plan(order: tuple[int, int]) -> dict[str, Any] | None:
+    """Every rank prepares two steps' plans; rank 1 takes them in ``order``, the others in turn.
+    Rank 0's images change orientation between the steps (the same patch counts, so both plans move
+    the same images), ranks 1 and 2 keep theirs: rank 1's input matches either plan."""
+    steps = [
+        [[(1, 4, 8), (1, 4, 8)], [(1, 2, 2)], [(1, 4, 4)]],
+        [[(1, 8, 4), (1, 8, 4)], [(1, 2, 2)], [(1, 4, 4)]],
+    ]
+    setup = _on_three_ranks(steps[0], THRESHOLD_0)
+    if setup is None:
+        return None
+    rank, tower, _, _, balancer = setup
+    batches = [towers.make_batch(step[rank], seed=rank) for step in steps]
+    tickets = [balancer.prepare(pixels, grid, tower) for pixels, grid in batches]
+    assert all(t is not None and t.plan.applied for t in tickets)
+    assert tickets[0].plan.digest == tickets[1].plan.digest  # the same destinations
+    taken = order if rank == 1 else (0, 1)
+    outcomes = []
+    for step, (pixels, grid) in enumerate(batches):
+        try:
+            out = balancer(tower, pixels, grid, prepared=tickets[taken[step]])
+            outcomes.append(("ok", float((out - tower(pixels, grid)).abs().max())))
+        except RuntimeError as error:
+            outcomes.append(("RuntimeError", str(error)))
+    # Still in step: an unprepared call works everywhere.
+    pixels, grid = batches[1]
+    torch.testing.assert_close(balancer(tower, pixels, grid), tower(pixels, grid), rtol=1e-4, atol=1e-5)
+    return {"outcomes": outcomes}
+
+
+@pytest.mark.parametrize("order", [(1, 0), (0, 0)], ids=["swapped", "taken_twice"])
+def test_a_rank_given_another_calls_plan_fails_everywhere(multirank: Any, order: tuple[int, int]) -> None:
+    """Plans that move the same images but were made from other grids: rank 1 built its batch from
+    its plan's copy of rank 0's grids and encoded rank 0's rows as the other orientation, and rank 0
+    took those outputs, 0.7-0.8 off, with no error. The status gather compares a digest of the
+    batch each plan was made from too: every rank raises before the return trip."""
+    with multirank(POOL) as w:
+        results = w.run(_another_calls_plan, order)[:3]
+    for step in range(2):
+        outcomes = {r["outcomes"][step] for r in results}
+        if order[step] == step:  # rank 1 took this step's own plan
+            assert {kind for kind, _ in outcomes} == {"ok"}, outcomes
+            # Same ops on the same rows in another batch: fp32 agrees to a few ulps.
+            assert max(error for _, error in outcomes) < 1e-5, outcomes
+            continue
+        assert len(outcomes) == 1, outcomes
+        ((kind, message),) = outcomes
+        assert kind == "RuntimeError" and "ranks [1] were given a plan made before the call" in message, (
+            message
+        )
 
 
 def _skipped_mismatch(kind: str) -> dict[str, Any] | None:

@@ -468,6 +468,9 @@ class ViTBalancer:
         self._encoded_frames: tuple[tuple[int, ...], ...] | None = None
         self._clock = ViTClock()
         self._trips = TripClock()
+        # The loop the clocks and encoded counts above measure, and the other loops' (measure_as).
+        self._loop = ""
+        self._other_loops: dict[str, tuple[ViTClock, TripClock, Any, Any]] = {}
         # Prepared calls' grids on a device, compared there; read at the next metadata gather.
         self._grid_checks = DeviceGridChecks()
         # A prepared call the plan skipped whose input did not match the plan: told at the next gather.
@@ -478,6 +481,27 @@ class ViTBalancer:
         # Whether the failure of the call in progress reached every rank (the status gather's).
         self._failed_everywhere = False
         self._print = report if report is not None else _print_line
+
+    def measure_as(self, loop: str) -> None:
+        """Measure the calls from now on as ``loop``'s (a training loop's, an evaluation's), apart
+        from other loops' calls.
+
+        A call's measured ViT time reaches the stats (``vit_ms``) and the online cost fit in the
+        next call's gather, and its trips' time (``trip_ms``) at the next call, after its backward
+        pass: calls of the loop before would give the first calls of the next loop their figures
+        (a training step after a validation reported the validation's ViT time). Each loop keeps
+        its own clocks: a loop's first call carries its own previous call's figures, or none.
+        Call it on every rank alike (the Lightning mixin does, from the Trainer's stage), before
+        the loop's :meth:`prepare` and calls.
+        """
+        if loop == self._loop:
+            return
+        self._other_loops[self._loop] = (self._clock, self._trips, self._encoded_counts, self._encoded_frames)
+        kept = self._other_loops.pop(loop, None)
+        if kept is None:
+            kept = (ViTClock(), TripClock(), None, None)
+        self._clock, self._trips, self._encoded_counts, self._encoded_frames = kept
+        self._loop = loop
 
     # -- entry point -------------------------------------------------------------------------
 

@@ -2120,6 +2120,9 @@ class BalancedVisionTower:
             if carried:
                 source = "balance_vision_tower: the cost fit of the previous configuration"
                 continue_fit(self._balancer, carried, source, warn_at_caller)
+        # Training and evaluation forwards measure apart (ViTBalancer.measure_as): every rank's
+        # model is in the same mode.
+        self._balancer.measure_as("train" if self.base.training else "eval")
         return self._balancer
 
     def _host_group(self, group: Any) -> Any:

@@ -15,6 +15,7 @@ import dataclasses
 import gc
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,10 @@ def eval_samples(count: int, offset: int) -> list[dict[str, torch.Tensor]]:
     return [make_sample(offset + i, i % RANKS) for i in range(count)]
 
 
+#: Seconds :class:`LoopVLM`'s validation ViT calls take at least.
+VALIDATION_VIT_S = 0.05
+
+
 class LoopVLM(TinyVLM):
     """TinyVLM that also validates (balanced: a DistributedSampler) and predicts (encoded directly).
 
@@ -180,7 +185,13 @@ class LoopVLM(TinyVLM):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         before = self.last_vit_balance_stats
-        images = self.encode_images(self.visual, batch["pixel_values"], batch["image_grid_thw"])
+        # Validation's ViT takes far longer than training's (full-size images): the training
+        # steps after it must not report its time as theirs (vit_balance/vit_ms_*).
+        slow = self.visual.register_forward_pre_hook(lambda module, args: time.sleep(VALIDATION_VIT_S))
+        try:
+            images = self.encode_images(self.visual, batch["pixel_values"], batch["image_grid_thw"])
+        finally:
+            slow.remove()
         stats = self.last_vit_balance_stats
         balanced = stats is not before and stats is not None and stats.num_ranks == RANKS
         error = (images - self.visual(batch["pixel_values"], batch["image_grid_thw"])).abs().max()

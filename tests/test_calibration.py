@@ -117,6 +117,48 @@ def test_no_figure_of_a_failed_call_reaches_the_fit(multirank: Any, skipped: boo
     assert all(r["after_unused_plan"] == [-1] * RANKS for r in results), results
 
 
+def _loops_measured_apart() -> dict[str, Any] | None:
+    """Training calls, then evaluation calls whose ViT takes 50 ms more (``measure_as("eval")``),
+    then training again: the ViT times each call reports, and the cost fits the ranks made."""
+    import time
+
+    setup = _calibrating()
+    if setup is None:
+        return None
+    rank, tower, balancer = setup
+    pixels, grid = towers.make_batch([[(1, 8, 8), (1, 8, 8)], [(1, 2, 2)], [(1, 4, 4)]][rank], seed=rank)
+    reported: dict[str, list[tuple[float, ...]]] = {"train": [], "eval": [], "train again": []}
+    for loop, calls in (("train", 2), ("eval", 2), ("train again", 2)):
+        balancer.measure_as(loop.split()[0])
+        slow = (
+            tower.register_forward_pre_hook(lambda module, args: time.sleep(0.05)) if loop == "eval" else None
+        )
+        for _ in range(calls):
+            balancer(tower, pixels, grid)
+            assert balancer.last_stats is not None
+            reported[loop].append(balancer.last_stats.vit_ms)
+        if slow is not None:
+            slow.remove()
+    assert balancer._calibrator is not None
+    return {"reported": reported, "fit": balancer._calibrator.state_fingerprint()}
+
+
+def test_each_loop_reports_its_own_measured_times(multirank: Any) -> None:
+    """A call reports the previous call's ViT time: the first training call after an evaluation
+    reported the evaluation's (50 ms here, against a training call's fraction of one). Each loop
+    now keeps its own figures: a loop's first call reports none, or its own last call's; the online
+    fit, fed from the gathered figures, stays the same on every rank."""
+    with multirank(POOL) as w:
+        results = w.run(_loops_measured_apart)[:RANKS]
+    assert len({r["fit"] for r in results}) == 1, results
+    for r in results:
+        train, evaluation, again = r["reported"]["train"], r["reported"]["eval"], r["reported"]["train again"]
+        assert train[0] == evaluation[0] == (-1.0,) * RANKS, r  # the loops' first calls: none yet
+        assert all(ms >= 50.0 for ms in evaluation[1]), r  # the first evaluation call's
+        # The last training call's before the evaluation, then the first one's after it.
+        assert all(0.0 <= ms < 25.0 for ms in again[0] + again[1]), r
+
+
 def _observed_with_plans_made_a_batch_ahead(checkpointed: bool) -> dict[str, Any] | None:
     """Plans made one batch ahead (``prepare`` of batch n + 1 before the call of batch n, as early as
     the batches are known): the patch counts each measured time is fitted with. ``checkpointed``:

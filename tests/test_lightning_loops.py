@@ -27,6 +27,7 @@ from lightning_fit_script import (
     PREDICT_SAMPLES,
     RANKS,
     STEPS,
+    VALIDATION_VIT_S,
     PlanAheadVLM,
     TinyVLM,
     eval_samples,
@@ -124,6 +125,16 @@ def test_resuming_continues_training_and_the_cumulative_counts(resumed: dict[str
         assert row["vit_balance/applied_total"] == step + 1
         assert row["vit_balance/calls_total"] == CALLS_PER_STEP * (step + 1)
         assert row["vit_balance/skipped/no-gain"] == step + 1
+    # Measured ViT time trails by one call, of the same loop: each fit's first step, after its
+    # sanity check, and step 2, after the first epoch's validation, report the training calls'
+    # (or none), not validation's, whose ViT sleeps VALIDATION_VIT_S.
+    measured = {
+        step: row["vit_balance/vit_ms_max"]
+        for step, row in balance.items()
+        if "vit_balance/vit_ms_max" in row
+    }
+    assert sorted(measured) == list(range(STEPS)), measured
+    assert all(ms < 1000.0 * VALIDATION_VIT_S / 2 for ms in measured.values()), measured
     state = resumed["last"]["callbacks"]["ViTBalanceCallback"]
     assert (state["applied_total"], state["calls_total"]) == (STEPS, CALLS_PER_STEP * STEPS)
     # The online cost fit (`calibrate_cost`) goes on from the checkpoint: the resumed fit's rows

@@ -722,7 +722,19 @@ class ViTBalanceMixin:
             if carried:
                 source = "ViTBalanceMixin: the saved balancer state (from a checkpoint or an earlier run)"
                 continue_fit(state.balancer, carried, source, rank_zero_warn)
+        state.balancer.measure_as(self._vit_balance_loop_name())
         return state.balancer
+
+    def _vit_balance_loop_name(self) -> str:
+        """The loop a call belongs to, the same on every rank: the Trainer's stage (training,
+        validation, its sanity check, test), or without a Trainer the module's mode. Each measures
+        its calls apart (:meth:`ViTBalancer.measure_as`), so that a training step after a
+        validation does not report the validation's ViT time as its own."""
+        trainer = self._vit_balance_runner()[0]
+        stage = getattr(getattr(trainer, "state", None), "stage", None)
+        if stage is not None:
+            return str(stage.value)
+        return "train" if getattr(self, "training", True) else "eval"
 
     def _vit_balance_refuse_peer_fits(self, config: ViTBalanceConfig) -> None:
         """Refuse the online cost fit where tensor-parallel peers balance in different groups.

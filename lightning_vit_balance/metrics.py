@@ -117,6 +117,38 @@ class _Window:
             sums = self.loads.setdefault(side, [0.0] * len(values))
             self.loads[side] = [s + float(v) for s, v in zip(sums, values)]
 
+    def state_dict(self) -> dict[str, Any]:
+        """The window's sums as plain numbers (a checkpoint taken between two logged records)."""
+        return {
+            "calls": self.calls,
+            "imbalance_calls": self.imbalance_calls,
+            "totals": dict(self.totals),
+            "load_calls": self.load_calls,
+            "loads": {side: list(values) for side, values in self.loads.items()},
+            "vit_calls": self.vit_calls,
+            "vit_max": self.vit_max,
+            "vit_mean": self.vit_mean,
+            "vit_per_rank": list(self.vit_per_rank),
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> _Window:
+        """The window :meth:`state_dict` describes (``KeyError``, ``TypeError`` or ``ValueError``
+        where it does not)."""
+        window = cls()
+        window.calls, window.imbalance_calls = _count(state["calls"]), _count(state["imbalance_calls"])
+        totals = {str(name): float(value) for name, value in dict(state["totals"]).items()}
+        if set(totals) != set(window.totals):
+            raise ValueError(f"totals of {sorted(totals)}, not {sorted(window.totals)}")
+        window.totals = totals
+        window.load_calls = _count(state["load_calls"])
+        loads = dict(state["loads"]).items()
+        window.loads = {str(side): [float(v) for v in values] for side, values in loads}
+        window.vit_calls = _count(state["vit_calls"])
+        window.vit_max, window.vit_mean = float(state["vit_max"]), float(state["vit_mean"])
+        window.vit_per_rank = [float(v) for v in state["vit_per_rank"]]
+        return window
+
     def _add_vit_ms(self, vit_ms: tuple[float, ...]) -> None:
         """Every rank's measured ViT milliseconds (of its previous call; -1 where none yet)."""
         known = [v for v in vit_ms if v >= 0]
@@ -230,31 +262,39 @@ class BalanceMetrics:
         self._window = _Window()
 
     def state_dict(self) -> dict[str, Any]:
-        """The counts since the start, as plain ints (what a checkpoint keeps)."""
+        """The counts since the start, as plain ints, and the window's sums, plain numbers (what a
+        checkpoint keeps: a run resumed between two logged records logs the calls before the
+        checkpoint in its first record, as the run would have)."""
         return {
             "applied_total": self.applied_total,
             "calls_total": self.calls_total,
             "skipped_total": dict(sorted(self.skipped_total.items())),
+            "window": self._window.state_dict(),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Go on counting from :meth:`state_dict`'s counts.
+        """Go on counting from :meth:`state_dict`'s counts, and go on with its window (a state
+        saved before windows were kept starts an empty one).
 
         Raises:
-            ValueError: If ``state_dict`` lacks a count or holds one that is not a whole number.
+            ValueError: If ``state_dict`` lacks a count or holds one that is not a whole number, or
+                holds a window that is not one :meth:`state_dict` gives.
         """
         try:
             applied = _count(state_dict["applied_total"])
             calls = _count(state_dict["calls_total"])
             skipped = {str(k): _count(v) for k, v in dict(state_dict["skipped_total"]).items()}
+            saved = state_dict.get("window")
+            window = _Window() if saved is None else _Window.from_state(saved)
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(
                 f"BalanceMetrics.load_state_dict(state_dict={state_dict!r}) is invalid: expected the "
-                f"counts of BalanceMetrics.state_dict() ({error})."
+                f"counts and window of BalanceMetrics.state_dict() ({error})."
             ) from None
         self.applied_total, self.calls_total = applied, calls
         self.skipped_total = dict.fromkeys(SKIP_REASONS, 0)
         self.skipped_total.update(skipped)
+        self._window = window
 
 
 def _count(value: Any) -> int:

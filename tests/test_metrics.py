@@ -124,18 +124,29 @@ def test_a_new_window_keeps_the_counts() -> None:
     assert not [k for k in got if "/rank_" in k or k.startswith("vit_balance/vit_ms")], got
 
 
-def test_counts_resume_from_a_checkpoint_through_json() -> None:
+def test_counts_and_the_window_resume_from_a_checkpoint_through_json() -> None:
+    """A checkpoint between two logged records keeps the window's calls too: the resumed run's next
+    record is the uninterrupted run's (it held only the calls after the checkpoint, while the
+    counts since the start held those before it as well)."""
     metrics = BalanceMetrics()
-    for stats in (APPLIED, SKIPPED, APPLIED):
+    for stats in (APPLIED, SKIPPED):
         metrics.add(stats)
+    metrics.reset_window()  # a record was logged
+    metrics.add(APPLIED)  # then a call, then the checkpoint
     saved = json.loads(json.dumps(metrics.state_dict()))
     resumed = BalanceMetrics()
     resumed.load_state_dict(saved)
-    assert resumed.state_dict() == metrics.state_dict() and resumed.metrics() == {}
-    resumed.add(SKIPPED)
+    assert resumed.state_dict() == metrics.state_dict()
+    for run in (metrics, resumed):
+        run.add(SKIPPED)
+    assert resumed.metrics() == metrics.metrics() and resumed.metrics()["vit_balance/calls"] == 2.0
     totals = resumed.total_metrics()
     assert (totals["vit_balance/applied_total"], totals["vit_balance/calls_total"]) == (2.0, 4.0)
     assert totals["vit_balance/skipped/below-threshold"] == 2.0
+    # A checkpoint saved before windows were kept: the counts, and an empty window.
+    older = BalanceMetrics()
+    older.load_state_dict({k: v for k, v in saved.items() if k != "window"})
+    assert (older.calls_total, older.window_calls, older.metrics()) == (3, 0, {})
 
 
 @pytest.mark.parametrize(
@@ -144,6 +155,7 @@ def test_counts_resume_from_a_checkpoint_through_json() -> None:
         {},
         {"applied_total": 1, "calls_total": 2},
         {"applied_total": -1, "calls_total": 2, "skipped_total": {}},
+        {"applied_total": 1, "calls_total": 2, "skipped_total": {}, "window": {"calls": 1}},
     ],
 )
 def test_counts_of_another_shape_are_refused(state: dict[str, Any]) -> None:

@@ -304,12 +304,10 @@ class _Call:
             return
         try:
             yield
-        except torch.OutOfMemoryError:
-            raise
         except RuntimeError as error:
-            # The same type (DistBackendError, say), for loops that catch the backend's errors.
-            kind = type(error) if issubclass(type(error), dist.DistError) else RuntimeError
-            raise kind(
+            if not _from_the_backend(error):
+                raise
+            raise type(error)(
                 "ViTBalancer: the pixel trip of a call given a plan made before it failed on this rank "
                 f"({error}): every rank must pass the plan made for its call (prepared=), or none; "
                 f"{_OUT_OF_STEP}."
@@ -1485,15 +1483,22 @@ def _gathered_metadata(local: RankMetadata, group: Any) -> tuple[tuple[RankMetad
     gloo's or NCCL's text, which names neither the call nor the cause: say both."""
     try:
         return gather_metadata(local, capacity=GATHER_CAPACITY, device=host_device(group), group=group)
-    except torch.OutOfMemoryError:
-        raise
     except RuntimeError as error:
-        # The same type (DistBackendError, say), for loops that catch the backend's errors.
-        kind = type(error) if issubclass(type(error), dist.DistError) else RuntimeError
-        raise kind(
+        if not _from_the_backend(error):
+            raise
+        raise type(error)(
             f"ViTBalancer: the gather that starts a balanced call failed on this rank ({error}): "
             f"{_OUT_OF_STEP}."
         ) from error
+
+
+def _from_the_backend(error: RuntimeError) -> bool:
+    """Whether ``error`` is what gloo or NCCL raise for a collective that failed (a timeout, a
+    closed connection, a size mismatch): a plain ``RuntimeError`` or a ``DistError``, whose type
+    the rewrapped error keeps for loops that catch the backend's errors. Others (out of memory, a
+    device's ``AcceleratorError``, ``NotImplementedError``) are not the collective's: they pass as
+    they are."""
+    return type(error) is RuntimeError or isinstance(error, dist.DistError)
 
 
 def _print_line(line: str) -> None:

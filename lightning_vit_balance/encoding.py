@@ -538,13 +538,18 @@ def raise_for_plans(report: StatusReport, prepared: bool = False) -> None:
     ranks = [r for r, digest in enumerate(digests) if digest != digests[0]]
     which = f"(plan digest {digests[ranks[0]]} on rank {ranks[0]}, {digests[0]} on rank 0)"
     if prepared:
+        # No rank can tell whose plan is the call's: each group of ranks holding one is named.
+        groups: dict[int, list[int]] = {}
+        for rank, digest in enumerate(digests):
+            groups.setdefault(digest, []).append(rank)
+        held = "; ".join(f"ranks {members}: {digest}" for digest, members in groups.items())
         raise RuntimeError(
-            f"The balanced ViT call failed: ranks {ranks} were given a plan made before the call for "
-            f"another batch than rank 0's {which}, so images would be encoded as other images' grids "
-            "and come back to rows other images own; the call ends before its return trip on every "
-            "rank. Pass each call the plan `prepare` made for its batch, on every rank in the same "
-            "order (a plan taken twice, or plans of two batches taken in another order on some rank). "
-            "If every rank did, their environments differ (compare "
+            "The balanced ViT call failed: the ranks were given plans made before the call for "
+            f"different batches (plan digests by rank, {held}), so images would be encoded as other "
+            "images' grids and come back to rows other images own; the call ends before its return "
+            "trip on every rank. Pass each call the plan `prepare` made for its batch, on every rank "
+            "in the same order (a plan taken twice, or plans of two batches taken in another order, "
+            "on the ranks out of step). If every rank did, their environments differ (compare "
             '`python -c "import sys, numpy; print(sys.version, numpy.__version__)"` on each) or this is '
             "a bug in lightning-vit-balance: please report it."
         )

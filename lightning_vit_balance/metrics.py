@@ -108,6 +108,8 @@ class _Window:
         self._add_vit_ms(tuple(getattr(stats, "vit_ms", ())))
         before, after = tuple(stats.loads_before), tuple(stats.loads_after)
         if not (len(before) <= PER_RANK_SERIES_UP_TO if per_rank_loads is None else per_rank_loads):
+            # No series at this DP size or setting, nor any a restored window held (another run's).
+            self.load_calls, self.loads = 0, {}
             return
         if len(before) != len(self.loads.get("before", before)):
             # A new DP size starts a fresh series.

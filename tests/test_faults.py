@@ -759,7 +759,40 @@ def test_the_rewrapped_gather_error_keeps_the_backends_type() -> None:
         with pytest.raises(expected, match="balanced call failed on this rank") as caught:
             _gather_raising(raised)
         assert type(caught.value) is expected and caught.value.__cause__ is raised
-    memory = torch.OutOfMemoryError("out of memory")
-    with pytest.raises(torch.OutOfMemoryError) as caught_memory:
-        _gather_raising(memory)
-    assert caught_memory.value is memory
+    for own in (
+        torch.OutOfMemoryError("out of memory"),
+        torch.AcceleratorError("CUDA error"),
+        NotImplementedError(),
+    ):
+        with pytest.raises(type(own)) as caught_own:
+            _gather_raising(own)
+        assert caught_own.value is own  # not the collective's: as it is
+
+
+def _trip_raising(error: BaseException, prepared: bool) -> None:
+    """A call's pixel trip raising ``error`` in :meth:`_Call.first_trip` (no process group needed)."""
+    call = balancer_module._Call(group=None, rank=0, merge=2, device=torch.device("cpu"))
+    call.batch_digest = 0 if prepared else None
+    with call.first_trip():
+        raise error
+
+
+def test_a_prepared_calls_trip_rewraps_only_the_backends_errors() -> None:
+    """The pixel trip of a call given a plan made before it is its first collective: the backend's
+    errors there say that every rank must pass its plan; errors of the rank's own work in the trip
+    (a device error, out of memory) pass as they are, as do all in a call that gathered first."""
+    for raised in (dist.DistBackendError("NCCL watchdog timeout"), RuntimeError("Timed out waiting 2000ms")):
+        with pytest.raises(type(raised), match=r"pass the plan made for its call \(prepared=\)") as caught:
+            _trip_raising(raised, prepared=True)
+        assert type(caught.value) is type(raised) and caught.value.__cause__ is raised
+        with pytest.raises(type(raised)) as unprepared:
+            _trip_raising(raised, prepared=False)
+        assert unprepared.value is raised
+    for own in (
+        torch.OutOfMemoryError("out of memory"),
+        torch.AcceleratorError("CUDA error"),
+        NotImplementedError(),
+    ):
+        with pytest.raises(type(own)) as caught_own:
+            _trip_raising(own, prepared=True)
+        assert caught_own.value is own

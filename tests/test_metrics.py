@@ -149,6 +149,28 @@ def test_counts_and_the_window_resume_from_a_checkpoint_through_json() -> None:
     assert (older.calls_total, older.window_calls, older.metrics()) == (3, 0, {})
 
 
+@pytest.mark.parametrize("per_rank_loads", [None, False])
+def test_a_restored_window_keeps_no_per_rank_series_the_resumed_run_does_not_log(
+    per_rank_loads: bool | None,
+) -> None:
+    """A window saved on 2 ranks with per-rank series, resumed on 128 ranks (beyond
+    PER_RANK_SERIES_UP_TO, ``None``) or with them turned off: its first record logged the saved
+    series, under this run's rank numbers."""
+    saved = BalanceMetrics()
+    saved.add(APPLIED)
+    resumed = BalanceMetrics(per_rank_loads)
+    resumed.load_state_dict(json.loads(json.dumps(saved.state_dict())))
+    ranks = 128 if per_rank_loads is None else 2
+    loads = tuple(float(r + 1) for r in range(ranks))
+    resumed.add(_stats(True, loads, loads, vit_ms=(10.0,) * ranks))
+    got = resumed.metrics()
+    # The saved call's ViT figures count where the DP size is the same (APPLIED's slowest: 30 ms).
+    assert got["vit_balance/calls"] == 2.0 and got["vit_balance/vit_ms_max"] == (
+        10.0 if ranks > 2 else 20.0
+    ), got
+    assert not [key for key in got if "/rank_" in key], got
+
+
 @pytest.mark.parametrize(
     "state",
     [

@@ -246,9 +246,9 @@ def test_a_rank_given_another_calls_plan_fails_everywhere(multirank: Any, order:
             continue
         assert len(outcomes) == 1, outcomes
         ((kind, message),) = outcomes
-        assert kind == "RuntimeError" and "ranks [1] were given a plan made before the call" in message, (
-            message
-        )
+        assert kind == "RuntimeError", message
+        assert "were given plans made before the call for different batches" in message, message
+        assert "ranks [0, 2]: " in message and "ranks [1]: " in message, message  # grouped by plan
 
 
 def _skipped_mismatch(kind: str) -> dict[str, Any] | None:

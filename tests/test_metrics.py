@@ -143,6 +143,12 @@ def test_counts_and_the_window_resume_from_a_checkpoint_through_json() -> None:
     totals = resumed.total_metrics()
     assert (totals["vit_balance/applied_total"], totals["vit_balance/calls_total"]) == (2.0, 4.0)
     assert totals["vit_balance/skipped/below-threshold"] == 2.0
+    # A window of a version that sums another figure, and lacks one of these: read as far as it goes.
+    other = json.loads(json.dumps(saved))
+    other["window"]["totals"] = {**other["window"]["totals"], "future_ms": 5.0}
+    del other["window"]["totals"]["prepare_ms"]
+    resumed.load_state_dict(other)
+    assert resumed.window_calls == 1 and "future_ms" not in resumed.metrics()
     # A checkpoint saved before windows were kept: the counts, and an empty window.
     older = BalanceMetrics()
     older.load_state_dict({k: v for k, v in saved.items() if k != "window"})

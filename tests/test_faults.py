@@ -39,11 +39,17 @@ GRIDS = [[(1, 8, 8), (1, 8, 8), (1, 6, 6)], [(1, 2, 2)], [(1, 4, 4)]]
 APPLY = {"trigger_threshold": 0.0, "min_gain": 0.0}
 
 
-def _still_in_step(group: Any, rank: int) -> None:
-    """A good balanced call after a failure: the group must not be left half-way in a collective."""
+def _tower_and_batch(rank: int) -> tuple[towers.TensorTower, torch.Tensor, torch.Tensor]:
+    """The tensor tower, seeded alike on every rank, and ``rank``'s batch of :data:`GRIDS`."""
     torch.manual_seed(0)
     tower = towers.TensorTower()
     pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    return tower, pixels, grid
+
+
+def _still_in_step(group: Any, rank: int) -> None:
+    """A good balanced call after a failure: the group must not be left half-way in a collective."""
+    tower, pixels, grid = _tower_and_batch(rank)
     out = ViTBalancer(ViTBalanceConfig(**APPLY), group)(tower, pixels, grid)
     # Same ops on the same rows in another batch: fp32 agrees to a few ulps.
     torch.testing.assert_close(out, tower(pixels, grid), rtol=1e-4, atol=1e-5)
@@ -590,9 +596,7 @@ def _meta_grid() -> tuple[str, str, float] | None:
     rank = dist.get_rank()
     if rank >= RANKS:
         return None
-    torch.manual_seed(0)
-    tower = towers.TensorTower()
-    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    tower, pixels, grid = _tower_and_batch(rank)
     if rank == 2:
         grid = grid.to("meta")
     outcome = _outcome(lambda: ViTBalancer(ViTBalanceConfig(**APPLY), group)(tower, pixels, grid))
@@ -714,9 +718,7 @@ def _prepared_on_some_ranks_case() -> tuple[str, str, float] | None:
     rank = dist.get_rank()
     if rank >= RANKS:
         return None
-    torch.manual_seed(0)
-    tower = towers.TensorTower()
-    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    tower, pixels, grid = _tower_and_batch(rank)
     balancer = ViTBalancer(ViTBalanceConfig(**APPLY), short)
     ticket = balancer.prepare(pixels, grid, tower)
     assert ticket is not None and ticket.plan.applied

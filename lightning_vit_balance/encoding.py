@@ -289,22 +289,33 @@ def _fingerprint_problem(metadata: Sequence[RankMetadata], names: Sequence[str])
     reference = metadata[0].fingerprint
     if all(m.fingerprint == reference for m in metadata):
         return None  # one tuple comparison per rank; the setting by setting scan names the ones apart
+    differing = _settings_apart(metadata, names)
     if names[:1] == ["gather"] and any(m.fingerprint[0] != reference[0] for m in metadata):
-        return _gathers_apart(metadata)
-    differing: list[str] = []
-    for k, name in enumerate(names):
-        ranks = [r for r, m in enumerate(metadata) if m.fingerprint[k] != reference[k]]
-        if ranks:
-            differing.append(f"{name} (ranks {ranks} differ from rank 0)")
+        # Ranks gathering for different steps often do because a setting differs (plan_ahead on
+        # some ranks): named too. Not the merge size, which a prepare without the ViT sends as 1.
+        settings = [text for name, text in differing if name not in ("gather", "spatial_merge_size")]
+        also = f"; the settings differ too: {', '.join(settings)}" if settings else ""
+        return _gathers_apart(metadata) + also
     if not differing:
         return None
     return (
         "the balancing settings differ between ranks: "
-        + ", ".join(differing)
+        + ", ".join(text for _, text in differing)
         + ". Every rank must use the same ViTBalanceConfig (and the same cost model, the same "
         "package version and sources, and a ViT of the same spatial_merge_size), or ranks would "
         "plan differently and exchange the wrong rows"
     )
+
+
+def _settings_apart(metadata: Sequence[RankMetadata], names: Sequence[str]) -> list[tuple[str, str]]:
+    """``(name, text)`` of each setting some ranks send otherwise than rank 0, in ``names`` order."""
+    reference = metadata[0].fingerprint
+    differing = []
+    for k, name in enumerate(names):
+        ranks = [r for r, m in enumerate(metadata) if m.fingerprint[k] != reference[k]]
+        if ranks:
+            differing.append((name, f"{name} (ranks {ranks} differ from rank 0)"))
+    return differing
 
 
 def raise_for_input(metadata: Sequence[RankMetadata], fingerprint_names: Sequence[str] = ()) -> int | None:

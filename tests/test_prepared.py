@@ -157,6 +157,35 @@ def test_gathers_of_different_steps_fail_everywhere(multirank: Any, checked: boo
     assert "the ranks gathered for different steps" in outcomes[0][1] and made in outcomes[0][1], outcomes
 
 
+def _plan_ahead_on_some_ranks() -> tuple[str, str] | None:
+    """``plan_ahead`` set on ranks 0 and 2 only, which prepare their step's plan; rank 1 does not."""
+    rank = dist.get_rank()
+    setup = _on_three_ranks(
+        [[(1, 8, 8), (1, 8, 8)], [(1, 2, 2)], [(1, 4, 4)]], {**THRESHOLD_0, "plan_ahead": rank != 1}
+    )
+    if setup is None:
+        return None
+    _, tower, pixels, grid, balancer = setup
+    try:
+        ticket = balancer.prepare(pixels, grid) if rank != 1 else None
+        balancer(tower, pixels, grid, prepared=ticket)
+        return ("ok", "")
+    except ValueError as error:
+        return ("ValueError", str(error))
+
+
+def test_gathers_of_different_steps_name_the_settings_that_differ_too(multirank: Any) -> None:
+    """Ranks that gathered for different steps because a setting differs (``plan_ahead`` on some
+    ranks) are told which: the error named only the gathers' kinds. Not the merge size, which a
+    ``prepare`` without the ViT sends as 1 where a call sends its ViT's."""
+    with multirank(POOL) as w:
+        outcomes = w.run(_plan_ahead_on_some_ranks)[:3]
+    assert len(set(outcomes)) == 1 and outcomes[0][0] == "ValueError", outcomes
+    message = outcomes[0][1]
+    assert "the ranks gathered for different steps" in message, message
+    assert "the settings differ too: plan_ahead (ranks [1] differ from rank 0)." in message, message
+
+
 @pytest.mark.parametrize(
     ("kind", "fragment", "skipped"),
     [

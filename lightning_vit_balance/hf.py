@@ -976,11 +976,16 @@ def _modality_rows(
     problem = _grid_problem(grid_name, grid)
     if problem is not None:
         return problem
-    found = known if known is not None and len(known) == grid.shape[0] else grid_rows(grid)
+    planned = known is not None and len(known) == grid.shape[0]
+    found = known if planned else grid_rows(grid)
     expected = sum(t * h * w for t, h, w in found)
-    if rows.shape[0] != expected:
-        return f"{pixels_name} has {rows.shape[0]} rows: {grid_name} says {expected}"
-    return rows, found
+    if rows.shape[0] == expected:
+        return rows, found
+    given = rows.shape[0]
+    if planned and given == sum(t * h * w for t, h, w in grid_rows(grid)):
+        # The plan's rows, not the call's grid, disagree (read now: the call fails anyway).
+        return f"{pixels_name} has {given} rows, as {grid_name} says; the prepared plan holds {expected}"
+    return f"{pixels_name} has {given} rows: {grid_name} says {expected}"
 
 
 def _patch_rows_problem(pixels_name: str, rows: Any, row_shape: tuple[int, ...]) -> str | None:

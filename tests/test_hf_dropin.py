@@ -79,7 +79,7 @@ from lightning_vit_balance import (
     hf,
 )
 from lightning_vit_balance.exchange import grid_steps
-from lightning_vit_balance.hf import _host_grid_rows, rows_to_plan
+from lightning_vit_balance.hf import _host_grid_rows, _modality_rows, rows_to_plan
 from lightning_vit_balance.outputs import OutputLayout, flatten_output
 
 RANKS = 3
@@ -1613,6 +1613,17 @@ def test_bad_input_on_one_rank_raises_on_every_rank(
         messages = w.run(_bad_input_on_rank_1, "qwen3_vl", ahead, grid, timeout=120)
     assert all("rank 1" in m for m in messages), messages
     assert says in messages[1], messages[1]
+
+
+def test_rows_that_disagree_with_the_plan_name_which_side_is_off() -> None:
+    """Rows that match their own grid but not the prepared plan's rows (the plan made from the
+    modalities in another order): the detail said the grid held the plan's count."""
+    rows, grid = torch.zeros(4, 3), torch.tensor([[1, 2, 2]])
+    planned = _modality_rows("images[0]", rows, "images[1]", grid, (), ((2, 2, 2),))
+    assert planned == "images[0] has 4 rows, as images[1] says; the prepared plan holds 8", planned
+    unplanned = _modality_rows("images[0]", torch.zeros(5, 3), "images[1]", grid, (), None)
+    assert unplanned == "images[0] has 5 rows: images[1] says 4", unplanned
+    assert _modality_rows("images[0]", rows, "images[1]", grid, (), ((1, 2, 2),))[1] == ((1, 2, 2),)
 
 
 def test_kimi_k25_moves_videos_whole_and_refuses_what_would_differ(multirank: Any) -> None:

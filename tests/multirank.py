@@ -75,7 +75,10 @@ GRACE_S = 3.0
 #: aborts at exit (SIGABRT) after a process's work is done (test_host_group, test_readme).
 EXIT_ABORT_MESSAGE = "terminate called without an active exception"
 #: Imported once by the fork server the workers start from (those not installed are skipped).
-PRELOAD = ("torch", "torch.distributed", "numpy", "transformers", "lightning")
+#: Inductor's compiler too: ``torch.compile`` imports it at its first call in a process, even for
+#: the ``eager`` backend (1-2 s a rank), and DeepSpeed's imports call it (test_hf_deepspeed.py's
+#: pools: 134 -> 128 s for the file).
+PRELOAD = ("torch", "torch.distributed", "numpy", "transformers", "lightning", "torch._inductor.compile_fx")
 
 
 class MultiRankError(AssertionError):

@@ -982,10 +982,18 @@ def _modality_rows(
     if rows.shape[0] == expected:
         return rows, found
     given = rows.shape[0]
-    if planned and given == sum(t * h * w for t, h, w in grid_rows(grid)):
-        # The plan's rows, not the call's grid, disagree (read now: the call fails anyway).
-        return f"{pixels_name} has {given} rows, as {grid_name} says; the prepared plan holds {expected}"
-    return f"{pixels_name} has {given} rows: {grid_name} says {expected}"
+    if not planned:
+        return f"{pixels_name} has {given} rows: {grid_name} says {expected}"
+    if grid.device.type == "meta":  # no values to read: the plan's count alone
+        return f"{pixels_name} has {given} rows: the prepared plan holds {expected}"
+    # The call's own grid tells which side is off (read now: the call fails anyway).
+    said = sum(t * h * w for t, h, w in grid_rows(grid))
+    own = (
+        f"{pixels_name} has {given} rows, as {grid_name} says"
+        if said == given
+        else (f"{pixels_name} has {given} rows: {grid_name} says {said}")
+    )
+    return own if said == expected else f"{own}; the prepared plan holds {expected}"
 
 
 def _patch_rows_problem(pixels_name: str, rows: Any, row_shape: tuple[int, ...]) -> str | None:

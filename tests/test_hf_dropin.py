@@ -1623,6 +1623,10 @@ def test_rows_that_disagree_with_the_plan_name_which_side_is_off() -> None:
     assert planned == "images[0] has 4 rows, as images[1] says; the prepared plan holds 8", planned
     unplanned = _modality_rows("images[0]", torch.zeros(5, 3), "images[1]", grid, (), None)
     assert unplanned == "images[0] has 5 rows: images[1] says 4", unplanned
+    neither = _modality_rows("images[0]", torch.zeros(5, 3), "images[1]", grid, (), ((2, 2, 2),))
+    assert neither == "images[0] has 5 rows: images[1] says 4; the prepared plan holds 8", neither
+    meta = _modality_rows("images[0]", rows, "images[1]", grid.to("meta"), (), ((2, 2, 2),))
+    assert meta == "images[0] has 4 rows: the prepared plan holds 8", meta  # no values to read
     assert _modality_rows("images[0]", rows, "images[1]", grid, (), ((1, 2, 2),))[1] == ((1, 2, 2),)
 
 

@@ -167,7 +167,7 @@ def eval_samples(count: int, offset: int) -> list[dict[str, torch.Tensor]]:
 
 
 #: Seconds :class:`LoopVLM`'s validation ViT calls take at least.
-VALIDATION_VIT_S = 0.05
+VALIDATION_VIT_S = 0.2
 
 
 class LoopVLM(TinyVLM):

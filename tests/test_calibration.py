@@ -118,7 +118,7 @@ def test_no_figure_of_a_failed_call_reaches_the_fit(multirank: Any, skipped: boo
 
 
 def _loops_measured_apart() -> dict[str, Any] | None:
-    """Training calls, then evaluation calls whose ViT takes 50 ms more (``measure_as("eval")``),
+    """Training calls, then evaluation calls whose ViT takes 200 ms more (``measure_as("eval")``),
     then training again: the ViT times each call reports, and the cost fits the ranks made."""
     import time
 
@@ -131,7 +131,7 @@ def _loops_measured_apart() -> dict[str, Any] | None:
     for loop, calls in (("train", 2), ("eval", 2), ("train again", 2)):
         balancer.measure_as(loop.split()[0])
         slow = (
-            tower.register_forward_pre_hook(lambda module, args: time.sleep(0.05)) if loop == "eval" else None
+            tower.register_forward_pre_hook(lambda module, args: time.sleep(0.2)) if loop == "eval" else None
         )
         for _ in range(calls):
             balancer(tower, pixels, grid)
@@ -145,7 +145,7 @@ def _loops_measured_apart() -> dict[str, Any] | None:
 
 def test_each_loop_reports_its_own_measured_times(multirank: Any) -> None:
     """A call reports the previous call's ViT time: the first training call after an evaluation
-    reported the evaluation's (50 ms here, against a training call's fraction of one). Each loop
+    reported the evaluation's (200 ms here, against a training call's fraction of one). Each loop
     now keeps its own figures: a loop's first call reports none, or its own last call's; the online
     fit, fed from the gathered figures, stays the same on every rank."""
     with multirank(POOL) as w:
@@ -154,9 +154,10 @@ def test_each_loop_reports_its_own_measured_times(multirank: Any) -> None:
     for r in results:
         train, evaluation, again = r["reported"]["train"], r["reported"]["eval"], r["reported"]["train again"]
         assert train[0] == evaluation[0] == (-1.0,) * RANKS, r  # the loops' first calls: none yet
-        assert all(ms >= 50.0 for ms in evaluation[1]), r  # the first evaluation call's
-        # The last training call's before the evaluation, then the first one's after it.
-        assert all(0.0 <= ms < 25.0 for ms in again[0] + again[1]), r
+        assert all(ms >= 200.0 for ms in evaluation[1]), r  # the first evaluation call's
+        # The last training call's before the evaluation, then the first one's after it: a wall
+        # clock, so with room for a loaded machine.
+        assert all(0.0 <= ms < 100.0 for ms in again[0] + again[1]), r
 
 
 def _observed_with_plans_made_a_batch_ahead(checkpointed: bool) -> dict[str, Any] | None:

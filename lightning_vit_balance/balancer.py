@@ -302,16 +302,11 @@ class _Call:
         if self.batch_digest is None:
             yield
             return
-        try:
+        what = "the pixel trip of a call given a plan made before it"
+        with _backend_errors_explained(
+            what, "every rank must pass the plan made for its call (prepared=), or none; "
+        ):
             yield
-        except RuntimeError as error:
-            if not _from_the_backend(error):
-                raise
-            raise type(error)(
-                "ViTBalancer: the pixel trip of a call given a plan made before it failed on this rank "
-                f"({error}): every rank must pass the plan made for its call (prepared=), or none; "
-                f"{_OUT_OF_STEP}."
-            ) from error
 
 
 @dataclass(frozen=True)
@@ -1481,24 +1476,25 @@ def _gathered_metadata(local: RankMetadata, group: Any) -> tuple[tuple[RankMetad
     """:func:`gather_metadata` of a call's first collective. A timeout (a rank never joined), a
     closed connection (a rank stopped) or a size mismatch (a rank in another collective) raises
     gloo's or NCCL's text, which names neither the call nor the cause: say both."""
-    try:
+    with _backend_errors_explained("the gather that starts a balanced call"):
         return gather_metadata(local, capacity=GATHER_CAPACITY, device=host_device(group), group=group)
+
+
+@contextlib.contextmanager
+def _backend_errors_explained(what: str, advice: str = "") -> Iterator[None]:
+    """Around a call's first collective (``what``): gloo's or NCCL's error for a collective that
+    failed (a timeout, a closed connection, a size mismatch: a plain ``RuntimeError`` or a
+    ``DistError``) raised again, of its type for loops that catch the backend's errors, with
+    ``advice`` and the usual causes. Others (out of memory, a device's ``AcceleratorError``,
+    ``NotImplementedError``) are not the collective's: they pass as they are."""
+    try:
+        yield
     except RuntimeError as error:
-        if not _from_the_backend(error):
+        if type(error) is not RuntimeError and not isinstance(error, dist.DistError):
             raise
         raise type(error)(
-            f"ViTBalancer: the gather that starts a balanced call failed on this rank ({error}): "
-            f"{_OUT_OF_STEP}."
+            f"ViTBalancer: {what} failed on this rank ({error}): {advice}{_OUT_OF_STEP}."
         ) from error
-
-
-def _from_the_backend(error: RuntimeError) -> bool:
-    """Whether ``error`` is what gloo or NCCL raise for a collective that failed (a timeout, a
-    closed connection, a size mismatch): a plain ``RuntimeError`` or a ``DistError``, whose type
-    the rewrapped error keeps for loops that catch the backend's errors. Others (out of memory, a
-    device's ``AcceleratorError``, ``NotImplementedError``) are not the collective's: they pass as
-    they are."""
-    return type(error) is RuntimeError or isinstance(error, dist.DistError)
 
 
 def _print_line(line: str) -> None:

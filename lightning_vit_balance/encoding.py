@@ -546,8 +546,6 @@ def raise_for_plans(report: StatusReport, prepared: bool = False) -> None:
     digests = report.plan_digests
     if len(set(digests)) <= 1:
         return
-    ranks = [r for r, digest in enumerate(digests) if digest != digests[0]]
-    which = f"(plan digest {digests[ranks[0]]} on rank {ranks[0]}, {digests[0]} on rank 0)"
     if prepared:
         # No rank can tell whose plan is the call's: each group of ranks holding one is named.
         groups: dict[int, list[int]] = {}
@@ -564,6 +562,8 @@ def raise_for_plans(report: StatusReport, prepared: bool = False) -> None:
             '`python -c "import sys, numpy; print(sys.version, numpy.__version__)"` on each) or this is '
             "a bug in lightning-vit-balance: please report it."
         )
+    ranks = [r for r, digest in enumerate(digests) if digest != digests[0]]
+    which = f"(plan digest {digests[ranks[0]]} on rank {ranks[0]}, {digests[0]} on rank 0)"
     raise RuntimeError(
         f"The balanced ViT call failed: the ranks planned it differently. Ranks {ranks} made other "
         f"plans than rank 0 from the same gathered batch, settings, package version and sources {which}, "

@@ -66,6 +66,9 @@ class CostModel:
     def __post_init__(self) -> None:
         for name in ("quadratic", "linear", "constant", "windowed"):
             _check_number(name, getattr(self, name), ">= 0", lambda v: v >= 0, owner="CostModel")
+            # Plain floats (numpy's ``float64`` passes as a float): checkpoints of the model then
+            # load with ``torch.load(weights_only=True)``.
+            object.__setattr__(self, name, float(getattr(self, name)))
         _check_int("window_patches", self.window_patches, 0, owner="CostModel")
         if self.windowed > 0 and self.window_patches == 0:  # every windowed cost would be 0
             raise ValueError(
@@ -970,7 +973,8 @@ class CostCalibrator:
     ) -> None:
         if initial is not None and not isinstance(initial, CostModel):
             raise TypeError(f"CostCalibrator: initial={initial!r} is invalid: expected a CostModel or None.")
-        self._model = initial if initial is not None else CostModel()
+        self._initial = initial if initial is not None else CostModel()
+        self._model = self._initial
         self.window_patches = self._model.window_patches if window_patches is None else window_patches
         self.per_frame_attention = self._model.per_frame_attention
         _check_int("window_patches", self.window_patches, 0, owner="CostCalibrator")
@@ -1079,8 +1083,9 @@ class CostCalibrator:
                 ``window_patches`` or ``per_frame_attention`` (its rows hold other terms).
         """
         model, history = _parse_state(state, self.window_patches, self.per_frame_attention)
-        if state["fits"]:
-            self._model, self._overhead = model, float(state["call_overhead_ms"])
+        fitted = state["fits"] > 0
+        self._model = model if fitted else self._initial
+        self._overhead = float(state["call_overhead_ms"]) if fitted else 0.0
         self._steps.clear()
         for rows in history:
             self._steps.append(self._window_step(rows))

@@ -726,6 +726,33 @@ def test_calibrator_state_of_other_terms_is_refused_and_changes_nothing() -> Non
     assert own.state_dict()["history"] == early.state_dict()["history"]
 
 
+def test_a_calibrator_that_fitted_goes_back_to_its_initial_model_with_a_state_saved_before_a_fit() -> None:
+    """Loading an early state into a calibrator that has fitted since (an evaluation that fitted,
+    then a resume from an early checkpoint) leaves it as a fresh one that loaded the same state."""
+    early = CostCalibrator(warmup_steps=1)
+    for counts, ms in _steps(14, 2):
+        early.observe(counts, ms)
+    fitted = CostCalibrator(CostModel(quadratic=3.0), warmup_steps=0)
+    for counts, ms in _steps(13, 8):
+        fitted.observe(counts, ms)
+    assert fitted.fits > 0 and fitted.call_overhead_ms > 0
+    fresh = CostCalibrator(CostModel(quadratic=3.0), warmup_steps=0)
+    for calibrator in (fitted, fresh):
+        calibrator.load_state_dict(early.state_dict())
+    assert fitted.model == CostModel(quadratic=3.0) and fitted.call_overhead_ms == 0.0
+    assert fitted.state_dict() == fresh.state_dict()
+    assert fitted.state_fingerprint() == fresh.state_fingerprint()
+
+
+def test_a_state_saved_before_a_fit_holds_plain_numbers_whatever_the_config_held() -> None:
+    """numpy's ``float64`` passes for a float (coefficients from ``np.polyfit``); a checkpoint
+    holding it would not load with ``weights_only=True``, as Lightning resumes."""
+    initial = CostModel(*np.polyfit([256.0, 1024.0, 4096.0], [0.3, 1.5, 9.0], 2).clip(0.0))
+    assert all(type(value) is float for value in (initial.quadratic, initial.linear, initial.constant))
+    state = CostCalibrator(initial).state_dict()
+    assert _saved_and_loaded(state) == state
+
+
 # -- Attention per temporal step (Qwen-VL videos) -------------------------------------------------
 
 

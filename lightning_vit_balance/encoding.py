@@ -39,6 +39,7 @@ from lightning_vit_balance.outputs import (
     classify_output,
     describe_output_problem,
     flatten_output,
+    unroutable_output,
     window_index_fn,
 )
 from lightning_vit_balance.problems import (
@@ -450,6 +451,9 @@ def encode(
         return EncodedBatch([], None, [], error, time.perf_counter() - started)
     seconds = time.perf_counter() - started
     leaves, structure = flatten_output(output)
+    unroutable = unroutable_output(leaves, layout)
+    if unroutable is not None:  # every rank hears of it before the return trip
+        return EncodedBatch([], None, [], ValueError(unroutable), seconds, packing_problem=True)
     has_window = window_index_fn(vit) is not None
     kinds = [
         classify_output(

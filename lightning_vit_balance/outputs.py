@@ -16,7 +16,9 @@ towers where the rows are ambiguous or the merge size cannot be looked up.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +38,7 @@ __all__ = [
     "merge_size_of",
     "rebuild_output",
     "rows_per_image",
+    "unroutable_output",
     "unwrap_module",
     "window_index_fn",
 ]
@@ -125,10 +128,12 @@ def window_index_fn(vit: Any) -> Any:
 class Structure:
     """How to rebuild a ViT output from its flattened leaves (see :func:`flatten_output`)."""
 
-    node: str  # "leaf", "list", "tuple", "namedtuple", "dict", "model_output"
+    node: str  # "leaf", "list", "tuple", "namedtuple", "dict", "model_output", "dataclass"
     container: type | None = None
     keys: tuple[Any, ...] = ()
     children: tuple[Structure, ...] = ()
+    #: A dataclass output without its fields' values, copied to rebuild it (see :func:`_emptied_copy`).
+    template: Any = dataclasses.field(default=None, compare=False)
 
 
 def _is_model_output(value: Any) -> bool:
@@ -139,7 +144,8 @@ def _is_model_output(value: Any) -> bool:
 def flatten_output(output: Any) -> tuple[list[tuple[str, Any]], Structure]:
     """Flatten a ViT output into ``(path, leaf)`` pairs (depth first, in order) and its structure.
 
-    Tensors, ``None`` and any other non-container values are leaves.
+    Containers (tuples, lists, namedtuples, mappings, dataclasses and Hugging Face ``ModelOutput``)
+    are walked; tensors, ``None`` and any other values are leaves.
     """
     leaves: list[tuple[str, Any]] = []
     return leaves, _flatten(output, "", leaves)
@@ -153,6 +159,10 @@ def _flatten(value: Any, path: str, leaves: list[tuple[str, Any]]) -> Structure:
         keys = tuple(value.keys())
         children = tuple(_flatten(value[k], _child(path, k), leaves) for k in keys)
         return Structure("model_output", type(value), keys, children)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = tuple(f.name for f in dataclasses.fields(value))
+        children = tuple(_flatten(getattr(value, n), _child(path, n), leaves) for n in names)
+        return Structure("dataclass", type(value), names, children, _emptied_copy(value, names))
     if isinstance(value, Mapping):
         keys = tuple(value.keys())
         return Structure(
@@ -168,6 +178,43 @@ def _flatten(value: Any, path: str, leaves: list[tuple[str, Any]]) -> Structure:
         )
     leaves.append((path, value))
     return Structure("leaf")
+
+
+def _emptied_copy(value: Any, names: Sequence[str]) -> Any:
+    """A shallow copy of the dataclass instance ``value`` with its fields ``names`` set to None:
+    what :func:`_rebuild` copies again and fills. Its ``__init__`` is not called again, which could
+    change the values (a ``__post_init__`` that scales a field); attributes that are not fields come
+    from the encoded batch, as non-tensor outputs do."""
+    template = copy.copy(value)
+    for name in names:
+        object.__setattr__(template, name, None)
+    return template
+
+
+def unroutable_output(leaves: Sequence[tuple[str, Any]], layout: OutputLayout | None) -> str | None:
+    """Why a leaf of :func:`flatten_output` cannot come back right, or None: an object that holds
+    tensors (in its attributes, or a set of them) in a container the balancer does not walk. It
+    would come back as computed, holding the encoded batch's tensors (other ranks' images), so it
+    is refused unless ``layout`` names its kind."""
+    for path, leaf in leaves:
+        if isinstance(leaf, torch.Tensor) or (layout is not None and layout.kind_of(path) is not None):
+            continue
+        held = leaf if isinstance(leaf, (set, frozenset)) else getattr(leaf, "__dict__", {}).values()
+        slots = (getattr(leaf, n, None) for cls in type(leaf).__mro__ for n in _slot_names(cls))
+        if any(isinstance(value, torch.Tensor) for value in itertools.chain(held, slots)):
+            name = f"output {path!r}" if path else "the output"
+            return (
+                f"the ViT's {name} is a {type(leaf).__name__} holding tensors, which the balancer "
+                "cannot route back to their images' ranks: return them in a tuple, list, dict, "
+                "namedtuple, dataclass or Hugging Face ModelOutput, or name the output's kind in "
+                "output_layout (OutputLayout(kinds={...}))"
+            )
+    return None
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    slots = cls.__dict__.get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
 
 
 def _child(path: str, key: Any) -> str:
@@ -194,6 +241,11 @@ def _rebuild(node: Structure, remaining: Iterator[Any]) -> Any:
             return dict(zip(node.keys, values))
     if node.node == "namedtuple":
         return container(*values)
+    if node.node == "dataclass":
+        rebuilt = copy.copy(node.template)
+        for name, value in zip(node.keys, values):
+            object.__setattr__(rebuilt, name, value)
+        return rebuilt
     try:
         return container(values)
     except TypeError:

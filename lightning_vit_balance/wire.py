@@ -199,8 +199,9 @@ class _UnpackFunction(torch.autograd.Function):
                 if not picks:
                     outputs.append(unpack_rows(back[:0], 0, like).clone())
                     continue
-                rows = sum(pieces.rows[i] for i in picks)
-                outputs.append(unpack_rows(torch.cat([split[i] for i in picks]), rows, like))
+                outputs.append(
+                    _joined_output([split[i] for i in picks], [pieces.rows[i] for i in picks], like)
+                )
         ctx.pieces, ctx.sizes, ctx.back = pieces, sizes, (back.shape, back.dtype, back.device)
         ctx.mark_non_differentiable(*(out for out in outputs if not _is_float(out.dtype)))
         return tuple(outputs)
@@ -219,6 +220,20 @@ class _UnpackFunction(torch.autograd.Function):
         # Zeros where an output had no gradient.
         like = torch.empty(0, dtype=dtype, device=device)
         return fill_rows(placed, ctx.sizes, shape[0], like), None, None, *(None for _ in grads)
+
+
+def _joined_output(chunks: Sequence[torch.Tensor], rows: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """One output from its pieces of the received buffer, in order: ``[sum(rows), *like.shape[1:]]``.
+
+    Never a view: autograd refuses in-place changes of a custom Function's outputs that are views,
+    and the direct call's outputs take them (``image_embeds *= scale``). A floating output is the
+    ``cat`` of its pieces, each viewed at its shape first; any other is copied once more.
+    """
+    if _is_float(like.dtype):
+        trailing = like.shape[1:]
+        return torch.cat([chunk.view(n, *trailing) for chunk, n in zip(chunks, rows)]).to(like.dtype)
+    unpacked = unpack_rows(torch.cat(list(chunks)), sum(rows), like)
+    return unpacked.clone() if unpacked._is_view() else unpacked
 
 
 def unpack_return(

@@ -7,6 +7,7 @@ multirank.py); 2- and 3-rank cases balance over a subgroup of it (which also exe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import itertools
@@ -966,6 +967,89 @@ def test_a_second_derivative_raises_instead_of_going_wrong(multirank: Any, overl
     with multirank(POOL) as w:
         per_rank = w.run(_gradient_penalty, overlap)
     assert per_rank == [{"applied": True, "error": SECOND_DERIVATIVE_MESSAGE}] * POOL, per_rank
+
+
+@dataclasses.dataclass(frozen=True)
+class TowerOutput:
+    """A plain dataclass output: a field ``__post_init__`` scales (rebuilt, it must not be scaled
+    twice), a per-batch count, and a field ``__init__`` does not take."""
+
+    embeds: torch.Tensor
+    images: int
+    patches: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "embeds", self.embeds * 2.0)
+        object.__setattr__(self, "patches", self.embeds.sum(dim=-1))
+
+
+class DataclassTower(towers.TensorTower):
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> TowerOutput:  # type: ignore[override]
+        return TowerOutput(super().forward(pixel_values, grid_thw), len(grid_thw))
+
+
+def _dataclass_outputs_changed_in_place(overlap: bool) -> dict[str, Any]:
+    """A dataclass output comes back with this rank's rows, and its tensors take in-place changes
+    as the direct call's do (``embeds *= scale``): the same gradients, summed over the ranks."""
+    vit, grids, pixels, grid, balancer = _straggler_batch(DataclassTower, overlap)
+    output = balancer(vit, pixels, grid)
+    output.embeds.mul_(3.0)
+    (output.embeds.pow(2).sum() + output.patches.sum()).backward()
+    balanced = summed_grads(vit, None)[0]
+    vit.zero_grad(set_to_none=True)
+    direct = vit(pixels, grid) if grids else None
+    if direct is not None:
+        # Same ops on the same rows in batches of other sizes: fp32 agrees to a few ulps.
+        torch.testing.assert_close(output.embeds, direct.embeds * 3.0, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(output.patches, direct.patches, rtol=1e-4, atol=1e-5)
+        direct.embeds.mul_(3.0)
+        (direct.embeds.pow(2).sum() + direct.patches.sum()).backward()
+    torch.testing.assert_close(balanced, summed_grads(vit, None)[0], rtol=1e-4, atol=1e-4)
+    # The count is the encoded batch's, as non-tensor outputs are (README: passthrough).
+    return {"applied": balancer.last_stats.applied, "type": type(output).__name__}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_dataclass_outputs_come_back_and_take_in_place_changes(multirank: Any, overlap: bool) -> None:
+    with multirank(POOL) as w:
+        per_rank = w.run(_dataclass_outputs_changed_in_place, overlap)
+    assert per_rank == [{"applied": True, "type": "TowerOutput"}] * POOL, per_rank
+
+
+class Holder:
+    """Not a container the balancer walks."""
+
+    def __init__(self, embeds: torch.Tensor) -> None:
+        self.embeds = embeds
+
+
+class HolderTower(towers.TensorTower):
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Holder:  # type: ignore[override]
+        return Holder(super().forward(pixel_values, grid_thw))
+
+
+def _tensors_in_an_object() -> str:
+    vit, grids, pixels, grid, balancer = _straggler_batch(HolderTower)
+    try:
+        balancer(vit, pixels, grid)
+    except ValueError as error:
+        message = str(error)
+    else:
+        message = ""
+    # The group is still in step: a good call afterwards works on every rank.
+    good = towers.TensorTower()
+    output = balancer(good, pixels, grid)
+    if grids:
+        torch.testing.assert_close(output, good(pixels, grid), rtol=1e-4, atol=1e-5)
+    return message
+
+
+def test_tensors_in_an_object_the_balancer_cannot_walk_raise_on_every_rank(multirank: Any) -> None:
+    """Returned as computed, such an object would hold the encoded batch's rows: other ranks' images."""
+    with multirank(POOL) as w:
+        messages = w.run(_tensors_in_an_object)
+    assert len(set(messages)) == 1, messages
+    assert "is a Holder holding tensors" in messages[0] and "dataclass" in messages[0], messages[0]
 
 
 def _overlapped_suite(n: int) -> dict[str, Any] | None:

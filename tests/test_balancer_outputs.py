@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict, namedtuple
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -44,6 +46,46 @@ def test_flatten_rebuild_roundtrip(output: Any) -> None:
     assert [p for p, _ in again] == [p for p, _ in leaves]
     for (_, a), (_, b) in zip(again, leaves):
         assert a is b
+
+
+@dataclasses.dataclass(slots=True)
+class SlottedOutput:
+    embeds: torch.Tensor
+    scale: float = dataclasses.field(default=1.0, init=False)
+
+
+def test_flatten_rebuild_dataclasses_without_calling_init_again() -> None:
+    """Fields are leaves under their names; the rebuilt instance holds the new leaves, keeps the
+    fields ``__init__`` does not take, and is not made by ``__init__`` again (no ``__post_init__``
+    applied twice)."""
+    output = SlottedOutput(torch.ones(2, 3))
+    output.scale = 0.5
+    leaves, structure = flatten_output({"out": output})
+    assert [path for path, _ in leaves] == ["out.embeds", "out.scale"]
+    rebuilt = rebuild_output(structure, [torch.zeros(1, 3), 0.5])["out"]
+    assert type(rebuilt) is SlottedOutput and rebuilt.scale == 0.5 and rebuilt.embeds.shape == (1, 3)
+    assert output.embeds.shape == (2, 3)  # the ViT's own output is left as it was
+    again, _ = flatten_output(rebuild_output(structure, [leaf for _, leaf in leaves]))
+    assert all(a is b for (_, a), (_, b) in zip(again, leaves))
+
+
+class _Slotted:
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: Any) -> None:
+        self.rows = rows
+
+
+def test_objects_holding_tensors_outside_the_walked_containers_are_named() -> None:
+    from lightning_vit_balance.outputs import unroutable_output
+
+    walked = [("0", torch.ones(1)), ("1", None), ("2", "text"), ("3", 3), ("4", _Slotted([1]))]
+    assert unroutable_output(walked, None) is None
+    for held in (_Slotted(torch.ones(1)), {torch.ones(1)}, SimpleNamespace(rows=torch.ones(2, 3))):
+        message = unroutable_output([*walked, ("extra", held)], None)
+        assert message is not None and f"output 'extra' is a {type(held).__name__} holding tensors" in message
+        # Named in the layout, its kind is the caller's decision.
+        assert unroutable_output([("extra", held)], OutputLayout(kinds={"extra": "drop"})) is None
 
 
 def test_flatten_paths() -> None:

@@ -1245,14 +1245,21 @@ class _Route(NamedTuple):
 
 class _HostGrids:
     """A batch's grids as its collator made them, under :data:`GRIDS_KEY`: ``(grid key, value)``
-    pairs. Neither a tensor, a collection nor a dataclass, and no ``to`` method, so what moves a
-    batch's tensors to the device (accelerate, the ``Trainer``, Lightning's and Fabric's
-    ``apply_to_collection``, which rebuilds dataclasses) passes it on as it is, on the host."""
+    pairs. Neither a tensor, a collection nor a dataclass, so what moves a batch's tensors to the
+    device (accelerate, the ``Trainer``, Lightning's and Fabric's ``apply_to_collection``, which
+    rebuilds dataclasses) passes it on as it is, on the host; its ``to``, ``cpu`` and ``cuda``
+    return it as it is, for loops that move every value (``{k: v.to(device) for k, v in ...}``)."""
 
     __slots__ = ("grids",)
 
     def __init__(self, grids: tuple[tuple[str, Any], ...]) -> None:
         self.grids = grids
+
+    def to(self, *args: Any, **kwargs: Any) -> _HostGrids:
+        """This object: the grids stay on the host, where the plan is made."""
+        return self
+
+    cpu = cuda = to
 
     def __repr__(self) -> str:
         return f"_HostGrids({self.grids!r})"
@@ -1414,8 +1421,9 @@ class BalancedVisionTower:
         model: The model passed in.
         base: The submodule holding the tower (``model.model`` for ``*ForConditionalGeneration``).
         tower: ``base.visual`` (``vision_tower`` or ``vision_model`` for the families the README lists).
-        config: Balancing settings (``None``: ``ViTBalanceConfig()`` with the cost model of the tower,
-            ``CostModel.from_vit(tower)``: its FLOPs, attention within each temporal step).
+        config: Balancing settings (``None``: :meth:`default_config`, ``ViTBalanceConfig()`` with
+            the cost model of the tower, ``CostModel.from_vit(tower)``: its FLOPs, attention within
+            each temporal step, and ``split_videos`` where the tower attends within each step).
         group: The data-parallel process group (``None``: the default group).
         evaluation: Whether evaluation forwards are balanced too (see the module docstring).
         step_grid_keys: The base forward's grid arguments (``"video_grid_thw"``, or none) whose
@@ -1616,7 +1624,7 @@ class BalancedVisionTower:
         ``group``, None when balancing is disabled, ``torch.distributed`` is not initialised or the
         group has one rank.
         """
-        config = self.config if self.config is not None else self._default_config()
+        config = self.config if self.config is not None else self.default_config()
         if not config.enabled or not (dist.is_available() and dist.is_initialized()):
             return None
         if dist.get_world_size(self.group) < 2:
@@ -1634,7 +1642,7 @@ class BalancedVisionTower:
         ``ViTBalancer`` records its own ``"single-rank"`` calls (:meth:`pop_stats`, and a
         ``Trainer``'s callback, then see one device as many); with balancing disabled, none.
         """
-        config = self.config if self.config is not None else self._default_config()
+        config = self.config if self.config is not None else self.default_config()
         distributed = dist.is_available() and dist.is_initialized()
         if not config.enabled or (distributed and dist.get_world_size(self.group) > 1) or in_backward_pass():
             return
@@ -1651,10 +1659,15 @@ class BalancedVisionTower:
         self._kept = collections.deque(maxlen=KEPT_STATS)
         return kept
 
-    def _default_config(self) -> ViTBalanceConfig:
+    def default_config(self) -> ViTBalanceConfig:
         """``ViTBalanceConfig()`` priced by the tower's own shape (the same on every rank: the same
         model), with ``split_videos`` for Hugging Face's Qwen-VL towers, which encode each temporal
-        step of a video on its own (what ``CostModel.from_vit`` reads from their type)."""
+        step of a video on its own (what ``CostModel.from_vit`` reads from their type): what
+        balances where :attr:`config` is None. A configuration of one's own replaces it whole, so
+        start from it to change a setting and keep the rest::
+
+            handle.config = dataclasses.replace(handle.default_config(), trigger_threshold=0.1)
+        """
         if self._derived is None:
             try:
                 model = CostModel.from_vit(self.tower)
@@ -1806,7 +1819,7 @@ class BalancedVisionTower:
             self._balancer.load_state_dict(state)
             return
         # Checked now against the configuration; the next forward's balancer starts from it.
-        config = self.config if self.config is not None else self._default_config()
+        config = self.config if self.config is not None else self.default_config()
         ViTBalancer(config).load_state_dict(state)
         self._carried = state if config.calibrate_cost else None
 
@@ -2668,7 +2681,8 @@ def balance_vision_tower(
             / ``vision_model`` for the families the README lists).
         config: Balancing settings; None: ``ViTBalanceConfig()`` priced by
             ``CostModel.from_vit(tower)``, with ``split_videos`` for towers that attend within each
-            temporal step.
+            temporal step (``handle.default_config()``). A configuration given replaces that whole:
+            to change one setting, ``dataclasses.replace(handle.default_config(), ...)``.
         group: The data-parallel process group; None: the default group.
         evaluation: Balance evaluation forwards too (``model.eval()`` or no gradients; not
             ``generate()``'s, but its image encoding where the tower's parameters are sharded).

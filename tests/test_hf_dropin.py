@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -369,7 +370,7 @@ def test_more_families_match_the_plain_model(multirank: Any, family: str) -> Non
     steps = family.startswith("glm")
     assert handle.step_grid_keys == (("video_grid_thw",) if steps else ())
     per_step = not steps and family not in (*WHOLE_VIDEO_FAMILIES, *IMAGE_ONLY_FAMILIES)
-    assert handle._default_config().split_videos is per_step
+    assert handle.default_config().split_videos is per_step
     with multirank(RANKS) as w:
         per_rank = w.run(_check_cases, family, mixed_cases(family), timeout=240)
     assert _assert_cases(per_rank, mixed_cases(family)) >= 2, (
@@ -1809,6 +1810,10 @@ def test_the_plan_ahead_collator_keeps_the_grids_on_the_host(tmp_path: Path) -> 
     moved = trainer._prepare_inputs(send_to_device(collated, torch.device("cpu")))
     assert moved[GRIDS_KEY] is grids
     assert torch.equal(model(**moved).logits, logits)
+    # A loop of one's own that moves every value of the batch.
+    by_hand = {key: value.to("cpu", non_blocking=True).cpu() for key, value in collated.items()}
+    assert by_hand[GRIDS_KEY] is grids
+    assert torch.equal(model(**by_hand).logits, logits)
     assert inspect.signature(model.forward) == inspect.signature(type(model).forward.__get__(model))
     with pytest.raises(TypeError, match=r"plan_ahead: the collator returned a tuple: expected a mutable"):
         handle.plan_ahead(tuple)([1])
@@ -1816,6 +1821,20 @@ def test_the_plan_ahead_collator_keeps_the_grids_on_the_host(tmp_path: Path) -> 
         handle.plan_ahead(None)  # type: ignore[arg-type]
     handle.remove()
     assert "forward" not in model.__dict__
+
+
+def test_the_default_configuration_is_the_towers_own_and_a_start_for_ones_own() -> None:
+    """README: a configuration of one's own replaces the default whole; starting from
+    ``handle.default_config()`` keeps the tower's cost model and ``split_videos``."""
+    from lightning_vit_balance import CostModel
+
+    handle = balance_vision_tower(tiny_model("qwen2_5_vl"))
+    default = handle.default_config()
+    assert handle.config is None and default.split_videos and default.cost_per_frame_attention
+    assert default == CostModel.from_vit(handle.tower).to_config(ViTBalanceConfig(split_videos=True))
+    assert default.cost_linear > 0 and default.cost_windowed > 0  # not the seed's l**2
+    handle.config = dataclasses.replace(handle.default_config(), trigger_threshold=0.1)
+    assert dataclasses.replace(handle.config, trigger_threshold=default.trigger_threshold) == default
 
 
 class _OwnLoopModule(ViTBalanceMixin, L.LightningModule):

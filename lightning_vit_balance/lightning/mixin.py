@@ -388,7 +388,7 @@ class _ModuleTowerBalance(BalancedVisionTower):
         if settings is not None and getattr(self.module, "vit_balance_config", None) is None:
             # No configuration given: price images by the tower's own shape, as the engine's
             # balance_vision_tower does.
-            return self._default_config(), settings[1]
+            return self.default_config(), settings[1]
         return settings
 
     def record(self, stats: BalanceStats) -> None:
@@ -398,7 +398,7 @@ class _ModuleTowerBalance(BalancedVisionTower):
         # Counted where encode_images counts its direct calls (one device in a balancing loop),
         # priced as settings() would price them.
         own = getattr(self.module, "vit_balance_config", None) is None
-        self.module._vit_balance_keep_direct(self.tower, parts, self._default_config() if own else None)
+        self.module._vit_balance_keep_direct(self.tower, parts, self.default_config() if own else None)
 
     def prepared_plan(self) -> PreparedPlan | None:
         ticket = self.module._vit_balance_take_ticket()

@@ -672,12 +672,13 @@ class ExampleOnRankZero(L.Callback):
 
 
 def _planned_fit(out: str, kind: str = "planned") -> tuple[list[tuple[str, bool, int, bool]], list[str]]:
-    """The calls of a 2-step fit (``kind``: ``PlannedSteps``, ``IteratedSteps``, or ``PlannedSteps``
-    given a ``PlanningData`` that plans, or that does not: ``"datamodule-silent"``), and the
-    warnings the mixin told."""
+    """The calls of a 2-step fit (``kind``: ``PlannedSteps``, ``IteratedSteps``, ``UnplannedSteps``
+    (``"no-super"``), or ``PlannedSteps`` given a ``PlanningData`` that plans, or that does not:
+    ``"datamodule-silent"``), and the warnings the mixin told."""
     with launched_by_torchrun(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        module = IteratedSteps() if kind == "iterated" else PlannedSteps()
+        kinds = {"iterated": IteratedSteps, "no-super": UnplannedSteps}
+        module = kinds.get(kind, PlannedSteps)()
         # Lightning's DistributedSampler on both loaders (2 batches per rank): validation balances.
         settings = {
             "logger": False,
@@ -689,6 +690,13 @@ def _planned_fit(out: str, kind: str = "planned") -> tuple[list[tuple[str, bool,
         datamodule = PlanningData(module, kind == "datamodule") if kind.startswith("datamodule") else None
         trainer.fit(module, datamodule=datamodule)
     return module.calls, [str(w.message) for w in caught if "plan_ahead=True, but" in str(w.message)]
+
+
+class UnplannedSteps(PlannedSteps):
+    """An override of the batch hook that does not call ``super()``: no plan is made ahead."""
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
 
 
 def test_plan_ahead_plans_the_validation_steps_too(tmp_path: Path) -> None:
@@ -703,6 +711,7 @@ def test_plan_ahead_plans_the_validation_steps_too(tmp_path: Path) -> None:
         ranks = w.run(_planned_fit, str(tmp_path), timeout=120)
         ranks += w.run(_planned_fit, str(tmp_path / "datamodule"), "datamodule", timeout=120)
         silent = w.run(_planned_fit, str(tmp_path / "silent"), "datamodule-silent", timeout=120)
+        no_super = w.run(_planned_fit, str(tmp_path / "no-super"), "no-super", timeout=120)
     for calls, told in ranks:
         assert [stage for stage, *_ in calls] == ["sanity", "train", "train", "validate", "validate"]
         assert all(prepared and collectives == 3 and exact for _, prepared, collectives, exact in calls)
@@ -711,6 +720,11 @@ def test_plan_ahead_plans_the_validation_steps_too(tmp_path: Path) -> None:
         assert not any(prepared for _, prepared, *_ in calls) and all(exact for *_, exact in calls), calls
         assert len(told) == (1 if rank == 0 else 0), told  # rank_zero_warn
         assert all("PlanningData defines on_before_batch_transfer" in message for message in told), told
+    # The module's own override that skips super(): told too (it planned nothing, silently).
+    for rank, (calls, told) in enumerate(no_super):
+        assert not any(prepared for _, prepared, *_ in calls) and all(exact for *_, exact in calls), calls
+        assert len(told) == (1 if rank == 0 else 0), told
+        assert all("UnplannedSteps must call super().on_before_batch_transfer" in m for m in told), told
 
 
 class IteratedSteps(PlannedSteps):

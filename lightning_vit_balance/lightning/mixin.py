@@ -313,6 +313,8 @@ class _State:
         #: module's from making one was looked for (once, at the first step without a plan).
         self.planned_ahead = False
         self.looked_for_datamodule_hook = False
+        #: Whether the mixin's on_before_batch_transfer ran for a loop's batch in this run.
+        self.batch_hook_ran = False
         self.host_group: dist.ProcessGroup | None = None
         #: A balancer state the next balancer starts from: a loaded checkpoint's, or the last
         #: run's (what a checkpoint saved between runs keeps).
@@ -810,12 +812,22 @@ class ViTBalanceMixin:
 
     def _vit_balance_tell_datamodule_hook(self, trainer: Any) -> None:
         """With ``plan_ahead`` and no plan made yet: where the datamodule defines
-        ``on_before_batch_transfer``, Lightning calls it instead of the module's, which plans; told
+        ``on_before_batch_transfer``, Lightning calls it instead of the module's, which plans; where
+        the module's never ran (an override that does not call ``super()``), neither plans. Told
         (the steps then plan in their calls)."""
+        if not self.resolved_vit_balance_config().plan_ahead:
+            return
         datamodule = getattr(trainer, "datamodule", None)
         if not is_overridden("on_before_batch_transfer", datamodule, parent=LightningDataModule):
-            return
-        if not self.resolved_vit_balance_config().plan_ahead:
+            if not self._vit_balance_state_object().batch_hook_ran:
+                rank_zero_warn(
+                    f"ViTBalanceConfig.plan_ahead=True, but ViTBalanceMixin.on_before_batch_transfer "
+                    f"has not run for this step's batch, so no plan is made ahead and each step plans "
+                    f"in its call: an override in {type(self).__name__} must call "
+                    "super().on_before_batch_transfer(batch, dataloader_idx) (a step that takes "
+                    "dataloader_iter gets no such hook).",
+                    category=UserWarning,
+                )
             return
         rank_zero_warn(
             f"ViTBalanceConfig.plan_ahead=True, but {type(datamodule).__name__} defines "
@@ -1004,6 +1016,7 @@ class ViTBalanceMixin:
             return False
         state = self._vit_balance_state_object()
         state.ticket = None
+        state.batch_hook_ran = True
         settings = self._vit_balance_settings(ahead=True)
         wanted = settings is not None and (asked or settings[0].plan_ahead)
         if not wanted or not self._vit_balance_towers_balance():

@@ -161,6 +161,8 @@ def _flatten(value: Any, path: str, leaves: list[tuple[str, Any]]) -> Structure:
         return Structure("model_output", type(value), keys, children)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         names = tuple(f.name for f in dataclasses.fields(value))
+        # Then attributes that are not fields (set in ``__post_init__``, say): routed as fields are.
+        names += tuple(name for name in getattr(value, "__dict__", {}) if name not in names)
         children = tuple(_flatten(getattr(value, n), _child(path, n), leaves) for n in names)
         return Structure("dataclass", type(value), names, children, _emptied_copy(value, names))
     if isinstance(value, Mapping):
@@ -181,10 +183,9 @@ def _flatten(value: Any, path: str, leaves: list[tuple[str, Any]]) -> Structure:
 
 
 def _emptied_copy(value: Any, names: Sequence[str]) -> Any:
-    """A shallow copy of the dataclass instance ``value`` with its fields ``names`` set to None:
-    what :func:`_rebuild` copies again and fills. Its ``__init__`` is not called again, which could
-    change the values (a ``__post_init__`` that scales a field); attributes that are not fields come
-    from the encoded batch, as non-tensor outputs do."""
+    """A shallow copy of the dataclass instance ``value`` with its attributes ``names`` set to
+    None: what :func:`_rebuild` copies again and fills. Its ``__init__`` is not called again, which
+    could change the values (a ``__post_init__`` that scales a field)."""
     template = copy.copy(value)
     for name in names:
         object.__setattr__(template, name, None)

@@ -972,7 +972,7 @@ def test_a_second_derivative_raises_instead_of_going_wrong(multirank: Any, overl
 @dataclasses.dataclass(frozen=True)
 class TowerOutput:
     """A plain dataclass output: a field ``__post_init__`` scales (rebuilt, it must not be scaled
-    twice), a per-batch count, and a field ``__init__`` does not take."""
+    twice), a per-batch count, a field ``__init__`` does not take and an attribute that is no field."""
 
     embeds: torch.Tensor
     images: int
@@ -981,6 +981,7 @@ class TowerOutput:
     def __post_init__(self) -> None:
         object.__setattr__(self, "embeds", self.embeds * 2.0)
         object.__setattr__(self, "patches", self.embeds.sum(dim=-1))
+        object.__setattr__(self, "norms", self.embeds.norm(dim=-1))  # not a field
 
 
 class DataclassTower(towers.TensorTower):
@@ -1002,6 +1003,7 @@ def _dataclass_outputs_changed_in_place(overlap: bool) -> dict[str, Any]:
         # Same ops on the same rows in batches of other sizes: fp32 agrees to a few ulps.
         torch.testing.assert_close(output.embeds, direct.embeds * 3.0, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(output.patches, direct.patches, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(output.norms, direct.norms, rtol=1e-4, atol=1e-5)
         direct.embeds.mul_(3.0)
         (direct.embeds.pow(2).sum() + direct.patches.sum()).backward()
     torch.testing.assert_close(balanced, summed_grads(vit, None)[0], rtol=1e-4, atol=1e-4)

@@ -427,6 +427,7 @@ def encode(
     layout: OutputLayout | None,
     no_grad_dummy: bool,
     skip_with: Exception | None = None,
+    routed: bool = True,
 ) -> EncodedBatch:
     """Run ``vit`` on ``batch`` and classify its outputs; a ViT exception is kept, not raised.
 
@@ -437,6 +438,8 @@ def encode(
         layout: Explicit output kinds, if any.
         no_grad_dummy: Run a dummy batch without autograd (the ``"no_grad"`` empty-rank policy).
         skip_with: Do not run the ViT; report this error instead (this rank's input was bad).
+        routed: The outputs travel back to their images' ranks (an applied call, every rank
+            alike): an output holding tensors that cannot (:func:`unroutable_output`) is an error.
     """
     started = time.perf_counter()
     if skip_with is not None:
@@ -451,7 +454,7 @@ def encode(
         return EncodedBatch([], None, [], error, time.perf_counter() - started)
     seconds = time.perf_counter() - started
     leaves, structure = flatten_output(output)
-    unroutable = unroutable_output(leaves, layout)
+    unroutable = unroutable_output(leaves, layout) if routed else None
     if unroutable is not None:  # every rank hears of it before the return trip
         return EncodedBatch([], None, [], ValueError(unroutable), seconds, packing_problem=True)
     has_window = window_index_fn(vit) is not None

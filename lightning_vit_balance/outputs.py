@@ -160,7 +160,8 @@ def _flatten(value: Any, path: str, leaves: list[tuple[str, Any]]) -> Structure:
         children = tuple(_flatten(value[k], _child(path, k), leaves) for k in keys)
         return Structure("model_output", type(value), keys, children)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        names = tuple(f.name for f in dataclasses.fields(value))
+        # Fields set (one with init=False that __post_init__ left unset has no value to route).
+        names = tuple(f.name for f in dataclasses.fields(value) if hasattr(value, f.name))
         # Then attributes that are not fields (set in ``__post_init__``, say): routed as fields are.
         names += tuple(name for name in getattr(value, "__dict__", {}) if name not in names)
         children = tuple(_flatten(getattr(value, n), _child(path, n), leaves) for n in names)
@@ -194,7 +195,7 @@ def _emptied_copy(value: Any, names: Sequence[str]) -> Any:
 
 def unroutable_output(leaves: Sequence[tuple[str, Any]], layout: OutputLayout | None) -> str | None:
     """Why a leaf of :func:`flatten_output` cannot come back right, or None: an object that holds
-    tensors (in its attributes, or a set of them) in a container the balancer does not walk. It
+    tensors with rows (in its attributes, or a set of them) in a container the balancer does not walk. It
     would come back as computed, holding the encoded batch's tensors (other ranks' images), so it
     is refused unless ``layout`` names its kind."""
     for path, leaf in leaves:
@@ -202,8 +203,9 @@ def unroutable_output(leaves: Sequence[tuple[str, Any]], layout: OutputLayout | 
             continue
         held = leaf if isinstance(leaf, (set, frozenset)) else getattr(leaf, "__dict__", {}).values()
         slots = (getattr(leaf, n, None) for cls in type(leaf).__mro__ for n in _slot_names(cls))
-        if any(isinstance(value, torch.Tensor) for value in itertools.chain(held, slots)):
-            name = f"output {path!r}" if path else "the output"
+        # A 0-d tensor has no rows to route: it passes through, as it does outside an object.
+        if any(isinstance(v, torch.Tensor) and v.dim() > 0 for v in itertools.chain(held, slots)):
+            name = f"output {path!r}" if path else "output"
             return (
                 f"the ViT's {name} is a {type(leaf).__name__} holding tensors, which the balancer "
                 "cannot route back to their images' ranks: return them in a tuple, list, dict, "

@@ -226,10 +226,11 @@ def _joined_output(chunks: Sequence[torch.Tensor], rows: Sequence[int], like: to
     """One output from its pieces of the received buffer, in order: ``[sum(rows), *like.shape[1:]]``.
 
     Never a view: autograd refuses in-place changes of a custom Function's outputs that are views,
-    and the direct call's outputs take them (``image_embeds *= scale``). A floating output is the
-    ``cat`` of its pieces, each viewed at its shape first; any other is copied once more.
+    and the direct call's outputs take them (``image_embeds *= scale``). An output that travels as
+    elements of its own width (floats; integers in their own dtype) is the ``cat`` of its pieces,
+    each viewed at its shape first; one carried in a wider type is copied once more.
     """
-    if _is_float(like.dtype):
+    if _is_float(like.dtype) or chunks[0].dtype == like.dtype:
         trailing = like.shape[1:]
         return torch.cat([chunk.view(n, *trailing) for chunk, n in zip(chunks, rows)]).to(like.dtype)
     unpacked = unpack_rows(torch.cat(list(chunks)), sum(rows), like)

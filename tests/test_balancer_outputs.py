@@ -54,6 +54,19 @@ class SlottedOutput:
     scale: float = dataclasses.field(default=1.0, init=False)
 
 
+@dataclasses.dataclass
+class PartlySet:
+    embeds: torch.Tensor
+    later: torch.Tensor = dataclasses.field(init=False)
+
+
+def test_a_dataclass_field_left_unset_is_not_walked() -> None:
+    leaves, structure = flatten_output(PartlySet(torch.ones(2, 3)))
+    assert [path for path, _ in leaves] == ["embeds"]
+    rebuilt = rebuild_output(structure, [torch.zeros(1, 3)])
+    assert rebuilt.embeds.shape == (1, 3) and not hasattr(rebuilt, "later")
+
+
 def test_flatten_rebuild_dataclasses_without_calling_init_again() -> None:
     """Fields are leaves under their names; the rebuilt instance holds the new leaves, keeps the
     fields ``__init__`` does not take, and is not made by ``__init__`` again (no ``__post_init__``
@@ -80,6 +93,7 @@ def test_objects_holding_tensors_outside_the_walked_containers_are_named() -> No
     from lightning_vit_balance.outputs import unroutable_output
 
     walked = [("0", torch.ones(1)), ("1", None), ("2", "text"), ("3", 3), ("4", _Slotted([1]))]
+    walked.append(("5", SimpleNamespace(loss=torch.tensor(2.0))))  # no rows: passes, as 0-d leaves do
     assert unroutable_output(walked, None) is None
     for held in (_Slotted(torch.ones(1)), {torch.ones(1)}, SimpleNamespace(rows=torch.ones(2, 3))):
         message = unroutable_output([*walked, ("extra", held)], None)

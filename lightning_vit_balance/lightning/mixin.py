@@ -778,8 +778,7 @@ class ViTBalanceMixin:
         state = self._vit_balance_state_object()
         ticket, state.ticket = state.ticket, None
         if not (state.planned_ahead or state.looked_for_datamodule_hook) and trainer is not None:
-            state.looked_for_datamodule_hook = True
-            self._vit_balance_tell_datamodule_hook(trainer)
+            state.looked_for_datamodule_hook = self._vit_balance_tell_datamodule_hook(trainer)
         if ticket is not None and trainer is not None and state.ticket_batch != _loop_batch(trainer):
             # Made for another batch, whose step did not take it: this step's batch had no
             # on_before_batch_transfer (a step taking `dataloader_iter`). Planned in the call, on
@@ -810,15 +809,18 @@ class ViTBalanceMixin:
         trainer, _ = self._vit_balance_runner()
         state.ticket_batch = _loop_batch(trainer) if trainer is not None else None
 
-    def _vit_balance_tell_datamodule_hook(self, trainer: Any) -> None:
+    def _vit_balance_tell_datamodule_hook(self, trainer: Any) -> bool:
         """With ``plan_ahead`` and no plan made yet: where the datamodule defines
         ``on_before_batch_transfer``, Lightning calls it instead of the module's, which plans; where
-        the module's never ran (an override that does not call ``super()``), neither plans. Told
-        (the steps then plan in their calls)."""
+        the module's never ran for a training batch (an override that does not call ``super()``),
+        neither plans. Told (the steps then plan in their calls). False: look again at a later step
+        (a validation step that takes ``dataloader_iter``, in the sanity check, gets no hook)."""
         if not self.resolved_vit_balance_config().plan_ahead:
-            return
+            return True
         datamodule = getattr(trainer, "datamodule", None)
         if not is_overridden("on_before_batch_transfer", datamodule, parent=LightningDataModule):
+            if not trainer.training:
+                return False
             if not self._vit_balance_state_object().batch_hook_ran:
                 rank_zero_warn(
                     f"ViTBalanceConfig.plan_ahead=True, but ViTBalanceMixin.on_before_batch_transfer "
@@ -828,7 +830,7 @@ class ViTBalanceMixin:
                     "dataloader_iter gets no such hook).",
                     category=UserWarning,
                 )
-            return
+            return True
         rank_zero_warn(
             f"ViTBalanceConfig.plan_ahead=True, but {type(datamodule).__name__} defines "
             "on_before_batch_transfer, which Lightning calls instead of the module's, so no plan is "
@@ -836,6 +838,7 @@ class ViTBalanceMixin:
             "self.trainer.lightning_module.prepare_vit_balance(batch).",
             category=UserWarning,
         )
+        return True
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """With ``plan_ahead``, plan the batch's ViT call while it is still on the host.

@@ -22,6 +22,7 @@ no sizes are exchanged in between. The pieces:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -298,6 +299,22 @@ def _run_tensor(runs: Sequence[tuple[int, int, int, int]]) -> torch.Tensor:
     return torch.from_numpy(np.asarray(runs, dtype=np.int64).reshape(-1))
 
 
+#: The latest row gathers, their works and buffers with them (see :func:`_kept_until_later`).
+_RECENT_GATHERS: collections.deque[Any] = collections.deque(maxlen=2)
+
+
+def _kept_until_later(gather: Any) -> None:
+    """Keep a finished ``gather`` (its works and buffers) until later ones push it out.
+
+    Gloo's worker thread lets go of a work a moment after ``wait()`` returns. Where Python has let
+    go of the work and its tensors first, the worker frees them, which takes the GIL: if the
+    interpreter is exiting by then (a gather the last collective, as ``check_pending`` makes at a
+    loop's end) the process aborts ("terminate called without an active exception", torch 2.13:
+    8 of 59 runs of a loop ending so). Kept here, Python frees them later (a few KB each).
+    """
+    _RECENT_GATHERS.append(gather)
+
+
 class _RingRows:
     """``dist.all_gather`` of one row per rank, started asynchronously (NCCL's or gloo's ring)."""
 
@@ -307,6 +324,7 @@ class _RingRows:
 
     def wait(self) -> torch.Tensor:
         self._work.wait()
+        _kept_until_later(self)
         return torch.stack(self._gathered)
 
 
@@ -347,6 +365,7 @@ class _DoublingRows:
             self._held += count
             if self._held < self._world:
                 self._round = self._post_round()
+        _kept_until_later(self)
         # Row i holds rank (rank + i) mod P's: put them in rank order.
         return torch.roll(self._rows, self._rank, 0)
 

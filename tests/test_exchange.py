@@ -368,6 +368,9 @@ def _gather_kinds() -> list[str]:
             pending = exchange.start_row_gather(row, group)
             kinds.append(type(pending).__name__)
             assert pending.wait().flatten().tolist() == list(range(dist.get_world_size(group)))
+            # Kept past its wait, works and buffers: gloo's worker thread, which lets go of a work a
+            # moment later, must not free the last references as the interpreter exits (an abort).
+            assert exchange._RECENT_GATHERS[-1] is pending
     return kinds
 
 

@@ -64,6 +64,7 @@ __all__ = [
     "device_problem",
     "exchange_status",
     "fill_rows",
+    "forget_finished_gathers",
     "gather_host_values",
     "gather_metadata",
     "grid_rows",
@@ -313,6 +314,12 @@ def _kept_until_later(gather: Any) -> None:
     8 of 59 runs of a loop ending so). Kept here, Python frees them later (a few KB each).
     """
     _RECENT_GATHERS.append(gather)
+
+
+def forget_finished_gathers() -> None:
+    """Let go of the gathers :func:`_kept_until_later` keeps: before a group is destroyed, whose
+    works would keep its connections open (a gloo twin's sockets, ``P + 3`` files)."""
+    _RECENT_GATHERS.clear()
 
 
 class _RingRows:

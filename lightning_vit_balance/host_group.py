@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from lightning_vit_balance.exchange import _backend_device_type, start_row_gather
+from lightning_vit_balance.exchange import _backend_device_type, forget_finished_gathers, start_row_gather
 
 __all__ = ["make_host_group", "release_host_group"]
 
@@ -198,6 +198,9 @@ def release_host_group(host_group: dist.ProcessGroup | None) -> None:
     _OWNED[:] = [entry for entry in _OWNED if entry[1] is not host_group]
     if host_group is None or not (dist.is_available() and dist.is_initialized()):
         return
+    # Nor by the works of its latest gathers, finished long before: freed here, with the interpreter
+    # alive, and its worker threads end as the group goes.
+    forget_finished_gathers()
     with contextlib.suppress(ValueError):  # "Invalid process group specified": destroyed already
         dist.destroy_process_group(host_group)
 

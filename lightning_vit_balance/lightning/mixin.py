@@ -309,10 +309,10 @@ class _State:
         #: Every rank's training epoch length, gathered at this fit's first balanced training call
         #: or plan (None before it): ranks whose epochs differ validate apart (see _own_clock).
         self.epoch_lengths: tuple[int, ...] | None = None
-        #: Whether a plan was ever made ahead, and whether a datamodule's hook that would keep the
-        #: module's from making one was looked for (once, at the first step without a plan).
+        #: Whether a plan was ever made ahead, and whether why none was made was told (once, see
+        #: _vit_balance_tell_unplanned).
         self.planned_ahead = False
-        self.looked_for_datamodule_hook = False
+        self.told_unplanned = False
         #: Whether the mixin's on_before_batch_transfer ran for a loop's batch in this run.
         self.batch_hook_ran = False
         self.host_group: dist.ProcessGroup | None = None
@@ -777,8 +777,8 @@ class ViTBalanceMixin:
             return None  # a recomputation plans as its forward call did (see recompute.py)
         state = self._vit_balance_state_object()
         ticket, state.ticket = state.ticket, None
-        if not (state.planned_ahead or state.looked_for_datamodule_hook) and trainer is not None:
-            state.looked_for_datamodule_hook = self._vit_balance_tell_datamodule_hook(trainer)
+        if not (state.planned_ahead or state.told_unplanned) and trainer is not None:
+            state.told_unplanned = self._vit_balance_tell_unplanned(trainer)
         if ticket is not None and trainer is not None and state.ticket_batch != _loop_batch(trainer):
             # Made for another batch, whose step did not take it: this step's batch had no
             # on_before_batch_transfer (a step taking `dataloader_iter`). Planned in the call, on
@@ -809,35 +809,35 @@ class ViTBalanceMixin:
         trainer, _ = self._vit_balance_runner()
         state.ticket_batch = _loop_batch(trainer) if trainer is not None else None
 
-    def _vit_balance_tell_datamodule_hook(self, trainer: Any) -> bool:
-        """With ``plan_ahead`` and no plan made yet: where the datamodule defines
-        ``on_before_batch_transfer``, Lightning calls it instead of the module's, which plans; where
-        the module's never ran for a training batch (an override that does not call ``super()``),
-        neither plans. Told (the steps then plan in their calls). False: look again at a later step
-        (a validation step that takes ``dataloader_iter``, in the sanity check, gets no hook)."""
+    def _vit_balance_tell_unplanned(self, trainer: Any) -> bool:
+        """With ``plan_ahead`` and no plan made yet, tell why no plan is made ahead (the steps then
+        plan in their calls): the datamodule defines ``on_before_batch_transfer``, which Lightning
+        calls instead of the module's, which plans; or the module's never ran for a training batch
+        (an override that does not call ``super()``). False: look again at a later step (a
+        validation step that takes ``dataloader_iter``, in the sanity check, gets no hook)."""
         if not self.resolved_vit_balance_config().plan_ahead:
             return True
         datamodule = getattr(trainer, "datamodule", None)
-        if not is_overridden("on_before_batch_transfer", datamodule, parent=LightningDataModule):
-            if not trainer.training:
-                return False
-            if not self._vit_balance_state_object().batch_hook_ran:
-                rank_zero_warn(
-                    f"ViTBalanceConfig.plan_ahead=True, but ViTBalanceMixin.on_before_batch_transfer "
-                    f"has not run for this step's batch, so no plan is made ahead and each step plans "
-                    f"in its call: an override in {type(self).__name__} must call "
-                    "super().on_before_batch_transfer(batch, dataloader_idx) (a step that takes "
-                    "dataloader_iter gets no such hook).",
-                    category=UserWarning,
-                )
+        if is_overridden("on_before_batch_transfer", datamodule, parent=LightningDataModule):
+            rank_zero_warn(
+                f"ViTBalanceConfig.plan_ahead=True, but {type(datamodule).__name__} defines "
+                "on_before_batch_transfer, which Lightning calls instead of the module's, so no plan is "
+                "made ahead and each step plans in its call. Plan there: "
+                "self.trainer.lightning_module.prepare_vit_balance(batch).",
+                category=UserWarning,
+            )
             return True
-        rank_zero_warn(
-            f"ViTBalanceConfig.plan_ahead=True, but {type(datamodule).__name__} defines "
-            "on_before_batch_transfer, which Lightning calls instead of the module's, so no plan is "
-            "made ahead and each step plans in its call. Plan there: "
-            "self.trainer.lightning_module.prepare_vit_balance(batch).",
-            category=UserWarning,
-        )
+        if not trainer.training:
+            return False
+        if not self._vit_balance_state_object().batch_hook_ran:
+            rank_zero_warn(
+                f"ViTBalanceConfig.plan_ahead=True, but ViTBalanceMixin.on_before_batch_transfer "
+                f"has not run for this step's batch, so no plan is made ahead and each step plans "
+                f"in its call: an override in {type(self).__name__} must call "
+                "super().on_before_batch_transfer(batch, dataloader_idx) (a step that takes "
+                "dataloader_iter gets no such hook).",
+                category=UserWarning,
+            )
         return True
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

@@ -1624,7 +1624,7 @@ class BalancedVisionTower:
         ``group``, None when balancing is disabled, ``torch.distributed`` is not initialised or the
         group has one rank.
         """
-        config = self.config if self.config is not None else self.default_config()
+        config = self._effective_config()
         if not config.enabled or not (dist.is_available() and dist.is_initialized()):
             return None
         if dist.get_world_size(self.group) < 2:
@@ -1642,7 +1642,7 @@ class BalancedVisionTower:
         ``ViTBalancer`` records its own ``"single-rank"`` calls (:meth:`pop_stats`, and a
         ``Trainer``'s callback, then see one device as many); with balancing disabled, none.
         """
-        config = self.config if self.config is not None else self.default_config()
+        config = self._effective_config()
         distributed = dist.is_available() and dist.is_initialized()
         if not config.enabled or (distributed and dist.get_world_size(self.group) > 1) or in_backward_pass():
             return
@@ -1658,6 +1658,10 @@ class BalancedVisionTower:
         kept = list(self._kept) if self._kept is not None else []
         self._kept = collections.deque(maxlen=KEPT_STATS)
         return kept
+
+    def _effective_config(self) -> ViTBalanceConfig:
+        """What balances: :attr:`config`, or :meth:`default_config` where it is None."""
+        return self.config if self.config is not None else self.default_config()
 
     def default_config(self) -> ViTBalanceConfig:
         """``ViTBalanceConfig()`` priced by the tower's own shape (the same on every rank: the same
@@ -1819,7 +1823,7 @@ class BalancedVisionTower:
             self._balancer.load_state_dict(state)
             return
         # Checked now against the configuration; the next forward's balancer starts from it.
-        config = self.config if self.config is not None else self.default_config()
+        config = self._effective_config()
         ViTBalancer(config).load_state_dict(state)
         self._carried = state if config.calibrate_cost else None
 

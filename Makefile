@@ -22,9 +22,15 @@ $(STAMP): pyproject.toml $(TORCH_REQUIREMENTS) $(TRANSFORMERS_REQUIREMENTS) $(DE
 	$(if $(DEEPSPEED_REQUIREMENTS),$(PY) -m pip install --quiet --no-build-isolation -r $(DEEPSPEED_REQUIREMENTS) $(if $(CONSTRAINTS),-c $(CONSTRAINTS)))
 	touch $(STAMP)
 
+# Test files run in this many processes side by side (pytest-xdist; each file's tests stay in one,
+# so the multi-rank pools it starts serve all of them): two keep both of a 2-core machine's cores
+# busy while the other process waits on a subprocess's start or a timeout. `TEST_WORKERS=0` runs
+# the suite in one process. More than the machine's cores slows it down: every rank is a process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The same suite against transformers 4.57 (the last 4.x), in its own virtual environment; CI runs
 # it after `make test`.

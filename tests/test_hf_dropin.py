@@ -3529,17 +3529,86 @@ def test_mixin_balances_towers_merged_by_their_config(multirank: Any, family: st
     assert results[0]["applied"] >= 1, results
 
 
-def test_mixin_balancer_is_built_again_for_another_output_layout() -> None:
-    """The module's one balancer takes the layout it is asked for (a drop-in tower's): a new one
-    when it changes, the same one while it does not, going on from the cost fit either way."""
+def test_mixin_keeps_a_balancer_per_output_layout_and_configuration() -> None:
+    """The module's balancer for each layout (a drop-in tower's) and configuration it is asked for:
+    a new one, going on from the latest one's cost fit, for one not seen yet; the kept one when
+    calls alternate between them (a drop-in tower and encode_images in one step), holding what the
+    one before left to report; the least recently used let go beyond KEPT_BALANCERS."""
     module = _MixinOnly()
     config = ViTBalanceConfig(calibrate_cost=True)
     plain = module._vit_balance_balancer(config, None)
     merged = module._vit_balance_balancer(config, None, OutputLayout(merge_size=2))
     assert plain.output_layout is None and merged is not plain
     assert merged.output_layout == OutputLayout(merge_size=2)
-    assert module._vit_balance_balancer(config, None, OutputLayout(merge_size=2)) is merged
     assert merged.state_dict() == plain.state_dict()
+    merged._skipped_mismatch = True  # a mismatch of a skipped prepared call, due at the next gather
+    assert module._vit_balance_balancer(config, None) is plain and plain._skipped_mismatch
+    assert module._vit_balance_balancer(config, None, OutputLayout(merge_size=2)) is merged
+    assert merged._skipped_mismatch and not plain._skipped_mismatch
+    state = module._vit_balance_state_object()
+    others = [dataclasses.replace(config, trigger_threshold=t) for t in (0.25, 0.3, 0.4)]
+    kept = [module._vit_balance_balancer(other, None) for other in others]
+    assert [balancer for *_, balancer in state.balancers] == [merged, *kept]
+    assert module._vit_balance_balancer(config, None) is not plain  # the least recently used: let go
+    module.load_vit_balance_state_dict(plain.state_dict())
+    assert state.balancer is None and state.balancers == []
+
+
+def _mixin_two_kinds_worker(balanced: bool) -> dict[str, Any]:
+    """Four steps of a module calling a drop-in Qwen2-VL and ``encode_images`` on a tower of its own,
+    on the pool's ranks, each call with its own configuration (no ``vit_balance_config``: the
+    drop-in's tower default, and the engine's default for ``encode_images``), or every call direct
+    (a disabled configuration): the losses, summed gradients, the balancer each call took and the
+    ViT times it reported (measured a call late, by each call's balancer)."""
+    import torch.distributed as dist
+    from towers import TensorTower, make_batch
+
+    rank = dist.get_rank()
+    module = _MixinOnly()
+    module.vit_balance_config = None if balanced else ViTBalanceConfig(enabled=False)
+    module.vit_balance_group = dist.group.WORLD
+    torch.manual_seed(0)
+    module.tower = TensorTower()
+    module.model = tiny_model("qwen2_vl")
+    module.balance_vision_tower(module.model)
+    state = module._vit_balance_state_object()
+    losses, taken, vit_ms = [], [], []
+
+    def took(output: Any) -> Any:
+        taken.append(id(state.balancer))
+        vit_ms.append(module.last_vit_balance_stats.vit_ms if balanced else ())
+        return output
+
+    for step in range(4):
+        batch = make_inputs(
+            "qwen2_vl", cases_for("qwen2_vl")["every_rank_images"][rank], seed=10 * step + rank
+        )
+        images = make_batch([(1, 8, 8)] * (1 + 4 * ((rank + step) % 2)), seed=step)
+        loss = (
+            took(module.model(**batch).loss) + took(module.encode_images(module.tower, *images)).pow(2).mean()
+        )
+        loss.backward()
+        losses.append(loss.detach())
+    return {"losses": losses, "grads": _summed_grads(module), "taken": taken, "vit_ms": vit_ms}
+
+
+def test_mixin_calls_of_two_kinds_in_a_step_each_go_on_with_their_balancer(multirank: Any) -> None:
+    """A drop-in tower's call and ``encode_images`` in each step, with other configurations: each
+    call takes its kind's balancer, kept across steps (built again at each call, their ViT times,
+    measured a call late, were never reported, and an online cost fit never fitted), and the steps'
+    losses and gradients are the direct calls'."""
+    with multirank(2) as w:
+        balanced = w.run(_mixin_two_kinds_worker, True, timeout=120)
+        direct = w.run(_mixin_two_kinds_worker, False, timeout=120)
+    for rank in range(2):
+        taken = balanced[rank]["taken"]
+        assert len(set(taken)) == 2 and taken == taken[:2] * 4, taken
+        # Each balancer's first call has no earlier call to report (-1); every later one reports both ranks.
+        measured = [all(ms >= 0 for ms in call) for call in balanced[rank]["vit_ms"]]
+        assert measured == [False, False] + [True] * 6, balanced[rank]["vit_ms"]
+        # Per-image maths is identical, only the batches' composition differs (fp32 rounding).
+        torch.testing.assert_close(balanced[rank]["losses"], direct[rank]["losses"], rtol=1e-5, atol=1e-6)
+        _assert_same_grads(f"rank {rank}", balanced[rank]["grads"], direct[rank]["grads"])
 
 
 def test_mixin_keeps_no_model_it_no_longer_balances() -> None:

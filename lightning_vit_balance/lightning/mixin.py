@@ -51,6 +51,9 @@ __all__ = ["ViTBalanceMixin"]
 
 #: Where a checkpoint keeps the balancer's state (:meth:`ViTBalancer.state_dict`).
 CHECKPOINT_KEY = "vit_balance"
+#: Balancers a module keeps at once, one per configuration and output layout its calls take; past
+#: these the least recently used is let go (a configuration changed at every step, say).
+KEPT_BALANCERS = 4
 
 
 def _ref(obj: object) -> weakref.ref | None:
@@ -295,9 +298,10 @@ class _State:
         self.group: dist.ProcessGroup | None = None
         self.group_size = 1
         self.record = False
+        #: The latest call's balancer, the last of ``balancers``: this run's, one per configuration
+        #: and output layout its calls took (a drop-in tower's and encode_images' in one step).
         self.balancer: ViTBalancer | None = None
-        self.balancer_config: ViTBalanceConfig | None = None
-        self.balancer_layout: OutputLayout | None = None
+        self.balancers: list[tuple[ViTBalanceConfig, OutputLayout | None, ViTBalancer]] = []
         self.records: collections.deque[BalanceStats] = collections.deque(maxlen=KEPT_STATS)
         self.last_stats: BalanceStats | None = None
         self.ticket: PreparedPlan | None = None
@@ -319,6 +323,30 @@ class _State:
         #: A balancer state the next balancer starts from: a loaded checkpoint's, or the last
         #: run's (what a checkpoint saved between runs keeps).
         self.carried: Mapping[str, Any] | None = None
+
+    def kept_balancer(self, config: ViTBalanceConfig, layout: OutputLayout | None) -> ViTBalancer | None:
+        """The balancer kept for ``config`` and ``layout``, now the latest (it takes what the one
+        before left to tell at its next gather), or None where none is kept."""
+        for index, (kept, kept_layout, balancer) in enumerate(self.balancers):
+            if kept == config and kept_layout == layout:
+                del self.balancers[index]
+                self.keep_balancer(config, layout, balancer)
+                return balancer
+        return None
+
+    def keep_balancer(
+        self, config: ViTBalanceConfig, layout: OutputLayout | None, balancer: ViTBalancer
+    ) -> None:
+        """Make ``balancer`` the latest, for ``config`` and ``layout``; the least recently used
+        beyond :data:`KEPT_BALANCERS` is let go."""
+        if self.balancer is not None and self.balancer is not balancer:
+            balancer._take_pending(self.balancer)
+        self.balancers = [*self.balancers[-(KEPT_BALANCERS - 1) :], (config, layout, balancer)]
+        self.balancer = balancer
+
+    def forget_balancers(self) -> None:
+        """Let go of the run's balancers: the next call's starts from the carried state."""
+        self.balancer, self.balancers = None, []
 
     def balancer_state(self) -> Mapping[str, Any] | None:
         """What a checkpoint keeps now: the balancer's state, else the one carried to the next."""
@@ -601,7 +629,7 @@ class ViTBalanceMixin:
         state.records = collections.deque(maxlen=KEPT_STATS)
         if state.carried is None:
             state.carried = state.balancer_state()
-        state.balancer = None
+        state.forget_balancers()
 
     @eager_frame
     def encode_images(self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
@@ -701,9 +729,12 @@ class ViTBalanceMixin:
     def _vit_balance_balancer(
         self, config: ViTBalanceConfig, group: Any, layout: OutputLayout | None = None
     ) -> ViTBalancer:
-        """The module's one balancer for this fit, configuration and output layout (its verbose
-        lines go through ``rank_zero_info``): built again, going on from the cost fit, when either
-        changes. ``layout``: a drop-in tower's (:attr:`BalancedVisionTower.output_layout`), None for
+        """The module's balancer for this fit, configuration and output layout (its verbose lines
+        go through ``rank_zero_info``), kept for the fit's later calls with them: a step may call
+        towers of other layouts or configurations (a drop-in tower and :meth:`encode_images`), and
+        each balancer's clocks and cost fit go on from its own last call. One for a configuration or
+        layout not seen yet goes on from the latest one's cost fit (or a loaded checkpoint's).
+        ``layout``: a drop-in tower's (:attr:`BalancedVisionTower.output_layout`), None for
         :meth:`encode_images` and :meth:`encode_visual`, whose ViTs the engine reads."""
         state = self._vit_balance_state_object()
         host = gathers_on(state.host_group if group is state.group else None, group)
@@ -711,21 +742,20 @@ class ViTBalanceMixin:
         if trainer is not None and _training_data_set_up(trainer):
             # Every rank's first balanced training call or plan of the fit's loop: its first batch.
             state.epoch_lengths = _epoch_lengths(trainer, host)
-        if state.balancer is None or state.balancer_config != config or state.balancer_layout != layout:
+        balancer = state.kept_balancer(config, layout)
+        if balancer is None:
             self._vit_balance_refuse_peer_fits(config)
-            previous, carried = state.balancer, state.balancer_state()
-            state.balancer = ViTBalancer(
+            carried = state.balancer_state()
+            balancer = ViTBalancer(
                 config, group, report=rank_zero_info, host_group=host, output_layout=layout
             )
-            if previous is not None:
-                state.balancer._take_pending(previous)
-            state.balancer_config, state.balancer_layout = config, layout
+            state.keep_balancer(config, layout, balancer)
             state.carried = None
             if carried:
                 source = "ViTBalanceMixin: the saved balancer state (from a checkpoint or an earlier run)"
-                continue_fit(state.balancer, carried, source, rank_zero_warn)
-        state.balancer.measure_as(self._vit_balance_loop_name())
-        return state.balancer
+                continue_fit(balancer, carried, source, rank_zero_warn)
+        balancer.measure_as(self._vit_balance_loop_name())
+        return balancer
 
     def _vit_balance_loop_name(self) -> str:
         """The loop a call belongs to, the same on every rank: the Trainer's stage (training,
@@ -918,7 +948,8 @@ class ViTBalanceMixin:
         """
         carried = saved_state(state, "ViTBalanceMixin.load_vit_balance_state_dict")
         module_state = self._vit_balance_state_object()
-        module_state.carried, module_state.balancer = carried, None
+        module_state.carried = carried
+        module_state.forget_balancers()
 
     def teardown(self, stage: str) -> None:
         """At the end of a fit, validate, test or predict run: report what its last calls left to

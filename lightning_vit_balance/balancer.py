@@ -304,7 +304,10 @@ class _Call:
             return
         what = "the pixel trip of a call given a plan made before it"
         with _backend_errors_explained(
-            what, "every rank must pass the plan made for its call (prepared=), or none; "
+            what,
+            "every rank must pass the plan made for its call (prepared=), or none, and take the "
+            "plans in the order they were made (a plan taken twice, or another batch's, sends other "
+            "sizes than the other ranks await); ",
         ):
             yield
 

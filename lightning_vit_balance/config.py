@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import importlib.metadata
 import math
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -28,6 +30,11 @@ __all__ = [
     "setting_digest",
     "stable_digest",
 ]
+
+#: Set within :meth:`ViTBalanceConfig.dropping_unknown_fields`.
+_DROPPING_UNKNOWN_FIELDS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "vit_balance_dropping_unknown_fields", default=False
+)
 
 #: Accepted ``solver`` names. ``"seed"`` is an alias of ``"lpt"``: a config keeps the name it was
 #: given (so configs saved with ``"seed"`` load and compare as before), and both plan identically.
@@ -205,19 +212,45 @@ class ViTBalanceConfig:
         """Unpickle (a checkpoint's hyperparameters, a spawned process) through ``__init__``'s checks.
 
         Fields absent from ``state`` (a checkpoint written before they existed) take their
-        defaults; a field this version does not know raises ``ValueError``, naming it.
+        defaults; a field this version does not know raises ``ValueError``, naming it, except
+        within :meth:`dropping_unknown_fields`, which leaves it out with a warning.
         """
         fields = {f.name: f for f in dataclasses.fields(self)}
         unknown = sorted(set(state) - set(fields))
-        if unknown:
+        if unknown and not _DROPPING_UNKNOWN_FIELDS.get():
             raise ValueError(
                 f"ViTBalanceConfig state has unknown fields {unknown}: expected fields among "
-                f"{sorted(fields)} (saved by another version of lightning-vit-balance?)."
+                f"{sorted(fields)} (saved by another version of lightning-vit-balance?). Load it "
+                "with that version, or within `with ViTBalanceConfig.dropping_unknown_fields():` "
+                "to leave those fields out."
+            )
+        if unknown:
+            warnings.warn(
+                f"ViTBalanceConfig: the loaded configuration's fields {unknown} are unknown to this "
+                "version of lightning-vit-balance and left out (dropping_unknown_fields).",
+                RuntimeWarning,
+                stacklevel=2,
             )
         for name, field in fields.items():
             # Frozen: set through object, then validate as __init__ does.
             object.__setattr__(self, name, state.get(name, field.default))
         self.__post_init__()
+
+    @staticmethod
+    @contextlib.contextmanager
+    def dropping_unknown_fields() -> Iterator[None]:
+        """Within it, configurations unpickled (a checkpoint written by a later version, say) leave
+        out the fields this version does not know, with a ``RuntimeWarning`` naming them, instead
+        of raising. The configuration then balances as this version does without those fields::
+
+            with ViTBalanceConfig.dropping_unknown_fields():
+                checkpoint = torch.load(path, weights_only=False)
+        """
+        token = _DROPPING_UNKNOWN_FIELDS.set(True)
+        try:
+            yield
+        finally:
+            _DROPPING_UNKNOWN_FIELDS.reset(token)
 
     @classmethod
     def from_args(

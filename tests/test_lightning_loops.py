@@ -320,8 +320,17 @@ def test_configs_in_checkpoints_load_weights_only_across_versions() -> None:
     older = {k: v for k, v in vars(LOOP_CONFIG).items() if k != "min_gain"}
     loaded = torch.load(_checkpoint_holding(older))["hyper_parameters"]["vit_balance_config"]
     assert loaded == LOOP_CONFIG  # a field the checkpoint lacks takes its default
-    with pytest.raises(ValueError, match=r"unknown fields \['bogus'\]"):
-        torch.load(_checkpoint_holding({**vars(LOOP_CONFIG), "bogus": 1}))
+    later = {**vars(LOOP_CONFIG), "bogus": 1}  # as a later version with another field wrote it
+    for weights_only in (True, False):
+        with pytest.raises(ValueError, match=r"unknown fields \['bogus'\].*dropping_unknown_fields"):
+            torch.load(_checkpoint_holding(later), weights_only=weights_only)
+        # What the error offers: this version's configuration, the field left out, with a warning.
+        dropping = ViTBalanceConfig.dropping_unknown_fields()
+        with pytest.warns(RuntimeWarning, match=r"fields \['bogus'\] are unknown"), dropping:
+            checkpoint = torch.load(_checkpoint_holding(later), weights_only=weights_only)
+        assert checkpoint["hyper_parameters"]["vit_balance_config"] == LOOP_CONFIG
+    with pytest.raises(ValueError, match=r"unknown fields"):  # only within the block
+        torch.load(_checkpoint_holding(later))
     with pytest.raises(ValueError, match=r"ViTBalanceConfig.solver='magic' is invalid"):
         torch.load(_checkpoint_holding({**vars(LOOP_CONFIG), "solver": "magic"}))
 

@@ -3529,6 +3529,65 @@ def test_mixin_balances_towers_merged_by_their_config(multirank: Any, family: st
     assert results[0]["applied"] >= 1, results
 
 
+def _sequence_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each sample's summed log-probability of its labelled tokens (what DPO compares)."""
+    shifted, targets = logits[:, :-1].float(), labels[:, 1:]
+    mask = targets != -100
+    picked = shifted.log_softmax(-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (picked * mask).sum(-1)
+
+
+def _reference_pair_worker(copied: bool) -> dict[str, Any]:
+    """DPO's steps on the pool's ranks: a frozen reference model's forward under ``no_grad`` in
+    eval mode, then the policy's forward and backward, balanced (the reference by a handle with
+    ``evaluation=True``: its own, or, ``copied``, the copy of the policy's that a deep copy of the
+    balanced policy carries) against the plain pair: the reference's log-probabilities, the losses
+    and the policy's summed gradients per step, and the reference's balanced calls."""
+    import torch.distributed as dist
+
+    rank, family = dist.get_rank(), "qwen2_5_vl"
+    plain = tiny_model(family)
+    plain_reference = copy.deepcopy(plain).requires_grad_(False).eval()
+    policy = copy.deepcopy(plain)
+    balance_vision_tower(policy, config_for(family))
+    reference = copy.deepcopy(policy if copied else plain).requires_grad_(False).eval()
+    if copied:
+        handle = BalancedVisionTower.of(reference)
+        handle.evaluation = True
+    else:
+        handle = balance_vision_tower(reference, config_for(family), evaluation=True)
+    for step, name in enumerate(("text_only_rank", "every_rank_images", "one_big_image_others_text_only")):
+        where = f"{'copied' if copied else 'own'} reference, {name}, rank {rank}"
+        batch = make_inputs(family, cases_for(family)[name][rank], seed=10 * step + rank)
+        losses = []
+        for ref_model, model in ((plain_reference, plain), (reference, policy)):
+            with torch.no_grad():
+                ref_log_probs = _sequence_log_probs(ref_model(**batch).logits, batch["labels"])
+            log_probs = _sequence_log_probs(model(**batch).logits, batch["labels"])
+            losses.append(
+                (-torch.nn.functional.logsigmoid(0.1 * (log_probs - ref_log_probs)).mean(), ref_log_probs)
+            )
+            losses[-1][0].backward()
+        (plain_loss, plain_ref), (loss, ref) = losses
+        torch.testing.assert_close(ref, plain_ref, **TOL, msg=lambda m, w=where: f"{w}: reference {m}")
+        torch.testing.assert_close(loss, plain_loss, **TOL, msg=lambda m, w=where: f"{w}: loss {m}")
+        _assert_same_grads(where, _summed_grads(policy), _summed_grads(plain))
+        plain.zero_grad()
+        policy.zero_grad()
+    return {"calls": handle.calls, "applied": handle.applied_calls}
+
+
+@pytest.mark.parametrize("copied", [False, True], ids=["own_handle", "copied_from_the_policy"])
+def test_a_reference_model_under_no_grad_balances_with_evaluation(multirank: Any, copied: bool) -> None:
+    """A preference-training step (DPO) holds two models: the frozen reference, run under
+    ``no_grad`` in eval mode, is balanced by a handle with ``evaluation=True``, also the one a deep
+    copy of the balanced policy carries (TRL's ``create_reference_model``) once told so; the
+    reference's log-probabilities, the losses and the policy's gradients are the plain pair's."""
+    with multirank(RANKS) as w:
+        results = w.run(_reference_pair_worker, copied, timeout=120)
+    assert [(r["calls"], r["applied"] >= 1) for r in results] == [(3, True)] * RANKS, results
+
+
 def test_mixin_keeps_a_balancer_per_output_layout_and_configuration() -> None:
     """The module's balancer for each layout (a drop-in tower's) and configuration it is asked for:
     a new one, going on from the latest one's cost fit, for one not seen yet; the kept one when

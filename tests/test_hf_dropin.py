@@ -66,6 +66,7 @@ from multirank import (
 )
 from transformers import TrainerCallback
 
+import lightning_vit_balance.lightning.mixin as mixin_module
 import lightning_vit_balance.prepared as prepared_module
 from lightning_vit_balance import (
     BalancedVisionTower,
@@ -3611,6 +3612,60 @@ def test_mixin_keeps_a_balancer_per_output_layout_and_configuration() -> None:
     assert module._vit_balance_balancer(config, None) is not plain  # the least recently used: let go
     module.load_vit_balance_state_dict(plain.state_dict())
     assert state.balancer is None and state.balancers == []
+    with mock.patch.object(mixin_module, "KEPT_BALANCERS", 1):  # the bound holds at its least too
+        for other in others:
+            module._vit_balance_balancer(other, None)
+        assert len(state.balancers) == 1
+
+
+def test_a_copy_of_a_balanced_model_alone_balances_with_its_module() -> None:
+    """``copy.deepcopy`` of a model the module balances (a reference model made from the policy)
+    gives the copy a handle of its own, on the copy's tower, that balances with the module; it
+    held a copy of the whole module (its other models too), which no Trainer ran, so it never
+    balanced. A copy of the whole module balances its models with that copy."""
+    module = _MixinOnly()
+    module.policy = tiny_model("qwen2_vl")
+    module.other = nn.Linear(4, 4)
+    handle = module.balance_vision_tower(module.policy)
+    reference = copy.deepcopy(module.policy)
+    copied = BalancedVisionTower.of(reference)
+    assert copied is not handle and copied.tower is reference.model.visual
+    assert copied.module is module and handle.module is module
+    whole = copy.deepcopy(module)
+    assert BalancedVisionTower.of(whole.policy).module is whole and whole.other is not module.other
+
+
+def _mixin_planned_without_a_config_worker() -> dict[str, Any]:
+    """Three steps of a drop-in Qwen2-VL in a module without a ``vit_balance_config``, each planned
+    ahead by ``prepare_vit_balance``: the configurations of the balancers made, the calls' plan
+    times (taken from the plan made ahead: > 0) and the ViT times they reported."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    module = _MixinOnly()
+    module.vit_balance_group = dist.group.WORLD
+    module.model = tiny_model("qwen2_vl")
+    handle = module.balance_vision_tower(module.model)
+    prepared, vit_ms = [], []
+    for step in range(3):
+        batch = make_inputs("qwen2_vl", cases_for("qwen2_vl")["text_only_rank"][rank], seed=10 * step + rank)
+        module.prepare_vit_balance(batch)
+        module.model(**batch).loss.backward()
+        prepared.append(module.last_vit_balance_stats.prepare_seconds > 0)
+        vit_ms.append(module.last_vit_balance_stats.vit_ms)
+    configs = [config for config, _, _ in module._vit_balance_state_object().balancers]
+    return {"own": configs == [handle.default_config()], "prepared": prepared, "vit_ms": vit_ms}
+
+
+def test_plans_made_ahead_without_a_config_are_the_drop_ins_own(multirank: Any) -> None:
+    """Without a ``vit_balance_config`` the drop-in prices images by its tower's shape, in the plans
+    ``prepare_vit_balance`` makes too: they were made by the engine's default configuration's
+    balancer, priced by ``l**2``, and its calls, in their own balancer, never reported a ViT time."""
+    with multirank(2) as w:
+        results = w.run(_mixin_planned_without_a_config_worker, timeout=120)
+    for r in results:
+        assert r["own"] and r["prepared"] == [True] * 3, r
+        assert [all(ms >= 0 for ms in call) for call in r["vit_ms"]] == [False, True, True], r
 
 
 def _mixin_two_kinds_worker(balanced: bool) -> dict[str, Any]:

@@ -341,7 +341,8 @@ class _State:
         beyond :data:`KEPT_BALANCERS` is let go."""
         if self.balancer is not None and self.balancer is not balancer:
             balancer._take_pending(self.balancer)
-        self.balancers = [*self.balancers[-(KEPT_BALANCERS - 1) :], (config, layout, balancer)]
+        kept = self.balancers[max(0, len(self.balancers) + 1 - KEPT_BALANCERS) :]
+        self.balancers = [*kept, (config, layout, balancer)]
         self.balancer = balancer
 
     def forget_balancers(self) -> None:
@@ -412,6 +413,16 @@ class _ModuleTowerBalance(BalancedVisionTower):
     def __init__(self, model: torch.nn.Module, module: ViTBalanceMixin, evaluation: bool) -> None:
         super().__init__(model, evaluation=evaluation)
         self.module = module
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _ModuleTowerBalance:
+        # A copy of the model alone (a reference model made from the policy) balances with this
+        # module, instead of holding a copy of the whole module and every other model in it; a copy
+        # of the module itself, its models with it, balances with that copy (the memo holds it).
+        memo.setdefault(id(self.module), self.module)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
 
     def settings(self) -> tuple[ViTBalanceConfig, Any] | None:
         settings = self.module._vit_balance_settings(self.tower, ahead=self._planning_ahead)
@@ -1061,11 +1072,9 @@ class ViTBalanceMixin:
         # step that encodes none works), named in the error of a call that encodes some.
         readable = isinstance(batch, Mapping)
         pixels, grid = rows_to_plan(batch if readable else {}, keys, towers)
-        # The balancer the step's drop-in call takes: with its towers' output layout, when they
-        # share one (so the call finds it as prepared, not rebuilt).
-        layouts = [tower.output_layout for tower in towers]
-        layout = layouts[0] if layouts and all(found == layouts[0] for found in layouts) else None
-        ticket = self._vit_balance_balancer(*settings, layout).prepare(pixels, grid)
+        ticket = self._vit_balance_balancer(*self._vit_balance_towers_settings(settings)).prepare(
+            pixels, grid
+        )
         for tower in towers:  # their step grids (GLM-4.xV) from these rows, not read on the device
             tower._keep_host_rows(batch)
         if ticket is not None:
@@ -1082,6 +1091,26 @@ class ViTBalanceMixin:
             ticket = dataclasses.replace(ticket, source=source)
         self._vit_balance_keep_ticket(ticket, readable and batch.get(GRIDS_KEY) is not None)
         return True
+
+    def _vit_balance_towers_settings(
+        self, settings: tuple[ViTBalanceConfig, Any]
+    ) -> tuple[ViTBalanceConfig, Any, OutputLayout | None]:
+        """The configuration, group and output layout of the balancer the step's drop-in calls
+        take (so that they find the plan made ahead by their own balancer, priced as they price):
+        without a ``vit_balance_config``, the towers' own default where they share one (see
+        :meth:`_ModuleTowerBalance.settings`); their output layout where they share one."""
+        towers = self._vit_balance_towers
+        config, group = settings
+        defaults = [tower.default_config() for tower in towers]
+        if (
+            getattr(self, "vit_balance_config", None) is None
+            and defaults
+            and defaults.count(defaults[0]) == len(defaults)
+        ):
+            config = defaults[0]
+        layouts = [tower.output_layout for tower in towers]
+        layout = layouts[0] if layouts and layouts.count(layouts[0]) == len(layouts) else None
+        return config, group, layout
 
     def _vit_balance_towers_balance(self) -> bool:
         """Whether the step's drop-in forwards balance, as far as the towers decide: in evaluation,

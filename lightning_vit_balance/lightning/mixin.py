@@ -426,11 +426,13 @@ class _ModuleTowerBalance(BalancedVisionTower):
 
     def settings(self) -> tuple[ViTBalanceConfig, Any] | None:
         settings = self.module._vit_balance_settings(self.tower, ahead=self._planning_ahead)
-        if settings is not None and getattr(self.module, "vit_balance_config", None) is None:
-            # No configuration given: price images by the tower's own shape, as the engine's
-            # balance_vision_tower does.
-            return self.default_config(), settings[1]
-        return settings
+        return None if settings is None else (self.balancing_config(settings[0]), settings[1])
+
+    def balancing_config(self, config: ViTBalanceConfig) -> ViTBalanceConfig:
+        """The configuration this tower's calls balance with, where the module's settings give
+        ``config``: without a ``vit_balance_config`` of the module's, the tower's default, which
+        prices images by its own shape, as the engine's balance_vision_tower does."""
+        return self.default_config() if getattr(self.module, "vit_balance_config", None) is None else config
 
     def record(self, stats: BalanceStats) -> None:
         self.module._vit_balance_keep(stats)
@@ -1096,18 +1098,14 @@ class ViTBalanceMixin:
         self, settings: tuple[ViTBalanceConfig, Any]
     ) -> tuple[ViTBalanceConfig, Any, OutputLayout | None]:
         """The configuration, group and output layout of the balancer the step's drop-in calls
-        take (so that they find the plan made ahead by their own balancer, priced as they price):
-        without a ``vit_balance_config``, the towers' own default where they share one (see
-        :meth:`_ModuleTowerBalance.settings`); their output layout where they share one."""
+        take, so that they find the plan made ahead by their own balancer, priced as they price:
+        the towers' configuration (:meth:`_ModuleTowerBalance.balancing_config`) and output layout,
+        each where they share one."""
         towers = self._vit_balance_towers
         config, group = settings
-        defaults = [tower.default_config() for tower in towers]
-        if (
-            getattr(self, "vit_balance_config", None) is None
-            and defaults
-            and defaults.count(defaults[0]) == len(defaults)
-        ):
-            config = defaults[0]
+        configs = [tower.balancing_config(config) for tower in towers]
+        if configs and configs.count(configs[0]) == len(configs):
+            config = configs[0]
         layouts = [tower.output_layout for tower in towers]
         layout = layouts[0] if layouts and layouts.count(layouts[0]) == len(layouts) else None
         return config, group, layout

@@ -216,12 +216,19 @@ def _quiet(message: str) -> None:
 def _handle_of(model: Any, required: bool) -> BalancedVisionTower | None:
     """The handle balancing the Trainer's ``model`` (DDP-style wrappers included: the tower is
     found among its submodules), or None when not ``required``."""
-    handle = None
+    handle, cause = None, None
     if isinstance(model, nn.Module):
         try:
             handle = BalancedVisionTower.of(model)
-        except ValueError:  # no vision tower, or several
-            handle = None
+        except ValueError as error:  # no vision tower, or several
+            cause = error
+    if handle is None and required and cause is not None:
+        raise ValueError(
+            f"ViTBalanceTrainerCallback: the Trainer's model ({type(model).__name__}) must hold one "
+            f"vision tower, the balanced one it logs ({cause}). A second model of the loop (a "
+            "reference model, a teacher) goes outside the model given to the Trainer, as TRL keeps "
+            "its reference model: its own handle balances it."
+        ) from cause
     if handle is None and required:
         raise ValueError(
             f"ViTBalanceTrainerCallback: the Trainer's model ({type(model).__name__}) has no balanced "

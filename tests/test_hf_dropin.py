@@ -3179,7 +3179,7 @@ def test_trainer_callback_logs_every_forward_of_a_step_in_training_logs_only() -
 def test_trainer_callback_goes_on_from_the_resumed_state_or_says_why_not() -> None:
     """``ViTBalanceTrainerCallback.on_train_begin`` with a resumed ``TrainerState``: a state the
     handle can go on from is loaded, one of other terms warns and changes nothing, and a model
-    without a balanced tower is an error naming the fix."""
+    without a balanced tower is an error naming the fix, or, with two towers, the cause."""
     from transformers import TrainerState
 
     model = tiny_model(FIT_FAMILY)
@@ -3208,6 +3208,11 @@ def test_trainer_callback_goes_on_from_the_resumed_state_or_says_why_not() -> No
     assert handle.state_dict() == _calibrator_state()
     with pytest.raises(ValueError, match=r"has no balanced vision tower: call balance_vision_tower\(model\)"):
         callback.on_train_begin(None, TrainerState(), None, model=tiny_model(FIT_FAMILY))  # type: ignore[arg-type]
+    # A policy and its reference in one model, both balanced: the cause, not "call balance_vision_tower".
+    pair = nn.ModuleDict({"policy": model, "reference": copy.deepcopy(model)})
+    cause = r"must hold one vision tower.*several vision towers.*outside the model"
+    with pytest.raises(ValueError, match=cause):
+        callback.on_train_begin(None, TrainerState(), None, model=pair)  # type: ignore[arg-type]
 
 
 def test_mixin_handle_state_is_the_modules_checkpoint_state() -> None:

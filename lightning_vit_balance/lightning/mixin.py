@@ -56,6 +56,11 @@ CHECKPOINT_KEY = "vit_balance"
 KEPT_BALANCERS = 4
 
 
+def _shared(values: list[Any]) -> Any:
+    """The value every item of ``values`` equals, or None (none, or some differ)."""
+    return values[0] if values and values.count(values[0]) == len(values) else None
+
+
 def _ref(obj: object) -> weakref.ref | None:
     return None if obj is None else weakref.ref(obj)
 
@@ -430,9 +435,14 @@ class _ModuleTowerBalance(BalancedVisionTower):
 
     def balancing_config(self, config: ViTBalanceConfig) -> ViTBalanceConfig:
         """The configuration this tower's calls balance with, where the module's settings give
-        ``config``: without a ``vit_balance_config`` of the module's, the tower's default, which
-        prices images by its own shape, as the engine's balance_vision_tower does."""
-        return self.default_config() if getattr(self.module, "vit_balance_config", None) is None else config
+        ``config``: :meth:`_tower_default`, else ``config``."""
+        return self._tower_default() or config
+
+    def _tower_default(self) -> ViTBalanceConfig | None:
+        """The tower's default configuration where the module has no ``vit_balance_config`` (it
+        prices images by the tower's own shape, as the engine's balance_vision_tower does), else
+        None: the module's configuration."""
+        return self.default_config() if getattr(self.module, "vit_balance_config", None) is None else None
 
     def record(self, stats: BalanceStats) -> None:
         self.module._vit_balance_keep(stats)
@@ -440,8 +450,7 @@ class _ModuleTowerBalance(BalancedVisionTower):
     def encoded_directly(self, parts: tuple[tuple[Any, Any], ...]) -> None:
         # Counted where encode_images counts its direct calls (one device in a balancing loop),
         # priced as settings() would price them.
-        own = getattr(self.module, "vit_balance_config", None) is None
-        self.module._vit_balance_keep_direct(self.tower, parts, self.default_config() if own else None)
+        self.module._vit_balance_keep_direct(self.tower, parts, self._tower_default())
 
     def prepared_plan(self) -> PreparedPlan | None:
         ticket = self.module._vit_balance_take_ticket()
@@ -1103,12 +1112,8 @@ class ViTBalanceMixin:
         each where they share one."""
         towers = self._vit_balance_towers
         config, group = settings
-        configs = [tower.balancing_config(config) for tower in towers]
-        if configs and configs.count(configs[0]) == len(configs):
-            config = configs[0]
-        layouts = [tower.output_layout for tower in towers]
-        layout = layouts[0] if layouts and layouts.count(layouts[0]) == len(layouts) else None
-        return config, group, layout
+        shared_config = _shared([tower.balancing_config(config) for tower in towers])
+        return shared_config or config, group, _shared([tower.output_layout for tower in towers])
 
     def _vit_balance_towers_balance(self) -> bool:
         """Whether the step's drop-in forwards balance, as far as the towers decide: in evaluation,

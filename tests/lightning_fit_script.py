@@ -157,8 +157,9 @@ def quiet_trainer(out_dir: str, version: str, **settings: Any) -> L.Trainer:
 #: locality solver does not read the refine fields, so the plans are the default ones. The online
 #: cost fit keeps the initial model too: the loops' calls give it at most 8 rows, and a fit needs 12.
 LOOP_CONFIG = ViTBalanceConfig(refine_iterations=7, refine_tolerance=0.01, calibrate_cost=True)
-#: Samples to predict: 5 on 2 ranks, which Lightning's predict sampler splits 3 / 2.
-PREDICT_SAMPLES = 5
+#: Samples of the two predict loaders: 5 and 3 on 2 ranks, which Lightning's predict sampler
+#: splits 3 / 2 and 2 / 1 (batches of 1).
+PREDICT_SAMPLES = (5, 3)
 
 
 def eval_samples(count: int, offset: int) -> list[dict[str, torch.Tensor]]:
@@ -166,12 +167,19 @@ def eval_samples(count: int, offset: int) -> list[dict[str, torch.Tensor]]:
     return [make_sample(offset + i, i % RANKS) for i in range(count)]
 
 
+def predict_samples(count: int, offset: int) -> list[dict[str, torch.Tensor]]:
+    """A predict dataset: heavy samples at even indices, light ones at odd, so that Lightning's predict
+    sampler gives rank 0 of 2 the heavy ones and the balanced calls move images."""
+    return [make_sample(offset + i, 0) for i in range(count)]
+
+
 #: Seconds :class:`LoopVLM`'s validation ViT calls take at least.
 VALIDATION_VIT_S = 0.2
 
 
 class LoopVLM(TinyVLM):
-    """TinyVLM that also validates (balanced: a DistributedSampler) and predicts (encoded directly).
+    """TinyVLM that also validates (balanced: a DistributedSampler) and predicts (balanced in the
+    batches every rank runs, encoded directly in the others).
 
     An epoch is 2 steps, with the loader rebuilt every epoch, so a checkpoint after step 2 ends an
     epoch and resuming trains on the samples of steps 2 and 3 (a loader resumed mid-epoch would
@@ -205,25 +213,39 @@ class LoopVLM(TinyVLM):
         sampler = torch.utils.data.DistributedSampler(samples, shuffle=False)
         return torch.utils.data.DataLoader(samples, batch_size=1, sampler=sampler, collate_fn=first)
 
-    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, Any]:
+    def predict_step(
+        self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
+    ) -> dict[str, Any]:
+        before = self.last_vit_balance_stats
         images = self.encode_images(self.visual, batch["pixel_values"], batch["image_grid_thw"])
-        return {"images": images, "balanced": self.last_vit_balance_stats is not None}
+        stats = self.last_vit_balance_stats
+        balanced = stats is not before and stats is not None and stats.num_ranks == RANKS
+        collectives = stats.collectives if balanced and stats is not None else 0
+        return {
+            "images": images,
+            "balanced": balanced,
+            "collectives": collectives,
+            "applied": balanced and stats.applied,
+        }
 
 
 class PredictionFiles(BasePredictionWriter):
-    """Each rank saves its predictions (one per batch of 1) and their dataset indices to ``rank_{r}.pt``."""
+    """Each rank saves each predict run's predictions (one per batch of 1) and their dataset indices,
+    per dataloader, to ``{run}_rank_{r}.pt``."""
 
     def __init__(self, out_dir: str) -> None:
         super().__init__(write_interval="epoch")
         self.out_dir = Path(out_dir)
+        self.run = "off"
 
     def write_on_epoch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Any, batch_indices: Any
     ) -> None:
-        # One dataloader: `predictions` has one entry per batch, `batch_indices[0]` one list per batch.
-        indices = [index for batch in batch_indices[0] for index in batch]
-        record = {"predictions": list(predictions), "indices": indices}
-        torch.save(record, self.out_dir / f"rank_{trainer.global_rank}.pt")
+        # Lightning hands one dataloader's predictions unnested; `batch_indices` has one list per loader.
+        per_loader = predictions if len(batch_indices) > 1 else [predictions]
+        indices = [[index for batch in loader for index in batch] for loader in batch_indices]
+        record = {"predictions": [list(loader) for loader in per_loader], "indices": indices}
+        torch.save(record, self.out_dir / f"{self.run}_rank_{trainer.global_rank}.pt")
 
 
 def fit_with_checkpoints(out_dir: str, version: str, max_steps: int, ckpt_path: str | None = None) -> LoopVLM:
@@ -263,25 +285,39 @@ def fit_with_checkpoints(out_dir: str, version: str, max_steps: int, ckpt_path: 
 
 def predict_from_checkpoint(ckpt_path: str, out_dir: str) -> None:
     """Load :class:`LoopVLM` with default (``weights_only``) loading and predict on uneven data, on
-    ranks launched and joined in a process group already."""
+    ranks launched and joined in a process group already: the second loader alone, without
+    ``vit_balance_predict``; then with it, both loaders, and again the second alone with plans made
+    ahead (the same Trainer throughout)."""
     torch.set_num_threads(1)
     model = LoopVLM.load_from_checkpoint(ckpt_path)
     config = model.vit_balance_config
     loaded = {"type": type(config).__name__, "fields": dataclasses.asdict(config)}
     (Path(out_dir) / "loaded.json").write_text(json.dumps(loaded))
+    writer = PredictionFiles(out_dir)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=RANKS,
         strategy="ddp",
         logger=False,
-        callbacks=[PredictionFiles(out_dir)],
+        callbacks=[writer],
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    loader = torch.utils.data.DataLoader(
-        eval_samples(PREDICT_SAMPLES, offset=200), batch_size=1, collate_fn=first
-    )
-    trainer.predict(model, loader, return_predictions=False)
+    loaders = [
+        torch.utils.data.DataLoader(
+            predict_samples(count, offset=200 + 10 * k), batch_size=1, collate_fn=first
+        )
+        for k, count in enumerate(PREDICT_SAMPLES)
+    ]
+    writer.run = "off"
+    trainer.predict(model, loaders[1], return_predictions=False)  # vit_balance_predict is off by default
+    writer.run = "first"
+    model.vit_balance_predict = True
+    trainer.predict(model, loaders, return_predictions=False)
+    writer.run = "second"
+    model.vit_balance_config = dataclasses.replace(config, plan_ahead=True)
+    model.vit_balance_prepare_keys = (("pixel_values", "image_grid_thw"),)  # its steps encode images only
+    trainer.predict(model, loaders[1], return_predictions=False)
 
 
 if __name__ == "__main__":

@@ -2725,11 +2725,34 @@ def test_a_plan_asked_for_on_one_rank_where_nothing_balances(tmp_path: Path, mul
 class HFValidated(HFFinetune):
     """:class:`HFFinetune` with ``plan_ahead``, validating on a ``DistributedSampler`` loader of the
     fit's batches (each rank collates its own): each validation step notes its loss, whether its
-    balanced forward took a plan made before it, and that forward's collectives."""
+    balanced forward took a plan made before it, and that forward's collectives. It predicts the
+    fit's first 3 batches, which Lightning's predict sampler splits 2 / 1: each predict step notes
+    the same, and whether its forward was balanced."""
+
+    vit_balance_predict = True
 
     def __init__(self, out_dir: str) -> None:
         super().__init__(out_dir, balanced=True, plan_ahead=True)
         self.validated: list[tuple[float, bool, int, str]] = []
+        self.predicted: list[tuple[float, bool, bool, int, str]] = []
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        before = self.last_vit_balance_stats
+        loss = float(self.model(**batch).loss)
+        stats = self.last_vit_balance_stats
+        if stats is not None and stats is not before and stats.num_ranks == FIT_RANKS:
+            self.predicted.append((loss, True, stats.prepare_seconds > 0, stats.collectives, stats.reason))
+        else:
+            self.predicted.append((loss, False, False, 0, "direct"))
+
+    def predict_dataloader(self) -> torch.utils.data.DataLoader:
+        from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+
+        # What Lightning injects in predict (use_distributed_sampler is off here): steps 0, 2 | 1.
+        sampler = UnrepeatedDistributedSampler(list(range(3)), shuffle=False)
+        return torch.utils.data.DataLoader(
+            list(range(3)), batch_size=1, sampler=sampler, collate_fn=self._collate
+        )
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         before = self.last_vit_balance_stats
@@ -2747,14 +2770,15 @@ class HFValidated(HFFinetune):
         return fit_batch(indices[0], self.global_rank)
 
 
-def _lightning_validation(out_dir: str) -> list[tuple[float, bool, int]]:
+def _lightning_validation(out_dir: str) -> tuple[list[tuple[float, bool, int, str]], list[Any]]:
     module = HFValidated(out_dir)
     with launched_by_torchrun():
         trainer = quiet_trainer(
             out_dir, "validate", devices=FIT_RANKS, strategy="ddp", callbacks=[], logger=False
         )
         trainer.validate(module, verbose=False)
-    return module.validated
+        trainer.predict(module, return_predictions=False)
+    return module.validated, module.predicted
 
 
 @pytest.mark.timeout(240)
@@ -2762,19 +2786,24 @@ def test_lightning_validation_plans_ahead_with_the_drop_in(tmp_path: Path, multi
     """``plan_ahead`` under ``trainer.validate`` on a ``DistributedSampler``: each evaluation forward
     of the mixin's drop-in (a text-only rank, images and videos) takes the plan made in
     ``on_before_batch_transfer`` (no metadata gather: 3 collectives, or none where the plan skips)
-    and gives the plain model's losses."""
+    and gives the plain model's losses. So does ``trainer.predict`` in the batches every rank runs;
+    rank 0's second batch, which rank 1 lacks, is encoded directly."""
     with multirank(FIT_RANKS) as pool:
         ranks = pool.run(_lightning_validation, str(tmp_path), timeout=200)
     model = tiny_model(FIT_FAMILY).eval()
-    for rank, validated in enumerate(ranks):
-        steps = range(rank, FIT_STEPS, FIT_RANKS)
+    for rank, (validated, predicted) in enumerate(ranks):
         with torch.no_grad():
-            expected = [float(model(**fit_batch(step, rank)).loss) for step in steps]
-        torch.testing.assert_close([loss for loss, *_ in validated], expected, **TOL)
+            expected = [float(model(**fit_batch(step, rank)).loss) for step in range(FIT_STEPS)]
+        steps = range(rank, FIT_STEPS, FIT_RANKS)
+        torch.testing.assert_close([loss for loss, *_ in validated], [expected[s] for s in steps], **TOL)
         assert all(
             prepared and collectives == (3 if reason == "applied" else int(reason == "no-images"))
             for _, prepared, collectives, reason in validated
         ), validated
+        steps = range(rank, 3, FIT_RANKS)  # Lightning's predict sampler: steps 0, 2 | 1
+        torch.testing.assert_close([loss for loss, *_ in predicted], [expected[s] for s in steps], **TOL)
+        assert [balanced for _, balanced, *_ in predicted] == [True, False][: len(steps)], predicted
+        assert predicted[0][2:] == (True, 3, "applied"), predicted  # planned ahead, images moved
 
 
 def _training_arguments(out_dir: str, max_steps: int, **settings: Any) -> Any:

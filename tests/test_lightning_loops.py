@@ -30,11 +30,11 @@ from lightning_fit_script import (
     VALIDATION_VIT_S,
     PlanAheadVLM,
     TinyVLM,
-    eval_samples,
     first,
     fit_with_checkpoints,
     make_sample,
     predict_from_checkpoint,
+    predict_samples,
     quiet_trainer,
 )
 from multirank import World, groups_taken_for_nccl, launched_by_torchrun, skip_without_fsdp2
@@ -271,7 +271,7 @@ def test_validation_on_a_distributed_sampler_balances_with_exact_outputs(resumed
 
 
 @pytest.mark.timeout(240)
-def test_fresh_processes_load_the_checkpoint_and_predict_uneven_data(
+def test_fresh_processes_load_the_checkpoint_and_predict_uneven_data_balancing_what_every_rank_runs(
     resumed: dict[str, Any], tmp_path: Path
 ) -> None:
     ckpt = resumed["out"] / "checkpoints" / "last.ckpt"
@@ -288,20 +288,40 @@ def test_fresh_processes_load_the_checkpoint_and_predict_uneven_data(
     tower = TensorTower()
     state = resumed["last"]["state_dict"]
     tower.load_state_dict({k.removeprefix("visual."): v for k, v in state.items() if k.startswith("visual.")})
-    samples = eval_samples(PREDICT_SAMPLES, offset=200)
-    seen = []
-    for rank in range(RANKS):
-        record = torch.load(tmp_path / f"rank_{rank}.pt")
-        # Uneven: Lightning's predict sampler gives rank 0 three samples and rank 1 two.
-        assert len(record["indices"]) == len(record["predictions"]) == (3, 2)[rank]
-        for index, prediction in zip(record["indices"], record["predictions"]):
-            sample = samples[index]
-            expected = tower(sample["pixel_values"], sample["image_grid_thw"])
-            # Encoded directly, on its own rank: the same maths bit for bit.
-            torch.testing.assert_close(prediction["images"], expected, rtol=0, atol=0)
-            assert prediction["balanced"] is False
-            seen.append(index)
-    assert sorted(seen) == list(range(PREDICT_SAMPLES))
+    # Lightning's predict sampler does not pad: of 5 and 3 samples rank 0 runs 3 and 2, rank 1 runs
+    # 2 and 1. The batches both run are balanced; rank 0's last of each loader is encoded directly.
+    # The second run (the second loader alone, plans made ahead) gathers its own lengths. Without
+    # vit_balance_predict (the run before), every batch is encoded directly.
+    runs = {"off": (1,), "first": (0, 1), "second": (1,)}
+    for run, loader_ids in runs.items():
+        seen: dict[int, list[int]] = {k: [] for k in loader_ids}
+        for rank in range(RANKS):
+            record = torch.load(tmp_path / f"{run}_rank_{rank}.pt")
+            for predictions, indices, k in zip(record["predictions"], record["indices"], loader_ids):
+                count = PREDICT_SAMPLES[k]
+                assert len(indices) == len(predictions) == (count + RANKS - 1 - rank) // RANKS
+                samples = predict_samples(count, offset=200 + 10 * k)
+                shared = count // RANKS  # the batches every rank runs
+                for batch_idx, (index, prediction) in enumerate(zip(indices, predictions)):
+                    sample = samples[index]
+                    expected = tower(sample["pixel_values"], sample["image_grid_thw"])
+                    assert prediction["balanced"] is (run != "off" and batch_idx < shared), (
+                        run,
+                        rank,
+                        k,
+                        batch_idx,
+                    )
+                    if prediction["balanced"]:
+                        # No gather where the plan was made ahead; 1 for a skipped plan made in the call.
+                        assert prediction["applied"]  # rank 0's samples are the heavy ones
+                        assert prediction["collectives"] == (3 if run == "second" else 4)
+                    # Balanced: fp32 rounding of another batch's composition; direct: the same maths.
+                    tolerance = 1e-5 if prediction["balanced"] else 0.0
+                    torch.testing.assert_close(prediction["images"], expected, rtol=0, atol=tolerance)
+                    seen[k].append(index)
+        assert {k: sorted(v) for k, v in seen.items()} == {
+            k: list(range(PREDICT_SAMPLES[k])) for k in loader_ids
+        }
 
 
 def _checkpoint_holding(config_state: dict[str, Any]) -> io.BytesIO:

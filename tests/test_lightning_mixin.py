@@ -9,6 +9,7 @@ import io
 import pickle
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -27,7 +28,12 @@ from towers import CHANNELS, TensorTower
 
 import lightning_vit_balance.prepared as prepared_module
 from lightning_vit_balance import ViTBalanceCallback, ViTBalanceConfig, ViTBalanceMixin, ViTBalancer
-from lightning_vit_balance.lightning.mixin import _loop_balances
+from lightning_vit_balance.lightning.mixin import (
+    _counts_its_batches,
+    _loop_balances,
+    _predict_balances,
+    _PredictLengths,
+)
 
 
 class CountingTower(TensorTower):
@@ -1181,8 +1187,59 @@ def test_only_loops_where_every_rank_makes_the_same_calls_balance(tmp_path: Path
             trainer.validate(module, _loader(kind), verbose=False)
             trainer.test(module, _loader(kind), verbose=False)
             assert module.balances == {"validate": {expected}, "test": {expected}}, kind
-        # Lightning's predict sampler does not pad: never balanced, whatever the loader.
+        # Predict balances the batches every rank runs, as every rank's lengths gathered at the run's
+        # first batch tell: on one device nothing is gathered (see the next test).
         module.balances = {}
         trainer.predict(module, _loader("distributed"))
         assert module.balances == {"predict": {False}}
     assert _loop_balances(trainer) is False  # no loop running: nothing promised
+
+
+class _BatchesOfTwo(torch.utils.data.Sampler[list[int]]):
+    def __init__(self) -> None:
+        self.batches = [[0, 1], [2, 3]]
+
+    def __iter__(self) -> Any:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def test_predict_balances_the_batches_every_rank_runs() -> None:
+    from lightning.pytorch.overrides.distributed import (
+        UnrepeatedDistributedSamplerWrapper,
+        _IndexBatchSamplerWrapper,
+    )
+
+    data = TensorDataset(torch.zeros(5, 1))
+    unrepeated = UnrepeatedDistributedSamplerWrapper(
+        torch.utils.data.SequentialSampler(data), num_replicas=2, rank=0
+    )
+    # The lengths count the batches where a DistributedSampler splits the samples, also as Lightning's
+    # predict loader holds it (in its batch sampler, wrapped to record the indices); not a custom one's.
+    assert _counts_its_batches(_loader("distributed"))
+    as_predicted = _IndexBatchSamplerWrapper(torch.utils.data.BatchSampler(unrepeated, 1, drop_last=False))
+    assert _counts_its_batches(DataLoader(data, batch_sampler=as_predicted))
+    for loader in (_loader("plain"), _loader("iterable"), DataLoader(data, batch_sampler=_BatchesOfTwo())):
+        assert not _counts_its_batches(loader)
+
+    # Two loaders run in turn: rank 0 has 3 and 2 batches, rank 1 has 2 and 1.
+    combined = object.__new__(L.pytorch.utilities.combined_loader.CombinedLoader)
+    current = mock.Mock(completed=0)
+    loop = mock.Mock(_combined_loader=combined, batch_progress=mock.Mock(current=current))
+    trainer = mock.Mock(predict_loop=loop, num_predict_batches=[3, 2])
+    gathered = _PredictLengths(weakref.ref(combined), ((3, 2), (2, 1)))
+    answers = []
+    for position in range(5):
+        current.completed = position
+        answers.append(_predict_balances(trainer, gathered))
+    assert answers == [True, True, False, True, False]
+    current.completed = 0
+    assert not _predict_balances(trainer, None)  # nothing gathered
+    other = object.__new__(L.pytorch.utilities.combined_loader.CombinedLoader)
+    assert not _predict_balances(
+        trainer, _PredictLengths(weakref.ref(other), ((3, 2), (2, 1)))
+    )  # another run's
+    trainer.num_predict_batches = [float("inf"), 2]
+    assert not _predict_balances(trainer, gathered)  # a length Lightning does not know

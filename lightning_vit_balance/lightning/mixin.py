@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler, _IndexBatchSamplerWrapper
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -83,10 +83,27 @@ def _draws_evenly(loader: object) -> bool:
     )
 
 
-#: The Trainer's hooks in which every rank makes the same calls: the loops' steps. A call from
-#: another hook (a callback's ``on_train_epoch_end`` that logs samples on rank 0, say) is direct,
-#: unless the ViT's parameters are sharded (:func:`_sharded`).
-_STEP_HOOKS = frozenset({"training_step", "validation_step", "test_step"})
+def _counts_its_batches(loader: object) -> bool:
+    """Whether ``loader``'s length is the number of batches it yields on this rank, its samples
+    split over the ranks by a :class:`~torch.utils.data.DistributedSampler` (Lightning's predict
+    sampler, ``UnrepeatedDistributedSampler``, included: it does not pad, so the ranks' lengths
+    differ by a batch at most). A custom batch sampler's length may be an estimate. Lightning wraps
+    a predict loader's batch sampler to record the indices it draws, and puts its sampler there."""
+    if not isinstance(loader, DataLoader):
+        return False
+    batches = loader.batch_sampler
+    if isinstance(batches, _IndexBatchSamplerWrapper):
+        batches = batches._batch_sampler
+    if batches is None:
+        return isinstance(loader.sampler, DistributedSampler)
+    return type(batches) is BatchSampler and isinstance(batches.sampler, DistributedSampler)
+
+
+#: The Trainer's hooks in which every rank makes the same calls: the loops' steps (predict's within
+#: the batches every rank runs, see :func:`_predict_balances`). A call from another hook (a
+#: callback's ``on_train_epoch_end`` that logs samples on rank 0, say) is direct, unless the ViT's
+#: parameters are sharded (:func:`_sharded`).
+_STEP_HOOKS = frozenset({"training_step", "validation_step", "test_step", "predict_step"})
 
 
 class _BatchCodes(NamedTuple):
@@ -104,9 +121,11 @@ def _loop_batch_codes() -> _BatchCodes | None:
     try:
         from lightning.pytorch.core.module import LightningModule
         from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
+        from lightning.pytorch.loops.prediction_loop import _PredictionLoop
         from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
-        loops = {_TrainingEpochLoop.advance.__code__, _EvaluationLoop._evaluation_step.__code__}
+        steps = (_TrainingEpochLoop.advance, _EvaluationLoop._evaluation_step, _PredictionLoop._predict_step)
+        loops = {step.__code__ for step in steps}
         hooks = (LightningModule._on_before_batch_transfer, LightningModule._apply_batch_transfer_handler)
         return _BatchCodes(frozenset(loops), frozenset(hook.__code__ for hook in hooks))
     except (ImportError, AttributeError):
@@ -153,18 +172,25 @@ def _loop_batch(trainer: Any) -> tuple[int, bool, int] | None:
     return id(progress), bool(getattr(trainer, "sanity_checking", False)), progress.total.completed
 
 
-def _loop_balances(trainer: Any, epoch_lengths: tuple[int, ...] | None = None) -> bool:
+def _loop_balances(
+    trainer: Any,
+    epoch_lengths: tuple[int, ...] | None = None,
+    predict_lengths: _PredictLengths | None = None,
+) -> bool:
     """Whether the Trainer's running loop makes the same ``encode_images`` calls on every rank.
 
     Training does (DDP needs the same steps on every rank anyway); validation, its sanity check
     and test do when every dataloader of the loop draws evenly (:func:`_draws_evenly`, true for
     Lightning's default sampler), except a fit's validation on each rank's own clock
-    (:func:`_own_clock`; ``epoch_lengths``: every rank's, where gathered); predict
-    never does (Lightning's predict sampler does not pad); outside a loop nothing is promised.
-    Without a Trainer, see :func:`_own_loop_balances`.
+    (:func:`_own_clock`; ``epoch_lengths``: every rank's, where gathered); predict does for the
+    batches every rank runs (:func:`_predict_balances`; ``predict_lengths``: gathered at the
+    run's first batch); outside a loop nothing is promised. Without a Trainer, see
+    :func:`_own_loop_balances`.
     """
     if trainer.training:
         return True
+    if trainer.predicting:
+        return _predict_balances(trainer, predict_lengths)
     if not (trainer.sanity_checking or trainer.validating or trainer.testing):
         return False
     if trainer.validating and _own_clock(trainer, epoch_lengths):
@@ -174,6 +200,51 @@ def _loop_balances(trainer: Any, epoch_lengths: tuple[int, ...] | None = None) -
     combined = getattr(trainer._active_loop, "_combined_loader", None)
     loaders = getattr(combined, "flattened", None)
     return bool(loaders) and all(_draws_evenly(loader) for loader in loaders)
+
+
+class _PredictLengths(NamedTuple):
+    """Every rank's batch count of each predict dataloader (``lengths[rank][dataloader]``), gathered
+    at a predict run's first batch, and that run's loaders (which a later run replaces)."""
+
+    loader: weakref.ref
+    lengths: tuple[tuple[int, ...], ...]
+
+
+def _predict_loaders(trainer: Any) -> Any:
+    """The running predict loop's combined loader where every rank's lengths tell which batches
+    every rank runs, else None: each dataloader counts its batches (:func:`_counts_its_batches`),
+    no rank may have none (Lightning raises then, unless the module or datamodule allows it:
+    such a rank would skip the run), and the loop hands each batch to the batch hooks (not a
+    ``predict_step`` taking ``dataloader_iter``, whose batches the loop does not count)."""
+    from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
+
+    loop = trainer.predict_loop
+    combined = getattr(loop, "_combined_loader", None)
+    loaders = getattr(combined, "flattened", None)
+    if not loaders or not all(_counts_its_batches(loader) for loader in loaders):
+        return None
+    allowed = "allow_zero_length_dataloader_with_multiple_devices"
+    if any(getattr(holder, allowed, False) for holder in (trainer.lightning_module, trainer.datamodule)):
+        return None
+    return None if isinstance(getattr(loop, "_data_fetcher", None), _DataLoaderIterDataFetcher) else combined
+
+
+def _predict_balances(trainer: Any, gathered: _PredictLengths | None) -> bool:
+    """Whether every rank runs the predict loop's current batch: Lightning's predict sampler does not
+    pad, so a rank may run a batch more of a dataloader than another. The loop runs its loaders in
+    turn; a batch is every rank's where its index within its loader is below every rank's length
+    of that loader. The batches past it, on some ranks only, encode directly."""
+    loop = trainer.predict_loop
+    if gathered is None or gathered.loader() is not getattr(loop, "_combined_loader", None):
+        return False
+    position = loop.batch_progress.current.completed  # this batch's, counted over the loaders in turn
+    for index, length in enumerate(trainer.num_predict_batches):
+        if not math.isfinite(length):
+            return False
+        if position < length:
+            return position < min(lengths[index] for lengths in gathered.lengths)
+        position -= int(length)
+    return False
 
 
 def _own_clock(trainer: Any, epoch_lengths: tuple[int, ...] | None) -> str | None:
@@ -318,6 +389,9 @@ class _State:
         #: Every rank's training epoch length, gathered at this fit's first balanced training call
         #: or plan (None before it): ranks whose epochs differ validate apart (see _own_clock).
         self.epoch_lengths: tuple[int, ...] | None = None
+        #: Every rank's predict batch counts, gathered at a predict run's first batch (see
+        #: _predict_balances), None where not gathered.
+        self.predict_lengths: _PredictLengths | None = None
         #: Whether a plan was ever made ahead, and whether why none was made was told (once, see
         #: _vit_balance_tell_unplanned).
         self.planned_ahead = False
@@ -534,13 +608,15 @@ class ViTBalanceMixin:
 
     Which Lightning loops balance (every rank must make the same calls there): the training
     step, and the validation (its sanity check included) and test steps when their dataloaders
-    use a ``DistributedSampler``, as Lightning injects by default. Predict (whose sampler does not
-    pad, so ranks may run different numbers of batches), evaluation on other loaders (an iterable
-    dataset, ``use_distributed_sampler=False``, a custom batch sampler), other hooks (a callback
-    logging samples on rank 0) and calls outside a loop encode directly: same outputs, nothing
-    exchanged, nothing to hang on. Without a Trainer (Fabric), calls with the module in train
-    mode balance, and those in eval mode only with :attr:`vit_balance_evaluation` set or the
-    ViT's parameters sharded.
+    use a ``DistributedSampler``, as Lightning injects by default, and, with
+    :attr:`vit_balance_predict`, the predict step in the batches every rank runs (Lightning's
+    predict sampler does not pad, so a rank may run a batch more of a dataloader: every rank's
+    batch counts, gathered at the run's first batch, tell). Other predict calls, evaluation on
+    other loaders (an iterable dataset, ``use_distributed_sampler=False``, a custom batch
+    sampler), other hooks (a callback logging samples on rank 0) and calls outside a loop encode
+    directly: same outputs, nothing exchanged, nothing to hang on. Without a Trainer (Fabric),
+    calls with the module in train mode balance, and those in eval mode only with
+    :attr:`vit_balance_evaluation` set or the ViT's parameters sharded.
 
     Checkpoints: ``save_hyperparameters()`` may keep the ``ViTBalanceConfig`` (or a
     ``CostModel``) in ``hparams``. Defining a class that uses this mixin allows both types under
@@ -641,7 +717,7 @@ class ViTBalanceMixin:
         state.fit_entry = _entry_point(trainer)
         state.group = group
         state.group_size = size
-        state.epoch_lengths = None
+        state.epoch_lengths = state.predict_lengths = None
         release_host_group(state.host_group)  # a run that ended without its teardown (an exception)
         state.host_group = owned_host_group(group, state) if group is not None else None
         # Under a Trainer, queue records only for a callback that drains them; without one (Fabric)
@@ -659,11 +735,12 @@ class ViTBalanceMixin:
 
         Balances when ``vit_balance_config.enabled``, the group from
         :meth:`configure_vit_balance_group` has more than one rank, and the running Lightning loop
-        makes the same calls on every rank: the training step, and validation and test steps on
-        ``DistributedSampler`` loaders (see the class docstring); without a Trainer (Fabric), in
+        makes the same calls on every rank: the training step, validation and test steps on
+        ``DistributedSampler`` loaders, and with :attr:`vit_balance_predict` the predict step in
+        the batches every rank runs (see the class docstring); without a Trainer (Fabric), in
         train mode, and in eval mode with :attr:`vit_balance_evaluation` or a sharded ``vit``.
-        Calls the ViT directly otherwise (one device, balancing disabled, predict, uneven
-        evaluation loaders, other hooks, a rank evaluating alone). Where it balances,
+        Calls the ViT directly otherwise (one device, balancing disabled, other predict calls,
+        uneven evaluation loaders, other hooks, a rank evaluating alone). Where it balances,
         every rank of the group must call it the same number of times, as with any collective.
 
         Args:
@@ -726,8 +803,9 @@ class ViTBalanceMixin:
         """Whether every rank makes this call of ``vit`` (or, ``ahead``, the step's calls)."""
         trainer, _ = self._vit_balance_runner()
         if trainer is not None:
-            lengths = self._vit_balance_state_object().epoch_lengths
-            balances = _loop_balances(trainer, lengths)
+            state = self._vit_balance_state_object()
+            lengths = state.epoch_lengths
+            balances = _loop_balances(trainer, lengths, state.predict_lengths)
             cause = _own_clock(trainer, lengths) if not balances and trainer.validating else None
             if cause is not None:
                 self._vit_balance_tell_own_clock(cause)
@@ -998,7 +1076,8 @@ class ViTBalanceMixin:
         """Whether the run whose teardown this is made the state's balancer.
 
         Lightning tears down after a run every rank ended, not after one that raised: a later run
-        that balances nothing (predict) would find that run's balancer here. The run key's wrapper
+        that balances nothing (a predict run on one loader without a ``DistributedSampler``) would
+        find that run's balancer here. The run key's wrapper
         cannot tell them apart, as the strategy unwraps the fit's module (DDP) before the module's
         teardown; the runner, its strategy and the entry point can.
         """
@@ -1028,6 +1107,13 @@ class ViTBalanceMixin:
     #: directly, so a rank may evaluate alone, except where the ViT's parameters are sharded (FSDP,
     #: ZeRO-3), whose calls are collectives anyway. Under a Trainer its loops decide.
     vit_balance_evaluation: bool = False
+
+    #: Under a Trainer: balance ``predict_step``'s calls in the batches every rank runs. Off by
+    #: default: nothing else in a predict run makes its ranks meet, so each goes through its own
+    #: batches at its own pace and only its total counts, while a balanced call makes them meet
+    #: at every batch. Set it where they meet at every batch anyway: the ViT's or the model's
+    #: parameters sharded (FSDP, ZeRO-3), a collective of your own in the step.
+    vit_balance_predict: bool = False
 
     #: ``(pixel key, grid key)`` pairs of a batch that the step's balanced call encodes, in order.
     vit_balance_prepare_keys: tuple[tuple[str, str], ...] = (
@@ -1070,6 +1156,8 @@ class ViTBalanceMixin:
         trainer, _ = self._vit_balance_runner()
         if trainer is not None and not _moving_a_loop_batch():
             return False
+        if trainer is not None and trainer.predicting:
+            self._vit_balance_gather_predict_lengths(trainer)
         state = self._vit_balance_state_object()
         state.ticket = None
         state.batch_hook_ran = True
@@ -1102,6 +1190,28 @@ class ViTBalanceMixin:
             ticket = dataclasses.replace(ticket, source=source)
         self._vit_balance_keep_ticket(ticket, readable and batch.get(GRIDS_KEY) is not None)
         return True
+
+    def _vit_balance_gather_predict_lengths(self, trainer: Any) -> None:
+        """At a predict run's first batch, which every rank runs (in its batch hook): gather every
+        rank's batch count of each dataloader, which tell the batches every rank runs (see
+        :func:`_predict_balances`). One small host gather per predict run, with
+        :attr:`vit_balance_predict` set and where the run can balance."""
+        loop = trainer.predict_loop
+        if loop.batch_progress.current.completed != 0:
+            return
+        state = self._vit_balance_state_object()
+        state.predict_lengths = None
+        if not self.vit_balance_predict or not self.resolved_vit_balance_config().enabled:
+            return
+        combined = _predict_loaders(trainer)
+        if combined is None:
+            return
+        self._vit_balance_refresh(state)
+        if state.group is None or state.group_size < 2:
+            return
+        mine = [int(length) if math.isfinite(length) else -1 for length in trainer.num_predict_batches]
+        rows = gather_host_values(mine, gathers_on(state.host_group, state.group))
+        state.predict_lengths = _PredictLengths(weakref.ref(combined), tuple(map(tuple, rows.tolist())))
 
     def _vit_balance_towers_settings(
         self, settings: tuple[ViTBalanceConfig, Any]
@@ -1158,12 +1268,13 @@ class ViTBalanceMixin:
         the same handle); ``model(**batch)`` in ``training_step`` is then balanced, one exchange per
         forward for a rank's images and videos together, text-only ranks included, with the group
         and configuration :meth:`encode_images` uses. :class:`ViTBalanceCallback` logs the stats.
-        With ``evaluation``, so is ``model(**batch)`` in ``validation_step`` and ``test_step`` where
-        :meth:`encode_images` balances (every dataloader of the loop with a ``DistributedSampler``),
-        which FSDP and ZeRO-3 need when ranks differ in modalities; there, with the tower's
-        parameters sharded, so is ``generate()``'s image encoding (call it on every rank with
-        ``synced_gpus=True``, as sharding requires anyway). Otherwise ``generate()``, and predict
-        always, call the tower directly. See :func:`~lightning_vit_balance.balance_vision_tower`.
+        With ``evaluation``, so is ``model(**batch)`` in ``validation_step``, ``test_step`` and
+        ``predict_step`` where :meth:`encode_images` balances (every dataloader of the loop with a
+        ``DistributedSampler``; in predict, with :attr:`vit_balance_predict`), which FSDP and ZeRO-3
+        need when ranks differ in modalities; there, with the tower's parameters sharded, so is
+        ``generate()``'s image encoding (call it on every rank with ``synced_gpus=True``, as
+        sharding requires anyway). Otherwise ``generate()`` calls the tower directly. See
+        :func:`~lightning_vit_balance.balance_vision_tower`.
 
         Example::
 

@@ -198,7 +198,7 @@ BAD_INPUTS = [
     ("c.jsonl", ['{"video_grid_thw": [[1, 4]]}'], 1, "video_grid_thw[0]", "three positive integers"),
     ("d.jsonl", ['{"image_grid_thw": [[0, 4, 4]]}'], 1, "image_grid_thw[0]", "a positive integer"),
     ("e.jsonl", ['{"images": [{"width": 0, "height": 9}]}'], 1, "images[0].width", "a positive integer"),
-    ("f.jsonl", ["", '{"images": [{"width": 9}]}'], 2, "images[0].height", "the key 'height'"),
+    ("f.jsonl", ["", '{"images": [{"width": 9}]}'], 2, "images[0].height", "a value for 'height'"),
     ("f2.jsonl", ['{"image_grid_thw": [[1, 4, 1' + 20 * "0" + "]]}"], 1, "image_grid_thw[0]", "below 2**31"),
     ("f3.csv", ["width,height", "640,480,7"], 2, "<row>", "2 cells, as the header has"),
     # a grid in pixels (1080p): 262,144 patches a frame at most under Qwen2-VL's limits
@@ -209,7 +209,15 @@ BAD_INPUTS = [
         "video_grid_thw[0]",
         "at most 262,144 patches a frame",
     ),
-    ("g.jsonl", ['{"videos": [{"width": 64, "height": 64}]}'], 1, "videos[0].frames", "the key 'frames'"),
+    ("g.jsonl", ['{"videos": [{"width": 64, "height": 64}]}'], 1, "videos[0].frames", "a value for 'frames'"),
+    # a frame count or a stray number as t: with split_videos, as many items to plan
+    (
+        "g2.jsonl",
+        ['{"video_grid_thw": [[2147483647, 4, 4]]}'],
+        1,
+        "video_grid_thw[0]",
+        "t at most 65,536 temporal",
+    ),
     ("h.jsonl", ['{"images": {"width": 64}}'], 1, "images", "a list"),
     ("i.jsonl", ["{not json"], 1, "<line>", "one JSON object per line"),
     ("j.jsonl", ['{"width": -5, "height": 10}'], 1, "width", "a positive integer"),
@@ -417,7 +425,13 @@ def test_cost_model_options(tiny_file: Path, tmp_path: Path, capsys: pytest.Capt
 BAD_OPTIONS = [
     (["--vit-shape", "depth=2"], "lacks hidden_size"),
     (["--vit-shape", "width=2"], "KEY=VALUE with KEY in"),
-    (["--cost-coefficients", "quadratic=0"], "at least one cost coefficient > 0"),
+    (
+        ["--cost-coefficients", "quadratic=0"],
+        "--cost-coefficients quadratic=0: ViTBalanceConfig.cost_quadratic=0.0",
+    ),
+    (["--cost-coefficients", "quadratic=-1"], "--cost-coefficients quadratic=-1: CostModel.quadratic=-1.0"),
+    (["--ranks", "8.5"], "argument --ranks: expected an int >= 1, got '8.5'"),
+    (["--ranks", "8", "data.jsonl"], "got 'data.jsonl' (the dataset comes before --ranks)"),
     (["--min-gain", "2"], "--min-gain 2.0 is invalid"),
     (["--max-len-ratio", "0.5"], "--max-len-ratio 0.5 is invalid"),
     (["--seed", "-1"], "--seed -1"),
@@ -430,6 +444,13 @@ BAD_OPTIONS = [
     (["--json", "TINY"], "is an input of this run"),
     (["--timings", "/no/such/timings.csv"], "No such file"),
     (["--timings", "FLAT"], "FLAT: the fit prices every image alike (1 ms, nothing per patch)"),
+    # One size fits a*l**2 as exactly as b*l: the speed-up would be whichever term came first.
+    (
+        ["--timings", "ONE_SIZE"],
+        "ONE_SIZE: 3 timings of 1 image size (patch_count 100), too few to fit 3 terms",
+    ),
+    (["--timings", "TWO_SIZES"], "2 timings of 2 image sizes (patch_count 100, 400), too few to fit 3 terms"),
+    (["--json", "SAME.png", "--plot", "SAME.png"], "name one file: expected two file names"),
     (["--cost-coefficients", "windowed=1"], "CostModel.window_patches=0 is invalid with windowed=1.0"),
     (["--vit-shape", "hidden_size=64,depth=8,window_layers=6-0,window_patches=4"], "LOW <= HIGH"),
 ]
@@ -439,10 +460,18 @@ BAD_OPTIONS = [
 def test_bad_options_exit_2(
     tiny_file: Path, options: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    flat = tiny_file.with_name("flat.csv")  # times that do not grow with the patches
-    flat.write_text("patch_count,milliseconds\n100,1\n400,1\n")
-    options = [str(tiny_file) if option == "TINY" else option for option in options]
-    options, message = [str(flat) if o == "FLAT" else o for o in options], message.replace("FLAT", str(flat))
+    timings = {
+        "FLAT": "100,1\n400,1\n1600,1\n",  # times that do not grow with the patches
+        "ONE_SIZE": "100,1\n100,1.1\n100,0.9\n",
+        "TWO_SIZES": "100,1\n400,4\n",
+    }
+    files = {"TINY": tiny_file, "SAME.png": tiny_file.with_name("same.png")}
+    for name, rows in timings.items():
+        files[name] = tiny_file.with_name(f"{name.lower()}.csv")
+        files[name].write_text("patch_count,milliseconds\n" + rows)
+    options = [str(files[option]) if option in files else option for option in options]
+    for name in timings:
+        message = message.replace(name, str(files[name]))
     with pytest.raises(SystemExit) as done:
         main([str(tiny_file), "--steps", "2", *options])
     assert done.value.code == 2

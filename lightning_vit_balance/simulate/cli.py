@@ -51,9 +51,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text}")
+        numeric = text.lstrip("+-").replace(".", "", 1).isdigit()
+        hint = "" if numeric else " (the dataset comes before --ranks)"
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}{hint}")
     return value
 
 
@@ -172,9 +177,22 @@ class _Setup:
     channels: int
 
 
+def _cost_option(args: argparse.Namespace) -> str:
+    """The option that chose the cost model, as typed: named in its errors."""
+    for option, value in (
+        ("--timings", args.timings),
+        ("--vit-shape", args.vit_shape),
+        ("--cost-coefficients", args.cost_coefficients),
+    ):
+        if value is not None:
+            return f"{option} {value}"
+    return f"--cost-model {args.cost_model}"
+
+
 def _cost_model(args: argparse.Namespace, rule: ResizeRule) -> tuple[CostModel, str]:
     if args.timings is not None:
         counts, milliseconds = read_timings(args.timings, rule)
+        _check_sizes_timed(args, counts)
         model = CostModel.fit(counts, milliseconds, window_patches=args.fit_window_patches)
         if not (model.quadratic or model.linear or model.windowed):  # no image would outweigh another
             raise ValueError(
@@ -188,6 +206,46 @@ def _cost_model(args: argparse.Namespace, rule: ResizeRule) -> tuple[CostModel, 
         return coefficients_model(args.cost_coefficients), f"coefficients {args.cost_coefficients}"
     name = "seed (l**2)" if args.cost_model == "seed" else f"{args.cost_model} ViT FLOPs, attention per frame"
     return named_cost_model(args.cost_model), name
+
+
+def _check_sizes_timed(args: argparse.Namespace, counts: list[int]) -> None:
+    """Refuse timings of fewer image sizes than the fit has terms: many models then fit them
+    exactly, and each extrapolates to other sizes differently (one size fits ``a*l**2`` as well as
+    ``b*l``, so the speed-up would be the first term's)."""
+    terms = 4 if args.fit_window_patches > 0 else 3
+    sizes = sorted(set(counts))
+    if len(sizes) < terms:
+        shown = ", ".join(str(size) for size in sizes)
+        raise ValueError(
+            f"--timings {args.timings}: {len(counts)} timings of {len(sizes)} image size"
+            f"{'s' * (len(sizes) > 1)} (patch_count {shown}), too few to fit {terms} terms "
+            f"(quadratic, linear, constant{', windowed' * (terms == 4)}): expected timings of at least "
+            f"{terms} sizes."
+        )
+
+
+def _cost_config(
+    args: argparse.Namespace, rule: ResizeRule, base: ViTBalanceConfig
+) -> tuple[ViTBalanceConfig, str]:
+    """``base`` priced by the chosen cost model, and the model's name; its errors name the option."""
+    try:
+        model, cost_name = _cost_model(args, rule)
+        return model.to_config(base), cost_name
+    except ValueError as error:
+        option = _cost_option(args)
+        if str(error).startswith(option.split()[0]):  # the options' own checks name them already
+            raise
+        # The models' and the config's checks name their fields (CostModel.quadratic=-1.0).
+        raise ValueError(f"{option}: {error}") from None
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    inputs = (args.dataset, args.timings)
+    _check_output(args.json, "--json", inputs)
+    _check_output(args.plot, "--plot", inputs)
+    written = args.json not in (None, "-") and args.plot is not None
+    if written and Path(args.json).resolve() == Path(args.plot).resolve():
+        raise ValueError(f"--json {args.json} and --plot {args.plot} name one file: expected two file names.")
 
 
 def _check_output(path: str | Path | None, option: str, inputs: tuple[Path | None, ...] = ()) -> None:
@@ -223,16 +281,13 @@ def _prepare(args: argparse.Namespace) -> _Setup:
     """Validate options and read the inputs; raises ValueError or OSError (exit status 2)."""
     if args.seed < 0:
         raise ValueError(f"--seed {args.seed} is invalid: expected an int >= 0.")
-    inputs = (args.dataset, args.timings)
-    _check_output(args.json, "--json", inputs)
-    _check_output(args.plot, "--plot", inputs)
+    _check_outputs(args)
     if args.plot is not None:
         from lightning_vit_balance.simulate.plot import check_format
 
         check_format(args.plot)
     with _named_as_options(ResizeRule):
         rule = ResizeRule(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ResizeRule)})
-    model, cost_name = _cost_model(args, rule)
     with _named_as_options(ViTBalanceConfig):
         base = ViTBalanceConfig(
             solver=args.solver,
@@ -241,7 +296,7 @@ def _prepare(args: argparse.Namespace) -> _Setup:
             max_len_ratio=args.max_len_ratio,
             split_videos=args.split_videos,
         )
-    config = model.to_config(base)
+    config, cost_name = _cost_config(args, rule, base)
     dataset = read_dataset(args.dataset, rule)
     return _Setup(dataset, config, cost_name, rule, args.channels or rule.channels)
 

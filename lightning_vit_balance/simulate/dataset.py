@@ -82,7 +82,7 @@ class _Where:
         if not isinstance(record, dict):
             self.fail(field, record, "a JSON object")
         if key not in record:
-            self.fail(_join(field, key), _MISSING, f"the key {key!r}")
+            self.fail(_join(field, key), _MISSING, f"a value for {key!r}")
         return record[key]
 
 
@@ -97,6 +97,9 @@ def _parse_int(text: str) -> int | str:
         return text
 
 
+#: The most temporal steps a grid row may hold: about 36 hours of video at the Qwen-VL processors'
+#: 2 frames a second and 2 frames a step, far beyond any processor's frame limit (768 frames).
+MOST_STEPS = 65_536
 #: The most patches a frame of the Qwen-VL processors has under their default pixel limits.
 _LARGEST_DEFAULT_PATCHES = 65_536
 #: A visual: (patches ``t * h * w``, temporal steps ``t``).
@@ -111,6 +114,8 @@ def _grid_patches(where: _Where, field: str, row: object, rule: ResizeRule) -> _
     t, h, w = (where.positive_int(field, value) for value in row)
     if h % rule.merge_size or w % rule.merge_size:
         where.fail(field, row, f"h and w divisible by the merge size {rule.merge_size}")
+    if t > MOST_STEPS:  # a frame count in frames or seconds, or a stray number: planned item by item
+        where.fail(field, row, f"t at most {MOST_STEPS:,} temporal steps (t counts temporal patches)")
     limit = _most_patches_a_frame(rule)
     if h * w > limit:  # the grid counts pixels: every plan would be priced wrong
         where.fail(

@@ -30,7 +30,9 @@ def check_format(path: Path) -> None:
 def _draw_speedup(axes: Any, results: Sequence[DPResult]) -> None:
     sizes = [r.ranks for r in results]
     axes.plot(sizes, [r.speedup for r in results], marker="o", color="tab:green", label="with balancing")
-    axes.plot(sizes, [r.speedup_bound for r in results], linestyle=":", color="grey", label="bound (ideal)")
+    # Markers too: a line through a single DP size draws nothing.
+    bounds = [r.speedup_bound for r in results]
+    axes.plot(sizes, bounds, linestyle=":", marker="_", markersize=14, color="grey", label="bound (ideal)")
     axes.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     for size, result in zip(sizes, results):
         axes.annotate(

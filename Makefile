@@ -11,7 +11,7 @@ CONSTRAINTS ?= requirements/constraints.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-transformers4 test-torch-oldest demo bench bench-e2e bench-engine bench-memory bench-ranks gpu-check bench-gpu plan-versions lint clean
+.PHONY: install test test-transformers4 test-torch-oldest demo bench bench-e2e bench-engine bench-memory bench-ranks bench-predict gpu-check bench-gpu plan-versions lint clean
 
 install: $(STAMP)
 
@@ -57,6 +57,11 @@ bench: $(STAMP)
 bench-e2e: $(STAMP)
 	$(PY) benchmarks/bench_e2e.py --batch-size 4 --steps 12 --timings-out demo_output/bench_e2e_timings.csv
 	$(PY) benchmarks/bench_e2e.py --batch-size 2
+
+# Inference (forward only, 2 gloo CPU ranks, the demo's tower and batches): direct calls whose ranks
+# run apart, as in a predict loop, or meet at every batch, next to balanced calls, which meet.
+bench-predict: $(STAMP)
+	$(PY) benchmarks/bench_predict.py
 
 # The engine's own machinery next to its floors: the status gather, skipped calls checked or not,
 # bookkeeping at 20,000 images, videos planned by temporal step, and the overlapped pixel trip

@@ -41,6 +41,12 @@ def test_end_to_end_benchmark_short(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
+def test_predict_benchmark_short(tmp_path: Path) -> None:
+    out = _run("bench_predict.py", "--batches", "3", "--repeats", "1", cwd=tmp_path)
+    assert "direct, ranks apart" in out and "where they meet anyway" in out, out[-2000:]
+
+
+@pytest.mark.timeout(300)
 def test_engine_benchmark_short(tmp_path: Path) -> None:
     arguments = ["--repeats", "10", "--skipped-repeats", "4", "--images", "200", "--steps", "2"]
     out = _run("bench_engine.py", *arguments, "--steps-on-rank", "50", "--frame-repeats", "2", cwd=tmp_path)

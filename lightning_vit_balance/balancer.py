@@ -476,6 +476,8 @@ class ViTBalancer:
         self._prepared_since_check = False
         # Whether the failure of the call in progress reached every rank (the status gather's).
         self._failed_everywhere = False
+        # The reason of the plan the call in progress took, once it has one (None before).
+        self._planned_reason: str | None = None
         self._print = report if report is not None else _print_line
 
     def measure_as(self, loop: str) -> None:
@@ -525,7 +527,7 @@ class ViTBalancer:
         # A recomputation (activation checkpointing) is the forward's call again: not counted.
         self.calls += int(not in_backward_pass())
         remembered = self._plan_memory.remembered
-        self._failed_everywhere = False
+        self._failed_everywhere, self._planned_reason = False, None
         try:
             return self._call(vit, pixel_values, grid_thw, prepared)
         except BaseException as error:
@@ -538,6 +540,12 @@ class ViTBalancer:
                 self._plan_memory.forget_since(remembered)
             release_frames(error)
             raise
+
+    def _reason_counted_elsewhere(self) -> str | None:
+        """After a call that raised here: its plan's reason where the other ranks may have finished
+        it (this rank's failure reached no status gather: the ViT of a skipped call, unchecked),
+        else None (every rank raised, or the call had no plan yet)."""
+        return None if self._failed_everywhere else self._planned_reason
 
     def _call(
         self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor, prepared: PreparedPlan | None
@@ -726,6 +734,7 @@ class ViTBalancer:
         if differs is not None:
             self._grid_checks.watch(differs)
         plan = prepared.plan
+        self._planned_reason = plan.reason
         differentiable = prepared.pixels_require_grad and torch.is_grad_enabled()
         reference = _Reference(prepared.channels, prepared.dtype, differentiable)
         if problem is None and not prepared.holds_images:
@@ -751,6 +760,7 @@ class ViTBalancer:
         call = self._start(vit, pixel_values)
         metadata, reference = self._gather(call, pixel_values, grid_thw)
         plan, encoding = self._plan(call, metadata)
+        self._planned_reason = plan.reason
         if not in_backward_pass():  # a recomputation's plan is its forward's: counted there
             self._encoded_counts, self._encoded_frames = encoding
         if plan.applied:

@@ -2193,6 +2193,9 @@ class BalancedVisionTower:
         self._encoding = True
         try:
             output = _balanced_call(balancer, tower, combined, "balance_vision_tower", prepared)
+        except BaseException:
+            self._count_failed(balancer)
+            raise
         finally:
             self._encoding = False
         if not in_backward_pass():  # a recomputation (activation checkpointing) is counted once
@@ -2229,14 +2232,25 @@ class BalancedVisionTower:
         if self._kept is not None:
             self._kept.append(stats)
         if self.base.training and torch.is_grad_enabled():  # an optimizer step follows
-            self._note_text_only(stats)
+            self._note_text_only(stats.reason)
 
-    def _note_text_only(self, stats: BalanceStats) -> None:
+    def _count_failed(self, balancer: ViTBalancer) -> None:
+        """A training forward whose balanced call raised on this rank alone (the ViT of a skipped
+        call, unchecked: no collective told the others): they finished it and counted its plan
+        toward :meth:`drop_text_only_grads`, so this rank counts it too, and every rank drops
+        alike at the step's end (a loop that skips the failed step would otherwise step the
+        towers apart, AdamW's momentum and weight decay on one rank's zero gradients only)."""
+        reason = balancer._reason_counted_elsewhere()
+        if reason is not None and not in_backward_pass() and self.base.training and torch.is_grad_enabled():
+            self._note_text_only(reason)
+
+    def _note_text_only(self, reason: str) -> None:
         """Count a training forward for :meth:`drop_text_only_grads`: its step's gradients held
-        no images on any rank while every one since the step began had none (the plan's reason,
-        the same on every rank). A step begins after an optimizer step of the tower or a drop (not
-        at ``zero_grad``: a step of several forwards before one backward zeroes before the first)."""
-        if stats.reason != "no-images":
+        no images on any rank while every one since the step began had none (the plan's
+        ``reason``, the same on every rank). A step begins after an optimizer step of the tower or a
+        drop (not at ``zero_grad``: a step of several forwards before one backward zeroes before
+        the first)."""
+        if reason != "no-images":
             self._text_only_since = False
         elif self._text_only_since is None:
             self._text_only_since = True

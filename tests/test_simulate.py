@@ -216,7 +216,14 @@ BAD_INPUTS = [
         ['{"video_grid_thw": [[2147483647, 4, 4]]}'],
         1,
         "video_grid_thw[0]",
-        "t at most 65,536 temporal",
+        "at most 65,536 temporal steps (t counts temporal patches)",
+    ),
+    (
+        "g3.jsonl",
+        ['{"videos": [{"width": 64, "height": 64, "frames": 2147483646}]}'],
+        1,
+        "videos[0].frames",
+        "at most 65,536 temporal steps (2 frames a step), not 1,073,741,823",
     ),
     ("h.jsonl", ['{"images": {"width": 64}}'], 1, "images", "a list"),
     ("i.jsonl", ["{not json"], 1, "<line>", "one JSON object per line"),
@@ -432,6 +439,8 @@ BAD_OPTIONS = [
     (["--cost-coefficients", "quadratic=-1"], "--cost-coefficients quadratic=-1: CostModel.quadratic=-1.0"),
     (["--ranks", "8.5"], "argument --ranks: expected an int >= 1, got '8.5'"),
     (["--ranks", "8", "data.jsonl"], "got 'data.jsonl' (the dataset comes before --ranks)"),
+    (["--steps", "1e3"], "argument --steps: expected an int >= 1, got '1e3'\n"),  # no hint of --ranks
+    (["--timings", "BAD"], "vit-balance-simulate: error: BAD:2: field 'milliseconds' is 'abc'"),  # named once
     (["--min-gain", "2"], "--min-gain 2.0 is invalid"),
     (["--max-len-ratio", "0.5"], "--max-len-ratio 0.5 is invalid"),
     (["--seed", "-1"], "--seed -1"),
@@ -464,6 +473,7 @@ def test_bad_options_exit_2(
         "FLAT": "100,1\n400,1\n1600,1\n",  # times that do not grow with the patches
         "ONE_SIZE": "100,1\n100,1.1\n100,0.9\n",
         "TWO_SIZES": "100,1\n400,4\n",
+        "BAD": "100,abc\n",
     }
     files = {"TINY": tiny_file, "SAME.png": tiny_file.with_name("same.png")}
     for name, rows in timings.items():

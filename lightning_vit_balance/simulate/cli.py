@@ -30,7 +30,7 @@ from lightning_vit_balance.simulate.costs import (
     named_cost_model,
     vit_shape_model,
 )
-from lightning_vit_balance.simulate.dataset import VisualDataset, read_dataset, read_timings
+from lightning_vit_balance.simulate.dataset import InputError, VisualDataset, read_dataset, read_timings
 from lightning_vit_balance.simulate.report import dataset_summary, render_table, result_summary
 from lightning_vit_balance.simulate.run import DPResult, simulate
 from lightning_vit_balance.simulate.sizes import ResizeRule
@@ -56,10 +56,18 @@ def _positive_int(text: str) -> int:
     except ValueError:
         value = 0
     if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
+
+def _rank_count(text: str) -> int:
+    """A ``--ranks`` value; the option takes several, so a dataset named after it lands here."""
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError as error:
         numeric = text.lstrip("+-").replace(".", "", 1).isdigit()
         hint = "" if numeric else " (the dataset comes before --ranks)"
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}{hint}")
-    return value
+        raise argparse.ArgumentTypeError(f"{error}{hint}") from None
 
 
 def _add_simulation_args(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +76,7 @@ def _add_simulation_args(parser: argparse.ArgumentParser) -> None:
     )
     group = parser.add_argument_group("simulation")
     group.add_argument(
-        "--ranks", type=_positive_int, nargs="+", default=[8, 32, 128, 512], metavar="P", help="DP sizes"
+        "--ranks", type=_rank_count, nargs="+", default=[8, 32, 128, 512], metavar="P", help="DP sizes"
     )
     group.add_argument(
         "--samples-per-rank", type=_positive_int, default=4, metavar="N", help="micro-batch size"
@@ -233,8 +241,8 @@ def _cost_config(
         return model.to_config(base), cost_name
     except ValueError as error:
         option = _cost_option(args)
-        if str(error).startswith(option.split()[0]):  # the options' own checks name them already
-            raise
+        if isinstance(error, InputError) or str(error).startswith(option.split()[0]):
+            raise  # the files' and the options' own checks name them already
         # The models' and the config's checks name their fields (CostModel.quadratic=-1.0).
         raise ValueError(f"{option}: {error}") from None
 

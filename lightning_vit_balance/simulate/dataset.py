@@ -114,8 +114,7 @@ def _grid_patches(where: _Where, field: str, row: object, rule: ResizeRule) -> _
     t, h, w = (where.positive_int(field, value) for value in row)
     if h % rule.merge_size or w % rule.merge_size:
         where.fail(field, row, f"h and w divisible by the merge size {rule.merge_size}")
-    if t > MOST_STEPS:  # a frame count in frames or seconds, or a stray number: planned item by item
-        where.fail(field, row, f"t at most {MOST_STEPS:,} temporal steps (t counts temporal patches)")
+    _check_steps(where, field, row, t, "t counts temporal patches")
     limit = _most_patches_a_frame(rule)
     if h * w > limit:  # the grid counts pixels: every plan would be priced wrong
         where.fail(
@@ -147,7 +146,16 @@ def _size_patches(where: _Where, field: str, entry: object, rule: ResizeRule, vi
         t, h, w = rule.video_grid(width, height, frames) if video else rule.image_grid(width, height)
     except ValueError as error:  # the aspect ratio: the processors refuse such pictures
         where.fail(field or "width", entry, f"a size the processor accepts ({error})")
+    if video:
+        _check_steps(where, _join(field, "frames"), frames, t, f"{rule.temporal_patch_size} frames a step")
     return t * h * w, t
+
+
+def _check_steps(where: _Where, field: str, value: object, steps: int, unit: str) -> None:
+    """Refuse a video of more than :data:`MOST_STEPS` temporal steps: a frame count in pixels or a
+    stray number, which ``--split-videos`` would plan as that many items."""
+    if steps > MOST_STEPS:
+        where.fail(field, value, f"at most {MOST_STEPS:,} temporal steps ({unit}), not {steps:,}")
 
 
 def _list_of(where: _Where, key: str, value: object) -> list[Any]:

@@ -184,8 +184,8 @@ def _loop_balances(
     Lightning's default sampler), except a fit's validation on each rank's own clock
     (:func:`_own_clock`; ``epoch_lengths``: every rank's, where gathered); predict does for the
     batches every rank runs (:func:`_predict_balances`; ``predict_lengths``: gathered at the
-    run's first batch); outside a loop nothing is promised. Without a Trainer, see
-    :func:`_own_loop_balances`.
+    run's first batch, with ``vit_balance_predict``); outside a loop nothing is promised.
+    Without a Trainer, see :func:`_own_loop_balances`.
     """
     if trainer.training:
         return True
@@ -1076,10 +1076,10 @@ class ViTBalanceMixin:
         """Whether the run whose teardown this is made the state's balancer.
 
         Lightning tears down after a run every rank ended, not after one that raised: a later run
-        that balances nothing (a predict run on one loader without a ``DistributedSampler``) would
-        find that run's balancer here. The run key's wrapper
-        cannot tell them apart, as the strategy unwraps the fit's module (DDP) before the module's
-        teardown; the runner, its strategy and the entry point can.
+        that balances nothing (predict, unless :attr:`vit_balance_predict`) would find that run's
+        balancer here. The run key's wrapper cannot tell them apart, as the strategy unwraps the
+        fit's module (DDP) before the module's teardown; the runner, its strategy and the entry
+        point can.
         """
         if state.fit_key is None:
             return False

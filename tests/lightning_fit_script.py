@@ -286,8 +286,8 @@ def fit_with_checkpoints(out_dir: str, version: str, max_steps: int, ckpt_path: 
 def predict_from_checkpoint(ckpt_path: str, out_dir: str) -> None:
     """Load :class:`LoopVLM` with default (``weights_only``) loading and predict on uneven data, on
     ranks launched and joined in a process group already: the second loader alone, without
-    ``vit_balance_predict``; then with it, both loaders, and again the second alone with plans made
-    ahead (the same Trainer throughout)."""
+    ``vit_balance_predict``; then with it, both loaders, again the second alone with plans made
+    ahead, and from a datamodule with a batch hook of its own (the same Trainer throughout)."""
     torch.set_num_threads(1)
     model = LoopVLM.load_from_checkpoint(ckpt_path)
     config = model.vit_balance_config
@@ -318,6 +318,22 @@ def predict_from_checkpoint(ckpt_path: str, out_dir: str) -> None:
     model.vit_balance_config = dataclasses.replace(config, plan_ahead=True)
     model.vit_balance_prepare_keys = (("pixel_values", "image_grid_thw"),)  # its steps encode images only
     trainer.predict(model, loaders[1], return_predictions=False)
+    writer.run = "datamodule"
+    trainer.predict(model, datamodule=BatchHookData(loaders[1]), return_predictions=False)
+
+
+class BatchHookData(L.LightningDataModule):
+    """A datamodule whose ``on_before_batch_transfer`` Lightning runs instead of the module's."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader) -> None:
+        super().__init__()
+        self.loader = loader
+
+    def predict_dataloader(self) -> torch.utils.data.DataLoader:
+        return self.loader
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
 
 
 if __name__ == "__main__":

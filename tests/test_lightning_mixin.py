@@ -89,7 +89,8 @@ def test_lightning_first_in_the_bases_warns_that_the_hooks_are_shadowed() -> Non
     (warned,) = [str(w.message) for w in _defined]
     assert warned.startswith("LightningFirst lists LightningModule before ViTBalanceMixin"), warned
     hooks = (
-        "on_before_batch_transfer, on_before_optimizer_step, on_save_checkpoint, on_load_checkpoint, teardown"
+        "on_before_batch_transfer, on_before_optimizer_step, on_predict_start, on_save_checkpoint, "
+        "on_load_checkpoint, teardown"
     )
     assert hooks in warned, warned
     with warnings.catch_warnings(record=True) as caught:

@@ -332,6 +332,7 @@ def _sharded(vit: object) -> bool:
 _MIXIN_HOOKS = (
     "on_before_batch_transfer",
     "on_before_optimizer_step",
+    "on_predict_start",
     "on_save_checkpoint",
     "on_load_checkpoint",
     "teardown",
@@ -637,8 +638,9 @@ class ViTBalanceMixin:
             warnings.warn(
                 f"{cls.__qualname__} lists LightningModule before ViTBalanceMixin in its bases, so "
                 f"LightningModule's {', '.join(shadowed)} run instead of the mixin's: plan_ahead plans "
-                "nothing, checkpoints lose the calibrate_cost fit, a fit's end keeps its gloo twin and a "
-                "drop-in tower's steps of text alone step it with zero gradients. "
+                "nothing, checkpoints lose the calibrate_cost fit, a fit's end keeps its gloo twin, a "
+                "drop-in tower's steps of text alone step it with zero gradients and vit_balance_predict "
+                "balances nothing. "
                 f"List ViTBalanceMixin first: class {cls.__name__}(ViTBalanceMixin, LightningModule).",
                 UserWarning,
                 stacklevel=2,
@@ -990,6 +992,18 @@ class ViTBalanceMixin:
         self._vit_balance_plan_ahead(batch)
         return batch
 
+    def on_predict_start(self) -> None:
+        """With :attr:`vit_balance_predict`, gather every rank's predict batch counts, which tell
+        the batches every rank runs: here rather than in a batch hook, which a datamodule's
+        ``on_before_batch_transfer`` replaces. An override of the hook must call
+        ``super().on_predict_start``."""
+        parent = getattr(super(), "on_predict_start", None)
+        if parent is not None:
+            parent()
+        trainer = self._vit_balance_runner()[0]
+        if trainer is not None and trainer.predicting:
+            self._vit_balance_gather_predict_lengths(trainer)
+
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """Before each optimizer step: where no rank had images in the step, unset the gradients
         the drop-in gave the towers of models given to :meth:`balance_vision_tower`, as the plain
@@ -1156,8 +1170,6 @@ class ViTBalanceMixin:
         trainer, _ = self._vit_balance_runner()
         if trainer is not None and not _moving_a_loop_batch():
             return False
-        if trainer is not None and trainer.predicting:
-            self._vit_balance_gather_predict_lengths(trainer)
         state = self._vit_balance_state_object()
         state.ticket = None
         state.batch_hook_ran = True
@@ -1192,13 +1204,10 @@ class ViTBalanceMixin:
         return True
 
     def _vit_balance_gather_predict_lengths(self, trainer: Any) -> None:
-        """At a predict run's first batch, which every rank runs (in its batch hook): gather every
-        rank's batch count of each dataloader, which tell the batches every rank runs (see
-        :func:`_predict_balances`). One small host gather per predict run, with
-        :attr:`vit_balance_predict` set and where the run can balance."""
-        loop = trainer.predict_loop
-        if loop.batch_progress.current.completed != 0:
-            return
+        """At a predict run's start, which every rank reaches: gather every rank's batch count of
+        each dataloader, which tell the batches every rank runs (see :func:`_predict_balances`).
+        One small host gather per predict run, with :attr:`vit_balance_predict` set and where the
+        run can balance."""
         state = self._vit_balance_state_object()
         state.predict_lengths = None
         if not self.vit_balance_predict or not self.resolved_vit_balance_config().enabled:

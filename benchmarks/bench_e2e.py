@@ -142,7 +142,7 @@ def vit_loss(output: Any) -> torch.Tensor:
 # -- calibration: prediction error of cost models against measured times ------------------------
 
 
-def _cpu_ms(fn: Callable[[], Any], repeats: int) -> float:
+def cpu_ms(fn: Callable[[], Any], repeats: int) -> float:
     """Smallest process CPU time of ``repeats`` calls, in ms (the least disturbed run)."""
     best = math.inf
     for _ in range(repeats):
@@ -171,16 +171,16 @@ def measure_calibration(mix: Mix, steps: int, ranks: int, repeats: int) -> Calib
     data = CalibrationData()
     with torch.no_grad():
         pixels, grid = rank_batch(dataset, 0, 0, ranks, mix.batch_size)
-        _cpu_ms(lambda: tower(pixels, grid), 3)  # warm-up: allocator, kernels
+        cpu_ms(lambda: tower(pixels, grid), 3)  # warm-up: allocator, kernels
         for step in range(steps):
             step_counts, step_images, step_batches = [], [], []
             for rank in range(ranks):
                 pixels, grid = rank_batch(dataset, step, rank, ranks, mix.batch_size)
                 counts = grid.prod(-1).tolist()
-                step_batches.append(_cpu_ms(lambda p=pixels, g=grid: tower(p, g), repeats))
+                step_batches.append(cpu_ms(lambda p=pixels, g=grid: tower(p, g), repeats))
                 rows = torch.split(pixels, counts)
                 step_images.append(
-                    [_cpu_ms(lambda p=p, g=grid[i : i + 1]: tower(p, g), repeats) for i, p in enumerate(rows)]
+                    [cpu_ms(lambda p=p, g=grid[i : i + 1]: tower(p, g), repeats) for i, p in enumerate(rows)]
                 )
                 step_counts.append(counts)
             data.counts.append(step_counts)

@@ -32,7 +32,6 @@ import functools
 import json
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,22 +42,12 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from bench_e2e import Mix, demo_mix, exit_without_teardown, make_tower, rank_batch
+from bench_e2e import Mix, cpu_ms, demo_mix, exit_without_teardown, make_tower, rank_batch
 from tiny_vlm import SyntheticVLMDataset
 
 from lightning_vit_balance import ViTBalancer
 
 __all__ = ["main", "predict_report"]
-
-
-def _best_cpu_seconds(call: Any, repeats: int) -> float:
-    """The least process CPU time of ``repeats`` runs of ``call()``."""
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.process_time()
-        call()
-        best = min(best, time.process_time() - started)
-    return best
 
 
 def _worker(rank: int, world: int, store_path: str, out_dir: str, mix: Mix, args: dict[str, Any]) -> None:
@@ -81,7 +70,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str, mix: Mix, args
                     "balanced": functools.partial(balancer, tower, pixels, grid),
                 }
                 for name in sorted(calls, reverse=bool(batch % 2)):  # the order alternates
-                    times[name].append(_best_cpu_seconds(calls[name], args["repeats"]))
+                    times[name].append(cpu_ms(calls[name], args["repeats"]) / 1000)
                 applied += int(balancer.last_stats is not None and balancer.last_stats.applied)
         result = {"times": times, "applied": applied}
         Path(out_dir, f"rank_{rank}.json").write_text(json.dumps(result))

@@ -2231,8 +2231,7 @@ class BalancedVisionTower:
         self.record(stats)
         if self._kept is not None:
             self._kept.append(stats)
-        if self.base.training and torch.is_grad_enabled():  # an optimizer step follows
-            self._note_text_only(stats.reason)
+        self._note_text_only(stats.reason)
 
     def _count_failed(self, balancer: ViTBalancer) -> None:
         """A training forward whose balanced call raised on this rank alone (the ViT of a skipped
@@ -2241,15 +2240,17 @@ class BalancedVisionTower:
         alike at the step's end (a loop that skips the failed step would otherwise step the
         towers apart, AdamW's momentum and weight decay on one rank's zero gradients only)."""
         reason = balancer._reason_counted_elsewhere()
-        if reason is not None and not in_backward_pass() and self.base.training and torch.is_grad_enabled():
+        if reason is not None and not in_backward_pass():
             self._note_text_only(reason)
 
     def _note_text_only(self, reason: str) -> None:
-        """Count a training forward for :meth:`drop_text_only_grads`: its step's gradients held
-        no images on any rank while every one since the step began had none (the plan's
-        ``reason``, the same on every rank). A step begins after an optimizer step of the tower or a
-        drop (not at ``zero_grad``: a step of several forwards before one backward zeroes before
-        the first)."""
+        """Count a training forward (an optimizer step follows; other forwards are not counted) for
+        :meth:`drop_text_only_grads`: its step's gradients held no images on any rank while every
+        one since the step began had none (the plan's ``reason``, the same on every rank). A step
+        begins after an optimizer step of the tower or a drop (not at ``zero_grad``: a step of
+        several forwards before one backward zeroes before the first)."""
+        if not (self.base.training and torch.is_grad_enabled()):
+            return
         if reason != "no-images":
             self._text_only_since = False
         elif self._text_only_since is None:

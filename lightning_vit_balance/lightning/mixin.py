@@ -280,9 +280,14 @@ def _epoch_lengths(trainer: Any, group: Any) -> tuple[int, ...]:
     """Every rank's training epoch length in batches (-1 for an unknown one), in rank order: one
     gather over ``group``'s host twin, once per fit, at its first balanced training call or plan
     (every rank's first training batch: the ranks' later epochs may begin at different steps)."""
-    length = trainer.num_training_batches
-    mine = int(length) if math.isfinite(length) else -1
-    return tuple(int(value) for value in gather_host_values([mine], group)[:, 0])
+    return tuple(row[0] for row in _gathered_batch_counts([trainer.num_training_batches], group))
+
+
+def _gathered_batch_counts(counts: list[float], group: Any) -> tuple[tuple[int, ...], ...]:
+    """Every rank's ``counts`` (Lightning's numbers of batches, -1 for an unknown, infinite one),
+    ``[rank][count]``: one gather over ``group``'s host twin."""
+    mine = [int(count) if math.isfinite(count) else -1 for count in counts]
+    return tuple(map(tuple, gather_host_values(mine, group).tolist()))
 
 
 def _same_run(old: tuple[weakref.ref | None, ...] | None, new: tuple[weakref.ref | None, ...]) -> bool:
@@ -1218,9 +1223,8 @@ class ViTBalanceMixin:
         self._vit_balance_refresh(state)
         if state.group is None or state.group_size < 2:
             return
-        mine = [int(length) if math.isfinite(length) else -1 for length in trainer.num_predict_batches]
-        rows = gather_host_values(mine, gathers_on(state.host_group, state.group))
-        state.predict_lengths = _PredictLengths(weakref.ref(combined), tuple(map(tuple, rows.tolist())))
+        rows = _gathered_batch_counts(trainer.num_predict_batches, gathers_on(state.host_group, state.group))
+        state.predict_lengths = _PredictLengths(weakref.ref(combined), rows)
 
     def _vit_balance_towers_settings(
         self, settings: tuple[ViTBalanceConfig, Any]

@@ -184,7 +184,7 @@ def _loop_balances(
     Lightning's default sampler), except a fit's validation on each rank's own clock
     (:func:`_own_clock`; ``epoch_lengths``: every rank's, where gathered); predict does for the
     batches every rank runs (:func:`_predict_balances`; ``predict_lengths``: gathered at the
-    run's first batch, with ``vit_balance_predict``); outside a loop nothing is promised.
+    run's start, with ``vit_balance_predict``); outside a loop nothing is promised.
     Without a Trainer, see :func:`_own_loop_balances`.
     """
     if trainer.training:
@@ -204,7 +204,7 @@ def _loop_balances(
 
 class _PredictLengths(NamedTuple):
     """Every rank's batch count of each predict dataloader (``lengths[rank][dataloader]``), gathered
-    at a predict run's first batch, and that run's loaders (which a later run replaces)."""
+    at a predict run's start, and that run's loaders (which a later run replaces)."""
 
     loader: weakref.ref
     lengths: tuple[tuple[int, ...], ...]
@@ -395,7 +395,7 @@ class _State:
         #: Every rank's training epoch length, gathered at this fit's first balanced training call
         #: or plan (None before it): ranks whose epochs differ validate apart (see _own_clock).
         self.epoch_lengths: tuple[int, ...] | None = None
-        #: Every rank's predict batch counts, gathered at a predict run's first batch (see
+        #: Every rank's predict batch counts, gathered at a predict run's start (see
         #: _predict_balances), None where not gathered.
         self.predict_lengths: _PredictLengths | None = None
         #: Whether a plan was ever made ahead, and whether why none was made was told (once, see
@@ -617,7 +617,7 @@ class ViTBalanceMixin:
     use a ``DistributedSampler``, as Lightning injects by default, and, with
     :attr:`vit_balance_predict`, the predict step in the batches every rank runs (Lightning's
     predict sampler does not pad, so a rank may run a batch more of a dataloader: every rank's
-    batch counts, gathered at the run's first batch, tell). Other predict calls, evaluation on
+    batch counts, gathered at the run's start, tell). Other predict calls, evaluation on
     other loaders (an iterable dataset, ``use_distributed_sampler=False``, a custom batch
     sampler), other hooks (a callback logging samples on rank 0) and calls outside a loop encode
     directly: same outputs, nothing exchanged, nothing to hang on. Without a Trainer (Fabric),

@@ -2,7 +2,8 @@
 
 Works on any CSV (Lightning's ``CSVLogger`` ``metrics.csv``) or TensorBoard event file (no
 TensorBoard install needed) that holds the ``vit_balance/...`` keys, and on a Hugging Face
-``Trainer``'s ``trainer_state.json``, whose log history ``ViTBalanceTrainerCallback`` fills::
+``Trainer``'s ``trainer_state.json``, whose log history ``ViTBalanceTrainerCallback`` fills. A
+directory holding several runs draws the one written last::
 
     python examples/plot_vit_balance.py lightning_logs/version_0 -o vit_balance.png
     python examples/plot_vit_balance.py output_dir -o vit_balance.png  # its latest checkpoint
@@ -31,6 +32,7 @@ from typing import Any
 __all__ = [
     "find_metric_files",
     "load_metrics",
+    "log_runs",
     "main",
     "plot_dashboard",
     "read_csv",
@@ -174,16 +176,28 @@ def _global_step(state: Path) -> int:
     return step if isinstance(step, int) else 0
 
 
+def log_runs(root: Path) -> list[list[Path]]:
+    """The ``metrics.csv`` and ``events.out.tfevents.*`` files under ``root``, one list per
+    directory (a run: a logger's version directory, a Hugging Face ``runs/...`` directory), oldest
+    first by their latest write. Runs are not merged: a second fit, or one resumed into a new
+    version directory, logs its own steps again, which one series would hold twice."""
+    files = sorted(root.rglob("metrics.csv")) + sorted(root.rglob("events.out.tfevents.*"))
+    runs: dict[Path, list[Path]] = {}
+    for file in files:
+        runs.setdefault(file.parent, []).append(file)
+    return sorted(runs.values(), key=lambda run: (max(f.stat().st_mtime for f in run), str(run[0])))
+
+
 def find_metric_files(path: str | Path) -> list[Path]:
-    """The ``metrics.csv`` and ``events.out.tfevents.*`` files at or under ``path``, or else the
-    latest ``trainer_state.json``."""
+    """The ``metrics.csv`` and ``events.out.tfevents.*`` files of the latest run at or under
+    ``path`` (:func:`log_runs`), or else the latest ``trainer_state.json``."""
     root = Path(path)
     if root.is_file():
         return [root]
     if not root.is_dir():
         raise FileNotFoundError(f"path={str(root)!r} is neither a metrics file nor a log directory.")
-    found = sorted(root.rglob("metrics.csv")) + sorted(root.rglob("events.out.tfevents.*"))
-    found = found or _latest_trainer_state(root)
+    runs = log_runs(root)
+    found = runs[-1] if runs else _latest_trainer_state(root)
     if not found:
         raise FileNotFoundError(
             f"path={str(root)!r} holds no metrics.csv, events.out.tfevents.* or trainer_state.json "
@@ -416,6 +430,10 @@ def main(argv: Sequence[str] | None = None) -> Path:
     except (OSError, ValueError) as error:  # a path without the metrics: say so, no traceback
         parser.error(str(error))
     out = plot_dashboard(metrics, args.output, title=args.title)
+    runs = log_runs(Path(args.path)) if Path(args.path).is_dir() else []
+    if len(runs) > 1:
+        others = ", ".join(str(run[0].parent) for run in runs[:-1])
+        print(f"drew the latest run, {runs[-1][0].parent}; pass another's directory to draw it: {others}")
     print(f"wrote {out}")
     return out
 

@@ -162,6 +162,24 @@ def test_dashboard_reads_csv_and_writes_png(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_dashboard_draws_the_latest_of_several_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log directory holding two runs (a second fit, or a resumed one, in a new version
+    directory) logs its steps twice: the dashboard draws the run written last, not both as one
+    series with each step twice, and says which it drew."""
+    import os
+
+    for version, steps in (("version_1", 4), ("version_0", 3)):  # version_0 written last
+        (tmp_path / "logs" / version).mkdir(parents=True)
+        _write_csv(tmp_path / "logs" / version / "metrics.csv", _metric_rows(steps))
+    os.utime(tmp_path / "logs" / "version_1" / "metrics.csv", (1_000_000, 1_000_000))
+    metrics = plot_vit_balance.load_metrics(tmp_path / "logs")
+    assert [s for s, _ in metrics["vit_balance/imbalance_before"]] == [0, 1, 2]
+    plot_vit_balance.main([str(tmp_path / "logs"), "-o", str(tmp_path / "dash.png")])
+    assert f"drew the latest run, {tmp_path / 'logs' / 'version_0'}" in capsys.readouterr().out
+
+
 def test_dashboard_reads_a_fabric_csv_log(tmp_path: Path) -> None:
     """Fabric's ``CSVLogger`` (what ``fabric.log_dict(BalanceMetrics.metrics(), step=step)`` writes
     to) lays out its log as the Trainer's does: the dashboard reads it."""

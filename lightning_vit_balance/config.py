@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -53,10 +54,11 @@ def _check_number(
     accept: Callable[[float], bool],
     owner: str = "ViTBalanceConfig",
 ) -> None:
-    """Raise unless ``value`` is a finite real number (not a bool) that ``accept`` takes."""
+    """Raise unless ``value`` is a finite real number (not a bool; NumPy's scalars too) that
+    ``accept`` takes."""
     if (
         isinstance(value, bool)
-        or not isinstance(value, (int, float))
+        or not isinstance(value, numbers.Real)
         or not math.isfinite(value)
         or not accept(float(value))
     ):
@@ -64,8 +66,8 @@ def _check_number(
 
 
 def _check_int(name: str, value: object, minimum: int, owner: str = "ViTBalanceConfig") -> None:
-    """Raise unless ``value`` is an int (not a bool) of at least ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """Raise unless ``value`` is an int (not a bool; NumPy's integers too) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         _fail(name, value, f"an int >= {minimum}", owner)
 
 
@@ -207,6 +209,19 @@ class ViTBalanceConfig:
             _fail("cost_window_patches", 0, "a window > 0 (patches) with cost_windowed > 0")
         if self.cost_quadratic + self.cost_linear + self.cost_constant + self.cost_windowed <= 0:
             _fail("cost_quadratic", self.cost_quadratic, "at least one cost coefficient > 0")
+        self._hold_plain_numbers()
+
+    def _hold_plain_numbers(self) -> None:
+        """Hold NumPy scalars as Python's numbers: the settings then compare, print and pickle
+        (``torch.load(weights_only=True)``) as the same values given as Python's do."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or type(value) in (int, float):
+                continue
+            if isinstance(value, numbers.Integral):
+                object.__setattr__(self, field.name, int(value))
+            elif isinstance(value, numbers.Real):  # NumPy's float64 too, a float of another type
+                object.__setattr__(self, field.name, float(value))
 
     def __setstate__(self, state: dict[str, object]) -> None:
         """Unpickle (a checkpoint's hyperparameters, a spawned process) through ``__init__``'s checks.

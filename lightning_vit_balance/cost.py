@@ -70,6 +70,7 @@ class CostModel:
             # load with ``torch.load(weights_only=True)``.
             object.__setattr__(self, name, float(getattr(self, name)))
         _check_int("window_patches", self.window_patches, 0, owner="CostModel")
+        object.__setattr__(self, "window_patches", int(self.window_patches))
         if self.windowed > 0 and self.window_patches == 0:  # every windowed cost would be 0
             raise ValueError(
                 f"CostModel.window_patches=0 is invalid with windowed={self.windowed!r}: expected a "
@@ -983,12 +984,13 @@ class CostCalibrator:
         _check_int("min_rank_steps", min_rank_steps, 2, owner="CostCalibrator")
         _check_number("min_spread", min_spread, ">= 1", lambda v: v >= 1, owner="CostCalibrator")
         _check_number("outlier_factor", outlier_factor, "> 1", lambda v: v > 1, owner="CostCalibrator")
-        self.history = history
-        self.warmup_steps = warmup_steps
-        self.min_rank_steps = min_rank_steps
+        self.window_patches = int(self.window_patches)
+        self.history = int(history)
+        self.warmup_steps = int(warmup_steps)
+        self.min_rank_steps = int(min_rank_steps)
         self.min_spread = float(min_spread)
         self.outlier_factor = float(outlier_factor)
-        self._steps: collections.deque[_WindowStep] = collections.deque(maxlen=history)
+        self._steps: collections.deque[_WindowStep] = collections.deque(maxlen=self.history)
         self._overhead = 0.0
         self._measured_steps = 0
         self.steps_observed = 0

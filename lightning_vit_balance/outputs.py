@@ -316,7 +316,7 @@ def classify_output(
 
 def describe_output_problem(path: str, problem: int, rows: int, expected: int, merge_size: int) -> str:
     """Text of an output problem reported by :func:`classify_output`; the same on every rank."""
-    name = f"output {path!r}" if path else "the output tensor"
+    name = f"output {path!r}" if path else "output (a tensor)"
     if problem == 2:
         return (
             f"ViT {name} has {rows} rows: the output layout names it per-patch/per-merged-token, "

@@ -74,3 +74,43 @@ def test_the_fingerprint_covers_the_package_sources(tmp_path: Path) -> None:
     digests.append(config_module._sources_digest(copy))
     assert digests[0] == config_module._sources_digest(package)
     assert len(set(digests)) == 3
+
+
+def test_numpy_scalars_are_taken_as_python_numbers() -> None:
+    """Settings read from a NumPy array (a sweep's grid, a config file loaded through NumPy) are
+    valid numbers: taken, and held as Python's, so they compare, fingerprint and pickle (a
+    checkpoint loaded with ``weights_only=True``) as the same values written as Python's."""
+    import pickle
+
+    import numpy as np
+
+    from lightning_vit_balance import CostCalibrator, CostModel
+
+    config = ViTBalanceConfig(
+        max_len_ratio=np.float32(1.5),
+        trigger_threshold=np.float32(0.25),
+        refine_iterations=np.int64(5),
+        cost_windowed=np.float64(1.0),
+        cost_window_patches=np.int64(64),
+    )
+    plain = ViTBalanceConfig(
+        max_len_ratio=1.5,
+        trigger_threshold=0.25,
+        refine_iterations=5,
+        cost_windowed=1.0,
+        cost_window_patches=64,
+    )
+    assert config == plain and config.fingerprint() == plain.fingerprint()
+    assert {type(config.max_len_ratio), type(config.refine_iterations), type(config.cost_window_patches)} == {
+        float,
+        int,
+    }
+    assert "numpy" not in pickle.dumps(config).decode("latin-1")
+    model = CostModel(quadratic=np.float32(2.0), windowed=1.0, window_patches=np.int64(16))
+    assert type(model.quadratic) is float and type(model.window_patches) is int
+    calibrator = CostCalibrator(history=np.int64(8), warmup_steps=np.int64(1))
+    assert type(calibrator.history) is int and type(calibrator.warmup_steps) is int
+    with pytest.raises(ValueError, match=r"max_len_ratio=np.float32\(0.5\) is invalid"):
+        ViTBalanceConfig(max_len_ratio=np.float32(0.5))
+    with pytest.raises(ValueError, match=r"refine_iterations=np.True_ is invalid|refine_iterations=True"):
+        ViTBalanceConfig(refine_iterations=np.bool_(True))

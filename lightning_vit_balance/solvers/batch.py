@@ -351,7 +351,7 @@ def _checked(cost: list[float], size: int) -> list[float]:
     if cost and not max(cost) < math.inf:
         raise ValueError(
             f"cost_model must map an array of {size} patch counts to as many finite costs >= 0, "
-            f"got {max(cost)!r} (a patch count too large for float64 arithmetic)."
+            f"got {max(cost)!r} (a patch count, or a cost coefficient, too large for float64 arithmetic)."
         )
     return cost
 

@@ -529,6 +529,51 @@ def test_dropped_outputs_do_not_travel(multirank: Any) -> None:
     assert all(dropped < full for full, dropped in per_rank), per_rank
 
 
+def _unused_output_grads(n: int) -> dict[str, tuple[list[str], list[str]]] | None:
+    """Per way of calling: which of the tower's parameters end without a gradient (None) and
+    which with an all-zero one, where the loss reads ``merged`` alone."""
+    group = subgroup(n)
+    if dist.get_rank() >= n:
+        return None
+    torch.manual_seed(0)
+    tower = towers.DictTower()
+    grids = [[(1, 8, 8), (2, 4, 4)], *[[(1, 2, 2)] for _ in range(n - 1)]]
+    pixels, grid = towers.make_batch(grids[dist.get_rank()], seed=dist.get_rank())
+    config = ViTBalanceConfig(**THRESHOLD_0)
+    ways = {
+        "balanced": (ViTBalancer(config, group), tower),
+        "dropped": (
+            ViTBalancer(config, group, output_layout={"deepstack": "drop", "patch_embeds": "drop"}),
+            tower,
+        ),
+        "wrapped": (ViTBalancer(config, group), towers.MergedOnly(tower)),
+        "direct": (None, tower),
+    }
+    found = {}
+    for name, (balancer, vit) in ways.items():
+        tower.zero_grad(set_to_none=True)
+        out = balancer(vit, pixels, grid) if balancer is not None else vit(pixels, grid)
+        (out if isinstance(out, torch.Tensor) else out["merged"]).square().mean().backward()
+        assert balancer is None or balancer.last_stats.applied
+        params = dict(tower.named_parameters())
+        found[name] = (
+            sorted(k for k, v in params.items() if v.grad is None),
+            sorted(k for k, v in params.items() if v.grad is not None and not v.grad.any()),
+        )
+    return found
+
+
+def test_a_tower_output_the_loss_never_reads(multirank: Any) -> None:
+    """Such an output travels back, so its parameters get an all-zero gradient where the direct
+    call leaves None (README, Limitations); named "drop", or left out by a wrapper, they get None."""
+    with multirank(POOL) as w:
+        per_rank = w.run(_unused_output_grads, 2)[:2]
+    for found in per_rank:
+        assert found["direct"] == (["deep.bias", "deep.weight"], []), found
+        assert found["balanced"] == ([], ["deep.bias", "deep.weight"]), found
+        assert found["dropped"] == found["wrapped"] == found["direct"], found
+
+
 #: Per rank of the pool: rank 0 straggles, rank 2 holds no images.
 STRAGGLER_GRIDS = [[(1, 8, 8), (1, 8, 8), (2, 4, 4)], [(1, 2, 2)], [], [(1, 4, 4)]]
 

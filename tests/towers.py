@@ -150,6 +150,18 @@ class DictTower(nn.Module):
         return out
 
 
+class MergedOnly(nn.Module):
+    """A :class:`DictTower`'s ``merged`` output alone (the caller's way to leave the rest out)."""
+
+    def __init__(self, tower: DictTower) -> None:
+        super().__init__()
+        self.tower = tower
+        self.config = tower.config
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.tower(pixel_values, grid_thw)["merged"]
+
+
 class GlobalTokenTower(TensorTower):
     """``{"tokens": [S / merge**2, D], "global": [1, D]}``: a learned token per batch, not per image.
 

@@ -624,6 +624,7 @@ class ViTBalancer:
             encoded_frames=encoded_frames,
             # Only a call that moves images compares plans (and builds batches from others' grids).
             batch_digest=batch_digest(metadata) if plan.applied else 0,
+            vit_ms=_vit_ms(metadata),
         )
 
     def check_pending(self) -> None:
@@ -752,7 +753,9 @@ class ViTBalancer:
             output = self._at_home(
                 call, vit, pixel_values, given_grid, has_images, reference, problem, not prepared.holds_images
             )
-        self._record(plan, call, prepared.metadata, prepare_seconds=prepared.prepare_seconds)
+        self._record(
+            plan, call, prepared.metadata, prepare_seconds=prepared.prepare_seconds, vit_ms=prepared.vit_ms
+        )
         return output
 
     @_collector_paused
@@ -1052,6 +1055,7 @@ class ViTBalancer:
             # Compared across ranks before the return trip: made with the plan, so that a plan
             # made ahead has it before the forward (0.1 ms at 1,024 ranks x 8 images).
             _ = plan.digest
+        plan.warm_figures()  # what the call's stats report, before the forward too
         return plan
 
     def _calibrated(self, metadata: Sequence[RankMetadata]) -> CostModel | None:
@@ -1141,10 +1145,8 @@ class ViTBalancer:
         )
         call.collectives += 1
         row_bytes = reference.channels * reference.dtype.itemsize
-        call.bytes_sent += row_bytes * sum(n for d, n in enumerate(route.send_patches) if d != call.rank)
-        call.bytes_received += row_bytes * sum(
-            n for s, n in enumerate(route.receive_patches) if s != call.rank
-        )
+        call.bytes_sent += row_bytes * (sum(route.send_patches) - route.send_patches[call.rank])
+        call.bytes_received += row_bytes * (sum(route.receive_patches) - route.receive_patches[call.rank])
         return pending
 
     def _combine(
@@ -1187,11 +1189,9 @@ class ViTBalancer:
             timer=self._trips,
         )  # [sum(receive_splits)] transit values, from worker rank 0 first
         call.collectives += 1
-        call.bytes_sent += transit.itemsize * sum(
-            n for d, n in enumerate(layout.send_splits) if d != call.rank
-        )
-        call.bytes_received += transit.itemsize * sum(
-            n for s, n in enumerate(layout.receive_splits) if s != call.rank
+        call.bytes_sent += transit.itemsize * (sum(layout.send_splits) - layout.send_splits[call.rank])
+        call.bytes_received += transit.itemsize * (
+            sum(layout.receive_splits) - layout.receive_splits[call.rank]
         )
         returned = unpack_return(back, leaves, layout, elements)
         self._trips.stop()
@@ -1387,6 +1387,7 @@ class ViTBalancer:
         metadata: Sequence[RankMetadata],
         *,
         prepare_seconds: float = 0.0,
+        vit_ms: tuple[float, ...] | None = None,
     ) -> None:
         """Keep ``plan``'s figures and ``call``'s measurements as :attr:`last_stats`;
         ``prepare_seconds``: what making a prepared plan took before the call. A recomputation
@@ -1406,7 +1407,7 @@ class ViTBalancer:
             loads_after=plan.loads_after,
             imbalance_before=plan.imbalance_before,
             imbalance_after=plan.imbalance_after,
-            num_images=sum(len(c) for c in plan.patch_counts),
+            num_images=plan.num_images,
             moved_images=plan.moved_images,
             moved_patches=plan.moved_patches,
             total_patches=plan.total_patches,
@@ -1419,7 +1420,7 @@ class ViTBalancer:
             dispatch_seconds=seconds.get("dispatch", 0.0),
             encode_seconds=seconds.get("encode", 0.0),
             combine_seconds=seconds.get("combine", 0.0),
-            vit_ms=tuple(m.vit_us / 1000.0 if m.vit_us >= 0 else -1.0 for m in metadata),
+            vit_ms=_vit_ms(metadata) if vit_ms is None else vit_ms,
             status_seconds=seconds.get("status", 0.0),
             prepare_seconds=prepare_seconds,
             trip_ms=self._trips.end_call(),
@@ -1450,6 +1451,11 @@ class ViTBalancer:
             f"{stats.moved_images} images / {stats.moved_patches} patches; applied "
             f"{self.applied_calls}/{self.calls}"
         )
+
+
+def _vit_ms(metadata: Sequence[RankMetadata]) -> tuple[float, ...]:
+    """Every rank's previous ViT time in ms (-1.0: none), as a call's stats report them."""
+    return tuple(m.vit_us / 1000.0 if m.vit_us >= 0 else -1.0 for m in metadata)
 
 
 def _calibrator_for(config: ViTBalanceConfig) -> CostCalibrator | None:

@@ -667,8 +667,8 @@ def all_to_all(
         ``[sum(receive_splits), ...]``, rows from rank 0 first, then rank 1, ... on ``tensor``'s device
         (``out`` when given).
     """
-    send = [int(s) for s in send_splits]
-    receive = [int(s) for s in receive_splits]
+    send = list(map(int, send_splits))
+    receive = list(map(int, receive_splits))
     if not differentiable:
         with torch.no_grad():
             return _exchange(tensor, send, receive, group, out)
@@ -1293,11 +1293,11 @@ class PendingStatus:
     def wait(self) -> StatusReport:
         """Block until every rank's status word has arrived; gather the details when they disagree."""
         gathered = self._words.wait()  # [P, len(STATUS_WORD)]
-        words = gathered.cpu().tolist()
-        plan_digests = tuple(w[_PLAN_DIGEST] for w in words)
-        gradients = tuple(bool(w[_GRADIENTS]) for w in words)
+        words = gathered.cpu().numpy()
+        plan_digests = tuple(words[:, _PLAN_DIGEST].tolist())
+        gradients = tuple((words[:, _GRADIENTS] != 0).tolist())
         # Every rank's ViT succeeded with outputs alike: the flag 0, the outputs' digest and count rank 0's.
-        if all(w[:_PLAN_DIGEST] == [0, *words[0][1:_PLAN_DIGEST]] for w in words):
+        if not words[:, 0].any() and (words[:, 1:_PLAN_DIGEST] == words[0, 1:_PLAN_DIGEST]).all():
             return StatusReport(True, (), 1, plan_digests, gradients)
         details = _gathered_array(_encode_detail(self._status), gathered.device, self._group)
         return StatusReport(False, tuple(_decode_detail(d) for d in details), 2, plan_digests, gradients)

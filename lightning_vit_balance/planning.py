@@ -128,17 +128,24 @@ class RebalancePlan:
     @cached_value
     def moved_images(self) -> int:
         """Images encoded away from their own rank."""
-        return sum(d != r for r, dests in enumerate(self.destinations) for d in dests)
+        if not self.applied:  # every image at home
+            return 0
+        dest, src, _ = self._flat_images
+        return int(np.count_nonzero(dest != src))
 
     @cached_value
     def moved_patches(self) -> int:
         """Patches (pixel rows) sent to another rank."""
-        return sum(
-            n
-            for r, (dests, counts) in enumerate(zip(self.destinations, self.patch_counts))
-            for d, n in zip(dests, counts)
-            if d != r
-        )
+        if not self.applied:
+            return 0
+        dest, src, _ = self._flat_images
+        counts = np.fromiter(chain.from_iterable(self.patch_counts), dtype=np.int64, count=dest.size)
+        return int(counts[dest != src].sum())
+
+    @cached_value
+    def num_images(self) -> int:
+        """Images over all ranks."""
+        return sum(map(len, self.patch_counts))
 
     @cached_value
     def moved_patches_lower_bound(self) -> float:
@@ -166,7 +173,12 @@ class RebalancePlan:
     @cached_value
     def total_patches(self) -> int:
         """Patches over all ranks."""
-        return sum(sum(c) for c in self.patch_counts)
+        return sum(map(sum, self.patch_counts))
+
+    def warm_figures(self) -> None:
+        """Compute the figures a call reports (:class:`BalanceStats`), so that a call given a plan
+        made before it only reads them."""
+        _ = self.moved_images, self.moved_patches, self.total_patches, self.num_images
 
     @cached_value
     def digest(self) -> int:

@@ -81,6 +81,7 @@ class PreparedPlan:
     encoded_counts: tuple[tuple[int, ...], ...] | None = None
     encoded_frames: tuple[tuple[int, ...], ...] | None = None
     batch_digest: int = 0
+    vit_ms: tuple[float, ...] | None = None
 
     @property
     def prepare_seconds(self) -> float:

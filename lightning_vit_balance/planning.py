@@ -19,10 +19,8 @@ Two solvers (:mod:`lightning_vit_balance.solvers`):
 
 Patch cap (``config.max_len_ratio``): both solvers give an image to a rank only if the rank's
 patches stay within ``cap = mean_patches_per_rank * max_len_ratio``; the locality solver also
-sheds from a rank above the cap with its own images, to ranks with room, and prefers such a plan
-to one of shorter makespan (a plan that would need two ranks to trade images is not searched
-for). When no rank has room the LPT solver gives the image to the lightest rank and the locality
-solver keeps it at home. An image larger than the cap on its own
+sheds from a rank above the cap. When no rank has room the LPT solver gives the image to the
+lightest rank and the locality solver keeps it at home. An image larger than the cap on its own
 never fits anywhere: the locality solver keeps it at home (moving it would only move the
 overflow), so its rank exceeds the cap by that image alone, and sheds every other image of that
 rank that fits elsewhere. One exception: a rank that must hold an image and would otherwise be

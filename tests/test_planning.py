@@ -154,36 +154,6 @@ def test_patch_cap_respected_when_images_fit(counts: list[list[int]], ratio: flo
             assert sum(plan.receive_patches(rank)) <= cap + 1e-9
 
 
-@pytest.mark.parametrize(
-    ("counts", "ratio", "per_image"),
-    [
-        # A cheaper plan keeps 256 + 768 on rank 1 (1,024 patches); rank 1 sheds 256 instead.
-        ([[16, 16], [256, 100, 768, 16], [36, 36]], 2.0, 1000.0),
-        ([[2048, 100, 1024, 768], [100, 16]], 1.5, 1000.0),
-        # Shed for its cost, the 4096 finds no room and stays: rank 0 sheds the 256 for the cap.
-        ([[16, 768, 4096, 256], [4096]], 1.1, 1e6),
-    ],
-)
-def test_a_rank_above_the_cap_at_home_sheds_where_others_have_room(
-    counts: list[list[int]], ratio: float, per_image: float
-) -> None:
-    """With a per-image cost (as the online fit may give), the plan of least makespan can leave a
-    rank above the cap with its own images; where shedding some of them to ranks with room brings
-    every rank within the cap, the plan does, although its makespan is longer."""
-    config = ViTBalanceConfig(
-        max_len_ratio=ratio,
-        cost_quadratic=0.0,
-        cost_linear=1.0,
-        cost_constant=per_image,
-        trigger_threshold=0.0,
-        min_gain=0.0,
-    )
-    plan = plan_rebalance(counts, config)
-    assert plan.applied
-    cap = plan.total_patches / plan.num_ranks * ratio
-    assert max(sum(plan.receive_patches(rank)) for rank in range(plan.num_ranks)) <= cap
-
-
 def test_cap_with_an_image_larger_than_the_cap_keeps_it_home() -> None:
     # Mean 150 patches per rank, cap 150: the 500-patch image fits nowhere and stays home; its
     # rank sheds everything else; no other rank goes over the cap.

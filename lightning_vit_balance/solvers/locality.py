@@ -145,35 +145,7 @@ def shed_and_place(batch: Batch, target: float, cap: float | None) -> Destinatio
     if shed:
         shed.sort(key=cost.__getitem__, reverse=True)
         _place(batch, shed, dest, cap)
-    for _ in range(batch.num_ranks if cap is not None else 0):
-        # An image shed for its cost may find no room and stay: its rank sheds others for the cap
-        # (only such a rank can still be above it: a rank that receives stays within it).
-        stayed = {batch.home[k] for k in shed if dest[k] == batch.home[k]}
-        more = _shed_for_the_cap(batch, dest, cap, pinned, set(shed), sorted(stayed)) if stayed else []
-        if not more:
-            break
-        shed = sorted([*shed, *more], key=cost.__getitem__, reverse=True)
-        dest = list(batch.home)
-        _place(batch, shed, dest, cap)
     return dest
-
-
-def _shed_for_the_cap(
-    batch: Batch, dest: Destinations, cap: float, pinned: list[bool], shed: set[int], ranks: list[int]
-) -> list[int]:
-    """Images not shed yet that ``ranks`` (which receive none) shed where they are still above the
-    cap after a placement (fewest rows first, as :func:`shed_and_place` sheds for the cap); a rank
-    holding one image is exempt."""
-    patches = batch.patches
-    more: list[int] = []
-    for r in ranks:
-        kept = [k for k in range(batch.starts[r], batch.starts[r + 1]) if dest[k] == r]
-        excess = add_up(patches[k] for k in kept) - cap
-        if len(kept) < 2 or excess <= cap * tuning.EPS:
-            continue
-        ids = sorted((k for k in kept if not pinned[k] and k not in shed), key=lambda k: (-patches[k], k))
-        more.extend(sorted(_shed(ids, excess, patches, patches)))
-    return more
 
 
 def shed_and_fit(
@@ -481,17 +453,14 @@ def _is_donor(k: int, dest: list[int], held: list[int], must_hold: list[bool]) -
     return held[dest[k]] >= 2 or not must_hold[dest[k]]
 
 
-def cap_excess(batch: Batch, dest: Destinations, cap: float | None) -> tuple[float, float]:
-    """Patches above the cap on ranks that hold more than one image: on those that receive images,
-    then on those that keep only their own (least first, in that order).
+def cap_excess(batch: Batch, dest: Destinations, cap: float | None) -> float:
+    """Patches above the cap on ranks that receive images and hold more than one.
 
     A rank holding a single image is exempt: the image may be larger than the cap, and giving an
-    otherwise idle rank one image comes first. A rank that receives must not end above the cap
-    (the plan would put it there); one that keeps its own images above it was there before, and a
-    plan that sheds them is what the cap asks for next, even at a longer makespan.
+    otherwise idle rank one image comes first.
     """
     if cap is None:
-        return 0.0, 0.0
+        return 0.0
     held = [0] * batch.num_ranks
     receiving = [False] * batch.num_ranks
     for k, d in enumerate(dest):
@@ -499,8 +468,5 @@ def cap_excess(batch: Batch, dest: Destinations, cap: float | None) -> tuple[flo
         receiving[d] = receiving[d] or d != batch.home[k]
     limit = cap * (1.0 + tuning.EPS)
     patches = rank_patches(batch, dest)
-    excess = [max(patches[r] - limit, 0.0) if held[r] > 1 else 0.0 for r in range(batch.num_ranks)]
-    return (
-        add_up(e for e, r in zip(excess, receiving) if r),
-        add_up(e for e, r in zip(excess, receiving) if not r),
-    )
+    excess = (max(patches[r] - limit, 0.0) for r in range(batch.num_ranks) if receiving[r] and held[r] > 1)
+    return add_up(excess)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "drawn_run",
     "find_metric_files",
     "load_metrics",
     "log_runs",
@@ -189,15 +190,14 @@ def log_runs(root: Path) -> list[list[Path]]:
 
 
 def find_metric_files(path: str | Path) -> list[Path]:
-    """The ``metrics.csv`` and ``events.out.tfevents.*`` files of the latest run at or under
-    ``path`` (:func:`log_runs`), or else the latest ``trainer_state.json``."""
+    """The ``metrics.csv`` and ``events.out.tfevents.*`` files at or under ``path`` (every run's),
+    or else the latest ``trainer_state.json``."""
     root = Path(path)
     if root.is_file():
         return [root]
     if not root.is_dir():
         raise FileNotFoundError(f"path={str(root)!r} is neither a metrics file nor a log directory.")
-    runs = log_runs(root)
-    found = runs[-1] if runs else _latest_trainer_state(root)
+    found = [file for run in log_runs(root) for file in run] or _latest_trainer_state(root)
     if not found:
         raise FileNotFoundError(
             f"path={str(root)!r} holds no metrics.csv, events.out.tfevents.* or trainer_state.json "
@@ -230,16 +230,26 @@ def _read_files(files: Sequence[Path]) -> Metrics:
 
 
 def load_metrics(path: str | Path) -> Metrics:
-    """All ``vit_balance/...`` series found at or under ``path`` (CSV or TensorBoard), or else in the
-    latest ``trainer_state.json`` there (a Hugging Face output directory whose TensorBoard events
-    hold only the Trainer's own entries)."""
-    metrics = _read_files(find_metric_files(path))
+    """The ``vit_balance/...`` series at or under ``path``: of the latest run that holds them (CSV or
+    TensorBoard, see :func:`drawn_run`), or else of the latest ``trainer_state.json`` there (a Hugging
+    Face output directory whose TensorBoard events hold only the Trainer's own entries)."""
+    return drawn_run(path)[0]
+
+
+def drawn_run(path: str | Path) -> tuple[Metrics, list[Path]]:
+    """:func:`load_metrics`'s series, and the directories of the other runs under ``path`` that hold
+    such series, not drawn (earliest first; empty for a file, or series from a ``trainer_state.json``)."""
+    files = find_metric_files(path)  # raises for a path that holds no log
     root = Path(path)
-    if not metrics and root.is_dir():
-        metrics = _read_files(_latest_trainer_state(root))
+    # A run without the series (a test run's, a restart that logged nothing yet) is passed over.
+    runs = [(run[0].parent, _read_files(run)) for run in log_runs(root)] if root.is_dir() else []
+    runs = [(where, series) for where, series in runs if series]
+    metrics, others = (runs[-1][1], [where for where, _ in runs[:-1]]) if runs else ({}, [])
+    if not runs:
+        metrics = _read_files(files if root.is_file() else _latest_trainer_state(root))
     if not metrics:
         raise ValueError(f"no '{PREFIX}...' metrics under path={str(path)!r}; was ViTBalanceCallback used?")
-    return {key: sorted(pairs) for key, pairs in metrics.items()}
+    return {key: sorted(pairs) for key, pairs in metrics.items()}, others
 
 
 def _rank_series(metrics: Mapping[str, Sequence[tuple[int, float]]], kind: str) -> dict[int, list]:
@@ -426,14 +436,12 @@ def main(argv: Sequence[str] | None = None) -> Path:
     parser.add_argument("--title", default="ViT data-parallel balance")
     args = parser.parse_args(argv)
     try:
-        metrics = load_metrics(args.path)
+        metrics, others = drawn_run(args.path)
     except (OSError, ValueError) as error:  # a path without the metrics: say so, no traceback
         parser.error(str(error))
     out = plot_dashboard(metrics, args.output, title=args.title)
-    runs = log_runs(Path(args.path)) if Path(args.path).is_dir() else []
-    if len(runs) > 1:
-        others = ", ".join(str(run[0].parent) for run in runs[:-1])
-        print(f"drew the latest run, {runs[-1][0].parent}; pass another's directory to draw it: {others}")
+    if others:
+        print(f"drew the latest run; pass another's directory to draw it: {', '.join(map(str, others))}")
     print(f"wrote {out}")
     return out
 

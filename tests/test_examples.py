@@ -177,7 +177,14 @@ def test_dashboard_draws_the_latest_of_several_runs(
     metrics = plot_vit_balance.load_metrics(tmp_path / "logs")
     assert [s for s, _ in metrics["vit_balance/imbalance_before"]] == [0, 1, 2]
     plot_vit_balance.main([str(tmp_path / "logs"), "-o", str(tmp_path / "dash.png")])
-    assert f"drew the latest run, {tmp_path / 'logs' / 'version_0'}" in capsys.readouterr().out
+    assert (
+        f"pass another's directory to draw it: {tmp_path / 'logs' / 'version_1'}\n" in capsys.readouterr().out
+    )
+    # A later run without the series (a test run logging its loss alone) is passed over.
+    (tmp_path / "logs" / "version_2").mkdir()
+    _write_csv(tmp_path / "logs" / "version_2" / "metrics.csv", [{"step": 0, "test_loss": 1.0}])
+    metrics = plot_vit_balance.load_metrics(tmp_path / "logs")
+    assert [s for s, _ in metrics["vit_balance/imbalance_before"]] == [0, 1, 2]
 
 
 def test_dashboard_reads_a_fabric_csv_log(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 Works on any CSV (Lightning's ``CSVLogger`` ``metrics.csv``) or TensorBoard event file (no
 TensorBoard install needed) that holds the ``vit_balance/...`` keys, and on a Hugging Face
 ``Trainer``'s ``trainer_state.json``, whose log history ``ViTBalanceTrainerCallback`` fills. A
-directory holding several runs draws the one written last::
+directory holding several runs draws the latest that holds the keys::
 
     python examples/plot_vit_balance.py lightning_logs/version_0 -o vit_balance.png
     python examples/plot_vit_balance.py output_dir -o vit_balance.png  # its latest checkpoint

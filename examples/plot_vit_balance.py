@@ -239,14 +239,14 @@ def load_metrics(path: str | Path) -> Metrics:
 def drawn_run(path: str | Path) -> tuple[Metrics, list[Path]]:
     """:func:`load_metrics`'s series, and the directories of the other runs under ``path`` that hold
     such series, not drawn (earliest first; empty for a file, or series from a ``trainer_state.json``)."""
-    files = find_metric_files(path)  # raises for a path that holds no log
     root = Path(path)
+    runs = log_runs(root) if root.is_dir() else []
     # A run without the series (a test run's, a restart that logged nothing yet) is passed over.
-    runs = [(run[0].parent, _read_files(run)) for run in log_runs(root)] if root.is_dir() else []
-    runs = [(where, series) for where, series in runs if series]
-    metrics, others = (runs[-1][1], [where for where, _ in runs[:-1]]) if runs else ({}, [])
-    if not runs:
-        metrics = _read_files(files if root.is_file() else _latest_trainer_state(root))
+    drawable = [(run[0].parent, series) for run in runs if (series := _read_files(run))]
+    if drawable:
+        metrics, others = drawable[-1][1], [where for where, _ in drawable[:-1]]
+    else:  # a file, the latest trainer_state.json, or find_metric_files' error for a path without logs
+        metrics, others = _read_files(_latest_trainer_state(root) if runs else find_metric_files(root)), []
     if not metrics:
         raise ValueError(f"no '{PREFIX}...' metrics under path={str(path)!r}; was ViTBalanceCallback used?")
     return {key: sorted(pairs) for key, pairs in metrics.items()}, others

@@ -69,6 +69,7 @@ from lightning_vit_balance.exchange import (
     grid_rows,
     host_device,
     host_to_device,
+    require_member,
     row_runs,
     start_pixel_trip,
     start_status,
@@ -411,7 +412,9 @@ class ViTBalancer:
     Args:
         config: Balancing options; default ``ViTBalanceConfig()``.
         group: The data-parallel process group; ``None`` is the default group. Without an
-            initialised process group, or with one rank, the ViT is called directly.
+            initialised process group, or with one rank, the ViT is called directly. A group this
+            process is not in (``new_group``'s placeholder on the ranks it leaves out) raises a
+            ``ValueError`` here.
         output_layout: Kinds of the ViT's outputs where their rows do not tell (an
             :class:`~lightning_vit_balance.outputs.OutputLayout`, or a mapping from output
             path to kind), and the merge size where the ViT does not expose ``spatial_merge_size``.
@@ -441,6 +444,8 @@ class ViTBalancer:
     ) -> None:
         if config is not None and not isinstance(config, ViTBalanceConfig):
             raise TypeError(f"config={config!r} is invalid: expected a ViTBalanceConfig or None.")
+        require_member(group, "group")
+        require_member(host_group, "host_group")
         self.config = config if config is not None else ViTBalanceConfig()
         self.group = group
         self.host_group = host_group

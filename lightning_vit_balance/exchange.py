@@ -74,6 +74,7 @@ __all__ = [
     "host_to_device",
     "metadata_of_rows",
     "metadata_row",
+    "require_member",
     "row_runs",
     "rows_per_image",
     "sharded_grads_all_zero",
@@ -192,6 +193,19 @@ def rows_per_image(kind: str, patch_count: _Count, merge_size: int) -> _Count:
 
 
 # -- devices --------------------------------------------------------------------------------------
+
+
+def require_member(group: Any, argument: str) -> None:
+    """Raise where ``group`` does not hold this process: ``dist.new_group`` returns a placeholder
+    (``GroupMember.NON_GROUP_MEMBER``) on the ranks it leaves out, which torch's collectives refuse
+    with a message that names neither the argument nor the cause."""
+    placeholder = dist.GroupMember.NON_GROUP_MEMBER
+    if group is not None and not isinstance(group, dist.ProcessGroup) and group == placeholder:
+        raise ValueError(
+            f"{argument} is a group that does not hold this process (global rank {dist.get_rank()}): "
+            "dist.new_group returns that placeholder on the ranks it leaves out. Expected the "
+            "data-parallel group this rank belongs to, on every rank (each rank passes its own)."
+        )
 
 
 def _backend_device_type(group: Any) -> str | None:

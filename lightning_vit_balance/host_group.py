@@ -53,7 +53,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from lightning_vit_balance.exchange import _backend_device_type, forget_finished_gathers, start_row_gather
+from lightning_vit_balance.exchange import (
+    _backend_device_type,
+    forget_finished_gathers,
+    require_member,
+    start_row_gather,
+)
 
 __all__ = ["make_host_group", "release_host_group"]
 
@@ -126,7 +131,10 @@ def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
         warns, naming the limit). See the module docstring. The balancer then gathers on
         ``group``. :func:`release_host_group` destroys the twin.
     """
-    if not (dist.is_available() and dist.is_initialized()) or not _nccl_only(group):
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    require_member(group, "group")
+    if not _nccl_only(group):
         return None
     world = dist.get_world_size()
     ranks = tuple(range(world)) if group is None else tuple(dist.get_process_group_ranks(group))

@@ -588,7 +588,15 @@ def _with_host_group() -> dict[str, Any]:
         refused = "no error"
     except ValueError as error:
         refused = str(error)
-    return {"applied": ticket.plan.applied, "refused": refused}
+    outside = []  # new_group's placeholder on the ranks it leaves out: refused as it is passed
+    if rank >= 2:
+        for make in (lambda: ViTBalancer(group=pair), lambda: make_host_group(pair)):
+            try:
+                make()
+                outside.append("no error")
+            except ValueError as error:
+                outside.append(str(error))
+    return {"applied": ticket.plan.applied, "refused": refused, "outside": outside}
 
 
 def test_gathers_on_a_host_group(multirank: Any) -> None:
@@ -597,6 +605,16 @@ def test_gathers_on_a_host_group(multirank: Any) -> None:
     assert all(r["applied"] for r in results), results
     assert "host_group holds ranks [0, 1]" in results[0]["refused"], results[0]
     assert all("host_group" in r["refused"] for r in results), results
+    for rank, result in enumerate(results):
+        expected = (
+            "host_group is a group that does not hold this process" if rank >= 2 else "host_group holds"
+        )
+        assert expected in result["refused"], (rank, result)
+        assert len(result["outside"]) == (2 if rank >= 2 else 0), result
+        assert all(
+            f"group is a group that does not hold this process (global rank {rank})" in text
+            for text in result["outside"]
+        ), result
 
 
 def _with_subgroup_twins() -> dict[str, Any]:

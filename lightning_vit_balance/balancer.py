@@ -378,12 +378,14 @@ class ViTBalancer:
     must make the call, also ranks with no images (``grid_thw`` of shape ``[0, 3]``).
 
     What comes back: outputs with a row per patch or per merged token are exchanged back to
-    their images' ranks; a window index (an integer output of a ViT with ``get_window_index``) is
-    regenerated from this rank's ``grid_thw`` (element 0 when ``get_window_index`` returns a
-    tuple); other values (``None``, numbers, 0-d tensors, outputs named ``"passthrough"``) are
-    those of the batch this rank encoded. The ViT is never called on an empty batch: a rank that
-    encodes nothing runs it on one dummy ``(1, m, m)`` image and returns zero-row slices of the
-    result (see ``ViTBalanceConfig.empty_rank_forward``). NaN or Inf values travel as they are: a
+    their images' ranks (integers bit for bit); a window index (of a ViT with ``get_window_index``:
+    its one integer output with a row per merged token, or among several the one named
+    ``window_index``) is regenerated from this rank's ``grid_thw`` (element 0 when
+    ``get_window_index`` returns a tuple); other values (``None``, numbers, 0-d tensors, outputs
+    named ``"passthrough"``) are those of the batch this rank encoded. The ViT is never called on
+    an empty batch: a rank that encodes nothing runs it on one dummy ``(1, m, m)`` image and
+    returns zero-row slices of the result (see ``ViTBalanceConfig.empty_rank_forward``). NaN or
+    Inf values travel as they are: a
     NaN that one rank's ViT makes for another rank's image lands on that image's own rank, exactly
     where an unbalanced run would have made it.
 

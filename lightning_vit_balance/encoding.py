@@ -36,7 +36,7 @@ from lightning_vit_balance.outputs import (
     Classification,
     OutputLayout,
     Structure,
-    classify_output,
+    classify_outputs,
     describe_output_problem,
     flatten_output,
     unroutable_output,
@@ -458,17 +458,13 @@ def encode(
     if unroutable is not None:  # every rank hears of it before the return trip
         return EncodedBatch([], None, [], ValueError(unroutable), seconds, packing_problem=True)
     has_window = window_index_fn(vit) is not None
-    kinds = [
-        classify_output(
-            path,
-            leaf,
-            total_patches=sum(batch.patch_counts),
-            merge_size=merge,
-            has_window_index=has_window,
-            layout=layout,
-        )
-        for path, leaf in leaves
-    ]
+    kinds = classify_outputs(
+        leaves,
+        total_patches=sum(batch.patch_counts),
+        merge_size=merge,
+        has_window_index=has_window,
+        layout=layout,
+    )
     return EncodedBatch(leaves, structure, kinds, None, seconds)
 
 

@@ -220,7 +220,7 @@ from lightning_vit_balance.exchange import (
 from lightning_vit_balance.host_group import gathers_on, owned_host_group, release_host_group
 from lightning_vit_balance.outputs import (
     OutputLayout,
-    classify_output,
+    classify_outputs,
     describe_output_problem,
     flatten_output,
     merge_size_of,
@@ -1016,13 +1016,13 @@ def _split(output: Any, parts: Sequence[_Part], total: int, merge: int, vit: Any
     leaves, structure = flatten_output(output)
     has_window = window_index_fn(vit) is not None
     kinds = []
-    for path, leaf in leaves:
-        found = classify_output(
-            path, leaf, total_patches=total, merge_size=merge, has_window_index=has_window, layout=None
-        )
-        if found.problem:
-            raise ValueError(describe_output_problem(path, found.problem, found.rows, found.expected, merge))
-        kinds.append(found.kind)
+    found = classify_outputs(
+        leaves, total_patches=total, merge_size=merge, has_window_index=has_window, layout=None
+    )
+    for (path, _), kind in zip(leaves, found):
+        if kind.problem:
+            raise ValueError(describe_output_problem(path, kind.problem, kind.rows, kind.expected, merge))
+        kinds.append(kind.kind)
     pieces = []
     for part in parts:
         new: list[Any] = []

@@ -8,8 +8,9 @@ the same type from new leaves.
 
 Each tensor leaf is one of the :data:`OUTPUT_KINDS`, worked out from its rows over a batch of
 ``S`` patches (``sum(T*H*W)``) and merge size ``m``: ``S`` rows per patch; ``S / m**2`` rows per
-merged token; an integer tensor of a ViT with ``get_window_index`` is a window index (regenerated
-from the original grid, never exchanged). A tensor matching none of them cannot be routed back to
+merged token; for a ViT with ``get_window_index``, its one integer tensor of ``S / m**2`` rows (or,
+among several, the one named ``window_index``) is the window index (regenerated from the original
+grid, never exchanged; :func:`classify_outputs`). A tensor matching none of them cannot be routed back to
 its images; :class:`OutputLayout` names the kind of any output explicitly (and the merge size) for
 towers where the rows are ambiguous or the merge size cannot be looked up.
 """
@@ -33,6 +34,7 @@ __all__ = [
     "OutputLayout",
     "Structure",
     "classify_output",
+    "classify_outputs",
     "describe_output_problem",
     "flatten_output",
     "merge_size_of",
@@ -261,9 +263,11 @@ class Classification:
 
     Attributes:
         kind: One of :data:`OUTPUT_KINDS`.
-        problem: 0 when the leaf fits ``kind``; 1: its rows fit no kind (``kind`` is then the
-            nearest guess, used to keep the exchange sizes consistent); 2: the layout names a kind
-            its rows do not fit.
+        problem: 0 when the leaf fits ``kind``; :data:`ROWS_FIT_NO_KIND`: its rows fit no kind
+            (``kind`` is then the nearest guess, used to keep the exchange sizes consistent);
+            :data:`ROWS_UNLIKE_NAMED_KIND`: the layout names a kind its rows do not fit;
+            :data:`WINDOW_INDEX_AMBIGUOUS`: it is one of several outputs that could be the window
+            index (``kind`` is then ``"merged"``, which its rows fit).
         rows: Rows of the leaf.
         expected: Rows the kind requires for this batch.
     """
@@ -274,21 +278,68 @@ class Classification:
     expected: int = 0
 
 
+#: :attr:`Classification.problem` codes: rows that fit no kind; rows other than the kind an
+#: :class:`OutputLayout` names needs; one of several integer outputs that could be the window index.
+ROWS_FIT_NO_KIND, ROWS_UNLIKE_NAMED_KIND, WINDOW_INDEX_AMBIGUOUS = 1, 2, 3
+
+
+def classify_outputs(
+    leaves: Sequence[tuple[str, Any]],
+    *,
+    total_patches: int,
+    merge_size: int,
+    has_window_index: bool,
+    layout: OutputLayout | None,
+) -> list[Classification]:
+    """Work out the kind of every leaf of a ViT output over a batch of ``total_patches`` patches.
+
+    Explicit kinds from ``layout`` win. Otherwise, for a ViT with ``get_window_index``, the window
+    index is its one integer output with a row per merged token; where several are, the one
+    whose path ends in ``window_index``, and without one, each is reported as a problem (values
+    that travel would otherwise be replaced by the regenerated index, silently). Every other leaf
+    goes by :func:`classify_output`: integers travel bit for bit, like floats.
+    """
+    merged_rows = total_patches // (merge_size * merge_size)
+    candidates = []
+    if has_window_index:
+        candidates = [
+            k
+            for k, (path, leaf) in enumerate(leaves)
+            if (layout is None or layout.kind_of(path) is None)
+            and isinstance(leaf, torch.Tensor)
+            and leaf.dim() >= 1
+            and not (leaf.is_floating_point() or leaf.is_complex())
+            and int(leaf.shape[0]) == merged_rows
+        ]
+    named = [k for k in candidates if leaves[k][0].rsplit(".", 1)[-1] == "window_index"]
+    chosen = candidates if len(candidates) == 1 else named if len(named) == 1 else []
+    kinds = []
+    for k, (path, leaf) in enumerate(leaves):
+        if k in chosen:
+            kinds.append(Classification("window_index"))
+        elif k in candidates and not chosen:
+            kinds.append(Classification("merged", WINDOW_INDEX_AMBIGUOUS, merged_rows, merged_rows))
+        else:
+            kinds.append(
+                classify_output(path, leaf, total_patches=total_patches, merge_size=merge_size, layout=layout)
+            )
+    return kinds
+
+
 def classify_output(
     path: str,
     leaf: Any,
     *,
     total_patches: int,
     merge_size: int,
-    has_window_index: bool,
     layout: OutputLayout | None,
 ) -> Classification:
-    """Work out the kind of one leaf of a ViT output over a batch of ``total_patches`` patches.
+    """Work out the kind of one leaf of a ViT output over a batch of ``total_patches`` patches,
+    by its rows (a window index is told by :func:`classify_outputs`, which sees every leaf).
 
-    Explicit kinds from ``layout`` win; otherwise: non-tensors and 0-d tensors pass through; an
-    integer tensor of a ViT with ``get_window_index`` is a window index; a tensor with
-    ``total_patches`` rows is per patch, with ``total_patches / merge_size**2`` rows per merged
-    token (per patch when ``merge_size`` is 1). Anything else is reported as a problem.
+    Explicit kinds from ``layout`` win; otherwise: non-tensors and 0-d tensors pass through; a
+    tensor with ``total_patches`` rows is per patch, with ``total_patches / merge_size**2`` rows
+    per merged token (per patch when ``merge_size`` is 1). Anything else is reported as a problem.
     """
     merged_rows = total_patches // (merge_size * merge_size)
     named = layout.kind_of(path) if layout is not None else None
@@ -301,23 +352,27 @@ def classify_output(
         if named in ("passthrough", "window_index"):
             return Classification(named)
         expected = total_patches if named == "patch" else merged_rows
-        return Classification(named, 0 if rows == expected else 2, rows, expected)
-    is_integer = not (leaf.is_floating_point() or leaf.is_complex())
-    if has_window_index and is_integer:
-        return Classification("window_index")
+        return Classification(named, 0 if rows == expected else ROWS_UNLIKE_NAMED_KIND, rows, expected)
     if rows == total_patches:
         return Classification("patch", 0, rows, rows)
     if rows == merged_rows:
         return Classification("merged", 0, rows, rows)
     # Guess the nearest kind so the exchange stays consistent with ranks that did classify it.
     guess = "patch" if abs(rows - total_patches) <= abs(rows - merged_rows) else "merged"
-    return Classification(guess, 1, rows, total_patches if guess == "patch" else merged_rows)
+    return Classification(guess, ROWS_FIT_NO_KIND, rows, total_patches if guess == "patch" else merged_rows)
 
 
 def describe_output_problem(path: str, problem: int, rows: int, expected: int, merge_size: int) -> str:
     """Text of an output problem reported by :func:`classify_output`; the same on every rank."""
     name = f"output {path!r}" if path else "output (a tensor)"
-    if problem == 2:
+    if problem == WINDOW_INDEX_AMBIGUOUS:
+        return (
+            f"ViT {name} is one of several integer outputs with a row per merged token of a ViT with "
+            "get_window_index, so which one is the window index (regenerated, not sent) is not "
+            "clear: name it window_index (a dict key or attribute), or pass "
+            "output_layout=OutputLayout(kinds={...}) naming the kinds"
+        )
+    if problem == ROWS_UNLIKE_NAMED_KIND:
         return (
             f"ViT {name} has {rows} rows: the output layout names it per-patch/per-merged-token, "
             f"which needs {expected} rows for this batch"

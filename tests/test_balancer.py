@@ -313,6 +313,60 @@ def test_unexpected_output_rows_raise_on_all_ranks(multirank: Any) -> None:
     assert "rank 1" in per_rank[0][0] and "rows" in per_rank[0][0]
 
 
+class _IdsWindowTower(towers.WindowTower):
+    """The seed's tower as a dict, with integer outputs besides its window index: one per merged
+    token (``token_ids``: ``window_index`` is told apart by its name) and one per patch."""
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+        embeds, window_index, _ = super().forward(pixel_values, grid_thw)
+        patch_ids = self.core.encode(pixel_values, grid_thw).argmax(-1)
+        return {
+            "embeds": embeds,
+            "window_index": window_index,
+            "token_ids": embeds.argmax(-1),
+            "patch_ids": patch_ids,
+        }
+
+
+class _UnnamedIdsWindowTower(towers.WindowTower):
+    """The seed's tuple with a second integer output of merged rows: which is the index is unclear."""
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+        embeds, window_index, _ = super().forward(pixel_values, grid_thw)
+        return embeds, window_index, embeds.argmax(-1)
+
+
+def _integer_outputs_of_a_window_tower() -> str | None:
+    group = subgroup(2)
+    rank = dist.get_rank()
+    if rank >= 2:
+        return None
+    torch.manual_seed(0)
+    grids = [[(1, 8, 8), (1, 6, 6), (1, 4, 4)], [(1, 2, 2)]][rank]
+    pixels, grid = towers.make_batch(grids, seed=rank)
+    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group)
+    tower = _IdsWindowTower()
+    out, direct = balancer(tower, pixels, grid), tower(pixels, grid)
+    assert balancer.last_stats is not None and balancer.last_stats.applied
+    for key in ("window_index", "token_ids", "patch_ids"):  # integers: bit for bit
+        torch.testing.assert_close(out[key], direct[key], rtol=0, atol=0)
+    # Same ops on the same rows in another batch: fp32 agrees to a few ulps.
+    torch.testing.assert_close(out["embeds"], direct["embeds"], rtol=1e-4, atol=1e-5)
+    try:
+        balancer(_UnnamedIdsWindowTower(), pixels, grid)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_integer_outputs_of_a_window_tower_are_not_taken_for_its_window_index(multirank: Any) -> None:
+    """Only the window index is regenerated; other integer outputs travel, and an unclear one raises."""
+    with multirank(POOL) as w:
+        messages = w.run(_integer_outputs_of_a_window_tower)[:2]
+    assert len(set(messages)) == 1, messages
+    assert "window index" in messages[0] and "output '1'" in messages[0], messages
+
+
 def _bad_inputs(bad_rank: int) -> list[str]:
     rank = dist.get_rank()
     torch.manual_seed(0)

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from lightning_vit_balance.outputs import (
+    WINDOW_INDEX_AMBIGUOUS,
     OutputLayout,
     classify_output,
+    classify_outputs,
     flatten_output,
     merge_size_of,
     rebuild_output,
@@ -124,7 +126,9 @@ def test_flatten_rebuild_hf_model_output() -> None:
 def _kind(
     leaf: Any, layout: OutputLayout | None = None, window: bool = False, path: str = "x"
 ) -> tuple[Any, ...]:
-    c = classify_output(path, leaf, total_patches=32, merge_size=2, has_window_index=window, layout=layout)
+    (c,) = classify_outputs(
+        [(path, leaf)], total_patches=32, merge_size=2, has_window_index=window, layout=layout
+    )
     return (c.kind, c.problem, c.rows, c.expected)
 
 
@@ -140,10 +144,46 @@ def test_classify_by_rows() -> None:
     assert _kind(torch.ones(31, 4)) == ("patch", 1, 31, 32)
     assert _kind(torch.ones(7, 4)) == ("merged", 1, 7, 8)
     # Merge size 1: per patch.
-    c = classify_output(
-        "x", torch.ones(32, 1), total_patches=32, merge_size=1, has_window_index=False, layout=None
-    )
+    c = classify_output("x", torch.ones(32, 1), total_patches=32, merge_size=1, layout=None)
     assert c.kind == "patch" and c.problem == 0
+
+
+def _kinds(named_leaves: dict[str, Any], window: bool = True) -> dict[str, tuple[str, int]]:
+    leaves = list(named_leaves.items())
+    found = classify_outputs(leaves, total_patches=32, merge_size=2, has_window_index=window, layout=None)
+    return {path: (c.kind, c.problem) for (path, _), c in zip(leaves, found)}
+
+
+def test_the_window_index_is_one_integer_output_with_a_row_per_merged_token() -> None:
+    embeds, index, ids = torch.ones(8, 4), torch.arange(8), torch.arange(8) + 1
+    # The seed's tuple: the one integer output of merged rows is the window index.
+    assert _kinds({"0": embeds, "1": index})["1"] == ("window_index", 0)
+    # Other integer outputs travel bit for bit, by their rows: per patch, or a second merged one
+    # told apart by its name; one whose rows fit no kind is reported, never overwritten.
+    kinds = _kinds({"embeds": embeds, "window_index": index, "token_ids": ids, "patch_ids": torch.arange(32)})
+    assert kinds == {
+        "embeds": ("merged", 0),
+        "window_index": ("window_index", 0),
+        "token_ids": ("merged", 0),
+        "patch_ids": ("patch", 0),
+    }
+    assert _kinds({"0": embeds, "1": index, "2": torch.arange(5)})["2"] == ("merged", 1)
+    # Two unnamed candidates: which one to regenerate is not clear, so both are reported.
+    assert _kinds({"0": embeds, "1": index, "2": ids}) == {
+        "0": ("merged", 0),
+        "1": ("merged", WINDOW_INDEX_AMBIGUOUS),
+        "2": ("merged", WINDOW_INDEX_AMBIGUOUS),
+    }
+    # An output layout naming one settles it; without get_window_index no integer output is one.
+    found = classify_outputs(
+        [("0", embeds), ("1", index), ("2", ids)],
+        total_patches=32,
+        merge_size=2,
+        has_window_index=True,
+        layout=OutputLayout(kinds={"1": "window_index", "2": "merged"}),
+    )
+    assert [(c.kind, c.problem) for c in found] == [("merged", 0), ("window_index", 0), ("merged", 0)]
+    assert _kinds({"0": embeds, "1": index, "2": ids}, window=False)["1"] == ("merged", 0)
 
 
 def test_classify_with_layout() -> None:

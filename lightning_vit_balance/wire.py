@@ -227,12 +227,12 @@ def _joined_output(chunks: Sequence[torch.Tensor], rows: Sequence[int], like: to
 
     Never a view: autograd refuses in-place changes of a custom Function's outputs that are views,
     and the direct call's outputs take them (``image_embeds *= scale``). An output that travels as
-    elements of its own width (floats; integers in their own dtype) is the ``cat`` of its pieces,
-    each viewed at its shape first; one carried in a wider type is copied once more.
+    elements of its own width (floats; integers in their own dtype) is the ``cat`` of its flat
+    pieces, viewed at its shape after (a view per piece cost 0.5 ms an output of 239 pieces, the
+    ``cat`` alone 0.07); one carried in a wider type is copied once more.
     """
     if _is_float(like.dtype) or chunks[0].dtype == like.dtype:
-        trailing = like.shape[1:]
-        return torch.cat([chunk.view(n, *trailing) for chunk, n in zip(chunks, rows)]).to(like.dtype)
+        return torch.cat(list(chunks)).view(sum(rows), *like.shape[1:]).to(like.dtype)
     unpacked = unpack_rows(torch.cat(list(chunks)), sum(rows), like)
     return unpacked.clone() if unpacked._is_view() else unpacked
 

@@ -1,6 +1,7 @@
 """Costs of the engine's own machinery, each next to its floor, measured side by side in one run.
 
-``make bench-engine`` spawns 2 gloo ranks on CPU (file-store rendezvous) and prints five tables:
+``make bench-engine`` spawns 2 gloo ranks on CPU (file-store rendezvous) and prints five tables
+(``--tables`` picks some):
 
 * **status**: the status gather after the ViT (the check that turns a ViT failure on one rank into
   one error on every rank) per call, next to a whole applied balanced call on the demo's tower and
@@ -13,8 +14,8 @@
   bookkeeping split out (gather + plan + the trips' host work);
 * **frames**: videos planned by temporal step (``split_videos``: hundreds to thousands of items on
   a rank) with a four-output tower that has no per-image loop: balanced against direct, forward
-  and backward, main-thread CPU time summed over both ranks (the tower's work only moves between
-  ranks, so the difference is the balancer's own work);
+  and backward, process CPU time (gloo's threads included) summed over both ranks (the tower's
+  work only moves between ranks, so the difference is the balancer's own work);
 * **overlap**: ``overlap_pixel_trip`` off and on, forward and backward of the demo's tower on the
   demo's batches, wall time of the slowest rank per step (median), alternating the two settings
   step by step so that machine noise hits both alike.
@@ -48,6 +49,8 @@ from lightning_vit_balance import CostModel, ViTBalanceConfig, ViTBalancer
 from lightning_vit_balance.exchange import STATUS_WORD, ViTStatus, exchange_status
 
 RANKS = 2
+#: The tables `main` measures, in order.
+TABLES = ("status", "skipped", "scale", "frames", "overlap")
 
 
 def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
@@ -191,9 +194,9 @@ class _FrameTower(torch.nn.Module):
 
 
 def _frame_times(steps: int, repeats: int) -> dict[str, float]:
-    """Median main-thread CPU ms of the forward (``f``) and backward (``b``), direct and balanced,
-    alternating which runs first; rank 0 holds ``steps`` video steps (a multiple of 100), rank 1
-    a quarter."""
+    """Median process CPU ms (gloo's transfer threads included: the balancer's collectives are
+    its work too) of the forward (``f``) and backward (``b``), direct and balanced, alternating
+    which runs first; rank 0 holds ``steps`` video steps (a multiple of 100), rank 1 a quarter."""
     torch.manual_seed(0)
     tower = _FrameTower()
     # Videos of 100 temporal steps (25 on rank 1) of 8x8 patches each, planned step by step as the
@@ -207,13 +210,13 @@ def _frame_times(steps: int, repeats: int) -> dict[str, float]:
     for step in range(repeats + 1):
         for name in ("direct", "balanced") if step % 2 else ("balanced", "direct"):
             dist.barrier()
-            started = time.thread_time()
+            started = time.process_time()
             outputs = calls[name](pixels, grid)
-            forward = time.thread_time()
+            forward = time.process_time()
             sum(out.sum() for out in outputs).backward()
             if step:  # the first is a warm-up
                 times[f"{name} f"].append((forward - started) * 1e3)
-                times[f"{name} b"].append((time.thread_time() - forward) * 1e3)
+                times[f"{name} b"].append((time.process_time() - forward) * 1e3)
     return {key: statistics.median(values) for key, values in times.items()}
 
 
@@ -266,13 +269,14 @@ def _overlap_table(steps: int) -> list[str]:
 def _worker(rank: int, store: str, args: argparse.Namespace, queue: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=RANKS)
-    tables = {
-        "status": _status_table(args.repeats),
-        "skipped": _skipped_table(args.skipped_repeats),
-        "scale": _scale_table(args.images),
-        "frames": _frames_table(args.steps_on_rank, args.frame_repeats),
-        "overlap": _overlap_table(args.steps),
+    makers: dict[str, Callable[[], list[str]]] = {
+        "status": lambda: _status_table(args.repeats),
+        "skipped": lambda: _skipped_table(args.skipped_repeats),
+        "scale": lambda: _scale_table(args.images),
+        "frames": lambda: _frames_table(args.steps_on_rank, args.frame_repeats),
+        "overlap": lambda: _overlap_table(args.steps),
     }
+    tables = {name: make() for name, make in makers.items() if name in args.tables}
     if rank == 0:
         queue.put(tables)
     dist.barrier()
@@ -288,6 +292,13 @@ def main() -> None:
         "--steps-on-rank", type=int, nargs="+", default=[100, 600, 5_000], help="video steps on rank 0"
     )
     parser.add_argument("--frame-repeats", type=int, default=15, help="calls timed per video setting")
+    parser.add_argument(
+        "--tables",
+        nargs="+",
+        default=list(TABLES),
+        choices=TABLES,
+        help="the tables to measure (default: all)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     store = tempfile.mktemp(prefix="bench-engine-")

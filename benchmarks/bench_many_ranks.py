@@ -79,12 +79,13 @@ from lightning_vit_balance.exchange import (
     metadata_of_rows,
     metadata_row,
 )
-from lightning_vit_balance.problems import InputProblem
+from lightning_vit_balance.problems import MAX_DETAILS, InputProblem
 from lightning_vit_balance.wire import pack_return, unpack_return
 
-#: int64 values in a metadata row: the header (6), the details (4), a fingerprint of about 8 and
+#: int64 values in a balanced call's metadata row: the header (6), the details (4), the
+#: fingerprint (the settings' values, then the call's gather kind, cost fit and merge size) and
 #: four per run of grid rows.
-METADATA_VALUES = 18 + 4 * exchange.GATHER_CAPACITY
+METADATA_VALUES = 6 + MAX_DETAILS + len(ViTBalanceConfig().fingerprint()) + 3 + 4 * exchange.GATHER_CAPACITY
 STATUS_VALUES = len(exchange.STATUS_WORD)
 #: Both ways, each alternately, this many rounds; each round times ``calls`` gathers.
 ROUNDS = 3

@@ -330,6 +330,29 @@ def _kept_until_later(gather: Any) -> None:
     _RECENT_GATHERS.append(gather)
 
 
+@contextlib.contextmanager
+def _saved_tensor_hooks_set_aside() -> Iterator[None]:
+    """Start collectives here that :func:`_kept_until_later` keeps: a work captures the thread's
+    autograd state, and the saved-tensor hooks in it (non-reentrant activation checkpointing's)
+    hold the checkpointed call's inputs, which a kept work then held into the next step (a skipped
+    call's pixel rows: a whole batch). Through torch's private hook stack, where it is as this
+    torch has it; elsewhere the works are started as they are."""
+    autograd = torch._C._autograd
+    held: list[Any] = []
+    try:
+        if autograd._saved_tensors_hooks_is_enabled():
+            while (top := autograd._top_saved_tensors_default_hooks(False)) is not None:
+                held.append(top)
+                autograd._pop_saved_tensors_default_hooks()
+    except (AttributeError, TypeError, RuntimeError):
+        pass  # another torch's private API: the hooks taken so far go back
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(held):
+            autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
 def forget_finished_gathers() -> None:
     """Let go of the gathers :func:`_kept_until_later` keeps: before a group is destroyed, whose
     works would keep its connections open (a gloo twin's sockets, ``P + 3`` files)."""
@@ -341,7 +364,8 @@ class _RingRows:
 
     def __init__(self, row: torch.Tensor, group: Any) -> None:
         self._gathered = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
-        self._work = dist.all_gather(self._gathered, row, group=group, async_op=True)
+        with _saved_tensor_hooks_set_aside():
+            self._work = dist.all_gather(self._gathered, row, group=group, async_op=True)
 
     def wait(self) -> torch.Tensor:
         self._work.wait()
@@ -372,10 +396,11 @@ class _DoublingRows:
         to_rank = dist.get_global_rank(self._group, (self._rank - held) % world)
         from_rank = dist.get_global_rank(self._group, (self._rank + held) % world)
         tag = _DOUBLING_TAG + held
-        requests = [
-            dist.isend(self._rows[:count], to_rank, group=self._group, tag=tag),
-            dist.irecv(self._rows[held : held + count], from_rank, group=self._group, tag=tag),
-        ]
+        with _saved_tensor_hooks_set_aside():
+            requests = [
+                dist.isend(self._rows[:count], to_rank, group=self._group, tag=tag),
+                dist.irecv(self._rows[held : held + count], from_rank, group=self._group, tag=tag),
+            ]
         return requests, count
 
     def wait(self) -> torch.Tensor:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import sys
+import weakref
 from typing import Any
 
 import pytest
@@ -372,6 +375,39 @@ def _gather_kinds() -> list[str]:
             # moment later, must not free the last references as the interpreter exits (an abort).
             assert exchange._RECENT_GATHERS[-1] is pending
     return kinds
+
+
+def _kept_gathers_hold_no_hooked_tensor() -> list[bool]:
+    """Whether a tensor that saved-tensor hooks hold (as non-reentrant activation checkpointing's
+    hold a checkpointed call's inputs) outlives a row gather started under them, ring and doubling."""
+    alive = []
+    for kind in ("ring", "doubling"):
+        held = torch.randn(64)
+        kept = weakref.ref(held)
+
+        def pack(value: torch.Tensor, held: torch.Tensor = held) -> torch.Tensor:
+            return value
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, pack):
+            pending = exchange.start_row_gather(torch.tensor([dist.get_rank()]), None)
+            assert type(pending).__name__ == ("_RingRows" if kind == "ring" else "_DoublingRows")
+            pending.wait()
+            # The hooks are back in place for the rest of the call.
+            assert torch._C._autograd._top_saved_tensors_default_hooks(False)[0] is pack
+        assert exchange._RECENT_GATHERS[-1] is pending  # kept past the call, as before
+        del held, pack, pending
+        gc.collect()
+        alive.append(kept() is not None)
+        exchange.DOUBLING_FROM_RANKS = 1  # the next round: doubling
+    return alive
+
+
+def test_kept_gathers_do_not_hold_a_checkpointed_calls_inputs(multirank: Any) -> None:
+    """A gather's work captures the thread's autograd state; kept past the call, it held the saved-
+    tensor hooks' tensors (a skipped checkpointed call's pixel rows) into the next step."""
+    with multirank(8) as w:
+        per_rank = w.run(_with_doubling_from, sys.maxsize, _kept_gathers_hold_no_hooked_tensor)
+    assert per_rank == [[False, False]] * 8, per_rank
 
 
 def test_row_gather_takes_doubling_rounds_from_its_threshold(multirank: Any) -> None:

@@ -345,13 +345,17 @@ def _balanced_batch(
     return torch.cat(pixels).to(device), torch.cat(grids)
 
 
-def _raw_trip_seconds(plan: Any, rank: int, elements_per_patch: int, device: torch.device) -> float:
+def _raw_trip_seconds(
+    plan: Any, rank: int, elements_per_patch: int, device: torch.device, *, with_home: bool
+) -> float:
     """Wall time of one ``all_to_all_single`` moving ``elements_per_patch`` float32 values per patch
-    this rank sends to or receives from another rank: a trip's bytes without packing or bookkeeping."""
+    this rank sends to or receives from another rank (and, ``with_home``, to itself): a trip's
+    bytes without packing or bookkeeping. The pixel trip leaves the rows that stay home out of its
+    collective; the return trip sends a rank's own outputs through it too."""
     world = plan.num_ranks
     sent, received = plan.send_patches(rank), plan.receive_patches(rank)
-    send = [0 if d == rank else sent[d] * elements_per_patch for d in range(world)]
-    receive = [0 if d == rank else received[d] * elements_per_patch for d in range(world)]
+    send = [0 if d == rank and not with_home else sent[d] * elements_per_patch for d in range(world)]
+    receive = [0 if d == rank and not with_home else received[d] * elements_per_patch for d in range(world)]
     out = torch.empty(sum(receive), device=device)
     data = torch.ones(sum(send), device=device)
     dist.barrier()
@@ -406,9 +410,14 @@ def _step(state: _Rank, step: int) -> dict[str, Any]:
     record["bound"] = plan.lower_bound / mean_load if mean_load else 1.0
     record["plan_mismatch"] = (plan.applied, plan.moved_images) != (record["applied"], record["moved_images"])
     merged_elements = state.tower.merger.mlp[-1].out_features * (1 + len(state.tower.deepstack_layers)) // 4
-    record["raw_forward"] = _raw_trip_seconds(plan, rank, state.tower.patch_dim, state.device)
-    # The return trip goes the other way: each rank sends back what it encoded for others.
-    record["raw_return"] = _raw_trip_seconds(_ReversedPlan(plan), rank, merged_elements, state.device)
+    record["raw_forward"] = _raw_trip_seconds(
+        plan, rank, state.tower.patch_dim, state.device, with_home=False
+    )
+    # The return trip goes the other way: each rank sends back what it encoded, its own included.
+    reversed_plan = _ReversedPlan(plan)
+    record["raw_return"] = _raw_trip_seconds(
+        reversed_plan, rank, merged_elements, state.device, with_home=True
+    )
     return record
 
 

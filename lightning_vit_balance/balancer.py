@@ -385,9 +385,8 @@ class ViTBalancer:
     named ``"passthrough"``) are those of the batch this rank encoded. The ViT is never called on
     an empty batch: a rank that encodes nothing runs it on one dummy ``(1, m, m)`` image and
     returns zero-row slices of the result (see ``ViTBalanceConfig.empty_rank_forward``). NaN or
-    Inf values travel as they are: a
-    NaN that one rank's ViT makes for another rank's image lands on that image's own rank, exactly
-    where an unbalanced run would have made it.
+    Inf values travel as they are: a NaN that one rank's ViT makes for another rank's image lands
+    on that image's own rank, exactly where an unbalanced run would have made it.
 
     Python's cyclic garbage collector is paused while a balanced call or :meth:`prepare` runs (the
     ViT's forward included) and restored after it: the call's host work allocates many small

@@ -293,15 +293,17 @@ def classify_outputs(
 ) -> list[Classification]:
     """Work out the kind of every leaf of a ViT output over a batch of ``total_patches`` patches.
 
-    Explicit kinds from ``layout`` win. Otherwise, for a ViT with ``get_window_index``, the window
-    index is its one integer output with a row per merged token; where several are, the one
-    whose path ends in ``window_index``, and without one, each is reported as a problem (values
-    that travel would otherwise be replaced by the regenerated index, silently). Every other leaf
-    goes by :func:`classify_output`: integers travel bit for bit, like floats.
+    Explicit kinds from ``layout`` win (where it names a window index, no other output is one).
+    Otherwise, for a ViT with ``get_window_index``, the window index is its one integer output
+    with a row per merged token; where several are, the one whose path ends in ``window_index``,
+    and without one, each is reported as a problem (values that travel would otherwise be
+    replaced by the regenerated index, silently). Every other leaf goes by
+    :func:`classify_output`: integers travel bit for bit, like floats.
     """
     merged_rows = total_patches // (merge_size * merge_size)
     candidates = []
-    if has_window_index:
+    named_index = layout is not None and any(layout.kind_of(path) == "window_index" for path, _ in leaves)
+    if has_window_index and not named_index:
         candidates = [
             k
             for k, (path, leaf) in enumerate(leaves)
@@ -363,7 +365,7 @@ def classify_output(
 
 
 def describe_output_problem(path: str, problem: int, rows: int, expected: int, merge_size: int) -> str:
-    """Text of an output problem reported by :func:`classify_output`; the same on every rank."""
+    """Text of an output problem reported by :func:`classify_outputs`; the same on every rank."""
     name = f"output {path!r}" if path else "output (a tensor)"
     if problem == WINDOW_INDEX_AMBIGUOUS:
         return (

@@ -183,6 +183,16 @@ def test_the_window_index_is_one_integer_output_with_a_row_per_merged_token() ->
         layout=OutputLayout(kinds={"1": "window_index", "2": "merged"}),
     )
     assert [(c.kind, c.problem) for c in found] == [("merged", 0), ("window_index", 0), ("merged", 0)]
+    # Where it names the window index alone, the other integer output travels: it is no candidate.
+    layout = OutputLayout(kinds={"1": "window_index"})
+    found = classify_outputs(
+        [("0", embeds), ("1", index), ("2", ids)],
+        total_patches=32,
+        merge_size=2,
+        has_window_index=True,
+        layout=layout,
+    )
+    assert [(c.kind, c.problem) for c in found] == [("merged", 0), ("window_index", 0), ("merged", 0)]
     assert _kinds({"0": embeds, "1": index, "2": ids}, window=False)["1"] == ("merged", 0)
 
 

@@ -215,6 +215,7 @@ from lightning_vit_balance.exchange import (
     grid_rows,
     grid_steps,
     host_to_device,
+    require_member,
     sharded_grads_all_zero,
 )
 from lightning_vit_balance.host_group import gathers_on, owned_host_group, release_host_group
@@ -1463,6 +1464,8 @@ class BalancedVisionTower:
             raise TypeError(
                 f"balance_vision_tower(config={config!r}) is invalid: expected a ViTBalanceConfig or None."
             )
+        if dist.is_available() and dist.is_initialized():
+            require_member(group, "group")
         base, tower = _find_base(model)
         problems = _contract_problems(base, tower)
         wrapping = _wrapping_problem(base, tower)
@@ -1627,6 +1630,7 @@ class BalancedVisionTower:
         config = self._effective_config()
         if not config.enabled or not (dist.is_available() and dist.is_initialized()):
             return None
+        require_member(self.group, "group")
         if dist.get_world_size(self.group) < 2:
             return None
         return config, self.group

@@ -342,6 +342,35 @@ def test_a_checkpointed_model_forward_recomputes_with_its_plan(multirank: Any) -
     assert per_rank == [{"prepared_in_backward": 0, "prepared": 6}] * RANKS, per_rank
 
 
+def _outside_a_group() -> list[str]:
+    """A rank that ``new_group`` left out passes the placeholder it got: refused where it is passed."""
+    import torch.distributed as dist
+
+    pair = dist.new_group([0, 1])
+    if dist.get_rank() < 2:
+        return []
+    messages = []
+    handle = balance_vision_tower(tiny_model("qwen2_5_vl"))
+    for make in (lambda: balance_vision_tower(tiny_model("qwen2_5_vl"), group=pair), handle.settings):
+        handle.group = pair  # set after the handle was made, as a subclass's setting may be
+        try:
+            make()
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_a_group_that_does_not_hold_the_rank_is_refused(multirank: Any) -> None:
+    with multirank(RANKS) as w:
+        per_rank = w.run(_outside_a_group)
+    assert per_rank[:2] == [[], []], per_rank
+    assert len(per_rank[2]) == 2, per_rank
+    assert all(
+        "group is a group that does not hold this process (global rank 2)" in m for m in per_rank[2]
+    ), per_rank
+
+
 def _check_cases(family: str, names: tuple[str, ...], ahead: str | None = None) -> dict[str, Any]:
     return {name: _check_case(family, name, ahead) for name in names}
 

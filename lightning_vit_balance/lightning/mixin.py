@@ -28,7 +28,7 @@ from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.eager import eager, eager_frame
 from lightning_vit_balance.encoding import parameters_sharded
-from lightning_vit_balance.exchange import gather_host_values
+from lightning_vit_balance.exchange import gather_host_values, require_member
 from lightning_vit_balance.hf import (
     GRIDS_KEY,
     KEPT_STATS,
@@ -719,6 +719,7 @@ class ViTBalanceMixin:
         group = self.configure_vit_balance_group()
         size = 1
         if group is not None and dist.is_available() and dist.is_initialized():
+            require_member(group, "configure_vit_balance_group() (or vit_balance_group)")
             size = dist.get_world_size(group)
         state.fit_key = key
         state.fit_entry = _entry_point(trainer)

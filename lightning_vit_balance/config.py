@@ -388,6 +388,22 @@ _DEST_TO_FIELD: dict[str, str] = {
 }
 
 
+def _flag_number(at_least: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite float ``>= at_least``; anything else is a usage error that
+    names the flag (as argparse reports a value that is not a number), not a traceback later."""
+
+    def number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+        if not math.isfinite(value) or value < at_least:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a finite number >= {at_least:g}")
+        return value
+
+    return number
+
+
 def add_vit_balance_args(
     parser: argparse.ArgumentParser,
 ) -> argparse.ArgumentParser:
@@ -418,15 +434,15 @@ def add_vit_balance_args(
     )
     group.add_argument(
         "--dp-balance-max-len-ratio-vit",
-        type=float,
+        type=_flag_number(1.0),
         default=None,
-        help="Cap on patches per rank after balancing: avg_patches * ratio. Default: no cap.",
+        help="Cap on patches per rank after balancing: avg_patches * ratio (>= 1). Default: no cap.",
     )
     group.add_argument(
         "--dp-balance-trigger-threshold-vit",
-        type=float,
+        type=_flag_number(0.0),
         default=0.2,
-        help="Skip balancing while the imbalance max_load/mean_load - 1 is below this. Default: 0.2.",
+        help="Skip balancing while the imbalance max_load/mean_load - 1 is below this (>= 0). Default: 0.2.",
     )
     # Already defined when the script also has the seed's VLM-level balance, which shares it.
     with contextlib.suppress(argparse.ArgumentError):

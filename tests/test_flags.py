@@ -60,11 +60,30 @@ def test_shared_verbose_flag_is_kept() -> None:
 
 
 def test_invalid_values_name_the_field() -> None:
-    args = add_vit_balance_args(argparse.ArgumentParser()).parse_args(
-        ["--dp-balance-max-len-ratio-vit", "0.5"]
-    )
+    # A namespace the parser did not check (a script's own parsing, or a value set after it).
+    args = add_vit_balance_args(argparse.ArgumentParser()).parse_args([])
+    args.dp_balance_max_len_ratio_vit = 0.5
     with pytest.raises(ValueError, match=r"max_len_ratio=0\.5"):
         ViTBalanceConfig.from_args(args)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--dp-balance-max-len-ratio-vit", "0.5", ">= 1"),
+        ("--dp-balance-max-len-ratio-vit", "inf", ">= 1"),
+        ("--dp-balance-max-len-ratio-vit", "abc", "invalid float value"),
+        ("--dp-balance-trigger-threshold-vit", "-0.1", ">= 0"),
+        ("--dp-balance-trigger-threshold-vit", "nan", ">= 0"),
+    ],
+)
+def test_values_out_of_range_are_usage_errors_naming_the_flag(
+    flag: str, value: str, expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        add_vit_balance_args(argparse.ArgumentParser()).parse_args([flag, value])
+    error = capsys.readouterr().err
+    assert f"argument {flag}:" in error and expected in error, error
 
 
 def test_missing_flags_are_named() -> None:

@@ -252,8 +252,14 @@ def _slowest(records: Sequence[dict[str, list[float]]], key: str) -> list[float]
     return [max(values) for values in zip(*(r[key] for r in records))]
 
 
+def _warmup_left_out(steps: int) -> bool:
+    """Whether the summary and the timings panel leave the warm-up steps out: not in a run of no
+    more steps than that (a smoke run), which would leave nothing."""
+    return steps > WARMUP_STEPS
+
+
 def _mean_after_warmup(values: Sequence[float]) -> float:
-    tail = values[WARMUP_STEPS:] if len(values) > WARMUP_STEPS else values
+    tail = values[WARMUP_STEPS:] if _warmup_left_out(len(values)) else values
     return statistics.fmean(tail) if tail else math.nan
 
 
@@ -309,7 +315,10 @@ def _print_summary(s: dict[str, float], args: argparse.Namespace, png: Path) -> 
         print(f"  {name:<40}{left:>18}{right:>18}  {note}")
 
     print()
-    print(f"Summary ({args.devices} ranks, {args.steps} steps, means over steps {WARMUP_STEPS + 1}..):")
+    averaged = (
+        f"steps {WARMUP_STEPS + 1}.." if _warmup_left_out(args.steps) else "every step, warm-up included"
+    )
+    print(f"Summary ({args.devices} ranks, {args.steps} steps, means over {averaged}):")
     row("", "without balancing", "with balancing")
     if args.accelerator_used == "cpu":  # on GPUs host CPU time says nothing about the kernels
         row(
@@ -388,15 +397,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     timing_key, clock = (
         ("vit_cpu_seconds", "CPU") if args.accelerator_used == "cpu" else ("vit_seconds", "wall")
     )
+    first = WARMUP_STEPS if _warmup_left_out(args.steps) else 0
     png = plot_dashboard(
         runs["with_balancing"]["metrics"],
         out / "vit_balance_dashboard.png",
         title=f"ViT balance demo: {args.devices} ranks, tiny Qwen2-VL style tower",
         timings={
-            label.replace("_", " "): list(enumerate(_slowest(run["records"], timing_key)))[WARMUP_STEPS:]
+            label.replace("_", " "): list(enumerate(_slowest(run["records"], timing_key)))[first:]
             for label, run in runs.items()
         },
-        timings_title=f"Slowest rank's ViT {clock} time per step (forward incl. exchange; warm-up left out)",
+        timings_title=f"Slowest rank's ViT {clock} time per step (forward incl. exchange"
+        + ("; warm-up left out)" if first else ")"),
     )
     _print_summary(summary, args, png)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -308,7 +308,7 @@ def _print(s: dict[str, float], args: argparse.Namespace) -> None:
 
     print(
         f"\nSummary (2 CPU ranks, {args.steps} steps of {args.batch_size} samples per rank; means over "
-        f"steps {WARMUP_STEPS + 1}..):"
+        + (f"steps {WARMUP_STEPS + 1}..):" if args.steps > WARMUP_STEPS else "every step, warm-up included):")
     )
     row("", "plain HF", "balanced")
     row("DDP find_unused_parameters", "True (needed)", "False")

@@ -424,6 +424,19 @@ def _most_often_slowest(slowest_rank: Sequence[tuple[int, float]]) -> str:
     return f"\nslowest most often: rank {rank} ({counts[rank]} of {len(slowest_rank)} records)"
 
 
+def _png_path(text: str) -> Path:
+    """``-o``: the PNG file to write; a name without a suffix gets ``.png`` (as matplotlib would
+    add, so the path printed is the one written)."""
+    path = Path(text)
+    if not text.strip() or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory or empty: expected a .png file to write")
+    if not path.suffix:
+        return path.with_suffix(".png")
+    if path.suffix.lower() != ".png":
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a .png file to write")
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> Path:
     """Command line: ``plot_vit_balance.py LOG_PATH [-o out.png] [--title T]``."""
     parser = argparse.ArgumentParser(
@@ -432,7 +445,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
     parser.add_argument(
         "path", help="metrics.csv, a TensorBoard event file, a trainer_state.json, or a log directory"
     )
-    parser.add_argument("-o", "--output", default="vit_balance_dashboard.png", help="PNG to write")
+    parser.add_argument(
+        "-o", "--output", type=_png_path, default="vit_balance_dashboard.png", help="PNG file to write"
+    )
     parser.add_argument("--title", default="ViT data-parallel balance")
     args = parser.parse_args(argv)
     try:

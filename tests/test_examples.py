@@ -160,6 +160,13 @@ def test_dashboard_reads_csv_and_writes_png(tmp_path: Path) -> None:
     assert metrics["vit_balance/vit_ms/rank_1"][-1] == (3, 23.0)
     out = plot_vit_balance.main([str(log_dir / "metrics.csv"), "-o", str(tmp_path / "dash.png")])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A name without a suffix: the path returned (and printed) is the one written.
+    out = plot_vit_balance.main([str(log_dir / "metrics.csv"), "-o", str(tmp_path / "plain")])
+    assert out == tmp_path / "plain.png" and out.read_bytes()[:4] == b"\x89PNG"
+    for refused in (str(tmp_path), "", str(tmp_path / "dash.txt")):  # a directory, nothing, another format
+        with pytest.raises(SystemExit) as done:
+            plot_vit_balance.main([str(log_dir / "metrics.csv"), "-o", refused])
+        assert done.value.code == 2
 
 
 def test_dashboard_draws_the_latest_of_several_runs(

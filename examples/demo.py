@@ -35,7 +35,14 @@ from lightning_vit_balance import CostModel, ViTBalanceCallback, ViTBalanceConfi
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plot_vit_balance import load_metrics, plot_dashboard
-from tiny_vlm import SyntheticVLMDataset, TinyTextDecoder, TinyVisionTower, collate_vlm
+from tiny_vlm import (
+    SyntheticVLMDataset,
+    TinyTextDecoder,
+    TinyVisionTower,
+    collate_vlm,
+    positive_float,
+    positive_int,
+)
 
 __all__ = ["DemoVLM", "main", "parse_args", "run_training", "summarize"]
 
@@ -163,10 +170,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
+    parser.add_argument("--steps", type=positive_int, default=30, help="optimizer steps per run")
     parser.add_argument("--devices", type=int, default=2, help="data-parallel ranks (>= 2)")
-    parser.add_argument("--batch-size", type=int, default=2, help="samples per rank per step")
-    parser.add_argument("--scale", type=float, default=1.3, help="multiplies every image side")
+    parser.add_argument("--batch-size", type=positive_int, default=2, help="samples per rank per step")
+    parser.add_argument("--scale", type=positive_float, default=1.3, help="multiplies every image side")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="demo_output", help="directory for logs and the PNG")
     parser.add_argument(
@@ -175,8 +182,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.devices < 2:
         parser.error(f"--devices={args.devices}: the demo needs at least 2 data-parallel ranks")
-    if args.steps < 1:
-        parser.error(f"--steps={args.steps}: expected >= 1")
     return args
 
 

@@ -29,7 +29,7 @@ from lightning_vit_balance import ViTBalanceCallback, ViTBalanceConfig, ViTBalan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plot_vit_balance import read_csv
-from tiny_vlm import SyntheticVLMDataset, TinyTextDecoder, collate_vlm
+from tiny_vlm import SyntheticVLMDataset, TinyTextDecoder, collate_vlm, positive_int
 
 __all__ = [
     "FAMILIES",
@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=4, help="training steps per tower (default 4)")
+    parser.add_argument("--steps", type=positive_int, default=4, help="training steps per tower (default 4)")
     parser.add_argument("--devices", type=int, default=2, help="CPU ranks (default 2)")
     parser.add_argument(
         "--family", choices=(*FAMILIES, "both"), default="both", help="the tower to train (default both)"

@@ -87,7 +87,10 @@ def render(seed: int = 0) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--output", type=Path, default=OUTPUT, help=f"the file to write (default {OUTPUT.name})"
+        "--output",
+        type=Path,
+        default=OUTPUT,
+        help=f"the file to write (default {OUTPUT.name} next to this script, the copy the repository holds)",
     )
     args = parser.parse_args(argv)
     args.output.write_text(render())

@@ -19,6 +19,7 @@ multi-page documents and videos next to thumbnails.
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,9 +35,34 @@ __all__ = [
     "TinyVisionTower",
     "collate_vlm",
     "patch_positions",
+    "positive_float",
+    "positive_int",
 ]
 
 MERGE = 2  # spatial merge size: 2x2 patches become one token
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for the examples' counts (steps, samples): an integer >= 1, else a
+    usage error naming the flag instead of a traceback from deep inside the run."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected an integer >= 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type`` for the examples' scales: a finite number > 0, else a usage error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a finite number > 0")
+    return value
 
 
 def patch_positions(grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -496,6 +496,20 @@ def test_equivalence_inputs_are_rebalanced() -> None:
 # --------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--steps", "0"), ("--batch-size", "-1"), ("--scale", "nan"), ("--scale", "0"), ("--steps", "x")],
+)
+def test_demo_flags_out_of_range_are_usage_errors(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import demo
+
+    with pytest.raises(SystemExit) as done:
+        demo.parse_args([flag, value])
+    assert done.value.code == 2 and f"argument {flag}: " in capsys.readouterr().err
+
+
 def test_demo_short_run_matches_losses_and_writes_dashboard(tmp_path: Path) -> None:
     """``examples/demo.py --steps 2``: two real 2-rank fits, same losses, summary and PNG."""
     import demo

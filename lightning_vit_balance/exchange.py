@@ -330,6 +330,16 @@ def _kept_until_later(gather: Any) -> None:
     _RECENT_GATHERS.append(gather)
 
 
+def _top_saved_tensor_hooks() -> Any:
+    """The top of torch's (private) saved-tensor hook stack, None when it is empty; later releases
+    take ``ignore_is_tracing``."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    try:
+        return top(False)
+    except TypeError:
+        return top()
+
+
 @contextlib.contextmanager
 def _saved_tensor_hooks_set_aside() -> Iterator[None]:
     """Start collectives here that :func:`_kept_until_later` keeps: a work captures the thread's
@@ -341,7 +351,7 @@ def _saved_tensor_hooks_set_aside() -> Iterator[None]:
     held: list[Any] = []
     try:
         if autograd._saved_tensors_hooks_is_enabled():
-            while (top := autograd._top_saved_tensors_default_hooks(False)) is not None:
+            while (top := _top_saved_tensor_hooks()) is not None:
                 held.append(top)
                 autograd._pop_saved_tensors_default_hooks()
     except (AttributeError, TypeError, RuntimeError):

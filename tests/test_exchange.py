@@ -393,7 +393,7 @@ def _kept_gathers_hold_no_hooked_tensor() -> list[bool]:
             assert type(pending).__name__ == ("_RingRows" if kind == "ring" else "_DoublingRows")
             pending.wait()
             # The hooks are back in place for the rest of the call.
-            assert torch._C._autograd._top_saved_tensors_default_hooks(False)[0] is pack
+            assert exchange._top_saved_tensor_hooks()[0] is pack
         assert exchange._RECENT_GATHERS[-1] is pending  # kept past the call, as before
         del held, pack, pending
         gc.collect()
@@ -405,6 +405,10 @@ def _kept_gathers_hold_no_hooked_tensor() -> list[bool]:
 def test_kept_gathers_do_not_hold_a_checkpointed_calls_inputs(multirank: Any) -> None:
     """A gather's work captures the thread's autograd state; kept past the call, it held the saved-
     tensor hooks' tensors (a skipped checkpointed call's pixel rows) into the next step."""
+    try:
+        exchange._top_saved_tensor_hooks()
+    except (AttributeError, TypeError, RuntimeError):  # the package starts the works as they are
+        pytest.skip("this torch's saved-tensor hook stack is not one the package can set aside")
     with multirank(8) as w:
         per_rank = w.run(_with_doubling_from, sys.maxsize, _kept_gathers_hold_no_hooked_tensor)
     assert per_rank == [[False, False]] * 8, per_rank

@@ -350,7 +350,8 @@ def _saved_tensor_hooks_set_aside() -> Iterator[None]:
     autograd = torch._C._autograd
     held: list[Any] = []
     try:
-        if autograd._saved_tensors_hooks_is_enabled():
+        # Disabled (disable_saved_tensors_hooks): nothing could be put back, and the stack is empty.
+        if autograd._saved_tensors_hooks_get_disabled_error_message() is None:
             while (top := _top_saved_tensor_hooks()) is not None:
                 held.append(top)
                 autograd._pop_saved_tensors_default_hooks()

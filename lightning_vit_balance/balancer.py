@@ -401,7 +401,8 @@ class ViTBalancer:
     their images' ranks (integers bit for bit); a window index (of a ViT with ``get_window_index``:
     its one integer output with a row per merged token, or among several the one named
     ``window_index``) is regenerated from this rank's ``grid_thw`` (element 0 when
-    ``get_window_index`` returns a tuple); other values (``None``, numbers, 0-d tensors, outputs
+    ``get_window_index`` returns a tuple), in the dtype, device and row shape of the tower's own
+    (``[N, 1]`` stays so); other values (``None``, numbers, 0-d tensors, outputs
     named ``"passthrough"``) are those of the batch this rank encoded. The ViT is never called on
     an empty batch: a rank that encodes nothing runs it on one dummy ``(1, m, m)`` image and
     returns zero-row slices of the result (see ``ViTBalanceConfig.empty_rank_forward``). NaN or
@@ -1271,7 +1272,7 @@ class ViTBalancer:
             elif kind == "window_index" and my_counts:
                 if window_index is None:
                     window_index = _window_index(vit, grid_thw)
-                result.append(window_index)
+                result.append(_like_the_towers(window_index, leaf))
             elif kind == "window_index":
                 result.append(leaf[:0])
             else:
@@ -1554,6 +1555,17 @@ def _window_index(vit: Any, grid_thw: torch.Tensor) -> Any:
     window_index = window_fn(grid_thw)
     # get_window_index may return (window_index, cu_window_seqlens).
     return window_index[0] if isinstance(window_index, (tuple, list)) else window_index
+
+
+def _like_the_towers(window_index: Any, leaf: torch.Tensor) -> Any:
+    """The regenerated window index as the tower returned its own: ``get_window_index`` gives one
+    value per merged token, which a tower may hand on as ``[N, 1]``, in another integer dtype or on
+    its own device (the direct call's). An index of another kind is left as it is."""
+    one_per_row = math.prod(leaf.shape[1:]) == 1
+    if not isinstance(window_index, torch.Tensor) or window_index.dim() != 1 or not one_per_row:
+        return window_index
+    fitted = window_index.to(device=leaf.device, dtype=leaf.dtype)
+    return fitted if leaf.dim() == 1 else fitted.view(-1, *leaf.shape[1:])
 
 
 @eager

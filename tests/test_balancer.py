@@ -316,14 +316,15 @@ def test_unexpected_output_rows_raise_on_all_ranks(multirank: Any) -> None:
 
 class _IdsWindowTower(towers.WindowTower):
     """The seed's tower as a dict, with integer outputs besides its window index: one per merged
-    token (``token_ids``: ``window_index`` is told apart by its name) and one per patch."""
+    token (``token_ids``: ``window_index`` is told apart by its name) and one per patch. The index
+    itself is handed on as ``[N, 1]`` ``int32``, which the regenerated one must match."""
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
         embeds, window_index, _ = super().forward(pixel_values, grid_thw)
         patch_ids = self.core.encode(pixel_values, grid_thw).argmax(-1)
         return {
             "embeds": embeds,
-            "window_index": window_index,
+            "window_index": window_index.to(torch.int32)[:, None],
             "token_ids": embeds.argmax(-1),
             "patch_ids": patch_ids,
         }

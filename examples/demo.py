@@ -40,6 +40,7 @@ from tiny_vlm import (
     TinyTextDecoder,
     TinyVisionTower,
     collate_vlm,
+    output_dir,
     positive_float,
     positive_int,
 )
@@ -175,7 +176,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=positive_int, default=2, help="samples per rank per step")
     parser.add_argument("--scale", type=positive_float, default=1.3, help="multiplies every image side")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default="demo_output", help="directory for logs and the PNG")
+    parser.add_argument(
+        "--output", type=output_dir, default="demo_output", help="directory for logs and the PNG"
+    )
     parser.add_argument(
         "--accelerator", default="auto", choices=("auto", "cpu", "gpu"), help="auto: GPUs if enough"
     )

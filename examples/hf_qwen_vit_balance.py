@@ -29,7 +29,7 @@ from lightning_vit_balance import ViTBalanceCallback, ViTBalanceConfig, ViTBalan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plot_vit_balance import read_csv
-from tiny_vlm import SyntheticVLMDataset, TinyTextDecoder, collate_vlm, positive_int
+from tiny_vlm import SyntheticVLMDataset, TinyTextDecoder, collate_vlm, output_dir, positive_int
 
 __all__ = [
     "FAMILIES",
@@ -158,7 +158,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--family", choices=(*FAMILIES, "both"), default="both", help="the tower to train (default both)"
     )
     parser.add_argument(
-        "--output", default="demo_output/hf_qwen", help="the CSV logs' folder (default demo_output/hf_qwen)"
+        "--output",
+        type=output_dir,
+        default="demo_output/hf_qwen",
+        help="the CSV logs' folder (default demo_output/hf_qwen)",
     )
     args = parser.parse_args(argv)
     families = FAMILIES if args.family == "both" else (args.family,)

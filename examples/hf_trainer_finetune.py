@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hf_qwen_finetune import MixedVisionDataset, collate, tiny_qwen2_5_vl
 from plot_vit_balance import main as draw_dashboard
-from tiny_vlm import positive_int
+from tiny_vlm import output_dir, positive_int
 
 from lightning_vit_balance import ViTBalanceTrainerCallback, balance_vision_tower
 
@@ -55,7 +55,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-size", type=positive_int, default=2, help="samples per rank and step (default 2)"
     )
-    parser.add_argument("--output", default="demo_output/hf_trainer", help="the Trainer's output directory")
+    parser.add_argument(
+        "--output", type=output_dir, default="demo_output/hf_trainer", help="the Trainer's output directory"
+    )
     return parser.parse_args(argv)
 
 

@@ -23,6 +23,7 @@ import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,23 @@ def positive_float(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected a finite number > 0")
     return value
+
+
+def output_dir(text: str) -> str:
+    """An argparse ``type`` for the examples' ``--output`` folders: a usage error when the path, or
+    a folder above it, is an existing file (the run would end in a traceback once it had trained,
+    and under torchrun leave the other ranks waiting for the one that raised)."""
+    if not text:
+        raise argparse.ArgumentTypeError("'' is invalid: expected a folder")
+    path = Path(text)
+    for existing in (path, *path.parents):
+        if existing.exists():
+            if not existing.is_dir():
+                raise argparse.ArgumentTypeError(
+                    f"{text!r} is invalid: {str(existing)!r} is a file, not a folder"
+                )
+            break
+    return text
 
 
 def patch_positions(grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -510,6 +510,22 @@ def test_demo_flags_out_of_range_are_usage_errors(
     assert done.value.code == 2 and f"argument {flag}: " in capsys.readouterr().err
 
 
+def test_an_output_folder_that_is_a_file_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--output`` naming a file, or a folder under one, fails at once, not after training."""
+    import demo
+
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    for value in (taken, taken / "logs"):
+        with pytest.raises(SystemExit) as done:
+            demo.parse_args(["--output", str(value)])
+        assert done.value.code == 2 and f"'{taken}' is a file" in capsys.readouterr().err
+    for value in (tmp_path, tmp_path / "new" / "logs"):  # folders, existing or to be made
+        assert demo.parse_args(["--output", str(value)]).output == str(value)
+
+
 def test_demo_short_run_matches_losses_and_writes_dashboard(tmp_path: Path) -> None:
     """``examples/demo.py --steps 2``: two real 2-rank fits, same losses, summary and PNG."""
     import demo

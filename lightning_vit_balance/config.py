@@ -80,8 +80,11 @@ class ViTBalanceConfig:
             built in Python (or an absent one on a module using the mixin) means balancing is wanted,
             so the dataclass default is on. Set ``False`` to call the ViT directly.
         max_len_ratio: The seed's ``--dp-balance-max-len-ratio-vit``: no rank receives more than
-            ``mean_patches_per_rank * max_len_ratio`` patches when that is achievable. ``None``
-            (default) means no cap. Must be at least 1.
+            ``mean_patches_per_rank * max_len_ratio`` patches when that is achievable (the
+            locality solver; the ``"lpt"`` solver places greedily, an image with room nowhere on the
+            lightest rank), but for a rank that encodes one image alone, which may exceed it (see
+            :mod:`lightning_vit_balance.planning`). ``None`` (default) means no cap. Must be at
+            least 1.
         trigger_threshold: The seed's ``--dp-balance-trigger-threshold-vit``: skip balancing when
             the imbalance ratio ``max_load / mean_load - 1`` is below this value. Default 0.2.
         verbose: The seed's ``--dp-balance-verbose``: DP rank 0 prints a report per call
@@ -111,7 +114,7 @@ class ViTBalanceConfig:
             many move/swap refinements.
         min_gain: Locality solver: skip (reason ``"no-gain"``) when the plan lowers the makespan
             by less than this fraction of the unbalanced makespan, since the exchange would cost
-            more than it saves.
+            more than it saves. (The ``"lpt"`` solver skips so when its plan does not lower it.)
         empty_rank_forward: What a rank left with no images does so that every rank runs the
             same forward: ``"attached"`` (default) runs the ViT on one tiny dummy image and returns
             zero-row outputs still attached to the ViT's parameters (DDP without

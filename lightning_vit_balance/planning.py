@@ -21,10 +21,13 @@ Patch cap (``config.max_len_ratio``): both solvers give an image to a rank only 
 patches stay within ``cap = mean_patches_per_rank * max_len_ratio``; the locality solver also
 sheds from a rank above the cap. When no rank has room the LPT solver gives the image to the
 lightest rank and the locality solver keeps it at home. An image larger than the cap on its own
-never fits anywhere: the locality solver keeps it at home (moving it would only move the
-overflow), so its rank exceeds the cap by that image alone, and sheds every other image of that
-rank that fits elsewhere. One exception: a rank that must hold an image and would otherwise be
-idle may be given a single image larger than the cap when no other image is left.
+never fits anywhere: the locality solver's heuristics keep it at home (moving it would only move
+the overflow), so its rank exceeds the cap by that image alone, and shed every other image of
+that rank that fits elsewhere. A rank that encodes a single image is exempt from the cap: that
+image may be larger than the cap where the plan chosen gives it to a rank alone (the seed's LPT
+plan, one of the locality solver's candidates, may, when its home rank holds several such
+images; or a rank that would otherwise be idle). Such a rank then holds no more patches than
+the image's home rank held without balancing.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
+from operator import mod
 from typing import Any
 
 import numpy as np
@@ -52,7 +56,7 @@ REASONS: dict[str, str] = {
     "no-images": "no rank has an image",
     "below-threshold": "imbalance max/mean - 1 is below config.trigger_threshold",
     "single-image-dominates": "seed solver: one image costs more than the mean rank load",
-    "no-gain": "the best plan lowers the makespan by less than config.min_gain",
+    "no-gain": "the best plan lowers the makespan by less than config.min_gain (lpt: does not lower it)",
 }
 
 
@@ -266,20 +270,21 @@ def _int_rows(values: Sequence[Sequence[int]], name: str, row_expected: str) -> 
     raise ValueError(f"{name}[{bad}]={values[bad]!r} is invalid: expected {row_expected.format(r=bad)}.")
 
 
+#: Patch counts and frames are planned as int64.
+_INT64_END = 2**63
+
+
 def _positive_ints(rows: list[tuple[Any, ...]], name: str, item_expected: str) -> tuple[tuple[int, ...], ...]:
     """The rows as plain ints, or a ``ValueError`` naming ``name[r][i]`` for the first bad entry."""
-    # Fast path: few distinct values, all plain positive Python ints (what the exchange layer hands
-    # over). A set compares by value, so an equal bool or float may hide behind an int: it is equal.
-    try:
-        distinct = set().union(*rows)
-    except TypeError:  # an unhashable entry: the loop below names it
-        distinct = {None}
-    if set(map(type, distinct)) <= {int} and min(distinct, default=1) > 0:
+    # Fast path: plain positive Python ints (what the exchange layer hands over). Every entry's
+    # type is read: a set of the values would keep the first of 1, 1.0 and True, which are equal.
+    flat = [*chain.from_iterable(rows)]
+    if set(map(type, flat)) <= {int} and min(flat, default=1) > 0 and max(flat, default=1) < _INT64_END:
         return tuple(rows)
     for r, row in enumerate(rows):
         for i, n in enumerate(row):
-            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0:
-                raise ValueError(f"{name}[{r}][{i}]={n!r} is invalid: expected {item_expected}.")
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 < n < _INT64_END:
+                raise ValueError(f"{name}[{r}][{i}]={n!r} is invalid: expected {item_expected} below 2**63.")
     return tuple(tuple(int(n) for n in row) for row in rows)
 
 
@@ -310,7 +315,14 @@ def _validate_frames(frames: Sequence[Sequence[int]], counts: tuple[tuple[int, .
             f"frames[{r}] has {len(rows[r])} entries, patch_counts[{r}] has {len(counts[r])}: expected "
             "one T per image."
         )
-    return [*chain.from_iterable(_positive_ints(rows, "frames", "a positive int (temporal steps T)"))]
+    flat = [*chain.from_iterable(_positive_ints(rows, "frames", "a positive int (temporal steps T)"))]
+    if any(map(mod, chain.from_iterable(counts), flat)):  # rare: then find the first to name it
+        r, i = next((r, i) for r, row in enumerate(rows) for i, t in enumerate(row) if counts[r][i] % t)
+        raise ValueError(
+            f"frames[{r}][{i}]={rows[r][i]!r} is invalid for patch_counts[{r}][{i}]={counts[r][i]!r}: "
+            "expected a divisor of it (T of T*H*W)."
+        )
+    return flat
 
 
 def plan_rebalance(
@@ -341,7 +353,7 @@ def plan_rebalance(
         below ``config.trigger_threshold``; then the LPT solver skips when one image costs more
         than the mean load, and the locality solver when its plan lowers the makespan by less
         than ``config.min_gain`` of the unbalanced makespan (without solving when even the lower
-        bound would not).
+        bound would not); the LPT solver when its plan does not lower it at all.
 
     Raises:
         ValueError: ``patch_counts`` is not a non-empty sequence of sequences of positive ints,
@@ -361,7 +373,10 @@ def plan_rebalance(
     if isinstance(outcome, str):
         return _plan(batch, solver, outcome, batch.home, batch.loads)
     loads = rank_loads(batch, outcome)
-    if solver == "locality" and _gain(batch, max(loads)) < config.min_gain:
+    # The seed's LPT applies what it finds, but not a plan that leaves the slowest rank as slow or
+    # slower (under a cap, an image with room nowhere goes to the lightest rank, whatever it holds).
+    min_gain = config.min_gain if solver == "locality" else 0.0
+    if _gain(batch, max(loads)) < min_gain:
         return _plan(batch, solver, "no-gain", batch.home, batch.loads)
     dest = outcome.tolist() if isinstance(outcome, np.ndarray) else outcome
     return _plan(batch, solver, "applied", dest, loads)

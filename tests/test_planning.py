@@ -125,10 +125,11 @@ def _check_plan_invariants(counts: list[list[int]], config: ViTBalanceConfig) ->
         assert plan.loads_after == plan.loads_before
         assert plan.moved_patches == 0
         return plan
+    # Never worse than no balancing; the locality solver better by at least min_gain.
+    gain = (plan.makespan_before - plan.makespan_after) / plan.makespan_before
+    assert gain > 0
     if config.solver == "locality":
-        # Never worse than no balancing, and better by at least min_gain.
-        gain = (plan.makespan_before - plan.makespan_after) / plan.makespan_before
-        assert gain >= config.min_gain and gain > 0
+        assert gain >= config.min_gain
         held = [len(plan.arrivals(r)) for r in range(plan.num_ranks)]
         num_images = sum(map(len, counts))
         if num_images >= len(counts):
@@ -149,9 +150,28 @@ def test_patch_cap_respected_when_images_fit(counts: list[list[int]], ratio: flo
     for rank in range(plan.num_ranks):
         received = sum(plan.receive_patches(rank)) - plan.receive_patches(rank)[rank]
         if received and len(plan.arrivals(rank)) > 1:
-            # A rank that receives any image stays within the cap (a rank given a single image so
-            # that it is not idle may exceed it: that rule comes first).
+            # A rank that receives any image stays within the cap.
             assert sum(plan.receive_patches(rank)) <= cap + 1e-9
+        elif received:
+            # One that encodes a single image is exempt, holding no more than the image's home did.
+            ((src, _),) = plan.arrivals(rank)
+            assert sum(plan.receive_patches(rank)) <= sum(counts[src])
+
+
+def test_an_image_above_the_cap_goes_to_a_rank_alone_only_to_lower_the_makespan() -> None:
+    """A rank with several images above the cap: the chosen plan (the seed's) gives one to a rank
+    that encodes it alone, which then holds less than that image's home rank held."""
+    counts = [[1372], [48, 486, 25], [1575, 10, 1760, 4, 2], [3, 56, 1, 43, 4, 5, 51, 1]]
+    plan = plan_rebalance(counts, ViTBalanceConfig(max_len_ratio=1.1))
+    assert plan.applied and plan.makespan_after < 0.6 * plan.makespan_before
+    assert plan.arrivals(3) == ((2, 0),) and sum(plan.receive_patches(3)) > plan.total_patches / 4 * 1.1
+
+
+def test_the_lpt_solver_never_applies_a_plan_that_slows_the_slowest_rank() -> None:
+    # Under a cap, the image with room nowhere goes to the lightest rank: rank 1 would go 6 -> 8.
+    config = ViTBalanceConfig(solver="lpt", max_len_ratio=1.3, cost_quadratic=0, cost_constant=1)
+    plan = plan_rebalance([[309, 26, 85], [5, 14, 30, 2, 2, 2]], config)
+    assert (plan.applied, plan.reason, plan.loads_after) == (False, "no-gain", (3.0, 6.0))
 
 
 def test_cap_with_an_image_larger_than_the_cap_keeps_it_home() -> None:
@@ -509,6 +529,10 @@ def test_plans_do_not_depend_on_the_python_versions_float_sum(
         ([[1], [-3]], r"patch_counts\[1\]\[0\]=-3"),
         ([[1.5]], r"patch_counts\[0\]\[0\]=1.5"),
         ([[True]], r"patch_counts\[0\]\[0\]=True"),
+        # An int first does not let an equal float or bool after it through.
+        ([[1, 1.0], [2]], r"patch_counts\[0\]\[1\]=1.0"),
+        ([[1, True], [2]], r"patch_counts\[0\]\[1\]=True"),
+        ([[2**63] * 70, [1]], r"patch_counts\[0\]\[0\]=9223372036854775808 is invalid: .* below 2\*\*63"),
         ([5], r"patch_counts\[0\]=5"),
     ],
 )
@@ -526,6 +550,9 @@ def test_numpy_counts_and_custom_cost_model() -> None:
         plan_rebalance([[1, 2]], cost_model=lambda n: -n)
     with pytest.raises(ValueError, match="cost_model"):
         plan_rebalance([[1, 2]], cost_model=lambda n: np.ones(5))
+    # The first invalid cost is named, not a minimum that cannot exceed 0.
+    with pytest.raises(ValueError, match=r"got inf for 2 patches \(1 of 2 costs invalid"):
+        plan_rebalance([[1, 2]], cost_model=lambda n: np.where(n > 1, np.inf, n))
 
 
 @pytest.mark.parametrize(
@@ -541,6 +568,7 @@ def test_numpy_counts_and_custom_cost_model() -> None:
         ([[1, [2]], [1]], r"frames\[0\]\[1\]=\[2\] is invalid"),
         ([[1, 2], 3], r"frames\[1\]=3 is invalid: expected a sequence of positive ints"),
         ([[1, 2], "a"], r"frames\[1\]='a' is invalid"),
+        ([[3, 2], [1]], r"frames\[0\]\[0\]=3 is invalid for patch_counts\[0\]\[0\]=8: expected a divisor"),
     ],
 )
 def test_invalid_frames(frames: object, match: str) -> None:

@@ -241,10 +241,18 @@ def _costs(model: Callable[..., Any], patches: np.ndarray, frames: list[int] | N
             ) from None
         raw = model(counts, frames=steps)
     cost = np.asarray(raw, dtype=np.float64).reshape(-1)
-    if cost.size != counts.size or not np.isfinite(cost).all() or (cost < 0).any():
+    if cost.size != counts.size:
         raise ValueError(
             f"cost_model must map an array of {counts.size} patch counts to as many finite costs "
-            f">= 0, got {cost.size} values with min {cost.min(initial=0.0)!r}."
+            f">= 0, got {cost.size} values."
+        )
+    bad = np.flatnonzero(~np.isfinite(cost) | (cost < 0))
+    if bad.size:
+        k = int(bad[0])
+        raise ValueError(
+            f"cost_model must map patch counts to finite costs >= 0, got {float(cost[k])!r} for "
+            f"{int(patches[k])} patches ({bad.size} of {cost.size} costs invalid; a cost too large "
+            "for float64 is inf)."
         )
     return cost
 

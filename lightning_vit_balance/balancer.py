@@ -81,6 +81,7 @@ from lightning_vit_balance.outputs import (
     flatten_output,
     merge_size_of,
     rebuild_output,
+    unwrap_module,
     window_index_fn,
 )
 from lightning_vit_balance.planning import RebalancePlan, plan_rebalance
@@ -480,6 +481,9 @@ class ViTBalancer:
         self._fingerprint = self.config.fingerprint()
         self._calibrator = _calibrator_for(self.config)
         self._warned_sharded_overlap = False
+        # The tower the cost fit measures (see _note_fitted_tower): a weak reference, so that a
+        # tower rebuilt in its place (a reloaded model) takes over its fit without a warning.
+        self._fitted_tower: Callable[[], Any] | None = None
         self._sharded_vits: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
         # Plans for activation checkpointing's recomputations, where refits may change the plan.
         self._plan_memory = PlanMemory()
@@ -851,6 +855,34 @@ class ViTBalancer:
             )
         return False
 
+    def _note_fitted_tower(self, vit: Any) -> None:
+        """Warn once (group rank 0) when the online cost fit, which measures the calls of one
+        balancer, is fed a second tower's calls while the first one lives: one fit of two towers
+        of different costs (an image ViT and a video encoder) plans both worse than a fit of each."""
+        if self._fitted_tower is _told:
+            return
+        tower = unwrap_module(vit)
+        fitted = self._fitted_tower() if self._fitted_tower is not None else None
+        if fitted is None:
+            try:
+                self._fitted_tower = weakref.ref(tower)
+            except TypeError:  # a callable without weak references: held as it is
+                self._fitted_tower = functools.partial(_held, tower)
+            return
+        if fitted is tower:
+            return
+        self._fitted_tower = _told
+        if dist.get_rank(self.group) == 0:
+            warnings.warn(
+                f"ViTBalancer: calibrate_cost fits one cost model per balancer, and this one encodes "
+                f"for {_tower_name(tower)} after {_tower_name(fitted)}: their measured times are "
+                "fitted together, which plans both towers worse than a fit of each. Expected one "
+                "ViTBalancer per tower (under ViTBalanceMixin, encode_images keeps one balancer for "
+                "every tower: call a second tower through a ViTBalancer of its own).",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
     def _sharded(self, vit: Any) -> bool:
         """Whether ``vit``'s parameters are sharded (FSDP, ZeRO-3): each of its calls gathers them,
         a collective. The same on every rank: the model is sharded alike on all of them."""
@@ -956,6 +988,8 @@ class ViTBalancer:
         return BalancedBatch(pixels, grid, counts, False, received)
 
     def _start(self, vit: Any, pixel_values: Any) -> _Call:
+        if self._calibrator is not None:
+            self._note_fitted_tower(vit)
         preferred = pixel_values.device if isinstance(pixel_values, torch.Tensor) else None
         return _Call(
             group=self.group,
@@ -1547,6 +1581,18 @@ def _backend_errors_explained(what: str, advice: str = "") -> Iterator[None]:
 
 def _print_line(line: str) -> None:
     print(line, flush=True)
+
+
+def _told() -> None:
+    """The fitted tower once :meth:`ViTBalancer._note_fitted_tower` has warned: none to compare."""
+
+
+def _held(tower: Any) -> Any:
+    return tower
+
+
+def _tower_name(tower: Any) -> str:
+    return f"{type(tower).__name__} (id {id(tower):#x})"
 
 
 def _window_index(vit: Any, grid_thw: torch.Tensor) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
+import warnings
 from typing import Any
 
 import pytest
@@ -265,6 +266,37 @@ def test_a_recomputation_recalls_its_calls_plan_past_a_frozen_call_planned_ahead
     with multirank(POOL) as w:
         results = w.run(_teacher_planned_ahead_then_checkpointed_student)[:RANKS]
     assert all(r == [(False, True)] * 3 for r in results), results
+
+
+def _towers_told_apart() -> list[int] | None:
+    """Fit warnings group rank 0 records: two towers through one calibrating balancer (one, however
+    often they alternate), a tower rebuilt in place of a dead one (none), a balancer that does not
+    calibrate (none)."""
+    setup = _calibrating()
+    if setup is None:
+        return None
+    rank, tower, balancer = setup
+    pixels, grid = towers.make_batch([(1, 4, 2 + 2 * rank)] * (1 + 2 * rank), seed=rank)
+
+    def told(target: ViTBalancer, *vits: Any) -> int:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for vit in vits:
+                target(vit() if callable(vit) and not isinstance(vit, torch.nn.Module) else vit, pixels, grid)
+        return sum("fitted together" in str(w.message) for w in caught)
+
+    other = towers.TensorTower(dim=8)
+    two = told(ViTBalancer(balancer.config, balancer.group), tower, tower, other, other, tower)
+    # Each call's tower is made for it and dies after it: the next one takes the fit over.
+    rebuilt = told(ViTBalancer(balancer.config, balancer.group), *[lambda: towers.TensorTower(dim=8)] * 3)
+    plain = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0), balancer.group)
+    return [two, rebuilt, told(plain, tower, other)]
+
+
+def test_a_second_tower_through_one_calibrating_balancer_warns_once(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        told = w.run(_towers_told_apart)
+    assert told[0] == [1, 0, 0] and told[1:RANKS] == [[0, 0, 0]] * (RANKS - 1), told
 
 
 def _state_loaded_on_one_rank() -> list[str]:

@@ -857,17 +857,14 @@ class ViTBalancer:
 
     def _note_fitted_tower(self, vit: Any) -> None:
         """Warn once (group rank 0) when the online cost fit, which measures the calls of one
-        balancer, is fed a second tower's calls while the first one lives: one fit of two towers
+        balancer, is fed a second tower module's calls while the first one lives: one fit of two towers
         of different costs (an image ViT and a video encoder) plans both worse than a fit of each."""
-        if self._fitted_tower is _told:
-            return
         tower = unwrap_module(vit)
+        if self._fitted_tower is _told or not isinstance(tower, torch.nn.Module):
+            return  # a plain callable may be made anew for each call (a lambda around the tower)
         fitted = self._fitted_tower() if self._fitted_tower is not None else None
         if fitted is None:
-            try:
-                self._fitted_tower = weakref.ref(tower)
-            except TypeError:  # a callable without weak references: held as it is
-                self._fitted_tower = functools.partial(_held, tower)
+            self._fitted_tower = weakref.ref(tower)
             return
         if fitted is tower:
             return
@@ -1585,10 +1582,6 @@ def _print_line(line: str) -> None:
 
 def _told() -> None:
     """The fitted tower once :meth:`ViTBalancer._note_fitted_tower` has warned: none to compare."""
-
-
-def _held(tower: Any) -> Any:
-    return tower
 
 
 def _tower_name(tower: Any) -> str:

@@ -287,6 +287,7 @@ def plot_dashboard(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     loads = {"before": _rank_series(metrics, "load_before"), "after": _rank_series(metrics, "load_after")}
     measured = _rank_series(metrics, "vit_ms")
@@ -304,6 +305,7 @@ def plot_dashboard(
         _plot_timings(axes[-1], timings, timings_title)
     for ax in axes:
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 2.5 on a short run
     fig.tight_layout()
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,7 @@ from lightning_vit_balance.outputs import (
 from lightning_vit_balance.problems import (
     DTYPES,
     GRID_DTYPES,
+    PIXEL_DTYPES,
     InputProblem,
     describe_problem,
     problem_details,
@@ -151,7 +152,7 @@ def _shape_problem(pixel_values: Any, grid_thw: Any) -> RankMetadata | None:
         return _bad(InputProblem.PIXELS_NOT_TENSOR, pixel_values)
     if pixel_values.dim() != 2:
         return _bad(InputProblem.PIXELS_SHAPE, pixel_values, ndim=pixel_values.dim())
-    if not pixel_values.is_floating_point():
+    if pixel_values.dtype not in PIXEL_DTYPES:
         return _bad(InputProblem.PIXELS_DTYPE, pixel_values, pixel_dtype=dtype_code(pixel_values.dtype))
     return None
 
@@ -223,9 +224,16 @@ def _first(mask: torch.Tensor) -> int | None:
     return int(hits[0, 0]) if hits.numel() else None
 
 
+#: Patch counts (T*H*W per image, and their sum) are planned and counted as int64: kept below 2**62.
+_GRID_PRODUCT_END = float(2**62)
+
+
 def _grid_problem(pixel_values: torch.Tensor, rows: torch.Tensor, merge_size: int) -> RankMetadata | None:
     """Problems of the grid rows ``[n, 3]`` (int64, on the host), first image first."""
-    bad = _first((rows <= 0).any(dim=1))
+    # Products in float64 as well: an int64 product that wraps (corrupt grids) must not pass.
+    products = rows.double().prod(dim=1)
+    wraps = products.cumsum(0) >= _GRID_PRODUCT_END
+    bad = _first((rows <= 0).any(dim=1) | wraps)
     if bad is not None:
         t, h, w = rows[bad].tolist()
         return _bad(InputProblem.GRID_VALUE, pixel_values, index=bad, t=t, h=h, w=w)

@@ -25,6 +25,7 @@ __all__ = [
     "GRID_DTYPES",
     "GRID_DTYPE_NAMES",
     "MAX_DETAILS",
+    "PIXEL_DTYPES",
     "PROBLEMS",
     "InputProblem",
     "ProblemTemplate",
@@ -48,6 +49,10 @@ DTYPES: tuple[torch.dtype, ...] = (
 #: The dtypes ``grid_thw`` may have: a rank encoding another's images builds their grid rows in its
 #: own grid's dtype, which must hold any rank's values (a W of 130 wraps around in int8).
 GRID_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
+#: The dtypes ``pixel_values`` may have: floating dtypes every backend's collectives carry (gloo
+#: and NCCL carry no float8, and a float8 rank next to one building empty float32 rows would leave
+#: it waiting in the pixel trip).
+PIXEL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 #: ``GRID_DTYPES`` as the error messages spell them ("int32 or int64").
 GRID_DTYPE_NAMES = " or ".join(str(dtype).removeprefix("torch.") for dtype in GRID_DTYPES)
 #: Device types a rank can report, by code.
@@ -104,6 +109,12 @@ class ProblemTemplate:
         return self.template.format(**named)
 
 
+def _dtype_text(code: int) -> str:
+    if 0 <= code < len(DTYPES):
+        return f"dtype {DTYPES[code]}"
+    return "a dtype the collectives do not carry (float8 or another: cast the rows before the call)"
+
+
 def _grid_shape(values: dict[str, int]) -> dict[str, object]:
     ndim = values["ndim"]
     sizes = [values["size0"], values["size1"], values["size2"]]
@@ -141,7 +152,8 @@ PROBLEMS: dict[InputProblem, ProblemTemplate] = {
     ),
     InputProblem.GRID_VALUE: ProblemTemplate(
         ("index", "t", "h", "w"),
-        "grid_thw[{index}] = [{t}, {h}, {w}]: expected positive integers (T, H, W) for every image",
+        "grid_thw[{index}] = [{t}, {h}, {w}]: expected positive integers (T, H, W) for every image, "
+        "whose product T*H*W and sum over the images stay below 2**62",
     ),
     InputProblem.PIXELS_NOT_TENSOR: ProblemTemplate(
         (), "pixel_values is not a torch.Tensor: expected a float tensor of shape [sum(T*H*W), C]"
@@ -150,7 +162,9 @@ PROBLEMS: dict[InputProblem, ProblemTemplate] = {
         ("ndim",), "pixel_values has {ndim} dims: expected a 2-D tensor [sum(T*H*W), C]"
     ),
     InputProblem.PIXELS_DTYPE: ProblemTemplate(
-        ("pixel_dtype",), "pixel_values has dtype {pixel_dtype}: expected a floating-point dtype"
+        ("pixel_dtype",),
+        "pixel_values has {pixel_text}: expected float32, float16, bfloat16 or float64",
+        lambda values: {"pixel_text": _dtype_text(values["pixel_dtype"])},
     ),
     InputProblem.PIXEL_ROWS: ProblemTemplate(
         ("rows", "expected"), "pixel_values has {rows} rows: expected sum(T*H*W) over grid_thw = {expected}"

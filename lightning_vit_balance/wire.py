@@ -41,29 +41,51 @@ def _is_float(dtype: torch.dtype) -> bool:
 
 def transit_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
     """Dtype of the return-trip buffer: the common floating dtype of the outputs (widening casts
-    only, so the trip is exact), or the common integer dtype when no output is floating."""
-    floating = [d for d in dtypes if _is_float(d)]
-    chosen = floating if floating else [d for d in dtypes if d != torch.bool] or [torch.uint8]
-    common = chosen[0]
-    for dtype in chosen[1:]:
+    only, so the trip is exact), or, when no output is floating, an integer dtype as wide as their
+    widest that every backend's collectives carry (``uint8``, ``int32`` or ``int64``: gloo and
+    NCCL carry no ``int16``)."""
+    floating = [_exactly_in(d) for d in dtypes if _is_float(d)]
+    if not floating:
+        widest = max((d.itemsize for d in dtypes if d != torch.bool), default=1)
+        return _INTEGER_TRANSIT[min(widest, 8)]
+    common = floating[0]
+    for dtype in floating[1:]:
         common = torch.promote_types(common, dtype)
-    if common.is_floating_point and common.itemsize < 2:
-        common = torch.float16  # float8 values are exact in float16
     return common
 
 
+#: The integer transit dtype for outputs whose widest is this many bytes.
+_INTEGER_TRANSIT = {1: torch.uint8, 2: torch.int32, 4: torch.int32, 8: torch.int64}
+
+
+def _exactly_in(dtype: torch.dtype) -> torch.dtype:
+    """A floating dtype of 2 bytes or more that holds every ``dtype`` value exactly (``torch``
+    promotes no float8 dtype): float16 for float8 values, float32 for ``float8_e8m0fnu``'s powers
+    of two down to ``2**-127``."""
+    if dtype.is_complex or dtype.itemsize >= 2:
+        return dtype
+    return torch.float32 if "e8m0" in str(dtype) else torch.float16
+
+
 def _integer_carrier(dtype: torch.dtype, transit: torch.dtype) -> torch.dtype:
-    """An integer dtype holding ``dtype`` exactly, at least as wide as ``transit``."""
-    size = max(dtype.itemsize, transit.itemsize)
+    """An integer dtype holding ``dtype`` exactly, at least as wide as ``transit`` (``int64`` for a
+    ``complex128`` transit, whose values then carry one integer each: see :func:`_pairs`)."""
+    size = min(max(dtype.itemsize, transit.itemsize), 8)
     if dtype.itemsize == size and dtype != torch.bool:
         return dtype
     return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
 
 
+def _pairs(transit: torch.dtype) -> bool:
+    """Whether integers travel in ``transit`` as (value, 0) pairs: 16-byte values have no integer
+    dtype as wide, so each carries one ``int64``."""
+    return transit.itemsize > 8
+
+
 def elements_per_row(leaf: torch.Tensor, transit: torch.dtype) -> int:
     """Transit elements one row of ``leaf`` takes (integers travel bit-for-bit, see :func:`pack_rows`)."""
     per_value = 1
-    if not _is_float(leaf.dtype):
+    if not _is_float(leaf.dtype) and not _pairs(transit):
         per_value = _integer_carrier(leaf.dtype, transit).itemsize // transit.itemsize
     return math.prod(leaf.shape[1:]) * per_value
 
@@ -80,6 +102,10 @@ def pack_rows(rows: torch.Tensor, transit: torch.dtype) -> torch.Tensor:
     if not _is_float(transit) and rows.dtype == transit:
         return rows.reshape(-1)
     carrier = _integer_carrier(rows.dtype, transit)
+    if _pairs(transit):
+        paired = rows.new_zeros((*rows.shape, 2), dtype=carrier)
+        paired[..., 0] = rows.detach()
+        return paired.view(transit).reshape(-1)
     return rows.detach().to(carrier).contiguous().view(transit).reshape(-1)
 
 
@@ -87,12 +113,23 @@ def unpack_rows(chunk: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Ten
     """The inverse of :func:`pack_rows`: ``[rows, *like.shape[1:]]`` in ``like.dtype``."""
     shape = (rows, *like.shape[1:])
     if _is_float(like.dtype):
-        return chunk.view(shape).to(like.dtype)
+        return _cast(chunk.view(shape), like.dtype)
     if not _is_float(chunk.dtype) and chunk.dtype == like.dtype:
         return chunk.detach().view(shape)
     carrier = _integer_carrier(like.dtype, chunk.dtype)
     # A fresh copy: the chunk's offset in the buffer need not be aligned for the wider carrier.
-    return chunk.detach().clone().view(carrier).view(shape).to(like.dtype)
+    values = chunk.detach().clone().view(carrier)
+    if _pairs(chunk.dtype):
+        return values.view(*shape, 2)[..., 0].to(like.dtype).contiguous()
+    return values.view(shape).to(like.dtype)
+
+
+def _cast(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` (floats carried wider) in ``dtype``: a real output carried in a complex transit
+    is its real part (the imaginary part is 0: torch's cast would warn that it discards it)."""
+    if values.is_complex() and not dtype.is_complex:  # every other value of the real view
+        return values.real.contiguous().to(dtype)
+    return values.to(dtype)
 
 
 # -- the return trip's buffer, for autograd -------------------------------------------------------
@@ -147,7 +184,7 @@ class _PackFunction(torch.autograd.Function):
             placed[k][j] = part
         # Each output's gradient in transit values, zeros where its rows went nowhere.
         grads = [
-            fill_rows(placed[k], _row_sizes(cuts, per_row), math.prod(shape), grad).view(shape).to(dtype)
+            _cast(fill_rows(placed[k], _row_sizes(cuts, per_row), math.prod(shape), grad).view(shape), dtype)
             if _is_float(dtype)
             else None
             for k, (cuts, per_row, (shape, dtype, _)) in enumerate(zip(pieces.cuts, ctx.elements, ctx.leaves))
@@ -237,7 +274,8 @@ def _joined_output(chunks: Sequence[torch.Tensor], rows: Sequence[int], like: to
         torch.cat(list(chunks), out=output.view(-1))
         return output
     if _is_float(like.dtype):  # floats carried wider: the cast is the copy
-        return torch.cat(list(chunks)).view(sum(rows), *like.shape[1:]).to(like.dtype)
+        joined = _cast(torch.cat(list(chunks)).view(sum(rows), *like.shape[1:]), like.dtype)
+        return joined.clone() if joined._is_view() else joined
     unpacked = unpack_rows(torch.cat(list(chunks)), sum(rows), like)
     return unpacked.clone() if unpacked._is_view() else unpacked
 

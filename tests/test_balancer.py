@@ -385,6 +385,8 @@ def _bad_inputs(bad_rank: int) -> list[str]:
         (pixels[:-1], grid),  # pixel rows
         (pixels.unsqueeze(0), grid),  # pixel dims
         (pixels.to(torch.int32), grid),  # pixel dtype
+        (pixels.to(torch.float8_e4m3fn), grid),  # floating, but no backend carries it
+        (pixels, torch.tensor([[1, 2**32, 2**32]])),  # T*H*W wraps int64
         ("pixels", grid),  # not a tensor
         (pixels, [[1, 4, 4]]),  # grid not a tensor
         towers.make_batch([(1, 4, 4), (1, 4, 9)], seed=rank),  # W not divisible by the merge size
@@ -406,6 +408,49 @@ def _bad_inputs(bad_rank: int) -> list[str]:
     return messages
 
 
+class _IntegerTower(towers.TensorTower):
+    """Outputs of dtypes no backend's collectives carry together: ``"small"``, int16 alone per
+    patch; ``"pair"``, int8 next to uint8 (their common dtype is int16); ``"coarse"``, float8 next
+    to float32 (torch promotes no float8)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.key = key
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+        embeds = super().forward(pixel_values, grid_thw)
+        ids = self.core.encode(pixel_values, grid_thw).argmax(-1)
+        return {
+            "small": ids.to(torch.int16),
+            "pair": (ids.to(torch.int8), (ids * 7).to(torch.uint8)),
+            "coarse": (embeds, embeds.detach().to(torch.float8_e4m3fn)),
+        }[self.key]
+
+
+def _integer_outputs() -> bool:
+    grids = [[(1, 8, 8), (1, 6, 6)], [(1, 2, 2)], [(1, 2, 2)], [(1, 4, 4)]][dist.get_rank()]
+    pixels, grid = towers.make_batch(grids, seed=1)
+    balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0))
+    applied = []
+    for key in ("small", "pair", "coarse"):
+        torch.manual_seed(0)
+        tower = _IntegerTower(key)
+        out, direct = balancer(tower, pixels, grid), tower(pixels, grid)
+        applied.append(balancer.last_stats is not None and balancer.last_stats.applied)
+        if key == "coarse":
+            assert torch.equal(out[1].view(torch.uint8), direct[1].view(torch.uint8))
+            # Same ops on the same rows in another batch: fp32 agrees to a few ulps.
+            torch.testing.assert_close(out[0], direct[0], rtol=1e-4, atol=1e-5)
+        else:  # integer outputs alone in the return buffer: bit for bit
+            torch.testing.assert_close(out, direct, rtol=0, atol=0)
+    return all(applied)
+
+
+def test_outputs_of_dtypes_no_backend_carries_travel_in_one_that_does(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        assert w.run(_integer_outputs) == [True] * POOL
+
+
 def test_bad_inputs_raise_on_all_ranks(multirank: Any) -> None:
     """Every invalid input on one rank raises the same ValueError, naming that rank, everywhere."""
     with multirank(POOL) as w:
@@ -420,6 +465,8 @@ def test_bad_inputs_raise_on_all_ranks(multirank: Any) -> None:
         "pixel_values has 47 rows: expected sum(T*H*W) over grid_thw = 48",
         "pixel_values has 3 dims",
         "pixel_values has dtype torch.int32",
+        "pixel_values has a dtype the collectives do not carry",
+        "grid_thw[0] = [1, 4294967296, 4294967296]",
         "pixel_values is not a torch.Tensor",
         "grid_thw is not a torch.Tensor",
         "W=9",

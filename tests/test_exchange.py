@@ -16,7 +16,7 @@ from test_faults import _vit_case as vit_case
 from test_many_ranks import _suite as many_ranks_suite
 
 from lightning_vit_balance import ViTBalanceConfig, ViTBalancer, exchange
-from lightning_vit_balance.encoding import TripClock
+from lightning_vit_balance.encoding import TripClock, validate_input
 from lightning_vit_balance.exchange import (
     ExchangeRoute,
     RankMetadata,
@@ -270,6 +270,21 @@ def test_describe_problem_messages_are_distinct_and_specific() -> None:
     assert "pixel_values is on cuda:1: expected the current device cuda:0" in wrong_gpu
     for code, fragment in fragments.items():
         assert fragment in messages[code], (code, messages[code])
+
+
+def test_pixels_no_backend_carries_and_grids_whose_products_wrap_are_input_problems() -> None:
+    """float8 rows passed as floating; grids whose T*H*W wrapped int64 passed with 4 pixel rows."""
+    grid = torch.tensor([[1, 2, 2]])
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int64):
+        found = validate_input(torch.zeros(4, 3).to(dtype), grid, 2, None, check_device=False)
+        assert found.status == InputProblem.PIXELS_DTYPE
+        message = describe_problem(found.status, found.details)
+        assert "expected float32, float16, bfloat16 or float64" in message
+        assert ("torch.int64" if dtype == torch.int64 else "collectives do not carry") in message
+    for wraps in ([[2**32, 2, 2**31], [1, 2, 2]], [[1, 2**32, 2**32]], [[2**60, 2, 1], [2**60, 2, 1]]):
+        found = validate_input(torch.zeros(4, 3), torch.tensor(wraps), 2, None, check_device=False)
+        assert found.status == InputProblem.GRID_VALUE, wraps
+        assert "below 2**62" in describe_problem(found.status, found.details)
 
 
 def test_route_from_plan() -> None:

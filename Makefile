@@ -10,12 +10,22 @@ DEEPSPEED_REQUIREMENTS ?= requirements/deepspeed.txt
 CONSTRAINTS ?= requirements/constraints.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The requirement files the environment was built from, by name: a call naming others (`make test
+# TORCH_REQUIREMENTS=...`) rebuilds it, also where they are older than its last build.
+REQUIREMENTS_NAMES := $(TORCH_REQUIREMENTS) $(TRANSFORMERS_REQUIREMENTS) $(DEEPSPEED_REQUIREMENTS) $(CONSTRAINTS)
+REQUIREMENTS_USED := $(VENV)/.requirements-used
 
-.PHONY: install test test-transformers4 test-torch-oldest demo bench bench-e2e bench-engine bench-memory bench-ranks bench-predict gpu-check bench-gpu plan-versions lint clean
+.PHONY: FORCE install test test-transformers4 test-torch-oldest demo bench bench-e2e bench-engine bench-memory bench-ranks bench-predict gpu-check bench-gpu plan-versions lint clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml $(TORCH_REQUIREMENTS) $(TRANSFORMERS_REQUIREMENTS) $(DEEPSPEED_REQUIREMENTS) $(CONSTRAINTS)
+$(REQUIREMENTS_USED): FORCE
+	@mkdir -p $(VENV)
+	@echo '$(REQUIREMENTS_NAMES)' | cmp -s - $@ || echo '$(REQUIREMENTS_NAMES)' > $@
+
+FORCE:
+
+$(STAMP): pyproject.toml $(REQUIREMENTS_USED) $(TORCH_REQUIREMENTS) $(TRANSFORMERS_REQUIREMENTS) $(DEEPSPEED_REQUIREMENTS) $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -r $(TORCH_REQUIREMENTS)
 	$(PY) -m pip install --quiet -e ".[dev]" -r $(TRANSFORMERS_REQUIREMENTS) $(if $(CONSTRAINTS),-c $(CONSTRAINTS))

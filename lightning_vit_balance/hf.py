@@ -644,7 +644,7 @@ def _hook_optimizer_steps() -> None:
         _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_optimizer_step))
 
 
-@torch.compiler.disable  # a compiled optimizer step calls it as it is
+@eager  # a compiled optimizer step calls it as it is
 def _before_optimizer_step(
     optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:

@@ -107,7 +107,12 @@ def test_importing_the_package_imports_only_what_is_used() -> None:
         "assert 'lightning' not in sys.modules, 'eager lightning import'; "
         "assert 'torchmetrics' not in sys.modules, 'eager torchmetrics import'; "
         "assert 'transformers' not in sys.modules, 'eager transformers import'; "
-        "assert {'ViTBalanceMixin', 'ViTBalanceTrainerCallback'} <= set(m.__all__) - set(vars(m))"
+        "assert {'ViTBalanceMixin', 'ViTBalanceTrainerCallback'} <= set(m.__all__) - set(vars(m)); "
+        # The engine's and the drop-in's code compile lazily: TorchDynamo costs an import a second.
+        "import lightning_vit_balance.hf; "
+        "assert 'torch._dynamo' not in sys.modules, 'eager TorchDynamo import'; "
+        "import importlib.metadata as md; "
+        "assert m.__version__ == md.version('lightning-vit-balance'), m.__version__"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

@@ -14,16 +14,12 @@ STAMP := $(VENV)/.installed
 # TORCH_REQUIREMENTS=...`) rebuilds it, also where they are older than its last build.
 REQUIREMENTS_NAMES := $(TORCH_REQUIREMENTS) $(TRANSFORMERS_REQUIREMENTS) $(DEEPSPEED_REQUIREMENTS) $(CONSTRAINTS)
 REQUIREMENTS_USED := $(VENV)/.requirements-used
+# Written as make reads this file (so `make -n` tells the truth), and only when the names differ.
+_ := $(shell mkdir -p $(VENV) && (echo '$(REQUIREMENTS_NAMES)' | cmp -s - $(REQUIREMENTS_USED) || echo '$(REQUIREMENTS_NAMES)' > $(REQUIREMENTS_USED)))
 
-.PHONY: FORCE install test test-transformers4 test-torch-oldest demo bench bench-e2e bench-engine bench-memory bench-ranks bench-predict gpu-check bench-gpu plan-versions lint clean
+.PHONY: install test test-transformers4 test-torch-oldest demo bench bench-e2e bench-engine bench-memory bench-ranks bench-predict gpu-check bench-gpu plan-versions lint clean
 
 install: $(STAMP)
-
-$(REQUIREMENTS_USED): FORCE
-	@mkdir -p $(VENV)
-	@echo '$(REQUIREMENTS_NAMES)' | cmp -s - $@ || echo '$(REQUIREMENTS_NAMES)' > $@
-
-FORCE:
 
 $(STAMP): pyproject.toml $(REQUIREMENTS_USED) $(TORCH_REQUIREMENTS) $(TRANSFORMERS_REQUIREMENTS) $(DEEPSPEED_REQUIREMENTS) $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)

@@ -12,9 +12,11 @@ import torch
 import torch.distributed as dist
 import towers
 from multirank import subgroup
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
 from lightning_vit_balance import ViTBalanceConfig, ViTBalancer, plan_rebalance
+from lightning_vit_balance.balancer import _wrapped_tower
 
 POOL = 4
 RANKS = 3
@@ -283,20 +285,26 @@ def _towers_told_apart() -> list[int] | None:
             warnings.simplefilter("always")
             for vit in vits:
                 target(vit() if callable(vit) and not isinstance(vit, torch.nn.Module) else vit, pixels, grid)
-        return sum("fitted together" in str(w.message) for w in caught)
+        told = [w for w in caught if "fitted together" in str(w.message)]
+        assert all(w.filename == __file__ for w in told), [w.filename for w in told]  # the caller's line
+        return len(told)
 
     other = towers.TensorTower(dim=8)
     two = told(ViTBalancer(balancer.config, balancer.group), tower, tower, other, other, tower)
     # Each call's tower is made for it and dies after it: the next one takes the fit over.
     rebuilt = told(ViTBalancer(balancer.config, balancer.group), *[lambda: towers.TensorTower(dim=8)] * 3)
     plain = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0), balancer.group)
-    return [two, rebuilt, told(plain, tower, other)]
+    # One tower, wrapped for some calls only (activation checkpointing's wrapper; torch.compile's
+    # keeps it in _orig_mod too).
+    assert _wrapped_tower(torch.compile(checkpoint_wrapper(tower))) is tower
+    wrapped = told(ViTBalancer(balancer.config, balancer.group), tower, checkpoint_wrapper(tower), tower)
+    return [two, rebuilt, told(plain, tower, other), wrapped]
 
 
 def test_a_second_tower_through_one_calibrating_balancer_warns_once(multirank: Any) -> None:
     with multirank(POOL) as w:
         told = w.run(_towers_told_apart)
-    assert told[0] == [1, 0, 0] and told[1:RANKS] == [[0, 0, 0]] * (RANKS - 1), told
+    assert told[0] == [1, 0, 0, 0] and told[1:RANKS] == [[0, 0, 0, 0]] * (RANKS - 1), told
 
 
 def _state_loaded_on_one_rank() -> list[str]:

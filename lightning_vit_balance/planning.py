@@ -270,8 +270,9 @@ def _int_rows(values: Sequence[Sequence[int]], name: str, row_expected: str) -> 
     raise ValueError(f"{name}[{bad}]={values[bad]!r} is invalid: expected {row_expected.format(r=bad)}.")
 
 
-#: Patch counts and frames are planned as int64.
+#: Patch counts and frames are planned as int64, and their sums counted so.
 _INT64_END = 2**63
+_TOTAL_END = 2**62
 
 
 def _positive_ints(rows: list[tuple[Any, ...]], name: str, item_expected: str) -> tuple[tuple[int, ...], ...]:
@@ -298,7 +299,11 @@ def _validate_patch_counts(patch_counts: Sequence[Sequence[int]]) -> tuple[tuple
         if sequence and not patch_counts:
             raise ValueError("patch_counts must have one entry per rank, got an empty sequence (0 ranks).")
         rows = _int_rows(patch_counts, "patch_counts", "a sequence of positive ints")
-    return _positive_ints(rows, "patch_counts", "a positive int (T*H*W)")
+    counts = _positive_ints(rows, "patch_counts", "a positive int (T*H*W)")
+    total = sum(map(sum, counts))
+    if total >= _TOTAL_END:  # the plan's figures (moved and total patches) are int64 sums
+        raise ValueError(f"patch_counts sum to {total}: expected a total below 2**62.")
+    return counts
 
 
 def _validate_frames(frames: Sequence[Sequence[int]], counts: tuple[tuple[int, ...], ...]) -> list[int]:

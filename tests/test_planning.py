@@ -533,6 +533,10 @@ def test_plans_do_not_depend_on_the_python_versions_float_sum(
         ([[1, 1.0], [2]], r"patch_counts\[0\]\[1\]=1.0"),
         ([[1, True], [2]], r"patch_counts\[0\]\[1\]=True"),
         ([[2**63] * 70, [1]], r"patch_counts\[0\]\[0\]=9223372036854775808 is invalid: .* below 2\*\*63"),
+        (
+            [[2**62 - 1, 2**62 - 1], [4]],
+            r"patch_counts sum to 9223372036854775810: expected a total below 2\*\*62",
+        ),
         ([5], r"patch_counts\[0\]=5"),
     ],
 )

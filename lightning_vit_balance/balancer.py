@@ -611,9 +611,11 @@ class ViTBalancer:
 
         Call it on every rank of the group, as early as the batch is known on the host (e.g. in
         Lightning's ``on_before_batch_transfer``), then pass the result as ``prepared=`` to the
-        call that encodes that batch. Only shapes and dtypes of ``pixel_values`` are read, so a
-        host copy (or the batch before it moves to the device) will do; ``grid_thw`` should be on
-        the CPU so that reading it does not wait for a device.
+        call that encodes that batch. It gathers over the group, so it runs in the training
+        process, not in a DataLoader worker (a ``collate_fn`` with ``num_workers > 0``). Only
+        shapes and dtypes of ``pixel_values`` are read, so a host copy (or the batch before it
+        moves to the device) will do; ``grid_thw`` should be on the CPU so that reading it does not
+        wait for a device.
 
         Args:
             pixel_values: ``[sum(T*H*W), C]`` (its rows, ``C``, dtype and ``requires_grad``).
@@ -628,7 +630,10 @@ class ViTBalancer:
 
         Raises:
             ValueError: On every rank, for invalid input or settings on any rank.
+            RuntimeError: In a DataLoader worker process (where a forked worker's copy of the group
+                would wait forever, past its timeout).
         """
+        _refuse_in_a_loader_worker()
         call = self._call_before_forward(vit)
         if call is None:
             return None
@@ -1614,6 +1619,20 @@ def _outside_the_package() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _refuse_in_a_loader_worker() -> None:
+    """Raise in a DataLoader worker: a forked worker inherits the process group without its
+    threads, and a gather started there waits forever; a spawned one has no group at all."""
+    info = torch.utils.data.get_worker_info()
+    if info is not None:
+        raise RuntimeError(
+            f"ViTBalancer.prepare ran in DataLoader worker {info.id} (of {info.num_workers}): it "
+            "gathers over the process group, which only the training process can. Expected it in "
+            "the training process, before the forward: Lightning's on_before_batch_transfer, or the "
+            "loop after the batch is loaded (a collate_fn runs in the workers when num_workers > 0; "
+            "there, the drop-in's handle.plan_ahead(collate) is what may run)."
+        )
 
 
 def _told() -> None:

@@ -681,3 +681,17 @@ def test_twins_are_made_for_disjoint_ascending_groups_in_one_order() -> None:
     # new_group sorts its ranks: a group in another order could not get a twin in the same order.
     assert _twin_ranks([(2, 0), (1, 3), (2, 0), (1, 3)]) == [(1, 3)]
     assert _twin_ranks([(0, 1), (0, 1), (2,)]) == [(0, 1)]
+
+
+def _prepare_in_collate(batch: list[Any]) -> Any:
+    pixels, grid = towers.make_batch([(1, 4, 4)], seed=0)
+    return ViTBalancer().prepare(pixels, grid)
+
+
+def test_prepare_in_a_dataloader_worker_raises_at_once() -> None:
+    """A forked worker inherits the group without its threads: its gather waited forever."""
+    loader = torch.utils.data.DataLoader(
+        range(2), batch_size=1, num_workers=1, collate_fn=_prepare_in_collate
+    )
+    with pytest.raises(RuntimeError, match=r"ViTBalancer.prepare ran in DataLoader worker 0 \(of 1\)"):
+        next(iter(loader))

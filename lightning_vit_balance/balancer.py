@@ -470,6 +470,7 @@ class ViTBalancer:
             raise TypeError(f"config={config!r} is invalid: expected a ViTBalanceConfig or None.")
         require_member(group, "group")
         require_member(host_group, "host_group")
+        self._calibrator: CostCalibrator | None = None
         self.config = config if config is not None else ViTBalanceConfig()
         self.group = group
         self.host_group = host_group
@@ -479,8 +480,6 @@ class ViTBalancer:
         self.last_stats: BalanceStats | None = None
         self.calls = 0
         self.applied_calls = 0
-        self._fingerprint = self.config.fingerprint()
-        self._calibrator = _calibrator_for(self.config)
         self._warned_sharded_overlap = False
         # The tower the cost fit measures (see _note_fitted_tower): a weak reference, so that a
         # tower rebuilt in its place (a reloaded model) takes over its fit without a warning.
@@ -716,6 +715,32 @@ class ViTBalancer:
         ``split_videos`` the items are temporal steps, and the call passes the videos whole."""
         call_grids = grid_rows(grid_thw) if self.config.split_videos else None
         return None if call_grids == planned.grids else call_grids
+
+    @property
+    def config(self) -> ViTBalanceConfig:
+        """The balancing options. Set it on every rank alike, between calls: the settings every
+        rank sends its gathers (compared there) and the online cost fit follow it. A fit goes on
+        while ``calibrate_cost`` stays on (afresh, with a warning, where its terms changed:
+        another window or per-frame attention); it ends when it is turned off."""
+        return self._config
+
+    @config.setter
+    def config(self, config: ViTBalanceConfig) -> None:
+        if not isinstance(config, ViTBalanceConfig):
+            raise TypeError(f"config={config!r} is invalid: expected a ViTBalanceConfig.")
+        fitted = self._calibrator
+        self._config = config
+        self._fingerprint = config.fingerprint()
+        self._calibrator = _calibrator_for(config)
+        if fitted is not None and self._calibrator is not None:
+            try:
+                self._calibrator.load_state_dict(fitted.state_dict())
+            except ValueError as error:
+                warnings.warn(
+                    f"ViTBalancer.config: the cost fit so far is not used ({error}); it starts afresh.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     # -- checkpoints -------------------------------------------------------------------------
 

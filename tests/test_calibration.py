@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 import warnings
@@ -357,6 +358,59 @@ def test_calibrate_cost_on_some_ranks_only_fails_on_every_rank(multirank: Any) -
         errors = w.run(_calibrating_on_one_rank)[:RANKS]
     assert len(set(errors)) == 1, errors
     assert "settings differ between ranks: calibrate_cost (ranks [1] differ from rank 0)" in errors[0]
+
+
+def _config_set_on_one_rank() -> str | None:
+    setup = _calibrating()
+    if setup is None:
+        return None
+    rank, tower, balancer = setup
+    pixels, grid = towers.make_batch([(1, 4, 2 + 2 * rank)] * (1 + 2 * rank), seed=rank)
+    balancer(tower, pixels, grid)
+    if rank == 0:  # set between calls on one rank only: its gathers told no rank
+        balancer.config = dataclasses.replace(balancer.config, trigger_threshold=100.0)
+    try:
+        balancer(tower, pixels, grid)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_config_set_on_one_rank_fails_on_every_rank(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        messages = w.run(_config_set_on_one_rank)[:RANKS]
+    assert len(set(messages)) == 1 and "trigger_threshold (ranks [1, 2] differ from rank 0)" in messages[0], (
+        messages
+    )
+
+
+def test_a_config_set_on_a_balancer_takes_its_settings_and_cost_fit_with_it() -> None:
+    """``balancer.config = ...`` between calls: the settings the gathers compare and the cost fit
+    follow (they were made once, at construction: a fit turned on later never ran)."""
+    from dataclasses import replace
+
+    balancer = ViTBalancer(ViTBalanceConfig())
+    assert (
+        balancer.state_dict() == {} and balancer._settings_fingerprint()[:-1] == balancer.config.fingerprint()
+    )
+    balancer.config = replace(balancer.config, calibrate_cost=True, trigger_threshold=0.5)
+    assert (
+        balancer._settings_fingerprint()[:-1]
+        == ViTBalanceConfig(calibrate_cost=True, trigger_threshold=0.5).fingerprint()
+    )
+    assert list(balancer.state_dict()) == ["cost_calibrator"]
+    assert balancer._calibrator is not None
+    fitted = balancer._calibrator
+    fitted.observe(((64, 16), (4,)), [2.0, 0.5])
+    balancer.config = replace(balancer.config, max_len_ratio=2.0)  # the fit goes on
+    assert balancer.state_dict()["cost_calibrator"] == fitted.state_dict()
+    with pytest.warns(RuntimeWarning, match="the cost fit so far is not used .* starts afresh"):
+        balancer.config = replace(balancer.config, cost_windowed=1.0, cost_window_patches=4)
+    assert balancer.state_dict()["cost_calibrator"]["steps_observed"] == 0
+    balancer.config = replace(balancer.config, calibrate_cost=False)
+    assert balancer.state_dict() == {}
+    with pytest.raises(TypeError, match="expected a ViTBalanceConfig"):
+        balancer.config = {"enabled": True}  # type: ignore[assignment]
 
 
 def test_a_balancer_checkpoints_its_cost_fit_only_when_it_calibrates() -> None:

@@ -14,12 +14,21 @@ STAMP := $(VENV)/.installed
 # TORCH_REQUIREMENTS=...`) rebuilds it, also where they are older than its last build.
 REQUIREMENTS_NAMES := $(TORCH_REQUIREMENTS) $(TRANSFORMERS_REQUIREMENTS) $(DEEPSPEED_REQUIREMENTS) $(CONSTRAINTS)
 REQUIREMENTS_USED := $(VENV)/.requirements-used
-# Written as make reads this file (so `make -n` tells the truth), and only when the names differ.
-_ := $(shell mkdir -p $(VENV) && (echo '$(REQUIREMENTS_NAMES)' | cmp -s - $(REQUIREMENTS_USED) || echo '$(REQUIREMENTS_NAMES)' > $(REQUIREMENTS_USED)))
 
-.PHONY: install test test-transformers4 test-torch-oldest demo bench bench-e2e bench-engine bench-memory bench-ranks bench-predict gpu-check bench-gpu plan-versions lint clean
+.PHONY: FORCE install test test-transformers4 test-torch-oldest demo bench bench-e2e bench-engine bench-memory bench-ranks bench-predict gpu-check bench-gpu plan-versions lint clean
 
 install: $(STAMP)
+
+# Rewritten (so newer than the build) only where the names differ from those it holds: a dry run
+# (`make -n`) then tells the truth and writes nothing.
+ifneq ($(strip $(shell cat $(REQUIREMENTS_USED) 2>/dev/null)),$(strip $(REQUIREMENTS_NAMES)))
+$(REQUIREMENTS_USED): FORCE
+endif
+$(REQUIREMENTS_USED):
+	@mkdir -p $(VENV)
+	@echo '$(REQUIREMENTS_NAMES)' > $@
+
+FORCE:
 
 $(STAMP): pyproject.toml $(REQUIREMENTS_USED) $(TORCH_REQUIREMENTS) $(TRANSFORMERS_REQUIREMENTS) $(DEEPSPEED_REQUIREMENTS) $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)

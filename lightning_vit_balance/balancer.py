@@ -632,7 +632,7 @@ class ViTBalancer:
             RuntimeError: In a DataLoader worker process (where a forked worker's copy of the group
                 would wait forever, past its timeout).
         """
-        _refuse_in_a_loader_worker()
+        refuse_in_a_loader_worker("ViTBalancer.prepare")
         call = self._call_before_forward(vit)
         if call is None:
             return None
@@ -1634,25 +1634,26 @@ def _wrapped_tower(vit: Any) -> Any:
 
 
 def _outside_the_package() -> int:
-    """The ``stacklevel`` of the first frame outside this package and torch: the user's call of the
-    balancer, however many of the package's frames and torch's (the decorators that keep it out of
-    ``torch.compile``, a checkpoint recomputing it) lie between."""
-    inside = tuple(
-        os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sys.modules[__package__], torch)
-    )
+    """The ``stacklevel`` of the first frame outside this package, torch and transformers: the
+    user's call of the balancer (or of the model), however many of their frames (the decorators
+    that keep it out of ``torch.compile``, a checkpoint recomputing it) lie between."""
+    # transformers' frames too: the drop-in's call comes from the model's forward.
+    modules = (sys.modules[__package__], torch, sys.modules.get("transformers"))
+    inside = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in modules if m is not None)
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1
     return level
 
 
-def _refuse_in_a_loader_worker() -> None:
-    """Raise in a DataLoader worker: a forked worker inherits the process group without its
-    threads, and a gather started there waits forever; a spawned one has no group at all."""
+def refuse_in_a_loader_worker(what: str) -> None:
+    """Raise in a DataLoader worker, naming ``what`` ran there: a forked worker inherits the
+    process group without its threads, and a gather started there waits forever (also the one that
+    makes a gloo twin); a spawned one has no group at all, and would plan nothing, silently."""
     info = torch.utils.data.get_worker_info()
     if info is not None:
         raise RuntimeError(
-            f"ViTBalancer.prepare ran in DataLoader worker {info.id} (of {info.num_workers}): it "
+            f"{what} ran in DataLoader worker {info.id} (of {info.num_workers}): it "
             "gathers over the process group, which only the training process can. Expected it in "
             "the training process, before the forward: Lightning's on_before_batch_transfer, or the "
             "loop after the batch is loaded (a collate_fn runs in the workers when num_workers > 0; "

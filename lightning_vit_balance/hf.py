@@ -205,7 +205,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
+from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer, refuse_in_a_loader_worker
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel, pixel_row_factors
 from lightning_vit_balance.eager import eager, eager_frame
@@ -1728,7 +1728,9 @@ class BalancedVisionTower:
 
         Raises:
             ValueError: On every rank, for invalid input or settings on any rank.
+            RuntimeError: In a DataLoader worker process (it gathers over the group).
         """
+        refuse_in_a_loader_worker("handle.prepare")
         self._ticket = None
         # In eval mode without `evaluation` the forwards encode directly: a plan would wait for a
         # forward of another batch (the next training step's), which would fail on it.

@@ -683,15 +683,43 @@ def test_twins_are_made_for_disjoint_ascending_groups_in_one_order() -> None:
     assert _twin_ranks([(0, 1), (0, 1), (2,)]) == [(0, 1)]
 
 
-def _prepare_in_collate(batch: list[Any]) -> Any:
-    pixels, grid = towers.make_batch([(1, 4, 4)], seed=0)
-    return ViTBalancer().prepare(pixels, grid)
+class _PrepareInCollate:
+    """A collate function that plans ahead in the worker: with the engine, the drop-in's handle or
+    the mixin (picklable, so that spawned workers run it too)."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def __call__(self, batch: list[Any]) -> Any:
+        pixels, grid = towers.make_batch([(1, 4, 4)], seed=0)
+        if self.how == "engine":
+            return ViTBalancer().prepare(pixels, grid)
+        if self.how == "mixin":
+            import lightning as L
+
+            from lightning_vit_balance import ViTBalanceMixin
+
+            class Module(ViTBalanceMixin, L.LightningModule):
+                pass
+
+            return Module().prepare_vit_balance({"pixel_values": pixels, "image_grid_thw": grid})
+        from hf_models import tiny_model
+
+        from lightning_vit_balance import balance_vision_tower
+
+        handle = balance_vision_tower(tiny_model("qwen2_5_vl"))
+        return handle.prepare({"pixel_values": pixels, "image_grid_thw": grid})
 
 
-def test_prepare_in_a_dataloader_worker_raises_at_once() -> None:
-    """A forked worker inherits the group without its threads: its gather waited forever."""
+@pytest.mark.parametrize(
+    ("how", "named"),
+    [("engine", "ViTBalancer.prepare"), ("drop-in", "handle.prepare"), ("mixin", "prepare_vit_balance")],
+)
+def test_prepare_in_a_dataloader_worker_raises_at_once(how: str, named: str) -> None:
+    """A forked worker inherits the group without its threads: its gather waited forever (a
+    spawned one has none: it planned nothing, silently)."""
     loader = torch.utils.data.DataLoader(
-        range(2), batch_size=1, num_workers=1, collate_fn=_prepare_in_collate
+        range(2), batch_size=1, num_workers=1, collate_fn=_PrepareInCollate(how)
     )
-    with pytest.raises(RuntimeError, match=r"ViTBalancer.prepare ran in DataLoader worker 0 \(of 1\)"):
+    with pytest.raises(RuntimeError, match=rf"{named} ran in DataLoader worker 0 \(of 1\)"):
         next(iter(loader))

@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer
+from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer, refuse_in_a_loader_worker
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.eager import eager, eager_frame
@@ -1166,6 +1166,7 @@ class ViTBalanceMixin:
             example input for an export, say; eval mode without
             :attr:`vit_balance_evaluation`, one rank, balancing disabled): that step plans nothing.
         """
+        refuse_in_a_loader_worker("prepare_vit_balance")
         if not self._vit_balance_plan_ahead(batch, asked=True):
             return None
         return self._vit_balance_state_object().ticket

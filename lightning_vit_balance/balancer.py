@@ -380,7 +380,7 @@ def _vit_requires_grad(vit: Any) -> bool:
 def _submodules(root: torch.nn.Module) -> list[torch.nn.Module]:
     """``root`` and every module under it, each once: what ``root.modules()`` lists, without its
     qualified names. A frozen tower's walk runs in every call's forward, where ``parameters()``
-    builds a name for each module and parameter (0.6 ms for a 32-block tower, this 0.15)."""
+    builds a name for each module and parameter (0.9 ms for a 32-block tower, this 0.3)."""
     found = [root]
     seen = {id(root)}
     for module in found:  # grows while read: breadth first

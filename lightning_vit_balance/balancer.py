@@ -728,9 +728,11 @@ class ViTBalancer:
     def config(self, config: ViTBalanceConfig) -> None:
         if not isinstance(config, ViTBalanceConfig):
             raise TypeError(f"config={config!r} is invalid: expected a ViTBalanceConfig.")
-        fitted = self._calibrator
+        fitted, previous = self._calibrator, getattr(self, "_config", None)
         self._config = config
         self._fingerprint = config.fingerprint()
+        if fitted is not None and config.calibrate_cost and _same_cost_terms(previous, config):
+            return  # the fit goes on as it is (a reload would restart its warm-up)
         self._calibrator = _calibrator_for(config)
         if fitted is not None and self._calibrator is not None:
             try:
@@ -1545,6 +1547,14 @@ class ViTBalancer:
 def _vit_ms(metadata: Sequence[RankMetadata]) -> tuple[float, ...]:
     """Every rank's previous ViT time in ms (-1.0: none), as a call's stats report them."""
     return tuple(m.vit_us / 1000.0 if m.vit_us >= 0 else -1.0 for m in metadata)
+
+
+def _same_cost_terms(old: ViTBalanceConfig | None, new: ViTBalanceConfig) -> bool:
+    """Whether two configurations start a cost fit alike (its initial model and window)."""
+    return old is not None and (CostModel.from_config(old), old.cost_window_patches) == (
+        CostModel.from_config(new),
+        new.cost_window_patches,
+    )
 
 
 def _calibrator_for(config: ViTBalanceConfig) -> CostCalibrator | None:

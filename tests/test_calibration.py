@@ -402,8 +402,11 @@ def test_a_config_set_on_a_balancer_takes_its_settings_and_cost_fit_with_it() ->
     assert balancer._calibrator is not None
     fitted = balancer._calibrator
     fitted.observe(((64, 16), (4,)), [2.0, 0.5])
-    balancer.config = replace(balancer.config, max_len_ratio=2.0)  # the fit goes on
-    assert balancer.state_dict()["cost_calibrator"] == fitted.state_dict()
+    balancer.config = replace(balancer.config, max_len_ratio=2.0)  # the fit goes on, as it is
+    assert balancer._calibrator is fitted
+    balancer.config = replace(balancer.config, cost_linear=1.0)  # from another start: a copy
+    assert balancer._calibrator is not fitted
+    assert balancer.state_dict()["cost_calibrator"]["steps_observed"] == fitted.state_dict()["steps_observed"]
     with pytest.warns(RuntimeWarning, match="the cost fit so far is not used .* starts afresh"):
         balancer.config = replace(balancer.config, cost_windowed=1.0, cost_window_patches=4)
     assert balancer.state_dict()["cost_calibrator"]["steps_observed"] == 0

@@ -83,6 +83,7 @@ from lightning_vit_balance.outputs import (
     flatten_output,
     merge_size_of,
     rebuild_output,
+    unwrap_module,
     window_index_fn,
 )
 from lightning_vit_balance.planning import RebalancePlan, plan_rebalance
@@ -892,7 +893,7 @@ class ViTBalancer:
         """Warn once (group rank 0) when the online cost fit, which measures the calls of one
         balancer, is fed a second tower module's calls while the first one lives: one fit of two towers
         of different costs (an image ViT and a video encoder) plans both worse than a fit of each."""
-        tower = _wrapped_tower(vit)
+        tower = unwrap_module(vit)
         if self._fitted_tower is _told or not isinstance(tower, torch.nn.Module):
             return  # a plain callable may be made anew for each call (a lambda around the tower)
         fitted = self._fitted_tower() if self._fitted_tower is not None else None
@@ -1619,28 +1620,6 @@ def _backend_errors_explained(what: str, advice: str = "") -> Iterator[None]:
 
 def _print_line(line: str) -> None:
     print(line, flush=True)
-
-
-#: Attributes wrappers keep the module they wrap in: DDP and FSDP1 (``module``), ``torch.compile``
-#: (``_orig_mod``), activation checkpointing's and FSDP1's inner wrappers.
-_WRAPPED = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
-
-
-def _wrapped_tower(vit: Any) -> Any:
-    """The module inside ``vit``'s wrappers: one tower, however a call wraps it."""
-    for _ in range(8):
-        inner = next(
-            (
-                getattr(vit, name)
-                for name in _WRAPPED
-                if isinstance(getattr(vit, name, None), torch.nn.Module)
-            ),
-            None,
-        )
-        if inner is None:
-            return vit
-        vit = inner
-    return vit
 
 
 def _outside_the_package() -> int:

@@ -96,12 +96,26 @@ class OutputLayout:
         return None
 
 
+#: Attributes wrappers keep the module they wrap in: DDP and FSDP1 (``module``), ``torch.compile``
+#: (``_orig_mod``), activation checkpointing's and FSDP1's inner wrappers.
+_WRAPPED = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
 def unwrap_module(vit: Any) -> Any:
-    """The module inside DDP/FSDP-style wrappers (``.module``), for attribute lookups."""
-    seen = 0
-    while hasattr(vit, "module") and isinstance(vit.module, torch.nn.Module) and seen < 4:
-        vit = vit.module
-        seen += 1
+    """The module inside wrappers (DDP, FSDP1, ``torch.compile``, activation checkpointing), for
+    attribute lookups and to tell one tower however a call wraps it."""
+    for _ in range(4):
+        inner = next(
+            (
+                getattr(vit, name)
+                for name in _WRAPPED
+                if isinstance(getattr(vit, name, None), torch.nn.Module)
+            ),
+            None,
+        )
+        if inner is None:
+            break
+        vit = inner
     return vit
 
 

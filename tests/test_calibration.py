@@ -17,7 +17,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import checkpoint
 
 from lightning_vit_balance import ViTBalanceConfig, ViTBalancer, plan_rebalance
-from lightning_vit_balance.balancer import _wrapped_tower
+from lightning_vit_balance.outputs import unwrap_module
 
 POOL = 4
 RANKS = 3
@@ -297,7 +297,7 @@ def _towers_told_apart() -> list[int] | None:
     plain = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0), balancer.group)
     # One tower, wrapped for some calls only (activation checkpointing's wrapper; torch.compile's
     # keeps it in _orig_mod too).
-    assert _wrapped_tower(torch.compile(checkpoint_wrapper(tower))) is tower
+    assert unwrap_module(torch.compile(checkpoint_wrapper(tower))) is tower
     wrapped = told(ViTBalancer(balancer.config, balancer.group), tower, checkpoint_wrapper(tower), tower)
     return [two, rebuilt, told(plain, tower, other), wrapped]
 

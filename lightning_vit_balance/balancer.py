@@ -23,10 +23,7 @@ import dataclasses
 import functools
 import gc
 import math
-import os
-import sys
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from lightning_vit_balance.callsite import warn_at_user
 from lightning_vit_balance.config import ViTBalanceConfig, setting_digest
 from lightning_vit_balance.cost import CostCalibrator, CostModel
 from lightning_vit_balance.eager import eager
@@ -342,14 +340,12 @@ def _advise_host_group(group: Any) -> None:
     them makes the host wait for the GPU in the forward."""
     if host_device(group).type != "cuda" or dist.get_rank(group) != 0:
         return
-    warnings.warn(
+    warn_at_user(
         "ViTBalancer: group is an NCCL group and no host_group was given, so every balanced call "
         "gathers its metadata and status words through CUDA buffers: a device-to-host copy each, "
         "which makes the host wait for the GPU in the forward (and prepare() wait for it). Expected "
         "host_group=make_host_group(group), made once on every process at the same point (or "
-        "host_group=group to gather there knowingly).",
-        RuntimeWarning,
-        stacklevel=5,
+        "host_group=group to gather there knowingly)."
     )
 
 
@@ -739,10 +735,8 @@ class ViTBalancer:
             try:
                 self._calibrator.load_state_dict(fitted.state_dict())
             except ValueError as error:
-                warnings.warn(
-                    f"ViTBalancer.config: the cost fit so far is not used ({error}); it starts afresh.",
-                    RuntimeWarning,
-                    stacklevel=2,
+                warn_at_user(
+                    f"ViTBalancer.config: the cost fit so far is not used ({error}); it starts afresh."
                 )
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -880,12 +874,10 @@ class ViTBalancer:
             return True
         if not self._warned_sharded_overlap:
             self._warned_sharded_overlap = True
-            warnings.warn(
+            warn_at_user(
                 "ViTBalanceConfig.overlap_pixel_trip=True: the ViT's parameters are sharded (FSDP, "
                 "ZeRO-3), so each of its calls gathers them and every rank must call it as often as "
-                "the others; its balanced calls encode in one ViT call, without the overlap.",
-                RuntimeWarning,
-                stacklevel=2,
+                "the others; its balanced calls encode in one ViT call, without the overlap."
             )
         return False
 
@@ -904,14 +896,12 @@ class ViTBalancer:
             return
         self._fitted_tower = _told
         if dist.get_rank(self.group) == 0:
-            warnings.warn(
+            warn_at_user(
                 f"ViTBalancer: calibrate_cost fits one cost model per balancer, and this one encodes "
                 f"for {_tower_name(tower)} after {_tower_name(fitted)}: their measured times are "
                 "fitted together, which plans both towers worse than a fit of each. Expected one "
                 "ViTBalancer per tower (under ViTBalanceMixin, encode_images keeps one balancer for "
-                "every tower: call a second tower through a ViTBalancer of its own).",
-                RuntimeWarning,
-                stacklevel=_outside_the_package(),
+                "every tower: call a second tower through a ViTBalancer of its own)."
             )
 
     def _sharded(self, vit: Any) -> bool:
@@ -1415,10 +1405,10 @@ class ViTBalancer:
         message = f"Invalid prepared balanced ViT call on rank {call.rank}: {problem}."
         if not isinstance(pixel_values, torch.Tensor) or not isinstance(grid_thw, torch.Tensor):
             raise ValueError(message)
-        warnings.warn(
+        warn_at_user(
             f"{message} The plan moved no image, so this rank encodes its own batch directly; every rank "
             "raises at the next gather.",
-            stacklevel=4,
+            UserWarning,
         )
         self._skipped_mismatch = True
 
@@ -1620,19 +1610,6 @@ def _backend_errors_explained(what: str, advice: str = "") -> Iterator[None]:
 
 def _print_line(line: str) -> None:
     print(line, flush=True)
-
-
-def _outside_the_package() -> int:
-    """The ``stacklevel`` of the first frame outside this package, torch and transformers: the
-    user's call of the balancer (or of the model), however many of their frames (the decorators
-    that keep it out of ``torch.compile``, a checkpoint recomputing it) lie between."""
-    # transformers' frames too: the drop-in's call comes from the model's forward.
-    modules = (sys.modules[__package__], torch, sys.modules.get("transformers"))
-    inside = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in modules if m is not None)
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(inside):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def refuse_in_a_loader_worker(what: str) -> None:

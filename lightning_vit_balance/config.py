@@ -16,12 +16,13 @@ import hashlib
 import importlib.metadata
 import math
 import numbers
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
+
+from lightning_vit_balance.callsite import warn_at_user
 
 __all__ = [
     "EMPTY_RANK_POLICIES",
@@ -243,11 +244,9 @@ class ViTBalanceConfig:
                 "to leave those fields out."
             )
         if unknown:
-            warnings.warn(
+            warn_at_user(
                 f"ViTBalanceConfig: the loaded configuration's fields {unknown} are unknown to this "
-                "version of lightning-vit-balance and left out (dropping_unknown_fields).",
-                RuntimeWarning,
-                stacklevel=2,
+                "version of lightning-vit-balance and left out (dropping_unknown_fields)."
             )
         for name, field in fields.items():
             # Frozen: set through object, then validate as __init__ does.

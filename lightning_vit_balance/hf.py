@@ -193,7 +193,6 @@ import itertools
 import math
 import operator
 import sys
-import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
@@ -206,6 +205,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer, refuse_in_a_loader_worker
+from lightning_vit_balance.callsite import warn_at_user
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel, pixel_row_factors
 from lightning_vit_balance.eager import eager, eager_frame
@@ -586,16 +586,14 @@ def _warn_leaves_too_late(base: nn.Module, leaves: Sequence[nn.Module]) -> None:
         return
     if not any(hasattr(m, "ds_id") for m in leaves) or all(getattr(m, _ZERO3_LEAF, False) for m in leaves):
         return
-    warnings.warn(
+    warn_at_user(
         f"balance_vision_tower: a DeepSpeed ZeRO-3 engine has registered {type(base).__name__}'s modules "
         "already, so the drop-in cannot make its tower's blocks (and an image-only model's projection) "
         "ZeRO-3 leaves. This model calls a submodule once per image: ranks holding different numbers "
         "of images then gather its parameters a different number of times (gloo aborts, NCCL hangs). "
         "Call balance_vision_tower before deepspeed.initialize (Hugging Face's Trainer and Lightning's "
         "DeepSpeed strategy initialize after it), or mark them with deepspeed.utils.set_z3_leaf_modules "
-        "before it.",
-        RuntimeWarning,
-        stacklevel=4,
+        "before it."
     )
 
 
@@ -2108,14 +2106,12 @@ class BalancedVisionTower:
         step, would look like balancing at work."""
         self.unmatched_calls += 1
         if self.unmatched_calls == 1:
-            warnings.warn(
+            warn_at_user(
                 f"balance_vision_tower: {type(self.model).__name__} called its vision tower outside "
                 f"{type(self.base).__name__}.forward in a training forward: that call is encoded "
                 "directly, unbalanced (warned once). The drop-in balances the tower calls the base "
                 "forward makes from its pixel_values and pixel_values_videos; to balance a tower you "
-                "call yourself, use ViTBalancer or ViTBalanceMixin.encode_images.",
-                RuntimeWarning,
-                stacklevel=3,
+                "call yourself, use ViTBalancer or ViTBalanceMixin.encode_images."
             )
 
     def _balancer_for(self, config: ViTBalanceConfig, group: Any) -> ViTBalancer:
@@ -2155,7 +2151,7 @@ class BalancedVisionTower:
             self._balancer_key, self._carried = key, None
             if carried:
                 source = "balance_vision_tower: the cost fit of the previous configuration"
-                continue_fit(self._balancer, carried, source, warn_at_caller)
+                continue_fit(self._balancer, carried, source, warn_at_user)
         # Training and evaluation forwards measure apart (ViTBalancer.measure_as): every rank's
         # model is in the same mode.
         self._balancer.measure_as("train" if self.base.training else "eval")
@@ -2472,7 +2468,7 @@ class BalancedVisionTower:
         self.unmatched_calls += 1
         if self.unmatched_calls == 1:
             message = problem + ": encoded directly, unbalanced (warned once)."
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            warn_at_user(message)
         return self._original("tower")(pixels, grid_thw=grid_thw, **kwargs)
 
 
@@ -2614,12 +2610,6 @@ def continue_fit(target: Any, saved: Mapping[str, Any], source: str, warn: Calla
         target.load_state_dict(saved)
     except ValueError as error:
         warn(f"{source} is not used ({error}); the cost fit starts afresh.")
-
-
-def warn_at_caller(message: str) -> None:
-    """A ``RuntimeWarning`` pointing at the code that called the method which called
-    :func:`continue_fit` (a forward, a Trainer hook), the ``warn`` of most callers."""
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 #: A module's own hook registries, as ``nn.Module.__call__`` reads them.

@@ -14,7 +14,8 @@ from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
-from lightning_vit_balance.hf import BalancedVisionTower, continue_fit, warn_at_caller
+from lightning_vit_balance.callsite import warn_at_user
+from lightning_vit_balance.hf import BalancedVisionTower, continue_fit
 from lightning_vit_balance.metrics import BalanceMetrics
 
 __all__ = ["ViTBalanceTrainerCallback"]
@@ -100,7 +101,7 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         self._handle = _handle_of(kwargs.get("model"), required=True)
         self._handle.pop_stats()  # from here on the handle keeps each forward's stats for us
         saved = _resumed_attributes(state.stateful_callbacks, type(self).__name__)
-        warn = warn_at_caller if state.is_world_process_zero else _quiet
+        warn = warn_at_user if state.is_world_process_zero else _quiet
         # A fresh run's state holds this callback's own state of a moment ago (the last run's, with
         # one callback for several runs: a hyperparameter search's trials, each with a new model):
         # nothing to go on from, the counts start at zero and the cost fit as the handle's.

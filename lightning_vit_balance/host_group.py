@@ -43,7 +43,6 @@ import ipaddress
 import math
 import os
 import socket
-import warnings
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
@@ -53,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from lightning_vit_balance.callsite import warn_at_user
 from lightning_vit_balance.exchange import (
     _backend_device_type,
     forget_finished_gathers,
@@ -149,11 +149,11 @@ def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
     twins, failed = _connected([twin for twin in candidates if twin not in refused], _timeout_of(group))
     if dist.get_rank() == 0:
         if unreachable:
-            warnings.warn(_refusal_text(unreachable, endpoints), RuntimeWarning, stacklevel=2)
+            warn_at_user(_refusal_text(unreachable, endpoints))
         if crowded:
-            warnings.warn(_files_text(crowded, files), RuntimeWarning, stacklevel=2)
+            warn_at_user(_files_text(crowded, files))
         if failed:
-            warnings.warn(_failure_text(failed), RuntimeWarning, stacklevel=2)
+            warn_at_user(_failure_text(failed))
     return twins.get(ranks)
 
 

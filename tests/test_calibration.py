@@ -407,8 +407,9 @@ def test_a_config_set_on_a_balancer_takes_its_settings_and_cost_fit_with_it() ->
     balancer.config = replace(balancer.config, cost_linear=1.0)  # from another start: a copy
     assert balancer._calibrator is not fitted
     assert balancer.state_dict()["cost_calibrator"]["steps_observed"] == fitted.state_dict()["steps_observed"]
-    with pytest.warns(RuntimeWarning, match="the cost fit so far is not used .* starts afresh"):
+    with pytest.warns(RuntimeWarning, match="the cost fit so far is not used .* starts afresh") as told:
         balancer.config = replace(balancer.config, cost_windowed=1.0, cost_window_patches=4)
+    assert [w.filename for w in told] == [__file__]  # the line that set it, not the package's
     assert balancer.state_dict()["cost_calibrator"]["steps_observed"] == 0
     balancer.config = replace(balancer.config, calibrate_cost=False)
     assert balancer.state_dict() == {}

@@ -348,8 +348,9 @@ def test_configs_in_checkpoints_load_weights_only_across_versions() -> None:
             torch.load(_checkpoint_holding(later), weights_only=weights_only)
         # What the error offers: this version's configuration, the field left out, with a warning.
         dropping = ViTBalanceConfig.dropping_unknown_fields()
-        with pytest.warns(RuntimeWarning, match=r"fields \['bogus'\] are unknown"), dropping:
+        with pytest.warns(RuntimeWarning, match=r"fields \['bogus'\] are unknown") as told, dropping:
             checkpoint = torch.load(_checkpoint_holding(later), weights_only=weights_only)
+        assert [w.filename for w in told] == [__file__]  # the torch.load line, past torch's unpickler
         assert checkpoint["hyper_parameters"]["vit_balance_config"] == LOOP_CONFIG
     with pytest.raises(ValueError, match=r"unknown fields"):  # only within the block
         torch.load(_checkpoint_holding(later))

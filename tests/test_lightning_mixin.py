@@ -87,6 +87,7 @@ def test_lightning_first_in_the_bases_warns_that_the_hooks_are_shadowed() -> Non
     """``encode_images`` works in either order, the mixin's Lightning hooks only when it comes
     first: a class listing LightningModule first is told so when it is defined."""
     (warned,) = [str(w.message) for w in _defined]
+    assert [w.filename for w in _defined] == [__file__]  # the class statement
     assert warned.startswith("LightningFirst lists LightningModule before ViTBalanceMixin"), warned
     hooks = (
         "on_before_batch_transfer, on_before_optimizer_step, on_predict_start, on_save_checkpoint, "

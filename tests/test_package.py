@@ -13,6 +13,7 @@ PACKAGE_DIR = Path(lightning_vit_balance.__file__).parent
 
 # Data flows one way: a module may import only modules of earlier layers (or its own layer).
 LAYERS: dict[str, int] = {
+    "callsite": 0,  # where the package's warnings point: the first frame outside it and the libraries
     "caching": 0,  # a lock-free cached attribute for the value classes
     "eager": 0,  # where torch.compile stops: the package's own code runs eagerly in a compiled model
     "config": 0,

@@ -9,7 +9,6 @@ import functools
 import itertools
 import math
 import sys
-import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -24,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer, refuse_in_a_loader_worker
+from lightning_vit_balance.callsite import warn_at_user
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.eager import eager, eager_frame
@@ -640,7 +640,7 @@ class ViTBalanceMixin:
         _allow_configs_in_checkpoints()
         shadowed = _shadowed_hooks(cls)
         if shadowed:
-            warnings.warn(
+            warn_at_user(
                 f"{cls.__qualname__} lists LightningModule before ViTBalanceMixin in its bases, so "
                 f"LightningModule's {', '.join(shadowed)} run instead of the mixin's: plan_ahead plans "
                 "nothing, checkpoints lose the calibrate_cost fit, a fit's end keeps its gloo twin, a "
@@ -648,7 +648,6 @@ class ViTBalanceMixin:
                 "balances nothing. "
                 f"List ViTBalanceMixin first: class {cls.__name__}(ViTBalanceMixin, LightningModule).",
                 UserWarning,
-                stacklevel=2,
             )
 
     def _vit_balance_state_object(self) -> _State:

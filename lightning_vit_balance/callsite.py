@@ -1,0 +1,64 @@
+"""Where the package's warnings point: the user's line, not the package's or a library's.
+
+A warning raised deep in a balanced call (or in a Trainer's hook that reached the package) is read
+where ``warnings`` shows it: a fixed ``stacklevel`` lands inside this package, or inside torch,
+transformers or Lightning, whenever the path from the user's code has another depth (a decorator,
+activation checkpointing, a hook). :func:`warn_at_user` counts the frames instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+from types import FrameType
+
+__all__ = ["user_stacklevel", "warn_at_user"]
+
+#: Libraries whose frames lie between the user's code and the package's: read from ``sys.modules``
+#: only, so nothing is imported for a warning.
+_LIBRARIES = (
+    "torch",
+    "transformers",
+    "lightning",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "accelerate",
+    "deepspeed",
+)
+
+
+def _library_prefixes() -> tuple[str, ...]:
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    prefixes = [package, os.path.abspath(contextlib.__file__)]
+    for name in _LIBRARIES:
+        module = sys.modules.get(name)
+        location = getattr(module, "__file__", None)
+        if location:
+            prefixes.append(os.path.dirname(os.path.abspath(location)) + os.sep)
+    return tuple(prefixes)
+
+
+def user_stacklevel(frame: FrameType | None = None) -> int:
+    """The ``stacklevel`` that makes ``warnings.warn``, called in the caller's frame, name the first
+    frame outside this package and the libraries around it.
+
+    Args:
+        frame: Where to start counting (level 1); the caller's frame by default.
+
+    Returns:
+        The level of that frame, or of the outermost frame when every frame is inside (a thread of
+        the package's own).
+    """
+    frame = frame if frame is not None else sys._getframe(1)
+    inside = _library_prefixes()
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_at_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """``warnings.warn(message, category)`` at the user's line (see :func:`user_stacklevel`)."""
+    warnings.warn(message, category, stacklevel=user_stacklevel(sys._getframe(1)) + 1)

@@ -18,7 +18,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import BatchSizeFinder, EarlyStopping, LearningRateFinder, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer import setup as trainer_setup
 from lightning_fit_script import quiet_trainer
@@ -187,6 +187,40 @@ def test_single_device_fit_looks_the_group_up_once_per_fit_and_calls_directly(tm
     logged = (tmp_path / "lightning_logs" / "version_1" / "metrics.csv").read_text()
     assert "vit_balance/imbalance_after" in logged and "vit_balance/skipped/single-rank" in logged
     assert list((tmp_path / "ckpt").glob("*.ckpt"))  # the monitored key was there to save by
+
+
+@pytest.mark.parametrize("finder", ["lr", "batch size"])
+def test_the_callback_records_the_fit_after_a_finders_search(tmp_path: Path, finder: str) -> None:
+    """Lightning's LearningRateFinder and BatchSizeFinder search in on_fit_start with the Trainer's
+    callbacks set aside, then the same fit trains with them: its calls are recorded and logged (the
+    mixin had decided at the search's first call that no callback drained its records, for the
+    whole fit), the search's are not."""
+    module = MixinFirst()
+    module.batch_size = 1
+    callback = ViTBalanceCallback()
+    search = (
+        LearningRateFinder(min_lr=0.01, max_lr=0.011, num_training_steps=2, update_attr=False)
+        if finder == "lr"
+        else BatchSizeFinder(mode="power", steps_per_trial=1, max_trials=1)
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=1,
+        callbacks=[search, callback, EarlyStopping(monitor="vit_balance/imbalance_after", mode="min")],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module)  # EarlyStopping raised where the key was never logged
+    assert len(module.visual.seen) > 6  # the search's calls, then the fit's
+    assert (callback.calls_total, callback.skipped_total["single-rank"]) == (6, 6)  # the fit's alone
+    assert "vit_balance/imbalance_after" in trainer.callback_metrics
 
 
 class WorldGroup(MixinFirst):

@@ -236,7 +236,8 @@ class ViTBalanceCallback(Callback):
             return
         if not trainer.loggers and self.log_every_n_steps != 0:
             raise MisconfigurationException(
-                "Cannot use ViTBalanceCallback with a Trainer that has no logger (Trainer(logger=False)): "
+                "Cannot use ViTBalanceCallback with a Trainer that has no logger (Trainer(logger=False), or "
+                "barebones=True): "
                 "it logs through the Trainer's loggers. Pass a logger, or "
                 "ViTBalanceCallback(log_every_n_steps=0) to only feed callback_metrics and the progress bar."
             )

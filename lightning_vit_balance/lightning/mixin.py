@@ -379,7 +379,6 @@ class _State:
         self.fit_entry: object = None
         self.group: dist.ProcessGroup | None = None
         self.group_size = 1
-        self.record = False
         #: The latest call's balancer, the last of ``balancers``: this run's, one per configuration
         #: and output layout its calls took (a drop-in tower's and encode_images' in one step).
         self.balancer: ViTBalancer | None = None
@@ -727,10 +726,6 @@ class ViTBalanceMixin:
         state.epoch_lengths = state.predict_lengths = None
         release_host_group(state.host_group)  # a run that ended without its teardown (an exception)
         state.host_group = owned_host_group(group, state) if group is not None else None
-        # Under a Trainer, queue records only for a callback that drains them; without one (Fabric)
-        # for the loop's own reader (BalanceMetrics), the latest KEPT_STATS at most.
-        callbacks = trainer.callbacks if trainer is not None else ()
-        state.record = trainer is None or any(isinstance(cb, ViTBalanceCallback) for cb in callbacks)
         state.records = collections.deque(maxlen=KEPT_STATS)
         if state.carried is None:
             state.carried = state.balancer_state()
@@ -1272,8 +1267,16 @@ class ViTBalanceMixin:
     def _vit_balance_keep(self, stats: BalanceStats | None) -> None:
         state = self._vit_balance_state_object()
         state.last_stats = stats
-        if state.record and stats is not None:
+        if stats is not None and self._vit_balance_drained():
             state.records.append(stats)
+
+    def _vit_balance_drained(self) -> bool:
+        """Whether a reader drains the queued records: under a Trainer, a ViTBalanceCallback among
+        its callbacks now (asked at every call: Lightning's LearningRateFinder and BatchSizeFinder
+        run their search steps with the callbacks set aside, then the same fit goes on with them);
+        without one (Fabric), the loop's own reader (BalanceMetrics), the latest KEPT_STATS at most."""
+        trainer, _ = self._vit_balance_runner()
+        return trainer is None or any(isinstance(cb, ViTBalanceCallback) for cb in trainer.callbacks)
 
     def balance_vision_tower(self, model: torch.nn.Module, *, evaluation: bool = True) -> BalancedVisionTower:
         """Balance a Hugging Face Qwen-VL or GLM-4.xV model's vision tower.

@@ -1575,7 +1575,8 @@ class BalancedVisionTower:
         #: A loaded state the next balancer starts from (plain values: kept by pickling too).
         self._carried: dict[str, Any] | None = getattr(self, "_carried", None)
         self._twin: Any = None
-        self._twin_of: int | None = None
+        #: The group (the default group itself for None) the twin was made for, or _NO_GROUP.
+        self._twin_of: Any = _NO_GROUP
         #: Stats kept for :meth:`pop_stats`, once it was called (None: nobody reads them).
         self._kept: collections.deque[BalanceStats] | None = None
         if hasattr(self, "_late_touch"):  # a reset, not the first: its hooks go
@@ -1844,7 +1845,7 @@ class BalancedVisionTower:
             self._carried = self._balancer.state_dict()
         self._balancer, self._balancer_key = None, None
         release_host_group(self._twin)
-        self._twin, self._twin_of = None, None
+        self._twin, self._twin_of = None, _NO_GROUP
         self._kept = None  # the run's reader is done (kept again from its next pop_stats)
         self._text_only_since = None  # a step the run left unfinished (it raised) is not the next run's
         _STEP_WATCH.discard(self)
@@ -2140,7 +2141,9 @@ class BalancedVisionTower:
         """The balancer for ``config``, ``group`` and ``layout``: built at the first balanced forward
         (or :meth:`prepare`) and again when one changes, going on from the cost fit before. The
         Lightning mixin's handle takes its module's balancer instead (built with ``layout`` too)."""
-        key = (config, id(group), layout)
+        # The group itself, not its id: a destroyed group's id may come back as a new group's, and
+        # None stands for whatever default group exists now (a sweep re-initialises it).
+        key = (config, _group_object(group), layout)
         if self._balancer is None or self._balancer_key != key:
             previous = self._balancer
             carried = previous.state_dict() if previous is not None else self._carried
@@ -2160,9 +2163,9 @@ class BalancedVisionTower:
     def _host_group(self, group: Any) -> Any:
         """The gloo twin of an NCCL ``group`` (see ``make_host_group``), made once per group, at a
         balanced forward or a :meth:`prepare`, which every rank makes alike."""
-        if self._twin_of != id(group):
+        if self._twin_of is not _group_object(group):
             release_host_group(self._twin)
-            self._twin, self._twin_of = owned_host_group(group, self), id(group)
+            self._twin, self._twin_of = owned_host_group(group, self), _group_object(group)
         return self._twin
 
     def _encode(self, bound: Mapping[str, Any], config: ViTBalanceConfig, group: Any) -> _Pending:
@@ -2363,7 +2366,8 @@ class BalancedVisionTower:
             return None
         names = [name for name, _, _ in _MODALITIES]
         held = {part.name for part in combined.parts}
-        flags = gather_host_values([name in held for name in names], self._host_group(group))
+        host = gathers_on(self._host_group(group), group)  # the group's twin, or the group itself
+        flags = gather_host_values([name in held for name in names], host)
         if (flags == flags[0]).all():
             return None
         wanted = [name for k, name in enumerate(names) if flags[:, k].any() and name not in held]
@@ -2610,6 +2614,19 @@ def continue_fit(target: Any, saved: Mapping[str, Any], source: str, warn: Calla
         target.load_state_dict(saved)
     except ValueError as error:
         warn(f"{source} is not used ({error}); the cost fit starts afresh.")
+
+
+#: No group yet: what :attr:`BalancedVisionTower._twin_of` holds before a twin was made.
+_NO_GROUP = object()
+
+
+def _group_object(group: Any) -> Any:
+    """``group``, or for ``None`` the default group that exists now (``None`` where none does): a
+    default group destroyed and initialised again is another object, whose balancer and twin the
+    handle must make anew."""
+    if group is not None or not (dist.is_available() and dist.is_initialized()):
+        return group
+    return dist.group.WORLD
 
 
 #: A module's own hook registries, as ``nn.Module.__call__`` reads them.

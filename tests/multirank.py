@@ -59,6 +59,7 @@ __all__ = [
     "close_all",
     "groups_taken_for_nccl",
     "launched_by_torchrun",
+    "reinit_default_group",
     "set_launcher_variables",
     "skip_without_fsdp2",
     "subgroup",
@@ -230,6 +231,20 @@ def subgroup(size: int, backend: str | None = None) -> Any:
         timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         _SUBGROUPS[key] = dist.new_group(list(range(size)), timeout=timeout, backend=backend)
     return _SUBGROUPS[key]
+
+
+def reinit_default_group(store: str) -> None:
+    """In a worker: destroy every process group and initialise the default group again through the
+    file ``store`` (the same path on every rank), as a sweep under one launcher does between trials.
+    The pool goes on over the new group; its subgroups are made again at their next use."""
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    _SUBGROUPS.clear()
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    init = f"file://{store}"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size, timeout=timeout)
 
 
 def set_launcher_variables(**extra: str) -> None:

@@ -10,6 +10,7 @@ contract checks.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import dataclasses
@@ -61,6 +62,7 @@ from multirank import (
     World,
     groups_taken_for_nccl,
     launched_by_torchrun,
+    reinit_default_group,
     set_launcher_variables,
     skip_without_fsdp2,
 )
@@ -490,6 +492,47 @@ def test_the_drop_in_gathers_on_a_gloo_twin_of_an_nccl_group(multirank: Any) -> 
     assert all(r["twin_ranks"] == list(range(RANKS)) and r["same_twin"] for r in results), results
     assert all(r["applied"] and r["held"] == [False, False] for r in results), results
     assert all(r["names"][0] != r["names"][1] for r in results), results
+
+
+def _across_default_groups(stores: list[str], twin: bool) -> list[str]:
+    """One handle on the default group (``group=None``) kept while that group is destroyed and
+    initialised again: each round trains as the plain model, on the group that exists then (and,
+    with ``twin``, on a gloo twin made for it)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    plain = tiny_model(FIT_FAMILY)
+    balanced = copy.deepcopy(plain)
+    handle = balance_vision_tower(balanced, ViTBalanceConfig(**CONFIG))
+    reasons = []
+    with groups_taken_for_nccl() if twin else contextlib.nullcontext():
+        for round_, store in enumerate([None, *stores]):
+            if store is not None:
+                reinit_default_group(store)
+            batch = make_inputs(FIT_FAMILY, CASES["every_rank_images"][rank], seed=10 * round_ + rank)
+            if round_ == 2:
+                handle.prepare(batch)
+            plain_loss, _ = _step(plain, batch)
+            balanced_loss, _ = _step(balanced, batch)
+            torch.testing.assert_close(balanced_loss, plain_loss, **TOL)
+            _assert_same_grads(f"round {round_} rank {rank}", _summed_grads(balanced), _summed_grads(plain))
+            reasons.append(handle.last_stats.reason)
+            host = handle._balancer.host_group
+            assert (host is not dist.group.WORLD) == twin and host in dist.distributed_c10d._world.pg_names
+    return reasons
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["gloo", "twin"])
+def test_a_handle_on_the_default_group_follows_it_when_it_is_made_again(
+    multirank: Any, tmp_path: Path, twin: bool
+) -> None:
+    """A sweep under one launcher destroys the default group between trials and initialises it
+    again: a handle made with ``group=None`` balances over the new one (it had kept a balancer, and a
+    twin, of the destroyed group: every rank raised "not initialized in the world group map")."""
+    stores = [str(tmp_path / f"store{k}") for k in range(2)]
+    with multirank(RANKS) as w:
+        results = w.run(_across_default_groups, stores, twin, timeout=120)
+    assert results == [["applied"] * 3] * RANKS, results
 
 
 def _assert_cases(per_rank: list[dict[str, Any]], names: tuple[str, ...]) -> int:

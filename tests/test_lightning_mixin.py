@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import BatchSizeFinder, EarlyStopping, Learning
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer import setup as trainer_setup
 from lightning_fit_script import quiet_trainer
-from multirank import launched_by_torchrun, world
+from multirank import launched_by_torchrun, reinit_default_group, world
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 from towers import CHANNELS, TensorTower
 
@@ -280,6 +280,43 @@ def _two_rank_encode(enabled: bool) -> dict[str, Any]:
         "lookups": module.group_lookups,
         "grad": [p.grad.clone() for p in module.visual.parameters()],
     }
+
+
+def _groups_set_anew(store: str) -> list[tuple[str, list[int]] | None]:
+    """A module without a Trainer, its ``vit_balance_group`` set anew: to the ranks [0, 1] of 3
+    (rank 2, alone in its group, encodes directly), then to the world of a default group destroyed
+    and initialised again. Each call balances over the group set then, as the direct call."""
+    rank = dist.get_rank()
+    module = MixinFirst()
+    module.vit_balance_group = dist.group.WORLD
+    pair = dist.new_group([0, 1])
+    seen = []
+    for round_ in range(3):
+        if round_ == 1:
+            module.vit_balance_group = pair if rank < 2 else None
+        elif round_ == 2:
+            reinit_default_group(store)
+            module.vit_balance_group = dist.group.WORLD
+        pixel_values, grid = _images(4 if rank == 0 else 1, seed=rank + round_)
+        out = module.encode_images(module.visual, pixel_values, grid)
+        torch.testing.assert_close(out, module.visual(pixel_values, grid))  # the same rows: exact
+        balancer = module._vit_balance_state_object().balancer  # None: this run balances nothing
+        stats = module.last_vit_balance_stats
+        ranks = None if balancer is None else dist.get_process_group_ranks(balancer.group)
+        seen.append(None if balancer is None else (stats.reason, ranks))
+    return seen
+
+
+def test_without_a_trainer_the_group_set_on_the_module_is_read_again(tmp_path: Path) -> None:
+    """Without a Trainer nothing marks a run, so the group was read once for the module's life: a
+    group set anew was ignored (ranks 0 and 1 waited for rank 2 until the timeout) and a default
+    group made again raised "not registered" on every rank."""
+    with world(3) as w:
+        results = w.run(_groups_set_anew, str(tmp_path / "store"), timeout=90)
+    world_of_3 = ("applied", [0, 1, 2])
+    assert results[0] == [world_of_3, ("applied", [0, 1]), world_of_3], results
+    assert results[1] == results[0], results
+    assert results[2] == [world_of_3, None, world_of_3], results  # alone: directly, not recorded
 
 
 def _plans_from_unreadable_batches() -> dict[str, Any]:

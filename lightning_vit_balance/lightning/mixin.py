@@ -684,7 +684,9 @@ class ViTBalanceMixin:
     def configure_vit_balance_group(self) -> dist.ProcessGroup | None:
         """The process group to balance over; ``None`` calls the ViT directly.
 
-        Called once per fit. The default returns the attribute ``vit_balance_group`` when it is set,
+        Called once per fit, and again where the attribute ``vit_balance_group`` is set to another
+        group or the default process group is initialised anew (without a Trainer or Fabric, nothing
+        else marks a run). The default returns the attribute ``vit_balance_group`` when it is set,
         else :func:`~lightning_vit_balance.dp_group_from_strategy` of the Trainer's (or Fabric's)
         strategy, else ``None`` (not attached to either). Override it, or set
         ``vit_balance_group``, for strategies the adapter does not know. Prefer the override
@@ -707,7 +709,11 @@ class ViTBalanceMixin:
         # Lightning wraps the module anew (DDP, FSDP, DeepSpeed engine) at every fit, so the
         # wrapper's identity marks a new fit; the runner and strategy mark a new Trainer.
         model = getattr(strategy, "model", None) if trainer is not None else None
-        return (_ref(runner), _ref(strategy), _ref(model))
+        # The group set on the module and the default group mark a run too: without a Trainer or
+        # Fabric nothing else does (a group set anew, a default group destroyed and made again).
+        default = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        chosen = getattr(self, "vit_balance_group", None)
+        return (_ref(runner), _ref(strategy), _ref(model), _ref(chosen), _ref(default))
 
     def _vit_balance_refresh(self, state: _State) -> None:
         key = self._vit_balance_run_key()

@@ -289,7 +289,9 @@ def _gathers_apart(metadata: Sequence[RankMetadata]) -> str:
     return (
         f"the ranks gathered for different steps ({held}). Every rank must prepare a step's plan, "
         "or none; pass each rank's plan to the call that encodes that step; and call check_pending "
-        "on every rank together"
+        "on every rank together. A loop that ends on some ranks before others (ranks given different "
+        "numbers of batches: an evaluation loader that does not pad, accelerate's "
+        "even_batches=False) meets so at its end"
     )
 
 

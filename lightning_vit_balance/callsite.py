@@ -26,6 +26,8 @@ _LIBRARIES = (
     "lightning_fabric",
     "accelerate",
     "deepspeed",
+    "peft",
+    "trl",
 )
 
 

@@ -282,7 +282,7 @@ def _two_rank_encode(enabled: bool) -> dict[str, Any]:
     }
 
 
-def _groups_set_anew(store: str) -> list[tuple[str, list[int]] | None]:
+def _groups_set_anew(store: str) -> tuple[list[tuple[str, list[int]] | None], str]:
     """A module without a Trainer, its ``vit_balance_group`` set anew: to the ranks [0, 1] of 3
     (rank 2, alone in its group, encodes directly), then to the world of a default group destroyed
     and initialised again. Each call balances over the group set then, as the direct call."""
@@ -304,7 +304,14 @@ def _groups_set_anew(store: str) -> list[tuple[str, list[int]] | None]:
         stats = module.last_vit_balance_stats
         ranks = None if balancer is None else dist.get_process_group_ranks(balancer.group)
         seen.append(None if balancer is None else (stats.reason, ranks))
-    return seen
+    refused = ""
+    pair = dist.new_group([0, 1])
+    if rank == 2:  # new_group's placeholder where it leaves the rank out (an int): named, refused
+        module.vit_balance_group = pair
+        with pytest.raises(ValueError, match=r"vit_balance_group\) is a group that does not hold") as error:
+            module.encode_images(module.visual, *_images(1))
+        refused = str(error.value)
+    return seen, refused
 
 
 def test_without_a_trainer_the_group_set_on_the_module_is_read_again(tmp_path: Path) -> None:
@@ -314,9 +321,11 @@ def test_without_a_trainer_the_group_set_on_the_module_is_read_again(tmp_path: P
     with world(3) as w:
         results = w.run(_groups_set_anew, str(tmp_path / "store"), timeout=90)
     world_of_3 = ("applied", [0, 1, 2])
-    assert results[0] == [world_of_3, ("applied", [0, 1]), world_of_3], results
-    assert results[1] == results[0], results
-    assert results[2] == [world_of_3, None, world_of_3], results  # alone: directly, not recorded
+    seen = [calls for calls, _ in results]
+    assert seen[0] == [world_of_3, ("applied", [0, 1]), world_of_3], results
+    assert seen[1] == seen[0], results
+    assert seen[2] == [world_of_3, None, world_of_3], results  # alone: directly, not recorded
+    assert "(global rank 2)" in results[2][1], results
 
 
 def _plans_from_unreadable_batches() -> dict[str, Any]:

@@ -61,8 +61,20 @@ def _shared(values: list[Any]) -> Any:
     return values[0] if values and values.count(values[0]) == len(values) else None
 
 
-def _ref(obj: object) -> weakref.ref | None:
-    return None if obj is None else weakref.ref(obj)
+#: What marks a run (``ViTBalanceMixin._vit_balance_run_key``): references to its objects.
+RunKey = tuple[Callable[[], object] | None, ...]
+
+
+def _ref(obj: object) -> Callable[[], object] | None:
+    """A weak reference to ``obj`` for a run key; one that holds it where it cannot be referred to
+    weakly (``dist.new_group``'s placeholder on the ranks it leaves out is an int, which the group
+    check then names)."""
+    if obj is None:
+        return None
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 def _draws_evenly(loader: object) -> bool:
@@ -290,7 +302,7 @@ def _gathered_batch_counts(counts: list[float], group: Any) -> tuple[tuple[int, 
     return tuple(map(tuple, gather_host_values(mine, group).tolist()))
 
 
-def _same_run(old: tuple[weakref.ref | None, ...] | None, new: tuple[weakref.ref | None, ...]) -> bool:
+def _same_run(old: RunKey | None, new: RunKey) -> bool:
     """Whether run keys (``ViTBalanceMixin._vit_balance_run_key``) name the same objects."""
     if old is None:
         return False
@@ -374,7 +386,7 @@ class _State:
     """
 
     def __init__(self) -> None:
-        self.fit_key: tuple[weakref.ref | None, ...] | None = None
+        self.fit_key: RunKey | None = None
         #: The Trainer's entry point (fit, validate, test, predict) when the key was taken.
         self.fit_entry: object = None
         self.group: dist.ProcessGroup | None = None
@@ -701,7 +713,7 @@ class ViTBalanceMixin:
             return None
         return dp_group_from_strategy(runner.strategy)
 
-    def _vit_balance_run_key(self) -> tuple[weakref.ref | None, ...]:
+    def _vit_balance_run_key(self) -> RunKey:
         """What marks the run of processes this module runs in now (see :func:`_same_run`)."""
         trainer, fabric = self._vit_balance_runner()
         runner = fabric if fabric is not None else trainer

@@ -395,6 +395,9 @@ def describe_output_problem(path: str, problem: int, rows: int, expected: int, m
         )
     return (
         f"ViT {name} has {rows} rows, which is neither one row per patch nor one row per merged "
-        f"token (merge size {merge_size}) of its batch (nearest: {expected} rows); pass "
-        "output_layout=OutputLayout(kinds={...}, merge_size=...) to name its kind"
+        f"token (merge size {merge_size}) of its batch (nearest: {expected} rows). Where it is one of "
+        "them under another merge size, pass output_layout=OutputLayout(kinds={...}, merge_size=...); "
+        "rows per image that do not follow its patches (a CLS row per image, one pooled vector per "
+        "image, a resampler's fixed queries) have no kind: return the per-patch or per-merged-token "
+        "rows from the balanced call and pool or add such rows after it"
     )

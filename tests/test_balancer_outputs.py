@@ -15,6 +15,7 @@ from lightning_vit_balance.outputs import (
     OutputLayout,
     classify_output,
     classify_outputs,
+    describe_output_problem,
     flatten_output,
     merge_size_of,
     rebuild_output,
@@ -143,6 +144,11 @@ def test_classify_by_rows() -> None:
     # Rows that fit nothing: the nearest kind is guessed (so the exchange stays consistent), with a problem.
     assert _kind(torch.ones(31, 4)) == ("patch", 1, 31, 32)
     assert _kind(torch.ones(7, 4)) == ("merged", 1, 7, 8)
+    # Its text names the remedy for each cause: a merge size to declare, or rows per image that
+    # follow no patches (CLS rows, pooled vectors, a resampler's queries), which no kind carries.
+    text = describe_output_problem("pooled", 1, 7, 8, 2)
+    assert "neither one row per patch nor one row per merged token (merge size 2)" in text, text
+    assert "OutputLayout(kinds={...}, merge_size=...)" in text and "pool or add such rows after it" in text
     # Merge size 1: per patch.
     c = classify_output("x", torch.ones(32, 1), total_patches=32, merge_size=1, layout=None)
     assert c.kind == "patch" and c.problem == 0

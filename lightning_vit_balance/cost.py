@@ -23,6 +23,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import numbers
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -189,6 +190,7 @@ class CostModel:
         """
         windowed_layers = sorted({int(i) for i in window_layers})
         _check_vit_shape(hidden_size, depth, windowed_layers, window_patches, kv_size)
+        _check_widths(intermediate_size, mlp_ratio, patch_input_dim)
         kv_width = hidden_size if kv_size is None else kv_size
         mlp_width = intermediate_size if intermediate_size is not None else round(hidden_size * mlp_ratio)
         mlp_mats = 3 if gated_mlp else 2
@@ -532,9 +534,9 @@ def _check_vit_shape(
     hidden_size: int, depth: int, windowed_layers: list[int], window_patches: int, kv_size: int | None
 ) -> None:
     """:meth:`CostModel.from_vit_shape`'s arguments checked: a ``ValueError`` naming the first bad one."""
-    if hidden_size <= 0 or depth <= 0:
+    if not (_is_int(hidden_size) and _is_int(depth)) or hidden_size <= 0 or depth <= 0:
         raise ValueError(
-            f"from_vit_shape needs hidden_size > 0 and depth > 0, got hidden_size={hidden_size!r}, "
+            f"from_vit_shape needs hidden_size and depth as ints > 0, got hidden_size={hidden_size!r}, "
             f"depth={depth!r}."
         )
     if any(not 0 <= i < depth for i in windowed_layers):
@@ -548,6 +550,24 @@ def _check_vit_shape(
     if kv_size is not None and kv_size <= 0:
         raise ValueError(
             f"from_vit_shape: kv_size={kv_size!r} is invalid: expected a width > 0, or None for hidden_size."
+        )
+
+
+def _check_widths(intermediate_size: int | None, mlp_ratio: float, patch_input_dim: int) -> None:
+    """The MLP's and the patch embedding's arguments of :meth:`CostModel.from_vit_shape` checked,
+    each named (a bad one would otherwise surface as an invalid ``CostModel.linear``)."""
+    if intermediate_size is not None and (not _is_int(intermediate_size) or intermediate_size < 0):
+        raise ValueError(
+            f"from_vit_shape: intermediate_size={intermediate_size!r} is invalid: expected an int >= 0 "
+            "(the MLP's width; 0 for blocks without one), or None for hidden_size * mlp_ratio."
+        )
+    ratio_ok = isinstance(mlp_ratio, numbers.Real) and not isinstance(mlp_ratio, bool)
+    if not ratio_ok or not math.isfinite(mlp_ratio) or mlp_ratio <= 0:
+        raise ValueError(f"from_vit_shape: mlp_ratio={mlp_ratio!r} is invalid: expected a finite number > 0.")
+    if not _is_int(patch_input_dim) or patch_input_dim < 0:
+        raise ValueError(
+            f"from_vit_shape: patch_input_dim={patch_input_dim!r} is invalid: expected an int >= 0 "
+            "(input features per patch, e.g. 3*2*14*14; 0 leaves the patch embedding out)."
         )
 
 
@@ -1267,12 +1287,20 @@ def _parse_state(
     return model, history
 
 
+def _whole(value: Any) -> int:
+    """``value`` as an int where it is one (Python's or NumPy's), else a TypeError: ``int()`` would
+    cut 1.5 patches to 1 and fit the row on a count nobody passed."""
+    if isinstance(value, bool):
+        raise TypeError(f"{value!r} is not an integer")
+    return operator.index(value)  # a TypeError for floats, NumPy's included
+
+
 def _int_rows(name: str, rows: Sequence[Sequence[int]], milliseconds: Sequence[float]) -> list[np.ndarray]:
     """``rows`` as one int64 array per rank, every value > 0, or a ValueError naming ``name``."""
     try:
         rows = [row if isinstance(row, (list, tuple)) else list(row) for row in rows]  # read twice
         sizes = [len(row) for row in rows]
-        flat = np.asarray([int(n) for row in rows for n in row], dtype=np.int64)
+        flat = np.asarray([_whole(n) for row in rows for n in row], dtype=np.int64)
     except (TypeError, ValueError) as error:
         raise ValueError(
             f"CostCalibrator.observe: expected {name} as one sequence of integers per rank and "

@@ -47,6 +47,7 @@ from lightning_vit_balance.problems import (
     GRID_DTYPES,
     PIXEL_DTYPES,
     InputProblem,
+    UncombinedInput,
     describe_problem,
     problem_details,
 )
@@ -134,6 +135,8 @@ def _bad(problem: InputProblem, pixel_values: Any, **values: int) -> RankMetadat
 
 
 def _shape_problem(pixel_values: Any, grid_thw: Any) -> RankMetadata | None:
+    if isinstance(grid_thw, UncombinedInput):
+        return _bad(InputProblem.NOT_COMBINED, pixel_values)
     if not isinstance(grid_thw, torch.Tensor):
         return _bad(InputProblem.GRID_NOT_TENSOR, pixel_values)
     if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:

@@ -229,6 +229,7 @@ from lightning_vit_balance.outputs import (
     unwrap_module,
     window_index_fn,
 )
+from lightning_vit_balance.problems import UncombinedInput
 from lightning_vit_balance.recompute import in_backward_pass
 
 __all__ = ["BalancedVisionTower", "balance_vision_tower", "encode_visual"]
@@ -1167,10 +1168,13 @@ def _balanced_call(
     """``balancer(vit, ...)`` on the combined rows; a rank whose modalities could not be combined
     sends no grid, so the engine raises on every rank, and this rank says why. ``prepared``: the
     plan made for these rows before the forward (see ``ViTBalancer.prepare``)."""
+    grid = UncombinedInput(tuple(combined.problems)) if combined.problems else combined.grid
     try:
-        return balancer(vit, combined.pixels, combined.grid, prepared=prepared)
+        return balancer(vit, combined.pixels, grid, prepared=prepared)
     except ValueError as err:
-        detail = f" On this rank: {'; '.join(combined.problems)}." if combined.problems else ""
+        # Where a plan was made ahead, the shared text names the cause already (the status carries it).
+        told = all(problem in str(err) for problem in combined.problems)
+        detail = f" On this rank: {'; '.join(combined.problems)}." if not told else ""
         raise ValueError(f"{caller}: this rank's images and videos, encoded together: {err}{detail}") from err
 
 

@@ -32,7 +32,7 @@ from lightning_vit_balance.caching import cached_value
 from lightning_vit_balance.config import stable_digest
 from lightning_vit_balance.exchange import RankMetadata, host_to_device
 from lightning_vit_balance.planning import RebalancePlan
-from lightning_vit_balance.problems import GRID_DTYPE_NAMES, GRID_DTYPES
+from lightning_vit_balance.problems import GRID_DTYPE_NAMES, GRID_DTYPES, UncombinedInput
 
 __all__ = ["DeviceGridChecks", "PreparedPlan", "batch_digest", "grid_gcd"]
 
@@ -116,6 +116,8 @@ class PreparedPlan:
 
     def _mismatch(self, pixel_values: Any, grid_thw: Any) -> str | None:
         grids = self.call_grid_rows
+        if isinstance(grid_thw, UncombinedInput):  # the status carries text: the cause itself
+            return str(grid_thw)
         if not isinstance(pixel_values, torch.Tensor) or not isinstance(grid_thw, torch.Tensor):
             return "pixel_values and grid_thw must be tensors, as when the plan was prepared"
         if grid_thw.dtype not in GRID_DTYPES:

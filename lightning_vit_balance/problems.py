@@ -29,6 +29,7 @@ __all__ = [
     "PROBLEMS",
     "InputProblem",
     "ProblemTemplate",
+    "UncombinedInput",
     "describe_problem",
     "problem_details",
 ]
@@ -80,6 +81,24 @@ class InputProblem(IntEnum):
     GRID_DEVICE = 13
     PREPARED_GRID_VALUES = 14
     PREPARED_SKIPPED_MISMATCH = 15
+    NOT_COMBINED = 16
+
+
+@dataclass(frozen=True)
+class UncombinedInput:
+    """What a caller that joins several inputs into one call (the drop-in's images and videos)
+    passes as ``grid_thw`` where they could not be joined: every rank then raises, naming this
+    cause, where a missing grid would read as a type error the user never made.
+
+    Attributes:
+        problems: Why, as this rank found it (travels in the status where a plan was made ahead;
+            the metadata gather's problem code cannot carry text).
+    """
+
+    problems: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return "its images and videos could not be encoded together: " + "; ".join(self.problems)
 
 
 @dataclass(frozen=True)
@@ -181,6 +200,12 @@ PROBLEMS: dict[InputProblem, ProblemTemplate] = {
         "that plan's (same shape and rows; compared on the device and read at this rank's next gather, so "
         "that the forward never waited): that call encoded its images with the prepared grid rows. "
         "Expected each call to pass the grid_thw its plan was prepared from",
+    ),
+    InputProblem.NOT_COMBINED: ProblemTemplate(
+        (),
+        "its images and videos could not be encoded together (that rank's own error says why: rows that "
+        "do not match a modality's grid, modalities of different row widths, or no rows where the ViT's "
+        "config tells no width)",
     ),
     InputProblem.PREPARED_SKIPPED_MISMATCH: ProblemTemplate(
         (),

@@ -87,6 +87,13 @@ def test_invalid_window() -> None:
         CostModel.from_vit_shape(hidden_size=8, depth=2, window_layers=[2], window_patches=4)
     with pytest.raises(ValueError, match="hidden_size"):
         CostModel.from_vit_shape(hidden_size=0, depth=2)
+    # Each argument is named: a bad width read as an invalid CostModel.linear, a fractional one passed.
+    with pytest.raises(ValueError, match=r"hidden_size and depth as ints > 0, got hidden_size=64\.5"):
+        CostModel.from_vit_shape(hidden_size=64.5, depth=2)
+    bad = [("intermediate_size", -1), ("mlp_ratio", -10.0), ("patch_input_dim", -1), ("mlp_ratio", math.nan)]
+    for name, value in bad:
+        with pytest.raises(ValueError, match=rf"from_vit_shape: {name}={value!r} is invalid"):
+            CostModel.from_vit_shape(hidden_size=8, depth=2, **{name: value})
 
 
 def test_from_vit_shape_counts_flops() -> None:
@@ -582,6 +589,9 @@ def test_calibrator_invalid_input() -> None:
         calibrator.observe([[4], [8]], [1.0, math.inf])
     with pytest.raises(ValueError, match="expected patch_counts as one sequence"):
         calibrator.observe([4, 8], [1.0, 1.0])
+    for counts in ([[1.5, 2.9]], [[0.5]], [[True]]):  # int() had fitted 1.5 patches as 1
+        with pytest.raises(ValueError, match="expected patch_counts as one sequence of integers per rank"):
+            calibrator.observe(counts, [1.0])
     assert calibrator.steps_observed == 0
     with pytest.raises(TypeError, match="initial="):
         CostCalibrator("l2")  # type: ignore[arg-type]

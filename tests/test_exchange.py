@@ -263,6 +263,7 @@ def test_describe_problem_messages_are_distinct_and_specific() -> None:
         InputProblem.DEVICE: "meta device: the process group's backend carries cpu tensors",
         InputProblem.CHANNELS_MISMATCH: "C=6 channels while rank 0 has C=12",
         InputProblem.DTYPE_MISMATCH: "torch.float64 while rank 0 has torch.float32",
+        InputProblem.NOT_COMBINED: "its images and videos could not be encoded together (that rank's own",
     }
     messages = {code: describe_problem(code, details.get(code, ())) for code in InputProblem if code}
     assert len(set(messages.values())) == len(messages)

@@ -1648,19 +1648,24 @@ def _bad_input_on_rank_1(family: str, ahead: str | None, grid: str) -> str:
 
     model = tiny_model(family)
     handle = balance_vision_tower(model, config_for(family))
-    batch = make_inputs(family, [{"images": [(1, 4, 4)]}], seed=dist.get_rank())
+    # Rows cut after the plan are seen in a call that moves images (one that moves none raises at
+    # the next gather): one of rank 0's three images moves.
+    images = 3 if grid == "short rows" and dist.get_rank() == 0 else 1
+    batch = make_inputs(family, [{"images": [(1, 4, 4)] * images}], seed=dist.get_rank())
     prepared: Any = batch
     if dist.get_rank() == 1 and grid == "flat pixels":
         batch["pixel_values"] = batch["pixel_values"].reshape(16, -1)
     elif dist.get_rank() == 1 and grid == "tuple":
         prepared = tuple(batch.values())
-    elif dist.get_rank() == 1:
+    elif dist.get_rank() == 1 and grid in ("none", "4 columns"):
         batch["image_grid_thw"] = None if grid == "none" else torch.tensor([[1, 4, 4, 1]])
     try:
         if ahead == "prepare":
             handle.prepare(prepared)
         elif ahead == "collator":
             batch = handle.plan_ahead(_first)([batch])
+        if dist.get_rank() == 1 and grid == "short rows":  # after the plan, which holds all of them
+            batch = {**batch, "pixel_values": batch["pixel_values"][:-4]}
         model(**batch)
     except ValueError as err:
         return str(err)
@@ -1676,6 +1681,10 @@ def _bad_input_on_rank_1(family: str, ahead: str | None, grid: str) -> str:
         ("prepare", "4 columns", "grid_thw has shape (1, 4)"),
         ("collator", "4 columns", "grid_thw has shape (1, 4)"),
         ("prepare", "tuple", "On this rank: the batch is a tuple, not a mapping"),
+        # Rows the drop-in cannot join with their grid: every rank names that cause (the others had
+        # read a missing grid_thw, a type error nobody made); with a plan made ahead, the cause itself.
+        (None, "short rows", "rank 1: its images and videos could not be encoded together"),
+        ("prepare", "short rows", "could not be encoded together: pixel_values has 12 rows"),
     ],
 )
 def test_bad_input_on_one_rank_raises_on_every_rank(
@@ -1687,6 +1696,8 @@ def test_bad_input_on_one_rank_raises_on_every_rank(
         messages = w.run(_bad_input_on_rank_1, "qwen3_vl", ahead, grid, timeout=120)
     assert all("rank 1" in m for m in messages), messages
     assert says in messages[1], messages[1]
+    if grid == "short rows":
+        assert all(says in m for m in messages), messages
 
 
 def test_rows_that_disagree_with_the_plan_name_which_side_is_off() -> None:

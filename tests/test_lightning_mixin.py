@@ -8,6 +8,7 @@ import datetime
 import io
 import pickle
 import time
+import types
 import warnings
 import weakref
 from pathlib import Path
@@ -148,6 +149,11 @@ def test_config_attribute_forms() -> None:
         MixinFirst("seed").resolved_vit_balance_config()  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"solver='magic'"):
         MixinFirst({"solver": "magic"}).resolved_vit_balance_config()
+    # Any mapping (a config system's, OmegaConf's DictConfig), not only a dict; unknown fields named.
+    proxy = types.MappingProxyType({"trigger_threshold": 0.5})
+    assert MixinFirst(proxy).resolved_vit_balance_config() == ViTBalanceConfig(trigger_threshold=0.5)
+    with pytest.raises(ValueError, match=r"MixinFirst.vit_balance_config has unknown fields \['bogus'\]"):
+        MixinFirst({"bogus": 1}).resolved_vit_balance_config()
 
 
 def test_single_device_fit_looks_the_group_up_once_per_fit_and_calls_directly(tmp_path: Path) -> None:

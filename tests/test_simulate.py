@@ -344,6 +344,12 @@ def test_simulate_rejects_bad_counts() -> None:
         simulate(TINY, [0], samples_per_rank=1, steps=1)
     with pytest.raises(ValueError, match=r"simulate\(seed=-1\)"):
         simulate(TINY, [2], samples_per_rank=1, steps=1, seed=-1)
+    # A count that is no positive int is named where the user put it: 1.5 was drawn as 1, and 0.4
+    # was reported as a 0 at a position of a drawn batch.
+    for bad in (1.5, 0.4, True, 0):
+        with pytest.raises(ValueError, match=rf"samples\[1\]\[0\]={bad!r} is invalid: expected a positive"):
+            simulate([[4096], [bad]], [2], samples_per_rank=1, steps=1)
+    simulate([[np.int64(4096)], [np.int32(9)]], [2], samples_per_rank=1, steps=1)  # NumPy's ints are ints
 
 
 # ----------------------------------------------------------------------------- the command

@@ -679,11 +679,18 @@ class ViTBalanceMixin:
             return ViTBalanceConfig()
         if isinstance(config, ViTBalanceConfig):
             return config
-        if isinstance(config, dict):
-            return ViTBalanceConfig(**config)
+        if isinstance(config, Mapping):  # a dict, or a config system's mapping (OmegaConf's DictConfig)
+            fields = [field.name for field in dataclasses.fields(ViTBalanceConfig)]
+            unknown = sorted(str(key) for key in config if key not in fields)
+            if unknown:
+                raise ValueError(
+                    f"{type(self).__name__}.vit_balance_config has unknown fields {unknown}: expected "
+                    f"fields among {sorted(fields)}."
+                )
+            return ViTBalanceConfig(**dict(config))
         raise TypeError(
             f"{type(self).__name__}.vit_balance_config={config!r} is invalid: expected a "
-            f"ViTBalanceConfig, a dict of its fields, or None."
+            f"ViTBalanceConfig, a mapping of its fields, or None."
         )
 
     def _vit_balance_runner(self) -> tuple[Any, Any]:

@@ -1112,7 +1112,9 @@ def encode_visual(
         images: ``(pixel_values [sum(T*H*W), C], grid_thw [n, 3])`` of this rank's images, or None.
         videos: The same for videos (same ``C``), or None.
         balancer: Balances the call across its group; every rank of the group must call
-            :func:`encode_visual` (with or without images and videos). None calls ``vit`` directly.
+            :func:`encode_visual` (with or without images and videos: a rank with neither passes
+            ``None`` for both where the tower's config tells the row width ``C``, else zero rows
+            ``(pixel_values [0, C], grid_thw [0, 3])``). None calls ``vit`` directly.
         prepared: The plan ``balancer.prepare`` made before the forward for the images' rows
             followed by the videos' (then the call makes no metadata gather).
 

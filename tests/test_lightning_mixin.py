@@ -209,17 +209,10 @@ def test_the_callback_records_the_fit_after_a_finders_search(tmp_path: Path, fin
         if finder == "lr"
         else BatchSizeFinder(mode="power", steps_per_trial=1, max_trials=1)
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=CSVLogger(tmp_path),
-        log_every_n_steps=1,
-        callbacks=[search, callback, EarlyStopping(monitor="vit_balance/imbalance_after", mode="min")],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=tmp_path,
+    monitor = EarlyStopping(monitor="vit_balance/imbalance_after", mode="min")
+    callbacks = [search, callback, monitor]
+    trainer = quiet_trainer(
+        str(tmp_path), "", devices=1, max_epochs=1, callbacks=callbacks, default_root_dir=tmp_path
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -86,7 +86,7 @@ from lightning_vit_balance.outputs import (
 )
 from lightning_vit_balance.planning import RebalancePlan, plan_rebalance
 from lightning_vit_balance.prepared import DeviceGridChecks, PreparedPlan, batch_digest, grid_gcd
-from lightning_vit_balance.problems import DTYPES, InputProblem, describe_problem
+from lightning_vit_balance.problems import DTYPES, InputProblem, UncombinedInput, describe_problem
 from lightning_vit_balance.recompute import PlanMemory, in_backward_pass
 from lightning_vit_balance.routes import RouteCache
 from lightning_vit_balance.wire import elements_per_row, pack_return, transit_dtype, unpack_return
@@ -1422,6 +1422,8 @@ class ViTBalancer:
 
     def _direct(self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
         """``vit(pixel_values, grid_thw)``, with outputs the layout names ``"drop"`` set to None."""
+        if isinstance(grid_thw, UncombinedInput):  # a caller's inputs that it could not join: no call
+            raise ValueError(f"{grid_thw}.")
         output = vit(pixel_values, grid_thw)
         layout = self.output_layout
         if layout is None or "drop" not in layout.kinds.values():

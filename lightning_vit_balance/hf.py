@@ -943,7 +943,7 @@ def _combine(
         widths = ", ".join(f"{part.name} C={p.shape[1]}" for part, p in zip(parts, pixels))
         problems.append(f"images and videos must have the same row width to be encoded together ({widths})")
     width = pixels[0].shape[1] if pixels else _tower_channels(vit)
-    if width is None:
+    if width is None and not problems:  # rows were given where a modality was refused
         problems.append(
             "no rows were given and the ViT's config does not tell C: pass (pixel_values [0, C], "
             "grid_thw [0, 3]) for an absent modality"

@@ -1850,6 +1850,13 @@ def test_encode_visual_without_a_balancer_calls_the_vit_once() -> None:
     assert nothing[0].shape == (0, 24) and nothing[1].shape == (0,)
     with pytest.raises(TypeError, match=r"encode_visual\(images=a tensor"):
         encode_visual(vit, images[0])
+    # Rows that do not match their grid, with a balancer that calls the ViT directly (one process,
+    # or disabled): refused by name, as without one (they had reached the ViT as a grid object); a
+    # tower whose config tells no width is not told "no rows were given" as well.
+    short = (images[0][:-4], images[1])
+    for balancer in (None, ViTBalancer(ViTBalanceConfig()), ViTBalancer(ViTBalanceConfig(enabled=False))):
+        with pytest.raises(ValueError, match=r"images\[0\] has 12 rows: images\[1\] says 16\.$"):
+            encode_visual(towers.TensorTower(), short, None, balancer=balancer)
 
 
 # --------------------------------------------------------------------------- one process

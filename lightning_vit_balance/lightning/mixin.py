@@ -62,7 +62,7 @@ def _shared(values: list[Any]) -> Any:
 
 
 #: What marks a run (``ViTBalanceMixin._vit_balance_run_key``): references to its objects.
-RunKey = tuple[Callable[[], object] | None, ...]
+_RunKey = tuple[Callable[[], object] | None, ...]
 
 
 def _ref(obj: object) -> Callable[[], object] | None:
@@ -302,7 +302,7 @@ def _gathered_batch_counts(counts: list[float], group: Any) -> tuple[tuple[int, 
     return tuple(map(tuple, gather_host_values(mine, group).tolist()))
 
 
-def _same_run(old: RunKey | None, new: RunKey) -> bool:
+def _same_run(old: _RunKey | None, new: _RunKey) -> bool:
     """Whether run keys (``ViTBalanceMixin._vit_balance_run_key``) name the same objects."""
     if old is None:
         return False
@@ -386,7 +386,7 @@ class _State:
     """
 
     def __init__(self) -> None:
-        self.fit_key: RunKey | None = None
+        self.fit_key: _RunKey | None = None
         #: The Trainer's entry point (fit, validate, test, predict) when the key was taken.
         self.fit_entry: object = None
         self.group: dist.ProcessGroup | None = None
@@ -720,7 +720,7 @@ class ViTBalanceMixin:
             return None
         return dp_group_from_strategy(runner.strategy)
 
-    def _vit_balance_run_key(self) -> RunKey:
+    def _vit_balance_run_key(self) -> _RunKey:
         """What marks the run of processes this module runs in now (see :func:`_same_run`)."""
         trainer, fabric = self._vit_balance_runner()
         runner = fabric if fabric is not None else trainer

@@ -1223,7 +1223,9 @@ class ViTBalanceMixin:
                 source = (
                     f"{source}; the batch holds none of them, only {_some_keys(batch)}, so it was planned "
                     "without images (for the batch of one loader among several, plan_ahead=False and "
-                    "self.prepare_vit_balance(batch[key]) in on_before_batch_transfer)"
+                    "self.prepare_vit_balance(batch[key]) in on_before_batch_transfer; for one call over "
+                    "several loaders' batches, encode_visual's images and videos say, prepare one mapping "
+                    "holding the keys of each)"
                 )
             ticket = dataclasses.replace(ticket, source=source)
         self._vit_balance_keep_ticket(ticket, readable and batch.get(GRIDS_KEY) is not None)

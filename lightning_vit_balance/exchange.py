@@ -61,6 +61,7 @@ __all__ = [
     "ViTStatus",
     "all_to_all",
     "collective_device",
+    "current_group",
     "device_problem",
     "exchange_status",
     "fill_rows",
@@ -193,6 +194,15 @@ def rows_per_image(kind: str, patch_count: _Count, merge_size: int) -> _Count:
 
 
 # -- devices --------------------------------------------------------------------------------------
+
+
+def current_group(group: Any = None) -> Any:
+    """``group``, or for ``None`` the default group that exists now (``None`` where none does). A
+    default group destroyed and initialised again is another object: what keeps state per group
+    tells them apart by it."""
+    if group is not None or not dist.is_available():
+        return group
+    return dist.group.WORLD
 
 
 def require_member(group: Any, argument: str) -> None:
@@ -394,7 +404,7 @@ class _DoublingRows:
     """
 
     def __init__(self, row: torch.Tensor, group: Any) -> None:
-        self._group = group if group is not None else dist.group.WORLD
+        self._group = current_group(group)
         self._world, self._rank = dist.get_world_size(group), dist.get_rank(group)
         self._rows = row.new_empty((self._world, *row.shape))  # [P, *row.shape], this rank's first
         self._rows[0] = row

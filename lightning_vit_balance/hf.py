@@ -211,6 +211,7 @@ from lightning_vit_balance.cost import CostModel, pixel_row_factors
 from lightning_vit_balance.eager import eager, eager_frame
 from lightning_vit_balance.encoding import INVALID_INPUT, gathered_per_call, parameters_sharded
 from lightning_vit_balance.exchange import (
+    current_group,
     gather_host_values,
     grid_rows,
     grid_steps,
@@ -2149,7 +2150,7 @@ class BalancedVisionTower:
         Lightning mixin's handle takes its module's balancer instead (built with ``layout`` too)."""
         # The group itself, not its id: a destroyed group's id may come back as a new group's, and
         # None stands for whatever default group exists now (a sweep re-initialises it).
-        key = (config, _group_object(group), layout)
+        key = (config, current_group(group), layout)
         if self._balancer is None or self._balancer_key != key:
             previous = self._balancer
             carried = previous.state_dict() if previous is not None else self._carried
@@ -2169,9 +2170,10 @@ class BalancedVisionTower:
     def _host_group(self, group: Any) -> Any:
         """The gloo twin of an NCCL ``group`` (see ``make_host_group``), made once per group, at a
         balanced forward or a :meth:`prepare`, which every rank makes alike."""
-        if self._twin_of is not _group_object(group):
+        made_for = current_group(group)
+        if self._twin_of is not made_for:
             release_host_group(self._twin)
-            self._twin, self._twin_of = owned_host_group(group, self), _group_object(group)
+            self._twin, self._twin_of = owned_host_group(group, self), made_for
         return self._twin
 
     def _encode(self, bound: Mapping[str, Any], config: ViTBalanceConfig, group: Any) -> _Pending:
@@ -2624,15 +2626,6 @@ def continue_fit(target: Any, saved: Mapping[str, Any], source: str, warn: Calla
 
 #: No group yet: what :attr:`BalancedVisionTower._twin_of` holds before a twin was made.
 _NO_GROUP = object()
-
-
-def _group_object(group: Any) -> Any:
-    """``group``, or for ``None`` the default group that exists now (``None`` where none does): a
-    default group destroyed and initialised again is another object, whose balancer and twin the
-    handle must make anew."""
-    if group is not None or not (dist.is_available() and dist.is_initialized()):
-        return group
-    return dist.group.WORLD
 
 
 #: A module's own hook registries, as ``nn.Module.__call__`` reads them.

@@ -55,6 +55,7 @@ from torch.distributed.constants import default_pg_timeout
 from lightning_vit_balance.callsite import warn_at_user
 from lightning_vit_balance.exchange import (
     _backend_device_type,
+    current_group,
     forget_finished_gathers,
     require_member,
     start_row_gather,
@@ -190,7 +191,7 @@ def gathers_on(twin: dist.ProcessGroup | None, group: Any) -> Any:
     (:func:`make_host_group` said why), so that the balancer does not warn about it again."""
     if twin is not None:
         return twin
-    return group if group is not None else dist.group.WORLD
+    return current_group(group)
 
 
 def release_host_group(host_group: dist.ProcessGroup | None) -> None:
@@ -389,7 +390,7 @@ def _network_namespace() -> int:
 def _timeout_of(group: Any) -> timedelta | None:
     """The timeout of ``group``'s backend (NCCL's, or gloo's where a test takes a gloo group for
     NCCL); ``None`` (``new_group``'s default) where torch does not expose it."""
-    process_group = group if group is not None else dist.group.WORLD
+    process_group = current_group(group)
     for device_type in ("cuda", "cpu"):
         try:
             timeout = process_group._get_backend(torch.device(device_type)).options._timeout

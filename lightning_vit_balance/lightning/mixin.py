@@ -28,7 +28,7 @@ from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.eager import eager, eager_frame
 from lightning_vit_balance.encoding import parameters_sharded
-from lightning_vit_balance.exchange import gather_host_values, require_member
+from lightning_vit_balance.exchange import current_group, gather_host_values, require_member
 from lightning_vit_balance.hf import (
     GRIDS_KEY,
     KEPT_STATS,
@@ -730,9 +730,8 @@ class ViTBalanceMixin:
         model = getattr(strategy, "model", None) if trainer is not None else None
         # The group set on the module and the default group mark a run too: without a Trainer or
         # Fabric nothing else does (a group set anew, a default group destroyed and made again).
-        default = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
         chosen = getattr(self, "vit_balance_group", None)
-        return (_ref(runner), _ref(strategy), _ref(model), _ref(chosen), _ref(default))
+        return (_ref(runner), _ref(strategy), _ref(model), _ref(chosen), _ref(current_group()))
 
     def _vit_balance_refresh(self, state: _State) -> None:
         key = self._vit_balance_run_key()

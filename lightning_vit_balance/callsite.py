@@ -14,7 +14,7 @@ import sys
 import warnings
 from types import FrameType
 
-__all__ = ["user_stacklevel", "warn_at_user"]
+__all__ = ["warn_at_user"]
 
 #: Libraries whose frames lie between the user's code and the package's: read from ``sys.modules``
 #: only, so nothing is imported for a warning.
@@ -42,18 +42,14 @@ def _library_prefixes() -> tuple[str, ...]:
     return tuple(prefixes)
 
 
-def user_stacklevel(frame: FrameType | None = None) -> int:
-    """The ``stacklevel`` that makes ``warnings.warn``, called in the caller's frame, name the first
+def _user_stacklevel(frame: FrameType) -> int:
+    """The ``stacklevel`` that makes ``warnings.warn``, called in ``frame`` (level 1), name the first
     frame outside this package and the libraries around it.
-
-    Args:
-        frame: Where to start counting (level 1); the caller's frame by default.
 
     Returns:
         The level of that frame, or of the outermost frame when every frame is inside (a thread of
         the package's own).
     """
-    frame = frame if frame is not None else sys._getframe(1)
     inside = _library_prefixes()
     level = 1
     while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
@@ -62,5 +58,6 @@ def user_stacklevel(frame: FrameType | None = None) -> int:
 
 
 def warn_at_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
-    """``warnings.warn(message, category)`` at the user's line (see :func:`user_stacklevel`)."""
-    warnings.warn(message, category, stacklevel=user_stacklevel(sys._getframe(1)) + 1)
+    """``warnings.warn(message, category)`` at the user's line (see :func:`_user_stacklevel`): level
+    1 is the caller's frame, one below this function's."""
+    warnings.warn(message, category, stacklevel=_user_stacklevel(sys._getframe(1)) + 1)

@@ -323,15 +323,16 @@ class _Reference:
     pixels_differentiable: bool
 
 
-def _layout_of(output_layout: OutputLayout | Mapping[str, str] | None) -> OutputLayout | None:
-    if output_layout is None or isinstance(output_layout, OutputLayout):
-        return output_layout
-    if isinstance(output_layout, Mapping):
-        return OutputLayout(kinds=dict(output_layout))
-    raise TypeError(
-        f"output_layout={output_layout!r} is invalid: expected None, an OutputLayout or a mapping "
-        "from output path to kind."
-    )
+def _refuse_images_split(config: ViTBalanceConfig, layout: OutputLayout | None) -> None:
+    """An ``"image"`` output has a row per grid row the ViT sees: with ``split_videos`` a video
+    reaches it as its temporal steps, so it would return a row per step, not the video's one."""
+    image_paths = [path for path, kind in (layout.kinds.items() if layout else ()) if kind == "image"]
+    if config.split_videos and image_paths:
+        raise ValueError(
+            f'output_layout names {image_paths} as "image" outputs, which split_videos=True cannot '
+            "return: the ViT would see each temporal step of a video as an image and return a row "
+            "per step. Expected split_videos=False with outputs of a row per image."
+        )
 
 
 def _advise_host_group(group: Any) -> None:
@@ -438,7 +439,8 @@ class ViTBalancer:
             ``ValueError`` here.
         output_layout: Kinds of the ViT's outputs where their rows do not tell (an
             :class:`~lightning_vit_balance.outputs.OutputLayout`, or a mapping from output
-            path to kind), and the merge size where the ViT does not expose ``spatial_merge_size``.
+            path to kind: ``"image"`` for a row per image, such as pooled vectors), and the merge
+            size where the ViT does not expose ``spatial_merge_size``.
         report: Where ``config.verbose`` reports go, one line per call on DP rank 0; default
             ``print`` (the mixin passes Lightning's ``rank_zero_info``).
         host_group: A group over the same ranks, in the same order, whose backend carries CPU
@@ -473,7 +475,8 @@ class ViTBalancer:
         self.host_group = host_group
         self._host_checked = host_group is None
         self._host_advised = host_group is not None
-        self.output_layout = _layout_of(output_layout)
+        self.output_layout = OutputLayout.of(output_layout)
+        _refuse_images_split(self.config, self.output_layout)
         self.last_stats: BalanceStats | None = None
         self.calls = 0
         self.applied_calls = 0
@@ -1295,7 +1298,7 @@ class ViTBalancer:
         if encoded.status().flag != 0:
             return encoded, None
         try:
-            tokens = encoded.token_indices
+            tokens = encoded.returned_indices
             leaves = [encoded.leaves[k][1] for k in tokens]
             transit = transit_dtype([leaf.dtype for leaf in leaves])
             elements = [elements_per_row(leaf, transit) for leaf in leaves]
@@ -1317,7 +1320,7 @@ class ViTBalancer:
         my_counts: Sequence[int],
     ) -> Any:
         """The ViT's output structure around this rank's rows; window indices from its own grid."""
-        by_leaf = dict(zip(encoded.token_indices, returned))
+        by_leaf = dict(zip(encoded.returned_indices, returned))
         window_index: Any = None
         result: list[Any] = []
         for k, (_, leaf) in enumerate(encoded.leaves):
@@ -1574,8 +1577,9 @@ class _ReturnBuffer(NamedTuple):
 _OUT_OF_STEP = (
     "every rank of the group must make the same balanced calls, in the same order, including "
     "ranks without images (zero rows and a [0, 3] grid). The usual cause is a rank that skipped "
-    "the call (a text-only batch behind an `if`), made it alone (evaluation or sample logging on "
-    "one rank), started a validation after other training batches than the rest (Lightning "
+    "the call (a text-only batch behind an `if`), called the ViT directly (a configuration with "
+    "enabled=False on some ranks only), made it alone (evaluation or sample logging on one rank), "
+    "started a validation after other training batches than the rest (Lightning "
     "validates at each rank's own epoch position: training loaders of different lengths per rank; "
     "validate every N batches of the fit instead, val_check_interval=N with "
     "check_val_every_n_epoch=None), ran more evaluation batches than the rest (a DistributedSampler "

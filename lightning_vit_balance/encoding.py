@@ -83,7 +83,7 @@ PACKING_ERROR = "packing: "
 #: This package's source folder: its frames are the ones :func:`release_frames` always clears.
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 #: Output kinds whose rows travel back to the images' home ranks.
-TOKEN_KINDS = ("patch", "merged")
+RETURNED_KINDS = ("patch", "merged", "image")
 
 
 @functools.cache
@@ -405,9 +405,9 @@ class EncodedBatch:
     packing_problem: bool = False
 
     @property
-    def token_indices(self) -> list[int]:
-        """Indices of the leaves whose rows travel back (per patch or per merged token)."""
-        return [k for k, c in enumerate(self.kinds) if c.kind in TOKEN_KINDS]
+    def returned_indices(self) -> list[int]:
+        """Indices of the leaves whose rows travel back (per patch, per merged token or per image)."""
+        return [k for k, c in enumerate(self.kinds) if c.kind in RETURNED_KINDS]
 
     def status(self) -> ViTStatus:
         """What the other ranks need to know about this forward before the return trip."""
@@ -427,7 +427,7 @@ class EncodedBatch:
                 expected=self.kinds[k].expected,
                 problem=self.kinds[k].problem,
             )
-            for k in self.token_indices
+            for k in self.returned_indices
         )
         return ViTStatus(leaves=signatures)
 
@@ -474,6 +474,7 @@ def encode(
     kinds = classify_outputs(
         leaves,
         total_patches=sum(batch.patch_counts),
+        images=len(batch.patch_counts),
         merge_size=merge,
         has_window_index=has_window,
         layout=layout,
@@ -717,7 +718,7 @@ def splice_encoded(
         return EncodedBatch([], None, [], error, away.seconds + home.seconds)
     leaves = list(away.leaves)
     kinds = list(away.kinds)
-    for k in away.token_indices:
+    for k in away.returned_indices:
         kind = kinds[k].kind
         cut = sum(rows_per_image(kind, n, merge) for n in counts_before)
         rows = away.leaves[k][1]

@@ -188,8 +188,10 @@ _Count = TypeVar("_Count", int, np.ndarray)
 
 
 def rows_per_image(kind: str, patch_count: _Count, merge_size: int) -> _Count:
-    """Rows an image of ``patch_count`` patches has in an output of ``kind`` ("patch" or "merged");
-    elementwise for an ``[n]`` int64 array of patch counts."""
+    """Rows an image of ``patch_count`` patches has in an output of ``kind`` ("patch", "merged" or
+    "image"); elementwise for an ``[n]`` int64 array of patch counts."""
+    if kind == "image":
+        return np.ones_like(patch_count) if isinstance(patch_count, np.ndarray) else 1
     return patch_count if kind == "patch" else patch_count // (merge_size * merge_size)
 
 
@@ -1073,7 +1075,8 @@ class ReturnLayout:
         Args:
             plan: The applied plan.
             rank: This rank.
-            kinds: ``"patch"`` or ``"merged"`` for each token-aligned output, in output order.
+            kinds: ``"patch"``, ``"merged"`` or ``"image"`` for each output that travels back, in
+                output order.
             merge_size: The ViT's spatial merge size.
             row_elements: Transit elements one row of each output takes (see :func:`elements_per_row`).
         """
@@ -1090,10 +1093,16 @@ class ReturnLayout:
     ) -> ReturnLayout:
         """:meth:`from_plan` for a rank whose :class:`ExchangeRoute` under ``plan`` is at hand."""
         elements = np.asarray(row_elements, dtype=np.int64)  # [K]
-        sent = _rows_by_rank(route.receive_patches, kinds, merge_size)  # [P, K]
+        ranks = len(route.send_patches)
+        # Images (not patches) per peer, for outputs with a row per image.
+        encoded_for = sent_to = None
+        if "image" in kinds:
+            encoded_for = np.bincount([source for source, _ in route.arrivals], minlength=ranks)
+            sent_to = np.bincount(np.asarray(route.destinations, dtype=np.int64), minlength=ranks)
+        sent = _rows_by_rank(route.receive_patches, encoded_for, kinds, merge_size)  # [P, K]
         send_rows = _send_rows(np.asarray(route.receive_patches) > 0, sent)
         send_splits = tuple((sent @ elements).tolist())
-        received = _rows_by_rank(route.send_patches, kinds, merge_size)  # [P, K]
+        received = _rows_by_rank(route.send_patches, sent_to, kinds, merge_size)  # [P, K]
         receive_rows = tuple(map(tuple, received.tolist()))
         receive_splits = tuple((received @ elements).tolist())
         restore = None
@@ -1208,15 +1217,21 @@ class ReceivePieces(NamedTuple):
     picks: tuple[tuple[int, ...], ...]
 
 
-def _rows_by_rank(patches: Sequence[int], kinds: Sequence[str], merge_size: int) -> np.ndarray:
-    """``[P, K]`` int64: rows in output ``k`` of the images of ``patches[rank]`` patches. A sum of
-    images' rows is the rows of their summed patches: each image's patches are a multiple of
-    ``merge_size**2`` (its H and W are checked divisible on input). In numpy: the layouts' loops
-    over every peer cost milliseconds on 1,024 ranks in Python."""
+def _rows_by_rank(
+    patches: Sequence[int], images: np.ndarray | None, kinds: Sequence[str], merge_size: int
+) -> np.ndarray:
+    """``[P, K]`` int64: rows in output ``k`` of the images of ``patches[rank]`` patches, of which
+    there are ``images[rank]`` (needed for an ``"image"`` output only). A sum of images' token rows
+    is the rows of their summed patches: each image's patches are a multiple of ``merge_size**2``
+    (its H and W are checked divisible on input). In numpy: the layouts' loops over every peer cost
+    milliseconds on 1,024 ranks in Python."""
     counts = np.asarray(patches, dtype=np.int64)
     if not kinds:
         return np.zeros((counts.size, 0), dtype=np.int64)
-    return np.stack([rows_per_image(kind, counts, merge_size) for kind in kinds], axis=1)
+    by_kind = {kind: rows_per_image(kind, counts, merge_size) for kind in dict.fromkeys(kinds)}
+    if images is not None:
+        by_kind["image"] = images.astype(np.int64)
+    return np.stack([by_kind[kind] for kind in kinds], axis=1)
 
 
 def _send_rows(homes: np.ndarray, rows: np.ndarray) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -1238,7 +1253,7 @@ class LeafSignature:
 
     Attributes:
         path: The output's path (``"0"``, ``"deepstack_features.1"``).
-        kind: ``"patch"`` or ``"merged"`` (the nearest kind when ``problem`` is set).
+        kind: ``"patch"``, ``"merged"`` or ``"image"`` (the nearest kind when ``problem`` is set).
         dtype: ``str(dtype)``.
         trailing: Shape after the row dimension.
         rows: Rows the output had.

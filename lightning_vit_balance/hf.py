@@ -1017,8 +1017,9 @@ def _split(output: Any, parts: Sequence[_Part], total: int, merge: int, vit: Any
     leaves, structure = flatten_output(output)
     has_window = window_index_fn(vit) is not None
     kinds = []
+    images = sum(len(part.grid) for part in parts)
     found = classify_outputs(
-        leaves, total_patches=total, merge_size=merge, has_window_index=has_window, layout=None
+        leaves, total_patches=total, images=images, merge_size=merge, has_window_index=has_window, layout=None
     )
     for (path, _), kind in zip(leaves, found):
         if kind.problem:

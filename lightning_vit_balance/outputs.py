@@ -12,7 +12,10 @@ merged token; for a ViT with ``get_window_index``, its one integer tensor of ``S
 among several, the one named ``window_index``) is the window index (regenerated from the original
 grid, never exchanged; :func:`classify_outputs`). A tensor matching none of them cannot be routed back to
 its images; :class:`OutputLayout` names the kind of any output explicitly (and the merge size) for
-towers where the rows are ambiguous or the merge size cannot be looked up.
+towers where the rows are ambiguous or the merge size cannot be looked up. Rows per image that do
+not follow its patches (a CLS row or a pooled vector per image, a resampler's ``[n, K, D]`` queries)
+are the ``"image"`` kind: a row per image, which only a layout names (their count can equal a
+token kind's on a batch, so rows alone never tell it).
 """
 
 from __future__ import annotations
@@ -46,12 +49,14 @@ __all__ = [
 ]
 
 #: Kinds of ViT output leaves. ``"patch"``: one row per patch; ``"merged"``: one row per merged
-#: token (``merge**2`` patches); ``"window_index"``: regenerated with ``vit.get_window_index``;
+#: token (``merge**2`` patches); ``"image"`` (only when named in an :class:`OutputLayout`): one row
+#: per image, i.e. per grid row (a CLS row, a pooled vector, ``[n, K, D]`` resampler queries);
+#: ``"window_index"``: regenerated with ``vit.get_window_index``;
 #: ``"passthrough"``: returned as computed (non-tensors, 0-d tensors); ``"drop"`` (only when named
 #: in an :class:`OutputLayout`): returned as ``None`` and never exchanged, for outputs the caller
 #: ignores (e.g. a Hugging Face tower's per-patch ``last_hidden_state`` when only
 #: ``pooler_output`` is used), so their bytes do not travel.
-OUTPUT_KINDS: tuple[str, ...] = ("patch", "merged", "window_index", "passthrough", "drop")
+OUTPUT_KINDS: tuple[str, ...] = ("patch", "merged", "image", "window_index", "passthrough", "drop")
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,19 @@ class OutputLayout:
         ):
             raise ValueError(f"OutputLayout.merge_size={self.merge_size!r} is invalid: expected an int >= 1.")
         object.__setattr__(self, "kinds", dict(sorted(self.kinds.items())))
+
+    @classmethod
+    def of(cls, value: OutputLayout | Mapping[str, str] | None) -> OutputLayout | None:
+        """``value`` (an ``output_layout`` argument) as a layout: itself, the one a mapping from
+        output path to kind describes, or None."""
+        if value is None or isinstance(value, OutputLayout):
+            return value
+        if isinstance(value, Mapping):
+            return cls(kinds=dict(value))
+        raise TypeError(
+            f"output_layout={value!r} is invalid: expected None, an OutputLayout or a mapping from "
+            "output path to kind."
+        )
 
     def kind_of(self, path: str) -> str | None:
         """The kind named for ``path`` or its nearest listed ancestor, or None."""
@@ -281,7 +299,9 @@ class Classification:
             (``kind`` is then the nearest guess, used to keep the exchange sizes consistent);
             :data:`ROWS_UNLIKE_NAMED_KIND`: the layout names a kind its rows do not fit;
             :data:`WINDOW_INDEX_AMBIGUOUS`: it is one of several outputs that could be the window
-            index (``kind`` is then ``"merged"``, which its rows fit).
+            index (``kind`` is then ``"merged"``, which its rows fit); :data:`ROWS_PER_IMAGE_UNNAMED`:
+            its rows fit no kind but are one per image, the ``"image"`` kind a layout must name
+            (``kind`` is then the nearest guess, as for :data:`ROWS_FIT_NO_KIND`).
         rows: Rows of the leaf.
         expected: Rows the kind requires for this batch.
     """
@@ -293,19 +313,22 @@ class Classification:
 
 
 #: :attr:`Classification.problem` codes: rows that fit no kind; rows other than the kind an
-#: :class:`OutputLayout` names needs; one of several integer outputs that could be the window index.
-ROWS_FIT_NO_KIND, ROWS_UNLIKE_NAMED_KIND, WINDOW_INDEX_AMBIGUOUS = 1, 2, 3
+#: :class:`OutputLayout` names needs; one of several integer outputs that could be the window index;
+#: rows that fit no token kind, one per image, in an output no layout names ``"image"``.
+ROWS_FIT_NO_KIND, ROWS_UNLIKE_NAMED_KIND, WINDOW_INDEX_AMBIGUOUS, ROWS_PER_IMAGE_UNNAMED = 1, 2, 3, 4
 
 
 def classify_outputs(
     leaves: Sequence[tuple[str, Any]],
     *,
     total_patches: int,
+    images: int,
     merge_size: int,
     has_window_index: bool,
     layout: OutputLayout | None,
 ) -> list[Classification]:
-    """Work out the kind of every leaf of a ViT output over a batch of ``total_patches`` patches.
+    """Work out the kind of every leaf of a ViT output over a batch of ``total_patches`` patches
+    in ``images`` images (grid rows).
 
     Explicit kinds from ``layout`` win (where it names a window index, no other output is one).
     Otherwise, for a ViT with ``get_window_index``, the window index is its one integer output
@@ -337,7 +360,14 @@ def classify_outputs(
             kinds.append(Classification("merged", WINDOW_INDEX_AMBIGUOUS, merged_rows, merged_rows))
         else:
             kinds.append(
-                classify_output(path, leaf, total_patches=total_patches, merge_size=merge_size, layout=layout)
+                classify_output(
+                    path,
+                    leaf,
+                    total_patches=total_patches,
+                    images=images,
+                    merge_size=merge_size,
+                    layout=layout,
+                )
             )
     return kinds
 
@@ -347,15 +377,20 @@ def classify_output(
     leaf: Any,
     *,
     total_patches: int,
+    images: int,
     merge_size: int,
     layout: OutputLayout | None,
 ) -> Classification:
-    """Work out the kind of one leaf of a ViT output over a batch of ``total_patches`` patches,
-    by its rows (a window index is told by :func:`classify_outputs`, which sees every leaf).
+    """Work out the kind of one leaf of a ViT output over a batch of ``total_patches`` patches in
+    ``images`` images, by its rows (a window index is told by :func:`classify_outputs`, which sees
+    every leaf).
 
-    Explicit kinds from ``layout`` win; otherwise: non-tensors and 0-d tensors pass through; a
-    tensor with ``total_patches`` rows is per patch, with ``total_patches / merge_size**2`` rows
-    per merged token (per patch when ``merge_size`` is 1). Anything else is reported as a problem.
+    Explicit kinds from ``layout`` win (``"image"`` needs ``images`` rows); otherwise: non-tensors
+    and 0-d tensors pass through; a tensor with ``total_patches`` rows is per patch, with
+    ``total_patches / merge_size**2`` rows per merged token (per patch when ``merge_size`` is 1).
+    Anything else is reported as a problem; rows that are one per image, as a problem that names
+    the ``"image"`` kind (never taken from the rows alone: a batch whose images average one merged
+    token each has as many rows of either kind).
     """
     merged_rows = total_patches // (merge_size * merge_size)
     named = layout.kind_of(path) if layout is not None else None
@@ -367,7 +402,7 @@ def classify_output(
     if named is not None:
         if named in ("passthrough", "window_index"):
             return Classification(named)
-        expected = total_patches if named == "patch" else merged_rows
+        expected = {"patch": total_patches, "merged": merged_rows, "image": images}[named]
         return Classification(named, 0 if rows == expected else ROWS_UNLIKE_NAMED_KIND, rows, expected)
     if rows == total_patches:
         return Classification("patch", 0, rows, rows)
@@ -375,7 +410,8 @@ def classify_output(
         return Classification("merged", 0, rows, rows)
     # Guess the nearest kind so the exchange stays consistent with ranks that did classify it.
     guess = "patch" if abs(rows - total_patches) <= abs(rows - merged_rows) else "merged"
-    return Classification(guess, ROWS_FIT_NO_KIND, rows, total_patches if guess == "patch" else merged_rows)
+    problem = ROWS_PER_IMAGE_UNNAMED if rows == images else ROWS_FIT_NO_KIND
+    return Classification(guess, problem, rows, total_patches if guess == "patch" else merged_rows)
 
 
 def describe_output_problem(path: str, problem: int, rows: int, expected: int, merge_size: int) -> str:
@@ -390,14 +426,21 @@ def describe_output_problem(path: str, problem: int, rows: int, expected: int, m
         )
     if problem == ROWS_UNLIKE_NAMED_KIND:
         return (
-            f"ViT {name} has {rows} rows: the output layout names it per-patch/per-merged-token, "
-            f"which needs {expected} rows for this batch"
+            f"ViT {name} has {rows} rows: the output layout names its kind (per patch, per merged "
+            f"token or per image), which needs {expected} rows for this batch"
+        )
+    if problem == ROWS_PER_IMAGE_UNNAMED:
+        return (
+            f"ViT {name} has {rows} rows, one per image of its batch, which is neither one row per "
+            f"patch nor one row per merged token (merge size {merge_size}): name its kind, "
+            f'output_layout=OutputLayout(kinds={{{path!r}: "image"}}), for rows that belong to '
+            "one image each (a CLS row, a pooled vector, [n, K, D] resampler queries)"
         )
     return (
         f"ViT {name} has {rows} rows, which is neither one row per patch nor one row per merged "
         f"token (merge size {merge_size}) of its batch (nearest: {expected} rows). Where it is one of "
         "them under another merge size, pass output_layout=OutputLayout(kinds={...}, merge_size=...); "
-        "rows per image that do not follow its patches (a CLS row per image, one pooled vector per "
-        "image, a resampler's fixed queries) have no kind: return the per-patch or per-merged-token "
-        "rows from the balanced call and pool or add such rows after it"
+        "rows that belong to one image each (a CLS row, a pooled vector, a resampler's fixed "
+        'queries) are the "image" kind when the output has one row per image: return K such rows '
+        "as [n, K, ...], not [n*K, ...]"
     )

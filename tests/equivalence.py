@@ -44,6 +44,7 @@ TOWERS: dict[str, Callable[[], torch.nn.Module]] = {
     "window": towers.WindowTower,
     "dict": towers.DictTower,
     "global": towers.GlobalTokenTower,
+    "per_image": towers.PerImageTower,
     "qwen2_vl": towers.qwen2_vl_tower,
     "qwen2_5_vl": towers.qwen2_5_vl_tower,
     "qwen3_vl": towers.qwen3_vl_tower,

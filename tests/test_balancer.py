@@ -284,6 +284,54 @@ def test_output_layout_override(multirank: Any) -> None:
     assert "'global'" in message and "output_layout" in message
 
 
+#: The :class:`towers.PerImageTower` outputs with a row per image.
+PER_IMAGE_LAYOUT = {"pooled": "image", "queries": "image", "sizes": "image"}
+
+
+def _per_image_suite(n: int) -> dict[str, Any] | None:
+    cases = standard_cases(n)
+    if n == 3:  # images that come back out of their order, and home rows between arrivals
+        cases.append({"grids": MIDDLE_RANK_GRIDS, "pixel_grad": True})
+    results: dict[str, Any] = {}
+    for overlap, prepared in ((False, False), (True, False), (False, True)):
+        config = {**THRESHOLD_0, "overlap_pixel_trip": overlap}
+        found = run_cases(
+            n, "per_image", cases, "float32", config, output_layout=PER_IMAGE_LAYOUT, prepared=prepared
+        )
+        if found is None:
+            return None
+        results[f"overlap={overlap} prepared={prepared}"] = found
+    try:
+        run_cases(n, "per_image", cases[:1], "float32", THRESHOLD_0)
+    except ValueError as error:
+        results["unnamed"] = str(error)
+    return results
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_outputs_with_a_row_per_image_come_back_to_their_images(multirank: Any, n: int) -> None:
+    """Pooled vectors, ``[n, K, D]`` resampler queries and integer counts, one row per image,
+    named ``"image"``: outputs and gradients equal the direct call's, with the trip overlapped or
+    the plan made ahead; unnamed, every rank raises the same error naming the kind to declare."""
+    with multirank(POOL) as w:
+        per_rank = w.run(_per_image_suite, n)[:n]
+    for results in per_rank:
+        for name, found in results.items():
+            if name != "unnamed":
+                assert found[0]["applied"] and any(r["moved_images"] for r in found), (name, found)
+    messages = {results.get("unnamed") for results in per_rank}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message is not None and "one per image" in message and '"image"' in message, message
+
+
+def test_outputs_with_a_row_per_image_refuse_split_videos() -> None:
+    """With ``split_videos`` the ViT sees a video's temporal steps as images: a row per step."""
+    with pytest.raises(ValueError, match=r"\['pooled'\] as \"image\" outputs, which split_videos=True"):
+        ViTBalancer(ViTBalanceConfig(split_videos=True), output_layout={"pooled": "image"})
+    ViTBalancer(ViTBalanceConfig(split_videos=True), output_layout={"pooled": "merged"})
+
+
 def _bad_output() -> list[str] | None:
     group = subgroup(3)
     rank = dist.get_rank()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lightning_vit_balance.outputs import (
+    ROWS_PER_IMAGE_UNNAMED,
     WINDOW_INDEX_AMBIGUOUS,
     OutputLayout,
     classify_output,
@@ -128,7 +129,7 @@ def _kind(
     leaf: Any, layout: OutputLayout | None = None, window: bool = False, path: str = "x"
 ) -> tuple[Any, ...]:
     (c,) = classify_outputs(
-        [(path, leaf)], total_patches=32, merge_size=2, has_window_index=window, layout=layout
+        [(path, leaf)], total_patches=32, images=3, merge_size=2, has_window_index=window, layout=layout
     )
     return (c.kind, c.problem, c.rows, c.expected)
 
@@ -144,19 +145,25 @@ def test_classify_by_rows() -> None:
     # Rows that fit nothing: the nearest kind is guessed (so the exchange stays consistent), with a problem.
     assert _kind(torch.ones(31, 4)) == ("patch", 1, 31, 32)
     assert _kind(torch.ones(7, 4)) == ("merged", 1, 7, 8)
-    # Its text names the remedy for each cause: a merge size to declare, or rows per image that
-    # follow no patches (CLS rows, pooled vectors, a resampler's queries), which no kind carries.
+    # Its text names the remedy for each cause: a merge size to declare, or rows that belong to
+    # one image each (CLS rows, pooled vectors, a resampler's queries) as [n, K, ...].
     text = describe_output_problem("pooled", 1, 7, 8, 2)
     assert "neither one row per patch nor one row per merged token (merge size 2)" in text, text
-    assert "OutputLayout(kinds={...}, merge_size=...)" in text and "pool or add such rows after it" in text
+    assert "OutputLayout(kinds={...}, merge_size=...)" in text and "as [n, K, ...], not [n*K, ...]" in text
+    # A row per image is never taken from the rows alone: reported, naming the kind to declare.
+    assert _kind(torch.ones(3, 4, 5)) == ("merged", ROWS_PER_IMAGE_UNNAMED, 3, 8)
+    text = describe_output_problem("pooled", ROWS_PER_IMAGE_UNNAMED, 3, 8, 2)
+    assert "3 rows, one per image" in text and """OutputLayout(kinds={'pooled': "image"})""" in text, text
     # Merge size 1: per patch.
-    c = classify_output("x", torch.ones(32, 1), total_patches=32, merge_size=1, layout=None)
+    c = classify_output("x", torch.ones(32, 1), total_patches=32, images=3, merge_size=1, layout=None)
     assert c.kind == "patch" and c.problem == 0
 
 
 def _kinds(named_leaves: dict[str, Any], window: bool = True) -> dict[str, tuple[str, int]]:
     leaves = list(named_leaves.items())
-    found = classify_outputs(leaves, total_patches=32, merge_size=2, has_window_index=window, layout=None)
+    found = classify_outputs(
+        leaves, total_patches=32, images=3, merge_size=2, has_window_index=window, layout=None
+    )
     return {path: (c.kind, c.problem) for (path, _), c in zip(leaves, found)}
 
 
@@ -184,6 +191,7 @@ def test_the_window_index_is_one_integer_output_with_a_row_per_merged_token() ->
     found = classify_outputs(
         [("0", embeds), ("1", index), ("2", ids)],
         total_patches=32,
+        images=3,
         merge_size=2,
         has_window_index=True,
         layout=OutputLayout(kinds={"1": "window_index", "2": "merged"}),
@@ -194,6 +202,7 @@ def test_the_window_index_is_one_integer_output_with_a_row_per_merged_token() ->
     found = classify_outputs(
         [("0", embeds), ("1", index), ("2", ids)],
         total_patches=32,
+        images=3,
         merge_size=2,
         has_window_index=True,
         layout=layout,
@@ -209,6 +218,12 @@ def test_classify_with_layout() -> None:
     assert _kind(torch.ones(32, 4), layout, path="deep.1") == ("merged", 2, 32, 8)
     assert _kind(torch.ones(8, 4), layout, path="emb") == ("patch", 2, 8, 32)
     assert layout.kind_of("deep") == "merged" and layout.kind_of("deeper") is None
+    # A row per image, whatever follows it ([n, D] pooled, [n, K, D] queries), once named.
+    per_image = OutputLayout(kinds={"pooled": "image"})
+    assert _kind(torch.ones(3, 4), per_image, path="pooled") == ("image", 0, 3, 3)
+    assert _kind(torch.ones(3, 5, 4), per_image, path="pooled") == ("image", 0, 3, 3)
+    assert _kind(torch.ones(8, 4), per_image, path="pooled") == ("image", 2, 8, 3)
+    assert "per image), which needs 3 rows" in describe_output_problem("pooled", 2, 8, 3, 2)
     assert OutputLayout(kinds={"": "patch"}).kind_of("any.path") == "patch"
 
 
@@ -219,6 +234,10 @@ def test_output_layout_validation() -> None:
         OutputLayout(merge_size=0)
     with pytest.raises(ValueError, match="mapping"):
         OutputLayout(kinds=["x"])  # type: ignore[arg-type]
+    assert OutputLayout.of({"x": "image"}) == OutputLayout(kinds={"x": "image"})
+    assert OutputLayout.of(None) is None
+    with pytest.raises(TypeError, match=r"output_layout=\['x'\] is invalid"):
+        OutputLayout.of(["x"])  # type: ignore[arg-type]
 
 
 def test_merge_size_lookup() -> None:

@@ -25,7 +25,7 @@ from lightning.pytorch.trainer import setup as trainer_setup
 from lightning_fit_script import quiet_trainer
 from multirank import launched_by_torchrun, reinit_default_group, world
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
-from towers import CHANNELS, TensorTower
+from towers import CHANNELS, PerImageTower, TensorTower
 
 import lightning_vit_balance.prepared as prepared_module
 from lightning_vit_balance import ViTBalanceCallback, ViTBalanceConfig, ViTBalanceMixin, ViTBalancer
@@ -390,6 +390,34 @@ def test_without_a_trainer_the_calls_queue_for_the_loop_boundedly() -> None:
     for call in stats:
         module._vit_balance_keep(call)
     assert module.pop_vit_balance_stats() == stats[3:]
+
+
+def _per_image_outputs() -> dict[str, Any]:
+    """encode_images with an output layout naming rows per image, then without one."""
+    rank = dist.get_rank()
+    module = MixinFirst(ViTBalanceConfig(trigger_threshold=0.0))
+    module.vit_balance_group = dist.group.WORLD
+    torch.manual_seed(0)
+    tower = PerImageTower()
+    pixel_values, grid = _images(4 if rank == 0 else 1, seed=rank)
+    layout = {"pooled": "image", "queries": "image", "sizes": "image"}
+    out = module.encode_images(tower, pixel_values, grid, output_layout=layout)
+    direct = tower(pixel_values, grid)
+    for key, value in direct.items():
+        torch.testing.assert_close(out[key], value, rtol=1e-5, atol=1e-6)  # fp32, other batch mates
+    stats = module.last_vit_balance_stats
+    try:
+        module.encode_images(tower, pixel_values, grid)
+    except ValueError as error:
+        return {"applied": stats is not None and stats.applied, "unnamed": str(error)}
+    return {"applied": stats is not None and stats.applied, "unnamed": None}
+
+
+def test_encode_images_takes_an_output_layout() -> None:
+    with world(2) as w:
+        results = w.run(_per_image_outputs)
+    assert [r["applied"] for r in results] == [True, True]
+    assert results[0]["unnamed"] == results[1]["unnamed"] and "one per image" in results[0]["unnamed"]
 
 
 def _without_a_group_on_two_ranks() -> Any:

@@ -8,6 +8,8 @@ on which other images share its batch: the property balancing relies on.
   window order, with ``get_window_index(grid_thw) -> (window_index, cu_window_seqlens)``.
 * :class:`DictTower`: a dict with per-patch, per-merged, deepstack, integer and passthrough entries.
 * :class:`BadRowsTower`: drops one output row on a chosen rank (output validation tests).
+* :class:`PerImageTower`: merged tokens with rows per image besides them: a pooled vector, a
+  resampler's queries and an integer count (the ``"image"`` kind).
 * :func:`qwen2_vl_tower`, :func:`qwen2_5_vl_tower`, :func:`qwen3_vl_tower`: Hugging Face vision
   towers from tiny random configs (import transformers lazily).
 """
@@ -25,6 +27,7 @@ __all__ = [
     "BadRowsTower",
     "DictTower",
     "GlobalTokenTower",
+    "PerImageTower",
     "TensorTower",
     "WindowTower",
     "make_batch",
@@ -175,6 +178,34 @@ class GlobalTokenTower(TensorTower):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"tokens": super().forward(pixel_values, grid_thw), "global": self.global_token * 1.0}
+
+
+class PerImageTower(TensorTower):
+    """``{"tokens": [S / m**2, D], "pooled": [n, D], "queries": [n, K, D], "sizes": [n] int64}``:
+    each image's merged tokens, their mean projected, ``K`` learned queries attending over them
+    (a resampler), and their count. The last three have a row per image, which balancing them
+    needs ``output_layout`` to name (``"image"``)."""
+
+    def __init__(self, queries: int = 3, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        width = self.merger.out_features
+        self.pool = nn.Linear(width, width)
+        self.queries = nn.Parameter(torch.randn(queries, width))
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
+        tokens = super().forward(pixel_values, grid_thw)  # [S / m^2, D]
+        counts = (grid_thw.prod(dim=1) // self.spatial_merge_size**2).tolist()
+        pooled, queried = [], []
+        for image in torch.split(tokens, counts):
+            pooled.append(self.pool(image.mean(dim=0)))
+            attention = torch.softmax(self.queries @ image.T / image.shape[-1] ** 0.5, dim=-1)
+            queried.append(attention @ image)  # [K, D]
+        return {
+            "tokens": tokens,
+            "pooled": torch.stack(pooled),
+            "queries": torch.stack(queried),
+            "sizes": torch.tensor(counts, dtype=torch.int64, device=tokens.device),
+        }
 
 
 class BadRowsTower(TensorTower):

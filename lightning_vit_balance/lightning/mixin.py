@@ -756,7 +756,13 @@ class ViTBalanceMixin:
         state.forget_balancers()
 
     @eager_frame
-    def encode_images(self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+    def encode_images(
+        self,
+        vit: Any,
+        pixel_values: torch.Tensor,
+        grid_thw: torch.Tensor,
+        output_layout: OutputLayout | Mapping[str, str] | None = None,
+    ) -> Any:
         """Run ``vit(pixel_values, grid_thw)``, balanced across the data-parallel ranks.
 
         Balances when ``vit_balance_config.enabled``, the group from
@@ -774,6 +780,9 @@ class ViTBalanceMixin:
                 Hugging Face ``ModelOutput``.
             pixel_values: ``[sum(T*H*W), C]`` patch rows of this rank's images.
             grid_thw: ``[n_images, 3]`` ``(T, H, W)`` of each image.
+            output_layout: Kinds of the ViT's outputs where their rows do not tell, and its merge
+                size where it declares none (see :class:`~lightning_vit_balance.OutputLayout`):
+                ``{"pooled": "image"}`` for an output with a row per image. The same on every rank.
 
         Returns:
             The same structure and values as ``vit(pixel_values, grid_thw)`` on this rank.
@@ -781,20 +790,26 @@ class ViTBalanceMixin:
         In a compiled step (``trainer.fit(torch.compile(model))``) the balanced call runs eagerly,
         a graph break, and calls ``vit`` as it is passed; a direct call is compiled with the step.
         """
+        layout = OutputLayout.of(output_layout)
         settings = self._vit_balance_settings(vit)
         if settings is None:  # compiled with the module when it is
             output = vit(pixel_values, grid_thw)
             self._vit_balance_keep_direct(vit, ((pixel_values, grid_thw),))
             return output
         return self._vit_balance_call(
-            settings, lambda balancer, ticket: balancer(vit, pixel_values, grid_thw, prepared=ticket)
+            settings, lambda balancer, ticket: balancer(vit, pixel_values, grid_thw, prepared=ticket), layout
         )
 
     @eager
-    def _vit_balance_call(self, settings: tuple[ViTBalanceConfig, Any], encode: Callable[..., Any]) -> Any:
+    def _vit_balance_call(
+        self,
+        settings: tuple[ViTBalanceConfig, Any],
+        encode: Callable[..., Any],
+        layout: OutputLayout | None = None,
+    ) -> Any:
         """``encode(balancer, prepared_plan)``, the balanced call of :meth:`encode_images` or
-        :meth:`encode_visual`: eager in a compiled module."""
-        balancer = self._vit_balance_balancer(*settings)
+        :meth:`encode_visual`, by the balancer of ``layout``: eager in a compiled module."""
+        balancer = self._vit_balance_balancer(*settings, layout)
         output = encode(balancer, self._vit_balance_take_ticket())
         if not in_backward_pass():  # a recomputation is its forward call again
             self._vit_balance_keep(balancer.last_stats)
@@ -860,8 +875,8 @@ class ViTBalanceMixin:
         towers of other layouts or configurations (a drop-in tower and :meth:`encode_images`), and
         each balancer's clocks and cost fit go on from its own last call. One for a configuration or
         layout not seen yet goes on from the latest one's cost fit (or a loaded checkpoint's).
-        ``layout``: a drop-in tower's (:attr:`BalancedVisionTower.output_layout`), None for
-        :meth:`encode_images` and :meth:`encode_visual`, whose ViTs the engine reads."""
+        ``layout``: a drop-in tower's (:attr:`BalancedVisionTower.output_layout`) or the one
+        :meth:`encode_images` is given; None for :meth:`encode_visual`, whose ViTs the engine reads."""
         state = self._vit_balance_state_object()
         host = gathers_on(state.host_group if group is state.group else None, group)
         trainer = self._vit_balance_runner()[0] if state.epoch_lengths is None else None

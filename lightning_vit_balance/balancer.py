@@ -728,6 +728,7 @@ class ViTBalancer:
     def config(self, config: ViTBalanceConfig) -> None:
         if not isinstance(config, ViTBalanceConfig):
             raise TypeError(f"config={config!r} is invalid: expected a ViTBalanceConfig.")
+        _refuse_images_split(config, getattr(self, "output_layout", None))
         fitted, previous = self._calibrator, getattr(self, "_config", None)
         self._config = config
         self._fingerprint = config.fingerprint()
@@ -1456,7 +1457,9 @@ class ViTBalancer:
         for (path, leaf), found in zip(encoded.leaves, encoded.kinds):
             if found.problem:
                 raise ValueError(
-                    describe_output_problem(path, found.problem, found.rows, found.expected, merge)
+                    describe_output_problem(
+                        path, found.problem, found.rows, found.expected, merge, kind=found.kind
+                    )
                 )
             if found.kind == "drop":
                 result.append(None)

@@ -492,17 +492,30 @@ def _describe(worker: int, status: ViTStatus, reference: ViTStatus, merge: int) 
         return f"rank {worker}: the ViT raised {status.error}"
     for leaf in status.leaves:
         if leaf.problem:
-            text = describe_output_problem(leaf.path, leaf.problem, leaf.rows, leaf.expected, merge)
+            text = describe_output_problem(
+                leaf.path, leaf.problem, leaf.rows, leaf.expected, merge, kind=leaf.kind
+            )
             return f"rank {worker}: {text}"
-    if status.leaves != reference.leaves:
+    advice = (
+        "every rank's ViT must return the same kinds, dtypes and widths (autocast or a dtype cast "
+        "on some ranks only?)"
+    )
+    if status.listed_apart is None and reference.listed_apart is None:
+        if status.leaves == reference.leaves:
+            return None
         mine = [(x.path, x.kind, x.dtype, x.trailing) for x in status.leaves]
         theirs = [(x.path, x.kind, x.dtype, x.trailing) for x in reference.leaves]
         return (
-            f"rank {worker}: the ViT's token outputs (path, kind, dtype, trailing shape) are {mine}, while "
-            f"the first rank's are {theirs}: every rank's ViT must return the same kinds, dtypes and "
-            "widths (autocast or a dtype cast on some ranks only?)"
+            f"rank {worker}: the ViT's outputs that travel back (path, kind, dtype, trailing shape) "
+            f"are {mine}, while the first rank's are {theirs}: {advice}"
         )
-    return None
+    if (status.digest(), status.count) == (reference.digest(), reference.count):
+        return None
+    return (
+        f"rank {worker}: the ViT's {status.count} outputs that travel back differ from the first "
+        f"rank's {reference.count} in their paths, kinds, dtypes or trailing shapes (too many to "
+        f"list here): {advice}"
+    )
 
 
 def raise_for_vit(report: StatusReport, encoded: EncodedBatch, merge: int) -> None:

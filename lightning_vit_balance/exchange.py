@@ -1276,11 +1276,15 @@ class ViTStatus:
 
     Attributes:
         error: ``"<ExceptionType>: <message>"`` when the ViT raised on this rank, else ``""``.
-        leaves: The token-aligned outputs, in output order (empty when the ViT raised).
+        leaves: The token-aligned outputs, in output order (empty when the ViT raised); decoded
+            from a status with too many to list, those with a problem alone.
+        listed_apart: For such a decoded status, the :meth:`digest` and the count of all its
+            outputs (which :meth:`digest` and :attr:`count` then give); ``None`` otherwise.
     """
 
     error: str = ""
     leaves: tuple[LeafSignature, ...] = ()
+    listed_apart: tuple[int, int] | None = None
 
     @property
     def flag(self) -> int:
@@ -1289,13 +1293,22 @@ class ViTStatus:
             return 1
         return 2 if any(leaf.problem for leaf in self.leaves) else 0
 
+    @property
+    def count(self) -> int:
+        """The outputs that travel back."""
+        return len(self.leaves) if self.listed_apart is None else self.listed_apart[1]
+
     def digest(self) -> int:
         """A 62-bit integer of the outputs' paths, kinds, dtypes and trailing shapes (not their rows)."""
+        if self.listed_apart is not None:
+            return self.listed_apart[0]
         text = json.dumps([[x.path, x.kind, x.dtype, list(x.trailing)] for x in self.leaves])
         return stable_digest(text.encode())
 
     def encode(self) -> bytes:
-        """A compact UTF-8 form of at most ``_DETAIL_BYTES`` bytes (the message is cut to fit)."""
+        """A compact UTF-8 form of at most ``_DETAIL_BYTES`` bytes: the message is cut to fit, and
+        where the outputs are too many to list, the digest and count of them all travel with the
+        outputs that have a problem (as many of those as fit), which say what went wrong."""
         leaves = [
             [x.path, x.kind, x.dtype, list(x.trailing), x.rows, x.expected, x.problem] for x in self.leaves
         ]
@@ -1303,18 +1316,25 @@ class ViTStatus:
             data = json.dumps({"e": self.error[:limit], "l": leaves}, separators=(",", ":")).encode()
             if len(data) <= _DETAIL_BYTES - 4:
                 return data
-        # Too many outputs to list: their digest alone still tells whether ranks agree.
-        return json.dumps({"e": self.error[:120], "l": [], "d": self.digest()}).encode()
+        apart = [self.digest(), len(self.leaves)]
+        problems = [leaf for leaf in leaves if leaf[-1]]
+        for listed in range(len(problems), -1, -1):
+            data = json.dumps({"e": self.error[:120], "l": problems[:listed], "d": apart}).encode()
+            if len(data) <= _DETAIL_BYTES - 4:
+                return data
+        return json.dumps({"e": "", "l": [], "d": apart}).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> ViTStatus:
-        """The inverse of :meth:`encode` (a digest-only form decodes with no leaves)."""
+        """The inverse of :meth:`encode` (a form with the outputs listed apart decodes with the
+        listed ones, and the digest and count of all)."""
         value = json.loads(data.decode())
         leaves = tuple(
             LeafSignature(path, kind, dtype, tuple(trailing), rows, expected, problem)
             for path, kind, dtype, trailing, rows, expected, problem in value["l"]
         )
-        return cls(error=value["e"], leaves=leaves)
+        apart = value.get("d")
+        return cls(error=value["e"], leaves=leaves, listed_apart=None if apart is None else tuple(apart))
 
 
 @dataclass(frozen=True)
@@ -1386,7 +1406,7 @@ def start_status(
     fields = {
         "flag": status.flag,
         "output_digest": status.digest(),
-        "output_count": len(status.leaves),
+        "output_count": status.count,
         "plan_digest": plan_digest,
         "gradients": int(gradients),
     }

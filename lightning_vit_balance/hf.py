@@ -1012,21 +1012,37 @@ def _describe(value: Any) -> str:
     return "None" if value is None else f"a {type(value).__name__}"
 
 
-def _split(output: Any, parts: Sequence[_Part], total: int, merge: int, vit: Any) -> list[Any]:
-    """``output`` of a tower call over ``total`` patch rows, cut into one output per part."""
+def _split(
+    output: Any,
+    parts: Sequence[_Part],
+    total: int,
+    merge: int,
+    vit: Any,
+    layout: OutputLayout | None = None,
+) -> list[Any]:
+    """``output`` of a tower call over ``total`` patch rows, cut into one output per part (the
+    parts in the call's order); ``layout``: the call's, whose ``"image"`` outputs have a row per
+    grid row of the call."""
     leaves, structure = flatten_output(output)
     has_window = window_index_fn(vit) is not None
     kinds = []
-    images = sum(len(part.grid) for part in parts)
+    image_ends = list(itertools.accumulate(len(part.grid) for part in parts))
     found = classify_outputs(
-        leaves, total_patches=total, images=images, merge_size=merge, has_window_index=has_window, layout=None
+        leaves,
+        total_patches=total,
+        images=image_ends[-1] if image_ends else 0,
+        merge_size=merge,
+        has_window_index=has_window,
+        layout=layout,
     )
     for (path, _), kind in zip(leaves, found):
         if kind.problem:
-            raise ValueError(describe_output_problem(path, kind.problem, kind.rows, kind.expected, merge))
+            raise ValueError(
+                describe_output_problem(path, kind.problem, kind.rows, kind.expected, merge, kind=kind.kind)
+            )
         kinds.append(kind.kind)
     pieces = []
-    for part in parts:
+    for part, image_end in zip(parts, image_ends):
         new: list[Any] = []
         for (_, leaf), kind in zip(leaves, kinds):
             if kind == "patch":
@@ -1035,6 +1051,8 @@ def _split(output: Any, parts: Sequence[_Part], total: int, merge: int, vit: Any
                 a, b = part.start // merge**2, part.stop // merge**2
                 # A window index numbers the merged tokens of the whole call: renumber from 0.
                 new.append(leaf[a:b] if kind == "merged" else leaf[a:b] - a)
+            elif kind == "image":
+                new.append(leaf[image_end - len(part.grid) : image_end])
             else:
                 new.append(leaf)
         pieces.append(rebuild_output(structure, new))
@@ -1101,6 +1119,7 @@ def encode_visual(
     *,
     balancer: ViTBalancer | None = None,
     prepared: PreparedPlan | None = None,
+    output_layout: OutputLayout | Mapping[str, str] | None = None,
 ) -> tuple[Any, Any]:
     """Encode a rank's images and videos with one ViT call (one balanced exchange); split the result.
 
@@ -1119,6 +1138,10 @@ def encode_visual(
             ``(pixel_values [0, C], grid_thw [0, 3])``). None calls ``vit`` directly.
         prepared: The plan ``balancer.prepare`` made before the forward for the images' rows
             followed by the videos' (then the call makes no metadata gather).
+        output_layout: Kinds of the ViT's outputs where their rows do not tell (see
+            :class:`~lightning_vit_balance.OutputLayout`), by which the output is cut between
+            images and videos: ``{"pooled": "image"}`` for a row per image or video. Default: the
+            balancer's ``output_layout``; given with a balancer, it must be the balancer's.
 
     Returns:
         ``(image_output, video_output)``: each what ``vit`` returns for that modality's rows alone
@@ -1128,8 +1151,10 @@ def encode_visual(
         call's backward pass is a collective.
 
     Raises:
-        ValueError: On every rank of the group, when some rank's input is invalid.
+        ValueError: On every rank of the group, when some rank's input is invalid; on this rank,
+            when ``output_layout`` is not the balancer's.
     """
+    layout = _visual_layout(balancer, output_layout)
     given = []
     for name, value in (("images", images), ("videos", videos)):
         if value is not None and not (isinstance(value, (tuple, list)) and len(value) == 2):
@@ -1141,13 +1166,29 @@ def encode_visual(
         given.append((name, f"{name}[0]", rows, f"{name}[1]", grid))
     # With a plan made ahead, its grid rows: none is read back from the device.
     combined = _combine(given, vit, cast=False, known=_prepared_rows(prepared, given))
-    merge = _output_merge(vit, balancer.output_layout if balancer is not None else None)
+    merge = _output_merge(vit, layout)
     output, total = _encode_combined(vit, combined, balancer, merge, prepared)
     parts = {part.name: part for part in combined.parts}
     # An absent modality gets zero rows (rows [0, 0) of every token output).
     wanted = [parts.get(name) or _Part(name, (), 0, 0) for name in ("images", "videos")]
-    image_output, video_output = _split(output, wanted, total, merge, vit)
+    image_output, video_output = _split(output, wanted, total, merge, vit, layout)
     return image_output, video_output
+
+
+def _visual_layout(
+    balancer: ViTBalancer | None, output_layout: OutputLayout | Mapping[str, str] | None
+) -> OutputLayout | None:
+    """The layout :func:`encode_visual` cuts its output by: ``output_layout``, else the balancer's."""
+    layout = OutputLayout.of(output_layout)
+    if balancer is None or layout is None:
+        return layout if balancer is None else balancer.output_layout
+    if layout != balancer.output_layout:
+        raise ValueError(
+            f"encode_visual(output_layout={layout!r}) is invalid: the balancer's is "
+            f"{balancer.output_layout!r}. Expected the balancer's (or none, which takes it): its "
+            "outputs are routed by it."
+        )
+    return layout
 
 
 def _prepared_rows(

@@ -410,12 +410,16 @@ def classify_output(
         return Classification("merged", 0, rows, rows)
     # Guess the nearest kind so the exchange stays consistent with ranks that did classify it.
     guess = "patch" if abs(rows - total_patches) <= abs(rows - merged_rows) else "merged"
-    problem = ROWS_PER_IMAGE_UNNAMED if rows == images else ROWS_FIT_NO_KIND
+    # One image alone tells nothing: a row for the whole batch has as many.
+    problem = ROWS_PER_IMAGE_UNNAMED if rows == images > 1 else ROWS_FIT_NO_KIND
     return Classification(guess, problem, rows, total_patches if guess == "patch" else merged_rows)
 
 
-def describe_output_problem(path: str, problem: int, rows: int, expected: int, merge_size: int) -> str:
-    """Text of an output problem reported by :func:`classify_outputs`; the same on every rank."""
+def describe_output_problem(
+    path: str, problem: int, rows: int, expected: int, merge_size: int, kind: str = ""
+) -> str:
+    """Text of an output problem reported by :func:`classify_outputs` (``kind``: the one it
+    reported), the same on every rank."""
     name = f"output {path!r}" if path else "output (a tensor)"
     if problem == WINDOW_INDEX_AMBIGUOUS:
         return (
@@ -425,16 +429,24 @@ def describe_output_problem(path: str, problem: int, rows: int, expected: int, m
             "output_layout=OutputLayout(kinds={...}) naming the kinds"
         )
     if problem == ROWS_UNLIKE_NAMED_KIND:
+        per = {
+            "patch": "a row per patch",
+            "merged": f"a row per merged token (merge size {merge_size})",
+            "image": "a row per image (K rows per image as [n, K, ...], not [n*K, ...])",
+        }
+        named = f" {kind!r}, {per[kind]}," if kind in per else ""
         return (
-            f"ViT {name} has {rows} rows: the output layout names its kind (per patch, per merged "
-            f"token or per image), which needs {expected} rows for this batch"
+            f"ViT {name} has {rows} rows: the output layout names its kind{named} which needs "
+            f"{expected} rows for this batch"
         )
     if problem == ROWS_PER_IMAGE_UNNAMED:
         return (
-            f"ViT {name} has {rows} rows, one per image of its batch, which is neither one row per "
-            f"patch nor one row per merged token (merge size {merge_size}): name its kind, "
-            f'output_layout=OutputLayout(kinds={{{path!r}: "image"}}), for rows that belong to '
-            "one image each (a CLS row, a pooled vector, [n, K, D] resampler queries)"
+            f"ViT {name} has {rows} rows, as many as its batch's images, which is neither one row "
+            f"per patch nor one row per merged token (merge size {merge_size}): where each row "
+            "belongs to one image (a CLS row, a pooled vector, [n, K, D] resampler queries), "
+            f'name its kind, output_layout=OutputLayout(kinds={{{path!r}: "image"}}); where '
+            "they are the batch's own (not its images'), \"passthrough\" returns each rank the "
+            "rows of the batch it encoded"
         )
     return (
         f"ViT {name} has {rows} rows, which is neither one row per patch nor one row per merged "
@@ -442,5 +454,5 @@ def describe_output_problem(path: str, problem: int, rows: int, expected: int, m
         "them under another merge size, pass output_layout=OutputLayout(kinds={...}, merge_size=...); "
         "rows that belong to one image each (a CLS row, a pooled vector, a resampler's fixed "
         'queries) are the "image" kind when the output has one row per image: return K such rows '
-        "as [n, K, ...], not [n*K, ...]"
+        'as [n, K, ...], not [n*K, ...]; rows of the batch\'s own (a learned token) are "passthrough"'
     )

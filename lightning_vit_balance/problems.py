@@ -167,7 +167,7 @@ PROBLEMS: dict[InputProblem, ProblemTemplate] = {
         _grid_shape,
     ),
     InputProblem.GRID_DTYPE: ProblemTemplate(
-        ("grid_dtype",), f"grid_thw has dtype {{grid_dtype}}: expected an integer dtype ({GRID_DTYPE_NAMES})"
+        ("grid_dtype",), f"grid_thw has dtype {{grid_dtype}}: expected {GRID_DTYPE_NAMES}"
     ),
     InputProblem.GRID_VALUE: ProblemTemplate(
         ("index", "t", "h", "w"),

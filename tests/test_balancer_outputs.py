@@ -150,10 +150,14 @@ def test_classify_by_rows() -> None:
     text = describe_output_problem("pooled", 1, 7, 8, 2)
     assert "neither one row per patch nor one row per merged token (merge size 2)" in text, text
     assert "OutputLayout(kinds={...}, merge_size=...)" in text and "as [n, K, ...], not [n*K, ...]" in text
-    # A row per image is never taken from the rows alone: reported, naming the kind to declare.
+    # A row per image is never taken from the rows alone: reported, naming the kinds to declare,
+    # where the batch has several images (a row of one image's batch may be the batch's own).
     assert _kind(torch.ones(3, 4, 5)) == ("merged", ROWS_PER_IMAGE_UNNAMED, 3, 8)
     text = describe_output_problem("pooled", ROWS_PER_IMAGE_UNNAMED, 3, 8, 2)
-    assert "3 rows, one per image" in text and """OutputLayout(kinds={'pooled': "image"})""" in text, text
+    assert "3 rows, as many as its batch's images" in text, text
+    assert """OutputLayout(kinds={'pooled': "image"})""" in text and '"passthrough"' in text, text
+    one = classify_output("x", torch.ones(1, 4), total_patches=32, images=1, merge_size=2, layout=None)
+    assert one.problem == 1
     # Merge size 1: per patch.
     c = classify_output("x", torch.ones(32, 1), total_patches=32, images=3, merge_size=1, layout=None)
     assert c.kind == "patch" and c.problem == 0
@@ -223,7 +227,11 @@ def test_classify_with_layout() -> None:
     assert _kind(torch.ones(3, 4), per_image, path="pooled") == ("image", 0, 3, 3)
     assert _kind(torch.ones(3, 5, 4), per_image, path="pooled") == ("image", 0, 3, 3)
     assert _kind(torch.ones(8, 4), per_image, path="pooled") == ("image", 2, 8, 3)
-    assert "per image), which needs 3 rows" in describe_output_problem("pooled", 2, 8, 3, 2)
+    text = describe_output_problem("pooled", 2, 8, 3, 2, kind="image")
+    assert "its kind 'image', a row per image (K rows per image as [n, K, ...], not [n*K, ...]), " in text
+    assert text.endswith("which needs 3 rows for this batch"), text
+    text = describe_output_problem("e", 2, 8, 32, 2, "patch")
+    assert "names its kind 'patch', a row per patch, which" in text, text
     assert OutputLayout(kinds={"": "patch"}).kind_of("any.path") == "patch"
 
 

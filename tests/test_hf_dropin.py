@@ -1859,6 +1859,65 @@ def test_encode_visual_without_a_balancer_calls_the_vit_once() -> None:
             encode_visual(towers.TensorTower(), short, None, balancer=balancer)
 
 
+PER_IMAGE = {"pooled": "image", "queries": "image", "sizes": "image"}
+# Per rank: (images, videos); rank 2 has neither.
+PER_IMAGE_GRIDS = [([(1, 8, 8), (1, 4, 4)], [(2, 4, 4)]), ([(1, 2, 2)], []), ([], [])]
+
+
+def _per_image_visual_worker() -> dict[str, Any]:
+    """encode_visual of a tower with rows per image: each modality gets its own images' rows."""
+    import torch.distributed as dist
+    import towers
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    vit = towers.PerImageTower()
+    images, videos = (
+        towers.make_batch(grids, seed=10 * rank + k) for k, grids in enumerate(PER_IMAGE_GRIDS[rank])
+    )
+    balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0), output_layout=PER_IMAGE)
+    image_out, video_out = encode_visual(vit, images, videos, balancer=balancer)
+    for out, (pixels, grid) in ((image_out, images), (video_out, videos)):
+        want = (
+            vit(pixels, grid)
+            if grid.shape[0]
+            else {k: v[:0] for k, v in vit(*towers.make_batch([(1, 2, 2)], 0)).items()}
+        )
+        for key, value in want.items():
+            torch.testing.assert_close(out[key], value, **TOL, msg=lambda m, k=key: f"rank {rank} {k}: {m}")
+    sum(
+        out[key].float().sum() for out in (image_out, video_out) for key in ("tokens", "pooled", "queries")
+    ).backward()
+    return {
+        "applied": balancer.last_stats.applied,
+        "rows": [tuple(out["pooled"].shape) for out in (image_out, video_out)],
+    }
+
+
+def test_encode_visual_cuts_rows_per_image_between_images_and_videos(multirank: Any) -> None:
+    with multirank(RANKS) as w:
+        results = w.run(_per_image_visual_worker, timeout=120)
+    assert all(r["applied"] for r in results)
+    assert [r["rows"] for r in results] == [[(2, 24), (1, 24)], [(1, 24), (0, 24)], [(0, 24), (0, 24)]]
+
+
+def test_encode_visual_without_a_balancer_takes_an_output_layout() -> None:
+    import towers
+
+    torch.manual_seed(0)
+    vit = towers.PerImageTower()
+    images, videos = towers.make_batch([(1, 4, 4), (1, 2, 2)], seed=1), towers.make_batch([(2, 2, 2)], seed=2)
+    image_out, video_out = encode_visual(vit, images, videos, output_layout=PER_IMAGE)
+    for out, given in ((image_out, images), (video_out, videos)):
+        for key, value in vit(*given).items():
+            torch.testing.assert_close(out[key], value, **TOL)
+    with pytest.raises(ValueError, match="'pooled' has 3 rows, as many as its batch's images"):
+        encode_visual(vit, images, videos)
+    balancer = ViTBalancer(ViTBalanceConfig(), output_layout={"pooled": "image"})
+    with pytest.raises(ValueError, match=r"encode_visual\(output_layout=.*\) is invalid: the balancer's is"):
+        encode_visual(vit, images, videos, balancer=balancer, output_layout=PER_IMAGE)
+
+
 # --------------------------------------------------------------------------- one process
 
 

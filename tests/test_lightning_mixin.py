@@ -405,6 +405,10 @@ def _per_image_outputs() -> dict[str, Any]:
     direct = tower(pixel_values, grid)
     for key, value in direct.items():
         torch.testing.assert_close(out[key], value, rtol=1e-5, atol=1e-6)  # fp32, other batch mates
+    image_out, video_out = module.encode_visual(tower, (pixel_values, grid), None, output_layout=layout)
+    for key, value in direct.items():
+        torch.testing.assert_close(image_out[key], value, rtol=1e-5, atol=1e-6)
+        assert video_out[key].shape == (0, *value.shape[1:])
     stats = module.last_vit_balance_stats
     try:
         module.encode_images(tower, pixel_values, grid)
@@ -413,11 +417,12 @@ def _per_image_outputs() -> dict[str, Any]:
     return {"applied": stats is not None and stats.applied, "unnamed": None}
 
 
-def test_encode_images_takes_an_output_layout() -> None:
+def test_encode_images_and_encode_visual_take_an_output_layout() -> None:
     with world(2) as w:
         results = w.run(_per_image_outputs)
     assert [r["applied"] for r in results] == [True, True]
-    assert results[0]["unnamed"] == results[1]["unnamed"] and "one per image" in results[0]["unnamed"]
+    unnamed = results[0]["unnamed"]
+    assert unnamed == results[1]["unnamed"] and "as many as its batch's images" in unnamed
 
 
 def _without_a_group_on_two_ranks() -> Any:

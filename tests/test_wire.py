@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from unittest import mock
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_vit_balance import encoding
 from lightning_vit_balance.exchange import (
     ExchangeRoute,
     LeafSignature,
@@ -498,6 +500,31 @@ def test_status_codec_round_trip_and_digest() -> None:
     decoded = ViTStatus.decode(failed.encode())
     assert decoded.flag == 1 and decoded.error.startswith("OutOfMemoryError: xxx")
     assert len(failed.encode()) < 2048
+
+
+def test_status_codec_of_outputs_too_many_to_list_keeps_their_problems() -> None:
+    """Past the detail's bytes, the outputs with a problem travel with the digest and count of all:
+    the text on every rank still names the cause, and a difference is still told."""
+    leaves = tuple(
+        LeafSignature(f"vision_model.layers.{k}.pooled", "merged", "torch.float32", (24,), rows=4, expected=4)
+        for k in range(60)
+    )
+    bad = dataclasses.replace(leaves[7], rows=3, problem=1)
+    status = ViTStatus(leaves=(*leaves[:7], bad, *leaves[8:]))
+    assert len(json.dumps([dataclasses.astuple(x) for x in leaves])) > 2048
+    back = ViTStatus.decode(status.encode())
+    assert back.leaves == (bad,) and back.flag == 2
+    assert (back.digest(), back.count) == (status.digest(), 60)
+    reference = ViTStatus(leaves=leaves)
+    told = encoding._describe(1, back, reference, 2)
+    assert told is not None and "'vision_model.layers.7.pooled' has 3 rows" in told, told
+    # Outputs that differ (a dtype on one rank) with none at fault are told by their digests.
+    cast = ViTStatus(leaves=(*leaves[:59], dataclasses.replace(leaves[59], dtype="torch.float64")))
+    decoded = ViTStatus.decode(cast.encode())
+    assert decoded.leaves == () and decoded.flag == 0
+    told = encoding._describe(1, decoded, ViTStatus.decode(reference.encode()), 2)
+    assert told is not None and "60 outputs that travel back differ from the first rank's 60" in told, told
+    assert encoding._describe(1, ViTStatus.decode(reference.encode()), reference, 2) is None
 
 
 def test_every_problem_has_one_template_and_named_fields() -> None:

@@ -875,8 +875,8 @@ class ViTBalanceMixin:
         towers of other layouts or configurations (a drop-in tower and :meth:`encode_images`), and
         each balancer's clocks and cost fit go on from its own last call. One for a configuration or
         layout not seen yet goes on from the latest one's cost fit (or a loaded checkpoint's).
-        ``layout``: a drop-in tower's (:attr:`BalancedVisionTower.output_layout`) or the one
-        :meth:`encode_images` is given; None for :meth:`encode_visual`, whose ViTs the engine reads."""
+        ``layout``: a drop-in tower's (:attr:`BalancedVisionTower.output_layout`), or the one
+        :meth:`encode_images` or :meth:`encode_visual` is given."""
         state = self._vit_balance_state_object()
         host = gathers_on(state.host_group if group is state.group else None, group)
         trainer = self._vit_balance_runner()[0] if state.epoch_lengths is None else None
@@ -1362,6 +1362,7 @@ class ViTBalanceMixin:
         vit: Any,
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
         videos: tuple[torch.Tensor, torch.Tensor] | None = None,
+        output_layout: OutputLayout | Mapping[str, str] | None = None,
     ) -> tuple[Any, Any]:
         """Encode this rank's images and videos with one (balanced) ViT call; split the result.
 
@@ -1373,19 +1374,23 @@ class ViTBalanceMixin:
             vit: Called as ``vit(pixel_values, grid_thw)``.
             images: ``(pixel_values [sum(T*H*W), C], grid_thw [n, 3])``, or None.
             videos: The same for videos, or None.
+            output_layout: As for :meth:`encode_images`; it also tells how each output is cut
+                between images and videos (``"image"``: a row per image or video).
 
         Returns:
             ``(image_output, video_output)``, zero rows for an absent modality; backpropagate
             through both on every rank.
         """
+        layout = OutputLayout.of(output_layout)
         settings = self._vit_balance_settings(vit)
         if settings is None:  # compiled with the module when it is
-            encoded = encode_visual(vit, images, videos)
+            encoded = encode_visual(vit, images, videos, output_layout=layout)
             self._vit_balance_keep_direct(vit, tuple(part for part in (images, videos) if part is not None))
             return encoded
         return self._vit_balance_call(
             settings,
             lambda balancer, ticket: encode_visual(vit, images, videos, balancer=balancer, prepared=ticket),
+            layout,
         )
 
     @property

@@ -323,6 +323,18 @@ class _Reference:
     pixels_differentiable: bool
 
 
+def _without_history_as_made(encoded: EncodedBatch, returned: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``returned`` (this rank's rows of each output that travels back), detached where the ViT
+    made the output without autograd history (computed under ``no_grad``, or detached): the return
+    trip's buffer carries gradients for the other outputs, so such rows would come back requiring
+    grad where the direct call's do not (``.numpy()`` on them would raise)."""
+    made = [encoded.leaves[k][1] for k in encoded.returned_indices]
+    return [
+        rows.detach() if rows.requires_grad and not leaf.requires_grad else rows
+        for rows, leaf in zip(returned, made)
+    ]
+
+
 def _refuse_images_split(config: ViTBalanceConfig, layout: OutputLayout | None) -> None:
     """An ``"image"`` output has a row per grid row the ViT sees: with ``split_videos`` a video
     reaches it as its temporal steps, so it would return a row per step, not the video's one."""
@@ -867,6 +879,8 @@ class ViTBalancer:
         self._clock.stop()
         call.seconds["encode"] = encoded.seconds
         returned = self._combine(call, vit, encoded, plan, batch, reference)
+        if not batch.is_dummy:  # a dummy's outputs say nothing of how the ViT makes them
+            returned = _without_history_as_made(encoded, returned)
         return self._rebuild(vit, encoded, returned, grid_thw, plan.patch_counts[call.rank])
 
     def _may_overlap(self, vit: Any) -> bool:

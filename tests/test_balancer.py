@@ -338,6 +338,39 @@ def test_outputs_with_a_row_per_image_refuse_split_videos() -> None:
     assert not balancer.config.split_videos
 
 
+class _DetachedOutputTower(towers.TensorTower):
+    """Merged tokens, and their norms computed without autograd history (a statistic)."""
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
+        tokens = super().forward(pixel_values, grid_thw)
+        return {"tokens": tokens, "norms": tokens.detach().norm(dim=-1, keepdim=True)}
+
+
+def _outputs_without_history() -> list[tuple[bool, bool, bool]] | None:
+    group = subgroup(2)
+    rank = dist.get_rank()
+    if rank >= 2:
+        return None
+    torch.manual_seed(0)
+    tower = _DetachedOutputTower()
+    pixels, grid = towers.make_batch([[(1, 8, 8), (1, 8, 4), (1, 4, 4)], [(1, 2, 2)]][rank], seed=rank)
+    found = []
+    for overlap in (False, True):
+        balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0, overlap_pixel_trip=overlap), group)
+        out, direct = balancer(tower, pixels, grid), tower(pixels, grid)
+        torch.testing.assert_close(out["norms"], direct["norms"], rtol=1e-5, atol=1e-6)  # other batch mates
+        out["tokens"].sum().backward()
+        found.append((balancer.last_stats.applied, out["norms"].requires_grad, out["tokens"].requires_grad))
+    return found
+
+
+def test_outputs_the_vit_made_without_history_come_back_without_it(multirank: Any) -> None:
+    """As in the direct call: a detached output does not require grad (the others still do)."""
+    with multirank(POOL) as w:
+        per_rank = w.run(_outputs_without_history)[:2]
+    assert per_rank == [[(True, False, True)] * 2] * 2, per_rank
+
+
 def _bad_output() -> list[str] | None:
     group = subgroup(3)
     rank = dist.get_rank()

@@ -8,7 +8,7 @@ Per call and rank: one small all_gather of every rank's grid rows (plus an input
 settings fingerprint, so bad input or differing settings raise on every rank), then, when the plan
 moves images, one ``all_to_all_single`` of pixel rows (dispatch), the ViT, a tiny status
 all_gather (so a ViT that raised or returned unusable outputs on one rank fails every rank at
-once instead of leaving them waiting), and one ``all_to_all_single`` for all token-aligned
+once instead of leaving them waiting), and one ``all_to_all_single`` for all returned
 outputs together (combine: embeddings and every deepstack layer). A skipped call costs the gather
 alone (and the status gather after the ViT, with ``check_skipped_calls``). The backward pass runs
 the combine and (when ``pixel_values`` requires grad) the dispatch in reverse: every rank must
@@ -77,7 +77,7 @@ from lightning_vit_balance.exchange import (
 )
 from lightning_vit_balance.outputs import (
     OutputLayout,
-    describe_output_problem,
+    describe_classification,
     flatten_output,
     merge_size_of,
     rebuild_output,
@@ -487,8 +487,7 @@ class ViTBalancer:
         self.host_group = host_group
         self._host_checked = host_group is None
         self._host_advised = host_group is not None
-        self.output_layout = OutputLayout.of(output_layout)
-        _refuse_images_split(self.config, self.output_layout)
+        self.output_layout = output_layout
         self.last_stats: BalanceStats | None = None
         self.calls = 0
         self.applied_calls = 0
@@ -740,7 +739,7 @@ class ViTBalancer:
     def config(self, config: ViTBalanceConfig) -> None:
         if not isinstance(config, ViTBalanceConfig):
             raise TypeError(f"config={config!r} is invalid: expected a ViTBalanceConfig.")
-        _refuse_images_split(config, getattr(self, "output_layout", None))
+        _refuse_images_split(config, getattr(self, "_output_layout", None))
         fitted, previous = self._calibrator, getattr(self, "_config", None)
         self._config = config
         self._fingerprint = config.fingerprint()
@@ -754,6 +753,19 @@ class ViTBalancer:
                 warn_at_user(
                     f"ViTBalancer.config: the cost fit so far is not used ({error}); it starts afresh."
                 )
+
+    @property
+    def output_layout(self) -> OutputLayout | None:
+        """Kinds of the ViT's outputs where their rows do not tell, and its merge size (see the
+        ``output_layout`` argument). Set it on every rank alike, between calls; a mapping from
+        output path to kind is taken as an :class:`~lightning_vit_balance.OutputLayout`."""
+        return self._output_layout
+
+    @output_layout.setter
+    def output_layout(self, output_layout: OutputLayout | Mapping[str, str] | None) -> None:
+        layout = OutputLayout.of(output_layout)
+        _refuse_images_split(self._config, layout)
+        self._output_layout = layout
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -1306,10 +1318,10 @@ class ViTBalancer:
         batch: BalancedBatch,
         reference: _Reference,
     ) -> tuple[EncodedBatch, _ReturnBuffer | None]:
-        """The token outputs, their return layout and codec, the packed return buffer and the one the
-        rows come back in (both allocated here, before the status gather: see :meth:`_combine`), when
-        every output of this rank can travel. A packing that raises comes back as this rank's error,
-        for the status gather to report (and this rank to re-raise)."""
+        """The outputs that travel back, their return layout and codec, the packed return buffer and
+        the one the rows come back in (both allocated here, before the status gather: see
+        :meth:`_combine`), when every output of this rank can travel. A packing that raises comes
+        back as this rank's error, for the status gather to report (and this rank to re-raise)."""
         if encoded.status().flag != 0:
             return encoded, None
         try:
@@ -1470,11 +1482,7 @@ class ViTBalancer:
         result = []
         for (path, leaf), found in zip(encoded.leaves, encoded.kinds):
             if found.problem:
-                raise ValueError(
-                    describe_output_problem(
-                        path, found.problem, found.rows, found.expected, merge, kind=found.kind
-                    )
-                )
+                raise ValueError(describe_classification(path, found, merge))
             if found.kind == "drop":
                 result.append(None)
             else:
@@ -1578,7 +1586,7 @@ def _calibrator_for(config: ViTBalanceConfig) -> CostCalibrator | None:
 
 
 class _ReturnBuffer(NamedTuple):
-    """What the return trip sends: the token outputs, their layout, the wire codec's dtype and
+    """What the return trip sends: the outputs that travel back, their layout, the wire codec's dtype and
     elements per row, the packed buffer (``[sum(layout.send_splits)]`` transit values) and the one
     the rows arrive in (``[sum(layout.receive_splits)]``)."""
 

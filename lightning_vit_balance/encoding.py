@@ -500,7 +500,7 @@ def _describe(worker: int, status: ViTStatus, reference: ViTStatus, merge: int) 
         "every rank's ViT must return the same kinds, dtypes and widths (autocast or a dtype cast "
         "on some ranks only?)"
     )
-    if status.listed_apart is None and reference.listed_apart is None:
+    if status.digest_and_count is None and reference.digest_and_count is None:
         if status.leaves == reference.leaves:
             return None
         mine = [(x.path, x.kind, x.dtype, x.trailing) for x in status.leaves]

@@ -30,7 +30,7 @@ import json
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import groupby, pairwise
+from itertools import accumulate, groupby, pairwise
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
@@ -106,6 +106,8 @@ _FINGERPRINT_AT = _DETAILS_AT + MAX_DETAILS
 #: Bytes of one rank's detailed status, gathered only when some rank's ViT failed.
 _DETAIL_BYTES = 2048
 _MESSAGE_CHARS = 600
+#: Characters of an output's path in a status with more outputs than fit (see ``ViTStatus.encode``).
+_PATH_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -1037,7 +1039,7 @@ def start_pixel_trip(
 
 @dataclass(frozen=True)
 class ReturnLayout:
-    """Where each row of the token-aligned outputs goes on the return trip. A pure value.
+    """Where each row of the outputs that travel back goes on the return trip. A pure value.
 
     The return buffer holds, for each home rank in rank order, each token output's rows of that
     home's images (consecutive in the balanced batch), packed in the transit dtype.
@@ -1095,10 +1097,8 @@ class ReturnLayout:
         elements = np.asarray(row_elements, dtype=np.int64)  # [K]
         ranks = len(route.send_patches)
         # Images (not patches) per peer, for outputs with a row per image.
-        encoded_for = sent_to = None
-        if "image" in kinds:
-            encoded_for = np.bincount([source for source, _ in route.arrivals], minlength=ranks)
-            sent_to = np.bincount(np.asarray(route.destinations, dtype=np.int64), minlength=ranks)
+        encoded_for = np.bincount([source for source, _ in route.arrivals], minlength=ranks)
+        sent_to = np.bincount(np.asarray(route.destinations, dtype=np.int64), minlength=ranks)
         sent = _rows_by_rank(route.receive_patches, encoded_for, kinds, merge_size)  # [P, K]
         send_rows = _send_rows(np.asarray(route.receive_patches) > 0, sent)
         send_splits = tuple((sent @ elements).tolist())
@@ -1190,7 +1190,7 @@ class ReturnLayout:
 
 
 class SendPieces(NamedTuple):
-    """The return buffer as pieces of the token outputs (the sending side of :class:`ReturnLayout`).
+    """The return buffer as pieces of the returned outputs (the sending side of :class:`ReturnLayout`).
 
     Attributes:
         cuts: ``cuts[k]``: rows of consecutive pieces of output ``k`` from its first row, cut where
@@ -1204,7 +1204,7 @@ class SendPieces(NamedTuple):
 
 
 class ReceivePieces(NamedTuple):
-    """The received buffer as pieces of the token outputs (the receiving side of :class:`ReturnLayout`).
+    """The received buffer as pieces of the returned outputs (the receiving side of :class:`ReturnLayout`).
 
     Attributes:
         rows: Rows of each piece, in the buffer's order (they tile it).
@@ -1218,19 +1218,20 @@ class ReceivePieces(NamedTuple):
 
 
 def _rows_by_rank(
-    patches: Sequence[int], images: np.ndarray | None, kinds: Sequence[str], merge_size: int
+    patches: Sequence[int], images: np.ndarray, kinds: Sequence[str], merge_size: int
 ) -> np.ndarray:
-    """``[P, K]`` int64: rows in output ``k`` of the images of ``patches[rank]`` patches, of which
-    there are ``images[rank]`` (needed for an ``"image"`` output only). A sum of images' token rows
-    is the rows of their summed patches: each image's patches are a multiple of ``merge_size**2``
-    (its H and W are checked divisible on input). In numpy: the layouts' loops over every peer cost
-    milliseconds on 1,024 ranks in Python."""
+    """``[P, K]`` int64: rows in output ``k`` of ``images[rank]`` images of ``patches[rank]``
+    patches in all. An ``"image"`` output has a row per image; a token output's rows for images
+    are the rows of their summed patches, since each image's patches are a multiple of
+    ``merge_size**2`` (its H and W are checked divisible on input). In numpy: the layouts' loops
+    over every peer cost milliseconds on 1,024 ranks in Python."""
     counts = np.asarray(patches, dtype=np.int64)
     if not kinds:
         return np.zeros((counts.size, 0), dtype=np.int64)
-    by_kind = {kind: rows_per_image(kind, counts, merge_size) for kind in dict.fromkeys(kinds)}
-    if images is not None:
-        by_kind["image"] = images.astype(np.int64)
+    by_kind = {
+        kind: images.astype(np.int64) if kind == "image" else rows_per_image(kind, counts, merge_size)
+        for kind in dict.fromkeys(kinds)
+    }
     return np.stack([by_kind[kind] for kind in kinds], axis=1)
 
 
@@ -1249,7 +1250,7 @@ def _send_rows(homes: np.ndarray, rows: np.ndarray) -> tuple[tuple[tuple[int, in
 
 @dataclass(frozen=True)
 class LeafSignature:
-    """One token-aligned output of a rank's ViT forward, as the return trip needs to know it.
+    """One output of a rank's ViT forward that travels back, as the return trip needs to know it.
 
     Attributes:
         path: The output's path (``"0"``, ``"deepstack_features.1"``).
@@ -1258,7 +1259,7 @@ class LeafSignature:
         trailing: Shape after the row dimension.
         rows: Rows the output had.
         expected: Rows its kind needs for the batch.
-        problem: 0, or the output problem code (rows that fit no kind).
+        problem: 0, or the output's problem code (``Classification.problem`` in outputs.py).
     """
 
     path: str
@@ -1270,21 +1271,27 @@ class LeafSignature:
     problem: int = field(default=0, compare=False)
 
 
+def _compact(value: Any) -> bytes:
+    """``value`` as compact JSON bytes (non-ASCII escaped: at most 6 bytes a character)."""
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
 @dataclass(frozen=True)
 class ViTStatus:
     """How one rank's ViT forward went, gathered from every rank before the return trip.
 
     Attributes:
         error: ``"<ExceptionType>: <message>"`` when the ViT raised on this rank, else ``""``.
-        leaves: The token-aligned outputs, in output order (empty when the ViT raised); decoded
-            from a status with too many to list, those with a problem alone.
-        listed_apart: For such a decoded status, the :meth:`digest` and the count of all its
+        leaves: The outputs that travel back, in output order (empty when the ViT raised);
+            decoded from a status with more than fit in its bytes, as many of those with a problem
+            as fit (their paths cut to :data:`_PATH_CHARS`), which may be none.
+        digest_and_count: For such a decoded status, the :meth:`digest` and the count of all its
             outputs (which :meth:`digest` and :attr:`count` then give); ``None`` otherwise.
     """
 
     error: str = ""
     leaves: tuple[LeafSignature, ...] = ()
-    listed_apart: tuple[int, int] | None = None
+    digest_and_count: tuple[int, int] | None = None
 
     @property
     def flag(self) -> int:
@@ -1296,33 +1303,33 @@ class ViTStatus:
     @property
     def count(self) -> int:
         """The outputs that travel back."""
-        return len(self.leaves) if self.listed_apart is None else self.listed_apart[1]
+        return len(self.leaves) if self.digest_and_count is None else self.digest_and_count[1]
 
     def digest(self) -> int:
         """A 62-bit integer of the outputs' paths, kinds, dtypes and trailing shapes (not their rows)."""
-        if self.listed_apart is not None:
-            return self.listed_apart[0]
+        if self.digest_and_count is not None:
+            return self.digest_and_count[0]
         text = json.dumps([[x.path, x.kind, x.dtype, list(x.trailing)] for x in self.leaves])
         return stable_digest(text.encode())
 
     def encode(self) -> bytes:
         """A compact UTF-8 form of at most ``_DETAIL_BYTES`` bytes: the message is cut to fit, and
-        where the outputs are too many to list, the digest and count of them all travel with the
-        outputs that have a problem (as many of those as fit), which say what went wrong."""
+        where the outputs are too many to list, the digest and count of them all travel with as
+        many of the outputs that have a problem as fit (paths cut to :data:`_PATH_CHARS`: one
+        always fits), which say what went wrong."""
         leaves = [
             [x.path, x.kind, x.dtype, list(x.trailing), x.rows, x.expected, x.problem] for x in self.leaves
         ]
         for limit in (_MESSAGE_CHARS, 120, 0):
-            data = json.dumps({"e": self.error[:limit], "l": leaves}, separators=(",", ":")).encode()
+            data = _compact({"e": self.error[:limit], "l": leaves})
             if len(data) <= _DETAIL_BYTES - 4:
                 return data
-        apart = [self.digest(), len(self.leaves)]
-        problems = [leaf for leaf in leaves if leaf[-1]]
-        for listed in range(len(problems), -1, -1):
-            data = json.dumps({"e": self.error[:120], "l": problems[:listed], "d": apart}).encode()
-            if len(data) <= _DETAIL_BYTES - 4:
-                return data
-        return json.dumps({"e": "", "l": [], "d": apart}).encode()
+        problems = [[leaf[0][:_PATH_CHARS], *leaf[1:]] for leaf in leaves if leaf[-1]]
+        value = {"e": "", "l": [], "d": [self.digest(), len(self.leaves)]}
+        room = _DETAIL_BYTES - 4 - len(_compact(value))
+        ends = accumulate(len(_compact(leaf)) + 1 for leaf in problems)  # a comma each
+        value["l"] = problems[: sum(1 for end in ends if end <= room)]
+        return _compact(value)
 
     @classmethod
     def decode(cls, data: bytes) -> ViTStatus:
@@ -1334,7 +1341,7 @@ class ViTStatus:
             for path, kind, dtype, trailing, rows, expected, problem in value["l"]
         )
         apart = value.get("d")
-        return cls(error=value["e"], leaves=leaves, listed_apart=None if apart is None else tuple(apart))
+        return cls(error=value["e"], leaves=leaves, digest_and_count=None if apart is None else tuple(apart))
 
 
 @dataclass(frozen=True)

@@ -223,7 +223,7 @@ from lightning_vit_balance.host_group import gathers_on, owned_host_group, relea
 from lightning_vit_balance.outputs import (
     OutputLayout,
     classify_outputs,
-    describe_output_problem,
+    describe_classification,
     flatten_output,
     merge_size_of,
     rebuild_output,
@@ -1015,32 +1015,31 @@ def _describe(value: Any) -> str:
 def _split(
     output: Any,
     parts: Sequence[_Part],
-    total: int,
+    encoded: tuple[int, int],
     merge: int,
     vit: Any,
     layout: OutputLayout | None = None,
 ) -> list[Any]:
-    """``output`` of a tower call over ``total`` patch rows, cut into one output per part (the
-    parts in the call's order); ``layout``: the call's, whose ``"image"`` outputs have a row per
-    grid row of the call."""
+    """``output`` of a tower call that encoded ``encoded = (patch rows, images)``, cut into one
+    output per part (the parts in the call's order; a dummy call's have none of its rows);
+    ``layout``: the call's, whose ``"image"`` outputs have a row per grid row of the call and whose
+    ``"drop"`` outputs come back as None."""
     leaves, structure = flatten_output(output)
     has_window = window_index_fn(vit) is not None
-    kinds = []
-    image_ends = list(itertools.accumulate(len(part.grid) for part in parts))
+    total, images = encoded
     found = classify_outputs(
         leaves,
         total_patches=total,
-        images=image_ends[-1] if image_ends else 0,
+        images=images,
         merge_size=merge,
         has_window_index=has_window,
         layout=layout,
     )
-    for (path, _), kind in zip(leaves, found):
-        if kind.problem:
-            raise ValueError(
-                describe_output_problem(path, kind.problem, kind.rows, kind.expected, merge, kind=kind.kind)
-            )
-        kinds.append(kind.kind)
+    for (path, _), classification in zip(leaves, found):
+        if classification.problem:
+            raise ValueError(describe_classification(path, classification, merge))
+    kinds = [classification.kind for classification in found]
+    image_ends = itertools.accumulate(len(part.grid) for part in parts)
     pieces = []
     for part, image_end in zip(parts, image_ends):
         new: list[Any] = []
@@ -1054,7 +1053,7 @@ def _split(
             elif kind == "image":
                 new.append(leaf[image_end - len(part.grid) : image_end])
             else:
-                new.append(leaf)
+                new.append(None if kind == "drop" else leaf)
         pieces.append(rebuild_output(structure, new))
     return pieces
 
@@ -1125,8 +1124,7 @@ def encode_visual(
 
     For code that calls the ViT itself: instead of one call for images and one for videos (two
     exchanges, and a hang when ranks make different numbers of calls), both modalities go through
-    one call of ``balancer(vit, pixel_values, grid_thw)`` (or ``vit(pixel_values, grid_thw)`` when
-    ``balancer`` is None), images first.
+    one call of ``balancer(vit, pixel_values, grid_thw)`` (``vit(...)`` without one), images first.
 
     Args:
         vit: Called as ``vit(pixel_values, grid_thw)``; see :class:`~lightning_vit_balance.ViTBalancer`.
@@ -1145,10 +1143,10 @@ def encode_visual(
 
     Returns:
         ``(image_output, video_output)``: each what ``vit`` returns for that modality's rows alone
-        (same structure, per-patch and per-merged-token tensors cut to the modality's rows), with
-        zero rows for an absent modality. Backpropagate through both on every rank, zero rows
-        included (as a VLM does when it scatters them into its input embeddings): the balanced
-        call's backward pass is a collective.
+        (same structure, tensors of rows cut to the modality's; None for outputs named
+        ``"drop"``), with zero rows for an absent modality. Backpropagate through both on every
+        rank, zero rows included (as a VLM does when it scatters them into its input embeddings):
+        the balanced call's backward pass is a collective.
 
     Raises:
         ValueError: On every rank of the group, when some rank's input is invalid; on this rank,
@@ -1167,11 +1165,11 @@ def encode_visual(
     # With a plan made ahead, its grid rows: none is read back from the device.
     combined = _combine(given, vit, cast=False, known=_prepared_rows(prepared, given))
     merge = _output_merge(vit, layout)
-    output, total = _encode_combined(vit, combined, balancer, merge, prepared)
+    output, encoded = _encode_combined(vit, combined, balancer, merge, prepared)
     parts = {part.name: part for part in combined.parts}
     # An absent modality gets zero rows (rows [0, 0) of every token output).
     wanted = [parts.get(name) or _Part(name, (), 0, 0) for name in ("images", "videos")]
-    image_output, video_output = _split(output, wanted, total, merge, vit, layout)
+    image_output, video_output = _split(output, wanted, encoded, merge, vit, layout)
     return image_output, video_output
 
 
@@ -1229,19 +1227,19 @@ def _encode_combined(
     balancer: ViTBalancer | None,
     merge: int,
     prepared: PreparedPlan | None = None,
-) -> tuple[Any, int]:
-    """The one ViT call over ``combined`` and the patch rows its output covers."""
+) -> tuple[Any, tuple[int, int]]:
+    """The one ViT call over ``combined``, and the patch rows and images its output covers."""
+    encoded = (int(combined.pixels.shape[0]), sum(len(part.grid) for part in combined.parts))
     if balancer is not None:
-        output = _balanced_call(balancer, vit, combined, "encode_visual", prepared)
-        return output, int(combined.pixels.shape[0])
+        return _balanced_call(balancer, vit, combined, "encode_visual", prepared), encoded
     if combined.problems:
         raise ValueError(f"encode_visual: {'; '.join(combined.problems)}.")
     if combined.pixels.shape[0]:
-        return vit(combined.pixels, combined.grid), int(combined.pixels.shape[0])
+        return vit(combined.pixels, combined.grid), encoded
     # Nothing to encode: a one-image dummy call gives the output's structure (cut to zero rows).
     pixels = combined.pixels.new_zeros((merge * merge, combined.pixels.shape[1]))
     grid = torch.tensor([[1, merge, merge]], device=combined.pixels.device)
-    return vit(pixels, grid), merge * merge
+    return vit(pixels, grid), (merge * merge, 1)
 
 
 # -- the drop-in -------------------------------------------------------------------------------------
@@ -2258,7 +2256,8 @@ class BalancedVisionTower:
             if balancer.last_stats is not None:
                 self._count(balancer.last_stats, dropped)
         total = int(combined.pixels.shape[0])
-        outputs = _split(output, combined.parts, total, _output_merge(tower), tower)
+        images = sum(len(part.grid) for part in combined.parts)
+        outputs = _split(output, combined.parts, (total, images), _output_merge(tower), tower)
         if self._form.pooled_frames:
             _pool_frames(tower, combined.parts, outputs)
         touch = None

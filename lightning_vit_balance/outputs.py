@@ -38,6 +38,7 @@ __all__ = [
     "Structure",
     "classify_output",
     "classify_outputs",
+    "describe_classification",
     "describe_output_problem",
     "flatten_output",
     "merge_size_of",
@@ -46,6 +47,7 @@ __all__ = [
     "unroutable_output",
     "unwrap_module",
     "window_index_fn",
+    "without_dropped",
 ]
 
 #: Kinds of ViT output leaves. ``"patch"``: one row per patch; ``"merged"``: one row per merged
@@ -258,6 +260,16 @@ def _child(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
+def without_dropped(output: Any, layout: OutputLayout | None) -> Any:
+    """``output`` with the leaves ``layout`` names ``"drop"`` as None, as a balanced call returns
+    them (``output`` itself where it names none): for calls that go to the ViT directly."""
+    if layout is None or "drop" not in layout.kinds.values():
+        return output
+    leaves, structure = flatten_output(output)
+    kept = [None if layout.kind_of(path) == "drop" else leaf for path, leaf in leaves]
+    return rebuild_output(structure, kept)
+
+
 def rebuild_output(structure: Structure, leaves: Sequence[Any]) -> Any:
     """The inverse of :func:`flatten_output`: the same containers around new leaves."""
     return _rebuild(structure, iter(leaves))
@@ -413,6 +425,11 @@ def classify_output(
     # One image alone tells nothing: a row for the whole batch has as many.
     problem = ROWS_PER_IMAGE_UNNAMED if rows == images > 1 else ROWS_FIT_NO_KIND
     return Classification(guess, problem, rows, total_patches if guess == "patch" else merged_rows)
+
+
+def describe_classification(path: str, found: Classification, merge_size: int) -> str:
+    """:func:`describe_output_problem` of the output at ``path`` classified as ``found``."""
+    return describe_output_problem(path, found.problem, found.rows, found.expected, merge_size, found.kind)
 
 
 def describe_output_problem(

@@ -1,4 +1,4 @@
-"""The wire codec: several token outputs of several dtypes in one return buffer, exactly.
+"""The wire codec: several outputs of several dtypes in one return buffer, exactly.
 
 No communication here (that is :mod:`lightning_vit_balance.exchange`'s): what one rank's return
 buffer holds and how it is read back.
@@ -206,7 +206,7 @@ def pack_return(
     (see :func:`pack_rows`); 1-D, ``transit`` values.
 
     Args:
-        leaves: The token outputs of this rank's balanced batch.
+        leaves: The outputs that travel back of this rank's balanced batch.
         layout: Their return layout.
         transit: The buffer's dtype.
         tie: The pixel rows the forward trip delivered, when that trip is differentiable: the buffer
@@ -291,7 +291,7 @@ def unpack_return(
 
     Args:
         back: ``[sum(layout.receive_splits)]`` transit values, from worker rank 0 first.
-        leaves: The token outputs this rank's ViT made (for their dtypes and trailing shapes).
+        leaves: The outputs that travel back this rank's ViT made (for their dtypes and trailing shapes).
         layout: The return layout.
         elements: Transit elements per row of each output (see :func:`elements_per_row`).
     """

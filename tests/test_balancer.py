@@ -31,6 +31,7 @@ from lightning_vit_balance import (
 )
 from lightning_vit_balance.balancer import _submodules, _vit_requires_grad
 from lightning_vit_balance.exchange import GATHER_CAPACITY, ExchangeRoute, PixelTrip
+from lightning_vit_balance.outputs import OutputLayout
 
 THRESHOLD_0 = {"trigger_threshold": 0.0}
 POOL = 4
@@ -336,6 +337,13 @@ def test_outputs_with_a_row_per_image_refuse_split_videos() -> None:
     with pytest.raises(ValueError, match="split_videos=True cannot"):
         balancer.config = ViTBalanceConfig(split_videos=True)
     assert not balancer.config.split_videos
+    # So is a layout set later.
+    balancer = ViTBalancer(ViTBalanceConfig(split_videos=True))
+    with pytest.raises(ValueError, match="split_videos=True cannot"):
+        balancer.output_layout = {"pooled": "image"}
+    assert balancer.output_layout is None
+    balancer.output_layout = {"pooled": "passthrough"}
+    assert balancer.output_layout == OutputLayout(kinds={"pooled": "passthrough"})
 
 
 class _DetachedOutputTower(towers.TensorTower):

@@ -1913,6 +1913,12 @@ def test_encode_visual_without_a_balancer_takes_an_output_layout() -> None:
             torch.testing.assert_close(out[key], value, **TOL)
     with pytest.raises(ValueError, match="'pooled' has 3 rows, as many as its batch's images"):
         encode_visual(vit, images, videos)
+    # Neither modality: zero rows of every output, per image too; outputs named "drop" are None.
+    empty = (torch.zeros(0, towers.CHANNELS), torch.zeros(0, 3, dtype=torch.long))
+    nothing, _ = encode_visual(vit, empty, None, output_layout=PER_IMAGE)
+    assert nothing["queries"].shape == (0, 3, 24) and nothing["sizes"].shape == (0,)
+    image_out, video_out = encode_visual(vit, images, videos, output_layout={**PER_IMAGE, "tokens": "drop"})
+    assert image_out["tokens"] is None and video_out["tokens"] is None
     balancer = ViTBalancer(ViTBalanceConfig(), output_layout={"pooled": "image"})
     with pytest.raises(ValueError, match=r"encode_visual\(output_layout=.*\) is invalid: the balancer's is"):
         encode_visual(vit, images, videos, balancer=balancer, output_layout=PER_IMAGE)

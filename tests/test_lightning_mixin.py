@@ -417,6 +417,16 @@ def _per_image_outputs() -> dict[str, Any]:
     return {"applied": stats is not None and stats.applied, "unnamed": None}
 
 
+def test_a_direct_call_drops_the_outputs_its_layout_names_drop() -> None:
+    """As a balanced call does: the output type does not depend on whether the call balances."""
+    torch.manual_seed(0)
+    module, tower = MixinFirst(), PerImageTower()
+    pixel_values, grid = _images(2)
+    out = module.encode_images(tower, pixel_values, grid, output_layout={"tokens": "drop"})
+    assert out["tokens"] is None and out["pooled"].shape == (2, 24)
+    assert module.encode_images(tower, pixel_values, grid)["tokens"].shape == (3, 24)
+
+
 def test_encode_images_and_encode_visual_take_an_output_layout() -> None:
     with world(2) as w:
         results = w.run(_per_image_outputs)

@@ -525,6 +525,14 @@ def test_status_codec_of_outputs_too_many_to_list_keeps_their_problems() -> None
     told = encoding._describe(1, decoded, ViTStatus.decode(reference.encode()), 2)
     assert told is not None and "60 outputs that travel back differ from the first rank's 60" in told, told
     assert encoding._describe(1, ViTStatus.decode(reference.encode()), reference, 2) is None
+    # A problem at a path too long for the bytes still travels, its path cut.
+    long = dataclasses.replace(bad, path="深" * 3000)
+    back = ViTStatus.decode(ViTStatus(leaves=(*leaves, long)).encode())
+    assert back.flag == 2 and back.leaves[-1].path == "深" * 200 and back.count == 61
+    # Many outputs at fault: as many as fit travel (counted once, not dumped again for each).
+    many = tuple(dataclasses.replace(leaf, rows=3, problem=1) for leaf in leaves * 40)
+    data = ViTStatus(leaves=many).encode()
+    assert len(data) <= 2044 and 0 < len(ViTStatus.decode(data).leaves) < len(many)
 
 
 def test_every_problem_has_one_template_and_named_fields() -> None:

@@ -44,7 +44,7 @@ from lightning_vit_balance.hf import (
 from lightning_vit_balance.host_group import gathers_on, owned_host_group, release_host_group
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
 from lightning_vit_balance.lightning.strategy import dp_group_from_strategy, tensor_parallel_size
-from lightning_vit_balance.outputs import OutputLayout
+from lightning_vit_balance.outputs import OutputLayout, without_dropped
 from lightning_vit_balance.recompute import in_backward_pass
 
 __all__ = ["ViTBalanceMixin"]
@@ -795,7 +795,7 @@ class ViTBalanceMixin:
         if settings is None:  # compiled with the module when it is
             output = vit(pixel_values, grid_thw)
             self._vit_balance_keep_direct(vit, ((pixel_values, grid_thw),))
-            return output
+            return without_dropped(output, layout)
         return self._vit_balance_call(
             settings, lambda balancer, ticket: balancer(vit, pixel_values, grid_thw, prepared=ticket), layout
         )

@@ -891,7 +891,8 @@ class ViTBalancer:
         self._clock.stop()
         call.seconds["encode"] = encoded.seconds
         returned = self._combine(call, vit, encoded, plan, batch, reference)
-        if not batch.is_dummy:  # a dummy's outputs say nothing of how the ViT makes them
+        if not (batch.is_dummy and self.config.empty_rank_forward == "no_grad"):
+            # A dummy encoded without autograd says nothing of how the ViT makes its outputs.
             returned = _without_history_as_made(encoded, returned)
         return self._rebuild(vit, encoded, returned, grid_thw, plan.patch_counts[call.rank])
 

@@ -323,18 +323,6 @@ class _Reference:
     pixels_differentiable: bool
 
 
-def _without_history_as_made(encoded: EncodedBatch, returned: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``returned`` (this rank's rows of each output that travels back), detached where the ViT
-    made the output without autograd history (computed under ``no_grad``, or detached): the return
-    trip's buffer carries gradients for the other outputs, so such rows would come back requiring
-    grad where the direct call's do not (``.numpy()`` on them would raise)."""
-    made = [encoded.leaves[k][1] for k in encoded.returned_indices]
-    return [
-        rows.detach() if rows.requires_grad and not leaf.requires_grad else rows
-        for rows, leaf in zip(returned, made)
-    ]
-
-
 def _refuse_images_split(config: ViTBalanceConfig, layout: OutputLayout | None) -> None:
     """An ``"image"`` output has a row per grid row the ViT sees: with ``split_videos`` a video
     reaches it as its temporal steps, so it would return a row per step, not the video's one."""
@@ -891,9 +879,6 @@ class ViTBalancer:
         self._clock.stop()
         call.seconds["encode"] = encoded.seconds
         returned = self._combine(call, vit, encoded, plan, batch, reference)
-        if not (batch.is_dummy and self.config.empty_rank_forward == "no_grad"):
-            # A dummy encoded without autograd says nothing of how the ViT makes its outputs.
-            returned = _without_history_as_made(encoded, returned)
         return self._rebuild(vit, encoded, returned, grid_thw, plan.patch_counts[call.rank])
 
     def _may_overlap(self, vit: Any) -> bool:
@@ -1307,6 +1292,13 @@ class ViTBalancer:
             sum(layout.receive_splits) - layout.receive_splits[call.rank]
         )
         returned = unpack_return(back, leaves, layout, elements)
+        # An output no rank's ViT made with autograd history (computed under no_grad, or detached)
+        # comes back without it, as from the direct call: the return buffer carries the others'
+        # gradients. Decided from every rank's, so that a rank whose own batch made one without
+        # history (a dummy, home images alone) still joins the trip's backward pass through it.
+        returned = [
+            rows.detach() if report.made_without_history(k) else rows for k, rows in enumerate(returned)
+        ]
         self._trips.stop()
         call.timed("combine", started)
         return returned

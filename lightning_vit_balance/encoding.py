@@ -426,6 +426,7 @@ class EncodedBatch:
                 rows=self.kinds[k].rows,
                 expected=self.kinds[k].expected,
                 problem=self.kinds[k].problem,
+                history=bool(self.leaves[k][1].requires_grad),
             )
             for k in self.returned_indices
         )

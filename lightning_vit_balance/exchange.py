@@ -45,6 +45,7 @@ from lightning_vit_balance.problems import DEVICE_TYPES, MAX_DETAILS, InputProbl
 __all__ = [
     "DOUBLING_FROM_RANKS",
     "GATHER_CAPACITY",
+    "HISTORY_BITS",
     "STATUS_WORD",
     "ExchangeRoute",
     "LeafSignature",
@@ -1260,6 +1261,8 @@ class LeafSignature:
         rows: Rows the output had.
         expected: Rows its kind needs for the batch.
         problem: 0, or the output's problem code (``Classification.problem`` in outputs.py).
+        history: This rank's ViT made it with autograd history (it requires grad); not encoded
+            in the details, where it decodes as True.
     """
 
     path: str
@@ -1269,11 +1272,12 @@ class LeafSignature:
     rows: int = field(default=0, compare=False)
     expected: int = field(default=0, compare=False)
     problem: int = field(default=0, compare=False)
+    history: bool = field(default=True, compare=False)
 
 
 def _compact(value: Any) -> bytes:
-    """``value`` as compact JSON bytes (non-ASCII escaped: at most 6 bytes a character)."""
-    return json.dumps(value, separators=(",", ":")).encode()
+    """``value`` as compact JSON in UTF-8 (at most 4 bytes a character)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 @dataclass(frozen=True)
@@ -1300,6 +1304,10 @@ class ViTStatus:
             return 1
         return 2 if any(leaf.problem for leaf in self.leaves) else 0
 
+    def history_mask(self) -> int:
+        """Bit ``k`` set where output ``k`` (of the first :data:`HISTORY_BITS`) has history."""
+        return sum(1 << k for k, leaf in enumerate(self.leaves[:HISTORY_BITS]) if leaf.history)
+
     @property
     def count(self) -> int:
         """The outputs that travel back."""
@@ -1325,7 +1333,7 @@ class ViTStatus:
             if len(data) <= _DETAIL_BYTES - 4:
                 return data
         problems = [[leaf[0][:_PATH_CHARS], *leaf[1:]] for leaf in leaves if leaf[-1]]
-        value = {"e": "", "l": [], "d": [self.digest(), len(self.leaves)]}
+        value = {"e": self.error[:120], "l": [], "d": [self.digest(), len(self.leaves)]}
         room = _DETAIL_BYTES - 4 - len(_compact(value))
         ends = accumulate(len(_compact(leaf)) + 1 for leaf in problems)  # a comma each
         value["l"] = problems[: sum(1 for end in ends if end <= room)]
@@ -1356,6 +1364,8 @@ class StatusReport:
         plan_digests: Every rank's :attr:`~lightning_vit_balance.RebalancePlan.digest` of the
             call's plan, in rank order (0 where the call moved no images).
         gradients: Whether each rank's return trip carries gradients back, in rank order.
+        with_history: Bit ``k`` set where any rank's ViT made output ``k`` (of the first
+            :data:`HISTORY_BITS`) with autograd history; ``-1`` (every bit) where not gathered.
     """
 
     consistent: bool
@@ -1363,6 +1373,11 @@ class StatusReport:
     collectives: int
     plan_digests: tuple[int, ...] = ()
     gradients: tuple[bool, ...] = ()
+    with_history: int = -1
+
+    def made_without_history(self, output: int) -> bool:
+        """Whether no rank's ViT made output ``output`` with autograd history."""
+        return output < HISTORY_BITS and not (self.with_history >> output) & 1
 
 
 def _encode_detail(status: ViTStatus) -> torch.Tensor:
@@ -1380,8 +1395,18 @@ def _decode_detail(values: np.ndarray) -> ViTStatus:
 
 
 #: The status word every rank gathers after the ViT, one int64 each, in this order.
-STATUS_WORD: tuple[str, ...] = ("flag", "output_digest", "output_count", "plan_digest", "gradients")
+STATUS_WORD: tuple[str, ...] = (
+    "flag",
+    "output_digest",
+    "output_count",
+    "plan_digest",
+    "gradients",
+    "history_mask",
+)
 _PLAN_DIGEST, _GRADIENTS = STATUS_WORD.index("plan_digest"), STATUS_WORD.index("gradients")
+_HISTORY_MASK = STATUS_WORD.index("history_mask")
+#: Outputs whose autograd history the status word carries (a bit each in an int64).
+HISTORY_BITS = 62
 
 
 class PendingStatus:
@@ -1398,11 +1423,13 @@ class PendingStatus:
         words = gathered.cpu().numpy()
         plan_digests = tuple(words[:, _PLAN_DIGEST].tolist())
         gradients = tuple((words[:, _GRADIENTS] != 0).tolist())
+        history = int(np.bitwise_or.reduce(words[:, _HISTORY_MASK])) if words.size else 0
         # Every rank's ViT succeeded with outputs alike: the flag 0, the outputs' digest and count rank 0's.
         if not words[:, 0].any() and (words[:, 1:_PLAN_DIGEST] == words[0, 1:_PLAN_DIGEST]).all():
-            return StatusReport(True, (), 1, plan_digests, gradients)
+            return StatusReport(True, (), 1, plan_digests, gradients, history)
         details = _gathered_array(_encode_detail(self._status), gathered.device, self._group)
-        return StatusReport(False, tuple(_decode_detail(d) for d in details), 2, plan_digests, gradients)
+        statuses = tuple(_decode_detail(d) for d in details)
+        return StatusReport(False, statuses, 2, plan_digests, gradients, history)
 
 
 def start_status(
@@ -1416,6 +1443,7 @@ def start_status(
         "output_count": status.count,
         "plan_digest": plan_digest,
         "gradients": int(gradients),
+        "history_mask": status.history_mask(),
     }
     values = [fields[name] for name in STATUS_WORD]
     word = torch.tensor(values, dtype=torch.int64).to(device)
@@ -1427,10 +1455,11 @@ def exchange_status(
 ) -> StatusReport:
     """Gather every rank's :class:`ViTStatus` after the ViT forward, before the return trip.
 
-    One all_gather of five int64 per rank (flag, output digest, output count, ``plan_digest``,
-    ``gradients``) in the common case; when any rank's ViT raised, made rows that fit no kind, or
-    made outputs that differ from another rank's (trailing shape, dtype: autocast on one rank
-    only), a second all_gather brings every rank's full status, so each can raise the same error.
+    One all_gather of six int64 per rank (flag, output digest, output count, ``plan_digest``,
+    ``gradients``, the outputs made with history) in the common case; when any rank's ViT raised,
+    made rows that fit no kind, or made outputs that differ from another rank's (trailing shape,
+    dtype: autocast on one rank only), a second all_gather brings every rank's full status, so
+    each can raise the same error.
     The buffers are host (CPU) tensors where the backend carries them (gloo, or a
     ``"cpu:gloo,cuda:nccl"`` group), so no device sync happens.
 

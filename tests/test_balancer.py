@@ -372,11 +372,41 @@ def _outputs_without_history() -> list[tuple[bool, bool, bool]] | None:
     return found
 
 
+def _history_on_some_ranks_only() -> list[tuple[bool, bool]] | None:
+    """A frozen tower whose pixels require grad on some ranks: where a rank's own balanced batch
+    made an output without history (a dummy of zeros; home images alone, overlapped) while another
+    rank's did not, the output keeps its history there, so every rank joins the backward pass."""
+    rank = dist.get_rank()
+    if rank >= 3:
+        return None
+    torch.manual_seed(0)
+    tower = _DetachedOutputTower().requires_grad_(False)
+    found = []
+    cases = (
+        (3, [[(1, 8, 8), (1, 8, 8)], [], []], False, (True, True, True)),
+        (2, [[(1, 8, 8), (1, 8, 4), (1, 4, 4)], [(1, 2, 2)]], True, (False, True)),
+    )
+    for n, grids, overlap, pixel_grad in cases:
+        if rank >= n:
+            continue
+        pixels, grid = towers.make_batch(grids[rank], seed=rank)
+        pixels.requires_grad_(pixel_grad[rank])
+        balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0, overlap_pixel_trip=overlap), subgroup(n))
+        out = balancer(tower, pixels, grid)
+        out["tokens"].sum().backward()
+        as_made = out["tokens"].requires_grad and not out["norms"].requires_grad
+        found.append((balancer.last_stats.applied, as_made))
+    return found
+
+
 def test_outputs_the_vit_made_without_history_come_back_without_it(multirank: Any) -> None:
     """As in the direct call: a detached output does not require grad (the others still do)."""
     with multirank(POOL) as w:
         per_rank = w.run(_outputs_without_history)[:2]
     assert per_rank == [[(True, False, True)] * 2] * 2, per_rank
+    with multirank(POOL) as w:
+        per_rank = w.run(_history_on_some_ranks_only)[:3]
+    assert per_rank == [[(True, True)] * 2, [(True, True)] * 2, [(True, True)]], per_rank
 
 
 def _bad_output() -> list[str] | None:

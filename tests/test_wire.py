@@ -526,9 +526,10 @@ def test_status_codec_of_outputs_too_many_to_list_keeps_their_problems() -> None
     assert told is not None and "60 outputs that travel back differ from the first rank's 60" in told, told
     assert encoding._describe(1, ViTStatus.decode(reference.encode()), reference, 2) is None
     # A problem at a path too long for the bytes still travels, its path cut.
-    long = dataclasses.replace(bad, path="深" * 3000)
-    back = ViTStatus.decode(ViTStatus(leaves=(*leaves, long)).encode())
-    assert back.flag == 2 and back.leaves[-1].path == "深" * 200 and back.count == 61
+    for char in ("深", "\N{GRINNING FACE}"):  # 3 and 4 bytes in UTF-8 (12 escaped as JSON's ASCII)
+        long = dataclasses.replace(bad, path=char * 3000)
+        back = ViTStatus.decode(ViTStatus(error="", leaves=(*leaves, long)).encode())
+        assert back.flag == 2 and back.leaves[-1].path == char * 200 and back.count == 61
     # Many outputs at fault: as many as fit travel (counted once, not dumped again for each).
     many = tuple(dataclasses.replace(leaf, rows=3, problem=1) for leaf in leaves * 40)
     data = ViTStatus(leaves=many).encode()

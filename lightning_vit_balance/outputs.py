@@ -95,10 +95,13 @@ class OutputLayout:
 
     @classmethod
     def of(cls, value: OutputLayout | Mapping[str, str] | None) -> OutputLayout | None:
-        """``value`` (an ``output_layout`` argument) as a layout: itself, the one a mapping from
-        output path to kind describes, or None."""
-        if value is None or isinstance(value, OutputLayout):
-            return value
+        """``value`` (an ``output_layout`` argument) as a layout of its own: a copy of a layout
+        (its ``kinds`` a dict the caller may change later), the one a mapping from output path to
+        kind describes, or None."""
+        if value is None:
+            return None
+        if isinstance(value, OutputLayout):
+            return cls(kinds=value.kinds, merge_size=value.merge_size)
         if isinstance(value, Mapping):
             return cls(kinds=dict(value))
         raise TypeError(

@@ -344,6 +344,11 @@ def test_outputs_with_a_row_per_image_refuse_split_videos() -> None:
     assert balancer.output_layout is None
     balancer.output_layout = {"pooled": "passthrough"}
     assert balancer.output_layout == OutputLayout(kinds={"pooled": "passthrough"})
+    # The balancer holds a layout of its own: changing the one it was given changes nothing.
+    given = OutputLayout(kinds={"pooled": "passthrough"})
+    balancer.output_layout = given
+    given.kinds["pooled"] = "image"  # type: ignore[index]
+    assert balancer.output_layout == OutputLayout(kinds={"pooled": "passthrough"})
 
 
 class _DetachedOutputTower(towers.TensorTower):

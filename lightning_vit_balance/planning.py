@@ -275,7 +275,9 @@ _INT64_END = 2**63
 _TOTAL_END = 2**62
 
 
-def _positive_ints(rows: list[tuple[Any, ...]], name: str, item_expected: str) -> tuple[tuple[int, ...], ...]:
+def _positive_ints(
+    rows: Sequence[Sequence[Any]], name: str, item_expected: str
+) -> tuple[tuple[int, ...], ...]:
     """The rows as plain ints, or a ``ValueError`` naming ``name[r][i]`` for the first bad entry."""
     # Fast path: plain positive Python ints (what the exchange layer hands over). Every entry's
     # type is read: a set of the values would keep the first of 1, 1.0 and True, which are equal.

@@ -11,9 +11,12 @@ from itertools import chain
 import numpy as np
 
 from lightning_vit_balance.config import ViTBalanceConfig
-from lightning_vit_balance.planning import RebalancePlan, plan_rebalance
+from lightning_vit_balance.planning import RebalancePlan, _positive_ints, plan_rebalance
 
 __all__ = ["DPResult", "draw_batches", "simulate"]
+
+#: What each entry of ``simulate``'s ``samples`` must be.
+_SAMPLE = "a positive int (a visual's patch count T*H*W)"
 
 
 @dataclass(frozen=True, eq=False)
@@ -182,21 +185,6 @@ def _simulate_size(
     return DPResult(ranks, *figures[:5], tuple(reasons), *figures[5:])
 
 
-def _check_samples(samples: Sequence[Sequence[int]]) -> None:
-    """Raise unless every visual of every sample is a positive int (Python's or NumPy's), naming the
-    first that is not: the draws would read 1.5 as 1, and a bad count would be reported later as
-    a position in a drawn batch instead."""
-    for s, sample in enumerate(samples):
-        if all(type(n) is int and n > 0 for n in sample):  # the common case, without a check per kind
-            continue
-        for i, n in enumerate(sample):
-            if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 1:
-                raise ValueError(
-                    f"samples[{s}][{i}]={n!r} is invalid: expected a positive int (a visual's patch "
-                    "count T*H*W)."
-                )
-
-
 def _check_frames(samples: Sequence[Sequence[int]], frames: Sequence[Sequence[int]]) -> None:
     """Raise unless ``frames`` holds one positive int per visual of every sample."""
     if len(frames) != len(samples):
@@ -254,7 +242,9 @@ def simulate(
         raise ValueError(f"simulate(seed={seed!r}) is invalid: expected an int >= 0.")
     if not samples or not ranks:
         raise ValueError(f"simulate needs samples and ranks, got {len(samples)} samples and ranks={ranks!r}.")
-    _check_samples(samples)
+    # Each visual a positive int, named where the user put it: the draws would read 1.5 as 1, and
+    # a bad count would be reported later as a position in a drawn batch instead.
+    _positive_ints(samples, "samples", _SAMPLE)
     if frames is not None:
         _check_frames(samples, frames)
     config = config if config is not None else ViTBalanceConfig()

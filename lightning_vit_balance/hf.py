@@ -903,6 +903,11 @@ class _Combined:
     parts: list[_Part] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
+    @property
+    def encoded(self) -> tuple[int, int]:
+        """``(patch rows, images)`` a tower call over this input covers (what :func:`_split` cuts)."""
+        return int(self.pixels.shape[0]), sum(len(part.grid) for part in self.parts)
+
 
 def _combine(
     inputs: Sequence[tuple[str, str, Any, str, Any]],
@@ -1229,13 +1234,12 @@ def _encode_combined(
     prepared: PreparedPlan | None = None,
 ) -> tuple[Any, tuple[int, int]]:
     """The one ViT call over ``combined``, and the patch rows and images its output covers."""
-    encoded = (int(combined.pixels.shape[0]), sum(len(part.grid) for part in combined.parts))
     if balancer is not None:
-        return _balanced_call(balancer, vit, combined, "encode_visual", prepared), encoded
+        return _balanced_call(balancer, vit, combined, "encode_visual", prepared), combined.encoded
     if combined.problems:
         raise ValueError(f"encode_visual: {'; '.join(combined.problems)}.")
     if combined.pixels.shape[0]:
-        return vit(combined.pixels, combined.grid), encoded
+        return vit(combined.pixels, combined.grid), combined.encoded
     # Nothing to encode: a one-image dummy call gives the output's structure (cut to zero rows).
     pixels = combined.pixels.new_zeros((merge * merge, combined.pixels.shape[1]))
     grid = torch.tensor([[1, merge, merge]], device=combined.pixels.device)
@@ -2255,9 +2259,7 @@ class BalancedVisionTower:
             self.calls += 1
             if balancer.last_stats is not None:
                 self._count(balancer.last_stats, dropped)
-        total = int(combined.pixels.shape[0])
-        images = sum(len(part.grid) for part in combined.parts)
-        outputs = _split(output, combined.parts, (total, images), _output_merge(tower), tower)
+        outputs = _split(output, combined.parts, combined.encoded, _output_merge(tower), tower)
         if self._form.pooled_frames:
             _pool_frames(tower, combined.parts, outputs)
         touch = None

@@ -49,6 +49,7 @@ from lightning_vit_balance.problems import (
     InputProblem,
     UncombinedInput,
     describe_problem,
+    layout_code,
     problem_details,
 )
 from lightning_vit_balance.recompute import in_backward_pass
@@ -139,6 +140,8 @@ def _shape_problem(pixel_values: Any, grid_thw: Any) -> RankMetadata | None:
         return _bad(InputProblem.NOT_COMBINED, pixel_values)
     if not isinstance(grid_thw, torch.Tensor):
         return _bad(InputProblem.GRID_NOT_TENSOR, pixel_values)
+    if layout_code(grid_thw):
+        return _bad(InputProblem.LAYOUT, pixel_values, argument=1, layout=layout_code(grid_thw))
     if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
         sizes = [*list(grid_thw.shape)[:3], 0, 0, 0]
         return _bad(
@@ -153,6 +156,8 @@ def _shape_problem(pixel_values: Any, grid_thw: Any) -> RankMetadata | None:
         return _bad(InputProblem.GRID_DTYPE, pixel_values, grid_dtype=dtype_code(grid_thw.dtype))
     if not isinstance(pixel_values, torch.Tensor):
         return _bad(InputProblem.PIXELS_NOT_TENSOR, pixel_values)
+    if layout_code(pixel_values):
+        return _bad(InputProblem.LAYOUT, pixel_values, argument=0, layout=layout_code(pixel_values))
     if pixel_values.dim() != 2:
         return _bad(InputProblem.PIXELS_SHAPE, pixel_values, ndim=pixel_values.dim())
     if pixel_values.dtype not in PIXEL_DTYPES:
@@ -160,17 +165,25 @@ def _shape_problem(pixel_values: Any, grid_thw: Any) -> RankMetadata | None:
     return None
 
 
-def _device_problem(pixel_values: torch.Tensor, grid_thw: torch.Tensor, group: Any) -> RankMetadata | None:
+def _device_problem(pixel_values: torch.Tensor, group: Any) -> RankMetadata | None:
     names = ("have_device", "want_device", "have_index", "want_index")
     wrong = device_problem(group, pixel_values.device)
     if wrong is not None:
         return _bad(InputProblem.DEVICE, pixel_values, **dict(zip(names, wrong)))
-    if grid_thw.device.type == "meta":
-        # Grid rows are read on the host; any real device works, the meta device has no values.
-        wrong = device_problem(group, grid_thw.device)
-        assert wrong is not None
-        return _bad(InputProblem.GRID_DEVICE, pixel_values, **dict(zip(names, wrong)))
     return None
+
+
+def _grid_device_problem(
+    pixel_values: torch.Tensor, grid_thw: torch.Tensor, group: Any
+) -> RankMetadata | None:
+    """Grid rows are read on the host, in a call and in a plan made ahead alike: any real device
+    works, the meta device has no values (reading them would raise on this rank alone)."""
+    if grid_thw.device.type != "meta":
+        return None
+    wrong = device_problem(group, grid_thw.device)
+    assert wrong is not None
+    names = ("have_device", "want_device", "have_index", "want_index")
+    return _bad(InputProblem.GRID_DEVICE, pixel_values, **dict(zip(names, wrong)))
 
 
 def validate_input(
@@ -197,7 +210,9 @@ def validate_input(
     """
     problem = _shape_problem(pixel_values, grid_thw)
     if problem is None and check_device:
-        problem = _device_problem(pixel_values, grid_thw, group)
+        problem = _device_problem(pixel_values, group)
+    if problem is None:
+        problem = _grid_device_problem(pixel_values, grid_thw, group)
     if problem is None:
         rows = grid_thw.detach().to("cpu", torch.int64)  # [n, 3]; one copy, checked vectorised
         problem = _grid_problem(pixel_values, rows, merge_size)
@@ -499,7 +514,7 @@ def _describe(worker: int, status: ViTStatus, reference: ViTStatus, merge: int) 
             return f"rank {worker}: {text}"
     advice = (
         "every rank's ViT must return the same kinds, dtypes and widths (autocast or a dtype cast "
-        "on some ranks only?)"
+        "on some ranks only, or an output_layout that differs between ranks?)"
     )
     if status.digest_and_count is None and reference.digest_and_count is None:
         if status.leaves == reference.leaves:

@@ -31,6 +31,7 @@ __all__ = [
     "ProblemTemplate",
     "UncombinedInput",
     "describe_problem",
+    "layout_code",
     "problem_details",
 ]
 
@@ -60,6 +61,10 @@ GRID_DTYPE_NAMES = " or ".join(str(dtype).removeprefix("torch.") for dtype in GR
 DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "meta", "other")
 #: Integers of detail each problem may carry in the gather header.
 MAX_DETAILS = 4
+#: Tensor layouts a rank can report, by code: the collectives and the checks take dense tensors.
+LAYOUTS: tuple[str, ...] = ("strided", "sparse", "nested", "other")
+#: Which argument a layout problem names, by code.
+ARGUMENTS: tuple[str, ...] = ("pixel_values", "grid_thw")
 
 
 class InputProblem(IntEnum):
@@ -82,6 +87,17 @@ class InputProblem(IntEnum):
     PREPARED_GRID_VALUES = 14
     PREPARED_SKIPPED_MISMATCH = 15
     NOT_COMBINED = 16
+    LAYOUT = 17
+
+
+def layout_code(tensor: torch.Tensor) -> int:
+    """The code in :data:`LAYOUTS` of ``tensor``'s layout (0 for a dense tensor)."""
+    if tensor.is_nested:
+        return LAYOUTS.index("nested")
+    if tensor.layout == torch.strided:
+        return LAYOUTS.index("strided")
+    sparse = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+    return LAYOUTS.index("sparse") if tensor.layout in sparse else LAYOUTS.index("other")
 
 
 @dataclass(frozen=True)
@@ -200,6 +216,14 @@ PROBLEMS: dict[InputProblem, ProblemTemplate] = {
         "that plan's (same shape and rows; compared on the device and read at this rank's next gather, so "
         "that the forward never waited): that call encoded its images with the prepared grid rows. "
         "Expected each call to pass the grid_thw its plan was prepared from",
+    ),
+    InputProblem.LAYOUT: ProblemTemplate(
+        ("argument", "layout"),
+        "{argument_name} is a {layout_name} tensor: expected a dense (strided) tensor",
+        lambda values: {
+            "argument_name": ARGUMENTS[values["argument"]],
+            "layout_name": LAYOUTS[values["layout"]],
+        },
     ),
     InputProblem.NOT_COMBINED: ProblemTemplate(
         (),

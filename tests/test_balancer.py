@@ -523,6 +523,9 @@ def _bad_inputs(bad_rank: int) -> list[str]:
         (pixels.to("meta"), grid),  # wrong device for gloo
         (pixels[:, :6], grid),  # C differs from the other ranks
         (pixels.double(), grid),  # dtype differs from the other ranks
+        (pixels.to_sparse(), grid),  # the trip would raise on this rank alone
+        (pixels, grid.to_sparse()),  # as would reading its rows
+        (torch.nested.nested_tensor([pixels[:16], pixels[16:]]), grid),
     ]
     messages = []
     for bad_pixels, bad_grid in bad:
@@ -603,6 +606,9 @@ def test_bad_inputs_raise_on_all_ranks(multirank: Any) -> None:
         "meta device",
         "C=6 channels while rank 0 has C=12",
         "dtype torch.float64 while rank 0 has torch.float32",
+        "pixel_values is a sparse tensor: expected a dense (strided) tensor",
+        "grid_thw is a sparse tensor: expected a dense (strided) tensor",
+        "pixel_values is a nested tensor: expected a dense (strided) tensor",
     ]
     for rank_messages in per_rank:
         assert rank_messages == per_rank[0]

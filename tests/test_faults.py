@@ -591,7 +591,7 @@ def test_nan_lands_on_the_images_owner(multirank: Any) -> None:
     assert not all(results[0]["nan_rows"]), results[0]
 
 
-def _meta_grid() -> tuple[str, str, float] | None:
+def _meta_grid() -> list[tuple[str, str, float]] | None:
     group = subgroup(RANKS)
     rank = dist.get_rank()
     if rank >= RANKS:
@@ -599,18 +599,26 @@ def _meta_grid() -> tuple[str, str, float] | None:
     tower, pixels, grid = _tower_and_batch(rank)
     if rank == 2:
         grid = grid.to("meta")
-    outcome = _outcome(lambda: ViTBalancer(ViTBalanceConfig(**APPLY), group)(tower, pixels, grid))
+    balancer = ViTBalancer(ViTBalanceConfig(**APPLY), group)
+    outcomes = [
+        _outcome(lambda: balancer(tower, pixels, grid)),
+        _outcome(lambda: balancer.prepare(pixels, grid)),
+    ]
     _still_in_step(group, rank)
-    return outcome
+    return outcomes
 
 
 def test_grid_on_the_meta_device_names_grid_thw(multirank: Any) -> None:
+    """In a call and in a plan made ahead, which reads the rows too (it raised on that rank alone,
+    and the others' plans then paired with its next gather)."""
     with multirank(POOL) as w:
-        outcomes = w.run(_meta_grid)[:RANKS]
-    assert len({(k, m) for k, m, _ in outcomes}) == 1, outcomes
-    kind, message, _ = outcomes[0]
-    assert kind == "ValueError" and "rank 2: grid_thw is on a meta device" in message, message
-    assert "pixel_values" not in message.split("rank 2:")[1], message
+        per_rank = w.run(_meta_grid)[:RANKS]
+    for call in range(2):
+        outcomes = [rank_outcomes[call] for rank_outcomes in per_rank]
+        assert len({(k, m) for k, m, _ in outcomes}) == 1, outcomes
+        kind, message, _ = outcomes[0]
+        assert kind == "ValueError" and "rank 2: grid_thw is on a meta device" in message, message
+        assert "pixel_values" not in message.split("rank 2:")[1], message
 
 
 #: Rank 0's first image holds the rows of its next two together, so a plan that sends it to rank 1

@@ -492,11 +492,15 @@ class ViTBalancer:
         # measured ViT time (carried in the next gather) paid for.
         self._encoded_counts: tuple[tuple[int, ...], ...] | None = None
         self._encoded_frames: tuple[tuple[int, ...], ...] | None = None
+        # Which batch they come from where a plan made ahead said so (its batch_digest; 0 where the
+        # call gathered: then every rank holds the same): compared in the next gather, since a rank
+        # given another call's plan that moved nothing would feed its fit other figures unnoticed.
+        self._encoded_batch = 0
         self._clock = ViTClock()
         self._trips = TripClock()
         # The loop the clocks and encoded counts above measure, and the other loops' (measure_as).
         self._loop = ""
-        self._other_loops: dict[str, tuple[ViTClock, TripClock, Any, Any]] = {}
+        self._other_loops: dict[str, tuple[ViTClock, TripClock, Any, Any, int]] = {}
         # Prepared calls' grids on a device, compared there; read at the next metadata gather.
         self._grid_checks = DeviceGridChecks()
         # A prepared call the plan skipped whose input did not match the plan: told at the next gather.
@@ -524,11 +528,17 @@ class ViTBalancer:
         """
         if loop == self._loop:
             return
-        self._other_loops[self._loop] = (self._clock, self._trips, self._encoded_counts, self._encoded_frames)
+        self._other_loops[self._loop] = (
+            self._clock,
+            self._trips,
+            self._encoded_counts,
+            self._encoded_frames,
+            self._encoded_batch,
+        )
         kept = self._other_loops.pop(loop, None)
         if kept is None:
-            kept = (ViTClock(), TripClock(), None, None)
-        self._clock, self._trips, self._encoded_counts, self._encoded_frames = kept
+            kept = (ViTClock(), TripClock(), None, None, 0)
+        self._clock, self._trips, self._encoded_counts, self._encoded_frames, self._encoded_batch = kept
         self._loop = loop
 
     # -- entry point -------------------------------------------------------------------------
@@ -657,9 +667,11 @@ class ViTBalancer:
             grid_gcd=grid_gcd(metadata),
             encoded_counts=encoded_counts,
             encoded_frames=encoded_frames,
-            # Only a call that moves images compares plans (and builds batches from others' grids).
-            batch_digest=batch_digest(metadata) if plan.applied else 0,
+            # A call that moves images compares plans (and builds batches from others' grids); the
+            # next gather compares what a calibrating call encoded (see _encoded_batch).
+            batch_digest=batch_digest(metadata) if plan.applied or encoded_counts is not None else 0,
             vit_ms=_vit_ms(metadata),
+            check_skipped_calls=self.config.check_skipped_calls,
         )
 
     def check_pending(self) -> None:
@@ -797,6 +809,7 @@ class ViTBalancer:
             # its recomputation, as built in this call's grad mode (a call under no_grad, a frozen
             # teacher's, builds no graph that a recomputation could come from).
             self._encoded_counts, self._encoded_frames = prepared.encoded_counts, prepared.encoded_frames
+            self._encoded_batch = prepared.batch_digest
             self._prepared_since_check = True
             if self._calibrator is not None:
                 self._plan_memory.remember(prepared.metadata, prepared.plan)
@@ -825,9 +838,10 @@ class ViTBalancer:
             )
         else:
             has_images = bool(prepared.metadata[call.rank].grids)
-            output = self._at_home(
-                call, vit, pixel_values, given_grid, has_images, reference, problem, not prepared.holds_images
-            )
+            # The status gather follows as the plan's settings say, the same on every rank (this
+            # rank's config may have changed since, and the others would not gather with it).
+            check = prepared.check_skipped_calls or not prepared.holds_images
+            output = self._at_home(call, vit, pixel_values, given_grid, has_images, reference, check, problem)
         self._record(
             plan, call, prepared.metadata, prepare_seconds=prepared.prepare_seconds, vit_ms=prepared.vit_ms
         )
@@ -841,11 +855,13 @@ class ViTBalancer:
         self._planned_reason = plan.reason
         if not in_backward_pass():  # a recomputation's plan is its forward's: counted there
             self._encoded_counts, self._encoded_frames = encoding
+            self._encoded_batch = 0
         if plan.applied:
             output = self._exchange_and_encode(call, vit, pixel_values, grid_thw, plan, metadata, reference)
         else:
             has_images = bool(metadata[call.rank].grids)
-            output = self._at_home(call, vit, pixel_values, grid_thw, has_images, reference)
+            check = self.config.check_skipped_calls
+            output = self._at_home(call, vit, pixel_values, grid_thw, has_images, reference, check)
         self._record(plan, call, metadata)
         return output
 
@@ -1094,7 +1110,14 @@ class ViTBalancer:
             metadata = tuple(m.frames_as_items() for m in metadata)
         call.collectives += collectives
         call.timed("gather", started)
-        ref = raise_for_input(metadata, [name for name, _ in fingerprint])
+        try:
+            ref = raise_for_input(metadata, [name for name, _ in fingerprint])
+        except ValueError:
+            # On every rank alike: none feeds its fit the figures of the call before, which the
+            # ranks may hold apart (previous_call_plan), so that the next call can agree again.
+            self._encoded_counts = self._encoded_frames = None
+            self._encoded_batch = 0
+            raise
         differentiable = torch.is_grad_enabled() and any(m.requires_grad for m in metadata)
         if ref is None:
             # No rank has images: every rank encodes a dummy image, all of rank 0's width and dtype,
@@ -1176,7 +1199,9 @@ class ViTBalancer:
         # the length of their gather rows (gloo aborts on that, NCCL would hang).
         calibrator = self._calibrator
         fit = 0 if calibrator is None else setting_digest(calibrator.state_fingerprint())
-        return (*self._fingerprint, ("cost_fit", fit))
+        # And what the fit is fed next: the previous call's batch, where a plan made ahead named it.
+        previous = 0 if calibrator is None else self._encoded_batch
+        return (*self._fingerprint, ("cost_fit", fit), ("previous_call_plan", previous))
 
     def _dispatch(
         self,
@@ -1368,13 +1393,14 @@ class ViTBalancer:
         grid_thw: Any,
         has_images: bool,
         reference: _Reference,
+        check: bool,
         problem: str | None = None,
-        checked: bool = False,
     ) -> Any:
         """A call the plan skips: this rank encodes its own images (a dummy one when it has none).
         ``grid_thw`` is a tensor unless ``problem`` says why not.
 
-        With ``check_skipped_calls`` or ``checked`` (and a host-side group for the word), the status
+        With ``check`` (``check_skipped_calls`` of the settings the plan was made with, or a
+        prepared call where no rank has images; and a host-side group for the word), the status
         gather follows, so that a ViT that raised, or a prepared call whose input does not match its
         plan (``problem``), fails every rank at once, as in a call that moves images.
         """
@@ -1384,7 +1410,7 @@ class ViTBalancer:
                 return self._timed_direct(call, vit, pixel_values, grid_thw)
             return self._empty_output(vit, pixel_values, grid_thw, call.merge, reference)
 
-        if not ((self.config.check_skipped_calls or checked) and host_device(call.host).type == "cpu"):
+        if not (check and host_device(call.host).type == "cpu"):
             if problem is None:
                 return encode(has_images)
             self._defer_mismatch(call, pixel_values, grid_thw, problem)

@@ -63,7 +63,13 @@ class PreparedPlan:
             call's measured time pays for (``None`` otherwise).
         batch_digest: :func:`batch_digest` of :attr:`metadata`: the call compares it across ranks
             with the plan's own digest, so that a rank given a plan prepared for another call
-            (plans taken in another order, or one passed twice) fails every rank.
+            (plans taken in another order, or one passed twice) fails every rank. Also where the
+            plan moves nothing but the cost model is fitted online: the next gather compares which
+            batch each rank's call encoded (0 where neither).
+        vit_ms: Every rank's previous ViT time as the gather carried it (what the call reports).
+        check_skipped_calls: The setting of the plan's settings, which every rank's gather compared:
+            whether the call gathers the status word where the plan skips. The call follows it, not
+            the rank's settings at call time, which may have changed on some ranks only.
     """
 
     plan: RebalancePlan
@@ -82,6 +88,7 @@ class PreparedPlan:
     encoded_frames: tuple[tuple[int, ...], ...] | None = None
     batch_digest: int = 0
     vit_ms: tuple[float, ...] | None = None
+    check_skipped_calls: bool = False
 
     @property
     def prepare_seconds(self) -> float:

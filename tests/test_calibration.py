@@ -53,9 +53,10 @@ def _calibrating_run() -> dict[str, Any] | None:
         assert balancer._calibrator is not None
         models.append(balancer._calibrator.fingerprint())
         # What the next call sends: the settings and the fit's state so far, as the config's own
-        # fingerprint with the state as an extra setting says (the ranks compare it).
+        # fingerprint with the state as an extra setting says (the ranks compare it), and no batch
+        # of a plan made ahead (this call gathered its own).
         expected = balancer.config.fingerprint(cost_fit=balancer._calibrator.state_fingerprint())
-        assert balancer._settings_fingerprint() == expected
+        assert balancer._settings_fingerprint() == (*expected, ("previous_call_plan", 0))
     stats = balancer.last_stats
     assert stats is not None
     return {"models": models, "fits": balancer._calibrator.fits, "vit_ms": stats.vit_ms}
@@ -338,6 +339,52 @@ def test_a_cost_fit_state_loaded_on_some_ranks_only_fails_on_every_rank(multiran
     assert errors[0][0].startswith("step 5: ") and "settings differ between ranks: cost_fit" in errors[0][0]
 
 
+def _stale_plan_that_moved_nothing() -> list[str] | None:
+    """Rank 1 passes the previous batch's plan made ahead, where its own rows are the same in both
+    and neither plan moves an image: the call's outputs are right, but its measured time would be
+    fitted with other ranks' figures than the others', so the fits (and plans) would part."""
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    balancer = ViTBalancer(ViTBalanceConfig(calibrate_cost=True, trigger_threshold=50.0), group)
+    mine = [(1, 4, 4), (1, 8, 8)]
+
+    def batch(theirs: list[tuple[int, int, int]], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return towers.make_batch(mine if rank == 1 else theirs, seed=seed)
+
+    for step in range(4):
+        balancer(tower, *batch([(1, 2 * (step + 1), 4)], step))
+    earlier = balancer.prepare(*batch([(1, 2, 2)], 10), tower)
+    pixels, grid = batch([(1, 10, 10), (1, 8, 8)], 11)
+    current = balancer.prepare(pixels, grid, tower)
+    assert earlier is not None and current is not None and not current.plan.applied
+    out = balancer(tower, pixels, grid, prepared=earlier if rank == 1 else current)
+    # Same ops on the same rows in another batch: fp32 agrees to a few ulps.
+    torch.testing.assert_close(out, tower(pixels, grid), rtol=1e-4, atol=1e-5)
+    outcomes = []
+    for step in range(2):  # the next call fails on every rank; the one after goes on
+        try:
+            balancer(tower, *batch([(1, 6, 6)], 20 + step))
+            outcomes.append("ok")
+        except ValueError as error:
+            outcomes.append(str(error).splitlines()[0])
+    return outcomes
+
+
+def test_a_plan_of_another_batch_that_moved_nothing_fails_the_next_call_when_calibrating(
+    multirank: Any,
+) -> None:
+    with multirank(POOL) as w:
+        outcomes = w.run(_stale_plan_that_moved_nothing)[:RANKS]
+    assert len({tuple(o) for o in outcomes}) == 1, outcomes
+    first, second = outcomes[0]
+    assert "settings differ between ranks: previous_call_plan (ranks [1] differ from rank 0)" in first, first
+    assert second == "ok"
+
+
 def _calibrating_on_one_rank() -> str | None:
     group = subgroup(RANKS)
     if dist.get_rank() >= RANKS:
@@ -391,11 +438,11 @@ def test_a_config_set_on_a_balancer_takes_its_settings_and_cost_fit_with_it() ->
 
     balancer = ViTBalancer(ViTBalanceConfig())
     assert (
-        balancer.state_dict() == {} and balancer._settings_fingerprint()[:-1] == balancer.config.fingerprint()
+        balancer.state_dict() == {} and balancer._settings_fingerprint()[:-2] == balancer.config.fingerprint()
     )
     balancer.config = replace(balancer.config, calibrate_cost=True, trigger_threshold=0.5)
     assert (
-        balancer._settings_fingerprint()[:-1]
+        balancer._settings_fingerprint()[:-2]
         == ViTBalanceConfig(calibrate_cost=True, trigger_threshold=0.5).fingerprint()
     )
     assert list(balancer.state_dict()) == ["cost_calibrator"]

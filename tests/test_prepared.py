@@ -57,6 +57,40 @@ def test_prepared_calls_equal_the_direct_call(multirank: Any, n: int, checked: b
             assert all(r["made_in_forward"] == 0 for r in results[1:]), results
 
 
+def _check_skipped_calls_set_after_prepare(first: bool) -> list[str] | None:
+    """``check_skipped_calls`` set on rank 0 alone between ``prepare()`` and its skipped call (on
+    or off): the call follows the plan's settings, which every rank's gather compared, so no rank
+    gathers the status word alone (it met the others' next gather: garbled rows, a gloo abort)."""
+    group = subgroup(3)
+    rank = dist.get_rank()
+    if rank >= 3:
+        return None
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    pixels, grid = towers.make_batch([(1, 4, 4)], seed=rank)  # equal loads: every plan skips
+    balancer = ViTBalancer(ViTBalanceConfig(check_skipped_calls=first), group)
+    outcomes = []
+    for step in range(3):
+        prepared = balancer.prepare(pixels, grid, tower)
+        if rank == 0 and step == 0:
+            balancer.config = dataclasses.replace(balancer.config, check_skipped_calls=not first)
+        out = balancer(tower, pixels, grid, prepared=prepared)
+        torch.testing.assert_close(out, tower(pixels, grid), rtol=0, atol=0)  # encoded at home
+        assert balancer.last_stats is not None
+        outcomes.append(f"{balancer.last_stats.reason}: {balancer.last_stats.collectives}")
+        if rank == 0 and step == 0:
+            balancer.config = dataclasses.replace(balancer.config, check_skipped_calls=first)
+    return outcomes
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_a_prepared_call_checks_as_its_plans_settings_said(multirank: Any, first: bool) -> None:
+    with multirank(POOL) as w:
+        outcomes = w.run(_check_skipped_calls_set_after_prepare, first)[:3]
+    # The prepared call's own collectives: the status gather where the plan's settings check.
+    assert outcomes == [[f"below-threshold: {int(first)}"] * 3] * 3, outcomes
+
+
 #: Every plan of :func:`_mismatch`'s batches skips, and skipped calls are checked.
 SKIPPED_CHECKED = {"trigger_threshold": 100.0, "check_skipped_calls": True}
 

@@ -580,6 +580,33 @@ def _mark_zero3_leaves(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, An
 _PER_IMAGE_CALL_MODEL_TYPES = frozenset({"lfm3_vl", "paddleocr_vl"})
 
 
+#: The settings :meth:`BalancedVisionTower.default_config` prices images by (the tower's shape).
+_COST_FIELDS = (
+    "cost_quadratic",
+    "cost_linear",
+    "cost_constant",
+    "cost_windowed",
+    "cost_window_patches",
+    "cost_per_frame_attention",
+)
+
+
+def _defaults_dropped(config: ViTBalanceConfig, default: ViTBalanceConfig) -> list[str]:
+    """What ``config`` leaves at ``ViTBalanceConfig()``'s values where the tower's ``default``
+    derives others (as the warning names them; empty when it keeps or sets them)."""
+    bare = ViTBalanceConfig()
+    dropped = []
+    if default.split_videos and not config.split_videos:
+        dropped.append(
+            "split_videos=False (the default plans each temporal step of a video as an item of its "
+            "own, so that one long video does not bound the slowest rank)"
+        )
+    priced = any(getattr(default, name) != getattr(bare, name) for name in _COST_FIELDS)
+    if priced and all(getattr(config, name) == getattr(bare, name) for name in _COST_FIELDS):
+        dropped.append("cost model, the seed's l**2 (the default prices images by the tower's shape)")
+    return dropped
+
+
 def _warn_leaves_too_late(base: nn.Module, leaves: Sequence[nn.Module]) -> None:
     """Warn where a ZeRO-3 engine registered the modules of a model of
     :data:`_PER_IMAGE_CALL_MODEL_TYPES` before the drop-in could make its leaves (none set by the
@@ -1715,7 +1742,28 @@ class BalancedVisionTower:
 
     def _effective_config(self) -> ViTBalanceConfig:
         """What balances: :attr:`config`, or :meth:`default_config` where it is None."""
-        return self.config if self.config is not None else self.default_config()
+        return self._own_config(self.config) if self.config is not None else self.default_config()
+
+    #: Whether :meth:`_own_config` has looked at a configuration of the user's own (it says once).
+    _own_config_seen = False
+
+    def _own_config(self, config: ViTBalanceConfig) -> ViTBalanceConfig:
+        """``config``, a configuration of the user's own, which replaces :meth:`default_config`
+        whole. Said once where it keeps ``ViTBalanceConfig()``'s values of what the default derives
+        from the tower: most often one built as ``ViTBalanceConfig(plan_ahead=True)`` to change one
+        setting, which then also drops splitting videos and the tower's cost model, silently."""
+        if not self._own_config_seen:
+            self._own_config_seen = True
+            dropped = _defaults_dropped(config, self.default_config())
+            if dropped:
+                warn_at_user(
+                    f"balance_vision_tower: the configuration given for {type(self.model).__name__}'s "
+                    f"tower replaces the drop-in's default whole, and keeps ViTBalanceConfig()'s "
+                    f"{' and '.join(dropped)}. To change a setting and keep the rest, start from the "
+                    "default: dataclasses.replace(handle.default_config(), plan_ahead=True) (in a "
+                    "LightningModule, set self.vit_balance_config to it). Said once."
+                )
+        return config
 
     def default_config(self) -> ViTBalanceConfig:
         """``ViTBalanceConfig()`` priced by the tower's own shape (the same on every rank: the same

@@ -1993,6 +1993,54 @@ def test_the_default_configuration_is_the_towers_own_and_a_start_for_ones_own() 
     assert dataclasses.replace(handle.config, trigger_threshold=default.trigger_threshold) == default
 
 
+def test_a_configuration_that_drops_the_towers_defaults_is_told_once() -> None:
+    """``config=ViTBalanceConfig(plan_ahead=True)``, written to change one setting, also drops the
+    tower's video splitting and cost model: said once (at the first forward's settings), and not for
+    a configuration made from the default or one that sets its own cost model."""
+    handle = balance_vision_tower(tiny_model("qwen2_5_vl"), config=ViTBalanceConfig(plan_ahead=True))
+    dropped = r"keeps ViTBalanceConfig\(\)'s split_videos=False .* and cost model"
+    with pytest.warns(RuntimeWarning, match=dropped):
+        handle.settings()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        handle.settings()  # once
+        for config in (
+            dataclasses.replace(handle.default_config(), plan_ahead=True),
+            ViTBalanceConfig(split_videos=True, cost_linear=2.0),
+        ):
+            balance_vision_tower(tiny_model("qwen2_5_vl"), config=config).settings()
+    with pytest.warns(RuntimeWarning, match=r"keeps ViTBalanceConfig\(\)'s cost model, the seed's l\*\*2"):
+        balance_vision_tower(tiny_model("qwen2_5_vl"), config=ViTBalanceConfig(split_videos=True)).settings()
+
+
+class _TowerModule(ViTBalanceMixin, L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = tiny_model("qwen2_5_vl")
+        self.handle = self.balance_vision_tower(self.model)
+
+
+def test_the_mixins_handle_takes_the_modules_configuration_and_says_so() -> None:
+    """``handle.config = ...`` on the mixin's handle was ignored without a word (the module's
+    ``vit_balance_config`` balances); it is refused, naming what to set. A module configuration
+    that drops the tower's defaults is told once, as the engine's handle tells its own."""
+    module = _TowerModule()
+    assert module.handle.config is None
+    refused = r"handle.config=.* is not used .* Set self.vit_balance_config instead"
+    with pytest.raises(AttributeError, match=refused):
+        module.handle.config = ViTBalanceConfig(trigger_threshold=100.0)
+    module.handle.config = None  # what the handle holds
+    default = module.handle.default_config()
+    assert module.handle.balancing_config(ViTBalanceConfig()) == default  # no vit_balance_config: the default
+    module.vit_balance_config = ViTBalanceConfig(plan_ahead=True)
+    own = module.resolved_vit_balance_config()
+    with pytest.warns(RuntimeWarning, match=r"set self.vit_balance_config to it"):
+        assert module.handle.balancing_config(own) == own
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module.handle.balancing_config(own)  # once
+
+
 class _OwnLoopModule(ViTBalanceMixin, L.LightningModule):
     """A LightningModule run by a loop of one's own (Fabric's, say), training on the default group."""
 

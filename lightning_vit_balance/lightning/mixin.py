@@ -524,10 +524,28 @@ class _ModuleTowerBalance(BalancedVisionTower):
         settings = self.module._vit_balance_settings(self.tower, ahead=self._planning_ahead)
         return None if settings is None else (self.balancing_config(settings[0]), settings[1])
 
+    @property
+    def config(self) -> ViTBalanceConfig | None:
+        """Always None: the module's ``vit_balance_config`` balances this tower (see
+        :meth:`balancing_config`), not a configuration of the handle's own."""
+        return None
+
+    @config.setter
+    def config(self, value: ViTBalanceConfig | None) -> None:
+        # Set on the handle, it would be ignored without a word: the module's settings apply.
+        if value is not None:
+            raise AttributeError(
+                f"handle.config={value!r} is not used for a tower balanced through "
+                "ViTBalanceMixin.balance_vision_tower: its module's configuration applies. Set "
+                "self.vit_balance_config instead (to change a setting and keep the tower's default: "
+                "self.vit_balance_config = dataclasses.replace(handle.default_config(), ...))."
+            )
+
     def balancing_config(self, config: ViTBalanceConfig) -> ViTBalanceConfig:
         """The configuration this tower's calls balance with, where the module's settings give
-        ``config``: :meth:`_tower_default`, else ``config``."""
-        return self._tower_default() or config
+        ``config``: :meth:`_tower_default`, else ``config`` (said once where it drops what the
+        tower's default derives, see ``_own_config``)."""
+        return self._tower_default() or self._own_config(config)
 
     def _tower_default(self) -> ViTBalanceConfig | None:
         """The tower's default configuration where the module has no ``vit_balance_config`` (it

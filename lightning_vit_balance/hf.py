@@ -1751,8 +1751,9 @@ class BalancedVisionTower:
         """``config``, a configuration of the user's own, which replaces :meth:`default_config`
         whole. Said once where it keeps ``ViTBalanceConfig()``'s values of what the default derives
         from the tower: most often one built as ``ViTBalanceConfig(plan_ahead=True)`` to change one
-        setting, which then also drops splitting videos and the tower's cost model, silently."""
-        if not self._own_config_seen:
+        setting, which then also drops splitting videos and the tower's cost model, silently (not
+        while it disables balancing)."""
+        if config.enabled and not self._own_config_seen:
             self._own_config_seen = True
             dropped = _defaults_dropped(config, self.default_config())
             if dropped:

@@ -1520,7 +1520,12 @@ def _videos_step_by_step(family: str) -> dict[str, Any]:
             _assert_same_grads(f"step {step} rank {rank}", balanced_grads, plain_grads)
             _sgd(plain, plain_grads)
             _sgd(balanced, plain_grads)  # the same weights next step (see _check_case)
-    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    # Not the once-said note that CONFIG leaves the tower's cost model and split_videos behind.
+    warned = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, RuntimeWarning) and "replaces the drop-in's default" not in str(w.message)
+    ]
     return {"unmatched": handle.unmatched_calls, "calls": handle.calls, "warned": warned}
 
 
@@ -1997,7 +2002,11 @@ def test_a_configuration_that_drops_the_towers_defaults_is_told_once() -> None:
     """``config=ViTBalanceConfig(plan_ahead=True)``, written to change one setting, also drops the
     tower's video splitting and cost model: said once (at the first forward's settings), and not for
     a configuration made from the default or one that sets its own cost model."""
-    handle = balance_vision_tower(tiny_model("qwen2_5_vl"), config=ViTBalanceConfig(plan_ahead=True))
+    handle = balance_vision_tower(tiny_model("qwen2_5_vl"), config=ViTBalanceConfig(enabled=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        handle.settings()  # balancing off: nothing to say yet
+    handle.config = ViTBalanceConfig(plan_ahead=True)
     dropped = r"keeps ViTBalanceConfig\(\)'s split_videos=False .* and cost model"
     with pytest.warns(RuntimeWarning, match=dropped):
         handle.settings()

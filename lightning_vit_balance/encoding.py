@@ -427,11 +427,11 @@ class EncodedBatch:
     def status(self) -> ViTStatus:
         """What the other ranks need to know about this forward before the return trip."""
         if self.error is not None and self.input_problem:
-            return ViTStatus(error=f"{INPUT_ERROR}{self.error}")
+            return ViTStatus(error=f"{INPUT_ERROR}{_text_of(self.error)}")
         if self.error is not None and self.packing_problem:
-            return ViTStatus(error=f"{PACKING_ERROR}{type(self.error).__name__}: {self.error}")
+            return ViTStatus(error=f"{PACKING_ERROR}{type(self.error).__name__}: {_text_of(self.error)}")
         if self.error is not None:
-            return ViTStatus(error=f"{type(self.error).__name__}: {self.error}")
+            return ViTStatus(error=f"{type(self.error).__name__}: {_text_of(self.error)}")
         signatures = tuple(
             LeafSignature(
                 path=self.leaves[k][0],
@@ -446,6 +446,15 @@ class EncodedBatch:
             for k in self.returned_indices
         )
         return ViTStatus(leaves=signatures)
+
+
+def _text_of(error: BaseException) -> str:
+    """``str(error)``, or a note where it raises itself: this rank must still send its status, or
+    the others wait for it."""
+    try:
+        return str(error)
+    except Exception as unreadable:
+        return f"(its message could not be read: str() raised {type(unreadable).__name__})"
 
 
 def encode(

@@ -1276,8 +1276,10 @@ class LeafSignature:
 
 
 def _compact(value: Any) -> bytes:
-    """``value`` as compact JSON in UTF-8 (at most 4 bytes a character)."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+    """``value`` as compact JSON in UTF-8 (at most 4 bytes a character; a lone surrogate, as in a
+    file name Python decoded with ``surrogateescape``, as its 6-byte JSON escape, which decodes to
+    the same text on the other ranks: strict UTF-8 raised on this rank alone)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "backslashreplace")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from unittest import mock
 
 import numpy as np
@@ -502,6 +503,29 @@ def test_status_codec_round_trip_and_digest() -> None:
     assert len(failed.encode()) < 2048
 
 
+def test_status_codec_takes_an_error_naming_an_undecodable_file() -> None:
+    """A file name Python decoded with ``surrogateescape`` holds lone surrogates, which strict UTF-8
+    cannot encode: the failing rank raised UnicodeEncodeError alone, before the detail gather the
+    others waited in (gloo then aborted them at the next step's gather). Every rank now reads the
+    failing rank's own text, also past the message's cut."""
+    name = os.fsdecode(b"/data/img_\xff.jpg")
+    for error in (f"ValueError: cannot decode {name}", "ValueError: " + name * 400):
+        failed = ViTStatus(error=error)
+        assert len(failed.encode()) <= 2048
+        assert error.startswith(ViTStatus.decode(failed.encode()).error)
+
+
+class _Unprintable(ValueError):
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def test_a_vit_error_whose_text_cannot_be_read_still_travels() -> None:
+    """``str(error)`` raising would have raised on that rank alone, the others left waiting."""
+    status = encoding.EncodedBatch([], None, [], _Unprintable(), 0.0).status()
+    assert status.error == "_Unprintable: (its message could not be read: str() raised RuntimeError)"
+
+
 def test_status_codec_of_outputs_too_many_to_list_keeps_their_problems() -> None:
     """Past the detail's bytes, the outputs with a problem travel with the digest and count of all:
     the text on every rank still names the cause, and a difference is still told."""
@@ -526,7 +550,8 @@ def test_status_codec_of_outputs_too_many_to_list_keeps_their_problems() -> None
     assert told is not None and "60 outputs that travel back differ from the first rank's 60" in told, told
     assert encoding._describe(1, ViTStatus.decode(reference.encode()), reference, 2) is None
     # A problem at a path too long for the bytes still travels, its path cut.
-    for char in ("深", "\N{GRINNING FACE}"):  # 3 and 4 bytes in UTF-8 (12 escaped as JSON's ASCII)
+    # 3 and 4 bytes in UTF-8 (12 escaped as JSON's ASCII), and a lone surrogate (6, its escape).
+    for char in ("深", "\N{GRINNING FACE}", "\udcff"):
         long = dataclasses.replace(bad, path=char * 3000)
         back = ViTStatus.decode(ViTStatus(error="", leaves=(*leaves, long)).encode())
         assert back.flag == 2 and back.leaves[-1].path == char * 200 and back.count == 61

@@ -48,6 +48,7 @@ from lightning_vit_balance.problems import (
     PIXEL_DTYPES,
     InputProblem,
     UncombinedInput,
+    dense_problem,
     describe_problem,
     layout_code,
     problem_details,
@@ -123,7 +124,8 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 def _bad(problem: InputProblem, pixel_values: Any, **values: int) -> RankMetadata:
     channels, code = 0, -1
-    if isinstance(pixel_values, torch.Tensor) and pixel_values.dim() == 2:
+    # Read only from a dense tensor: a nested one of 1-D pieces has two dims and no sizes.
+    if isinstance(pixel_values, torch.Tensor) and not layout_code(pixel_values) and pixel_values.dim() == 2:
         channels, code = int(pixel_values.shape[1]), dtype_code(pixel_values.dtype)
     return RankMetadata(
         status=int(problem),
@@ -140,8 +142,11 @@ def _shape_problem(pixel_values: Any, grid_thw: Any) -> RankMetadata | None:
         return _bad(InputProblem.NOT_COMBINED, pixel_values)
     if not isinstance(grid_thw, torch.Tensor):
         return _bad(InputProblem.GRID_NOT_TENSOR, pixel_values)
-    if layout_code(grid_thw):
-        return _bad(InputProblem.LAYOUT, pixel_values, argument=1, layout=layout_code(grid_thw))
+    if not isinstance(pixel_values, torch.Tensor):
+        return _bad(InputProblem.PIXELS_NOT_TENSOR, pixel_values)
+    dense = dense_problem(pixel_values, grid_thw)
+    if dense is not None:
+        return _bad(InputProblem.LAYOUT, pixel_values, **dense)
     if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
         sizes = [*list(grid_thw.shape)[:3], 0, 0, 0]
         return _bad(
@@ -154,10 +159,6 @@ def _shape_problem(pixel_values: Any, grid_thw: Any) -> RankMetadata | None:
         )
     if grid_thw.dtype not in GRID_DTYPES:
         return _bad(InputProblem.GRID_DTYPE, pixel_values, grid_dtype=dtype_code(grid_thw.dtype))
-    if not isinstance(pixel_values, torch.Tensor):
-        return _bad(InputProblem.PIXELS_NOT_TENSOR, pixel_values)
-    if layout_code(pixel_values):
-        return _bad(InputProblem.LAYOUT, pixel_values, argument=0, layout=layout_code(pixel_values))
     if pixel_values.dim() != 2:
         return _bad(InputProblem.PIXELS_SHAPE, pixel_values, ndim=pixel_values.dim())
     if pixel_values.dtype not in PIXEL_DTYPES:
@@ -165,11 +166,14 @@ def _shape_problem(pixel_values: Any, grid_thw: Any) -> RankMetadata | None:
     return None
 
 
+#: The details of a device problem, in the order :func:`device_problem` gives them.
+_DEVICE_DETAILS = ("have_device", "want_device", "have_index", "want_index")
+
+
 def _device_problem(pixel_values: torch.Tensor, group: Any) -> RankMetadata | None:
-    names = ("have_device", "want_device", "have_index", "want_index")
     wrong = device_problem(group, pixel_values.device)
     if wrong is not None:
-        return _bad(InputProblem.DEVICE, pixel_values, **dict(zip(names, wrong)))
+        return _bad(InputProblem.DEVICE, pixel_values, **dict(zip(_DEVICE_DETAILS, wrong)))
     return None
 
 
@@ -182,8 +186,7 @@ def _grid_device_problem(
         return None
     wrong = device_problem(group, grid_thw.device)
     assert wrong is not None
-    names = ("have_device", "want_device", "have_index", "want_index")
-    return _bad(InputProblem.GRID_DEVICE, pixel_values, **dict(zip(names, wrong)))
+    return _bad(InputProblem.GRID_DEVICE, pixel_values, **dict(zip(_DEVICE_DETAILS, wrong)))
 
 
 def validate_input(

@@ -32,7 +32,15 @@ from lightning_vit_balance.caching import cached_value
 from lightning_vit_balance.config import stable_digest
 from lightning_vit_balance.exchange import RankMetadata, host_to_device
 from lightning_vit_balance.planning import RebalancePlan
-from lightning_vit_balance.problems import GRID_DTYPE_NAMES, GRID_DTYPES, UncombinedInput
+from lightning_vit_balance.problems import (
+    GRID_DTYPE_NAMES,
+    GRID_DTYPES,
+    InputProblem,
+    UncombinedInput,
+    dense_problem,
+    describe_problem,
+    problem_details,
+)
 
 __all__ = ["DeviceGridChecks", "PreparedPlan", "batch_digest", "grid_gcd"]
 
@@ -127,6 +135,9 @@ class PreparedPlan:
             return str(grid_thw)
         if not isinstance(pixel_values, torch.Tensor) or not isinstance(grid_thw, torch.Tensor):
             return "pixel_values and grid_thw must be tensors, as when the plan was prepared"
+        dense = dense_problem(pixel_values, grid_thw)
+        if dense is not None:  # the plan may be made from a host copy of another layout
+            return describe_problem(InputProblem.LAYOUT, problem_details(InputProblem.LAYOUT, **dense))
         if grid_thw.dtype not in GRID_DTYPES:
             expected = f"expected {GRID_DTYPE_NAMES}, as when the plan was prepared"
             return f"grid_thw has dtype {grid_thw.dtype}: {expected}"

@@ -30,6 +30,7 @@ __all__ = [
     "InputProblem",
     "ProblemTemplate",
     "UncombinedInput",
+    "dense_problem",
     "describe_problem",
     "layout_code",
     "problem_details",
@@ -62,7 +63,7 @@ DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "meta", "other")
 #: Integers of detail each problem may carry in the gather header.
 MAX_DETAILS = 4
 #: Tensor layouts a rank can report, by code: the collectives and the checks take dense tensors.
-LAYOUTS: tuple[str, ...] = ("strided", "sparse", "nested", "other")
+LAYOUTS: tuple[str, ...] = ("strided", "sparse", "nested", "mkldnn", "non-strided")
 #: Which argument a layout problem names, by code.
 ARGUMENTS: tuple[str, ...] = ("pixel_values", "grid_thw")
 
@@ -96,8 +97,20 @@ def layout_code(tensor: torch.Tensor) -> int:
         return LAYOUTS.index("nested")
     if tensor.layout == torch.strided:
         return LAYOUTS.index("strided")
+    if tensor.layout == torch._mkldnn:  # type: ignore[attr-defined]
+        return LAYOUTS.index("mkldnn")
     sparse = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
-    return LAYOUTS.index("sparse") if tensor.layout in sparse else LAYOUTS.index("other")
+    return LAYOUTS.index("sparse") if tensor.layout in sparse else LAYOUTS.index("non-strided")
+
+
+def dense_problem(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> dict[str, int] | None:
+    """The :attr:`InputProblem.LAYOUT` details of the first of the two that is not a dense tensor
+    (which the checks and the collectives take), or None: in a call and against a plan made ahead."""
+    for argument, tensor in enumerate((pixel_values, grid_thw)):
+        layout = layout_code(tensor)
+        if layout:
+            return {"argument": argument, "layout": layout}
+    return None
 
 
 @dataclass(frozen=True)

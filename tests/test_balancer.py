@@ -526,6 +526,8 @@ def _bad_inputs(bad_rank: int) -> list[str]:
         (pixels.to_sparse(), grid),  # the trip would raise on this rank alone
         (pixels, grid.to_sparse()),  # as would reading its rows
         (torch.nested.nested_tensor([pixels[:16], pixels[16:]]), grid),
+        (torch.nested.nested_tensor([pixels[:16, 0], pixels[16:, 0]]), grid),  # 2 dims, no sizes
+        (pixels.to_mkldnn(), grid),
     ]
     messages = []
     for bad_pixels, bad_grid in bad:
@@ -609,6 +611,8 @@ def test_bad_inputs_raise_on_all_ranks(multirank: Any) -> None:
         "pixel_values is a sparse tensor: expected a dense (strided) tensor",
         "grid_thw is a sparse tensor: expected a dense (strided) tensor",
         "pixel_values is a nested tensor: expected a dense (strided) tensor",
+        "pixel_values is a nested tensor",
+        "pixel_values is a mkldnn tensor",
     ]
     for rank_messages in per_rank:
         assert rank_messages == per_rank[0]

@@ -145,6 +145,10 @@ def _mismatch(kind: str, skipped: bool, sharded: bool = False) -> tuple[str, str
         pixels = None  # a text-only batch's pixel_values, where the plan was made for rows
     if rank == 1 and kind == "device":
         pixels = pixels.to("meta")  # a device the group cannot carry: the trip would fail here alone
+    if rank == 1 and kind == "sparse":
+        pixels = pixels.to_sparse()  # planned from a dense copy: the trip would fail here alone
+    if rank == 1 and kind == "sparse_grid":
+        grid = grid.to_sparse()  # comparing its values with the plan's would fail here alone
     started = time.perf_counter()
     try:
         balancer(tower, pixels, grid, prepared=ticket)
@@ -231,8 +235,11 @@ def test_gathers_of_different_steps_name_the_settings_that_differ_too(multirank:
         ("no_pixels", "must be tensors", False),
         ("grid_dtype", "torch.int16: expected int32 or int64", False),
         ("device", "is on a meta device", False),
+        ("sparse", "pixel_values is a sparse tensor: expected a dense (strided) tensor", False),
+        ("sparse_grid", "grid_thw is a sparse tensor", False),
         ("rows", "shape", True),
         ("device", "is on a meta device", True),
+        ("sparse", "pixel_values is a sparse tensor", True),
     ],
 )
 def test_a_call_that_does_not_match_its_plan_fails_everywhere(

@@ -245,9 +245,23 @@ def _host_grid_items(grid: torch.Tensor | None) -> tuple[tuple[int, ...], tuple[
 _Params = ParamSpec("_Params")
 _Result = TypeVar("_Result")
 
-#: Every rank's patch counts and temporal steps in a call, in the order it encodes them (``None``
-#: where the cost model is not fitted online): what the call's measured time pays for.
-_Encoding = tuple[tuple[tuple[int, ...], ...] | None, tuple[tuple[int, ...], ...] | None]
+
+@dataclasses.dataclass(frozen=True)
+class _Encoded:
+    """What every rank encoded in a call, in the order it encodes them: what the call's measured
+    time, carried in the gather after it, pays for in the online cost fit.
+
+    Attributes:
+        counts: ``counts[r]``: the patch counts rank ``r`` encodes (``None``: not fitting online).
+        frames: ``frames[r]``: their temporal steps.
+        batch: The ``batch_digest`` of the plan made ahead that said so (0 where the call gathered:
+            then every rank holds the same): compared in the next gather, since a rank given
+            another call's plan that moved nothing would feed its fit other figures unnoticed.
+    """
+
+    counts: tuple[tuple[int, ...], ...] | None = None
+    frames: tuple[tuple[int, ...], ...] | None = None
+    batch: int = 0
 
 
 def _collector_paused(method: Callable[_Params, _Result]) -> Callable[_Params, _Result]:
@@ -488,19 +502,13 @@ class ViTBalancer:
         self._plan_memory = PlanMemory()
         # Routes, trips and return layouts of recent plans: made once per plan, ahead where it is.
         self._routes = RouteCache()
-        # Patch counts (and temporal steps) every rank encoded in the previous gathered call: what its
-        # measured ViT time (carried in the next gather) paid for.
-        self._encoded_counts: tuple[tuple[int, ...], ...] | None = None
-        self._encoded_frames: tuple[tuple[int, ...], ...] | None = None
-        # Which batch they come from where a plan made ahead said so (its batch_digest; 0 where the
-        # call gathered: then every rank holds the same): compared in the next gather, since a rank
-        # given another call's plan that moved nothing would feed its fit other figures unnoticed.
-        self._encoded_batch = 0
+        # What every rank encoded in the previous call: what its measured ViT time paid for.
+        self._encoded = _Encoded()
         self._clock = ViTClock()
         self._trips = TripClock()
         # The loop the clocks and encoded counts above measure, and the other loops' (measure_as).
         self._loop = ""
-        self._other_loops: dict[str, tuple[ViTClock, TripClock, Any, Any, int]] = {}
+        self._other_loops: dict[str, tuple[ViTClock, TripClock, _Encoded]] = {}
         # Prepared calls' grids on a device, compared there; read at the next metadata gather.
         self._grid_checks = DeviceGridChecks()
         # A prepared call the plan skipped whose input did not match the plan: told at the next gather.
@@ -528,17 +536,11 @@ class ViTBalancer:
         """
         if loop == self._loop:
             return
-        self._other_loops[self._loop] = (
-            self._clock,
-            self._trips,
-            self._encoded_counts,
-            self._encoded_frames,
-            self._encoded_batch,
-        )
+        self._other_loops[self._loop] = (self._clock, self._trips, self._encoded)
         kept = self._other_loops.pop(loop, None)
         if kept is None:
-            kept = (ViTClock(), TripClock(), None, None, 0)
-        self._clock, self._trips, self._encoded_counts, self._encoded_frames, self._encoded_batch = kept
+            kept = (ViTClock(), TripClock(), _Encoded())
+        self._clock, self._trips, self._encoded = kept
         self._loop = loop
 
     # -- entry point -------------------------------------------------------------------------
@@ -578,8 +580,17 @@ class ViTBalancer:
             self._clock.forget()
             if self._failed_everywhere:
                 self._plan_memory.forget_since(remembered)
+                self._forget_encoded()
             release_frames(error)
             raise
+
+    def _forget_encoded(self) -> None:
+        """After a call or gather that failed on every rank: none feeds its fit the figures of the
+        call before, which the ranks may hold apart (``previous_call_plan``: plans made ahead for
+        other batches), so that the next call agrees again. Not in a recomputation (activation
+        checkpointing), which torch may end early by an error: its forward's figures stand."""
+        if not in_backward_pass():
+            self._encoded = _Encoded()
 
     def _reason_counted_elsewhere(self) -> str | None:
         """After a call that raised here: its plan's reason where the other ranks may have finished
@@ -646,7 +657,7 @@ class ViTBalancer:
         if call is None:
             return None
         metadata, reference = self._gather(call, pixel_values, grid_thw, GatherFor.PREPARE)
-        plan, (encoded_counts, encoded_frames) = self._plan(call, metadata, remember=False)
+        plan, encoded = self._plan(call, metadata, remember=False)
         # The plan's routes, trips and return layout too, so that its call only looks them up.
         started = time.perf_counter()
         self._routes.warm(plan, call.rank, homes=(True, False) if self.config.overlap_pixel_trip else (True,))
@@ -665,11 +676,11 @@ class ViTBalancer:
             collectives=call.collectives,
             call_grids=self._call_grids(grid_thw, metadata[call.rank]),
             grid_gcd=grid_gcd(metadata),
-            encoded_counts=encoded_counts,
-            encoded_frames=encoded_frames,
+            encoded_counts=encoded.counts,
+            encoded_frames=encoded.frames,
             # A call that moves images compares plans (and builds batches from others' grids); the
-            # next gather compares what a calibrating call encoded (see _encoded_batch).
-            batch_digest=batch_digest(metadata) if plan.applied or encoded_counts is not None else 0,
+            # next gather compares what a calibrating call encoded (see _Encoded.batch).
+            batch_digest=batch_digest(metadata) if plan.applied or encoded.counts is not None else 0,
             vit_ms=_vit_ms(metadata),
             check_skipped_calls=self.config.check_skipped_calls,
         )
@@ -808,8 +819,7 @@ class ViTBalancer:
             # What this call's measured time pays for, whenever the plan was made; and its plan, for
             # its recomputation, as built in this call's grad mode (a call under no_grad, a frozen
             # teacher's, builds no graph that a recomputation could come from).
-            self._encoded_counts, self._encoded_frames = prepared.encoded_counts, prepared.encoded_frames
-            self._encoded_batch = prepared.batch_digest
+            self._encoded = _Encoded(prepared.encoded_counts, prepared.encoded_frames, prepared.batch_digest)
             self._prepared_since_check = True
             if self._calibrator is not None:
                 self._plan_memory.remember(prepared.metadata, prepared.plan)
@@ -851,11 +861,10 @@ class ViTBalancer:
     def _balanced(self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
         call = self._start(vit, pixel_values)
         metadata, reference = self._gather(call, pixel_values, grid_thw)
-        plan, encoding = self._plan(call, metadata)
+        plan, encoded = self._plan(call, metadata)
         self._planned_reason = plan.reason
         if not in_backward_pass():  # a recomputation's plan is its forward's: counted there
-            self._encoded_counts, self._encoded_frames = encoding
-            self._encoded_batch = 0
+            self._encoded = encoded
         if plan.applied:
             output = self._exchange_and_encode(call, vit, pixel_values, grid_thw, plan, metadata, reference)
         else:
@@ -1113,10 +1122,7 @@ class ViTBalancer:
         try:
             ref = raise_for_input(metadata, [name for name, _ in fingerprint])
         except ValueError:
-            # On every rank alike: none feeds its fit the figures of the call before, which the
-            # ranks may hold apart (previous_call_plan), so that the next call can agree again.
-            self._encoded_counts = self._encoded_frames = None
-            self._encoded_batch = 0
+            self._forget_encoded()
             raise
         differentiable = torch.is_grad_enabled() and any(m.requires_grad for m in metadata)
         if ref is None:
@@ -1129,7 +1135,7 @@ class ViTBalancer:
 
     def _plan(
         self, call: _Call, metadata: Sequence[RankMetadata], remember: bool = True
-    ) -> tuple[RebalancePlan, _Encoding]:
+    ) -> tuple[RebalancePlan, _Encoded]:
         """The plan of ``metadata``, and what every rank encodes in the call that runs it (see
         :meth:`_encoded_by`). ``remember``: for its call's recomputation, in the call's grad mode
         (a plan made ahead is remembered when its call runs, see :meth:`_balanced_prepared`)."""
@@ -1139,7 +1145,7 @@ class ViTBalancer:
             # since; its figures were observed by the forward's gather.
             plan = self._plan_memory.recall(metadata)
             call.timed("plan", started)
-            return plan, (None, None)
+            return plan, _Encoded()
         frames = [[t for t, _, _ in m.grids] for m in metadata]
         plan = self._planned(metadata, frames, self._calibrated(metadata))
         if self._calibrator is not None and remember:
@@ -1147,16 +1153,16 @@ class ViTBalancer:
         # The gather carried the previous call's time: read once (the next gather, made ahead of
         # this plan's call or not, must not carry it again).
         self._clock.forget()
-        encoding = self._encoded_by(plan, frames)
+        encoded = self._encoded_by(plan, frames)
         call.timed("plan", started)
-        return plan, encoding
+        return plan, encoded
 
-    def _encoded_by(self, plan: RebalancePlan, frames: list[list[int]]) -> _Encoding:
+    def _encoded_by(self, plan: RebalancePlan, frames: list[list[int]]) -> _Encoded:
         """Every rank's patch counts and temporal steps (``frames``: each rank's images' ``T``) in
         the call that runs ``plan``: what its measured ViT time, carried in the gather after it,
         pays for (``None`` where the cost model is not fitted online)."""
         if self._calibrator is None:
-            return None, None
+            return _Encoded()
         arrivals = plan.arrivals_of_every_rank() if plan.applied else None
         counts, steps = (
             tuple(
@@ -1165,7 +1171,7 @@ class ViTBalancer:
             )
             for rows in (plan.patch_counts, frames)
         )
-        return counts, steps
+        return _Encoded(counts, steps)
 
     def _planned(
         self, metadata: Sequence[RankMetadata], frames: list[list[int]], cost_model: CostModel | None
@@ -1187,9 +1193,10 @@ class ViTBalancer:
         """
         if self._calibrator is None:
             return None
-        if self._encoded_counts is not None and len(self._encoded_counts) == len(metadata):
+        encoded = self._encoded
+        if encoded.counts is not None and len(encoded.counts) == len(metadata):
             milliseconds = [m.vit_us / 1000.0 if m.vit_us >= 0 else math.nan for m in metadata]
-            self._calibrator.observe(self._encoded_counts, milliseconds, self._encoded_frames)
+            self._calibrator.observe(encoded.counts, milliseconds, encoded.frames)
         return self._calibrator.model
 
     def _settings_fingerprint(self) -> tuple[tuple[str, int], ...]:
@@ -1200,7 +1207,7 @@ class ViTBalancer:
         calibrator = self._calibrator
         fit = 0 if calibrator is None else setting_digest(calibrator.state_fingerprint())
         # And what the fit is fed next: the previous call's batch, where a plan made ahead named it.
-        previous = 0 if calibrator is None else self._encoded_batch
+        previous = 0 if calibrator is None else self._encoded.batch
         return (*self._fingerprint, ("cost_fit", fit), ("previous_call_plan", previous))
 
     def _dispatch(

@@ -928,7 +928,7 @@ def _timed_by_load(balancer: ViTBalancer, rank: int) -> None:
     reads = itertools.count()
 
     def read() -> int:
-        counts = balancer._encoded_counts
+        counts = balancer._encoded.counts
         if counts is None:
             return -1
         quadratic = next(reads) % 2 == 0

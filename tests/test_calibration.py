@@ -385,6 +385,44 @@ def test_a_plan_of_another_batch_that_moved_nothing_fails_the_next_call_when_cal
     assert second == "ok"
 
 
+def _stale_plan_that_moved_images() -> list[str] | None:
+    """Rank 1 passes the plan of another batch that moves the same rows (rank 0's last image
+    transposed): the call fails on every rank (the plans' batches differ), and the next call, a
+    correct one, must not fail again for the figures the failed call left apart."""
+    setup = _calibrating()
+    if setup is None:
+        return None
+    rank, tower, balancer = setup
+
+    def batch(last: tuple[int, int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return towers.make_batch([(1, 8, 8), (1, 8, 8), last] if rank == 0 else [(1, 2, 2)], seed=seed)
+
+    for step in range(2):
+        balancer(tower, *batch((1, 4, 8), step))
+    earlier = balancer.prepare(*batch((1, 4, 8), 5), tower)
+    pixels, grid = batch((1, 8, 4), 6)
+    current = balancer.prepare(pixels, grid, tower)
+    assert earlier is not None and current is not None and earlier.plan.applied and current.plan.applied
+    outcomes = []
+    given = earlier if rank == 1 else current
+    for prepared, inputs in ((given, (pixels, grid)), (None, batch((1, 4, 4), 7))):
+        try:
+            balancer(tower, *inputs, prepared=prepared)
+            outcomes.append("ok")
+        except (RuntimeError, ValueError) as error:
+            outcomes.append(str(error).splitlines()[0])
+    return outcomes
+
+
+def test_a_call_failed_everywhere_leaves_no_figures_apart(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        outcomes = w.run(_stale_plan_that_moved_images)[:RANKS]
+    assert len({tuple(o) for o in outcomes}) == 1, outcomes
+    failed, next_call = outcomes[0]
+    assert "plans made before the call for different batches" in failed, failed
+    assert next_call == "ok"
+
+
 def _calibrating_on_one_rank() -> str | None:
     group = subgroup(RANKS)
     if dist.get_rank() >= RANKS:

@@ -196,7 +196,7 @@ import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -580,31 +580,32 @@ def _mark_zero3_leaves(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, An
 _PER_IMAGE_CALL_MODEL_TYPES = frozenset({"lfm3_vl", "paddleocr_vl"})
 
 
-#: The settings :meth:`BalancedVisionTower.default_config` prices images by (the tower's shape).
-_COST_FIELDS = (
-    "cost_quadratic",
-    "cost_linear",
-    "cost_constant",
-    "cost_windowed",
-    "cost_window_patches",
-    "cost_per_frame_attention",
-)
-
-
-def _defaults_dropped(config: ViTBalanceConfig, default: ViTBalanceConfig) -> list[str]:
-    """What ``config`` leaves at ``ViTBalanceConfig()``'s values where the tower's ``default``
-    derives others (as the warning names them; empty when it keeps or sets them)."""
+def _defaults_dropped(config: ViTBalanceConfig, default: ViTBalanceConfig) -> dict[str, Any]:
+    """The settings ``config`` leaves at ``ViTBalanceConfig()``'s values where the tower's
+    ``default`` derives others, with the default's values (empty when it keeps or sets them)."""
     bare = ViTBalanceConfig()
-    dropped = []
+    dropped: dict[str, Any] = {}
     if default.split_videos and not config.split_videos:
-        dropped.append(
+        dropped["split_videos"] = True
+    seed_cost = CostModel.from_config(bare)
+    if CostModel.from_config(config) == seed_cost != CostModel.from_config(default):
+        for name in (f.name for f in fields(bare) if f.name.startswith("cost_")):
+            if getattr(default, name) != getattr(bare, name):
+                dropped[name] = getattr(default, name)
+    return dropped
+
+
+def _dropped_text(dropped: Mapping[str, Any]) -> str:
+    """What :func:`_defaults_dropped` found, as the warning says it."""
+    kept = []
+    if "split_videos" in dropped:
+        kept.append(
             "split_videos=False (the default plans each temporal step of a video as an item of its "
             "own, so that one long video does not bound the slowest rank)"
         )
-    priced = any(getattr(default, name) != getattr(bare, name) for name in _COST_FIELDS)
-    if priced and all(getattr(config, name) == getattr(bare, name) for name in _COST_FIELDS):
-        dropped.append("cost model, the seed's l**2 (the default prices images by the tower's shape)")
-    return dropped
+    if len(dropped) > len(kept):
+        kept.append("cost model, the seed's l**2 (the default prices images by the tower's shape)")
+    return " and ".join(kept)
 
 
 def _warn_leaves_too_late(base: nn.Module, leaves: Sequence[nn.Module]) -> None:
@@ -1744,25 +1745,32 @@ class BalancedVisionTower:
         """What balances: :attr:`config`, or :meth:`default_config` where it is None."""
         return self._own_config(self.config) if self.config is not None else self.default_config()
 
-    #: Whether :meth:`_own_config` has looked at a configuration of the user's own (it says once).
-    _own_config_seen = False
+    #: Whether :meth:`_own_config` has said so, and the configuration it looked at last.
+    _own_config_told = False
+    _own_config_seen: ViTBalanceConfig | None = None
 
     def _own_config(self, config: ViTBalanceConfig) -> ViTBalanceConfig:
         """``config``, a configuration of the user's own, which replaces :meth:`default_config`
         whole. Said once where it keeps ``ViTBalanceConfig()``'s values of what the default derives
         from the tower: most often one built as ``ViTBalanceConfig(plan_ahead=True)`` to change one
         setting, which then also drops splitting videos and the tower's cost model, silently (not
-        while it disables balancing)."""
-        if config.enabled and not self._own_config_seen:
-            self._own_config_seen = True
+        while it disables balancing; each configuration is looked at until one is told)."""
+        if config.enabled and not self._own_config_told and config is not self._own_config_seen:
+            self._own_config_seen = config
             dropped = _defaults_dropped(config, self.default_config())
             if dropped:
+                self._own_config_told = True
+                values = ", ".join(
+                    f"{name}: {str(value).lower() if isinstance(value, bool) else value}"
+                    for name, value in dropped.items()
+                )
                 warn_at_user(
                     f"balance_vision_tower: the configuration given for {type(self.model).__name__}'s "
                     f"tower replaces the drop-in's default whole, and keeps ViTBalanceConfig()'s "
-                    f"{' and '.join(dropped)}. To change a setting and keep the rest, start from the "
-                    "default: dataclasses.replace(handle.default_config(), plan_ahead=True) (in a "
-                    "LightningModule, set self.vit_balance_config to it). Said once."
+                    f"{_dropped_text(dropped)}. To change a setting and keep the rest, start from the "
+                    "default: dataclasses.replace(handle.default_config(), plan_ahead=True), say (in a "
+                    "LightningModule, as self.vit_balance_config; in a YAML configuration, add "
+                    f"{values}). Said once."
                 )
         return config
 

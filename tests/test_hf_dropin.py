@@ -2018,8 +2018,18 @@ def test_a_configuration_that_drops_the_towers_defaults_is_told_once() -> None:
             ViTBalanceConfig(split_videos=True, cost_linear=2.0),
         ):
             balance_vision_tower(tiny_model("qwen2_5_vl"), config=config).settings()
-    with pytest.warns(RuntimeWarning, match=r"keeps ViTBalanceConfig\(\)'s cost model, the seed's l\*\*2"):
+    seed_cost = r"keeps ViTBalanceConfig\(\)'s cost model, the seed's l\*\*2"
+    with pytest.warns(RuntimeWarning, match=seed_cost) as told:
         balance_vision_tower(tiny_model("qwen2_5_vl"), config=ViTBalanceConfig(split_videos=True)).settings()
+    default = handle.default_config()
+    assert f"in a YAML configuration, add cost_quadratic: {default.cost_quadratic}, " in str(told[0].message)
+    # A configuration that keeps the defaults first, then one that drops them: still told.
+    kept = dataclasses.replace(default, plan_ahead=True)
+    later = balance_vision_tower(tiny_model("qwen2_5_vl"), config=kept)
+    later.settings()
+    later.config = ViTBalanceConfig(plan_ahead=True)
+    with pytest.warns(RuntimeWarning, match="split_videos: true, cost_quadratic"):
+        later.settings()
 
 
 class _TowerModule(ViTBalanceMixin, L.LightningModule):
@@ -2043,7 +2053,7 @@ def test_the_mixins_handle_takes_the_modules_configuration_and_says_so() -> None
     assert module.handle.balancing_config(ViTBalanceConfig()) == default  # no vit_balance_config: the default
     module.vit_balance_config = ViTBalanceConfig(plan_ahead=True)
     own = module.resolved_vit_balance_config()
-    with pytest.warns(RuntimeWarning, match=r"set self.vit_balance_config to it"):
+    with pytest.warns(RuntimeWarning, match=r"in a LightningModule, as self.vit_balance_config"):
         assert module.handle.balancing_config(own) == own
     with warnings.catch_warnings():
         warnings.simplefilter("error")

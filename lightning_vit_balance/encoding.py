@@ -494,19 +494,21 @@ def encode(
     except BaseException as error:  # every rank must hear of it (an interrupt too) before this one re-raises
         return EncodedBatch([], None, [], error, time.perf_counter() - started)
     seconds = time.perf_counter() - started
-    leaves, structure = flatten_output(output)
-    unroutable = unroutable_output(leaves, layout) if routed else None
-    if unroutable is not None:  # every rank hears of it before the return trip
-        return EncodedBatch([], None, [], ValueError(unroutable), seconds, packing_problem=True)
-    has_window = window_index_fn(vit) is not None
-    kinds = classify_outputs(
-        leaves,
-        total_patches=sum(batch.patch_counts),
-        images=len(batch.patch_counts),
-        merge_size=merge,
-        has_window_index=has_window,
-        layout=layout,
-    )
+    try:
+        leaves, structure = flatten_output(output)
+        unroutable = unroutable_output(leaves, layout) if routed else None
+        if unroutable is not None:  # every rank hears of it before the return trip
+            return EncodedBatch([], None, [], ValueError(unroutable), seconds, packing_problem=True)
+        kinds = classify_outputs(
+            leaves,
+            total_patches=sum(batch.patch_counts),
+            images=len(batch.patch_counts),
+            merge_size=merge,
+            has_window_index=window_index_fn(vit) is not None,
+            layout=layout,
+        )
+    except Exception as error:  # outputs it cannot read (a structure that holds itself): every rank hears
+        return EncodedBatch([], None, [], error, seconds, packing_problem=True)
     return EncodedBatch(leaves, structure, kinds, None, seconds)
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from lightning_vit_balance.exchange import rows_per_image
+from lightning_vit_balance.problems import LAYOUTS, layout_code
 
 __all__ = [
     "OUTPUT_KINDS",
@@ -233,11 +234,18 @@ def _emptied_copy(value: Any, names: Sequence[str]) -> Any:
 
 
 def unroutable_output(leaves: Sequence[tuple[str, Any]], layout: OutputLayout | None) -> str | None:
-    """Why a leaf of :func:`flatten_output` cannot come back right, or None: an object that holds
-    tensors with rows (in its attributes, or a set of them) in a container the balancer does not walk. It
-    would come back as computed, holding the encoded batch's tensors (other ranks' images), so it
-    is refused unless ``layout`` names its kind."""
+    """Why a leaf of :func:`flatten_output` cannot come back right, or None: a tensor that is not
+    dense (a nested or sparse one has no rows to cut by image), or an object that holds tensors with
+    rows (in its attributes, or a set of them) in a container the balancer does not walk. It would
+    come back as computed, holding the encoded batch's tensors (other ranks' images), so it is
+    refused unless ``layout`` names its kind."""
     for path, leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and layout_code(leaf):  # no rows to cut by image
+            name = f"output {path!r}" if path else "output"
+            return (
+                f"the ViT's {name} is a {LAYOUTS[layout_code(leaf)]} tensor: the balancer routes "
+                "dense (strided) tensors back to their images' ranks"
+            )
         if isinstance(leaf, torch.Tensor) or (layout is not None and layout.kind_of(path) is not None):
             continue
         held = leaf if isinstance(leaf, (set, frozenset)) else getattr(leaf, "__dict__", {}).values()

@@ -1372,6 +1372,51 @@ def test_tensors_in_an_object_the_balancer_cannot_walk_raise_on_every_rank(multi
     assert "is a Holder holding tensors" in messages[0] and "dataclass" in messages[0], messages[0]
 
 
+class UnreadableOutputTower(towers.TensorTower):
+    """Outputs the balancer cannot cut by image on rank 1: a nested tensor, or a dict that holds
+    itself (the other ranks' are plain)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+        embeds = super().forward(pixel_values, grid_thw)
+        output: dict[str, Any] = {"embeds": embeds}
+        if dist.get_rank() == 1 and self.kind == "nested":
+            output["pieces"] = torch.nested.nested_tensor([embeds[:1], embeds[1:]])
+        if dist.get_rank() == 1 and self.kind == "cycle":
+            output["itself"] = output
+        return output
+
+
+def _unreadable_outputs(kind: str) -> str:
+    vit, grids, pixels, grid, balancer = _straggler_batch(lambda: UnreadableOutputTower(kind))
+    try:
+        balancer(vit, pixels, grid)
+        message = ""
+    except Exception as error:  # a RecursionError on the rank that read its outputs
+        message = f"{type(error).__name__}: {error}"
+    good = towers.TensorTower()
+    output = balancer(good, pixels, grid)  # still in step
+    if grids:
+        torch.testing.assert_close(output, good(pixels, grid), rtol=1e-4, atol=1e-5)
+    return message
+
+
+@pytest.mark.parametrize(
+    ("kind", "fragment"),
+    [("nested", "output 'pieces' is a nested tensor"), ("cycle", "RecursionError")],
+)
+def test_outputs_the_balancer_cannot_read_raise_on_every_rank(
+    multirank: Any, kind: str, fragment: str
+) -> None:
+    """Reading them raised on the rank that encoded them alone, the others left waiting."""
+    with multirank(POOL) as w:
+        messages = w.run(_unreadable_outputs, kind)
+    assert all(fragment in message for message in messages), messages
+
+
 def _overlapped_suite(n: int) -> dict[str, Any] | None:
     cases = standard_cases(n)
     config = {**THRESHOLD_0, "overlap_pixel_trip": True}

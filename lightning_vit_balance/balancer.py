@@ -678,8 +678,7 @@ class ViTBalancer:
             grid_gcd=grid_gcd(metadata),
             encoded_counts=encoded.counts,
             encoded_frames=encoded.frames,
-            # A call that moves images compares plans (and builds batches from others' grids); the
-            # next gather compares what a calibrating call encoded (see _Encoded.batch).
+            # Compared by a call that moves images, and by the next gather of a fit (_Encoded.batch).
             batch_digest=batch_digest(metadata) if plan.applied or encoded.counts is not None else 0,
             vit_ms=_vit_ms(metadata),
             check_skipped_calls=self.config.check_skipped_calls,

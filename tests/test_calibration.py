@@ -24,15 +24,15 @@ RANKS = 3
 STEPS = 16
 
 
-def _calibrating() -> tuple[int, towers.TensorTower, ViTBalancer] | None:
+def _calibrating(trigger_threshold: float = 0.0) -> tuple[int, towers.TensorTower, ViTBalancer] | None:
     """In a worker: this rank, the tensor tower and a balancer over ranks 0-2 that calibrates and
-    applies every plan; None on the other ranks."""
+    applies every plan (or those above ``trigger_threshold``); None on the other ranks."""
     group = subgroup(RANKS)
     rank = dist.get_rank()
     if rank >= RANKS:
         return None
     torch.manual_seed(0)
-    config = ViTBalanceConfig(calibrate_cost=True, trigger_threshold=0.0, min_gain=0.0)
+    config = ViTBalanceConfig(calibrate_cost=True, trigger_threshold=trigger_threshold, min_gain=0.0)
     return rank, towers.TensorTower(), ViTBalancer(config, group)
 
 
@@ -343,13 +343,10 @@ def _stale_plan_that_moved_nothing() -> list[str] | None:
     """Rank 1 passes the previous batch's plan made ahead, where its own rows are the same in both
     and neither plan moves an image: the call's outputs are right, but its measured time would be
     fitted with other ranks' figures than the others', so the fits (and plans) would part."""
-    group = subgroup(RANKS)
-    rank = dist.get_rank()
-    if rank >= RANKS:
+    setup = _calibrating(trigger_threshold=50.0)
+    if setup is None:
         return None
-    torch.manual_seed(0)
-    tower = towers.TensorTower()
-    balancer = ViTBalancer(ViTBalanceConfig(calibrate_cost=True, trigger_threshold=50.0), group)
+    rank, tower, balancer = setup
     mine = [(1, 4, 4), (1, 8, 8)]
 
     def batch(theirs: list[tuple[int, int, int]], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -372,17 +369,6 @@ def _stale_plan_that_moved_nothing() -> list[str] | None:
         except ValueError as error:
             outcomes.append(str(error).splitlines()[0])
     return outcomes
-
-
-def test_a_plan_of_another_batch_that_moved_nothing_fails_the_next_call_when_calibrating(
-    multirank: Any,
-) -> None:
-    with multirank(POOL) as w:
-        outcomes = w.run(_stale_plan_that_moved_nothing)[:RANKS]
-    assert len({tuple(o) for o in outcomes}) == 1, outcomes
-    first, second = outcomes[0]
-    assert "settings differ between ranks: previous_call_plan (ranks [1] differ from rank 0)" in first, first
-    assert second == "ok"
 
 
 def _stale_plan_that_moved_images() -> list[str] | None:
@@ -414,12 +400,25 @@ def _stale_plan_that_moved_images() -> list[str] | None:
     return outcomes
 
 
-def test_a_call_failed_everywhere_leaves_no_figures_apart(multirank: Any) -> None:
+@pytest.mark.parametrize(
+    ("moved", "fragment"),
+    [
+        (False, "settings differ between ranks: previous_call_plan (ranks [1] differ from rank 0)"),
+        (True, "plans made before the call for different batches"),
+    ],
+    ids=["moved_nothing", "moved_images"],
+)
+def test_a_plan_of_another_batch_fails_one_call_and_the_next_works(
+    multirank: Any, moved: bool, fragment: str
+) -> None:
+    """Where the plan moved nothing, the call after it fails (the figures the fit would be fed
+    differ); where it moved images, that call fails. Then no figure is left apart for the next."""
+    case = _stale_plan_that_moved_images if moved else _stale_plan_that_moved_nothing
     with multirank(POOL) as w:
-        outcomes = w.run(_stale_plan_that_moved_images)[:RANKS]
+        outcomes = w.run(case)[:RANKS]
     assert len({tuple(o) for o in outcomes}) == 1, outcomes
     failed, next_call = outcomes[0]
-    assert "plans made before the call for different batches" in failed, failed
+    assert fragment in failed, failed
     assert next_call == "ok"
 
 

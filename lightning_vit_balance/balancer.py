@@ -86,7 +86,13 @@ from lightning_vit_balance.outputs import (
 )
 from lightning_vit_balance.planning import RebalancePlan, plan_rebalance
 from lightning_vit_balance.prepared import DeviceGridChecks, PreparedPlan, batch_digest, grid_gcd
-from lightning_vit_balance.problems import DTYPES, InputProblem, UncombinedInput, describe_problem
+from lightning_vit_balance.problems import (
+    DTYPES,
+    InputProblem,
+    UncombinedInput,
+    dense_problem,
+    describe_problem,
+)
 from lightning_vit_balance.recompute import PlanMemory, in_backward_pass
 from lightning_vit_balance.routes import RouteCache
 from lightning_vit_balance.wire import elements_per_row, pack_return, transit_dtype, unpack_return
@@ -1159,7 +1165,7 @@ class ViTBalancer:
     def _encoded_by(self, plan: RebalancePlan, frames: list[list[int]]) -> _Encoded:
         """Every rank's patch counts and temporal steps (``frames``: each rank's images' ``T``) in
         the call that runs ``plan``: what its measured ViT time, carried in the gather after it,
-        pays for (``None`` where the cost model is not fitted online)."""
+        pays for (empty where the cost model is not fitted online)."""
         if self._calibrator is None:
             return _Encoded()
         arrivals = plan.arrivals_of_every_rank() if plan.applied else None
@@ -1456,9 +1462,10 @@ class ViTBalancer:
         collective follows, so raising here would leave the other ranks waiting at their next one.
         This rank warns and reports the problem at its next gather, where every rank raises; the
         caller encodes its own input directly (no image moves). Input the ViT cannot take as it is
-        (not tensors) still raises here."""
+        (not tensors, or not dense ones) still raises here, saying why, as the ViT would."""
         message = f"Invalid prepared balanced ViT call on rank {call.rank}: {problem}."
-        if not isinstance(pixel_values, torch.Tensor) or not isinstance(grid_thw, torch.Tensor):
+        tensors = isinstance(pixel_values, torch.Tensor) and isinstance(grid_thw, torch.Tensor)
+        if not tensors or dense_problem(pixel_values, grid_thw) is not None:
             raise ValueError(message)
         warn_at_user(
             f"{message} The plan moved no image, so this rank encodes its own batch directly; every rank "

@@ -507,7 +507,7 @@ def encode(
             has_window_index=window_index_fn(vit) is not None,
             layout=layout,
         )
-    except Exception as error:  # outputs it cannot read (a structure that holds itself): every rank hears
+    except BaseException as error:  # outputs it cannot read (a structure that holds itself), an interrupt
         return EncodedBatch([], None, [], error, seconds, packing_problem=True)
     return EncodedBatch(leaves, structure, kinds, None, seconds)
 

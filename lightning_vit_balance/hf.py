@@ -603,7 +603,7 @@ def _dropped_text(dropped: Mapping[str, Any]) -> str:
             "split_videos=False (the default plans each temporal step of a video as an item of its "
             "own, so that one long video does not bound the slowest rank)"
         )
-    if len(dropped) > len(kept):
+    if any(name.startswith("cost_") for name in dropped):
         kept.append("cost model, the seed's l**2 (the default prices images by the tower's shape)")
     return " and ".join(kept)
 
@@ -1755,7 +1755,8 @@ class BalancedVisionTower:
         from the tower: most often one built as ``ViTBalanceConfig(plan_ahead=True)`` to change one
         setting, which then also drops splitting videos and the tower's cost model, silently (not
         while it disables balancing; each configuration is looked at until one is told)."""
-        if config.enabled and not self._own_config_told and config is not self._own_config_seen:
+        # By value: a module's mapping configuration (hparams, YAML) is a new object each forward.
+        if config.enabled and not self._own_config_told and config != self._own_config_seen:
             self._own_config_seen = config
             dropped = _defaults_dropped(config, self.default_config())
             if dropped:
@@ -1768,7 +1769,7 @@ class BalancedVisionTower:
                     f"balance_vision_tower: the configuration given for {type(self.model).__name__}'s "
                     f"tower replaces the drop-in's default whole, and keeps ViTBalanceConfig()'s "
                     f"{_dropped_text(dropped)}. To change a setting and keep the rest, start from the "
-                    "default: dataclasses.replace(handle.default_config(), plan_ahead=True), say (in a "
+                    "default, as in dataclasses.replace(handle.default_config(), plan_ahead=True) (in a "
                     "LightningModule, as self.vit_balance_config; in a YAML configuration, add "
                     f"{values}). Said once."
                 )

@@ -235,18 +235,22 @@ def _emptied_copy(value: Any, names: Sequence[str]) -> Any:
 
 def unroutable_output(leaves: Sequence[tuple[str, Any]], layout: OutputLayout | None) -> str | None:
     """Why a leaf of :func:`flatten_output` cannot come back right, or None: a tensor that is not
-    dense (a nested or sparse one has no rows to cut by image), or an object that holds tensors with
-    rows (in its attributes, or a set of them) in a container the balancer does not walk. It would
-    come back as computed, holding the encoded batch's tensors (other ranks' images), so it is
-    refused unless ``layout`` names its kind."""
+    dense (a nested or sparse one has no rows to cut by image) unless ``layout`` names it
+    ``"drop"`` or ``"passthrough"``, or an object that holds tensors with rows (in its attributes,
+    or a set of them) in a container the balancer does not walk, unless ``layout`` names its kind
+    (it would come back as computed, holding the encoded batch's tensors: other ranks' images)."""
     for path, leaf in leaves:
+        kind = layout.kind_of(path) if layout is not None else None
+        if kind in ("drop", "passthrough"):  # never travels
+            continue
         if isinstance(leaf, torch.Tensor) and layout_code(leaf):  # no rows to cut by image
             name = f"output {path!r}" if path else "output"
             return (
                 f"the ViT's {name} is a {LAYOUTS[layout_code(leaf)]} tensor: the balancer routes "
-                "dense (strided) tensors back to their images' ranks"
+                'dense (strided) tensors back to their images\' ranks (name it "drop" or "passthrough" '
+                "in output_layout if it stays where it was computed)"
             )
-        if isinstance(leaf, torch.Tensor) or (layout is not None and layout.kind_of(path) is not None):
+        if isinstance(leaf, torch.Tensor) or kind is not None:
             continue
         held = leaf if isinstance(leaf, (set, frozenset)) else getattr(leaf, "__dict__", {}).values()
         slots = (getattr(leaf, n, None) for cls in type(leaf).__mro__ for n in _slot_names(cls))

@@ -106,6 +106,19 @@ def test_objects_holding_tensors_outside_the_walked_containers_are_named() -> No
         assert unroutable_output([("extra", held)], OutputLayout(kinds={"extra": "drop"})) is None
 
 
+def test_tensors_that_are_not_dense_travel_only_where_the_layout_keeps_them_home() -> None:
+    from lightning_vit_balance.outputs import unroutable_output
+
+    rows = torch.ones(4, 3)
+    nested = torch.nested.nested_tensor([rows[:1], rows[1:]])
+    for leaf, name in ((rows.to_sparse(), "sparse"), (nested, "nested")):
+        message = unroutable_output([("aux", leaf)], None)
+        assert message is not None and f"output 'aux' is a {name} tensor" in message, message
+        assert unroutable_output([("aux", leaf)], OutputLayout(kinds={"aux": "merged"})) == message
+        for kind in ("drop", "passthrough"):  # never travels: as computed, or None
+            assert unroutable_output([("aux", leaf)], OutputLayout(kinds={"aux": kind})) is None
+
+
 def test_flatten_paths() -> None:
     leaves, _ = flatten_output((torch.ones(1), None, [torch.ones(1), torch.ones(1)]))
     assert [p for p, _ in leaves] == ["0", "1", "2.0", "2.1"]

@@ -83,6 +83,41 @@ def _check_skipped_calls_set_after_prepare(first: bool) -> list[str] | None:
     return outcomes
 
 
+def _dense_copy_planned(kind: str) -> str | None:
+    """A plan that moves nothing, unchecked, made from a dense copy of the batch; rank 1's call
+    passes a sparse grid or mkldnn pixels, which its ViT cannot take: it raises alone (no
+    collective follows), saying why (it raised torch's own error from the ViT), and every rank's
+    next call goes on."""
+    setup = _on_three_ranks([[(1, 4, 4)], [(1, 4, 4)], [(1, 4, 4)]], {"trigger_threshold": 100.0})
+    if setup is None:
+        return None
+    rank, tower, pixels, grid, balancer = setup
+    ticket = balancer.prepare(pixels, grid, tower)
+    given_pixels, given_grid = pixels, grid
+    if rank == 1 and kind == "grid":
+        given_grid = grid.to_sparse()
+    if rank == 1 and kind == "pixels":
+        given_pixels = pixels.to_mkldnn()
+    try:
+        balancer(tower, given_pixels, given_grid, prepared=ticket)
+        outcome = "ok"
+    except ValueError as error:
+        outcome = str(error)
+    balancer(tower, pixels, grid)  # in step
+    return outcome
+
+
+@pytest.mark.parametrize(("kind", "fragment"), [("grid", "grid_thw is a sparse"), ("pixels", "is a mkldnn")])
+def test_a_skipped_unchecked_call_says_why_it_cannot_take_input_that_is_not_dense(
+    multirank: Any, kind: str, fragment: str
+) -> None:
+    with multirank(POOL) as w:
+        outcomes = w.run(_dense_copy_planned, kind)[:3]
+    assert outcomes[0] == outcomes[2] == "ok", outcomes
+    assert outcomes[1].startswith("Invalid prepared balanced ViT call on rank 1: "), outcomes
+    assert fragment in outcomes[1], outcomes
+
+
 @pytest.mark.parametrize("first", [False, True])
 def test_a_prepared_call_checks_as_its_plans_settings_said(multirank: Any, first: bool) -> None:
     with multirank(POOL) as w:

@@ -78,11 +78,11 @@ from lightning_vit_balance.exchange import (
 from lightning_vit_balance.outputs import (
     OutputLayout,
     describe_classification,
-    flatten_output,
     merge_size_of,
     rebuild_output,
     unwrap_module,
     window_index_fn,
+    without_dropped,
 )
 from lightning_vit_balance.planning import RebalancePlan, plan_rebalance
 from lightning_vit_balance.prepared import DeviceGridChecks, PreparedPlan, batch_digest, grid_gcd
@@ -1486,12 +1486,7 @@ class ViTBalancer:
         """``vit(pixel_values, grid_thw)``, with outputs the layout names ``"drop"`` set to None."""
         if isinstance(grid_thw, UncombinedInput):  # a caller's inputs that it could not join: no call
             raise ValueError(f"{grid_thw}.")
-        output = vit(pixel_values, grid_thw)
-        layout = self.output_layout
-        if layout is None or "drop" not in layout.kinds.values():
-            return output
-        leaves, structure = flatten_output(output)
-        return rebuild_output(structure, [None if layout.kind_of(p) == "drop" else v for p, v in leaves])
+        return without_dropped(vit(pixel_values, grid_thw), self.output_layout)
 
     def _empty_output(
         self, vit: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor, merge: int, reference: _Reference

@@ -65,6 +65,7 @@ from lightning_vit_balance.exchange import (
     all_to_all,
     collective_device,
     device_problem,
+    exchange_status,
     gather_metadata,
     grid_rows,
     host_device,
@@ -72,7 +73,6 @@ from lightning_vit_balance.exchange import (
     require_member,
     row_runs,
     start_pixel_trip,
-    start_status,
     take_rows,
 )
 from lightning_vit_balance.outputs import (
@@ -242,9 +242,9 @@ def _host_grid_items(grid: torch.Tensor | None) -> tuple[tuple[int, ...], tuple[
     for any other (a grid on a device is not read)."""
     if grid is None or grid.shape[1] != 3 or grid.device.type != "cpu":
         return (), ()
-    rows = grid.tolist()
-    counts = tuple(int(t) * int(h) * int(w) for t, h, w in rows)
-    frames = tuple(int(t) for t, _, _ in rows)
+    rows = grid_rows(grid)
+    counts = tuple(t * h * w for t, h, w in rows)
+    frames = tuple(t for t, _, _ in rows)
     return ((), ()) if any(n <= 0 for n in (*counts, *frames)) else (counts, frames)
 
 
@@ -313,8 +313,11 @@ class _Call:
     # gather (None: the plan was made in this call, from the gather every rank took part in).
     batch_digest: int | None = None
 
-    def timed(self, step: str, started: float) -> None:
-        self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - started
+    def timed(self, step: str, started: float, *within: str) -> None:
+        """Add the time since ``started`` to ``step`` and to the steps it is part of (``within``)."""
+        elapsed = time.perf_counter() - started
+        for name in (step, *within):
+            self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
 
     @contextlib.contextmanager
     def first_trip(self) -> Iterator[None]:
@@ -567,7 +570,9 @@ class ViTBalancer:
             pixel_values: ``[sum(T*H*W), C]`` patch rows of this rank's images.
             grid_thw: ``[n_images, 3]`` ``(T, H, W)`` of each image.
             prepared: The plan :meth:`prepare` made for this batch before the forward: then the call
-                makes no metadata gather and no plan (and nothing at all when the plan skips).
+                makes no metadata gather and no plan. When the plan skips, it makes no collective
+                but the status gather after the ViT, and that only where the plan was made with
+                ``check_skipped_calls`` or no rank has images.
 
         Inside a compiled model (``torch.compile``) the call runs eagerly, a graph break, and calls
         ``vit`` as it is passed (compile it, or its blocks, to have it compiled).
@@ -1305,10 +1310,9 @@ class ViTBalancer:
         grad_wanted = torch.is_grad_enabled() and (reference.pixels_differentiable or _vit_requires_grad(vit))
         # XOR keeps 62 bits: equal across ranks where both the plans and their batches are.
         digest = plan.digest if call.batch_digest is None else plan.digest ^ call.batch_digest
-        report = start_status(encoded.status(), call.host, digest, grad_wanted).wait()
+        report = exchange_status(encoded.status(), call.host, digest, grad_wanted)
         call.collectives += report.collectives
-        call.timed("combine", started)
-        call.timed("status", started)
+        call.timed("status", started, "combine")
         self._raise_where_any_failed(report, encoded, call.merge, prepared=call.batch_digest is not None)
         assert packed is not None  # every rank's status was fine, this rank's too
         started = time.perf_counter()
@@ -1439,9 +1443,9 @@ class ViTBalancer:
                 error = caught
         started = time.perf_counter()
         encoded = EncodedBatch([], None, [], error, 0.0, input_problem=problem is not None)
-        report = start_status(encoded.status(), call.host).wait()
+        report = exchange_status(encoded.status(), call.host)
         call.collectives += report.collectives
-        call.timed("status", started)
+        call.timed("status", started, "combine")
         self._raise_where_any_failed(report, encoded, call.merge)
         return output
 

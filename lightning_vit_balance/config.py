@@ -152,12 +152,12 @@ class ViTBalanceConfig:
             a status word from every rank after the ViT too, as a call that moves images does:
             a ViT that raises on one rank (out of memory, say) then fails every rank at once with
             the same error. Off (default), such a call makes no collective after the ViT (none at
-            all with a prepared plan), and the other ranks meet the failure at their next
-            collective (DDP's gradient all-reduce), which waits for the backend's timeout unless
-            the launcher ends the job first. The word travels on the host-side group (gloo); where
-            the data-parallel group has none (an NCCL group without a twin from
-            ``make_host_group``), reading it would wait for the device, so skipped calls there
-            stay unchecked.
+            all with a prepared plan, unless no rank has images), and the other ranks meet the
+            failure at their next collective (DDP's gradient all-reduce), which waits for the
+            backend's timeout unless the launcher ends the job first. The word travels on the
+            host-side group (gloo); where the data-parallel group has none (an NCCL group without
+            a twin from ``make_host_group``), reading it would wait for the device, so skipped
+            calls there stay unchecked.
     """
 
     enabled: bool = True

@@ -14,7 +14,7 @@ no sizes are exchanged in between. The pieces:
   where, each way.
 * The return buffer's contents (which outputs, in which dtype, packed how) are
   :mod:`lightning_vit_balance.wire`'s: no communication there.
-* :func:`exchange_status` / :func:`start_status`: after the ViT, every rank learns whether any
+* :func:`exchange_status`: after the ViT, every rank learns whether any
   rank's ViT raised or made outputs that do not fit, before anything waits on those outputs.
 * :func:`start_row_gather`: the small gathers' one collective, in ``ceil(log2 P)`` rounds of
   messages for host rows on many ranks.
@@ -50,7 +50,6 @@ __all__ = [
     "ExchangeRoute",
     "LeafSignature",
     "PendingExchange",
-    "PendingStatus",
     "PixelTrip",
     "RankMetadata",
     "ReceivePieces",
@@ -83,7 +82,6 @@ __all__ = [
     "split_rows",
     "start_pixel_trip",
     "start_row_gather",
-    "start_status",
     "take_rows",
 ]
 
@@ -1411,47 +1409,6 @@ _HISTORY_MASK = STATUS_WORD.index("history_mask")
 HISTORY_BITS = 62
 
 
-class PendingStatus:
-    """A status gather in flight (see :func:`start_status`): :meth:`wait` gives the report."""
-
-    def __init__(self, status: ViTStatus, words: _RingRows | _DoublingRows, group: Any) -> None:
-        self._status = status
-        self._words = words
-        self._group = group
-
-    def wait(self) -> StatusReport:
-        """Block until every rank's status word has arrived; gather the details when they disagree."""
-        gathered = self._words.wait()  # [P, len(STATUS_WORD)]
-        words = gathered.cpu().numpy()
-        plan_digests = tuple(words[:, _PLAN_DIGEST].tolist())
-        gradients = tuple((words[:, _GRADIENTS] != 0).tolist())
-        history = int(np.bitwise_or.reduce(words[:, _HISTORY_MASK])) if words.size else 0
-        # Every rank's ViT succeeded with outputs alike: the flag 0, the outputs' digest and count rank 0's.
-        if not words[:, 0].any() and (words[:, 1:_PLAN_DIGEST] == words[0, 1:_PLAN_DIGEST]).all():
-            return StatusReport(True, (), 1, plan_digests, gradients, history)
-        details = _gathered_array(_encode_detail(self._status), gathered.device, self._group)
-        statuses = tuple(_decode_detail(d) for d in details)
-        return StatusReport(False, statuses, 2, plan_digests, gradients, history)
-
-
-def start_status(
-    status: ViTStatus, group: Any, plan_digest: int = 0, gradients: bool = False
-) -> PendingStatus:
-    """:func:`exchange_status`, started asynchronously: prepare the return trip, then ``wait()``."""
-    device = host_device(group)
-    fields = {
-        "flag": status.flag,
-        "output_digest": status.digest(),
-        "output_count": status.count,
-        "plan_digest": plan_digest,
-        "gradients": int(gradients),
-        "history_mask": status.history_mask(),
-    }
-    values = [fields[name] for name in STATUS_WORD]
-    word = torch.tensor(values, dtype=torch.int64).to(device)
-    return PendingStatus(status, start_row_gather(word, group), group)
-
-
 def exchange_status(
     status: ViTStatus, group: Any, plan_digest: int = 0, gradients: bool = False
 ) -> StatusReport:
@@ -1473,4 +1430,23 @@ def exchange_status(
         gradients: Whether this rank's return trip carries gradients back (its backward pass then
             exchanges them with every rank's).
     """
-    return start_status(status, group, plan_digest, gradients).wait()
+    fields = {
+        "flag": status.flag,
+        "output_digest": status.digest(),
+        "output_count": status.count,
+        "plan_digest": plan_digest,
+        "gradients": int(gradients),
+        "history_mask": status.history_mask(),
+    }
+    word = torch.tensor([fields[name] for name in STATUS_WORD], dtype=torch.int64)
+    gathered = start_row_gather(word.to(host_device(group)), group).wait()  # [P, len(STATUS_WORD)]
+    words = gathered.cpu().numpy()
+    plan_digests = tuple(words[:, _PLAN_DIGEST].tolist())
+    gradients_by_rank = tuple((words[:, _GRADIENTS] != 0).tolist())
+    history = int(np.bitwise_or.reduce(words[:, _HISTORY_MASK])) if words.size else 0
+    # Every rank's ViT succeeded with outputs alike: the flag 0, the outputs' digest and count rank 0's.
+    if not words[:, 0].any() and (words[:, 1:_PLAN_DIGEST] == words[0, 1:_PLAN_DIGEST]).all():
+        return StatusReport(True, (), 1, plan_digests, gradients_by_rank, history)
+    details = _gathered_array(_encode_detail(status), gathered.device, group)
+    statuses = tuple(_decode_detail(d) for d in details)
+    return StatusReport(False, statuses, 2, plan_digests, gradients_by_rank, history)

@@ -296,6 +296,9 @@ class _CaseRun:
             "moved_images": stats.moved_images,
             "plan_seconds": stats.plan_seconds,
             "prepare_seconds": stats.prepare_seconds,
+            "status_seconds": stats.status_seconds,
+            "combine_seconds": stats.combine_seconds,
+            "exchange_seconds": stats.exchange_seconds,
             "made_in_forward": self.made_in_forward,
         }
 

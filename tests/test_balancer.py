@@ -72,6 +72,10 @@ def _check_collectives(results: list[dict[str, Any]], skipped: int = 1) -> None:
         assert r["collectives"] == expected and r["counted"] == expected, r
         # Unprepared: the call plans itself, nothing was made before it.
         assert r["plan_seconds"] > 0.0 and r["prepare_seconds"] == 0.0, r
+        # The status gather, where one ran, is timed as part of the combine step and the exchange.
+        status_gathered = r["collectives"] > 1
+        assert (r["status_seconds"] > 0.0) == status_gathered, r
+        assert r["status_seconds"] <= r["combine_seconds"] <= r["exchange_seconds"], r
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

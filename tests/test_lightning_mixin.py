@@ -1093,16 +1093,20 @@ def test_plans_made_ahead_go_to_the_steps() -> None:
 
 def _sharded_evaluation(sharded: bool) -> dict[str, Any]:
     """No Trainer, eval mode: a tower whose parameters FSDP2 shards is balanced (each of its calls
-    is a collective anyway), a plain one encodes directly."""
+    is a collective anyway), a plain one encodes directly; a tower sharded after a call made
+    directly before is balanced from then on."""
     from torch.distributed.fsdp import fully_shard
 
     rank = dist.get_rank()
     module = MixinFirst(ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))
     module.vit_balance_group = dist.group.WORLD
-    if sharded:
-        fully_shard(module.visual)
     module.eval()
     pixel_values, grid = _images(4 if rank == 0 else 1, seed=rank)
+    with torch.no_grad():
+        module.encode_images(module.visual, pixel_values, grid)
+    assert module.last_vit_balance_stats is None  # not yet sharded: direct
+    if sharded:
+        fully_shard(module.visual)
     with torch.no_grad():
         out = module.encode_images(module.visual, pixel_values, grid)
         direct = module.visual(pixel_values, grid)

@@ -45,9 +45,11 @@ from lightning_vit_balance.encoding import (
     TripClock,
     ViTClock,
     encode,
+    merge_problem,
     raise_for_gradients,
     raise_for_input,
     raise_for_merge,
+    raise_for_merges,
     raise_for_plans,
     raise_for_vit,
     release_frames,
@@ -824,9 +826,13 @@ class ViTBalancer:
     ) -> Any:
         """The balanced call on a plan made before the forward: no gather, no planning here."""
         call = self._start(vit, pixel_values)
-        if prepared.grid_gcd % call.merge:
-            # Prepared without this ViT: every rank holds every rank's rows, so all raise alike here.
-            raise_for_merge(prepared.metadata, call.merge, steps=self.config.split_videos)
+        steps = self.config.split_videos
+        merge_text = None
+        if prepared.grid_gcd % call.merge:  # prepared without this ViT
+            if not prepared.plan.applied:  # nothing moves, and no collective follows to tell the others
+                raise_for_merge(prepared.metadata, call.merge, steps=steps)
+            # Images move: the status gather tells every rank, whatever merge size its ViT has.
+            merge_text = merge_problem(prepared.metadata, call.merge, steps=steps)
         if not in_backward_pass():
             # What this call's measured time pays for, whenever the plan was made; and its plan, for
             # its recomputation, as built in this call's grad mode (a call under no_grad, a frozen
@@ -835,7 +841,9 @@ class ViTBalancer:
             self._prepared_since_check = True
             if self._calibrator is not None:
                 self._plan_memory.remember(prepared.metadata, prepared.plan)
-        problem = prepared.mismatch(pixel_values, grid_thw) or _device_mismatch(call, pixel_values)
+        problem = (
+            prepared.mismatch(pixel_values, grid_thw) or _device_mismatch(call, pixel_values) or merge_text
+        )
         given_grid = grid_thw
         if problem is not None and not isinstance(grid_thw, torch.Tensor):
             # Only its device and dtype are read, for the zero rows that stand in for the input
@@ -1300,7 +1308,7 @@ class ViTBalancer:
         grad_wanted = torch.is_grad_enabled() and (reference.pixels_differentiable or _vit_requires_grad(vit))
         # XOR keeps 62 bits: equal across ranks where both the plans and their batches are.
         digest = plan.digest if call.batch_digest is None else plan.digest ^ call.batch_digest
-        report = exchange_status(encoded.status(), call.host, digest, grad_wanted)
+        report = exchange_status(encoded.status(), call.host, digest, grad_wanted, call.merge)
         call.collectives += report.collectives
         call.timed("status", started, "combine")
         self._raise_where_any_failed(report, encoded, call.merge, prepared=call.batch_digest is not None)
@@ -1447,6 +1455,7 @@ class ViTBalancer:
         ``prepared``: the call was given a plan made before it."""
         self._failed_everywhere = True
         raise_for_plans(report, prepared)
+        raise_for_merges(report)
         raise_for_vit(report, encoded, merge)
         raise_for_gradients(report)
         self._failed_everywhere = False

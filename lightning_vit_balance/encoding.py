@@ -67,10 +67,12 @@ __all__ = [
     "dtype_code",
     "encode",
     "gathered_per_call",
+    "merge_problem",
     "parameters_sharded",
     "raise_for_gradients",
     "raise_for_input",
     "raise_for_merge",
+    "raise_for_merges",
     "raise_for_plans",
     "raise_for_vit",
     "release_frames",
@@ -748,12 +750,12 @@ def _own_frames(error: BaseException) -> list[Any]:
     return [frame for frame in frames.values() if frame.f_code.co_filename.startswith(_PACKAGE_DIR)]
 
 
-def raise_for_merge(metadata: Sequence[RankMetadata], merge: int, steps: bool = False) -> None:
-    """Raise the same ValueError on every rank when a gathered image's H or W is not divisible by
-    the ViT's spatial merge size ``merge``: for rows gathered before that size was known (a plan
-    made ahead without the ViT), checked at the call, from rows every rank holds alike. ``steps``:
-    the rows are videos' temporal steps (``split_videos``), and the index counts steps."""
-    problems = []
+def merge_problem(metadata: Sequence[RankMetadata], merge: int, steps: bool = False) -> str | None:
+    """Why the rows of a plan made before the ViT's merge size was known (a plan made ahead without
+    the ViT) cannot be encoded by a ViT of spatial merge size ``merge``: the first gathered image
+    whose H or W it does not divide; None when it divides all. ``steps``: the rows are videos'
+    temporal steps (``split_videos``), and the index counts steps. Every rank holds every rank's
+    rows, but not every rank's ViT: the status gather carries the problem to all of them."""
     for rank, rank_metadata in enumerate(metadata):
         bad = next((i for i, (_, h, w) in enumerate(rank_metadata.grids) if h % merge or w % merge), None)
         if bad is not None:
@@ -762,13 +764,39 @@ def raise_for_merge(metadata: Sequence[RankMetadata], merge: int, steps: bool = 
             text = describe_problem(InputProblem.NOT_DIVISIBLE, details)
             if steps:
                 text = text.replace(f"grid_thw[{bad}]", f"temporal step {bad} of grid_thw's images")
-            problems.append(f"rank {rank}: {text}")
-    if problems:
-        raise ValueError(
-            f"{INVALID_INPUT} ({len(metadata)} ranks): " + "; ".join(problems) + " (checked at "
-            "the call: the plan was made ahead before the ViT's merge size was known; prepare(..., vit=vit) "
-            "checks it there)."
-        )
+            return (
+                f"rank {rank}'s {text} (checked at the call: the plan was made ahead before the "
+                "ViT's merge size was known; prepare(..., vit=vit) checks it there)"
+            )
+    return None
+
+
+def raise_for_merge(metadata: Sequence[RankMetadata], merge: int, steps: bool = False) -> None:
+    """Raise :func:`merge_problem`'s ValueError where there is one, on this rank: in a call that
+    moves nothing, where every rank whose ViT merges alike raises alike."""
+    problem = merge_problem(metadata, merge, steps)
+    if problem is not None:
+        raise ValueError(f"{INVALID_INPUT} ({len(metadata)} ranks): {problem}.")
+
+
+def raise_for_merges(report: StatusReport) -> None:
+    """After the status gather, before the return trip: raise on every rank when the ranks' ViTs
+    have different spatial merge sizes. Each rank sizes its images' returned rows by its own, so
+    the rows would come back cut at other places (a plan made ahead without the ViT, or calls of
+    different ViTs: no gather before compared them)."""
+    sizes = {merge for merge in report.merges if merge}
+    if len(sizes) <= 1:
+        return
+    held = "; ".join(
+        f"merge {size}: ranks {[rank for rank, merge in enumerate(report.merges) if merge == size]}"
+        for size in sorted(sizes)
+    )
+    raise ValueError(
+        f"The balanced ViT call failed: the ViT's spatial merge size differs between ranks ({held}), "
+        "and each rank cuts the returned rows of every image by its own; the call ends before its "
+        "return trip on every rank. Call the same ViT on every rank (prepare(..., vit=vit) compares "
+        "the merge sizes when it plans)."
+    )
 
 
 def splice_encoded(

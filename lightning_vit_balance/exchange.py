@@ -1366,6 +1366,8 @@ class StatusReport:
         gradients: Whether each rank's return trip carries gradients back, in rank order.
         with_history: Bit ``k`` set where any rank's ViT made output ``k`` (of the first
             :data:`HISTORY_BITS`) with autograd history; ``-1`` (every bit) where not gathered.
+        merges: The spatial merge size each rank's return trip sizes its rows by, in rank order
+            (0 where the call returns no rows).
     """
 
     consistent: bool
@@ -1374,6 +1376,7 @@ class StatusReport:
     plan_digests: tuple[int, ...] = ()
     gradients: tuple[bool, ...] = ()
     with_history: int = -1
+    merges: tuple[int, ...] = ()
 
     def made_without_history(self, output: int) -> bool:
         """Whether no rank's ViT made output ``output`` with autograd history."""
@@ -1402,20 +1405,21 @@ STATUS_WORD: tuple[str, ...] = (
     "plan_digest",
     "gradients",
     "history_mask",
+    "merge",
 )
 _PLAN_DIGEST, _GRADIENTS = STATUS_WORD.index("plan_digest"), STATUS_WORD.index("gradients")
-_HISTORY_MASK = STATUS_WORD.index("history_mask")
+_HISTORY_MASK, _MERGE = STATUS_WORD.index("history_mask"), STATUS_WORD.index("merge")
 #: Outputs whose autograd history the status word carries (a bit each in an int64).
 HISTORY_BITS = 62
 
 
 def exchange_status(
-    status: ViTStatus, group: Any, plan_digest: int = 0, gradients: bool = False
+    status: ViTStatus, group: Any, plan_digest: int = 0, gradients: bool = False, merge: int = 0
 ) -> StatusReport:
     """Gather every rank's :class:`ViTStatus` after the ViT forward, before the return trip.
 
-    One all_gather of six int64 per rank (flag, output digest, output count, ``plan_digest``,
-    ``gradients``, the outputs made with history) in the common case; when any rank's ViT raised,
+    One all_gather of seven int64 per rank (flag, output digest, output count, ``plan_digest``,
+    ``gradients``, the outputs made with history, ``merge``) in the common case; when any rank's ViT raised,
     made rows that fit no kind, or made outputs that differ from another rank's (trailing shape,
     dtype: autocast on one rank only), a second all_gather brings every rank's full status, so
     each can raise the same error.
@@ -1429,6 +1433,8 @@ def exchange_status(
             plan; 0 in a call that moves no images.
         gradients: Whether this rank's return trip carries gradients back (its backward pass then
             exchanges them with every rank's).
+        merge: The ViT's spatial merge size this rank's return trip sizes its rows by; 0 in a call
+            that returns no rows.
     """
     fields = {
         "flag": status.flag,
@@ -1437,6 +1443,7 @@ def exchange_status(
         "plan_digest": plan_digest,
         "gradients": int(gradients),
         "history_mask": status.history_mask(),
+        "merge": merge,
     }
     word = torch.tensor([fields[name] for name in STATUS_WORD], dtype=torch.int64)
     gathered = start_row_gather(word.to(host_device(group)), group).wait()  # [P, len(STATUS_WORD)]
@@ -1444,9 +1451,10 @@ def exchange_status(
     plan_digests = tuple(words[:, _PLAN_DIGEST].tolist())
     gradients_by_rank = tuple((words[:, _GRADIENTS] != 0).tolist())
     history = int(np.bitwise_or.reduce(words[:, _HISTORY_MASK])) if words.size else 0
+    merges = tuple(words[:, _MERGE].tolist())
     # Every rank's ViT succeeded with outputs alike: the flag 0, the outputs' digest and count rank 0's.
     if not words[:, 0].any() and (words[:, 1:_PLAN_DIGEST] == words[0, 1:_PLAN_DIGEST]).all():
-        return StatusReport(True, (), 1, plan_digests, gradients_by_rank, history)
+        return StatusReport(True, (), 1, plan_digests, gradients_by_rank, history, merges)
     details = _gathered_array(_encode_detail(status), gathered.device, group)
     statuses = tuple(_decode_detail(d) for d in details)
-    return StatusReport(False, statuses, 2, plan_digests, gradients_by_rank, history)
+    return StatusReport(False, statuses, 2, plan_digests, gradients_by_rank, history, merges)

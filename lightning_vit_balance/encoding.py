@@ -51,6 +51,7 @@ from lightning_vit_balance.problems import (
     UncombinedInput,
     dense_problem,
     describe_problem,
+    input_kind_code,
     layout_code,
     problem_details,
 )
@@ -169,9 +170,9 @@ def _shape_problem(pixel_values: Any, grid_thw: Any) -> RankMetadata | None:
     if isinstance(grid_thw, UncombinedInput):
         return _bad(InputProblem.NOT_COMBINED, pixel_values)
     if not isinstance(grid_thw, torch.Tensor):
-        return _bad(InputProblem.GRID_NOT_TENSOR, pixel_values)
+        return _bad(InputProblem.GRID_NOT_TENSOR, pixel_values, given=input_kind_code(grid_thw))
     if not isinstance(pixel_values, torch.Tensor):
-        return _bad(InputProblem.PIXELS_NOT_TENSOR, pixel_values)
+        return _bad(InputProblem.PIXELS_NOT_TENSOR, pixel_values, given=input_kind_code(pixel_values))
     dense = dense_problem(pixel_values, grid_thw)
     if dense is not None:
         return _bad(InputProblem.LAYOUT, pixel_values, **dense)

@@ -24,6 +24,7 @@ __all__ = [
     "DTYPES",
     "GRID_DTYPES",
     "GRID_DTYPE_NAMES",
+    "INPUT_KINDS",
     "MAX_DETAILS",
     "PIXEL_DTYPES",
     "PROBLEMS",
@@ -32,6 +33,7 @@ __all__ = [
     "UncombinedInput",
     "dense_problem",
     "describe_problem",
+    "input_kind_code",
     "layout_code",
     "problem_details",
 ]
@@ -48,6 +50,23 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.int32,
     torch.int64,
     torch.bool,
+    # Not carried: listed so that the errors that refuse them can name them.
+    *(
+        getattr(torch, name)
+        for name in (
+            "complex64",
+            "complex128",
+            "complex32",
+            "float8_e4m3fn",
+            "float8_e5m2",
+            "float8_e4m3fnuz",
+            "float8_e5m2fnuz",
+            "uint16",
+            "uint32",
+            "uint64",
+        )
+        if hasattr(torch, name)  # the uint and fnuz types are newer than torch 2.1
+    ),
 )
 #: The dtypes ``grid_thw`` may have: a rank encoding another's images builds their grid rows in its
 #: own grid's dtype, which must hold any rank's values (a W of 130 wraps around in int8).
@@ -66,6 +85,21 @@ MAX_DETAILS = 4
 LAYOUTS: tuple[str, ...] = ("strided", "sparse", "nested", "mkldnn", "non-strided")
 #: Which argument a layout problem names, by code.
 ARGUMENTS: tuple[str, ...] = ("pixel_values", "grid_thw")
+#: Python types an input that is not a tensor is told by (see :func:`input_kind_code`), in order.
+_INPUT_TYPES: tuple[type, ...] = (type(None), bool, int, float, str, list, tuple, dict)
+#: What such an input is, by code, as the messages say it: those types, a NumPy array, another.
+INPUT_KINDS: tuple[str, ...] = (
+    "None",
+    "a bool",
+    "an int",
+    "a float",
+    "a str",
+    "a list",
+    "a tuple",
+    "a dict",
+    "a numpy.ndarray",
+    "an object of another type",
+)
 
 
 class InputProblem(IntEnum):
@@ -89,6 +123,21 @@ class InputProblem(IntEnum):
     PREPARED_SKIPPED_MISMATCH = 15
     NOT_COMBINED = 16
     LAYOUT = 17
+
+
+def input_kind_code(value: object) -> int:
+    """The code in :data:`INPUT_KINDS` of what ``value`` (not a tensor) is (a NumPy array told by
+    its type's name, so that NumPy need not be imported here)."""
+    code = next((code for code, kind in enumerate(_INPUT_TYPES) if isinstance(value, kind)), None)
+    if code is not None:
+        return code
+    numpy_array = (type(value).__module__, type(value).__name__) == ("numpy", "ndarray")
+    return INPUT_KINDS.index("a numpy.ndarray" if numpy_array else "an object of another type")
+
+
+def _input_kind_text(values: dict[str, int]) -> dict[str, object]:
+    code = values["given"]
+    return {"given_text": INPUT_KINDS[code] if 0 <= code < len(INPUT_KINDS) else INPUT_KINDS[-1]}
 
 
 def layout_code(tensor: torch.Tensor) -> int:
@@ -188,7 +237,9 @@ _DEVICE_FIELDS = ("have_device", "want_device", "have_index", "want_index")
 #: Every input problem: its detail fields and message, defined once.
 PROBLEMS: dict[InputProblem, ProblemTemplate] = {
     InputProblem.GRID_NOT_TENSOR: ProblemTemplate(
-        (), "grid_thw is not a torch.Tensor: expected an integer tensor of shape [n_images, 3]"
+        ("given",),
+        "grid_thw is {given_text}, not a torch.Tensor: expected an integer tensor of shape [n_images, 3]",
+        _input_kind_text,
     ),
     InputProblem.GRID_SHAPE: ProblemTemplate(
         ("ndim", "size0", "size1", "size2"),
@@ -204,7 +255,9 @@ PROBLEMS: dict[InputProblem, ProblemTemplate] = {
         "whose product T*H*W and sum over the images stay below 2**62",
     ),
     InputProblem.PIXELS_NOT_TENSOR: ProblemTemplate(
-        (), "pixel_values is not a torch.Tensor: expected a float tensor of shape [sum(T*H*W), C]"
+        ("given",),
+        "pixel_values is {given_text}, not a torch.Tensor: expected a float tensor of shape [sum(T*H*W), C]",
+        _input_kind_text,
     ),
     InputProblem.PIXELS_SHAPE: ProblemTemplate(
         ("ndim",), "pixel_values has {ndim} dims: expected a 2-D tensor [sum(T*H*W), C]"

@@ -28,7 +28,7 @@ from lightning_vit_balance.exchange import (
     sharded_grads_all_zero,
 )
 from lightning_vit_balance.planning import RebalancePlan
-from lightning_vit_balance.problems import DTYPES, InputProblem, describe_problem
+from lightning_vit_balance.problems import DTYPES, INPUT_KINDS, InputProblem, describe_problem
 
 POOL = 4
 
@@ -239,6 +239,7 @@ def test_collective_device_for_gloo(multirank: Any) -> None:
 
 def test_describe_problem_messages_are_distinct_and_specific() -> None:
     details = {
+        InputProblem.PIXELS_NOT_TENSOR: (INPUT_KINDS.index("a numpy.ndarray"),),
         InputProblem.GRID_SHAPE: (2, 5, 2),
         InputProblem.GRID_DTYPE: (DTYPES.index(torch.float32),),
         InputProblem.GRID_VALUE: (3, 1, 0, 4),
@@ -251,11 +252,11 @@ def test_describe_problem_messages_are_distinct_and_specific() -> None:
         InputProblem.DTYPE_MISMATCH: (DTYPES.index(torch.float64), 0, DTYPES.index(torch.float32)),
     }
     fragments = {
-        InputProblem.GRID_NOT_TENSOR: "grid_thw is not a torch.Tensor",
+        InputProblem.GRID_NOT_TENSOR: "grid_thw is None, not a torch.Tensor",
         InputProblem.GRID_SHAPE: "shape (5, 2)",
         InputProblem.GRID_DTYPE: "torch.float32",
         InputProblem.GRID_VALUE: "grid_thw[3] = [1, 0, 4]",
-        InputProblem.PIXELS_NOT_TENSOR: "pixel_values is not a torch.Tensor",
+        InputProblem.PIXELS_NOT_TENSOR: "pixel_values is a numpy.ndarray, not a torch.Tensor",
         InputProblem.PIXELS_SHAPE: "3 dims",
         InputProblem.PIXELS_DTYPE: "torch.int64",
         InputProblem.PIXEL_ROWS: "10 rows: expected sum(T*H*W) over grid_thw = 12",
@@ -273,6 +274,18 @@ def test_describe_problem_messages_are_distinct_and_specific() -> None:
         assert fragment in messages[code], (code, messages[code])
 
 
+def test_an_input_that_is_not_a_tensor_is_named_by_what_it_is() -> None:
+    import numpy as np
+
+    grid = torch.tensor([[1, 2, 2]])
+    given = {None: "None", True: "a bool", 3: "an int", "x": "a str", (1,): "a tuple", object: "an object of"}
+    for value, says in [*given.items(), ([[1, 2, 2]], "a list"), (np.zeros((1, 3)), "a numpy.ndarray")]:
+        found = validate_input(torch.zeros(4, 3), value, 2, None, check_device=False)
+        assert f"grid_thw is {says}" in describe_problem(found.status, found.details), value
+        found = validate_input(value, grid, 2, None, check_device=False)
+        assert f"pixel_values is {says}" in describe_problem(found.status, found.details), value
+
+
 def test_pixels_no_backend_carries_and_grids_whose_products_wrap_are_input_problems() -> None:
     """float8 rows passed as floating; grids whose T*H*W wrapped int64 passed with 4 pixel rows."""
     grid = torch.tensor([[1, 2, 2]])
@@ -281,7 +294,7 @@ def test_pixels_no_backend_carries_and_grids_whose_products_wrap_are_input_probl
         assert found.status == InputProblem.PIXELS_DTYPE
         message = describe_problem(found.status, found.details)
         assert "expected float32, float16, bfloat16 or float64" in message
-        assert ("torch.int64" if dtype == torch.int64 else "collectives do not carry") in message
+        assert f"pixel_values has dtype {dtype}:" in message
     for wraps in ([[2**32, 2, 2**31], [1, 2, 2]], [[1, 2**32, 2**32]], [[2**60, 2, 1], [2**60, 2, 1]]):
         found = validate_input(torch.zeros(4, 3), torch.tensor(wraps), 2, None, check_device=False)
         assert found.status == InputProblem.GRID_VALUE, wraps

@@ -1682,7 +1682,7 @@ def _bad_input_on_rank_1(family: str, ahead: str | None, grid: str) -> str:
     [
         (None, "none", "image_grid_thw is None"),
         (None, "4 columns", "image_grid_thw is a tensor of shape (1, 4)"),
-        ("prepare", "none", "grid_thw is not a torch.Tensor"),
+        ("prepare", "none", "grid_thw is None, not a torch.Tensor"),
         ("prepare", "4 columns", "grid_thw has shape (1, 4)"),
         ("collator", "4 columns", "grid_thw has shape (1, 4)"),
         ("prepare", "tuple", "On this rank: the batch is a tuple, not a mapping"),

@@ -492,6 +492,13 @@ class ViTBalancer:
     ) -> None:
         if config is not None and not isinstance(config, ViTBalanceConfig):
             raise TypeError(f"config={config!r} is invalid: expected a ViTBalanceConfig or None.")
+        if report is not None and not callable(report):
+            # Called with the first verbose line, after a call's collectives: on every rank alike
+            # only if refused here.
+            raise TypeError(
+                f"report={report!r} is invalid: expected a callable taking one line of text (print, "
+                "a logger's info method) or None."
+            )
         require_member(group, "group")
         require_member(host_group, "host_group")
         self._calibrator: CostCalibrator | None = None
@@ -581,6 +588,11 @@ class ViTBalancer:
         Inside a compiled model (``torch.compile``) the call runs eagerly, a graph break, and calls
         ``vit`` as it is passed (compile it, or its blocks, to have it compiled).
         """
+        if prepared is not None and not isinstance(prepared, PreparedPlan):
+            raise TypeError(
+                f"prepared={prepared!r} is invalid: expected the PreparedPlan ViTBalancer.prepare "
+                "returned for this batch, or None."
+            )
         # A recomputation (activation checkpointing) is the forward's call again: not counted.
         self.calls += int(not in_backward_pass())
         remembered = self._plan_memory.remembered
@@ -627,7 +639,9 @@ class ViTBalancer:
             return output
         if not distributed or dist.get_world_size(self.group) == 1:
             merge = merge_size_of(vit, self.output_layout)
-            if isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 and grid_thw.shape[0] == 0:
+            empty = isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 and grid_thw.shape[0] == 0
+            # Rows the dummy image could take their width from; other input goes to the ViT as it is.
+            if empty and isinstance(pixel_values, torch.Tensor) and pixel_values.dim() == 2:
                 reference = _Reference(int(pixel_values.shape[1]), pixel_values.dtype, False)
                 output = self._empty_output(vit, pixel_values, grid_thw, merge, reference)
             else:

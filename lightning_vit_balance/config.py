@@ -29,6 +29,7 @@ __all__ = [
     "SOLVERS",
     "ViTBalanceConfig",
     "add_vit_balance_args",
+    "require_flag",
     "setting_digest",
     "stable_digest",
 ]
@@ -46,6 +47,15 @@ EMPTY_RANK_POLICIES: tuple[str, ...] = ("attached", "no_grad")
 
 def _fail(name: str, value: object, expected: str, owner: str = "ViTBalanceConfig") -> None:
     raise ValueError(f"{owner}.{name}={value!r} is invalid: expected {expected}.")
+
+
+def require_flag(owner: str, name: str, value: object, optional: bool = False) -> bool | None:
+    """``value`` of ``owner``'s argument ``name`` where it is a bool (or None, where ``optional``);
+    else a ValueError naming both: ``bool()`` of a string such as ``"False"`` is True."""
+    if isinstance(value, bool) or (optional and value is None):
+        return value
+    expected = "a bool or None" if optional else "a bool"
+    raise ValueError(f"{owner}({name}={value!r}) is invalid: expected {expected}.")
 
 
 def _check_number(

@@ -209,16 +209,22 @@ def current_group(group: Any = None) -> Any:
 
 
 def require_member(group: Any, argument: str) -> None:
-    """Raise where ``group`` does not hold this process: ``dist.new_group`` returns a placeholder
-    (``GroupMember.NON_GROUP_MEMBER``) on the ranks it leaves out, which torch's collectives refuse
-    with a message that names neither the argument nor the cause."""
-    placeholder = dist.GroupMember.NON_GROUP_MEMBER
-    if group is not None and not isinstance(group, dist.ProcessGroup) and group == placeholder:
+    """Raise where ``group`` is not a process group that holds this process (None, the default
+    group, passes): ``dist.new_group`` returns a placeholder (``GroupMember.NON_GROUP_MEMBER``) on
+    the ranks it leaves out, which torch's collectives refuse with a message that names neither the
+    argument nor the cause."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(
             f"{argument} is a group that does not hold this process (global rank {dist.get_rank()}): "
             "dist.new_group returns that placeholder on the ranks it leaves out. Expected the "
             "data-parallel group this rank belongs to, on every rank (each rank passes its own)."
         )
+    raise TypeError(
+        f"{argument}={group!r} is invalid: expected a torch.distributed ProcessGroup (the "
+        "data-parallel group, the same on every rank) or None for the default group."
+    )
 
 
 def _backend_device_type(group: Any) -> str | None:

@@ -206,7 +206,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer, refuse_in_a_loader_worker
 from lightning_vit_balance.callsite import warn_at_user
-from lightning_vit_balance.config import ViTBalanceConfig
+from lightning_vit_balance.config import ViTBalanceConfig, require_flag
 from lightning_vit_balance.cost import CostModel, pixel_row_factors
 from lightning_vit_balance.eager import eager, eager_frame
 from lightning_vit_balance.encoding import INVALID_INPUT, gathered_per_call, parameters_sharded
@@ -1541,6 +1541,7 @@ class BalancedVisionTower:
             raise TypeError(
                 f"balance_vision_tower(config={config!r}) is invalid: expected a ViTBalanceConfig or None."
             )
+        require_flag("balance_vision_tower", "evaluation", evaluation)
         if dist.is_available() and dist.is_initialized():
             require_member(group, "group")
         base, tower = _find_base(model)
@@ -1571,7 +1572,7 @@ class BalancedVisionTower:
         self._tower_keywords.update(self._form.keywords)
         self.config = config
         self.group = group
-        self.evaluation = bool(evaluation)
+        self.evaluation = evaluation
         self._derived: ViTBalanceConfig | None = None
         self.last_stats: BalanceStats | None = None
         self.calls = 0
@@ -1612,11 +1613,17 @@ class BalancedVisionTower:
     def projection(self, names: Sequence[str]) -> None:
         # Checked here, the same on every rank: at a forward only text-only ranks would read them.
         children = dict(self.base.named_children())
-        unknown = [name for name in names if not isinstance(name, str) or name not in children]
-        if isinstance(names, str) or unknown:
+        base = type(self.base).__name__
+        expected = f"expected a sequence of names of {base}'s children ({', '.join(children)})"
+        if isinstance(names, str):
             raise ValueError(
-                f"BalancedVisionTower.projection = {names!r} is invalid: expected names of "
-                f"{type(self.base).__name__}'s children ({', '.join(children)}); not children: {unknown}."
+                f"BalancedVisionTower.projection = {names!r} is invalid: {expected}, not a string "
+                f"(a one-name projection is ({names!r},))."
+            )
+        unknown = [name for name in names if not isinstance(name, str) or name not in children]
+        if unknown:
+            raise ValueError(
+                f"BalancedVisionTower.projection = {names!r} is invalid: {expected}; not children: {unknown}."
             )
         self._projection = tuple(names)
         self._leaves += _mark_zero3_leaves(self._projections_called_once())

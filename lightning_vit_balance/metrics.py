@@ -23,6 +23,7 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from lightning_vit_balance.config import require_flag
 from lightning_vit_balance.planning import REASONS
 
 if TYPE_CHECKING:
@@ -219,7 +220,7 @@ class BalanceMetrics:
     """
 
     def __init__(self, per_rank_loads: bool | None = None) -> None:
-        self.per_rank_loads = None if per_rank_loads is None else bool(per_rank_loads)
+        self.per_rank_loads = require_flag("BalanceMetrics", "per_rank_loads", per_rank_loads, optional=True)
         self.applied_total = 0
         self.calls_total = 0
         self.skipped_total: dict[str, int] = dict.fromkeys(SKIP_REASONS, 0)

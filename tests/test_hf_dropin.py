@@ -687,9 +687,15 @@ def test_projection_names_the_children_outside_the_tower() -> None:
     handle = balance_vision_tower(tiny_model("qwen2_5_vl"))
     handle.projection = ("language_model",)
     assert handle.projection == ("language_model",)
-    for bad in (("mlp1",), "language_model"):
-        with pytest.raises(ValueError, match=r"BalancedVisionTower.projection = .* expected names of"):
+    for bad, says in (
+        (("mlp1",), "not children: ['mlp1']"),
+        ("merger", "not a string (a one-name projection"),
+    ):
+        with pytest.raises(
+            ValueError, match=r"BalancedVisionTower.projection = .* expected a sequence of names"
+        ) as raised:
             handle.projection = bad
+        assert says in str(raised.value)
 
 
 def test_the_towers_blocks_become_zero3_leaves_until_removed() -> None:
@@ -2170,6 +2176,10 @@ def test_remove_restores_the_model_bit_for_bit() -> None:
     assert inspect.signature(base.forward) == inspect.signature(type(base).forward.__get__(base))
     with pytest.raises(ValueError, match="already balanced"):
         balance_vision_tower(model)
+    with pytest.raises(
+        ValueError, match=r"balance_vision_tower\(evaluation='False'\) is invalid: expected a bool"
+    ):
+        balance_vision_tower(tiny_model("qwen2_5_vl"), evaluation="False")
     # Pickling (what ddp_spawn does) keeps the model balanced, by a fresh handle of its own.
     copied = pickle.loads(pickle.dumps(model))
     assert BalancedVisionTower.of(copied) is not handle and BalancedVisionTower.of(copied) is not None

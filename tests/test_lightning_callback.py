@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_vit_balance.balancer import BalanceStats
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
+from lightning_vit_balance.metrics import BalanceMetrics
 from lightning_vit_balance.planning import REASONS
 
 SKIP_REASONS = [r for r in REASONS if r != "applied"]
@@ -276,6 +277,17 @@ def test_zero_means_never_log_and_bad_options_are_named() -> None:
     assert logger.vit_balance_calls() == []
     with pytest.raises(ValueError, match=r"log_every_n_steps=-1"):
         ViTBalanceCallback(log_every_n_steps=-1)
+    # bool("False") is True: a string from a config file would have turned the option on.
+    with pytest.raises(
+        ValueError, match=r"ViTBalanceCallback\(prog_bar='False'\) is invalid: expected a bool\."
+    ):
+        ViTBalanceCallback(prog_bar="False")
+    with pytest.raises(
+        ValueError, match=r"\(log_per_rank_loads='false'\) is invalid: expected a bool or None"
+    ):
+        ViTBalanceCallback(log_per_rank_loads="false")
+    with pytest.raises(ValueError, match=r"BalanceMetrics\(per_rank_loads='no'\) is invalid"):
+        BalanceMetrics(per_rank_loads="no")
 
 
 def test_a_module_without_the_mixin_gets_a_warning() -> None:

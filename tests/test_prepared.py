@@ -710,6 +710,24 @@ def _with_host_group() -> dict[str, Any]:
     return {"applied": ticket.plan.applied, "refused": refused, "outside": outside}
 
 
+def test_arguments_of_another_kind_are_refused_where_they_are_passed() -> None:
+    """A group that is no process group failed every rank at its first call (``'str' object has
+    no attribute 'size'``); a ``report`` that cannot be called raised after the collectives of the
+    first verbose call, on rank 0 alone; a ``prepared`` of another kind raised an AttributeError."""
+    import logging
+
+    for make in (lambda: ViTBalancer(group="world"), lambda: ViTBalancer(host_group=3)):
+        with pytest.raises(
+            TypeError, match=r"(group='world'|host_group=3) is invalid: expected a torch.distributed"
+        ):
+            make()
+    with pytest.raises(TypeError, match=r"report=<Logger train .* is invalid: expected a callable"):
+        ViTBalancer(report=logging.getLogger("train"))
+    pixels, grid = towers.make_batch([(1, 4, 4)], seed=0)
+    with pytest.raises(TypeError, match=r"prepared=\{'plan': 1\} is invalid: expected the PreparedPlan"):
+        ViTBalancer()(towers.TensorTower(), pixels, grid, prepared={"plan": 1})
+
+
 def test_gathers_on_a_host_group(multirank: Any) -> None:
     with multirank(POOL) as w:
         results = w.run(_with_host_group)

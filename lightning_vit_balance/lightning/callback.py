@@ -10,6 +10,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_vit_balance.config import require_flag
 from lightning_vit_balance.metrics import PREFIX, BalanceMetrics
 
 if TYPE_CHECKING:
@@ -149,8 +150,10 @@ class ViTBalanceCallback(Callback):
                 f"or an int >= 0."
             )
         self.log_every_n_steps = log_every_n_steps
-        self.log_per_rank_loads = None if log_per_rank_loads is None else bool(log_per_rank_loads)
-        self.prog_bar = bool(prog_bar)
+        self.log_per_rank_loads = require_flag(
+            "ViTBalanceCallback", "log_per_rank_loads", log_per_rank_loads, optional=True
+        )
+        self.prog_bar = require_flag("ViTBalanceCallback", "prog_bar", prog_bar)
         self._warned_no_mixin = False
         self._reset_totals()
 

@@ -142,6 +142,10 @@ class CostModel:
 
     def to_config(self, config: ViTBalanceConfig | None = None) -> ViTBalanceConfig:
         """``config`` (default: a default config) with its ``cost_*`` fields set to this model."""
+        if config is not None and not isinstance(config, ViTBalanceConfig):
+            raise TypeError(
+                f"CostModel.to_config(config={config!r}) is invalid: expected a ViTBalanceConfig or None."
+            )
         return dataclasses.replace(
             config if config is not None else ViTBalanceConfig(),
             cost_quadratic=float(self.quadratic),

@@ -1537,13 +1537,7 @@ class BalancedVisionTower:
         *,
         evaluation: bool = False,
     ) -> None:
-        if config is not None and not isinstance(config, ViTBalanceConfig):
-            raise TypeError(
-                f"balance_vision_tower(config={config!r}) is invalid: expected a ViTBalanceConfig or None."
-            )
-        require_flag("balance_vision_tower", "evaluation", evaluation)
-        if dist.is_available() and dist.is_initialized():
-            require_member(group, "group")
+        _check_arguments(config, group, evaluation)
         base, tower = _find_base(model)
         problems = _contract_problems(base, tower)
         wrapping = _wrapping_problem(base, tower)
@@ -2619,6 +2613,17 @@ def unreadable_batch(batch: Any, keys: tuple[tuple[str, str], ...]) -> str:
         f"rows and grids of a batch by name ({key_names(keys)}); collate batches into a dict with "
         "those keys"
     )
+
+
+def _check_arguments(config: object, group: object, evaluation: object) -> None:
+    """Raise for an argument of ``balance_vision_tower`` of another kind, before anything is patched."""
+    if config is not None and not isinstance(config, ViTBalanceConfig):
+        raise TypeError(
+            f"balance_vision_tower(config={config!r}) is invalid: expected a ViTBalanceConfig or None."
+        )
+    require_flag("balance_vision_tower", "evaluation", evaluation)
+    if dist.is_available() and dist.is_initialized():
+        require_member(group, "group")
 
 
 def rows_to_plan(

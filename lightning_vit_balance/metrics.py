@@ -233,6 +233,11 @@ class BalanceMetrics:
 
     def add(self, stats: BalanceStats) -> None:
         """Count one balanced call, in the window and since the start."""
+        if stats is None:
+            raise TypeError(
+                "BalanceMetrics.add(stats=None) is invalid: expected a BalanceStats (a balancer's "
+                "last_stats is None until its first call)."
+            )
         self.calls_total += 1
         if stats.applied:
             self.applied_total += 1

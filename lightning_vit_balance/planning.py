@@ -332,6 +332,17 @@ def _validate_frames(frames: Sequence[Sequence[int]], counts: tuple[tuple[int, .
     return flat
 
 
+def _check_planning_arguments(config: object, cost_model: object) -> None:
+    """Raise a TypeError naming a ``plan_rebalance`` argument of another kind."""
+    if config is not None and not isinstance(config, ViTBalanceConfig):
+        raise TypeError(f"plan_rebalance(config={config!r}) is invalid: expected a ViTBalanceConfig or None.")
+    if cost_model is not None and not callable(cost_model):
+        raise TypeError(
+            f"plan_rebalance(cost_model={cost_model!r}) is invalid: expected a callable of the patch "
+            "counts (a CostModel) or None."
+        )
+
+
 def plan_rebalance(
     patch_counts: Sequence[Sequence[int]],
     config: ViTBalanceConfig | None = None,
@@ -366,8 +377,10 @@ def plan_rebalance(
         ValueError: ``patch_counts`` is not a non-empty sequence of sequences of positive ints,
             ``frames`` is not shaped like it with positive ints, or ``cost_model`` does not return
             one finite non-negative cost per image.
-        TypeError: ``frames`` are given and ``cost_model`` takes no ``frames`` keyword.
+        TypeError: ``frames`` are given and ``cost_model`` takes no ``frames`` keyword; ``config``
+            is not a ``ViTBalanceConfig`` or ``cost_model`` not a callable.
     """
+    _check_planning_arguments(config, cost_model)
     config = config if config is not None else ViTBalanceConfig()
     model = cost_model if cost_model is not None else _cost_model(config)
     counts = _validate_patch_counts(patch_counts)

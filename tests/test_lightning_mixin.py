@@ -375,6 +375,42 @@ def test_plans_made_ahead_from_unreadable_batches_say_so() -> None:
         assert "the batch holds none of them, only 'images', 'grids'" in message, result
 
 
+def _plans_from_keys_that_do_not_fit() -> list[str]:
+    """``vit_balance_prepare_keys`` written flat (every rank); a batch whose grid is under another
+    key than the one named (rank 1)."""
+    rank = dist.get_rank()
+    module = MixinFirst(ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))
+    module.vit_balance_group = dist.group.WORLD
+    pixel_values, grid = _images(3, seed=rank)
+    messages = []
+    for keys, grid_key in ((("pixel_values", "image_grid_thw"), "image_grid_thw"), (None, "grid_thw")):
+        if keys is not None:
+            module.vit_balance_prepare_keys = keys
+        try:
+            module.prepare_vit_balance(
+                {"pixel_values": pixel_values, grid_key if rank == 1 else "image_grid_thw": grid}
+            )
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(f"{error} {' '.join(getattr(error, '__notes__', []))}")
+        module.__dict__.pop("vit_balance_prepare_keys", None)  # the class's own again
+    return messages
+
+
+def test_plans_made_ahead_from_keys_that_do_not_fit_name_them() -> None:
+    """Flat keys raised ``too many values to unpack``; a grid missing under its key said only that
+    ``grid_thw is not a torch.Tensor``."""
+    with world(2) as w:
+        results = w.run(_plans_from_keys_that_do_not_fit, timeout=60)
+    for rank, (flat, missing) in enumerate(results):
+        flat_keys = "vit_balance_prepare_keys=('pixel_values', 'image_grid_thw') is invalid"
+        assert f"{flat_keys}: expected (pixels key, grid key) pairs" in flat, flat
+        assert "rank 1: grid_thw is None, not a torch.Tensor" in missing, missing
+        assert "made ahead from the batch's 'pixel_values'/'image_grid_thw', 'pixel_values_videos'" in missing
+        held = "'pixel_values', 'grid_thw'" if rank == 1 else "'pixel_values', 'image_grid_thw'"
+        assert f"The batch on this rank holds {held}." in missing, missing
+
+
 def test_without_a_trainer_the_calls_queue_for_the_loop_boundedly() -> None:
     """Every balanced call of a step is queued for ``pop_vit_balance_stats`` (a loop's own
     ``BalanceMetrics``); the latest ``KEPT_STATS`` at most when nothing reads them."""

@@ -235,3 +235,11 @@ def test_per_rank_series_by_default_up_to_64_ranks(
     assert len(per_rank) == (3 * num_ranks if series else 0)
     assert got["vit_balance/vit_ms_max"] == 50.0 and got["vit_balance/vit_ms_slowest_rank"] == num_ranks - 1
     assert got["vit_balance/imbalance_before"] > 0
+
+
+def test_a_missing_stats_is_named() -> None:
+    """A balancer's ``last_stats`` before its first call is None, which ``add`` read as stats."""
+    with pytest.raises(
+        TypeError, match=r"BalanceMetrics.add\(stats=None\) is invalid: expected a BalanceStats"
+    ):
+        BalanceMetrics().add(None)  # type: ignore[arg-type]

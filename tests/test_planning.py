@@ -1073,3 +1073,17 @@ def test_plan_digest_tells_plans_apart() -> None:
     ]
     digests = {plan.digest, *(other.digest for other in others)}
     assert len(digests) == 4 and all(0 <= d < 2**62 for d in digests)
+
+
+def test_arguments_of_another_kind_are_named() -> None:
+    """A config given as a dict or a solver's name, a cost model that is no callable: Python's own
+    errors from deep inside before (``'dict' object has no attribute 'cost_quadratic'``)."""
+    for config in ({"solver": "lpt"}, "lpt"):
+        with pytest.raises(
+            TypeError, match=r"plan_rebalance\(config=.* is invalid: expected a ViTBalanceConfig"
+        ):
+            plan_rebalance([[4], [1]], config)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"plan_rebalance\(cost_model=3\) is invalid: expected a callable"):
+        plan_rebalance([[4], [1]], cost_model=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"CostModel.to_config\(config='x'\) is invalid"):
+        CostModel().to_config("x")  # type: ignore[arg-type]

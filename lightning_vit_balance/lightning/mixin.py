@@ -325,6 +325,21 @@ def _some_keys(batch: Mapping[Any, Any]) -> str:
     return f"{', '.join(names)}{more}" if names else "no keys"
 
 
+def _prepare_keys(keys: object) -> tuple[tuple[str, str], ...]:
+    """``vit_balance_prepare_keys``, checked to be ``(pixels key, grid key)`` pairs (the same on
+    every rank: all raise alike, before the plan's gather)."""
+    pairs = isinstance(keys, (tuple, list)) and all(
+        isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(key, str) for key in pair)
+        for pair in keys
+    )
+    if not pairs:
+        raise ValueError(
+            f"ViTBalanceMixin.vit_balance_prepare_keys={keys!r} is invalid: expected (pixels key, grid "
+            "key) pairs, one per modality, such as (('pixel_values', 'image_grid_thw'),)."
+        )
+    return tuple((pixels, grid) for pixels, grid in keys)  # type: ignore[union-attr]
+
+
 def _own_loop_balances(training: bool, evaluation: bool, sharded: Callable[[], bool]) -> bool:
     """Without a Trainer (Fabric, or a plain module with an explicit group), whether a call of
     ``vit`` made in the caller's own loop is balanced.
@@ -1234,14 +1249,21 @@ class ViTBalanceMixin:
         if not wanted or not self._vit_balance_towers_balance():
             return True
         towers = self._vit_balance_towers
-        keys = self.vit_balance_prepare_keys
+        keys = _prepare_keys(self.vit_balance_prepare_keys)
         # A batch that is not a mapping holds no keys to read: planned as one without images (a
         # step that encodes none works), named in the error of a call that encodes some.
         readable = isinstance(batch, Mapping)
         pixels, grid = rows_to_plan(batch if readable else {}, keys, towers)
-        ticket = self._vit_balance_balancer(*self._vit_balance_towers_settings(settings)).prepare(
-            pixels, grid
-        )
+        balancer = self._vit_balance_balancer(*self._vit_balance_towers_settings(settings))
+        try:
+            ticket = balancer.prepare(pixels, grid)
+        except ValueError as error:  # raised alike on every rank: each adds the same keys
+            held = _some_keys(batch) if readable else f"a {type(batch).__name__}"
+            error.add_note(
+                f"The plan was made ahead from the batch's {key_names(keys)} (vit_balance_prepare_keys). "
+                f"The batch on this rank holds {held}."
+            )
+            raise
         for tower in towers:  # their step grids (GLM-4.xV) from these rows, not read on the device
             tower._keep_host_rows(batch)
         if ticket is not None:

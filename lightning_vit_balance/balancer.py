@@ -934,7 +934,9 @@ class ViTBalancer:
             self._clock.start(batch.pixels.device)
             if problem is not None:
                 self._call_as_the_others(call, vit, reference, batch.grid)
-            encoded = self._encode(call, vit, batch, ValueError(problem) if problem is not None else None)
+            encoded = self._encode(
+                call.merge, vit, batch, ValueError(problem) if problem is not None else None
+            )
         self._clock.stop()
         call.seconds["encode"] = encoded.seconds
         returned = self._combine(call, vit, encoded, plan, batch, reference)
@@ -994,15 +996,21 @@ class ViTBalancer:
             vit(batch.pixels, batch.grid)
 
     def _encode(
-        self, call: _Call, vit: Any, batch: BalancedBatch, skip_with: Exception | None = None
+        self,
+        merge: int,
+        vit: Any,
+        batch: BalancedBatch,
+        skip_with: Exception | None = None,
+        routed: bool = True,
     ) -> EncodedBatch:
         return encode(
             vit,
             batch,
-            merge=call.merge,
+            merge=merge,
             layout=self.output_layout,
             no_grad_dummy=self.config.empty_rank_forward == "no_grad",
             skip_with=skip_with,
+            routed=routed,
         )
 
     def _overlapped(
@@ -1034,7 +1042,7 @@ class ViTBalancer:
         if home:
             rows = take_rows(pixel_values, row_runs(mine, home))
             home_encoded = self._encode(
-                call, vit, self._batch(rows, rows, [(call.rank, i) for i in home], metadata, grid_thw)
+                call.merge, vit, self._batch(rows, rows, [(call.rank, i) for i in home], metadata, grid_thw)
             )
         started = time.perf_counter()
         with call.first_trip():
@@ -1051,7 +1059,7 @@ class ViTBalancer:
                 call.merge, reference.channels, reference.dtype, grid_thw, received.device
             )
             batch = dataclasses.replace(batch, received=received)
-        encoded = self._encode(call, vit, batch)
+        encoded = self._encode(call.merge, vit, batch)
         if home_encoded is not None:
             before = [metadata[src].patch_counts[i] for src, i in away if src < call.rank]
             encoded = splice_encoded(encoded, home_encoded, before, call.merge)
@@ -1511,15 +1519,8 @@ class ViTBalancer:
         """The ViT's output structure with zero rows, from a dummy forward (never an empty batch)."""
         batch = BalancedBatch.dummy(merge, reference.channels, reference.dtype, grid_thw, pixel_values.device)
         self._clock.start(batch.pixels.device)
-        encoded = encode(
-            vit,
-            batch,
-            merge=merge,
-            layout=self.output_layout,
-            no_grad_dummy=self.config.empty_rank_forward == "no_grad",
-            # A skipped call: the other ranks' direct calls check nothing, so neither does this one.
-            routed=False,
-        )
+        # A skipped call: the other ranks' direct calls check nothing, so neither does this one.
+        encoded = self._encode(merge, vit, batch, routed=False)
         self._clock.stop()
         if encoded.error is not None:
             raise encoded.error

@@ -41,11 +41,11 @@ from lightning_vit_balance.encoding import (
     BalancedBatch,
     EncodedBatch,
     GatherFor,
-    ShardedTowers,
     TripClock,
     ViTClock,
     encode,
     merge_problem,
+    parameters_sharded,
     raise_for_gradients,
     raise_for_input,
     raise_for_merge,
@@ -515,9 +515,7 @@ class ViTBalancer:
         # The tower the cost fit measures (see _note_fitted_tower): a weak reference, so that a
         # tower rebuilt in its place (a reloaded model) takes over its fit without a warning.
         self._fitted_tower: Callable[[], Any] | None = None
-        # Whether a ViT's parameters are sharded (FSDP, ZeRO-3): each of its calls gathers them, a
-        # collective. The same on every rank: the model is sharded alike on all of them.
-        self._sharded = ShardedTowers()
+        self._sharded_vits: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
         # Plans for activation checkpointing's recomputations, where refits may change the plan.
         self._plan_memory = PlanMemory()
         # Routes, trips and return layouts of recent plans: made once per plan, ahead where it is.
@@ -980,6 +978,18 @@ class ViTBalancer:
                 "ViTBalancer per tower (under ViTBalanceMixin, encode_images keeps one balancer for "
                 "every tower: call a second tower through a ViTBalancer of its own)."
             )
+
+    def _sharded(self, vit: Any) -> bool:
+        """Whether ``vit``'s parameters are sharded (FSDP, ZeRO-3): each of its calls gathers them,
+        a collective. The same on every rank: the model is sharded alike on all of them."""
+        if not isinstance(vit, torch.nn.Module):
+            return False
+        sharded = self._sharded_vits.get(vit)
+        if sharded is None:
+            # Read once per ViT (a walk of its modules, in the forward): models are sharded when the
+            # run sets up, before their first balanced call.
+            sharded = self._sharded_vits[vit] = parameters_sharded(vit)
+        return sharded
 
     def _call_as_the_others(self, call: _Call, vit: Any, reference: _Reference, like_grid: Any) -> None:
         """On a rank whose input does not match its prepared plan (it encodes nothing, and reports

@@ -1127,10 +1127,10 @@ def test_plans_made_ahead_go_to_the_steps() -> None:
     assert module._vit_balance_take_ticket() is ticket  # no Trainer: the caller's own loop
 
 
-def _sharded_evaluation(sharded: bool) -> dict[str, Any]:
-    """No Trainer, eval mode: a tower whose parameters FSDP2 shards is balanced (each of its calls
-    is a collective anyway), a plain one encodes directly; a tower sharded after a call made
-    directly before is balanced from then on."""
+def _sharded_evaluation(sharded: str | None) -> dict[str, Any]:
+    """No Trainer, eval mode: a tower whose parameters FSDP2 shards (the tower a unit, or only a
+    module of it) is balanced (each of its calls is a collective anyway), a plain one encodes
+    directly; a tower sharded after a call made directly before is balanced from then on."""
     from torch.distributed.fsdp import fully_shard
 
     rank = dist.get_rank()
@@ -1141,8 +1141,8 @@ def _sharded_evaluation(sharded: bool) -> dict[str, Any]:
     with torch.no_grad():
         module.encode_images(module.visual, pixel_values, grid)
     assert module.last_vit_balance_stats is None  # not yet sharded: direct
-    if sharded:
-        fully_shard(module.visual)
+    if sharded is not None:
+        fully_shard(module.visual if sharded == "tower" else module.visual.merger)
     with torch.no_grad():
         out = module.encode_images(module.visual, pixel_values, grid)
         direct = module.visual(pixel_values, grid)
@@ -1155,8 +1155,10 @@ def _sharded_evaluation(sharded: bool) -> dict[str, Any]:
 
 def test_without_a_trainer_evaluation_balances_where_the_tower_is_sharded() -> None:
     with world(2) as w:
-        assert w.run(_sharded_evaluation, True) == [{"equal": True, "applied": True}] * 2
-        assert w.run(_sharded_evaluation, False) == [{"equal": True, "applied": None}] * 2
+        assert w.run(_sharded_evaluation, "tower") == [{"equal": True, "applied": True}] * 2
+        # Its class stays the tower's: only a walk of its modules tells.
+        assert w.run(_sharded_evaluation, "merger") == [{"equal": True, "applied": True}] * 2
+        assert w.run(_sharded_evaluation, None) == [{"equal": True, "applied": None}] * 2
 
 
 class TornDown(MixinFirst):

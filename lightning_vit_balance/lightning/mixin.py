@@ -27,7 +27,7 @@ from lightning_vit_balance.callsite import warn_at_user
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.eager import eager, eager_frame
-from lightning_vit_balance.encoding import ShardedTowers
+from lightning_vit_balance.encoding import parameters_sharded
 from lightning_vit_balance.exchange import current_group, gather_host_values, require_member
 from lightning_vit_balance.hf import (
     GRIDS_KEY,
@@ -340,19 +340,25 @@ def _prepare_keys(keys: object) -> tuple[tuple[str, str], ...]:
     return tuple((pixels, grid) for pixels, grid in keys)  # type: ignore[union-attr]
 
 
-def _own_loop_balances(training: bool, evaluation: bool, sharded: Callable[[], bool]) -> bool:
+def _own_loop_balances(training: bool, evaluation: bool, vit: object) -> bool:
     """Without a Trainer (Fabric, or a plain module with an explicit group), whether a call of
     ``vit`` made in the caller's own loop is balanced.
 
     Training calls are (the module in train mode): a training loop makes the same steps on every
     rank, as DDP needs anyway. Evaluation calls (the module in eval mode) are balanced when the
     caller says every rank makes them (``evaluation``), or where ``vit``'s parameters are sharded
-    (``sharded()``: each call of it is a collective then, which every rank makes or the plain model
-    would hang too, and a text-only rank must join it, balanced, as it runs the tower too).
-    Otherwise they encode directly, so that an evaluation on some ranks only (samples logged on
-    rank 0) does not wait in a collective the other ranks never join.
+    (:func:`_sharded`). Otherwise they encode directly, so that an evaluation on some ranks only
+    (samples logged on rank 0) does not wait in a collective the other ranks never join.
     """
-    return training or evaluation or sharded()
+    return training or evaluation or _sharded(vit)
+
+
+def _sharded(vit: object) -> bool:
+    """Whether ``vit``'s parameters are sharded (FSDP, ZeRO-3): each call of it is a collective
+    then, which every rank makes or the plain model would hang too, and a text-only rank must join
+    it (balanced, it runs the tower too). Walked at each call, not kept: a tower may be sharded
+    after an earlier call (FSDP on its blocks keeps the tower's class)."""
+    return isinstance(vit, torch.nn.Module) and parameters_sharded(vit)
 
 
 #: The Lightning hooks the mixin implements; each must come before LightningModule's in the MRO.
@@ -426,8 +432,6 @@ class _State:
         #: Whether the mixin's on_before_batch_transfer ran for a loop's batch in this run.
         self.batch_hook_ran = False
         self.host_group: dist.ProcessGroup | None = None
-        #: Whether a tower's parameters are sharded (FSDP, ZeRO-3), known per tower.
-        self.sharded = ShardedTowers()
         #: A balancer state the next balancer starts from: a loaded checkpoint's, or the last
         #: run's (what a checkpoint saved between runs keeps).
         self.carried: Mapping[str, Any] | None = None
@@ -873,17 +877,16 @@ class ViTBalanceMixin:
     def _vit_balance_loop_balances(self, vit: object, ahead: bool) -> bool:
         """Whether every rank makes this call of ``vit`` (or, ``ahead``, the step's calls)."""
         trainer, _ = self._vit_balance_runner()
-        state = self._vit_balance_state_object()
         if trainer is not None:
+            state = self._vit_balance_state_object()
             lengths = state.epoch_lengths
             balances = _loop_balances(trainer, lengths, state.predict_lengths)
             cause = _own_clock(trainer, lengths) if not balances and trainer.validating else None
             if cause is not None:
                 self._vit_balance_tell_own_clock(cause)
-            return balances and (ahead or self._vit_balance_in_step() or state.sharded(vit))
+            return balances and (ahead or self._vit_balance_in_step() or _sharded(vit))
         training = bool(getattr(self, "training", True))
-        sharded = functools.partial(state.sharded, vit)
-        return _own_loop_balances(training, bool(self.vit_balance_evaluation), sharded)
+        return _own_loop_balances(training, bool(self.vit_balance_evaluation), vit)
 
     def _vit_balance_tell_own_clock(self, cause: str) -> None:
         state = self._vit_balance_state_object()

@@ -38,6 +38,7 @@ from lightning_vit_balance.config import ViTBalanceConfig, setting_digest
 from lightning_vit_balance.cost import CostCalibrator, CostModel
 from lightning_vit_balance.eager import eager
 from lightning_vit_balance.encoding import (
+    INVALID_INPUT,
     BalancedBatch,
     EncodedBatch,
     GatherFor,
@@ -48,7 +49,6 @@ from lightning_vit_balance.encoding import (
     parameters_sharded,
     raise_for_gradients,
     raise_for_input,
-    raise_for_merge,
     raise_for_merges,
     raise_for_plans,
     raise_for_vit,
@@ -838,13 +838,15 @@ class ViTBalancer:
     ) -> Any:
         """The balanced call on a plan made before the forward: no gather, no planning here."""
         call = self._start(vit, pixel_values)
-        steps = self.config.split_videos
+        # The status gather follows a skipped call as the plan's settings say, the same on every
+        # rank (this rank's config may have changed since, and the others would not gather with it).
+        check = prepared.check_skipped_calls or not prepared.holds_images
         merge_text = None
         if prepared.grid_gcd % call.merge:  # prepared without this ViT
-            if not prepared.plan.applied:  # nothing moves, and no collective follows to tell the others
-                raise_for_merge(prepared.metadata, call.merge, steps=steps)
-            # Images move: the status gather tells every rank, whatever merge size its ViT has.
-            merge_text = merge_problem(prepared.metadata, call.merge, steps=steps)
+            merge_text = merge_problem(prepared.metadata, call.merge, steps=self.config.split_videos)
+            if not (prepared.plan.applied or self._status_follows(call, check)):
+                # Nothing tells the others: ranks whose ViTs merge alike raise alike here.
+                raise ValueError(f"{INVALID_INPUT} ({len(prepared.metadata)} ranks): {merge_text}.")
         if not in_backward_pass():
             # What this call's measured time pays for, whenever the plan was made; and its plan, for
             # its recomputation, as built in this call's grad mode (a call under no_grad, a frozen
@@ -880,9 +882,6 @@ class ViTBalancer:
             )
         else:
             has_images = bool(prepared.metadata[call.rank].grids)
-            # The status gather follows as the plan's settings say, the same on every rank (this
-            # rank's config may have changed since, and the others would not gather with it).
-            check = prepared.check_skipped_calls or not prepared.holds_images
             output = self._at_home(call, vit, pixel_values, given_grid, has_images, reference, check, problem)
         self._record(
             plan, call, prepared.metadata, prepare_seconds=prepared.prepare_seconds, vit_ms=prepared.vit_ms
@@ -1456,7 +1455,7 @@ class ViTBalancer:
                 return self._timed_direct(call, vit, pixel_values, grid_thw)
             return self._empty_output(vit, pixel_values, grid_thw, call.merge, reference)
 
-        if not (check and host_device(call.host).type == "cpu"):
+        if not self._status_follows(call, check):
             if problem is None:
                 return encode(has_images)
             self._defer_mismatch(call, pixel_values, grid_thw, problem)
@@ -1478,6 +1477,12 @@ class ViTBalancer:
         call.timed("status", started, "combine")
         self._raise_where_any_failed(report, encoded, call.merge)
         return output
+
+    @staticmethod
+    def _status_follows(call: _Call, check: bool) -> bool:
+        """Whether a skipped call gathers the status after the ViT: where ``check`` asks, and the
+        status word travels on the host (reading it from a device would make the host wait)."""
+        return check and host_device(call.host).type == "cpu"
 
     def _raise_where_any_failed(
         self, report: StatusReport, encoded: EncodedBatch, merge: int, prepared: bool = False

@@ -16,7 +16,7 @@ import functools
 import os
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +70,6 @@ __all__ = [
     "parameters_sharded",
     "raise_for_gradients",
     "raise_for_input",
-    "raise_for_merge",
     "raise_for_merges",
     "raise_for_plans",
     "raise_for_vit",
@@ -365,6 +364,19 @@ def _settings_apart(metadata: Sequence[RankMetadata], names: Sequence[str]) -> l
     return differing
 
 
+def by_ranks(texts: Iterable[tuple[int, str]]) -> list[str]:
+    """``(rank, text)`` pairs as a message lists them: ``"rank r: text"``, the ranks that share a
+    text named once before it (``"ranks [0, 1, 2]: text"``), in the order each text first came.
+    On 512 ranks that fail alike (every ViT out of memory) the text is written once, not 512 times."""
+    held: dict[str, list[int]] = {}
+    for rank, text in texts:
+        held.setdefault(text, []).append(rank)
+    return [
+        f"rank {ranks[0]}: {text}" if len(ranks) == 1 else f"ranks {ranks}: {text}"
+        for text, ranks in held.items()
+    ]
+
+
 def raise_for_input(metadata: Sequence[RankMetadata], fingerprint_names: Sequence[str] = ()) -> int | None:
     """Raise the same ValueError on every rank for any invalid input; return the reference rank.
 
@@ -374,9 +386,9 @@ def raise_for_input(metadata: Sequence[RankMetadata], fingerprint_names: Sequenc
     settings = _fingerprint_problem(metadata, fingerprint_names) if fingerprint_names else None
     if settings is not None:
         raise ValueError(f"Invalid balanced ViT call ({len(metadata)} ranks): {settings}.")
-    problems = [
-        f"rank {r}: {describe_problem(m.status, m.details)}" for r, m in enumerate(metadata) if m.status
-    ]
+    problems = by_ranks(
+        (r, describe_problem(m.status, m.details)) for r, m in enumerate(metadata) if m.status
+    )
     if not problems:
         mismatch = _mismatch(metadata)
         if mismatch is None:
@@ -527,20 +539,20 @@ def encode(
     return EncodedBatch(leaves, structure, kinds, None, seconds)
 
 
-def _describe(worker: int, status: ViTStatus, reference: ViTStatus, merge: int) -> str | None:
+def _describe(status: ViTStatus, reference: ViTStatus, merge: int) -> str | None:
+    """What is wrong with one rank's ``status`` (None: nothing), as :func:`by_ranks` lists it."""
     if status.error.startswith(INPUT_ERROR):
-        return f"rank {worker}: {status.error[len(INPUT_ERROR) :]}"
+        return status.error[len(INPUT_ERROR) :]
     if status.error.startswith(PACKING_ERROR):
         raised = status.error[len(PACKING_ERROR) :]
-        return f"rank {worker}: packing the ViT's outputs for the return trip raised {raised}"
+        return f"packing the ViT's outputs for the return trip raised {raised}"
     if status.error:
-        return f"rank {worker}: the ViT raised {status.error}"
+        return f"the ViT raised {status.error}"
     for leaf in status.leaves:
         if leaf.problem:
-            text = describe_output_problem(
+            return describe_output_problem(
                 leaf.path, leaf.problem, leaf.rows, leaf.expected, merge, kind=leaf.kind
             )
-            return f"rank {worker}: {text}"
     advice = (
         "every rank's ViT must return the same kinds, dtypes and widths (autocast or a dtype cast "
         "on some ranks only, or an output_layout that differs between ranks?)"
@@ -551,15 +563,15 @@ def _describe(worker: int, status: ViTStatus, reference: ViTStatus, merge: int) 
         mine = [(x.path, x.kind, x.dtype, x.trailing) for x in status.leaves]
         theirs = [(x.path, x.kind, x.dtype, x.trailing) for x in reference.leaves]
         return (
-            f"rank {worker}: the ViT's outputs that travel back (path, kind, dtype, trailing shape) "
-            f"are {mine}, while the first rank's are {theirs}: {advice}"
+            f"the ViT's outputs that travel back (path, kind, dtype, trailing shape) are {mine}, while "
+            f"the first rank's are {theirs}: {advice}"
         )
     if (status.digest(), status.count) == (reference.digest(), reference.count):
         return None
     return (
-        f"rank {worker}: the ViT's {status.count} outputs that travel back differ from the first "
-        f"rank's {reference.count} in their paths, kinds, dtypes or trailing shapes (too many to "
-        f"list here): {advice}"
+        f"the ViT's {status.count} outputs that travel back differ from the first rank's "
+        f"{reference.count} in their paths, kinds, dtypes or trailing shapes (too many to list "
+        f"here): {advice}"
     )
 
 
@@ -583,11 +595,11 @@ def raise_for_vit(report: StatusReport, encoded: EncodedBatch, merge: int) -> No
         statuses = {r: s for r, s in statuses.items() if not s.error.startswith(_EARLY_STOP)}
         own = None if _stopped_early(own) else own
     reference = next((s for s in statuses.values() if not s.error), ViTStatus())
-    problems = [
-        text
+    problems = by_ranks(
+        (worker, text)
         for worker, status in statuses.items()
-        if (text := _describe(worker, status, reference, merge)) is not None
-    ]
+        if (text := _describe(status, reference, merge)) is not None
+    )
     message = "The balanced ViT call failed: " + "; ".join(problems) + "."
     if own is not None and encoded.input_problem:
         raise ValueError(message) from own
@@ -747,23 +759,13 @@ def merge_problem(metadata: Sequence[RankMetadata], merge: int, steps: bool = Fa
         bad = next((i for i, (_, h, w) in enumerate(rank_metadata.grids) if h % merge or w % merge), None)
         if bad is not None:
             _, h, w = rank_metadata.grids[bad]
-            details = problem_details(InputProblem.NOT_DIVISIBLE, index=bad, h=h, w=w, merge=merge)
-            text = describe_problem(InputProblem.NOT_DIVISIBLE, details)
-            if steps:
-                text = text.replace(f"grid_thw[{bad}]", f"temporal step {bad} of grid_thw's images")
+            where = f"temporal step {bad} of grid_thw's images" if steps else f"grid_thw[{bad}]"
             return (
-                f"rank {rank}'s {text} (checked at the call: the plan was made ahead before the "
-                "ViT's merge size was known; prepare(..., vit=vit) checks it there)"
+                f"the ViT's spatial merge size {merge} does not divide H={h}, W={w} of rank {rank}'s "
+                f"{where} (checked at the call: the plan was made ahead before the ViT's merge size "
+                "was known; prepare(..., vit=vit) checks it there)"
             )
     return None
-
-
-def raise_for_merge(metadata: Sequence[RankMetadata], merge: int, steps: bool = False) -> None:
-    """Raise :func:`merge_problem`'s ValueError where there is one, on this rank: in a call that
-    moves nothing, where every rank whose ViT merges alike raises alike."""
-    problem = merge_problem(metadata, merge, steps)
-    if problem is not None:
-        raise ValueError(f"{INVALID_INPUT} ({len(metadata)} ranks): {problem}.")
 
 
 def raise_for_merges(report: StatusReport) -> None:

@@ -1373,7 +1373,7 @@ class StatusReport:
         with_history: Bit ``k`` set where any rank's ViT made output ``k`` (of the first
             :data:`HISTORY_BITS`) with autograd history; ``-1`` (every bit) where not gathered.
         merges: The spatial merge size each rank's return trip sizes its rows by, in rank order
-            (0 where the call returns no rows).
+            (0 in the status of a call that moves nothing, whose rows never travel back).
     """
 
     consistent: bool
@@ -1440,7 +1440,7 @@ def exchange_status(
         gradients: Whether this rank's return trip carries gradients back (its backward pass then
             exchanges them with every rank's).
         merge: The ViT's spatial merge size this rank's return trip sizes its rows by; 0 in a call
-            that returns no rows.
+            that moves nothing.
     """
     fields = {
         "flag": status.flag,

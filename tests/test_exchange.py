@@ -503,3 +503,17 @@ def test_sharded_gradients_are_zero_only_where_every_rank_says_so(multirank: Any
     with multirank(POOL) as w:
         results = w.run(_sharded_zero_checks)
     assert results == [[True, False, False, True, True]] * POOL, results
+
+
+def test_ranks_that_fail_alike_are_named_once() -> None:
+    """On 512 ranks out of memory alike, the message held the same text 512 times."""
+    from lightning_vit_balance.encoding import by_ranks
+
+    texts = [
+        (0, "the ViT raised A"),
+        (1, "the ViT raised B"),
+        (2, "the ViT raised A"),
+        (3, "the ViT raised A"),
+    ]
+    assert by_ranks(texts) == ["ranks [0, 2, 3]: the ViT raised A", "rank 1: the ViT raised B"]
+    assert by_ranks([]) == []

@@ -611,27 +611,33 @@ def test_rows_the_vit_cannot_merge_fail_every_rank_without_the_vit_in_prepare(
     first, second, unmerged = zip(*results)
     assert len(set(first)) == 1 and second == first, results
     where = "temporal step 1 of grid_thw's images" if split_videos else "grid_thw[1]"
-    assert (
-        f"rank 1's {where} has H=3, W=3: expected both divisible by the ViT's spatial merge size 2"
-        in first[0]
+    text = f"the ViT's spatial merge size 2 does not divide H=3, W=3 of rank 1's {where} (checked at the call"
+    assert text in first[0], first[0]
+    # Moving images, every rank reports it through the status gather: the text once, for all three;
+    # moving nothing (unchecked), every rank raises at once.
+    said = (
+        f"ranks [0, 1, 2]: {text}"
+        if config is THRESHOLD_0
+        else f"Invalid balanced ViT input (3 ranks): {text}"
     )
-    assert "checked at the call" in first[0], first[0]
+    assert said in first[0], first[0]
     # A plan made without the ViT was checked against the previous call's merge size: the rows of
     # a tower that merges less, valid, failed on every rank.
     assert unmerged == ("no error",) * 3, results
 
 
-def _merge_sizes_apart(divisible: bool) -> str | None:
+def _merge_sizes_apart(divisible: bool, skipped: bool) -> str | None:
     """A plan made ahead without the ViT, then a call of towers whose merge sizes differ between
-    the ranks (rank 1's 4, or 8 where its rows do not divide by it; the others' 2)."""
+    the ranks (rank 1's 4, or 8 where its rows do not divide by it; the others' 2); ``skipped``:
+    a plan that moves nothing, with ``check_skipped_calls``."""
     grids = [[(1, 12, 12)] * 4, [(1, 12, 12)], [(1, 4, 4)]]
-    setup = _on_three_ranks(grids, THRESHOLD_0)
+    setup = _on_three_ranks(grids, SKIPPED_CHECKED if skipped else THRESHOLD_0)
     if setup is None:
         return None
     merge = (4 if divisible else 8) if setup.rank == 1 else 2
     tower = towers.TensorTower(merge=merge)
     ticket = setup.balancer.prepare(setup.pixels, setup.grid)
-    assert ticket is not None and ticket.plan.applied
+    assert ticket is not None and ticket.plan.applied is not skipped
     try:
         setup.balancer(tower, setup.pixels, setup.grid, prepared=ticket)
     except ValueError as error:
@@ -639,17 +645,21 @@ def _merge_sizes_apart(divisible: bool) -> str | None:
     return "no error"
 
 
-@pytest.mark.parametrize("divisible", [True, False])
+@pytest.mark.parametrize(("divisible", "skipped"), [(True, False), (False, False), (False, True)])
 def test_merge_sizes_that_differ_between_ranks_fail_every_rank_with_a_plan_made_without_the_vit(
-    multirank: Any, divisible: bool
+    multirank: Any, divisible: bool, skipped: bool
 ) -> None:
     """No gather compared the ViTs' merge sizes: each rank cut its images' returned rows by its
     own, and an image that moved came back as other rows without a word (NaN or another image's
     tokens); where rank 1's size did not divide the rows, rank 1 raised alone and the others waited
-    in the pixel trip. The status gather compares them now: every rank raises the same error."""
+    in the pixel trip (or, where the plan skips with check_skipped_calls, in the status gather).
+    The status gather compares them now: every rank raises the same error."""
     with multirank(POOL) as w:
-        messages = w.run(_merge_sizes_apart, divisible)[:3]
+        messages = w.run(_merge_sizes_apart, divisible, skipped)[:3]
     assert len(set(messages)) == 1, messages
+    if skipped:  # nothing travels back: rank 1's rows problem, not the sizes, is what fails
+        assert "rank 1: the ViT's spatial merge size 8 does not divide H=12, W=12 of rank 0's" in messages[0]
+        return
     other = 4 if divisible else 8
     expected = f"spatial merge size differs between ranks (merge 2: ranks [0, 2]; merge {other}: ranks [1])"
     assert expected in messages[0], messages

@@ -540,15 +540,15 @@ def test_status_codec_of_outputs_too_many_to_list_keeps_their_problems() -> None
     assert back.leaves == (bad,) and back.flag == 2
     assert (back.digest(), back.count) == (status.digest(), 60)
     reference = ViTStatus(leaves=leaves)
-    told = encoding._describe(1, back, reference, 2)
+    told = encoding._describe(back, reference, 2)
     assert told is not None and "'vision_model.layers.7.pooled' has 3 rows" in told, told
     # Outputs that differ (a dtype on one rank) with none at fault are told by their digests.
     cast = ViTStatus(leaves=(*leaves[:59], dataclasses.replace(leaves[59], dtype="torch.float64")))
     decoded = ViTStatus.decode(cast.encode())
     assert decoded.leaves == () and decoded.flag == 0
-    told = encoding._describe(1, decoded, ViTStatus.decode(reference.encode()), 2)
+    told = encoding._describe(decoded, ViTStatus.decode(reference.encode()), 2)
     assert told is not None and "60 outputs that travel back differ from the first rank's 60" in told, told
-    assert encoding._describe(1, ViTStatus.decode(reference.encode()), reference, 2) is None
+    assert encoding._describe(ViTStatus.decode(reference.encode()), reference, 2) is None
     # A problem at a path too long for the bytes still travels, its path cut.
     # 3 and 4 bytes in UTF-8 (12 escaped as JSON's ASCII), and a lone surrogate (6, its escape).
     for char in ("深", "\N{GRINNING FACE}", "\udcff"):

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_vit_balance.callsite import warn_at_user
-from lightning_vit_balance.config import ViTBalanceConfig, setting_digest
+from lightning_vit_balance.config import ViTBalanceConfig, require_config, setting_digest
 from lightning_vit_balance.cost import CostCalibrator, CostModel
 from lightning_vit_balance.eager import eager
 from lightning_vit_balance.encoding import (
@@ -490,8 +490,7 @@ class ViTBalancer:
         report: Callable[[str], None] | None = None,
         host_group: Any = None,
     ) -> None:
-        if config is not None and not isinstance(config, ViTBalanceConfig):
-            raise TypeError(f"config={config!r} is invalid: expected a ViTBalanceConfig or None.")
+        require_config("ViTBalancer", config)
         if report is not None and not callable(report):
             # Called with the first verbose line, after a call's collectives: on every rank alike
             # only if refused here.

@@ -29,6 +29,7 @@ __all__ = [
     "SOLVERS",
     "ViTBalanceConfig",
     "add_vit_balance_args",
+    "require_config",
     "require_flag",
     "setting_digest",
     "stable_digest",
@@ -414,6 +415,13 @@ def _flag_number(at_least: float) -> Callable[[str], float]:
         return value
 
     return number
+
+
+def require_config(owner: str, config: object) -> None:
+    """Raise a TypeError naming ``owner``'s ``config`` argument unless it is a
+    :class:`ViTBalanceConfig` or None."""
+    if config is not None and not isinstance(config, ViTBalanceConfig):
+        raise TypeError(f"{owner}(config={config!r}) is invalid: expected a ViTBalanceConfig or None.")
 
 
 def add_vit_balance_args(

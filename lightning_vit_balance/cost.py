@@ -31,7 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from lightning_vit_balance.config import ViTBalanceConfig, _check_int, _check_number, stable_digest
+from lightning_vit_balance.config import (
+    ViTBalanceConfig,
+    _check_int,
+    _check_number,
+    require_config,
+    stable_digest,
+)
 
 __all__ = ["CostCalibrator", "CostModel", "pixel_row_factors"]
 
@@ -142,10 +148,7 @@ class CostModel:
 
     def to_config(self, config: ViTBalanceConfig | None = None) -> ViTBalanceConfig:
         """``config`` (default: a default config) with its ``cost_*`` fields set to this model."""
-        if config is not None and not isinstance(config, ViTBalanceConfig):
-            raise TypeError(
-                f"CostModel.to_config(config={config!r}) is invalid: expected a ViTBalanceConfig or None."
-            )
+        require_config("CostModel.to_config", config)
         return dataclasses.replace(
             config if config is not None else ViTBalanceConfig(),
             cost_quadratic=float(self.quadratic),

@@ -206,7 +206,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer, refuse_in_a_loader_worker
 from lightning_vit_balance.callsite import warn_at_user
-from lightning_vit_balance.config import ViTBalanceConfig, require_flag
+from lightning_vit_balance.config import ViTBalanceConfig, require_config, require_flag
 from lightning_vit_balance.cost import CostModel, pixel_row_factors
 from lightning_vit_balance.eager import eager, eager_frame
 from lightning_vit_balance.encoding import INVALID_INPUT, gathered_per_call, parameters_sharded
@@ -2617,10 +2617,7 @@ def unreadable_batch(batch: Any, keys: tuple[tuple[str, str], ...]) -> str:
 
 def _check_arguments(config: object, group: object, evaluation: object) -> None:
     """Raise for an argument of ``balance_vision_tower`` of another kind, before anything is patched."""
-    if config is not None and not isinstance(config, ViTBalanceConfig):
-        raise TypeError(
-            f"balance_vision_tower(config={config!r}) is invalid: expected a ViTBalanceConfig or None."
-        )
+    require_config("balance_vision_tower", config)
     require_flag("balance_vision_tower", "evaluation", evaluation)
     if dist.is_available() and dist.is_initialized():
         require_member(group, "group")

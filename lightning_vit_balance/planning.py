@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from lightning_vit_balance.caching import cached_value
-from lightning_vit_balance.config import ViTBalanceConfig, stable_digest
+from lightning_vit_balance.config import ViTBalanceConfig, require_config, stable_digest
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.solvers import Batch, canonical_solver, solve, tuning
 from lightning_vit_balance.solvers.batch import add_up, rank_loads
@@ -334,8 +334,7 @@ def _validate_frames(frames: Sequence[Sequence[int]], counts: tuple[tuple[int, .
 
 def _check_planning_arguments(config: object, cost_model: object) -> None:
     """Raise a TypeError naming a ``plan_rebalance`` argument of another kind."""
-    if config is not None and not isinstance(config, ViTBalanceConfig):
-        raise TypeError(f"plan_rebalance(config={config!r}) is invalid: expected a ViTBalanceConfig or None.")
+    require_config("plan_rebalance", config)
     if cost_model is not None and not callable(cost_model):
         raise TypeError(
             f"plan_rebalance(cost_model={cost_model!r}) is invalid: expected a callable of the patch "

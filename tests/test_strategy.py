@@ -101,6 +101,31 @@ def test_unknown_strategy_names_itself_and_the_way_out() -> None:
         dp_group_from_strategy("ddp")
 
 
+def _ddp_mesh_groups() -> dict[str, list[int]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    found = {}
+    for name in ("dp", "tp"):
+        for cls in (DDPStrategy, FabricDDPStrategy, FSDPStrategy):
+            group = dp_group_from_strategy(cls(device_mesh=mesh[name]))
+            found[f"{cls.__module__}.{cls.__name__}:{name}"] = dist.get_process_group_ranks(group)
+    # A hybrid-sharding mesh spanning every rank: all of them are data parallel.
+    found["fsdp:2-D"] = dist.get_process_group_ranks(dp_group_from_strategy(FSDPStrategy(device_mesh=mesh)))
+    return found
+
+
+def test_ddp_and_fsdp_given_a_device_mesh_balance_over_its_group() -> None:
+    """DDP given ``device_mesh=`` reduces gradients over that mesh's group only: the adapter took
+    the default group, so images moved between ranks whose ViT weights differ (pipeline stages) or
+    that hold the same batch (tensor-parallel peers)."""
+    with world(2) as w:
+        outcome = w.run(_ddp_mesh_groups)
+    for rank, found in enumerate(outcome):
+        for key, ranks in found.items():
+            assert ranks == ([rank] if key.endswith(":tp") else [0, 1]), (rank, key, ranks)
+
+
 # ---------------------------------------------------------------------------- ModelParallelStrategy
 
 

@@ -39,12 +39,26 @@ _HOW_TO_PASS_A_GROUP = (
 def _user_group(kwargs: dict[str, Any]) -> dist.ProcessGroup:
     """The single process group a user handed to DDP or FSDP, if any.
 
-    DDP reduces gradients only inside ``process_group``, so only there are the ViT weights
-    identical. FSDP's hybrid sharding takes a ``(shard, replicate)`` pair (or a device mesh) that
-    together span every rank: the default group, which is also the answer when none was given.
+    DDP reduces gradients only inside ``process_group``, or the group of a one-dimensional
+    ``device_mesh``, so only there are the ViT weights identical. FSDP's hybrid sharding takes a
+    ``(shard, replicate)`` pair (or a two-dimensional device mesh) that together span every rank:
+    the default group, which is also the answer when none was given.
     """
     group = kwargs.get("process_group")
-    return group if isinstance(group, dist.ProcessGroup) else dist.group.WORLD
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    mesh = kwargs.get("device_mesh")
+    if mesh is None:
+        return dist.group.WORLD
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh.size() != dist.get_world_size():
+        raise TypeError(
+            f"dp_group_from_strategy got a strategy whose device_mesh {mesh} spans {mesh.size()} of "
+            f"the {dist.get_world_size()} ranks in {mesh.ndim} dimensions: which of them is data "
+            f"parallel is not known here. {_HOW_TO_PASS_A_GROUP}"
+        )
+    return dist.group.WORLD
 
 
 def _deepspeed_group(engine: Any) -> dist.ProcessGroup:
@@ -74,7 +88,8 @@ def dp_group_from_strategy(strategy: Any) -> dist.ProcessGroup | None:
 
     Returns:
         - DDP (and ``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``) and FSDP: the ``process_group``
-          passed to DDP or FSDP if there is one, else the default group.
+          passed to DDP or FSDP if there is one, or the group of a one-dimensional
+          ``device_mesh``, else the default group.
         - DeepSpeed: the engine's data-parallel group (deepspeed need not be installed).
         - ``ModelParallelStrategy``: the group of ``device_mesh["data_parallel"]``; tensor-parallel
           peers are excluded.
@@ -83,8 +98,9 @@ def dp_group_from_strategy(strategy: Any) -> dist.ProcessGroup | None:
           over and the ViT is called directly.
 
     Raises:
-        TypeError: For any other strategy (e.g. XLA or a custom one), naming it and saying how to
-            pass a group explicitly.
+        TypeError: For any other strategy (e.g. XLA or a custom one), or a DDP or FSDP device mesh
+            of several dimensions that spans only some ranks, naming it and saying how to pass a
+            group explicitly.
     """
     if isinstance(strategy, (SingleDeviceStrategy, FabricSingleDeviceStrategy, FabricDataParallelStrategy)):
         return None

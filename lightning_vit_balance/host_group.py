@@ -202,16 +202,45 @@ def release_host_group(host_group: dist.ProcessGroup | None) -> None:
     for ``None`` or a group already destroyed (with the whole of ``torch.distributed``, say). A
     twin otherwise lives as long as the process: a process that runs many fits would hold one per
     fit, ``P + 3`` open files each.
+
+    Raises:
+        ValueError: ``host_group`` is a live group that is no twin (the default group, say, held by
+            ``make_host_group(group) or group`` where no twin was made), or no group at all.
     """
     # Not held here past its release either (that would keep its sockets open).
     _OWNED[:] = [entry for entry in _OWNED if entry[1] is not host_group]
     if host_group is None or not (dist.is_available() and dist.is_initialized()):
         return
+    if not any(twin is host_group for twin in _TWINS):
+        _refuse_release(host_group)
+        return  # destroyed already
+    _TWINS[:] = [twin for twin in _TWINS if twin is not host_group]
     # Nor by the works of its latest gathers, finished long before: freed here, with the interpreter
     # alive, and its worker threads end as the group goes.
     forget_finished_gathers()
     with contextlib.suppress(ValueError):  # "Invalid process group specified": destroyed already
         dist.destroy_process_group(host_group)
+
+
+#: The twins :func:`make_host_group` made, until released: the groups :func:`release_host_group`
+#: destroys. Held as torch's registry holds them anyway, until destroyed.
+_TWINS: list[dist.ProcessGroup] = []
+
+
+def _refuse_release(host_group: object) -> None:
+    """Raise unless ``host_group`` is a group destroyed already (a twin released before, or with
+    the whole of ``torch.distributed``): :func:`release_host_group` destroys twins only."""
+    if isinstance(host_group, dist.ProcessGroup):
+        try:
+            dist.get_backend(host_group)
+        except (ValueError, RuntimeError):  # "Invalid process group specified": destroyed already
+            return
+    raise ValueError(
+        f"release_host_group(host_group={host_group!r}) is invalid: expected a twin that "
+        "make_host_group returned, or None. It destroys twins only, never the group a twin stands "
+        "for or the default group (`make_host_group(group) or group` holds the group itself where "
+        "no twin was made: release what make_host_group returned)."
+    )
 
 
 def _connected(
@@ -234,9 +263,12 @@ def _connected(
     for twin_ranks in candidates:
         try:
             made[twin_ranks] = twin = dist.new_group(ranks=list(twin_ranks), backend="gloo", timeout=connect)
-            if _connects_lazily() and isinstance(twin, dist.ProcessGroup):
-                # Connect now the pairs the host gathers use, within `connect` too, as eager gloo did.
-                start_row_gather(torch.zeros(1, dtype=torch.int64), twin).wait()
+            if isinstance(twin, dist.ProcessGroup):  # this rank is a member
+                _TWINS.append(twin)
+                if _connects_lazily():
+                    # Connect now the pairs the host gathers use, within `connect` too, as eager
+                    # gloo did.
+                    start_row_gather(torch.zeros(1, dtype=torch.int64), twin).wait()
         except RuntimeError as error:  # gloo's connectFullMesh (or the first gather), within `connect`
             errors[twin_ranks] = f"rank {dist.get_rank()}: {type(error).__name__}: {str(error)[:300]}"
     gathered: list[Any] = [None] * dist.get_world_size()

@@ -264,6 +264,31 @@ def _twin_files() -> dict[str, Any]:
     }
 
 
+def _releases_refused() -> dict[str, Any]:
+    """Groups that are no twin given to release_host_group: the default group (what
+    ``make_host_group(g) or g`` holds where no twin was made), another group, a string."""
+    refusals = []
+    three = dist.new_group([0, 1, 2])  # rank 3 holds new_group's placeholder
+    for other in (dist.group.WORLD, three, "dp"):
+        try:
+            release_host_group(other)
+            refusals.append("released")
+        except ValueError as error:
+            refusals.append(str(error).split(" is invalid")[0])
+    if dist.get_rank() < 3:
+        dist.destroy_process_group(three)
+    return {"refusals": refusals, "world_kept": dist.is_initialized() and dist.get_world_size() == POOL}
+
+
+def test_release_refuses_what_is_no_twin(multirank: Any) -> None:
+    """release_host_group destroyed whatever it was given: the default group too, without a word."""
+    with multirank(POOL) as w:
+        results = w.run(_releases_refused)
+    for got in results:
+        assert got["world_kept"] and len(got["refusals"]) == 3, got
+        assert all(text.startswith("release_host_group(host_group=") for text in got["refusals"]), got
+
+
 def _lazy_twin_files() -> dict[str, Any]:
     """A twin made where gloo connects lazily: the files it holds, and a gather on it."""
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"  # read whenever gloo makes a group

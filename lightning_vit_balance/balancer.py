@@ -414,6 +414,27 @@ def _submodules(root: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
+#: The keys of :meth:`ViTBalancer.state_dict` (the cost fit, where there is one).
+STATE_KEYS = ("cost_calibrator",)
+
+
+def checked_state(state: Any, where: str) -> dict[str, Any]:
+    """A copy of ``state``, given to ``where`` (a ``load_state_dict``), checked to be a mapping of
+    :data:`STATE_KEYS` only: a key misspelled, or a mapping of another level (a whole checkpoint,
+    a callback's entry), was taken without a word, its cost fit lost and the mapping saved again."""
+    if not isinstance(state, Mapping):
+        raise ValueError(
+            f"{where}: state={state!r} is invalid: expected a mapping (a state_dict() of a balancer)."
+        )
+    unknown = [key for key in state if key not in STATE_KEYS]
+    if unknown:
+        raise ValueError(
+            f"{where}: state has the keys {unknown!r}, which no balancer's state_dict() holds: expected "
+            f"a mapping of {list(STATE_KEYS)} only (empty without a cost fit), as state_dict() returns it."
+        )
+    return dict(state)
+
+
 class ViTBalancer:
     """Encode images with a ViT, balancing the work across data-parallel ranks.
 
@@ -823,9 +844,7 @@ class ViTBalancer:
             ValueError: the saved cost fit cannot continue here (see
                 :meth:`CostCalibrator.load_state_dict`); nothing changes then.
         """
-        if not isinstance(state, Mapping):
-            raise ValueError(f"ViTBalancer.load_state_dict: state={state!r} is invalid: expected a mapping.")
-        saved = state.get("cost_calibrator")
+        saved = checked_state(state, "ViTBalancer.load_state_dict").get("cost_calibrator")
         if self._calibrator is not None and saved is not None:
             self._calibrator.load_state_dict(saved)
 

@@ -204,7 +204,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer, refuse_in_a_loader_worker
+from lightning_vit_balance.balancer import (
+    BalanceStats,
+    PreparedPlan,
+    ViTBalancer,
+    checked_state,
+    refuse_in_a_loader_worker,
+)
 from lightning_vit_balance.callsite import warn_at_user
 from lightning_vit_balance.config import ViTBalanceConfig, require_config, require_flag
 from lightning_vit_balance.cost import CostModel, pixel_row_factors
@@ -1933,7 +1939,7 @@ class BalancedVisionTower:
             ValueError: ``state`` is not a mapping, or its cost fit cannot continue under this
                 handle's configuration (another window or per-frame attention); nothing changes.
         """
-        state = saved_state(state)
+        state = checked_state(state, "BalancedVisionTower.load_state_dict")
         if self._balancer is not None:
             self._balancer.load_state_dict(state)
             return
@@ -2712,15 +2718,6 @@ def _as_grid(value: Any) -> Any:
         return torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError):
         return value
-
-
-def saved_state(state: Any, where: str = "BalancedVisionTower.load_state_dict") -> dict[str, Any]:
-    """``state`` for ``where`` (a ``load_state_dict``), checked to be a mapping and copied."""
-    if not isinstance(state, Mapping):
-        raise ValueError(
-            f"{where}: state={state!r} is invalid: expected a mapping (a state_dict() of a balanced model)."
-        )
-    return dict(state)
 
 
 def continue_fit(target: Any, saved: Mapping[str, Any], source: str, warn: Callable[[str], None]) -> None:

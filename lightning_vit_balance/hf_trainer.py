@@ -15,6 +15,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_callback import ExportableState
 
 from lightning_vit_balance.callsite import warn_at_user
+from lightning_vit_balance.config import require_flag
 from lightning_vit_balance.hf import BalancedVisionTower, continue_fit
 from lightning_vit_balance.metrics import BalanceMetrics
 
@@ -65,7 +66,9 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
     """
 
     def __init__(self, log_per_rank_loads: bool | None = None) -> None:
-        self.log_per_rank_loads = None if log_per_rank_loads is None else bool(log_per_rank_loads)
+        self.log_per_rank_loads = require_flag(
+            "ViTBalanceTrainerCallback", "log_per_rank_loads", log_per_rank_loads, optional=True
+        )
         self.metrics = BalanceMetrics(self.log_per_rank_loads)
         self._handle: BalancedVisionTower | None = None
 
@@ -74,8 +77,25 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         each training log ahead of the Trainer's reporting integrations, which then log them too.
 
         Returns this callback.
+
+        Raises:
+            TypeError: ``trainer`` is not a Hugging Face ``Trainer``.
+            ValueError: ``trainer`` holds another ``ViTBalanceTrainerCallback`` (two would log each
+                figure twice, and after a resume the second overwrites the first's).
         """
-        handler = trainer.callback_handler
+        handler = getattr(trainer, "callback_handler", None)
+        if handler is None:
+            raise TypeError(
+                f"ViTBalanceTrainerCallback.attach(trainer={trainer!r}) is invalid: expected a Hugging "
+                "Face transformers.Trainer (a Lightning Trainer takes ViTBalanceCallback)."
+            )
+        if any(
+            isinstance(held, ViTBalanceTrainerCallback) and held is not self for held in handler.callbacks
+        ):
+            raise ValueError(
+                "ViTBalanceTrainerCallback.attach: the trainer holds another ViTBalanceTrainerCallback "
+                "already (given in callbacks=?): attach that one, or give none in callbacks=."
+            )
         if self not in handler.callbacks:
             trainer.add_callback(self)
         if not any(isinstance(callback, _MetricsFirst) for callback in handler.callbacks):
@@ -108,8 +128,8 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         resumed = state.global_step > 0
         self._count_on(saved.get("metric_counts") if resumed else None, warn)
         balancer = saved.get("balancer_state") if resumed else None
-        if not isinstance(balancer, Mapping) or not balancer or balancer == self._handle.state_dict():
-            return
+        if not balancer or balancer == self._handle.state_dict():
+            return  # nothing saved, or what the handle holds already (not a mapping: warned below)
         source = "ViTBalanceTrainerCallback: the checkpoint's balancer state"
         continue_fit(self._handle, balancer, source, warn)
 

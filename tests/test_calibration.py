@@ -512,6 +512,14 @@ def test_a_balancer_checkpoints_its_cost_fit_only_when_it_calibrates() -> None:
     assert calibrating.state_dict() == state
     with pytest.raises(ValueError, match=r"ViTBalancer\.load_state_dict: state=.* expected a mapping"):
         calibrating.load_state_dict([("cost_calibrator", {})])  # type: ignore[arg-type]
+    # A key misspelled, or a mapping of another level (a whole checkpoint), was taken without a
+    # word: the fit lost, and the mapping saved back by state_dict().
+    for foreign in ({"cost_calibrater": {}}, {"model": {}, "vit_balance": state}):
+        for load in (calibrating.load_state_dict, plain.load_state_dict):
+            with pytest.raises(
+                ValueError, match=r"state has the keys \[.*\], which no balancer's state_dict"
+            ):
+                load(foreign)
     windowed = ViTBalancer(ViTBalanceConfig(calibrate_cost=True, cost_windowed=1.0, cost_window_patches=4))
     with pytest.raises(ValueError, match="fits window_patches=4"):
         windowed.load_state_dict(state)

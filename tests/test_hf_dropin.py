@@ -3422,6 +3422,27 @@ def test_handle_state_round_trips_and_refuses_a_fit_of_other_terms() -> None:
     assert plain.state_dict() == {}
 
 
+def test_trainer_callback_attaches_once_to_a_hugging_face_trainer() -> None:
+    """Two callbacks (one in callbacks=, one attached, both as the README shows) logged each
+    figure twice and, after a resume, the second overwrote the first's window; a Lightning Trainer
+    raised an AttributeError; a string flag read as True."""
+    from types import SimpleNamespace
+
+    class Trainer:  # what attach reads of a transformers.Trainer (weakly referenced)
+        def __init__(self, callbacks: list[Any]) -> None:
+            self.callback_handler = SimpleNamespace(callbacks=callbacks)
+
+    held = ViTBalanceTrainerCallback()
+    trainer = Trainer([held])
+    with pytest.raises(ValueError, match=r"holds another ViTBalanceTrainerCallback already"):
+        ViTBalanceTrainerCallback().attach(trainer)
+    assert held.attach(trainer) is held  # attaching the one it holds puts the metrics first only
+    with pytest.raises(TypeError, match=r"attach\(trainer=None\) is invalid: expected a Hugging Face"):
+        ViTBalanceTrainerCallback().attach(None)
+    with pytest.raises(ValueError, match=r"\(log_per_rank_loads='false'\) is invalid: expected a bool"):
+        ViTBalanceTrainerCallback(log_per_rank_loads="false")
+
+
 def test_trainer_callback_counts_a_fresh_run_from_zero() -> None:
     """One callback for several runs (a hyperparameter search's trials reuse theirs): a fresh run's
     ``TrainerState`` holds the callback's own counts of a moment ago, and the second run logged

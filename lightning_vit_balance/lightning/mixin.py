@@ -22,7 +22,13 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-from lightning_vit_balance.balancer import BalanceStats, PreparedPlan, ViTBalancer, refuse_in_a_loader_worker
+from lightning_vit_balance.balancer import (
+    BalanceStats,
+    PreparedPlan,
+    ViTBalancer,
+    checked_state,
+    refuse_in_a_loader_worker,
+)
 from lightning_vit_balance.callsite import warn_at_user
 from lightning_vit_balance.config import ViTBalanceConfig
 from lightning_vit_balance.cost import CostModel
@@ -38,7 +44,6 @@ from lightning_vit_balance.hf import (
     encode_visual,
     key_names,
     rows_to_plan,
-    saved_state,
     unreadable_batch,
 )
 from lightning_vit_balance.host_group import gathers_on, owned_host_group, release_host_group
@@ -1133,7 +1138,7 @@ class ViTBalanceMixin:
             remainder = fabric.load(path, {"model": model})
             module.load_vit_balance_state_dict(remainder["vit_balance"])
         """
-        carried = saved_state(state, "ViTBalanceMixin.load_vit_balance_state_dict")
+        carried = checked_state(state, "ViTBalanceMixin.load_vit_balance_state_dict")
         module_state = self._vit_balance_state_object()
         module_state.carried = carried
         module_state.forget_balancers()

@@ -50,13 +50,17 @@ def _fail(name: str, value: object, expected: str, owner: str = "ViTBalanceConfi
     raise ValueError(f"{owner}.{name}={value!r} is invalid: expected {expected}.")
 
 
-def require_flag(owner: str, name: str, value: object, optional: bool = False) -> bool | None:
-    """``value`` of ``owner``'s argument ``name`` where it is a bool (or None, where ``optional``);
-    else a ValueError naming both: ``bool()`` of a string such as ``"False"`` is True."""
+def require_flag(
+    owner: str, name: str, value: object, optional: bool = False, attribute: bool = False
+) -> bool | None:
+    """``value`` of ``owner``'s argument ``name`` (its attribute, where ``attribute``) where it is a
+    bool (or None, where ``optional``); else a ValueError naming both: ``bool()`` of a string such
+    as ``"False"`` is True."""
     if isinstance(value, bool) or (optional and value is None):
         return value
     expected = "a bool or None" if optional else "a bool"
-    raise ValueError(f"{owner}({name}={value!r}) is invalid: expected {expected}.")
+    given = f"{owner}.{name}={value!r}" if attribute else f"{owner}({name}={value!r})"
+    raise ValueError(f"{given} is invalid: expected {expected}.")
 
 
 def _check_number(

@@ -139,6 +139,18 @@ def test_without_a_trainer_it_calls_the_vit_directly_in_either_base_order() -> N
         assert module.pop_vit_balance_stats() == []
 
 
+def test_flag_attributes_given_as_strings_are_refused() -> None:
+    """``vit_balance_evaluation = "false"`` (from an environment variable, say) balanced evaluation
+    calls: a rank evaluating alone then waited in a collective."""
+    module = MixinFirst()
+    module.eval()
+    module.vit_balance_evaluation = "false"
+    with pytest.raises(
+        ValueError, match=r"MixinFirst.vit_balance_evaluation='false' is invalid: expected a bool"
+    ):
+        module.encode_images(module.visual, *_images(1, seed=0))
+
+
 def test_config_attribute_forms() -> None:
     assert MixinFirst({"trigger_threshold": 0.5}).resolved_vit_balance_config() == ViTBalanceConfig(
         trigger_threshold=0.5

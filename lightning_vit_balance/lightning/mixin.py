@@ -30,7 +30,7 @@ from lightning_vit_balance.balancer import (
     refuse_in_a_loader_worker,
 )
 from lightning_vit_balance.callsite import warn_at_user
-from lightning_vit_balance.config import ViTBalanceConfig
+from lightning_vit_balance.config import ViTBalanceConfig, require_flag
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.eager import eager, eager_frame
 from lightning_vit_balance.encoding import parameters_sharded
@@ -891,7 +891,10 @@ class ViTBalanceMixin:
                 self._vit_balance_tell_own_clock(cause)
             return balances and (ahead or self._vit_balance_in_step() or _sharded(vit))
         training = bool(getattr(self, "training", True))
-        return _own_loop_balances(training, bool(self.vit_balance_evaluation), vit)
+        evaluation = require_flag(
+            type(self).__name__, "vit_balance_evaluation", self.vit_balance_evaluation, attribute=True
+        )
+        return _own_loop_balances(training, bool(evaluation), vit)
 
     def _vit_balance_tell_own_clock(self, cause: str) -> None:
         state = self._vit_balance_state_object()
@@ -1298,7 +1301,10 @@ class ViTBalanceMixin:
         run can balance."""
         state = self._vit_balance_state_object()
         state.predict_lengths = None
-        if not self.vit_balance_predict or not self.resolved_vit_balance_config().enabled:
+        predict = require_flag(
+            type(self).__name__, "vit_balance_predict", self.vit_balance_predict, attribute=True
+        )
+        if not predict or not self.resolved_vit_balance_config().enabled:
             return
         combined = _predict_loaders(trainer)
         if combined is None:

@@ -383,6 +383,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="analyse timings an earlier run wrote (e.g. benchmarks/h200_timings.csv) instead of timing",
     )
     args = parser.parse_args(argv)
+    if args.steps < 1 or min(args.ranks) < 2 or args.repeats < 1:
+        parser.error("need --steps >= 1, every --ranks >= 2 and --repeats >= 1")
+    if args.from_timings is not None and not args.from_timings.is_file():
+        parser.error(f"--from-timings {args.from_timings}: no such file")
     if args.from_timings is not None:
         size = args.size or "2b"
         with torch.device("meta"):  # only its shape is read (CostModel.from_vit)

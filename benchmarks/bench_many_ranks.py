@@ -414,6 +414,9 @@ def main() -> None:
     parser.add_argument("--gc-calls", type=int, default=300, help="garbage collector table: calls per row")
     parser.add_argument("--gc-ballast", type=int, default=1_000_000, help="long-lived objects in the process")
     args = parser.parse_args()
+    counts = (args.ranks, args.host_ranks, args.trip_ranks, args.calibration_ranks)
+    if min(min(ranks) for ranks in counts) < 2 or min(args.calls, args.host_repeats, args.gc_calls) < 1:
+        parser.error("need every rank count >= 2, and --calls, --host-repeats and --gc-calls >= 1")
     host_work_table(args.host_ranks, args.host_repeats)
     return_trip_table(args.trip_ranks, args.host_repeats)
     calibration_table(args.calibration_ranks, args.host_repeats)

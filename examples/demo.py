@@ -43,6 +43,7 @@ from tiny_vlm import (
     output_dir,
     positive_float,
     positive_int,
+    seed_int,
 )
 
 __all__ = ["DemoVLM", "main", "parse_args", "run_training", "summarize"]
@@ -175,7 +176,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--devices", type=int, default=2, help="data-parallel ranks (>= 2)")
     parser.add_argument("--batch-size", type=positive_int, default=2, help="samples per rank per step")
     parser.add_argument("--scale", type=positive_float, default=1.3, help="multiplies every image side")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_int, default=0)
     parser.add_argument(
         "--output", type=output_dir, default="demo_output", help="directory for logs and the PNG"
     )

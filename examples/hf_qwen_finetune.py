@@ -41,7 +41,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
-from tiny_vlm import output_dir, positive_int
+from tiny_vlm import output_dir, positive_int, seed_int
 
 from lightning_vit_balance import ViTBalanceCallback, ViTBalanceConfig, ViTBalanceMixin
 
@@ -353,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     )
     parser.add_argument("--steps", type=positive_int, default=10, help="optimizer steps per run")
     parser.add_argument("--batch-size", type=positive_int, default=2, help="samples per rank per step")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_int, default=0)
     parser.add_argument(
         "--output", type=output_dir, default="demo_output/hf_qwen_finetune", help="logs and records"
     )

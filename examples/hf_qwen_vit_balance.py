@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=positive_int, default=4, help="training steps per tower (default 4)")
-    parser.add_argument("--devices", type=int, default=2, help="CPU ranks (default 2)")
+    parser.add_argument("--devices", type=positive_int, default=2, help="CPU ranks (default 2)")
     parser.add_argument(
         "--family", choices=(*FAMILIES, "both"), default="both", help="the tower to train (default both)"
     )

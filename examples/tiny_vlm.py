@@ -38,6 +38,7 @@ __all__ = [
     "patch_positions",
     "positive_float",
     "positive_int",
+    "seed_int",
 ]
 
 MERGE = 2  # spatial merge size: 2x2 patches become one token
@@ -52,6 +53,18 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected an integer >= 1")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """An argparse ``type`` for the examples' ``--seed``: an integer in [0, 2**32 - 1], the seeds
+    Lightning's ``seed_everything`` takes (else a traceback once the models are built)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected an integer from 0 to 2**32 - 1")
     return value
 
 

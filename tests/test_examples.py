@@ -498,7 +498,15 @@ def test_equivalence_inputs_are_rebalanced() -> None:
 
 @pytest.mark.parametrize(
     ("flag", "value"),
-    [("--steps", "0"), ("--batch-size", "-1"), ("--scale", "nan"), ("--scale", "0"), ("--steps", "x")],
+    [
+        ("--steps", "0"),
+        ("--batch-size", "-1"),
+        ("--scale", "nan"),
+        ("--scale", "0"),
+        ("--steps", "x"),
+        ("--seed", "-1"),  # Lightning's seed_everything raised once the models were built
+        ("--seed", str(2**32)),
+    ],
 )
 def test_demo_flags_out_of_range_are_usage_errors(
     flag: str, value: str, capsys: pytest.CaptureFixture[str]

@@ -132,6 +132,22 @@ def test_files_are_utf8_with_or_without_a_byte_order_mark(tmp_path: Path) -> Non
         read_dataset(latin)
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--fit-window-patches", "-5"], "argument --fit-window-patches: expected an int >= 0, got '-5'"),
+        # Without --timings it was ignored without a word.
+        (["--fit-window-patches", "64"], "--fit-window-patches is a term of the fit to --timings"),
+    ],
+)
+def test_fit_options_are_checked_where_they_are_given(
+    tiny_file: Path, flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main([str(tiny_file), "--steps", "2", *flags])
+    assert done.value.code == 2 and says in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs a folder nobody can write in: /proc")
 def test_a_file_that_cannot_be_written_leaves_none(
     tiny_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]

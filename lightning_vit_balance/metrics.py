@@ -149,7 +149,22 @@ class _Window:
         window.vit_calls = _count(state["vit_calls"])
         window.vit_max, window.vit_mean = float(state["vit_max"]), float(state["vit_mean"])
         window.vit_per_rank = [float(v) for v in state["vit_per_rank"]]
+        window._check_sums()
         return window
+
+    def _check_sums(self) -> None:
+        """Raise ValueError where the sums could not come from :meth:`add` (a corrupted or edited
+        checkpoint): the window's figures would divide by zero or take the max of nothing."""
+        counts = (self.imbalance_calls, self.load_calls, self.vit_calls)
+        series = [len(values) for values in self.loads.values()]
+        if max(counts) > self.calls:
+            raise ValueError(f"calls={self.calls} is fewer than the imbalance, load or vit calls {counts}")
+        if (self.load_calls == 0 and any(series)) or len(set(series)) > 1:
+            raise ValueError(f"load_calls={self.load_calls} does not match loads of {series} ranks")
+        if (self.vit_calls > 0) != bool(self.vit_per_rank):
+            raise ValueError(
+                f"vit_calls={self.vit_calls} does not match vit_per_rank of {len(self.vit_per_rank)} ranks"
+            )
 
     def _add_vit_ms(self, vit_ms: tuple[float, ...]) -> None:
         """Every rank's measured ViT milliseconds (of its previous call; -1 where none yet)."""

@@ -243,3 +243,22 @@ def test_a_missing_stats_is_named() -> None:
         TypeError, match=r"BalanceMetrics.add\(stats=None\) is invalid: expected a BalanceStats"
     ):
         BalanceMetrics().add(None)  # type: ignore[arg-type]
+
+
+def test_a_window_that_add_could_not_have_summed_is_refused() -> None:
+    """A corrupted window was taken, then the first log divided by zero or took a max of nothing."""
+    metrics = BalanceMetrics()
+    metrics.add(APPLIED)
+    good = metrics.state_dict()
+    for change in (
+        {"load_calls": 0},  # sums of loads over no call
+        {"vit_calls": 3, "vit_per_rank": []},
+        {"calls": 0},
+        {"loads": {"before": [1.0, 2.0], "after": [1.0]}},
+    ):
+        broken = {**good, "window": {**good["window"], **change}}
+        with pytest.raises(ValueError, match=r"BalanceMetrics.load_state_dict\(state_dict=.* is invalid"):
+            BalanceMetrics().load_state_dict(broken)
+    restored = BalanceMetrics()
+    restored.load_state_dict(good)
+    assert restored.metrics() == metrics.metrics()

@@ -73,15 +73,16 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         self._handle: BalancedVisionTower | None = None
 
     def attach(self, trainer: Any) -> ViTBalanceTrainerCallback:
-        """Add this callback to ``trainer`` (unless it holds it already), with its metrics put in
+        """Add this callback to ``trainer`` (unless it holds one already), with its metrics put in
         each training log ahead of the Trainer's reporting integrations, which then log them too.
 
-        Returns this callback.
+        Returns the callback the trainer holds: this one, or the ``ViTBalanceTrainerCallback`` it
+        held already (given in ``callbacks=``, or the copy a resumed Trainer restores in the place
+        of its callbacks): a second one would log each figure twice, and after a resume overwrite
+        the first one's window.
 
         Raises:
             TypeError: ``trainer`` is not a Hugging Face ``Trainer``.
-            ValueError: ``trainer`` holds another ``ViTBalanceTrainerCallback`` (two would log each
-                figure twice, and after a resume the second overwrites the first's).
         """
         handler = getattr(trainer, "callback_handler", None)
         if handler is None:
@@ -89,20 +90,15 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
                 f"ViTBalanceTrainerCallback.attach(trainer={trainer!r}) is invalid: expected a Hugging "
                 "Face transformers.Trainer (a Lightning Trainer takes ViTBalanceCallback)."
             )
-        if any(
-            isinstance(held, ViTBalanceTrainerCallback) and held is not self for held in handler.callbacks
-        ):
-            raise ValueError(
-                "ViTBalanceTrainerCallback.attach: the trainer holds another ViTBalanceTrainerCallback "
-                "already (given in callbacks=?): attach that one, or give none in callbacks=."
-            )
-        if self not in handler.callbacks:
+        held = next((cb for cb in handler.callbacks if isinstance(cb, ViTBalanceTrainerCallback)), None)
+        if held is None:
             trainer.add_callback(self)
+            held = self
         if not any(isinstance(callback, _MetricsFirst) for callback in handler.callbacks):
             # The callbacks run in list order: first of all. A Trainer that restores callback
             # states replaces this callback by a copy at the end; the helper finds that one.
             handler.callbacks.insert(0, _MetricsFirst(trainer))
-        return self
+        return held
 
     def state(self) -> dict[str, Any]:
         """What ``trainer_state.json`` keeps (Hugging Face's ``ExportableState``)."""

@@ -135,6 +135,8 @@ def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     require_member(group, "group")
+    # Twins of a world destroyed since (a sweep's earlier trial) are no longer held: torch let go.
+    _TWINS[:] = [entry for entry in _TWINS if _live(entry[1])]
     if not _nccl_only(group):
         return None
     world = dist.get_world_size()
@@ -158,9 +160,11 @@ def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
     return twins.get(ranks)
 
 
-#: Twins made for an owner that may be dropped without releasing its twin, each with its owner's
-#: weak reference: see :func:`owned_host_group`.
-_OWNED: list[tuple[weakref.ref[Any], dist.ProcessGroup]] = []
+#: The twins :func:`make_host_group` made, until released (the groups :func:`release_host_group`
+#: destroys), each with its owner's weak reference where :func:`owned_host_group` made it for one
+#: that may be dropped without releasing its twin (None: the caller's own). Held as torch's registry
+#: holds them, until released or their world is destroyed.
+_TWINS: list[tuple[weakref.ref[Any] | None, dist.ProcessGroup]] = []
 
 
 def owned_host_group(group: Any, owner: object) -> dist.ProcessGroup | None:
@@ -175,13 +179,13 @@ def owned_host_group(group: Any, owner: object) -> dist.ProcessGroup | None:
     and trainer refer to each other. Every rank calls it at the same point, as
     :func:`make_host_group`; destroying is local.
     """
-    if _OWNED:
+    if any(owner_ref is not None for owner_ref, _ in _TWINS):
         gc.collect()
-        for orphan in [twin for owner_ref, twin in _OWNED if owner_ref() is None]:
+        for orphan in [twin for owner_ref, twin in _TWINS if owner_ref is not None and owner_ref() is None]:
             release_host_group(orphan)
     twin = make_host_group(group)
     if twin is not None:
-        _OWNED.append((weakref.ref(owner), twin))
+        _TWINS[:] = [(weakref.ref(owner) if held is twin else owner_ref, held) for owner_ref, held in _TWINS]
     return twin
 
 
@@ -208,13 +212,13 @@ def release_host_group(host_group: dist.ProcessGroup | None) -> None:
             ``make_host_group(group) or group`` where no twin was made), or no group at all.
     """
     # Not held here past its release either (that would keep its sockets open).
-    _OWNED[:] = [entry for entry in _OWNED if entry[1] is not host_group]
+    made = any(twin is host_group for _, twin in _TWINS)
+    _TWINS[:] = [entry for entry in _TWINS if entry[1] is not host_group]
     if host_group is None or not (dist.is_available() and dist.is_initialized()):
         return
-    if not any(twin is host_group for twin in _TWINS):
+    if not made:
         _refuse_release(host_group)
         return  # destroyed already
-    _TWINS[:] = [twin for twin in _TWINS if twin is not host_group]
     # Nor by the works of its latest gathers, finished long before: freed here, with the interpreter
     # alive, and its worker threads end as the group goes.
     forget_finished_gathers()
@@ -222,19 +226,20 @@ def release_host_group(host_group: dist.ProcessGroup | None) -> None:
         dist.destroy_process_group(host_group)
 
 
-#: The twins :func:`make_host_group` made, until released: the groups :func:`release_host_group`
-#: destroys. Held as torch's registry holds them anyway, until destroyed.
-_TWINS: list[dist.ProcessGroup] = []
+def _live(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is one of this world's, not destroyed."""
+    try:
+        dist.get_backend(group)
+    except (ValueError, RuntimeError):  # "Invalid process group specified"
+        return False
+    return True
 
 
 def _refuse_release(host_group: object) -> None:
     """Raise unless ``host_group`` is a group destroyed already (a twin released before, or with
     the whole of ``torch.distributed``): :func:`release_host_group` destroys twins only."""
-    if isinstance(host_group, dist.ProcessGroup):
-        try:
-            dist.get_backend(host_group)
-        except (ValueError, RuntimeError):  # "Invalid process group specified": destroyed already
-            return
+    if isinstance(host_group, dist.ProcessGroup) and not _live(host_group):
+        return
     raise ValueError(
         f"release_host_group(host_group={host_group!r}) is invalid: expected a twin that "
         "make_host_group returned, or None. It destroys twins only, never the group a twin stands "
@@ -264,7 +269,7 @@ def _connected(
         try:
             made[twin_ranks] = twin = dist.new_group(ranks=list(twin_ranks), backend="gloo", timeout=connect)
             if isinstance(twin, dist.ProcessGroup):  # this rank is a member
-                _TWINS.append(twin)
+                _TWINS.append((None, twin))
                 if _connects_lazily():
                     # Connect now the pairs the host gathers use, within `connect` too, as eager
                     # gloo did.

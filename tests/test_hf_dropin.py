@@ -3424,19 +3424,27 @@ def test_handle_state_round_trips_and_refuses_a_fit_of_other_terms() -> None:
 
 def test_trainer_callback_attaches_once_to_a_hugging_face_trainer() -> None:
     """Two callbacks (one in callbacks=, one attached, both as the README shows) logged each
-    figure twice and, after a resume, the second overwrote the first's window; a Lightning Trainer
-    raised an AttributeError; a string flag read as True."""
+    figure twice and, after a resume, the second overwrote the first's window: attach hands back
+    the one the trainer holds (the user's, or the copy a resumed Trainer restored in its place). A
+    Lightning Trainer raised an AttributeError; a string flag read as True."""
     from types import SimpleNamespace
 
     class Trainer:  # what attach reads of a transformers.Trainer (weakly referenced)
         def __init__(self, callbacks: list[Any]) -> None:
             self.callback_handler = SimpleNamespace(callbacks=callbacks)
 
+        def add_callback(self, callback: Any) -> None:
+            self.callback_handler.callbacks.append(callback)
+
     held = ViTBalanceTrainerCallback()
     trainer = Trainer([held])
-    with pytest.raises(ValueError, match=r"holds another ViTBalanceTrainerCallback already"):
-        ViTBalanceTrainerCallback().attach(trainer)
-    assert held.attach(trainer) is held  # attaching the one it holds puts the metrics first only
+    assert ViTBalanceTrainerCallback().attach(trainer) is held
+    assert held.attach(trainer) is held
+    found = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, ViTBalanceTrainerCallback)]
+    assert found == [held] and len(trainer.callback_handler.callbacks) == 2  # and the metrics-first helper
+    alone = Trainer([])
+    attached = ViTBalanceTrainerCallback()
+    assert attached.attach(alone) is attached and attached in alone.callback_handler.callbacks
     with pytest.raises(TypeError, match=r"attach\(trainer=None\) is invalid: expected a Hugging Face"):
         ViTBalanceTrainerCallback().attach(None)
     with pytest.raises(ValueError, match=r"\(log_per_rank_loads='false'\) is invalid: expected a bool"):

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multirank import COLLECTIVE_TIMEOUT_S, EXIT_ABORT_MESSAGE, groups_taken_for_nccl
+from multirank import COLLECTIVE_TIMEOUT_S, EXIT_ABORT_MESSAGE, groups_taken_for_nccl, reinit_default_group
 
 from lightning_vit_balance import host_group, make_host_group, release_host_group
 from lightning_vit_balance.host_group import (
@@ -280,6 +280,33 @@ def _releases_refused() -> dict[str, Any]:
     return {"refusals": refusals, "world_kept": dist.is_initialized() and dist.get_world_size() == POOL}
 
 
+def _twins_of_destroyed_worlds(store: str) -> dict[str, Any]:
+    """A sweep's trials under one launcher: a twin made, the world destroyed and made again, the
+    twin then released (or not); the files held after each trial."""
+    held = []
+    with groups_taken_for_nccl():
+        before = _files_held()
+        for trial in range(3):
+            twin = make_host_group()
+            reinit_default_group(f"{store}.{trial}")
+            if trial != 1:  # a trial that never releases its twin: forgotten at the next make
+                release_host_group(twin)
+            del twin
+            held.append(_files_held() - before)
+        release_host_group(make_host_group())  # the make drops what a destroyed world left
+    return {"held": held, "twins": len(host_group._TWINS)}
+
+
+@_COUNTS_OPEN_FILES
+def test_twins_of_a_destroyed_world_are_let_go(multirank: Any, tmp_path: Path) -> None:
+    """Released after their world was destroyed, twins were still held (their sockets open): one
+    twin's files more per trial of a sweep."""
+    with multirank(POOL) as w:
+        results = w.run(_twins_of_destroyed_worlds, str(tmp_path / "store"))
+    for got in results:
+        assert got["twins"] == 0 and max(got["held"]) <= 7, got
+
+
 def test_release_refuses_what_is_no_twin(multirank: Any) -> None:
     """release_host_group destroyed whatever it was given: the default group too, without a word."""
     with multirank(POOL) as w:
@@ -328,7 +355,7 @@ def _orphaned_twins() -> dict[str, Any]:
         release_host_group(alive)
         release_host_group(with_three)
         del alive, with_three  # a released twin's sockets close with its last reference
-    left = len(host_group._OWNED)
+    left = sum(owner_ref is not None for owner_ref, _ in host_group._TWINS)
     return {"held": held, "registered": registered, "left": left, "end": _files_held() - before}
 
 

@@ -110,8 +110,11 @@ def _ddp_mesh_groups() -> dict[str, list[int]]:
         for cls in (DDPStrategy, FabricDDPStrategy, FSDPStrategy):
             group = dp_group_from_strategy(cls(device_mesh=mesh[name]))
             found[f"{cls.__module__}.{cls.__name__}:{name}"] = dist.get_process_group_ranks(group)
-    # A hybrid-sharding mesh spanning every rank: all of them are data parallel.
+    # A hybrid-sharding mesh spanning every rank, or its shape (made at setup): all data parallel.
     found["fsdp:2-D"] = dist.get_process_group_ranks(dp_group_from_strategy(FSDPStrategy(device_mesh=mesh)))
+    found["fsdp:shape"] = dist.get_process_group_ranks(
+        dp_group_from_strategy(FSDPStrategy(device_mesh=(2, 1)))
+    )
     return found
 
 

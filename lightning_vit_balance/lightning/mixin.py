@@ -894,7 +894,7 @@ class ViTBalanceMixin:
         evaluation = require_flag(
             type(self).__name__, "vit_balance_evaluation", self.vit_balance_evaluation, attribute=True
         )
-        return _own_loop_balances(training, bool(evaluation), vit)
+        return _own_loop_balances(training, evaluation, vit)
 
     def _vit_balance_tell_own_clock(self, cause: str) -> None:
         state = self._vit_balance_state_object()
@@ -1117,8 +1117,15 @@ class ViTBalanceMixin:
         if parent is not None:
             parent(checkpoint)
         saved = checkpoint.get(CHECKPOINT_KEY)
-        if saved is not None:
+        if saved is None:
+            return
+        try:
             self.load_vit_balance_state_dict(saved)
+        except ValueError as error:  # as a saved fit that cannot go on (continue_fit): every rank alike
+            rank_zero_warn(
+                f"The checkpoint's {CHECKPOINT_KEY!r} entry is not used ({error}); the cost fit "
+                "starts afresh."
+            )
 
     def vit_balance_state_dict(self) -> dict[str, Any]:
         """The balancer's state as plain values (with ``calibrate_cost``, the online cost fit; empty

@@ -48,7 +48,7 @@ def _user_group(kwargs: dict[str, Any]) -> dist.ProcessGroup:
     if isinstance(group, dist.ProcessGroup):
         return group
     mesh = kwargs.get("device_mesh")
-    if mesh is None:
+    if mesh is None or isinstance(mesh, tuple):  # a shape the strategy makes over every rank
         return dist.group.WORLD
     if mesh.ndim == 1:
         return mesh.get_group()

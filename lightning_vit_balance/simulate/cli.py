@@ -60,16 +60,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
-    return value
-
-
 def _rank_count(text: str) -> int:
     """A ``--ranks`` value; the option takes several, so a dataset named after it lands here."""
     try:
@@ -128,7 +118,7 @@ def _add_cost_args(parser: argparse.ArgumentParser) -> None:
         "--timings", type=Path, metavar="FILE", help="fit: CSV/JSONL of patch_count, milliseconds"
     )
     group.add_argument(
-        "--fit-window-patches", type=_non_negative_int, default=0, metavar="N", help="--timings: window term"
+        "--fit-window-patches", type=int, default=0, metavar="N", help="--timings: window term"
     )
 
 

@@ -64,6 +64,17 @@ def test_ddp_and_fsdp_variants_use_the_default_group_unless_given_one() -> None:
     # Hybrid sharding's (shard, replicate) pair spans every rank: the default group.
     assert dp_group_from_strategy(FSDPStrategy(process_group=(own, own))) is world
 
+    class SomeRanks:  # a two-dimensional mesh over fewer ranks than the world (a pipeline stage's)
+        ndim = 2
+
+        def size(self) -> int:
+            return 2
+
+    with pytest.raises(
+        TypeError, match=r"device_mesh .* spans 2 of the 1 ranks in 2 dimensions.*vit_balance_group"
+    ):
+        dp_group_from_strategy(FSDPStrategy(device_mesh=SomeRanks()))
+
 
 class _FakeEngine:
     def __init__(self, group: Any) -> None:

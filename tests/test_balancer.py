@@ -29,7 +29,8 @@ from lightning_vit_balance import (
     balanced_encode,
     plan_rebalance,
 )
-from lightning_vit_balance.balancer import _submodules, _vit_requires_grad
+from lightning_vit_balance.balancer import _vit_requires_grad
+from lightning_vit_balance.encoding import submodules
 from lightning_vit_balance.exchange import GATHER_CAPACITY, ExchangeRoute, PixelTrip
 from lightning_vit_balance.outputs import OutputLayout
 
@@ -1106,7 +1107,7 @@ def test_whether_a_tower_trains_is_read_from_every_parameter_it_lists() -> None:
         for parameter, off in zip(vit.parameters(), frozen, strict=True):
             parameter.requires_grad_(not off)
         assert _vit_requires_grad(vit) is any(p.requires_grad for p in vit.parameters())
-    assert len(_submodules(vit)) == len(list(vit.modules()))
+    assert len(list(submodules(vit))) == len(list(vit.modules()))
     for module in vit.modules():
         for name, parameter in list(module._parameters.items()):
             del module._parameters[name]

@@ -743,7 +743,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         enough = torch.cuda.is_available() and torch.cuda.device_count() >= args.ranks
         args.device = "cuda" if enough else "cpu"
     if args.ranks < 2 or args.steps <= WARMUP_STEPS or args.calibration_steps < 4 or args.repeats < 1:
-        parser.error("need --ranks >= 2, --steps > 3, --calibration-steps >= 4 and --repeats >= 1")
+        parser.error(
+            "need --ranks >= 2, --steps > 3, --calibration-steps >= 4 and --repeats >= 1; got "
+            f"{args.ranks}, {args.steps}, {args.calibration_steps} and {args.repeats}"
+        )
     fit_rows = 2 * args.calibration_steps // 3 * args.ranks  # rank batches the online fit sees
     if args.mode != "e2e" and fit_rows < FIT_FROM_ROWS:
         parser.error(

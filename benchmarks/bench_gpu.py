@@ -384,7 +384,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.steps < 1 or min(args.ranks) < 2 or args.repeats < 1:
-        parser.error("need --steps >= 1, every --ranks >= 2 and --repeats >= 1")
+        parser.error(
+            f"need --steps >= 1, every --ranks >= 2 and --repeats >= 1; got {args.steps}, {args.ranks} "
+            f"and {args.repeats}"
+        )
     if args.from_timings is not None and not args.from_timings.is_file():
         parser.error(f"--from-timings {args.from_timings}: no such file")
     if args.from_timings is not None:

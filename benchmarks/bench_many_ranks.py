@@ -416,7 +416,12 @@ def main() -> None:
     args = parser.parse_args()
     counts = (args.ranks, args.host_ranks, args.trip_ranks, args.calibration_ranks)
     if min(min(ranks) for ranks in counts) < 2 or min(args.calls, args.host_repeats, args.gc_calls) < 1:
-        parser.error("need every rank count >= 2, and --calls, --host-repeats and --gc-calls >= 1")
+        parser.error(
+            "need every rank count >= 2, and --calls, --host-repeats and --gc-calls >= 1; got "
+            f"--ranks {args.ranks}, --host-ranks {args.host_ranks}, --trip-ranks {args.trip_ranks}, "
+            f"--calibration-ranks {args.calibration_ranks}, {args.calls}, {args.host_repeats} and "
+            f"{args.gc_calls}"
+        )
     host_work_table(args.host_ranks, args.host_repeats)
     return_trip_table(args.trip_ranks, args.host_repeats)
     calibration_table(args.calibration_ranks, args.host_repeats)

@@ -108,7 +108,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     parser.add_argument("--repeats", type=int, default=2, help="each call's best of this many runs")
     args = parser.parse_args(argv)
     if args.ranks < 2 or args.batches < 2 or args.repeats < 1:
-        parser.error("need --ranks >= 2, --batches >= 2 (the first is a warm-up) and --repeats >= 1")
+        parser.error(
+            "need --ranks >= 2, --batches >= 2 (the first is a warm-up) and --repeats >= 1; got "
+            f"{args.ranks}, {args.batches} and {args.repeats}"
+        )
     mix = demo_mix()
     with tempfile.TemporaryDirectory() as tmp:
         settings = {"batches": args.batches, "repeats": args.repeats}

@@ -54,13 +54,14 @@ def require_flag(
     owner: str, name: str, value: object, optional: bool = False, attribute: bool = False
 ) -> bool | None:
     """``value`` of ``owner``'s argument ``name`` (its attribute, where ``attribute``) where it is a
-    bool (or None, where ``optional``); else a ValueError naming both: ``bool()`` of a string such
-    as ``"False"`` is True."""
+    bool (or None, where ``optional``); else a ValueError naming both, as for the config's own
+    flags: ``bool()`` of a string such as ``"False"`` is True."""
     if isinstance(value, bool) or (optional and value is None):
         return value
     expected = "a bool or None" if optional else "a bool"
-    given = f"{owner}.{name}={value!r}" if attribute else f"{owner}({name}={value!r})"
-    raise ValueError(f"{given} is invalid: expected {expected}.")
+    if attribute:
+        _fail(name, value, expected, owner)
+    raise ValueError(f"{owner}({name}={value!r}) is invalid: expected {expected}.")
 
 
 def _check_number(

@@ -1936,8 +1936,9 @@ class BalancedVisionTower:
         fit, or a configuration without ``calibrate_cost``, changes nothing.
 
         Raises:
-            ValueError: ``state`` is not a mapping, or its cost fit cannot continue under this
-                handle's configuration (another window or per-frame attention); nothing changes.
+            ValueError: ``state`` is not a mapping, or holds keys no balancer's ``state_dict()``
+                holds, or its cost fit cannot continue under this handle's configuration (another
+                window or per-frame attention); nothing changes.
         """
         state = checked_state(state, "BalancedVisionTower.load_state_dict")
         if self._balancer is not None:
@@ -2270,7 +2271,7 @@ class BalancedVisionTower:
             self._balancer_key, self._carried = key, None
             if carried:
                 source = "balance_vision_tower: the cost fit of the previous configuration"
-                continue_fit(self._balancer, carried, source, warn_at_user)
+                continue_fit(self._balancer.load_state_dict, carried, source, warn_at_user)
         # Training and evaluation forwards measure apart (ViTBalancer.measure_as): every rank's
         # model is in the same mode.
         self._balancer.measure_as("train" if self.base.training else "eval")
@@ -2720,13 +2721,14 @@ def _as_grid(value: Any) -> Any:
         return value
 
 
-def continue_fit(target: Any, saved: Mapping[str, Any], source: str, warn: Callable[[str], None]) -> None:
-    """Go on from a saved cost fit: ``target.load_state_dict(saved)`` (a ``ViTBalancer`` or a
-    handle). A fit the target cannot go on from (of other terms: another window or per-frame
-    attention) is left behind, ``warn`` says so (``source`` names where it came from), and the fit
-    starts afresh. Every rank holds the same state and configuration, so all decide alike."""
+def continue_fit(load: Callable[[Any], None], saved: Any, source: str, warn: Callable[[str], None]) -> None:
+    """Go on from a saved cost fit: ``load(saved)`` (a ``load_state_dict`` of a ``ViTBalancer``, a
+    handle or the mixin). A fit that cannot go on here (of other terms: another window or per-frame
+    attention), or a state that is no balancer's (not a mapping, or of other keys), is left behind,
+    ``warn`` says so (``source`` names where it came from), and the fit starts afresh. Every rank
+    holds the same state and configuration, so all decide alike."""
     try:
-        target.load_state_dict(saved)
+        load(saved)
     except ValueError as error:
         warn(f"{source} is not used ({error}); the cost fit starts afresh.")
 

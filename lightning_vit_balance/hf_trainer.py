@@ -127,7 +127,7 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         if not balancer or balancer == self._handle.state_dict():
             return  # nothing saved, or what the handle holds already (not a mapping: warned below)
         source = "ViTBalanceTrainerCallback: the checkpoint's balancer state"
-        continue_fit(self._handle, balancer, source, warn)
+        continue_fit(self._handle.load_state_dict, balancer, source, warn)
 
     def _count_on(self, counts: Any, warn: Callable[[str], None]) -> None:
         """Start the metrics afresh, counting on from a resumed checkpoint's ``counts``."""

@@ -38,7 +38,8 @@ __all__ = [
     "problem_details",
 ]
 
-#: Floating and integer dtypes a rank can report, by code (index in this tuple).
+#: Dtypes a rank can report, by code (index in this tuple): the floating and integer ones first,
+#: then those listed only so that the errors refusing them can name them.
 DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
     torch.float16,

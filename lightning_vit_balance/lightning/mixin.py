@@ -330,16 +330,16 @@ def _some_keys(batch: Mapping[Any, Any]) -> str:
     return f"{', '.join(names)}{more}" if names else "no keys"
 
 
-def _prepare_keys(keys: object) -> tuple[tuple[str, str], ...]:
-    """``vit_balance_prepare_keys``, checked to be ``(pixels key, grid key)`` pairs (the same on
-    every rank: all raise alike, before the plan's gather)."""
+def _prepare_keys(owner: str, keys: object) -> tuple[tuple[str, str], ...]:
+    """``owner``'s ``vit_balance_prepare_keys``, checked to be ``(pixels key, grid key)`` pairs (the
+    same on every rank: all raise alike, before the plan's gather)."""
     pairs = isinstance(keys, (tuple, list)) and all(
         isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(key, str) for key in pair)
         for pair in keys
     )
     if not pairs:
         raise ValueError(
-            f"ViTBalanceMixin.vit_balance_prepare_keys={keys!r} is invalid: expected (pixels key, grid "
+            f"{owner}.vit_balance_prepare_keys={keys!r} is invalid: expected (pixels key, grid "
             "key) pairs, one per modality, such as (('pixel_values', 'image_grid_thw'),)."
         )
     return tuple((pixels, grid) for pixels, grid in keys)  # type: ignore[union-attr]
@@ -936,7 +936,7 @@ class ViTBalanceMixin:
             state.carried = None
             if carried:
                 source = "ViTBalanceMixin: the saved balancer state (from a checkpoint or an earlier run)"
-                continue_fit(balancer, carried, source, rank_zero_warn)
+                continue_fit(balancer.load_state_dict, carried, source, rank_zero_warn)
         balancer.measure_as(self._vit_balance_loop_name())
         return balancer
 
@@ -1117,15 +1117,9 @@ class ViTBalanceMixin:
         if parent is not None:
             parent(checkpoint)
         saved = checkpoint.get(CHECKPOINT_KEY)
-        if saved is None:
-            return
-        try:
-            self.load_vit_balance_state_dict(saved)
-        except ValueError as error:  # as a saved fit that cannot go on (continue_fit): every rank alike
-            rank_zero_warn(
-                f"The checkpoint's {CHECKPOINT_KEY!r} entry is not used ({error}); the cost fit "
-                "starts afresh."
-            )
+        if saved is not None:
+            source = f"The checkpoint's {CHECKPOINT_KEY!r} entry"
+            continue_fit(self.load_vit_balance_state_dict, saved, source, rank_zero_warn)
 
     def vit_balance_state_dict(self) -> dict[str, Any]:
         """The balancer's state as plain values (with ``calibrate_cost``, the online cost fit; empty
@@ -1147,6 +1141,9 @@ class ViTBalanceMixin:
 
             remainder = fabric.load(path, {"model": model})
             module.load_vit_balance_state_dict(remainder["vit_balance"])
+
+        Raises:
+            ValueError: ``state`` is not a mapping of the balancer's state keys only.
         """
         carried = checked_state(state, "ViTBalanceMixin.load_vit_balance_state_dict")
         module_state = self._vit_balance_state_object()
@@ -1267,26 +1264,25 @@ class ViTBalanceMixin:
         if not wanted or not self._vit_balance_towers_balance():
             return True
         towers = self._vit_balance_towers
-        keys = _prepare_keys(self.vit_balance_prepare_keys)
+        keys = _prepare_keys(type(self).__name__, self.vit_balance_prepare_keys)
         # A batch that is not a mapping holds no keys to read: planned as one without images (a
         # step that encodes none works), named in the error of a call that encodes some.
         readable = isinstance(batch, Mapping)
         pixels, grid = rows_to_plan(batch if readable else {}, keys, towers)
         balancer = self._vit_balance_balancer(*self._vit_balance_towers_settings(settings))
+        made_from = f"the plan was made ahead from the batch's {key_names(keys)} (vit_balance_prepare_keys)"
         try:
             ticket = balancer.prepare(pixels, grid)
         except ValueError as error:  # raised alike on every rank: each adds the same keys
             held = _some_keys(batch) if readable else f"a {type(batch).__name__}"
-            error.add_note(
-                f"The plan was made ahead from the batch's {key_names(keys)} (vit_balance_prepare_keys). "
-                f"The batch on this rank holds {held}."
-            )
+            if hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(f"{made_from[0].upper()}{made_from[1:]}. The batch on this rank holds {held}.")
             raise
         for tower in towers:  # their step grids (GLM-4.xV) from these rows, not read on the device
             tower._keep_host_rows(batch)
         if ticket is not None:
             # Named in the call's mismatch errors: the user never handled this plan themselves.
-            source = f"the plan was made ahead from the batch's {key_names(keys)} (vit_balance_prepare_keys)"
+            source = made_from
             if not readable:
                 source = f"{unreadable_batch(batch, keys)}; so it was planned without images"
             elif not any(key in batch for pair in keys for key in pair):

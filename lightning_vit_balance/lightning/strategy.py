@@ -98,9 +98,9 @@ def dp_group_from_strategy(strategy: Any) -> dist.ProcessGroup | None:
           over and the ViT is called directly.
 
     Raises:
-        TypeError: For any other strategy (e.g. XLA or a custom one), or a DDP or FSDP device mesh
-            of several dimensions that spans only some ranks, naming it and saying how to pass a
-            group explicitly.
+        TypeError: For any other strategy (e.g. XLA or a custom one), a DDP or FSDP device mesh of
+            several dimensions that spans only some ranks, or a model-parallel mesh without a
+            ``data_parallel`` dimension, naming it and saying how to pass a group explicitly.
     """
     if isinstance(strategy, (SingleDeviceStrategy, FabricSingleDeviceStrategy, FabricDataParallelStrategy)):
         return None
@@ -132,7 +132,15 @@ def dp_group_from_strategy(strategy: Any) -> dist.ProcessGroup | None:
     if isinstance(strategy, FabricDeepSpeedStrategy):
         return _deepspeed_group(strategy._deepspeed_engine)
     if isinstance(strategy, (ModelParallelStrategy, FabricModelParallelStrategy)):
-        return strategy.device_mesh["data_parallel"].get_group()
+        mesh = strategy.device_mesh
+        if "data_parallel" not in (mesh.mesh_dim_names or ()):
+            # Lightning names its mesh's dimensions; one set in its place may name them otherwise.
+            raise TypeError(
+                f"dp_group_from_strategy got a {type(strategy).__name__} whose device mesh has the "
+                f"dimensions {mesh.mesh_dim_names}: expected one named 'data_parallel', as Lightning "
+                f"names it. {_HOW_TO_PASS_A_GROUP}"
+            )
+        return mesh["data_parallel"].get_group()
     if isinstance(strategy, (DDPStrategy, FabricDDPStrategy)):
         return _user_group(strategy._ddp_kwargs)
     if isinstance(strategy, FSDPStrategy):

@@ -104,6 +104,25 @@ def dp_group_from_strategy(strategy: Any) -> dist.ProcessGroup | None:
     """
     if isinstance(strategy, (SingleDeviceStrategy, FabricSingleDeviceStrategy, FabricDataParallelStrategy)):
         return None
+    _require_supported(strategy)
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    # DeepSpeed strategies subclass the DDP ones, so they are recognised first.
+    if isinstance(strategy, DeepSpeedStrategy):
+        return _deepspeed_group(strategy.model)
+    if isinstance(strategy, FabricDeepSpeedStrategy):
+        return _deepspeed_group(strategy._deepspeed_engine)
+    if isinstance(strategy, (ModelParallelStrategy, FabricModelParallelStrategy)):
+        return _model_parallel_group(strategy)
+    if isinstance(strategy, (DDPStrategy, FabricDDPStrategy)):
+        return _user_group(strategy._ddp_kwargs)
+    if isinstance(strategy, FSDPStrategy):
+        return _user_group(strategy.kwargs)
+    return _user_group(strategy._fsdp_kwargs)
+
+
+def _require_supported(strategy: Any) -> None:
+    """Raise for a strategy :func:`dp_group_from_strategy` does not know (XLA's, a custom one)."""
     if isinstance(strategy, (XLAStrategy, FabricXLAStrategy, FabricXLAFSDPStrategy)):
         raise TypeError(
             f"dp_group_from_strategy got {type(strategy).__name__}: XLA strategies are not supported "
@@ -124,28 +143,19 @@ def dp_group_from_strategy(strategy: Any) -> dist.ProcessGroup | None:
             f"expected a DDP, FSDP, DeepSpeed, ModelParallel or single-device strategy of Lightning "
             f"or Fabric. {_HOW_TO_PASS_A_GROUP}"
         )
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    # DeepSpeed strategies subclass the DDP ones, so they are recognised first.
-    if isinstance(strategy, DeepSpeedStrategy):
-        return _deepspeed_group(strategy.model)
-    if isinstance(strategy, FabricDeepSpeedStrategy):
-        return _deepspeed_group(strategy._deepspeed_engine)
-    if isinstance(strategy, (ModelParallelStrategy, FabricModelParallelStrategy)):
-        mesh = strategy.device_mesh
-        if "data_parallel" not in (mesh.mesh_dim_names or ()):
-            # Lightning names its mesh's dimensions; one set in its place may name them otherwise.
-            raise TypeError(
-                f"dp_group_from_strategy got a {type(strategy).__name__} whose device mesh has the "
-                f"dimensions {mesh.mesh_dim_names}: expected one named 'data_parallel', as Lightning "
-                f"names it. {_HOW_TO_PASS_A_GROUP}"
-            )
-        return mesh["data_parallel"].get_group()
-    if isinstance(strategy, (DDPStrategy, FabricDDPStrategy)):
-        return _user_group(strategy._ddp_kwargs)
-    if isinstance(strategy, FSDPStrategy):
-        return _user_group(strategy.kwargs)
-    return _user_group(strategy._fsdp_kwargs)
+
+
+def _model_parallel_group(strategy: Any) -> dist.ProcessGroup:
+    """The group of a model-parallel strategy's ``data_parallel`` mesh dimension."""
+    mesh = strategy.device_mesh
+    if "data_parallel" not in (mesh.mesh_dim_names or ()):
+        # Lightning names its mesh's dimensions; one set in its place may name them otherwise.
+        raise TypeError(
+            f"dp_group_from_strategy got a {type(strategy).__name__} whose device mesh has the "
+            f"dimensions {mesh.mesh_dim_names}: expected one named 'data_parallel', as Lightning "
+            f"names it. {_HOW_TO_PASS_A_GROUP}"
+        )
+    return mesh["data_parallel"].get_group()
 
 
 def tensor_parallel_size(strategy: Any) -> int:

@@ -870,6 +870,13 @@ class _NormalEquations:
             gram[a, b] = gram[b, a] = sums[a, b]
         return cls(names, gram, {a: sums[a, _TARGET] for a in names}, sums[_TARGET, _TARGET])
 
+    @property
+    def finite(self) -> bool:
+        """Whether every entry is a finite float (rows too large overflow their products)."""
+        return math.isfinite(self.total) and all(
+            map(math.isfinite, (*self.gram.values(), *self.moments.values()))
+        )
+
     def entry(self, pair: tuple[str, str]) -> float:
         """The entry of one of :func:`_pair_products`'s pairs."""
         if pair[1] != _TARGET:
@@ -1112,12 +1119,18 @@ class CostCalibrator:
                 ``window_patches`` or ``per_frame_attention`` (its rows hold other terms).
         """
         model, history = _parse_state(state, self.window_patches, self.per_frame_attention)
+        with np.errstate(over="ignore"):  # told below, naming the state
+            steps = [self._window_step(rows) for rows in history]
+        if not all(step.equations.finite for step in steps):
+            raise ValueError(
+                f"{_LOAD}: state['history'] holds rows too large to fit (their products overflow): "
+                "expected a saved state."
+            )
         fitted = state["fits"] > 0
         self._model = model if fitted else self._initial
         self._overhead = float(state["call_overhead_ms"]) if fitted else 0.0
         self._steps.clear()
-        for rows in history:
-            self._steps.append(self._window_step(rows))
+        self._steps.extend(steps)
         self._measured_steps = 0
         self.steps_observed = state["steps_observed"]
         self.fits = state["fits"]
@@ -1264,34 +1277,93 @@ def _parse_state(
     state: Mapping[str, Any], window_patches: int, per_frame_attention: bool
 ) -> tuple[CostModel, list[np.ndarray]]:
     """:meth:`CostCalibrator.load_state_dict`'s input, checked: the model and the rows per step."""
-    where = "CostCalibrator.load_state_dict"
     if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
         got = state.get("version") if isinstance(state, Mapping) else type(state).__name__
         raise ValueError(
-            f"{where}: expected a CostCalibrator.state_dict() of version {_STATE_VERSION}, got {got!r}."
+            f"{_LOAD}: expected a CostCalibrator.state_dict() of version {_STATE_VERSION}, got {got!r}."
         )
     for name, expected in (("window_patches", window_patches), ("per_frame_attention", per_frame_attention)):
         if state.get(name) != expected:
             raise ValueError(
-                f"{where}: state[{name!r}]={state.get(name)!r}, but this calibrator fits "
+                f"{_LOAD}: state[{name!r}]={state.get(name)!r}, but this calibrator fits "
                 f"{name}={expected!r}: expected a state saved with the same setting (its rows hold other "
                 "terms)."
             )
     for name in ("steps_observed", "fits"):
         value = state.get(name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{where}: state[{name!r}]={value!r} is invalid: expected an int >= 0.")
+            raise ValueError(f"{_LOAD}: state[{name!r}]={value!r} is invalid: expected an int >= 0.")
+    overhead = state.get("call_overhead_ms")
+    if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 0.0 <= overhead < math.inf:
+        raise ValueError(
+            f"{_LOAD}: state['call_overhead_ms']={overhead!r} is invalid: expected a finite number >= 0."
+        )
+    model = _parse_model(state.get("model"), window_patches, per_frame_attention, fitted=state["fits"] > 0)
+    return model, _parse_history(state.get("history"))
+
+
+def _parse_model(saved: Any, window_patches: int, per_frame_attention: bool, fitted: bool) -> CostModel:
+    """A saved state's model, checked: every field of a :class:`CostModel`, and where it was fitted
+    (``fitted``), one this calibrator could have fitted (its terms; a patch-count dependent one)."""
+    fields = [f.name for f in dataclasses.fields(CostModel)]
+    if not isinstance(saved, Mapping) or sorted(saved) != sorted(fields):
+        keys = sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__
+        raise ValueError(f"{_LOAD}: state['model'] holds {keys!r}: expected the keys {fields!r}.")
     try:
-        model = CostModel(**state["model"])
-        overhead = float(state["call_overhead_ms"])
-        history = [np.asarray(rows, dtype=np.float64).reshape(-1, len(_ROW)) for rows in state["history"]]
-    except (KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"{where}: state holds no valid model, overhead or history ({error!r}).") from None
-    ms = _ROW.index("ms")
-    bad_rows = any(not np.isfinite(rows).all() or (rows[:, ms] <= 0).any() for rows in history)
-    if bad_rows or not math.isfinite(overhead):
-        raise ValueError(f"{where}: state holds a non-finite value or a time <= 0: expected a saved state.")
-    return model, history
+        model = CostModel(**saved)
+    except ValueError as error:
+        raise ValueError(f"{_LOAD}: state['model'] is invalid ({error}).") from None
+    if not fitted:
+        return model  # the saving calibrator's initial model, which this one does not take
+    size_dependent = max(model.quadratic, model.linear, model.windowed) > 0
+    if model.per_frame_attention != per_frame_attention or model.window_patches not in (0, window_patches):
+        problem = f"window_patches={model.window_patches}, per_frame_attention={model.per_frame_attention}"
+    elif not size_dependent:
+        problem = "no coefficient that grows with the patch count"
+    else:
+        return model
+    raise ValueError(
+        f"{_LOAD}: state['model']={saved!r} has {problem}: expected a model this calibrator fits "
+        f"(window_patches {' or '.join(map(str, sorted({0, window_patches})))}, per_frame_attention="
+        f"{per_frame_attention}, and quadratic, "
+        "linear or windowed > 0)."
+    )
+
+
+def _parse_history(saved: Any) -> list[np.ndarray]:
+    """A saved state's window, checked: per step, rows of :data:`_ROW`'s columns as a calibrator
+    makes them (sums >= 0, a whole number of images >= 1, one call, 1 <= smallest <= largest
+    patches and a time > 0), and normal equations that stay finite."""
+    try:
+        history = [np.asarray(rows, dtype=np.float64) for rows in saved]
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{_LOAD}: state['history'] holds no rows of numbers ({error!r}).") from None
+    column = {name: k for k, name in enumerate(_ROW)}
+    for step, rows in enumerate(history):
+        if rows.ndim != 2 or rows.shape[0] == 0 or rows.shape[1] != len(_ROW):
+            raise ValueError(
+                f"{_LOAD}: state['history'][{step}] has shape {list(rows.shape)}: expected rows of "
+                f"{len(_ROW)} columns {list(_ROW)}, at least one."
+            )
+        images, smallest = rows[:, column["constant"]], rows[:, column["smallest"]]
+        valid = (
+            np.isfinite(rows).all(axis=1)
+            & (rows[:, : column["windowed"] + 1] >= 0).all(axis=1)
+            & (images >= 1)
+            & (images == np.floor(images))
+            & (rows[:, column["overhead"]] == 1.0)
+            & (smallest >= 1)
+            & (smallest <= rows[:, column["largest"]])
+            & (rows[:, column["ms"]] > 0)
+        )
+        if not valid.all():
+            bad = int(np.flatnonzero(~valid)[0])
+            raise ValueError(
+                f"{_LOAD}: state['history'][{step}][{bad}]={rows[bad].tolist()!r} is invalid: expected "
+                f"a calibrator's row {list(_ROW)} (sums >= 0, a whole number of images >= 1, overhead 1, "
+                "1 <= smallest <= largest, a time > 0)."
+            )
+    return history
 
 
 def _whole(value: Any) -> int:
@@ -1330,3 +1402,4 @@ def _int_rows(name: str, rows: Sequence[Sequence[int]], milliseconds: Sequence[f
 _ROW = ("quadratic", "linear", "constant", "overhead", "windowed", "smallest", "largest", "ms")
 #: :meth:`CostCalibrator.state_dict`'s layout; a state of another version is refused.
 _STATE_VERSION = 1
+_LOAD = "CostCalibrator.load_state_dict"

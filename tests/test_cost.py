@@ -10,6 +10,7 @@ import io
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -734,6 +735,73 @@ def test_calibrator_state_of_other_terms_is_refused_and_changes_nothing() -> Non
     own.load_state_dict(early.state_dict())
     assert own.model == CostModel(quadratic=3.0) and own.steps_observed == 2
     assert own.state_dict()["history"] == early.state_dict()["history"]
+
+
+def _edited(state: dict[str, Any], edit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    copied = json.loads(json.dumps(state))
+    edit(copied)
+    return copied
+
+
+def _set_row(column: str, value: float) -> Callable[[dict[str, Any]], None]:
+    from lightning_vit_balance.cost import _ROW
+
+    def edit(state: dict[str, Any]) -> None:
+        state["history"][0][0][_ROW.index(column)] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda s: s["model"].pop("constant"), r"state\['model'\] holds \[.*\]: expected the keys"),
+        (
+            lambda s: s["model"].update(per_frame_attention=True),
+            r"per_frame_attention=True: expected a model this calibrator fits \(window_patches 0, per_frame",
+        ),
+        (lambda s: s["model"].update(windowed=1.0, window_patches=64), r"window_patches=64, per_frame"),
+        (
+            lambda s: s["model"].update(quadratic=0.0, linear=0.0, windowed=0.0, window_patches=0),
+            r"no coefficient that grows with the patch count",
+        ),
+        (lambda s: s["model"].update(linear=-1.0), r"state\['model'\] is invalid \(CostModel\.linear=-1"),
+        (lambda s: s.update(call_overhead_ms=-2.0), r"state\['call_overhead_ms'\]=-2\.0 is invalid"),
+        (lambda s: s.update(call_overhead_ms="1"), r"state\['call_overhead_ms'\]='1' is invalid"),
+        (
+            lambda s: s["history"].__setitem__(0, [v for row in s["history"][0] for v in row]),
+            r"history'\]\[0\] has shape \[\d+\]",
+        ),
+        (lambda s: s["history"].__setitem__(0, []), r"history'\]\[0\] has shape \[0\]"),
+        (
+            lambda s: [row.append(1.0) for row in s["history"][0]],
+            r"has shape \[\d+, 9\]: expected rows of 8 columns",
+        ),
+        (lambda s: s.update(history="rows"), r"state\['history'\] holds no rows of numbers"),
+        (_set_row("quadratic", -5.0), r"state\['history'\]\[0\]\[0\]=\[-5\.0, .* is invalid"),
+        (_set_row("constant", 1.5), r"\[0\]\[0\]=.* is invalid: expected a calibrator's row"),
+        (_set_row("overhead", 2.0), r"\[0\]\[0\]=.* is invalid"),
+        (_set_row("smallest", 1e9), r"\[0\]\[0\]=.* is invalid"),
+        (_set_row("ms", math.nan), r"\[0\]\[0\]=.* is invalid"),
+        (_set_row("quadratic", 1e200), r"rows too large to fit"),
+    ],
+)
+def test_a_calibrator_state_no_calibrator_saved_is_refused_and_changes_nothing(
+    edit: Callable[[dict[str, Any]], None], message: str
+) -> None:
+    """A state edited by hand, or of another program: each value a calibrator could not have saved
+    is refused naming it (a partial model planned as ``l**2``; negative sums or overflowing rows
+    spoiled every fit of the window), and the calibrator stays as it was."""
+    fitted = CostCalibrator(warmup_steps=0)
+    for counts, ms in _steps(13, 4):
+        fitted.observe(counts, ms)
+    assert fitted.fits > 0
+    loading = CostCalibrator()
+    loading.load_state_dict(fitted.state_dict())  # the saved state itself loads
+    before = loading.state_dict()
+    with pytest.raises(ValueError, match=r"CostCalibrator\.load_state_dict: .*" + message):
+        loading.load_state_dict(_edited(fitted.state_dict(), edit))
+    assert loading.state_dict() == before
 
 
 def test_a_calibrator_that_fitted_goes_back_to_its_initial_model_with_a_state_saved_before_a_fit() -> None:

@@ -315,6 +315,11 @@ class CostModel:
         fitted = _nonnegative_least_squares(columns, times)
         if fitted is None:
             fitted = {"linear": math.fsum(times.tolist()) / math.fsum(counts.tolist())}
+        if not any(value > 0 for value in fitted.values()):  # a model every rank's batch costs 0 in
+            raise ValueError(
+                f"CostModel.fit: seconds={_short(times.tolist())} give every coefficient 0: expected "
+                "measured times, some > 0."
+            )
         return cls._from_terms(fitted, window_patches, per_frame)
 
     @classmethod

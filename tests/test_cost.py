@@ -305,6 +305,8 @@ def test_fit_recovers_known_coefficients() -> None:
         ({"patch_counts": [16, 0, 64]}, r"patch_counts\[1\]=0.0 is invalid: expected a finite number > 0"),
         ({"window_patches": -4}, r"window_patches=-4 is invalid"),
         ({"window_patches": 4.5}, r"window_patches=4.5 is invalid"),
+        # Before, a model of zeros, which to_config refused naming cost_quadratic.
+        ({"seconds": [0.0, 0.0, 0.0]}, r"seconds=\[0\.0, 0\.0, 0\.0\] give every coefficient 0"),
     ],
 )
 def test_fit_names_the_measurement_it_cannot_use(case: dict[str, Any], message: str) -> None:

@@ -374,8 +374,23 @@ def _settings_apart(metadata: Sequence[RankMetadata], names: Sequence[str]) -> l
     for k, name in enumerate(names):
         ranks = [r for r, m in enumerate(metadata) if m.fingerprint[k] != reference[k]]
         if ranks:
-            differing.append((name, f"{name} (ranks {ranks} differ from rank 0)"))
+            hint = _NOT_CONFIG_SETTINGS.get(name, "")
+            differing.append((name, f"{name} (ranks {ranks} differ from rank 0{hint})"))
     return differing
+
+
+#: What a setting that no ViTBalanceConfig field holds is, said where it differs between ranks.
+_NOT_CONFIG_SETTINGS = {
+    "cost_fit": (
+        "; the online cost fit's state, its model, counters and measured steps; a checkpoint loaded "
+        "on some ranks only, or another on each: load the same one on every rank"
+    ),
+    "previous_call_plan": (
+        "; the call before was given plans made ahead for other batches on these ranks, so their "
+        "cost fits would be fed other figures; pass each call the plan prepared from its own batch"
+    ),
+    "package_sources": "; the package's files differ under one version; install the same sources everywhere",
+}
 
 
 def _ranks_by(pairs: Iterable[tuple[int, _Held]]) -> dict[_Held, list[int]]:

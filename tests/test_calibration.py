@@ -337,6 +337,8 @@ def test_a_cost_fit_state_loaded_on_some_ranks_only_fails_on_every_rank(multiran
         errors = w.run(_state_loaded_on_one_rank)[:RANKS]
     assert len({tuple(e) for e in errors}) == 1 and len(errors[0]) == 1, errors
     assert errors[0][0].startswith("step 5: ") and "settings differ between ranks: cost_fit" in errors[0][0]
+    # Named as what it is: no config field differs, a checkpoint was loaded apart.
+    assert "cost fit's state, its model, counters and measured steps; a checkpoint loaded" in errors[0][0]
 
 
 def _stale_plan_that_moved_nothing() -> list[str] | None:
@@ -403,7 +405,10 @@ def _stale_plan_that_moved_images() -> list[str] | None:
 @pytest.mark.parametrize(
     ("moved", "fragment"),
     [
-        (False, "settings differ between ranks: previous_call_plan (ranks [1] differ from rank 0)"),
+        (
+            False,
+            "settings differ between ranks: previous_call_plan (ranks [1] differ from rank 0; the call before",
+        ),
         (True, "plans made before the call for different batches"),
     ],
     ids=["moved_nothing", "moved_images"],

@@ -156,7 +156,10 @@ def test_package_sources_that_differ_raise(multirank: Any) -> None:
         outcomes = w.run(_sources_case)[:RANKS]
     assert len({(kind, message) for kind, message, _ in outcomes}) == 1, outcomes
     kind, message, _ = outcomes[0]
-    assert kind == "ValueError" and "package_sources (ranks [1]" in message, message
+    assert (
+        kind == "ValueError"
+        and "package_sources (ranks [1] differ from rank 0; the package's files differ" in message
+    ), message
 
 
 def _sources_case() -> tuple[str, str, float] | None:

@@ -525,6 +525,7 @@ def _bad_inputs(bad_rank: int) -> list[str]:
         ("pixels", grid),  # not a tensor
         (pixels, [[1, 4, 4]]),  # grid not a tensor
         towers.make_batch([(1, 4, 4), (1, 4, 9)], seed=rank),  # W not divisible by the merge size
+        towers.make_batch([(1, 3, 4), (1, 4, 4)], seed=rank),  # H alone not divisible
         (pixels.to("meta"), grid),  # wrong device for gloo
         (pixels[:, :6], grid),  # C differs from the other ranks
         (pixels.double(), grid),  # dtype differs from the other ranks
@@ -610,6 +611,7 @@ def test_bad_inputs_raise_on_all_ranks(multirank: Any) -> None:
         "pixel_values is a str, not a torch.Tensor",
         "grid_thw is a list, not a torch.Tensor",
         "W=9",
+        "H=3, W=4: expected both divisible",
         "meta device",
         "C=6 channels while rank 0 has C=12",
         "dtype torch.float64 while rank 0 has torch.float32",

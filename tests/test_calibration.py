@@ -405,10 +405,7 @@ def _stale_plan_that_moved_images() -> list[str] | None:
 @pytest.mark.parametrize(
     ("moved", "fragment"),
     [
-        (
-            False,
-            "settings differ between ranks: previous_call_plan (ranks [1] differ from rank 0; the call before",
-        ),
+        (False, "previous_call_plan (ranks [1] differ from rank 0; the call before"),
         (True, "plans made before the call for different batches"),
     ],
     ids=["moved_nothing", "moved_images"],

@@ -192,6 +192,13 @@ def test_skip_reasons() -> None:
     assert plan_rebalance([[], [], []], FORCED).reason == "no-images"
     assert plan_rebalance([[5], [5]], ViTBalanceConfig(enabled=False)).reason == "disabled"
     assert plan_rebalance([[10], [9]]).reason == "below-threshold"
+    # The threshold skips a step below it, not one at it (imbalance 24 / 16 - 1 = 0.5 exactly, in
+    # binary too); threshold 0 skips nothing, which then gains nothing.
+    at_the_threshold = [[2] * 6, [2, 2]]
+    assert plan_rebalance(at_the_threshold, ViTBalanceConfig(trigger_threshold=0.5)).applied
+    above = ViTBalanceConfig(trigger_threshold=0.5000001)
+    assert plan_rebalance(at_the_threshold, above).reason == "below-threshold"
+    assert plan_rebalance([[4], [4]], ViTBalanceConfig(trigger_threshold=0.0)).reason == "no-gain"
     # One image outweighs the mean: the seed skips, the default balances around it.
     counts = [[100, 30, 30], [10], [10], [10]]
     assert plan_rebalance(counts, SEED_FORCED).reason == "single-image-dominates"

@@ -151,7 +151,11 @@ def _on_three_ranks(grids: list[list[tuple[int, int, int]]], config: dict[str, A
 
 
 def _mismatch(kind: str, skipped: bool, sharded: bool = False) -> tuple[str, str, float] | None:
-    grids = [[(1, 8, 8), (1, 8, 8)], [(1, 2, 2)], [(1, 4, 4)]]
+    grids = [
+        [(1, 8, 8), (1, 8, 8)],
+        [(2, 2, 2), (1, 2, 2)] if kind == "temporal" else [(1, 2, 2)],
+        [(1, 4, 4)],
+    ]
     setup = _on_three_ranks(grids, SKIPPED_CHECKED if skipped else THRESHOLD_0)
     if setup is None:
         return None
@@ -167,6 +171,10 @@ def _mismatch(kind: str, skipped: bool, sharded: bool = False) -> tuple[str, str
         pixels, grid = towers.make_batch([(1, 2, 4)], seed=rank)  # another batch than prepared
     if rank == 1 and kind == "values":
         grid = torch.tensor([[1, 1, 4]])  # same patches, other grid values
+    if rank == 1 and kind == "temporal":
+        grid = grid.flip(0)  # the same heights and widths and rows in all, other temporal sizes
+    if rank == 1 and kind == "grad":
+        pixels = pixels.clone().requires_grad_(True)  # its gradient would not come back
     if rank == 1 and kind == "dtype":
         pixels = pixels.double()  # wider than the dtype the plan sends
     if rank == 1 and kind == "narrow":
@@ -264,6 +272,8 @@ def test_gathers_of_different_steps_name_the_settings_that_differ_too(multirank:
     [
         ("rows", "shape", False),
         ("values", "other values", False),
+        ("temporal", "other values", False),
+        ("grad", "pixel_values requires grad, but did not when the plan was prepared", False),
         ("dtype", "float64", False),
         ("narrow", "float16", False),
         ("no_grid", "must be tensors", False),
@@ -573,12 +583,14 @@ def test_bad_input_fails_in_prepare_on_every_rank(multirank: Any) -> None:
     assert len(set(messages)) == 1 and "rank 2: pixel_values has 15 rows" in messages[0], messages
 
 
-def _grid_the_vit_cannot_merge(config: dict[str, Any], split_videos: bool) -> list[str] | None:
+def _grid_the_vit_cannot_merge(
+    config: dict[str, Any], split_videos: bool, bad: tuple[int, int, int] = (2, 3, 3)
+) -> list[str] | None:
     """Plans made ahead without the ViT (as the Lightning mixin makes them), of rank 1's rows that
-    a 2x2 merge cannot take: in the first call, before the balancer knew the merge size, and in a
-    later one, after it did; then the same rows for a tower without merging (one that a step calls
-    after the other), which takes them."""
-    grids = [[(1, 8, 8), (2, 8, 8)], [(1, 4, 4), (2, 3, 3)], [(1, 2, 2)]]
+    a 2x2 merge cannot take (``bad``): in the first call, before the balancer knew the merge size,
+    and in a later one, after it did; then the same rows for a tower without merging (one that a
+    step calls after the other), which takes them."""
+    grids = [[(1, 8, 8), (2, 8, 8)], [(1, 4, 4), bad], [(1, 2, 2)]]
     setup = _on_three_ranks(grids, {**config, "split_videos": split_videos})
     if setup is None:
         return None
@@ -623,6 +635,19 @@ def test_rows_the_vit_cannot_merge_fail_every_rank_without_the_vit_in_prepare(
     assert said in first[0], first[0]
     # A plan made without the ViT was checked against the previous call's merge size: the rows of
     # a tower that merges less, valid, failed on every rank.
+    assert unmerged == ("no error",) * 3, results
+
+
+@pytest.mark.parametrize("bad", [(2, 3, 4), (2, 4, 3)], ids=["height", "width"])
+def test_rows_of_one_side_the_vit_cannot_merge_fail_every_rank(
+    multirank: Any, bad: tuple[int, int, int]
+) -> None:
+    """The merge size is checked against heights and widths alike (one side each here)."""
+    with multirank(POOL) as w:
+        results = w.run(_grid_the_vit_cannot_merge, THRESHOLD_0, False, bad)[:3]
+    first, second, unmerged = zip(*results)
+    text = f"the ViT's spatial merge size 2 does not divide H={bad[1]}, W={bad[2]} of rank 1's grid_thw[1]"
+    assert len(set(first)) == 1 and second == first and text in first[0], results
     assert unmerged == ("no error",) * 3, results
 
 
@@ -673,6 +698,8 @@ def test_grid_gcd_divides_every_height_and_width_and_no_temporal_size() -> None:
     assert grid_gcd([rank((3, 8, 12)), rank(), rank((1, 4, 28), (5, 16, 16))]) == 4
     assert grid_gcd([rank((1, 6, 6)), rank((1, 4, 10))]) == 2
     assert grid_gcd([rank((1, 3, 3), (1, 8, 8))]) == 1
+    # Heights and widths alike: either side alone would give 8 or 6 here.
+    assert grid_gcd([rank((1, 8, 16), (1, 16, 6))]) == 2 == grid_gcd([rank((1, 6, 8)), rank((1, 8, 8))])
 
 
 def test_prepare_without_a_process_group_returns_none() -> None:

@@ -561,6 +561,25 @@ def test_status_codec_of_outputs_too_many_to_list_keeps_their_problems() -> None
     assert len(data) <= 2044 and 0 < len(ViTStatus.decode(data).leaves) < len(many)
 
 
+def test_a_status_just_about_its_bytes_fits_with_its_length_header() -> None:
+    """Every length around the limit: the detail row holds a 4-byte length before the text, so a
+    text of up to ``_DETAIL_BYTES - 4`` bytes is what fits (a longer one failed to copy into its
+    row on the failing rank alone, and the others waited in the detail gather)."""
+    from lightning_vit_balance.exchange import _DETAIL_BYTES, _decode_detail, _encode_detail
+
+    leaf = LeafSignature("p", "merged", "torch.float32", (24,), rows=3, expected=4, problem=1)
+    base = len(ViTStatus(leaves=(leaf,)).encode())
+    lengths = set()
+    for extra in range(_DETAIL_BYTES - base - 12, _DETAIL_BYTES - base + 12):
+        status = ViTStatus(leaves=(dataclasses.replace(leaf, path="p" * (1 + extra)),))
+        data = status.encode()
+        lengths.add(len(data))
+        assert len(data) <= _DETAIL_BYTES - 4, len(data)
+        back = _decode_detail(_encode_detail(status).numpy())
+        assert back == ViTStatus.decode(data) and back.flag == 2 and back.leaves[0].rows == 3
+    assert max(lengths) == _DETAIL_BYTES - 4  # the sweep reached the limit itself
+
+
 def test_every_problem_has_one_template_and_named_fields() -> None:
     assert set(PROBLEMS) == {p for p in InputProblem if p is not InputProblem.OK}
     details = problem_details(InputProblem.GRID_VALUE, index=3, t=1, h=0, w=4)

@@ -50,12 +50,14 @@ from lightning_vit_balance.encoding import (
     raise_for_gradients,
     raise_for_input,
     raise_for_merges,
+    raise_for_other_vits,
     raise_for_plans,
     raise_for_vit,
     release_frames,
     splice_encoded,
     submodules,
     validate_input,
+    vit_identity,
 )
 from lightning_vit_balance.exchange import (
     GATHER_CAPACITY,
@@ -300,6 +302,14 @@ def _collector_paused(method: Callable[_Params, _Result]) -> Callable[_Params, _
 
 
 @dataclass
+class _Tower:
+    """What a balancer reads of a ViT module once."""
+
+    identity: int  # vit_identity
+    sharded: bool | None = None  # parameters_sharded, read at the first call that asks
+
+
+@dataclass
 class _Call:
     """What one balanced call knows and has measured so far."""
 
@@ -307,6 +317,7 @@ class _Call:
     rank: int
     merge: int
     device: torch.device
+    vit: int = 0  # the ViT's vit_identity, compared in the status gather (0: no ViT, in prepare)
     host: Any = None  # the group for the small host-side gathers (metadata, status)
     seconds: dict[str, float] = field(default_factory=dict)
     collectives: int = 0
@@ -522,7 +533,7 @@ class ViTBalancer:
         # The tower the cost fit measures (see _note_fitted_tower): a weak reference, so that a
         # tower rebuilt in its place (a reloaded model) takes over its fit without a warning.
         self._fitted_tower: Callable[[], Any] | None = None
-        self._sharded_vits: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+        self._towers: weakref.WeakKeyDictionary[torch.nn.Module, _Tower] = weakref.WeakKeyDictionary()
         # Plans for activation checkpointing's recomputations, where refits may change the plan.
         self._plan_memory = PlanMemory()
         # Routes, trips and return layouts of recent plans: made once per plan, ahead where it is.
@@ -989,12 +1000,22 @@ class ViTBalancer:
         a collective. The same on every rank: the model is sharded alike on all of them."""
         if not isinstance(vit, torch.nn.Module):
             return False
-        sharded = self._sharded_vits.get(vit)
-        if sharded is None:
+        tower = self._tower(vit)
+        if tower.sharded is None:
             # Read once per ViT (a walk of its modules, in the forward): models are sharded when the
             # run sets up, before their first balanced call.
-            sharded = self._sharded_vits[vit] = parameters_sharded(vit)
-        return sharded
+            tower.sharded = parameters_sharded(vit)
+        return tower.sharded
+
+    def _identity(self, vit: Any) -> int:
+        """:func:`vit_identity` of ``vit``, read once per module (a walk of its parameters' names)."""
+        return self._tower(vit).identity if isinstance(vit, torch.nn.Module) else vit_identity(vit)
+
+    def _tower(self, vit: torch.nn.Module) -> _Tower:
+        tower = self._towers.get(vit)
+        if tower is None:
+            tower = self._towers[vit] = _Tower(vit_identity(vit))
+        return tower
 
     def _call_as_the_others(self, call: _Call, vit: Any, reference: _Reference, like_grid: Any) -> None:
         """On a rank whose input does not match its prepared plan (it encodes nothing, and reports
@@ -1103,6 +1124,7 @@ class ViTBalancer:
             rank=dist.get_rank(self.group),
             merge=merge_size_of(vit, self.output_layout),
             device=collective_device(self.group, preferred),
+            vit=self._identity(vit),
             host=self._host(),
         )
 
@@ -1345,7 +1367,7 @@ class ViTBalancer:
         grad_wanted = torch.is_grad_enabled() and (reference.pixels_differentiable or _vit_requires_grad(vit))
         # XOR keeps 62 bits: equal across ranks where both the plans and their batches are.
         digest = plan.digest if call.batch_digest is None else plan.digest ^ call.batch_digest
-        report = exchange_status(encoded.status(), call.host, digest, grad_wanted, call.merge)
+        report = exchange_status(encoded.status(), call.host, digest, grad_wanted, call.merge, call.vit)
         call.collectives += report.collectives
         call.timed("status", started, "combine")
         self._raise_where_any_failed(report, encoded, call.merge, prepared=call.batch_digest is not None)
@@ -1478,7 +1500,7 @@ class ViTBalancer:
                 error = caught
         started = time.perf_counter()
         encoded = EncodedBatch([], None, [], error, 0.0, input_problem=problem is not None)
-        report = exchange_status(encoded.status(), call.host)
+        report = exchange_status(encoded.status(), call.host, vit=call.vit)
         call.collectives += report.collectives
         call.timed("status", started, "combine")
         self._raise_where_any_failed(report, encoded, call.merge)
@@ -1498,6 +1520,7 @@ class ViTBalancer:
         ``prepared``: the call was given a plan made before it."""
         self._failed_everywhere = True
         raise_for_plans(report, prepared)
+        raise_for_other_vits(report)
         raise_for_merges(report)
         raise_for_vit(report, encoded, merge)
         raise_for_gradients(report)

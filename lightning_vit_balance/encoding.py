@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils.checkpoint
 
+from lightning_vit_balance.config import stable_digest
 from lightning_vit_balance.exchange import (
     LeafSignature,
     RankMetadata,
@@ -40,6 +41,7 @@ from lightning_vit_balance.outputs import (
     describe_output_problem,
     flatten_output,
     unroutable_output,
+    unwrap_module,
     window_index_fn,
 )
 from lightning_vit_balance.problems import (
@@ -71,12 +73,14 @@ __all__ = [
     "raise_for_gradients",
     "raise_for_input",
     "raise_for_merges",
+    "raise_for_other_vits",
     "raise_for_plans",
     "raise_for_vit",
     "release_frames",
     "splice_encoded",
     "submodules",
     "validate_input",
+    "vit_identity",
 ]
 
 #: A value ranks are grouped by in a message (see :func:`_ranks_by`).
@@ -815,6 +819,43 @@ def raise_for_merges(report: StatusReport) -> None:
         "return trip on every rank. Call the same ViT on every rank (prepare(..., vit=vit) compares "
         "the merge sizes when it plans)."
     )
+
+
+def raise_for_other_vits(report: StatusReport) -> None:
+    """After the status gather, before the return trip: raise on every rank when the ranks called
+    different ViTs in this call. Their calls were paired by their order alone, so each rank's
+    images were encoded by another rank's tower too and came back as that tower's outputs."""
+    towers = _ranks_by((rank, vit) for rank, vit in enumerate(report.vits) if vit)
+    if len(towers) <= 1:
+        return
+    held = "; ".join(f"ranks {ranks}" if len(ranks) > 1 else f"rank {ranks[0]}" for ranks in towers.values())
+    raise ValueError(
+        f"The balanced ViT call failed: the ranks called different ViTs in this call (one each: {held}; "
+        "their classes or parameter names differ), and each rank's images would come back encoded "
+        "by the others' towers; the call ends before its return trip on every rank. Every rank must "
+        "make the same balanced calls in the same order: two towers called in another order on some "
+        "ranks, or a call that some ranks skip (a batch without videos behind an `if`), pairs one "
+        "rank's call with another's. Call each tower on every rank, with an empty batch (zero rows "
+        "and a [0, 3] grid) where a rank has nothing for it"
+    )
+
+
+def vit_identity(vit: Any) -> int:
+    """A 62-bit digest of the ViT a rank calls, equal on the ranks that call the same tower: a
+    module's class and its parameters' names (not their shapes, which FSDP1 and ZeRO-3 cut per
+    rank), or a function's qualified name and first line. Towers of one architecture (an image and
+    a video tower of the same class) look alike."""
+    tower = unwrap_module(vit)
+    if isinstance(tower, torch.nn.Module):
+        kind = type(tower)
+        names = [f"{kind.__module__}.{kind.__qualname__}", *(name for name, _ in tower.named_parameters())]
+    else:
+        code = getattr(tower, "__code__", None)
+        names = [
+            getattr(tower, "__qualname__", type(tower).__qualname__),
+            str(getattr(code, "co_firstlineno", "")),
+        ]
+    return stable_digest("\n".join(names).encode())
 
 
 def splice_encoded(

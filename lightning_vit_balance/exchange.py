@@ -1374,6 +1374,7 @@ class StatusReport:
             :data:`HISTORY_BITS`) with autograd history; ``-1`` (every bit) where not gathered.
         merges: The spatial merge size each rank's return trip sizes its rows by, in rank order
             (0 in the status of a call that moves nothing, whose rows never travel back).
+        vits: A digest of the ViT each rank called, in rank order (0: not told).
     """
 
     consistent: bool
@@ -1383,6 +1384,7 @@ class StatusReport:
     gradients: tuple[bool, ...] = ()
     with_history: int = -1
     merges: tuple[int, ...] = ()
+    vits: tuple[int, ...] = ()
 
     def made_without_history(self, output: int) -> bool:
         """Whether no rank's ViT made output ``output`` with autograd history."""
@@ -1412,23 +1414,24 @@ STATUS_WORD: tuple[str, ...] = (
     "gradients",
     "history_mask",
     "merge",
+    "vit",
 )
 _PLAN_DIGEST, _GRADIENTS = STATUS_WORD.index("plan_digest"), STATUS_WORD.index("gradients")
-_HISTORY_MASK, _MERGE = STATUS_WORD.index("history_mask"), STATUS_WORD.index("merge")
+_HISTORY_MASK, _MERGE, _VIT = (STATUS_WORD.index(name) for name in ("history_mask", "merge", "vit"))
 #: Outputs whose autograd history the status word carries (a bit each in an int64).
 HISTORY_BITS = 62
 
 
 def exchange_status(
-    status: ViTStatus, group: Any, plan_digest: int = 0, gradients: bool = False, merge: int = 0
+    status: ViTStatus, group: Any, plan_digest: int = 0, gradients: bool = False, merge: int = 0, vit: int = 0
 ) -> StatusReport:
     """Gather every rank's :class:`ViTStatus` after the ViT forward, before the return trip.
 
-    One all_gather of seven int64 per rank (flag, output digest, output count, ``plan_digest``,
-    ``gradients``, the outputs made with history, ``merge``) in the common case; when any rank's ViT raised,
-    made rows that fit no kind, or made outputs that differ from another rank's (trailing shape,
-    dtype: autocast on one rank only), a second all_gather brings every rank's full status, so
-    each can raise the same error.
+    One all_gather of eight int64 per rank (flag, output digest, output count, ``plan_digest``,
+    ``gradients``, the outputs made with history, ``merge``, ``vit``) in the common case; when any
+    rank's ViT raised, made rows that fit no kind, or made outputs that differ from another rank's
+    (trailing shape, dtype: autocast on one rank only), a second all_gather brings every rank's
+    full status, so each can raise the same error.
     The buffers are host (CPU) tensors where the backend carries them (gloo, or a
     ``"cpu:gloo,cuda:nccl"`` group), so no device sync happens.
 
@@ -1441,6 +1444,7 @@ def exchange_status(
             exchanges them with every rank's).
         merge: The ViT's spatial merge size this rank's return trip sizes its rows by; 0 in a call
             that moves nothing.
+        vit: A digest of the ViT this rank called (equal on ranks that called the same tower).
     """
     fields = {
         "flag": status.flag,
@@ -1450,6 +1454,7 @@ def exchange_status(
         "gradients": int(gradients),
         "history_mask": status.history_mask(),
         "merge": merge,
+        "vit": vit,
     }
     word = torch.tensor([fields[name] for name in STATUS_WORD], dtype=torch.int64)
     gathered = start_row_gather(word.to(host_device(group)), group).wait()  # [P, len(STATUS_WORD)]
@@ -1457,10 +1462,10 @@ def exchange_status(
     plan_digests = tuple(words[:, _PLAN_DIGEST].tolist())
     gradients_by_rank = tuple((words[:, _GRADIENTS] != 0).tolist())
     history = int(np.bitwise_or.reduce(words[:, _HISTORY_MASK])) if words.size else 0
-    merges = tuple(words[:, _MERGE].tolist())
+    merges, vits = tuple(words[:, _MERGE].tolist()), tuple(words[:, _VIT].tolist())
     # Every rank's ViT succeeded with outputs alike: the flag 0, the outputs' digest and count rank 0's.
     if not words[:, 0].any() and (words[:, 1:_PLAN_DIGEST] == words[0, 1:_PLAN_DIGEST]).all():
-        return StatusReport(True, (), 1, plan_digests, gradients_by_rank, history, merges)
+        return StatusReport(True, (), 1, plan_digests, gradients_by_rank, history, merges, vits)
     details = _gathered_array(_encode_detail(status), gathered.device, group)
     statuses = tuple(_decode_detail(d) for d in details)
-    return StatusReport(False, statuses, 2, plan_digests, gradients_by_rank, history, merges)
+    return StatusReport(False, statuses, 2, plan_digests, gradients_by_rank, history, merges, vits)

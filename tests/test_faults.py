@@ -130,6 +130,61 @@ def test_merge_sizes_that_differ_raise_on_every_rank(multirank: Any) -> None:
     assert kind == "ValueError" and "spatial_merge_size (ranks [1]" in message, message
 
 
+class _VideoTower(towers.TensorTower):
+    """A tower of a class of its own: to the status gather, another ViT than the image tower."""
+
+
+def _towers_in_another_order(prepared: bool) -> list[tuple[str, str, float]] | None:
+    """Two towers, a balancer each, called in another order on rank 1 (videos first): each call
+    paired rank 1's video tower with the others' image tower, and every rank got outputs of the
+    wrong tower (and its gradients) without a word."""
+    group = subgroup(RANKS)
+    rank = dist.get_rank()
+    if rank >= RANKS:
+        return None
+    torch.manual_seed(0)
+    by_name = {"image": towers.TensorTower(), "video": _VideoTower()}
+    balancers = {name: ViTBalancer(ViTBalanceConfig(**APPLY), group) for name in by_name}
+    pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
+    outcomes = []
+    for name in ("video", "image") if rank == 1 else ("image", "video"):
+        balancer, tower = balancers[name], by_name[name]
+        ticket = balancer.prepare(pixels, grid, tower) if prepared else None
+        outcomes.append(_outcome(lambda: balancer(tower, pixels, grid, prepared=ticket)))  # noqa: B023
+    _still_in_step(group, rank)
+    return outcomes
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["planned_in_the_call", "prepared"])
+def test_towers_called_in_another_order_on_one_rank_raise_on_every_rank(
+    multirank: Any, prepared: bool
+) -> None:
+    with multirank(POOL) as w:
+        per_rank = w.run(_towers_in_another_order, prepared)[:RANKS]
+    for call in range(2):
+        outcomes = {(kind, message) for kind, message, _ in (calls[call] for calls in per_rank)}
+        assert len(outcomes) == 1, per_rank
+        kind, message = outcomes.pop()
+        assert kind == "ValueError", per_rank
+        assert "the ranks called different ViTs in this call (one each: ranks [0, 2]; rank 1;" in message
+    assert all(seconds < FAST_S for calls in per_rank for _, _, seconds in calls), per_rank
+
+
+def test_a_vit_is_told_by_its_class_and_parameter_names() -> None:
+    from lightning_vit_balance.encoding import vit_identity
+
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    assert vit_identity(tower) == vit_identity(towers.TensorTower(dim=8))  # shapes do not count
+    assert vit_identity(tower) != vit_identity(_VideoTower())
+    compiled = torch.compile(tower)  # wrappers are seen through
+    assert vit_identity(compiled) == vit_identity(tower)
+    images = lambda p, g: tower(p, g)  # noqa: E731
+    videos = lambda p, g: tower(p, g)  # noqa: E731
+    assert vit_identity(images) != vit_identity(videos)  # functions by their lines
+    assert vit_identity(tower.forward) == vit_identity(towers.TensorTower().forward)
+
+
 def test_fitted_cost_models_that_differ_raise(multirank: Any) -> None:
     """Each rank fitting a CostModel to its own timings gives different coefficients: caught."""
     with multirank(POOL) as w:

@@ -68,6 +68,7 @@ from lightning_vit_balance.exchange import (
     ReturnLayout,
     StatusReport,
     all_to_all,
+    backend_errors_explained,
     collective_device,
     device_problem,
     exchange_status,
@@ -342,7 +343,7 @@ class _Call:
             yield
             return
         what = "the pixel trip of a call given a plan made before it"
-        with _backend_errors_explained(
+        with backend_errors_explained(
             what,
             "every rank must pass the plan made for its call (prepared=), or none, and take the "
             "plans in the order they were made (a plan taken twice, or another batch's, sends other "
@@ -1687,45 +1688,12 @@ class _ReturnBuffer(NamedTuple):
     arrivals: torch.Tensor
 
 
-#: What the ranks were told when a balanced call's first gather failed: they were out of step.
-_OUT_OF_STEP = (
-    "every rank of the group must make the same balanced calls, in the same order, including "
-    "ranks without images (zero rows and a [0, 3] grid). The usual cause is a rank that skipped "
-    "the call (a text-only batch behind an `if`), called the ViT directly (a configuration with "
-    "enabled=False on some ranks only), made it alone (evaluation or sample logging on one rank), "
-    "started a validation after other training batches than the rest (Lightning "
-    "validates at each rank's own epoch position: training loaders of different lengths per rank; "
-    "validate every N batches of the fit instead, val_check_interval=N with "
-    "check_val_every_n_epoch=None), ran more evaluation batches than the rest (a DistributedSampler "
-    "over a dataset of another length on each rank: give every rank the same dataset, or no "
-    "DistributedSampler, which the Lightning mixin encodes directly), or stopped (look for a rank "
-    "that raised first)"
-)
-
-
 def _gathered_metadata(local: RankMetadata, group: Any) -> tuple[tuple[RankMetadata, ...], int]:
     """:func:`gather_metadata` of a call's first collective. A timeout (a rank never joined), a
     closed connection (a rank stopped) or a size mismatch (a rank in another collective) raises
     gloo's or NCCL's text, which names neither the call nor the cause: say both."""
-    with _backend_errors_explained("the gather that starts a balanced call"):
+    with backend_errors_explained("the gather that starts a balanced call"):
         return gather_metadata(local, capacity=GATHER_CAPACITY, device=host_device(group), group=group)
-
-
-@contextlib.contextmanager
-def _backend_errors_explained(what: str, advice: str = "") -> Iterator[None]:
-    """Around a call's first collective (``what``): gloo's or NCCL's error for a collective that
-    failed (a timeout, a closed connection, a size mismatch: a plain ``RuntimeError`` or a
-    ``DistError``) raised again, of its type for loops that catch the backend's errors, with
-    ``advice`` and the usual causes. Others (out of memory, a device's ``AcceleratorError``,
-    ``NotImplementedError``) are not the collective's: they pass as they are."""
-    try:
-        yield
-    except RuntimeError as error:
-        if type(error) is not RuntimeError and not isinstance(error, dist.DistError):
-            raise
-        raise type(error)(
-            f"ViTBalancer: {what} failed on this rank ({error}): {advice}{_OUT_OF_STEP}."
-        ) from error
 
 
 def _print_line(line: str) -> None:

@@ -46,6 +46,7 @@ __all__ = [
     "DOUBLING_FROM_RANKS",
     "GATHER_CAPACITY",
     "HISTORY_BITS",
+    "OUT_OF_STEP",
     "STATUS_WORD",
     "ExchangeRoute",
     "LeafSignature",
@@ -60,6 +61,7 @@ __all__ = [
     "TripTimer",
     "ViTStatus",
     "all_to_all",
+    "backend_errors_explained",
     "collective_device",
     "current_group",
     "device_problem",
@@ -687,8 +689,53 @@ class _AllToAllFunction(torch.autograd.Function):
     @first_order_only
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         with _timed(ctx.timer, grad_output.device):
-            grad = _exchange(grad_output, ctx.receive_splits, ctx.send_splits, ctx.group)
+            grad = _exchange_back(grad_output, ctx.receive_splits, ctx.send_splits, ctx.group)
         return grad, None, None, None, None, None
+
+
+#: What the ranks are told when a balanced call's collective failed: they were out of step.
+OUT_OF_STEP = (
+    "every rank of the group must make the same balanced calls, in the same order, including "
+    "ranks without images (zero rows and a [0, 3] grid). The usual cause is a rank that skipped "
+    "the call (a text-only batch behind an `if`), called the ViT directly (a configuration with "
+    "enabled=False on some ranks only), made it alone (evaluation or sample logging on one rank), "
+    "started a validation after other training batches than the rest (Lightning "
+    "validates at each rank's own epoch position: training loaders of different lengths per rank; "
+    "validate every N batches of the fit instead, val_check_interval=N with "
+    "check_val_every_n_epoch=None), ran more evaluation batches than the rest (a DistributedSampler "
+    "over a dataset of another length on each rank: give every rank the same dataset, or no "
+    "DistributedSampler, which the Lightning mixin encodes directly), or stopped (look for a rank "
+    "that raised first)"
+)
+
+
+@contextlib.contextmanager
+def backend_errors_explained(what: str, advice: str = "") -> Iterator[None]:
+    """Around a collective a rank out of step meets first (``what``): gloo's or NCCL's error for a
+    collective that failed (a timeout, a closed connection, a size mismatch: a plain
+    ``RuntimeError`` or a ``DistError``) raised again, of its type for loops that catch the
+    backend's errors, with ``advice`` and the usual causes. Others (out of memory, a device's
+    ``AcceleratorError``, ``NotImplementedError``) are not the collective's: they pass as they are."""
+    try:
+        yield
+    except RuntimeError as error:
+        if type(error) is not RuntimeError and not isinstance(error, dist.DistError):
+            raise
+        raise type(error)(
+            f"ViTBalancer: {what} failed on this rank ({error}): {advice}{OUT_OF_STEP}."
+        ) from error
+
+
+def _exchange_back(
+    grad: torch.Tensor, send_splits: list[int], receive_splits: list[int], group: Any
+) -> torch.Tensor:
+    """A backward pass's exchange of gradients: where it fails (a rank's backward met another
+    collective, or none), the rank stuck in it is told why as the ranks that failed first are."""
+    with backend_errors_explained(
+        "the backward pass of a balanced call",
+        "every rank must run the backward pass of the same balanced calls, in the same order; ",
+    ):
+        return _exchange(grad, send_splits, receive_splits, group)
 
 
 def _exchange(
@@ -1003,7 +1050,7 @@ class _PixelTripFunction(torch.autograd.Function):
         trip: PixelTrip = ctx.trip
         grad_batch = grad_batch.contiguous()
         a, b = trip.received_rows
-        back = _exchange(grad_batch[a:b], list(trip.receive_splits), list(trip.send_splits), ctx.group)
+        back = _exchange_back(grad_batch[a:b], list(trip.receive_splits), list(trip.send_splits), ctx.group)
         pieces = trip.pieces
         placed = dict(zip(pieces.sent, split_rows(back, [b - a for a, b in trip.sent])))
         local = grad_batch[trip.local_at :]

@@ -6,6 +6,7 @@ import gc
 import sys
 import weakref
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -203,6 +204,31 @@ def _gather_checks(n: int) -> list[Any] | None:
         )
         out.append((collectives, metadata))
     return out
+
+
+def test_a_backward_exchange_that_fails_tells_its_rank_why() -> None:
+    """A rank whose backward pass waits in an exchange the others never join (they made another
+    balanced call first) got the backend's bare timeout, while the ranks in that call were told
+    the cause: it is told too. A size mismatch or closed connection reads alike."""
+    trips = []
+
+    def exchanged(tensor: torch.Tensor, *args: Any) -> torch.Tensor:
+        trips.append(tensor.shape)
+        if len(trips) > 1:  # the backward pass's
+            raise RuntimeError("Timed out waiting 20000ms for send operation to complete")
+        return tensor.clone()
+
+    with mock.patch.object(exchange, "_exchange", side_effect=exchanged):
+        rows = exchange.all_to_all(torch.ones(3, 2), [3], [3], None, differentiable=True)
+        with pytest.raises(RuntimeError) as raised:
+            rows.sum().backward()
+    message = str(raised.value)
+    assert message.startswith(
+        "ViTBalancer: the backward pass of a balanced call failed on this rank (Timed out waiting "
+        "20000ms for send operation to complete): every rank must run the backward pass of the same "
+        "balanced calls, in the same order; every rank of the group must make the same balanced calls"
+    ), message
+    assert type(raised.value) is RuntimeError and len(trips) == 2
 
 
 def test_gather_metadata(multirank: Any) -> None:

@@ -63,6 +63,9 @@ def test_plain_python_costs_are_the_array_calls_floats(model: CostModel) -> None
     frames = rng.integers(1, 17, 300).tolist()
     assert model.costs(counts) == model(np.array(counts)).tolist()
     assert model.costs(counts, frames) == model(np.array(counts), frames=np.array(frames)).tolist()
+    # Frames of fewer patches than a window (rare among the random ones): the windowed term's span.
+    small, steps = [40, 256, 1000, 64], [1, 8, 16, 2]
+    assert model.costs(small, steps) == model(np.array(small), frames=np.array(steps)).tolist()
 
 
 def test_config_round_trip() -> None:
@@ -95,6 +98,11 @@ def test_invalid_window() -> None:
     for name, value in bad:
         with pytest.raises(ValueError, match=rf"from_vit_shape: {name}={value!r} is invalid"):
             CostModel.from_vit_shape(hidden_size=8, depth=2, **{name: value})
+
+
+def test_a_windowed_layer_named_twice_is_priced_once() -> None:
+    once = CostModel.from_vit_shape(hidden_size=8, depth=3, window_layers=[1], window_patches=4)
+    assert CostModel.from_vit_shape(hidden_size=8, depth=3, window_layers=[1, 1], window_patches=4) == once
 
 
 def test_from_vit_shape_counts_flops() -> None:

@@ -949,14 +949,16 @@ def _fsdp2_projection_unit(family: str) -> tuple[int, list[float]]:
     return handle.applied_calls, prepared
 
 
-def test_fsdp2_projection_unit_with_ranks_of_other_modalities(multirank: Any) -> None:
-    """Kimi-K2.5's ``mm_projector`` as an FSDP2 unit of its own, with a text-only rank and with
-    videos on one rank only: the plain model's gradients (without the dummy images gloo aborted)."""
+@pytest.mark.parametrize("family", ["kimi_k25", "ernie4_5_vl_moe"])
+def test_fsdp2_projection_unit_with_ranks_of_other_modalities(multirank: Any, family: str) -> None:
+    """Kimi-K2.5's ``mm_projector`` (ERNIE-4.5-VL's resampler, which takes a video's temporal steps
+    in pairs) as an FSDP2 unit of its own, with a text-only rank and with videos on one rank only:
+    the plain model's gradients (without the dummy images gloo aborted)."""
     skip_without_fsdp2()
-    if not available("kimi_k25"):
-        pytest.skip("this transformers has no kimi_k25")
+    if not available(family):
+        pytest.skip(f"this transformers has no {family}")
     with multirank(RANKS) as w:
-        results = w.run(_fsdp2_projection_unit, "kimi_k25", timeout=120)
+        results = w.run(_fsdp2_projection_unit, family, timeout=120)
     assert [applied for applied, _ in results] == [3] * RANKS
     # Every step's preparation counts in its stats, also where the dummy images made the call
     # plan again (it was lost there).
@@ -1335,12 +1337,15 @@ def _eval_and_no_grad_are_direct(family: str) -> dict[str, Any]:
         with counter.active():
             with torch.no_grad():
                 train_mode = balanced(**batch).logits
+                # A batch made to be planned ahead: a no-grad forward plans nothing either.
+                planned_ahead = balanced(**handle.plan_ahead(_first)([dict(batch)])).logits
             balanced.eval()
             eval_mode = balanced(**batch).logits
         plain.eval()
         reference = plain(**batch).logits
         assert torch.equal(eval_mode, reference)
         torch.testing.assert_close(train_mode, reference, **TOL)
+        torch.testing.assert_close(planned_ahead, reference, **TOL)
         prompt = generation_prompt(generating, batch)
         generating.eval()
         with counter.active():

@@ -361,6 +361,37 @@ def test_checkpoint_and_early_stopping_monitor_the_latest_step(tmp_path: Path) -
     _assert_logged(record, _expected(script[0] + script[1] + script[2], 1, 3, skipped))
 
 
+class _StoppingAtTheSecondBatch(ScriptedModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1:
+            self.trainer.should_stop = True
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fit_stopped_between_logs_logs_its_last_window() -> None:
+    """Stopped at step 2 of a 5-step cadence: the window's two steps are logged at the stop, not
+    lost (the early-stopping test above stops on the cadence anyway)."""
+    script = [[APPLIED_A], [SKIPPED], [APPLIED_B], [APPLIED_A]]
+    callback = ViTBalanceCallback(log_every_n_steps=5)
+    trainer, logger = _fit(script, callback, module=_StoppingAtTheSecondBatch(script))
+    assert trainer.global_step == 2
+    [(record, step)] = logger.vit_balance_calls()
+    assert step == 1
+    _assert_logged(record, _expected(script[0] + script[1], 1, 2, {"below-threshold": 1}))
+
+
+class _EncodingAtEpochStart(ScriptedModule):
+    def on_train_epoch_start(self) -> None:  # sample images encoded for a log, outside any batch
+        self.queue.append(NO_GAIN)
+
+
+def test_calls_outside_a_training_batch_do_not_count_as_its_steps() -> None:
+    script = [[APPLIED_A], [SKIPPED]]
+    _, logger = _fit(script, ViTBalanceCallback(), module=_EncodingAtEpochStart(script))
+    record, _ = logger.vit_balance_calls()[0]
+    _assert_logged(record, _expected([APPLIED_A], 1, 1, {}))
+
+
 def test_a_trainer_without_a_logger_is_refused_unless_logging_is_off() -> None:
     with pytest.raises(MisconfigurationException, match=r"Trainer that has no logger"):
         _fit([[APPLIED_A]], ViTBalanceCallback(), logger=False)

@@ -1348,10 +1348,10 @@ class LoopProbe(MixinFirst):
         self._probe("train")
         return super().training_step(batch, batch_idx)
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._probe("sanity" if self.trainer.sanity_checking else self.trainer.state.fn.value)
 
-    def test_step(self, batch: Any, batch_idx: int) -> None:
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._probe("test")
 
     def predict_step(self, batch: Any, batch_idx: int) -> None:
@@ -1382,6 +1382,11 @@ def test_only_loops_where_every_rank_makes_the_same_calls_balance(tmp_path: Path
             trainer.validate(module, _loader(kind), verbose=False)
             trainer.test(module, _loader(kind), verbose=False)
             assert module.balances == {"validate": {expected}, "test": {expected}}, kind
+        # Several loaders balance only where every one draws evenly: one plain loader among them
+        # draws its own batches on each rank, which would wait on each other in a gather.
+        module.balances = {}
+        trainer.validate(module, [_loader("distributed"), _loader("plain")], verbose=False)
+        assert module.balances == {"validate": {False}}
         # Predict balances the batches every rank runs, as every rank's lengths gathered at the run's
         # first batch tell: on one device nothing is gathered (see the next test).
         module.balances = {}

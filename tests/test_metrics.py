@@ -177,6 +177,19 @@ def test_a_restored_window_keeps_no_per_rank_series_the_resumed_run_does_not_log
     assert not [key for key in got if "/rank_" in key], got
 
 
+def test_a_restored_window_of_another_dp_size_starts_new_per_rank_series() -> None:
+    """Saved on 2 ranks, resumed on 4 with per-rank series: each rank's series is the new call's,
+    not an average of the two sizes' loads under the same rank numbers (rank 0's 6.0 of 4 and 8)."""
+    saved = BalanceMetrics()
+    saved.add(_stats(True, (4.0, 2.0), (3.0, 3.0)))
+    resumed = BalanceMetrics(True)
+    resumed.load_state_dict(json.loads(json.dumps(saved.state_dict())))
+    resumed.add(_stats(True, (8.0, 1.0, 1.0, 2.0), (3.0, 3.0, 3.0, 3.0)))
+    got = resumed.metrics()
+    before = {key: value for key, value in got.items() if "load_before/rank_" in key}
+    assert before == {f"vit_balance/load_before/rank_{r}": v for r, v in enumerate((8.0, 1.0, 1.0, 2.0))}, got
+
+
 @pytest.mark.parametrize(
     "state",
     [

@@ -101,6 +101,8 @@ DOUBLING_FROM_RANKS = 16
 #: Tags of the doubling rounds' messages (plus the round's distance): apart from a user's own.
 _DOUBLING_TAG = 0x56425400
 #: Fixed header fields before the fingerprint and the grid runs in each rank's gather row.
+#: The input status codes a metadata row may hold (:func:`_refuse_rows_of_other_gathers`).
+_PROBLEM_CODES = np.asarray([int(problem) for problem in InputProblem], dtype=np.int64)
 _HEADER_FIELDS = ("status", "num_runs", "channels", "dtype_code", "requires_grad", "vit_us")
 _DETAILS_AT = len(_HEADER_FIELDS)
 _FINGERPRINT_AT = _DETAILS_AT + MAX_DETAILS
@@ -490,6 +492,7 @@ def gather_metadata(
     """
     runs = grid_runs(local.grids)
     gathered = _gathered_array(metadata_row(local, runs, capacity), device, group)
+    _refuse_rows_of_other_gathers(gathered)
     grids_at = _FINGERPRINT_AT + len(local.fingerprint)
     most_runs = int(gathered[:, 1].max())
     collectives = 1
@@ -503,6 +506,21 @@ def gather_metadata(
     else:
         grid_values = gathered[:, grids_at:]
     return metadata_of_rows(gathered[:, :grids_at], grid_values), collectives
+
+
+def _refuse_rows_of_other_gathers(gathered: np.ndarray) -> None:
+    """Raise where a gathered row is no :func:`metadata_row`: a rank in another gather of the group
+    (the status gather of a call given a plan made before it, while this rank starts a call), whose
+    row gloo delivered into this gather's. Before the runs are read: a status word's output digest
+    read as a count of runs made a second gather of billions of values."""
+    statuses, runs = gathered[:, 0], gathered[:, 1]
+    other = ~np.isin(statuses, _PROBLEM_CODES) | (runs < 0) | (runs >= 2**31)
+    if other.any():
+        raise RuntimeError(
+            f"ranks {np.flatnonzero(other).tolist()} sent rows that are no balanced call's metadata: "
+            "they were in another gather of the group (the status gather of a call given a plan made "
+            "before it, or the gather of another balancer on the same group)"
+        )
 
 
 def gather_host_values(values: Sequence[int], group: Any) -> np.ndarray:

@@ -8,6 +8,7 @@ import weakref
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -229,6 +230,24 @@ def test_a_backward_exchange_that_fails_tells_its_rank_why() -> None:
         "balanced calls, in the same order; every rank of the group must make the same balanced calls"
     ), message
     assert type(raised.value) is RuntimeError and len(trips) == 2
+
+
+def test_a_metadata_gather_that_met_another_gathers_row_says_so_before_reading_it() -> None:
+    """Rank 1 in the status gather of a call given a plan made ahead while rank 0 starts a call:
+    gloo delivered its status word into rank 0's metadata gather, whose output digest read as
+    billions of grid runs (a second gather of that size failed with an overflow TypeError)."""
+    local = RankMetadata(0, (), 12, 0, False, ((1, 4, 4),), (7, 9))
+    own = exchange.metadata_row(local, exchange.grid_runs(local.grids), 4).numpy()
+    status_word = np.zeros_like(own)
+    status_word[:3] = [0, 3592004472611365212, 1]  # flag, output digest, output count
+    negative, unknown = own.copy(), own.copy()
+    negative[1], unknown[0] = -1, 99  # runs, input status
+    cases = [([own, status_word], 1), ([negative, own], 0), ([unknown, own], 0)]
+    for rows, rank in cases:
+        gathered = mock.patch.object(exchange, "_gathered_array", return_value=np.stack(rows))
+        message = rf"^ranks \[{rank}\] sent rows that are no balanced call's metadata"
+        with gathered, pytest.raises(RuntimeError, match=message):
+            exchange.gather_metadata(local, capacity=4, device=torch.device("cpu"), group=None)
 
 
 def test_gather_metadata(multirank: Any) -> None:

@@ -5,7 +5,7 @@
 **gathers**: spawns ``P`` gloo ranks on CPU (file-store rendezvous, no ports) for each ``P`` asked
 for, and times the two gathers every balanced call makes on host rows (on a gloo group, or an NCCL
 group's gloo twin): the metadata row (header, fingerprint and ``GATHER_CAPACITY`` runs of grid rows,
-int64) and the status word (``exchange.STATUS_WORD``: seven int64). Each is gathered both ways
+int64) and the status word (``exchange.STATUS_WORD``: eight int64). Each is gathered both ways
 through ``exchange.start_row_gather``, the two ways alternating round by round:
 
 * ``ring``: one ``dist.all_gather`` (gloo's ring: ``P - 1`` hops, each waiting for the one before);

@@ -304,10 +304,10 @@ def _collector_paused(method: Callable[_Params, _Result]) -> Callable[_Params, _
 
 @dataclass
 class _Tower:
-    """What a balancer reads of a ViT module once."""
+    """What a balancer reads of a ViT module once, each at the first call that asks."""
 
-    identity: int  # vit_identity
-    sharded: bool | None = None  # parameters_sharded, read at the first call that asks
+    identity: int | None = None  # vit_identity
+    sharded: bool | None = None  # parameters_sharded
 
 
 @dataclass
@@ -1009,13 +1009,23 @@ class ViTBalancer:
         return tower.sharded
 
     def _identity(self, vit: Any) -> int:
-        """:func:`vit_identity` of ``vit``, read once per module (a walk of its parameters' names)."""
-        return self._tower(vit).identity if isinstance(vit, torch.nn.Module) else vit_identity(vit)
+        """:func:`vit_identity` of ``vit``, read once per module inside it (a walk of its
+        parameters), also where ``vit`` is a callable made anew for each call around it."""
+        module = unwrap_module(vit)
+        if not isinstance(module, torch.nn.Module):
+            return vit_identity(vit)
+        tower = self._tower(module)
+        if tower.identity is None:
+            tower.identity = vit_identity(module)
+        return tower.identity
 
     def _tower(self, vit: torch.nn.Module) -> _Tower:
-        tower = self._towers.get(vit)
+        try:
+            tower = self._towers.get(vit)
+        except TypeError:  # a module class defining __eq__ without __hash__: read at each call
+            return _Tower()
         if tower is None:
-            tower = self._towers[vit] = _Tower(vit_identity(vit))
+            tower = self._towers[vit] = _Tower()
         return tower
 
     def _call_as_the_others(self, call: _Call, vit: Any, reference: _Reference, like_grid: Any) -> None:

@@ -20,6 +20,7 @@ least-squares fit to measured timings.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -1136,7 +1137,7 @@ class CostCalibrator:
             steps = [self._window_step(rows) for rows in history]
         if not all(step.equations.finite for step in steps):
             raise ValueError(
-                f"{_LOAD}: state['history'] holds rows too large to fit (their products overflow): "
+                f"{_LOAD}: state['history'] holds sums too large to fit (their products overflow): "
                 "expected a saved state."
             )
         fitted = state["fits"] > 0
@@ -1263,11 +1264,11 @@ def _parse_step(
             f"CostCalibrator.observe: milliseconds has {len(times)} ranks, patch_counts has "
             f"{len(ranks)}; expected one time per rank."
         )
-    bad = np.flatnonzero((times < 0) | np.isinf(times))
+    bad = np.flatnonzero((times < 0) | np.isinf(times) | ((times > 0) & (times < _SHORTEST_MS)))
     if bad.size:
         raise ValueError(
             f"CostCalibrator.observe: milliseconds[{bad[0]}]={float(times[bad[0]])!r} is invalid: "
-            "expected a finite number >= 0, or NaN for not measured."
+            f"expected a time of at least {_SHORTEST_MS} ms (a microsecond), or 0 or NaN for not measured."
         )
     if frames is None:
         return ranks, times, None
@@ -1346,7 +1347,7 @@ def _parse_model(saved: Any, window_patches: int, per_frame_attention: bool, fit
 def _parse_history(saved: Any) -> list[np.ndarray]:
     """A saved state's window, checked: per step, rows of :data:`_ROW`'s columns as a calibrator
     makes them (sums >= 0, a whole number of images >= 1, one call, 1 <= smallest <= largest
-    patches and a time > 0), and normal equations that stay finite."""
+    patches and a time of a microsecond or more)."""
     try:
         history = [np.asarray(rows, dtype=np.float64) for rows in saved]
     except (TypeError, ValueError) as error:
@@ -1367,14 +1368,14 @@ def _parse_history(saved: Any) -> list[np.ndarray]:
             & (rows[:, column["overhead"]] == 1.0)
             & (smallest >= 1)
             & (smallest <= rows[:, column["largest"]])
-            & (rows[:, column["ms"]] > 0)
+            & (rows[:, column["ms"]] >= _SHORTEST_MS)
         )
         if not valid.all():
             bad = int(np.flatnonzero(~valid)[0])
             raise ValueError(
                 f"{_LOAD}: state['history'][{step}][{bad}]={rows[bad].tolist()!r} is invalid: expected "
                 f"a calibrator's row {list(_ROW)} (sums >= 0, a whole number of images >= 1, overhead 1, "
-                "1 <= smallest <= largest, a time > 0)."
+                f"1 <= smallest <= largest, a time of at least {_SHORTEST_MS} ms)."
             )
     return history
 
@@ -1388,15 +1389,15 @@ def _whole(value: Any) -> int:
 
 
 def _whole_values(values: list[Any]) -> np.ndarray:
-    """``values`` as int64, each checked by :func:`_whole`: in one conversion where NumPy finds
-    them all integers (one by one took 0.8 ms a call at 512 ranks x 8 images, in the forward)."""
-    try:
-        array = np.asarray(values)
-    except (OverflowError, TypeError, ValueError):  # ragged, or beyond every integer dtype
-        array = None
-    if array is None or array.ndim != 1 or array.dtype.kind not in "iu":  # floats and bools among them
-        return np.asarray([_whole(n) for n in values], dtype=np.int64)
-    return array.astype(np.int64)
+    """``values`` as int64, each checked by :func:`_whole`: in one conversion where all are Python's
+    or NumPy's integers within int64 (one by one took 0.8 ms a call at 512 ranks x 8 images, in the
+    forward); bools, floats and the rest go one by one, to be refused by name."""
+    if values and all(kind is int or issubclass(kind, np.integer) for kind in set(map(type, values))):
+        with contextlib.suppress(OverflowError):  # beyond every integer dtype
+            array = np.asarray(values)
+            if array.dtype.kind == "i" or (array.dtype.kind == "u" and array.max() <= _INT64_MAX):
+                return array.astype(np.int64)
+    return np.asarray([_whole(n) for n in values], dtype=np.int64)
 
 
 def _int_rows(name: str, rows: Sequence[Sequence[int]], milliseconds: Sequence[float]) -> list[np.ndarray]:
@@ -1405,7 +1406,7 @@ def _int_rows(name: str, rows: Sequence[Sequence[int]], milliseconds: Sequence[f
         rows = [row if isinstance(row, (list, tuple)) else list(row) for row in rows]  # read twice
         sizes = [len(row) for row in rows]
         flat = _whole_values(list(itertools.chain.from_iterable(rows)))
-    except (TypeError, ValueError) as error:
+    except (OverflowError, TypeError, ValueError) as error:
         raise ValueError(
             f"CostCalibrator.observe: expected {name} as one sequence of integers per rank and "
             f"milliseconds as one number per rank, got {rows!r} and {milliseconds!r} ({error})."
@@ -1428,3 +1429,7 @@ _ROW = ("quadratic", "linear", "constant", "overhead", "windowed", "smallest", "
 #: :meth:`CostCalibrator.state_dict`'s layout; a state of another version is refused.
 _STATE_VERSION = 1
 _LOAD = "CostCalibrator.load_state_dict"
+_INT64_MAX = np.iinfo(np.int64).max
+#: The shortest time a row may hold (ms): the balancer measures whole microseconds, and a shorter
+#: one's weight (its inverse) squared overflows the normal equations.
+_SHORTEST_MS = 1e-3

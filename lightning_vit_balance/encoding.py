@@ -386,12 +386,14 @@ def _settings_apart(metadata: Sequence[RankMetadata], names: Sequence[str]) -> l
 #: What a setting that no ViTBalanceConfig field holds is, said where it differs between ranks.
 _NOT_CONFIG_SETTINGS = {
     "cost_fit": (
-        "; the online cost fit's state, its model, counters and measured steps; a checkpoint loaded "
-        "on some ranks only, or another on each: load the same one on every rank"
+        "; the online cost fit's state, its model, counters and measured steps: a checkpoint loaded "
+        "on some ranks only, or another on each (load the same one on every rank), or calls out of "
+        "step, through another balancer on these ranks (two towers called in another order)"
     ),
     "previous_call_plan": (
-        "; the call before was given plans made ahead for other batches on these ranks, so their "
-        "cost fits would be fed other figures; pass each call the plan prepared from its own batch"
+        "; the call before was given plans made ahead for other batches on these ranks (or another "
+        "balancer's call came before on them), so their cost fits would be fed other figures; pass "
+        "each call the plan prepared from its own batch"
     ),
     "package_sources": "; the package's files differ under one version; install the same sources everywhere",
 }
@@ -831,31 +833,37 @@ def raise_for_other_vits(report: StatusReport) -> None:
     held = "; ".join(f"ranks {ranks}" if len(ranks) > 1 else f"rank {ranks[0]}" for ranks in towers.values())
     raise ValueError(
         f"The balanced ViT call failed: the ranks called different ViTs in this call (one each: {held}; "
-        "their classes or parameter names differ), and each rank's images would come back encoded "
-        "by the others' towers; the call ends before its return trip on every rank. Every rank must "
-        "make the same balanced calls in the same order: two towers called in another order on some "
-        "ranks, or a call that some ranks skip (a batch without videos behind an `if`), pairs one "
-        "rank's call with another's. Call each tower on every rank, with an empty batch (zero rows "
-        "and a [0, 3] grid) where a rank has nothing for it"
+        "their classes or parameter counts differ): their calls are out of step, paired by their "
+        "order alone, and images that move would come back encoded by another rank's tower; the "
+        "call ends before its return trip on every rank. Every rank must make the same balanced "
+        "calls in the same order: two towers called in another order on some ranks, or a call that "
+        "some ranks skip (a batch without videos behind an `if`), pairs one rank's call with "
+        "another's. Call each tower on every rank, with an empty batch (zero rows and a [0, 3] "
+        "grid) where a rank has nothing for it"
     )
 
 
 def vit_identity(vit: Any) -> int:
     """A 62-bit digest of the ViT a rank calls, equal on the ranks that call the same tower: a
-    module's class and its parameters' names (not their shapes, which FSDP1 and ZeRO-3 cut per
-    rank), or a function's qualified name and first line. Towers of one architecture (an image and
-    a video tower of the same class) look alike."""
+    module's class name and its count of parameters, or a function's qualified name and first
+    line. Not the class's module, which ``trust_remote_code`` names after each node's folder or
+    snapshot; nor the parameters' names or shapes, which wrappers inside the tower (activation
+    checkpointing, ``torch.compile`` of a block) rename and FSDP1 and ZeRO-3 cut per rank. Towers
+    of one architecture (an image and a video tower of the same class) look alike."""
     tower = unwrap_module(vit)
     if isinstance(tower, torch.nn.Module):
-        kind = type(tower)
-        names = [f"{kind.__module__}.{kind.__qualname__}", *(name for name, _ in tower.named_parameters())]
+        # Its own walk: parameters() fails on a module whose class defines __eq__ without __hash__.
+        parameters = {
+            id(p) for module in submodules(tower) for p in module._parameters.values() if p is not None
+        }
+        told = [type(tower).__qualname__, str(len(parameters))]
     else:
         code = getattr(tower, "__code__", None)
-        names = [
+        told = [
             getattr(tower, "__qualname__", type(tower).__qualname__),
             str(getattr(code, "co_firstlineno", "")),
         ]
-    return stable_digest("\n".join(names).encode())
+    return stable_digest("\n".join(told).encode())
 
 
 def splice_encoded(

@@ -46,7 +46,6 @@ __all__ = [
     "DOUBLING_FROM_RANKS",
     "GATHER_CAPACITY",
     "HISTORY_BITS",
-    "OUT_OF_STEP",
     "STATUS_WORD",
     "ExchangeRoute",
     "LeafSignature",
@@ -712,7 +711,7 @@ class _AllToAllFunction(torch.autograd.Function):
 
 
 #: What the ranks are told when a balanced call's collective failed: they were out of step.
-OUT_OF_STEP = (
+_OUT_OF_STEP = (
     "every rank of the group must make the same balanced calls, in the same order, including "
     "ranks without images (zero rows and a [0, 3] grid). The usual cause is a rank that skipped "
     "the call (a text-only batch behind an `if`), called the ViT directly (a configuration with "
@@ -740,7 +739,7 @@ def backend_errors_explained(what: str, advice: str = "") -> Iterator[None]:
         if type(error) is not RuntimeError and not isinstance(error, dist.DistError):
             raise
         raise type(error)(
-            f"ViTBalancer: {what} failed on this rank ({error}): {advice}{OUT_OF_STEP}."
+            f"ViTBalancer: {what} failed on this rank ({error}): {advice}{_OUT_OF_STEP}."
         ) from error
 
 

@@ -338,7 +338,7 @@ def test_a_cost_fit_state_loaded_on_some_ranks_only_fails_on_every_rank(multiran
     assert len({tuple(e) for e in errors}) == 1 and len(errors[0]) == 1, errors
     assert errors[0][0].startswith("step 5: ") and "settings differ between ranks: cost_fit" in errors[0][0]
     # Named as what it is: no config field differs, a checkpoint was loaded apart.
-    assert "cost fit's state, its model, counters and measured steps; a checkpoint loaded" in errors[0][0]
+    assert "cost fit's state, its model, counters and measured steps: a checkpoint loaded" in errors[0][0]
 
 
 def _stale_plan_that_moved_nothing() -> list[str] | None:

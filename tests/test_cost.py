@@ -598,9 +598,13 @@ def test_calibrator_invalid_input() -> None:
         calibrator.observe([[4], [8]], [-1.0, 1.0])
     with pytest.raises(ValueError, match=r"milliseconds\[1\]=inf"):
         calibrator.observe([[4], [8]], [1.0, math.inf])
+    # Below a microsecond: its row's weight squared overflowed every later fit of the window.
+    with pytest.raises(ValueError, match=r"milliseconds\[1\]=1e-310 is invalid: expected a time of at least"):
+        calibrator.observe([[4], [8]], [1.0, 1e-310])
     with pytest.raises(ValueError, match="expected patch_counts as one sequence"):
         calibrator.observe([4, 8], [1.0, 1.0])
-    for counts in ([[1.5, 2.9]], [[0.5]], [[True]]):  # int() had fitted 1.5 patches as 1
+    # int() had fitted 1.5 patches as 1; bools among integers, and unsigned ones past int64, too.
+    for counts in ([[1.5, 2.9]], [[0.5]], [[True]], [[True, 3]], [[np.True_, 3]], [[np.uint64(2**63)]]):
         with pytest.raises(ValueError, match="expected patch_counts as one sequence of integers per rank"):
             calibrator.observe(counts, [1.0])
     assert calibrator.steps_observed == 0
@@ -793,7 +797,7 @@ def _set_row(column: str, value: float) -> Callable[[dict[str, Any]], None]:
         (_set_row("overhead", 2.0), r"\[0\]\[0\]=.* is invalid"),
         (_set_row("smallest", 1e9), r"\[0\]\[0\]=.* is invalid"),
         (_set_row("ms", math.nan), r"\[0\]\[0\]=.* is invalid"),
-        (_set_row("quadratic", 1e200), r"rows too large to fit"),
+        (_set_row("quadratic", 1e200), r"sums too large to fit"),
     ],
 )
 def test_a_calibrator_state_no_calibrator_saved_is_refused_and_changes_nothing(

@@ -170,19 +170,56 @@ def test_towers_called_in_another_order_on_one_rank_raise_on_every_rank(
     assert all(seconds < FAST_S for calls in per_rank for _, _, seconds in calls), per_rank
 
 
-def test_a_vit_is_told_by_its_class_and_parameter_names() -> None:
+class _ComparedByValue(towers.TensorTower):
+    """A module class defining ``__eq__`` (so no ``__hash__``): no weak-keyed cache can hold it."""
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+def test_a_vit_is_told_by_its_class_name_and_parameter_count() -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
     from lightning_vit_balance.encoding import vit_identity
 
     torch.manual_seed(0)
     tower = towers.TensorTower()
     assert vit_identity(tower) == vit_identity(towers.TensorTower(dim=8))  # shapes do not count
     assert vit_identity(tower) != vit_identity(_VideoTower())
-    compiled = torch.compile(tower)  # wrappers are seen through
-    assert vit_identity(compiled) == vit_identity(tower)
+    # Not the class's module, which trust_remote_code names after each node's folder or snapshot.
+    renamed = type(
+        "TensorTower", (towers.TensorTower,), {"__module__": "snapshot_0a1b2c", "__qualname__": "TensorTower"}
+    )
+    assert vit_identity(renamed()) == vit_identity(tower)
+    # Wrappers outside the tower and inside it (renaming its parameters) are seen through.
+    assert vit_identity(torch.compile(tower)) == vit_identity(tower)
+    wrapped = towers.TensorTower()
+    wrapped.core = checkpoint_wrapper(wrapped.core)
+    assert vit_identity(wrapped) == vit_identity(tower)
     images = lambda p, g: tower(p, g)  # noqa: E731
     videos = lambda p, g: tower(p, g)  # noqa: E731
     assert vit_identity(images) != vit_identity(videos)  # functions by their lines
     assert vit_identity(tower.forward) == vit_identity(towers.TensorTower().forward)
+
+
+def test_a_balancer_reads_each_towers_identity_once_whatever_calls_it() -> None:
+    """Read once per module inside a callable made anew for each call (a walk of its parameters in
+    every forward before); a module that cannot be a weak key is read at each call, not refused."""
+    from lightning_vit_balance.encoding import vit_identity
+
+    balancer = ViTBalancer()
+    tower = towers.TensorTower()
+
+    class Around:
+        def __init__(self, module: torch.nn.Module) -> None:
+            self.module = module
+
+    with mock.patch.object(balancer_module, "vit_identity", side_effect=vit_identity) as read:
+        identities = {balancer._identity(Around(tower)) for _ in range(3)}
+        assert identities == {vit_identity(tower)} and read.call_count == 1
+        unhashable = _ComparedByValue()
+        assert balancer._identity(unhashable) == balancer._identity(unhashable) == vit_identity(unhashable)
+        assert balancer._sharded(unhashable) is False
 
 
 def test_fitted_cost_models_that_differ_raise(multirank: Any) -> None:

@@ -475,6 +475,7 @@ BAD_OPTIONS = [
     (["--json", "TINY"], "is an input of this run"),
     (["--timings", "/no/such/timings.csv"], "No such file"),
     (["--timings", "FLAT"], "FLAT: the fit prices every image alike (1 ms, nothing per patch)"),
+    (["--timings", "ZERO"], "ZERO: the fit prices every image alike (0 ms, nothing per patch)"),
     # One size fits a*l**2 as exactly as b*l: the speed-up would be whichever term came first.
     (
         ["--timings", "ONE_SIZE"],
@@ -493,6 +494,7 @@ def test_bad_options_exit_2(
 ) -> None:
     timings = {
         "FLAT": "100,1\n400,1\n1600,1\n",  # times that do not grow with the patches
+        "ZERO": "100,0\n400,0\n1600,0\n",
         "ONE_SIZE": "100,1\n100,1.1\n100,0.9\n",
         "TWO_SIZES": "100,1\n400,4\n",
         "BAD": "100,abc\n",

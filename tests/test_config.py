@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -46,6 +49,14 @@ def test_invalid_values_name_field_and_value(field: str, value: object) -> None:
     assert "expected" in str(info.value)
 
 
+def test_a_windowed_cost_without_a_window_is_rejected() -> None:
+    # Every windowed cost would be 0: the term priced nothing, silently.
+    with pytest.raises(
+        ValueError, match=r"cost_window_patches=0 .*expected a window > 0 \(patches\) with cost_windowed"
+    ):
+        ViTBalanceConfig(cost_windowed=1.0)
+
+
 def test_all_zero_cost_is_rejected() -> None:
     with pytest.raises(ValueError, match=r"cost_quadratic=0\.0.*at least one cost coefficient"):
         ViTBalanceConfig(cost_quadratic=0.0)
@@ -54,6 +65,57 @@ def test_all_zero_cost_is_rejected() -> None:
 def test_valid_values_accepted() -> None:
     config = ViTBalanceConfig(max_len_ratio=1, trigger_threshold=0, min_gain=0.0, solver="seed")
     assert config.max_len_ratio == 1
+
+
+#: Another valid value of each field, and whether the fingerprint must tell it apart.
+OTHER_VALUES: dict[str, tuple[Any, bool]] = {
+    "enabled": (False, True),
+    "max_len_ratio": (1.5, True),
+    "trigger_threshold": (0.3, True),
+    "verbose": (True, False),  # what a rank prints
+    "solver": ("lpt", True),
+    "cost_quadratic": (2.0, True),
+    "cost_linear": (1.0, True),
+    "cost_constant": (1.0, True),
+    "cost_windowed": (1.0, True),
+    "cost_window_patches": (32, True),
+    "cost_per_frame_attention": (True, True),
+    "refine_tolerance": (0.1, True),
+    "refine_iterations": (5, True),
+    "min_gain": (0.1, True),
+    "empty_rank_forward": ("no_grad", True),
+    "gather_capacity": (8, False),  # no longer used
+    "overlap_pixel_trip": (True, True),
+    "calibrate_cost": (True, True),
+    "plan_ahead": (True, True),
+    "split_videos": (True, True),
+    "check_skipped_calls": (True, True),
+}
+
+
+def test_the_fingerprint_tells_each_setting_apart_by_name_and_nothing_else() -> None:
+    """A field the fingerprint left out would let ranks that plan or exchange otherwise meet
+    without a word; one it kept too many (1 and 1.0, an alias) would fail ranks that agree."""
+    assert set(OTHER_VALUES) == {f.name for f in dataclasses.fields(ViTBalanceConfig)}
+    base = dict(ViTBalanceConfig(cost_window_patches=64).fingerprint())
+    for field, (value, told) in OTHER_VALUES.items():
+        changed = dict(ViTBalanceConfig(**{"cost_window_patches": 64, field: value}).fingerprint())
+        apart = {name for name in base if changed[name] != base[name]}
+        assert apart == ({field} if told else set()), (field, apart)
+    assert ViTBalanceConfig(solver="seed").fingerprint() == ViTBalanceConfig(solver="lpt").fingerprint()
+    numbers = {"cost_quadratic": 2, "cost_linear": 1, "trigger_threshold": 0, "max_len_ratio": 2}
+    as_floats = {name: float(value) for name, value in numbers.items()}
+    assert ViTBalanceConfig(**numbers).fingerprint() == ViTBalanceConfig(**as_floats).fingerprint()
+
+
+def test_the_package_sources_digest_does_not_follow_the_file_system_s_listing_order(tmp_path: Path) -> None:
+    from lightning_vit_balance import config as config_module
+
+    package = Path(config_module.__file__).resolve().parent
+    listed = list(package.rglob("*.py"))
+    with mock.patch.object(Path, "rglob", lambda self, pattern: iter(reversed(listed))):
+        reversed_digest = config_module._sources_digest(package)
+    assert reversed_digest == config_module._sources_digest(package)
 
 
 def test_the_fingerprint_covers_the_package_sources(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import warnings
 import weakref
 from typing import Any
 from unittest import mock
@@ -30,7 +31,14 @@ from lightning_vit_balance.exchange import (
     sharded_grads_all_zero,
 )
 from lightning_vit_balance.planning import RebalancePlan
-from lightning_vit_balance.problems import DTYPES, INPUT_KINDS, InputProblem, describe_problem
+from lightning_vit_balance.problems import (
+    DTYPES,
+    INPUT_KINDS,
+    LAYOUTS,
+    InputProblem,
+    describe_problem,
+    layout_code,
+)
 
 POOL = 4
 
@@ -315,6 +323,13 @@ def test_describe_problem_messages_are_distinct_and_specific() -> None:
     assert len(set(messages.values())) == len(messages)
     wrong_gpu = describe_problem(InputProblem.DEVICE, (1, 1, 1, 0))
     assert "pixel_values is on cuda:1: expected the current device cuda:0" in wrong_gpu
+    # Told by the device types (the indices alike here), a grid's extra dimensions, a CSR layout.
+    on_cpu = describe_problem(InputProblem.DEVICE, (0, 1, 0, 0))
+    assert "pixel_values is on a cpu device: the process group's backend carries cuda tensors" in on_cpu
+    assert "grid_thw has shape () (4 dims)" in describe_problem(InputProblem.GRID_SHAPE, (4, 2, 3, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CSR support is in beta
+        assert layout_code(torch.eye(2).to_sparse_csr()) == LAYOUTS.index("sparse")
     for code, fragment in fragments.items():
         assert fragment in messages[code], (code, messages[code])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any, ClassVar
+from unittest import mock
 
 import pytest
 import torch
@@ -42,6 +43,14 @@ def test_a_recomputation_recalls_its_calls_plan_or_raises_where_it_cannot_tell()
         memory.recall(_metadata(grids))
     with pytest.raises(RuntimeError, match="none of the latest 4 calls had its images"):
         memory.recall(_metadata([[(1, 4, 4)], []]))
+    # A plain and a checkpointed call of the same images, one recomputed; the next step's call of
+    # them planned otherwise (the cost fit refitted): its recomputation takes that step's plan.
+    memory = PlanMemory(size=4)
+    memory.remember(_metadata(grids), applied)
+    memory.remember(_metadata(grids), applied)
+    assert memory.recall(_metadata(grids)) is applied
+    memory.remember(_metadata(grids), skipped)
+    assert memory.recall(_metadata(grids)) is skipped
 
 
 def test_a_failed_calls_plans_are_forgotten_and_only_those() -> None:
@@ -83,3 +92,7 @@ def test_in_backward_pass_is_true_only_while_autograd_runs_a_backward_pass() -> 
     torch.autograd.grad(_Probe.apply(x).sum(), x)
     assert _Probe.seen == [False, True, False, True]
     assert not in_backward_pass()
+    # A process's first backward pass has task id 0 (seen above only where no test ran one before).
+    for task, running in ((0, True), (7, True), (-1, False)):
+        with mock.patch.object(torch._C, "_current_graph_task_id", return_value=task):
+            assert in_backward_pass() is running

@@ -75,6 +75,9 @@ def test_grids_hand_computed() -> None:
     # With a 1000-token video budget: 1000*784*0.9*2 // 16 = 88200 per frame, floored at
     # 1.05 * 100352 = 105369; 360x640 scaled by 1/1.4787, floor: 8.70 -> 8, 15.46 -> 15.
     assert ResizeRule(video_max_tokens=1000).video_grid(640, 360, 16) == (8, 16, 30)
+    # A budget above the floor: 16384*784*0.9*2 // 32 = 722534 per frame, the 602112 cap binds as at
+    # 1280x720 (without the temporal patch size, 361267 px: 32 x 56).
+    assert ResizeRule(video_max_tokens=16384).video_grid(1920, 1080, 32) == (16, 40, 72)
     # Qwen3-VL style patches of 16: factor 32; 512 and 768 are multiples of it, 393216 px fit.
     assert ResizeRule(patch_size=16).image_grid(768, 512) == (1, 32, 48)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch.distributed as dist
@@ -72,6 +73,12 @@ def test_ddp_and_fsdp_variants_use_the_default_group_unless_given_one() -> None:
 
     with pytest.raises(
         TypeError, match=r"device_mesh .* spans 2 of the 1 ranks in 2 dimensions.*vit_balance_group"
+    ):
+        dp_group_from_strategy(FSDPStrategy(device_mesh=SomeRanks()))
+    # As a pipeline stage's mesh is: 2 of 4 ranks (fewer than the world, not more).
+    with (
+        mock.patch.object(dist, "get_world_size", return_value=4),
+        pytest.raises(TypeError, match=r"device_mesh .* spans 2 of the 4 ranks in 2 dimensions"),
     ):
         dp_group_from_strategy(FSDPStrategy(device_mesh=SomeRanks()))
 

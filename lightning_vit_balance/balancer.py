@@ -46,6 +46,7 @@ from lightning_vit_balance.encoding import (
     ViTClock,
     encode,
     merge_problem,
+    own_parameters,
     parameters_sharded,
     raise_for_gradients,
     raise_for_input,
@@ -256,6 +257,7 @@ def _host_grid_items(grid: torch.Tensor | None) -> tuple[tuple[int, ...], tuple[
 
 _Params = ParamSpec("_Params")
 _Result = TypeVar("_Result")
+_Read = TypeVar("_Read")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,14 +302,6 @@ def _collector_paused(method: Callable[_Params, _Result]) -> Callable[_Params, _
             gc.enable()
 
     return paused
-
-
-@dataclass
-class _Tower:
-    """What a balancer reads of a ViT module once, each at the first call that asks."""
-
-    identity: int | None = None  # vit_identity
-    sharded: bool | None = None  # parameters_sharded
 
 
 @dataclass
@@ -398,12 +392,10 @@ def _vit_requires_grad(vit: Any) -> bool:
         return True
     modules = list(submodules(vit))
     has_parameters = False
-    for module in modules:
-        for parameter in module._parameters.values():
-            if parameter is not None:
-                if parameter.requires_grad:
-                    return True
-                has_parameters = True
+    for parameter in own_parameters(modules):
+        if parameter.requires_grad:
+            return True
+        has_parameters = True
     if has_parameters:
         return False
     return any(
@@ -534,7 +526,10 @@ class ViTBalancer:
         # The tower the cost fit measures (see _note_fitted_tower): a weak reference, so that a
         # tower rebuilt in its place (a reloaded model) takes over its fit without a warning.
         self._fitted_tower: Callable[[], Any] | None = None
-        self._towers: weakref.WeakKeyDictionary[torch.nn.Module, _Tower] = weakref.WeakKeyDictionary()
+        # What a call reads of its ViT module once: whether it is sharded (of the module the call
+        # names: an FSDP1 wrapper is what shards it), its identity (of the module inside wrappers).
+        self._sharded_vits: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+        self._vit_identities: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
         # Plans for activation checkpointing's recomputations, where refits may change the plan.
         self._plan_memory = PlanMemory()
         # Routes, trips and return layouts of recent plans: made once per plan, ahead where it is.
@@ -1001,12 +996,9 @@ class ViTBalancer:
         a collective. The same on every rank: the model is sharded alike on all of them."""
         if not isinstance(vit, torch.nn.Module):
             return False
-        tower = self._tower(vit)
-        if tower.sharded is None:
-            # Read once per ViT (a walk of its modules, in the forward): models are sharded when the
-            # run sets up, before their first balanced call.
-            tower.sharded = parameters_sharded(vit)
-        return tower.sharded
+        # Read once per ViT (a walk of its modules, in the forward): models are sharded when the run
+        # sets up, before their first balanced call.
+        return _read_once(self._sharded_vits, vit, parameters_sharded)
 
     def _identity(self, vit: Any) -> int:
         """:func:`vit_identity` of ``vit``, read once per module inside it (a walk of its
@@ -1014,19 +1006,7 @@ class ViTBalancer:
         module = unwrap_module(vit)
         if not isinstance(module, torch.nn.Module):
             return vit_identity(vit)
-        tower = self._tower(module)
-        if tower.identity is None:
-            tower.identity = vit_identity(module)
-        return tower.identity
-
-    def _tower(self, vit: torch.nn.Module) -> _Tower:
-        try:
-            tower = self._towers.get(vit)
-        except TypeError:  # a module class defining __eq__ without __hash__: read at each call
-            return _Tower()
-        if tower is None:
-            tower = self._towers[vit] = _Tower()
-        return tower
+        return _read_once(self._vit_identities, module, vit_identity)
 
     def _call_as_the_others(self, call: _Call, vit: Any, reference: _Reference, like_grid: Any) -> None:
         """On a rank whose input does not match its prepared plan (it encodes nothing, and reports
@@ -1696,6 +1676,22 @@ class _ReturnBuffer(NamedTuple):
     elements: list[int]
     buffer: torch.Tensor
     arrivals: torch.Tensor
+
+
+def _read_once(
+    cache: weakref.WeakKeyDictionary[torch.nn.Module, _Read],
+    module: torch.nn.Module,
+    read: Callable[[torch.nn.Module], _Read],
+) -> _Read:
+    """``read(module)``, kept in ``cache`` for the module's life; read again at each call for a
+    module that cannot be a weak key (its class defines ``__eq__`` without ``__hash__``)."""
+    try:
+        value = cache.get(module)
+    except TypeError:
+        return read(module)
+    if value is None:
+        value = cache[module] = read(module)
+    return value
 
 
 def _gathered_metadata(local: RankMetadata, group: Any) -> tuple[tuple[RankMetadata, ...], int]:

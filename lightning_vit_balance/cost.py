@@ -880,9 +880,7 @@ class _NormalEquations:
     @property
     def finite(self) -> bool:
         """Whether every entry is a finite float (rows too large overflow their products)."""
-        return math.isfinite(self.total) and all(
-            map(math.isfinite, (*self.gram.values(), *self.moments.values()))
-        )
+        return all(map(math.isfinite, self.entries))
 
     def entry(self, pair: tuple[str, str]) -> float:
         """The entry of one of :func:`_pair_products`'s pairs."""
@@ -1086,8 +1084,8 @@ class CostCalibrator:
                 each); they count only for a per-frame model.
 
         Raises:
-            ValueError: on ragged input, a non-positive patch count or frame count, or a negative or
-                infinite time.
+            ValueError: on ragged input, a non-positive patch count or frame count, or a time that is
+                negative, infinite or positive below a microsecond.
         """
         rows = self._rows(*_parse_step(patch_counts, milliseconds, frames))
         self.steps_observed += 1
@@ -1430,6 +1428,7 @@ _ROW = ("quadratic", "linear", "constant", "overhead", "windowed", "smallest", "
 _STATE_VERSION = 1
 _LOAD = "CostCalibrator.load_state_dict"
 _INT64_MAX = np.iinfo(np.int64).max
-#: The shortest time a row may hold (ms): the balancer measures whole microseconds, and a shorter
-#: one's weight (its inverse) squared overflows the normal equations.
+#: The shortest time a row may hold (ms): the balancer measures whole microseconds, and no ViT call
+#: takes less; a shorter one weighs its row (by its inverse) far above every measured one, and below
+#: about 1e-160 ms its square overflows the normal equations.
 _SHORTEST_MS = 1e-3

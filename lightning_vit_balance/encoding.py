@@ -25,6 +25,7 @@ import torch.utils.checkpoint
 
 from lightning_vit_balance.config import stable_digest
 from lightning_vit_balance.exchange import (
+    OUT_OF_STEP,
     LeafSignature,
     RankMetadata,
     StatusReport,
@@ -69,6 +70,7 @@ __all__ = [
     "encode",
     "gathered_per_call",
     "merge_problem",
+    "own_parameters",
     "parameters_sharded",
     "raise_for_gradients",
     "raise_for_input",
@@ -125,13 +127,18 @@ def parameters_sharded(vit: torch.nn.Module) -> bool:
     # FSDP2 units by their class too: between a forward and its backward a root unit's parameters
     # stay gathered, plain tensors, not DTensors.
     units = tuple(kind for kind in (fsdp.FullyShardedDataParallel, getattr(fsdp, "FSDPModule", None)) if kind)
-    for module in submodules(vit):
-        if isinstance(module, units):
-            return True
-        for param in module._parameters.values():
-            if param is not None and gathered_per_call(param):
-                return True
-    return False
+    modules = list(submodules(vit))
+    return any(isinstance(m, units) for m in modules) or any(map(gathered_per_call, own_parameters(modules)))
+
+
+def own_parameters(modules: Iterable[torch.nn.Module]) -> Iterator[torch.nn.Parameter]:
+    """The parameters each of ``modules`` holds itself (not its children's), in order: with
+    :func:`submodules`, what ``parameters()`` lists, without naming each one (and where a module's
+    class defines ``__eq__`` without ``__hash__``, which ``parameters()`` cannot walk)."""
+    for module in modules:
+        for parameter in module._parameters.values():
+            if parameter is not None:
+                yield parameter
 
 
 def submodules(root: torch.nn.Module) -> Iterator[torch.nn.Module]:
@@ -835,11 +842,8 @@ def raise_for_other_vits(report: StatusReport) -> None:
         f"The balanced ViT call failed: the ranks called different ViTs in this call (one each: {held}; "
         "their classes or parameter counts differ): their calls are out of step, paired by their "
         "order alone, and images that move would come back encoded by another rank's tower; the "
-        "call ends before its return trip on every rank. Every rank must make the same balanced "
-        "calls in the same order: two towers called in another order on some ranks, or a call that "
-        "some ranks skip (a batch without videos behind an `if`), pairs one rank's call with "
-        "another's. Call each tower on every rank, with an empty batch (zero rows and a [0, 3] "
-        "grid) where a rank has nothing for it"
+        "call ends before its return trip on every rank. Two towers called in another order on "
+        f"some ranks pair one rank's call with another's too: {OUT_OF_STEP}"
     )
 
 
@@ -849,13 +853,13 @@ def vit_identity(vit: Any) -> int:
     line. Not the class's module, which ``trust_remote_code`` names after each node's folder or
     snapshot; nor the parameters' names or shapes, which wrappers inside the tower (activation
     checkpointing, ``torch.compile`` of a block) rename and FSDP1 and ZeRO-3 cut per rank. Towers
-    of one architecture (an image and a video tower of the same class) look alike."""
+    of one architecture (an image and a video tower of the same class) look alike, as do callable
+    objects of one class around different towers (other than ``functools.partial``s of them)."""
     tower = unwrap_module(vit)
+    if isinstance(tower, functools.partial):
+        return vit_identity(tower.func)
     if isinstance(tower, torch.nn.Module):
-        # Its own walk: parameters() fails on a module whose class defines __eq__ without __hash__.
-        parameters = {
-            id(p) for module in submodules(tower) for p in module._parameters.values() if p is not None
-        }
+        parameters = {id(p) for p in own_parameters(submodules(tower))}  # a shared one counted once
         told = [type(tower).__qualname__, str(len(parameters))]
     else:
         code = getattr(tower, "__code__", None)

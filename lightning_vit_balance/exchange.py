@@ -46,6 +46,7 @@ __all__ = [
     "DOUBLING_FROM_RANKS",
     "GATHER_CAPACITY",
     "HISTORY_BITS",
+    "OUT_OF_STEP",
     "STATUS_WORD",
     "ExchangeRoute",
     "LeafSignature",
@@ -99,9 +100,9 @@ GATHER_CAPACITY = 64
 DOUBLING_FROM_RANKS = 16
 #: Tags of the doubling rounds' messages (plus the round's distance): apart from a user's own.
 _DOUBLING_TAG = 0x56425400
-#: Fixed header fields before the fingerprint and the grid runs in each rank's gather row.
 #: The input status codes a metadata row may hold (:func:`_refuse_rows_of_other_gathers`).
 _PROBLEM_CODES = np.asarray([int(problem) for problem in InputProblem], dtype=np.int64)
+#: Fixed header fields before the fingerprint and the grid runs in each rank's gather row.
 _HEADER_FIELDS = ("status", "num_runs", "channels", "dtype_code", "requires_grad", "vit_us")
 _DETAILS_AT = len(_HEADER_FIELDS)
 _FINGERPRINT_AT = _DETAILS_AT + MAX_DETAILS
@@ -711,7 +712,7 @@ class _AllToAllFunction(torch.autograd.Function):
 
 
 #: What the ranks are told when a balanced call's collective failed: they were out of step.
-_OUT_OF_STEP = (
+OUT_OF_STEP = (
     "every rank of the group must make the same balanced calls, in the same order, including "
     "ranks without images (zero rows and a [0, 3] grid). The usual cause is a rank that skipped "
     "the call (a text-only batch behind an `if`), called the ViT directly (a configuration with "
@@ -731,15 +732,17 @@ def backend_errors_explained(what: str, advice: str = "") -> Iterator[None]:
     """Around a collective a rank out of step meets first (``what``): gloo's or NCCL's error for a
     collective that failed (a timeout, a closed connection, a size mismatch: a plain
     ``RuntimeError`` or a ``DistError``) raised again, of its type for loops that catch the
-    backend's errors, with ``advice`` and the usual causes. Others (out of memory, a device's
-    ``AcceleratorError``, ``NotImplementedError``) are not the collective's: they pass as they are."""
+    backend's errors, with ``advice`` and the usual causes (also this package's own
+    ``RuntimeError`` for rows of another gather, :func:`gather_metadata`'s). Others (out of memory,
+    a device's ``AcceleratorError``, ``NotImplementedError``) are not the collective's: they pass
+    as they are."""
     try:
         yield
     except RuntimeError as error:
         if type(error) is not RuntimeError and not isinstance(error, dist.DistError):
             raise
         raise type(error)(
-            f"ViTBalancer: {what} failed on this rank ({error}): {advice}{_OUT_OF_STEP}."
+            f"ViTBalancer: {what} failed on this rank ({error}): {advice}{OUT_OF_STEP}."
         ) from error
 
 
@@ -750,7 +753,7 @@ def _exchange_back(
     collective, or none), the rank stuck in it is told why as the ranks that failed first are."""
     with backend_errors_explained(
         "the backward pass of a balanced call",
-        "every rank must run the backward pass of the same balanced calls, in the same order; ",
+        "a rank that ran it while the others made another call, or that skipped it, leaves them waiting; ",
     ):
         return _exchange(grad, send_splits, receive_splits, group)
 

@@ -234,10 +234,48 @@ def test_a_backward_exchange_that_fails_tells_its_rank_why() -> None:
     message = str(raised.value)
     assert message.startswith(
         "ViTBalancer: the backward pass of a balanced call failed on this rank (Timed out waiting "
-        "20000ms for send operation to complete): every rank must run the backward pass of the same "
-        "balanced calls, in the same order; every rank of the group must make the same balanced calls"
+        "20000ms for send operation to complete): a rank that ran it while the others made another "
+        "call, or that skipped it, leaves them waiting; every rank of the group must make the same "
+        "balanced calls"
     ), message
     assert type(raised.value) is RuntimeError and len(trips) == 2
+
+
+def _pixel_trip_backward_failing() -> str | None:
+    """A balanced call's backward pass whose second exchange (the pixel trip's, after the return
+    trip's) fails on every rank, as a timeout or a closed connection would."""
+    group = subgroup(2)
+    rank = dist.get_rank()
+    if rank >= 2:
+        return None
+    torch.manual_seed(0)
+    tower = towers.TensorTower()
+    pixels, grid = towers.make_batch([[(1, 8, 8), (1, 8, 8)], [(1, 2, 2)]][rank], seed=rank)
+    balancer = ViTBalancer(ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0), group)
+    out = balancer(tower, pixels.requires_grad_(True), grid)
+    assert balancer.last_stats is not None and balancer.last_stats.applied
+    real, trips = exchange._exchange, []
+
+    def second_fails(*args: Any) -> torch.Tensor:
+        trips.append(args[0].shape)
+        if len(trips) == 2:
+            raise RuntimeError("Connection closed by peer")
+        return real(*args)
+
+    with mock.patch.object(exchange, "_exchange", side_effect=second_fails):
+        try:
+            out.sum().backward()
+        except RuntimeError as error:
+            return str(error)
+    return "no error"
+
+
+def test_a_pixel_trips_backward_exchange_that_fails_tells_its_rank_why(multirank: Any) -> None:
+    with multirank(POOL) as w:
+        messages = w.run(_pixel_trip_backward_failing)[:2]
+    for message in messages:
+        told = "ViTBalancer: the backward pass of a balanced call failed on this rank (Connection closed"
+        assert message.startswith(told), message
 
 
 def test_a_metadata_gather_that_met_another_gathers_row_says_so_before_reading_it() -> None:

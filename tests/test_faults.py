@@ -8,6 +8,7 @@ correct outputs; and the group is still in step afterwards (a good call works on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import time
 import traceback
@@ -186,6 +187,10 @@ def test_a_vit_is_told_by_its_class_name_and_parameter_count() -> None:
     tower = towers.TensorTower()
     assert vit_identity(tower) == vit_identity(towers.TensorTower(dim=8))  # shapes do not count
     assert vit_identity(tower) != vit_identity(_VideoTower())
+    deeper = towers.TensorTower()
+    deeper.extra = torch.nn.Linear(2, 2)  # one class, two parameters more
+    assert vit_identity(deeper) != vit_identity(tower)
+    assert vit_identity(functools.partial(tower)) != vit_identity(functools.partial(_VideoTower()))
     # Not the class's module, which trust_remote_code names after each node's folder or snapshot.
     renamed = type(
         "TensorTower", (towers.TensorTower,), {"__module__": "snapshot_0a1b2c", "__qualname__": "TensorTower"}

@@ -201,9 +201,11 @@ def _cost_model(args: argparse.Namespace, rule: ResizeRule) -> tuple[CostModel, 
     if args.timings is not None:
         counts, milliseconds = read_timings(args.timings, rule)
         _check_sizes_timed(args, counts)
-        model = CostModel(0.0)  # times all 0 (CostModel.fit refuses them): told as a fit pricing nothing
-        if any(milliseconds):
-            model = CostModel.fit(counts, milliseconds, window_patches=args.fit_window_patches)
+        if not any(milliseconds):
+            raise ValueError(
+                f"--timings {args.timings}: every time is 0 ms: expected measured times, some > 0."
+            )
+        model = CostModel.fit(counts, milliseconds, window_patches=args.fit_window_patches)
         if not (model.quadratic or model.linear or model.windowed):  # no image would outweigh another
             raise ValueError(
                 f"--timings {args.timings}: the fit prices every image alike ({model.constant:.4g} ms, "

@@ -44,6 +44,7 @@ from lightning_vit_balance.encoding import (
     GatherFor,
     TripClock,
     ViTClock,
+    called_module,
     encode,
     merge_problem,
     own_parameters,
@@ -312,7 +313,7 @@ class _Call:
     rank: int
     merge: int
     device: torch.device
-    vit: int = 0  # the ViT's vit_identity, compared in the status gather (0: no ViT, in prepare)
+    vit: int = 0  # the ViT's vit_identity, compared in the status gather (0: none told, or prepare)
     host: Any = None  # the group for the small host-side gathers (metadata, status)
     seconds: dict[str, float] = field(default_factory=dict)
     collectives: int = 0
@@ -1001,12 +1002,11 @@ class ViTBalancer:
         return _read_once(self._sharded_vits, vit, parameters_sharded)
 
     def _identity(self, vit: Any) -> int:
-        """:func:`vit_identity` of ``vit``, read once per module inside it (a walk of its
-        parameters), also where ``vit`` is a callable made anew for each call around it."""
-        module = unwrap_module(vit)
-        if not isinstance(module, torch.nn.Module):
-            return vit_identity(vit)
-        return _read_once(self._vit_identities, module, vit_identity)
+        """:func:`vit_identity` of the module ``vit`` calls, read once per module (a walk of its
+        parameters), also where ``vit`` is a callable made anew for each call around it; 0 (not
+        compared) where no module can be told (a lambda around the tower)."""
+        module = called_module(vit)
+        return 0 if module is None else _read_once(self._vit_identities, module, vit_identity)
 
     def _call_as_the_others(self, call: _Call, vit: Any, reference: _Reference, like_grid: Any) -> None:
         """On a rank whose input does not match its prepared plan (it encodes nothing, and reports

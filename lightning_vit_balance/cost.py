@@ -1131,13 +1131,7 @@ class CostCalibrator:
                 ``window_patches`` or ``per_frame_attention`` (its rows hold other terms).
         """
         model, history = _parse_state(state, self.window_patches, self.per_frame_attention)
-        with np.errstate(over="ignore"):  # told below, naming the state
-            steps = [self._window_step(rows) for rows in history]
-        if not all(step.equations.finite for step in steps):
-            raise ValueError(
-                f"{_LOAD}: state['history'] holds sums too large to fit (their products overflow): "
-                "expected a saved state."
-            )
+        steps = self._steps_that_fit(history)
         fitted = state["fits"] > 0
         self._model = model if fitted else self._initial
         self._overhead = float(state["call_overhead_ms"]) if fitted else 0.0
@@ -1146,6 +1140,23 @@ class CostCalibrator:
         self._measured_steps = 0
         self.steps_observed = state["steps_observed"]
         self.fits = state["fits"]
+
+    def _steps_that_fit(self, history: list[np.ndarray]) -> list[_WindowStep]:
+        """A loaded state's window of steps, or a ValueError where its sums overflow (a step's, or
+        the window's: rows of a hand-made state, on which every later fit would fail)."""
+        try:
+            with np.errstate(over="ignore"):  # told below, naming the state
+                steps = [self._window_step(rows) for rows in history]
+                parts = [step.equations for step in steps]
+                fit = all(part.finite for part in parts) and (not parts or _NormalEquations.sum(parts).finite)
+        except OverflowError:  # math.fsum's intermediate overflow
+            fit = False
+        if not fit:
+            raise ValueError(
+                f"{_LOAD}: state['history'] holds sums too large to fit (their products overflow): "
+                "expected a saved state."
+            )
+        return steps
 
     def _rows(self, ranks: list[np.ndarray], times: np.ndarray, steps: list[np.ndarray] | None) -> np.ndarray:
         """One row per rank with images and a time: the columns of :data:`_ROW`."""

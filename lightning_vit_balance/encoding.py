@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import inspect
 import os
 import time
 import traceback
@@ -66,6 +67,7 @@ __all__ = [
     "EncodedBatch",
     "TripClock",
     "ViTClock",
+    "called_module",
     "dtype_code",
     "encode",
     "gathered_per_call",
@@ -132,9 +134,10 @@ def parameters_sharded(vit: torch.nn.Module) -> bool:
 
 
 def own_parameters(modules: Iterable[torch.nn.Module]) -> Iterator[torch.nn.Parameter]:
-    """The parameters each of ``modules`` holds itself (not its children's), in order: with
-    :func:`submodules`, what ``parameters()`` lists, without naming each one (and where a module's
-    class defines ``__eq__`` without ``__hash__``, which ``parameters()`` cannot walk)."""
+    """The parameters each of ``modules`` holds itself (not its children's), in order, a shared one
+    once per module holding it: with :func:`submodules`, the walk ``parameters()`` makes, without
+    naming each one (and where a module's class defines ``__eq__`` without ``__hash__``, which
+    ``parameters()`` cannot walk)."""
     for module in modules:
         for parameter in module._parameters.values():
             if parameter is not None:
@@ -843,31 +846,29 @@ def raise_for_other_vits(report: StatusReport) -> None:
         "their classes or parameter counts differ): their calls are out of step, paired by their "
         "order alone, and images that move would come back encoded by another rank's tower; the "
         "call ends before its return trip on every rank. Two towers called in another order on "
-        f"some ranks pair one rank's call with another's too: {OUT_OF_STEP}"
+        f"some ranks pair one rank's call with another's too: {OUT_OF_STEP}."
     )
 
 
-def vit_identity(vit: Any) -> int:
-    """A 62-bit digest of the ViT a rank calls, equal on the ranks that call the same tower: a
-    module's class name and its count of parameters, or a function's qualified name and first
-    line. Not the class's module, which ``trust_remote_code`` names after each node's folder or
-    snapshot; nor the parameters' names or shapes, which wrappers inside the tower (activation
-    checkpointing, ``torch.compile`` of a block) rename and FSDP1 and ZeRO-3 cut per rank. Towers
-    of one architecture (an image and a video tower of the same class) look alike, as do callable
-    objects of one class around different towers (other than ``functools.partial``s of them)."""
-    tower = unwrap_module(vit)
-    if isinstance(tower, functools.partial):
-        return vit_identity(tower.func)
-    if isinstance(tower, torch.nn.Module):
-        parameters = {id(p) for p in own_parameters(submodules(tower))}  # a shared one counted once
-        told = [type(tower).__qualname__, str(len(parameters))]
-    else:
-        code = getattr(tower, "__code__", None)
-        told = [
-            getattr(tower, "__qualname__", type(tower).__qualname__),
-            str(getattr(code, "co_firstlineno", "")),
-        ]
-    return stable_digest("\n".join(told).encode())
+def called_module(vit: Any) -> torch.nn.Module | None:
+    """The module a call of ``vit`` runs: ``vit`` itself inside its wrappers (DDP, FSDP1,
+    ``torch.compile``), or the one a ``functools.partial`` or a bound method reaches; None for
+    another callable (a lambda around the tower), which cannot tell which tower it calls."""
+    while isinstance(vit, functools.partial):
+        vit = vit.func
+    module = unwrap_module(getattr(vit, "__self__", vit) if inspect.ismethod(vit) else vit)
+    return module if isinstance(module, torch.nn.Module) else None
+
+
+def vit_identity(module: torch.nn.Module) -> int:
+    """A 62-bit digest of a tower (:func:`called_module`), equal on the ranks that call the same
+    one: its class's name and its count of parameters. Not the class's module, which
+    ``trust_remote_code`` names after each node's folder or snapshot; nor the parameters' names or
+    shapes, which wrappers inside the tower (activation checkpointing, ``torch.compile`` of a block)
+    rename and FSDP1 and ZeRO-3 cut per rank. Towers of one architecture (an image and a video
+    tower of the same class) look alike."""
+    parameters = {id(p) for p in own_parameters(submodules(module))}  # a shared one counted once
+    return stable_digest(f"{type(module).__qualname__}\n{len(parameters)}".encode())
 
 
 def splice_encoded(

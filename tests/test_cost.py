@@ -737,10 +737,14 @@ def test_calibrator_state_of_other_terms_is_refused_and_changes_nothing() -> Non
         {**fitted.state_dict(), "fits": -1},
         {**fitted.state_dict(), "model": {}},
     ]
+    same_terms = CostCalibrator()
+    same_terms.load_state_dict(fitted.state_dict())
+    kept = same_terms.state_dict()
     for state in [*broken, bad_time]:
+        # A calibrator of the same terms, so that its window's setting does not refuse them first.
         with pytest.raises(ValueError, match=r"CostCalibrator\.load_state_dict"):
-            windowed.load_state_dict(state)  # type: ignore[arg-type]
-    assert windowed.state_dict() == before
+            same_terms.load_state_dict(state)  # type: ignore[arg-type]
+    assert windowed.state_dict() == before and same_terms.state_dict() == kept
     # Saved before any fit: the counters and rows come back, the model stays this one's own.
     early = CostCalibrator(warmup_steps=1)
     for counts, ms in _steps(14, 2):
@@ -752,9 +756,22 @@ def test_calibrator_state_of_other_terms_is_refused_and_changes_nothing() -> Non
 
 
 def _edited(state: dict[str, Any], edit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    copied = json.loads(json.dumps(state))
+    copied = _saved_and_loaded(state, "json")
     edit(copied)
     return copied
+
+
+def _near_overflow(*where: tuple[int, int]) -> Callable[[dict[str, Any]], None]:
+    """Rows whose own products stay finite but whose sum overflows: two in one step, or one in
+    each of two steps (``where``: their step and row)."""
+    from lightning_vit_balance.cost import _ROW
+
+    def edit(state: dict[str, Any]) -> None:
+        for step, row in where:
+            values = state["history"][step][row]
+            values[_ROW.index("quadratic")] = 1.2e154 * values[_ROW.index("ms")]
+
+    return edit
 
 
 def _set_row(column: str, value: float) -> Callable[[dict[str, Any]], None]:
@@ -798,6 +815,8 @@ def _set_row(column: str, value: float) -> Callable[[dict[str, Any]], None]:
         (_set_row("smallest", 1e9), r"\[0\]\[0\]=.* is invalid"),
         (_set_row("ms", math.nan), r"\[0\]\[0\]=.* is invalid"),
         (_set_row("quadratic", 1e200), r"sums too large to fit"),
+        (_near_overflow((0, 0), (0, 1)), r"sums too large to fit"),
+        (_near_overflow((0, 0), (1, 0)), r"sums too large to fit"),
     ],
 )
 def test_a_calibrator_state_no_calibrator_saved_is_refused_and_changes_nothing(

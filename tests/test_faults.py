@@ -181,7 +181,7 @@ class _ComparedByValue(towers.TensorTower):
 def test_a_vit_is_told_by_its_class_name_and_parameter_count() -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    from lightning_vit_balance.encoding import vit_identity
+    from lightning_vit_balance.encoding import called_module, vit_identity
 
     torch.manual_seed(0)
     tower = towers.TensorTower()
@@ -190,21 +190,24 @@ def test_a_vit_is_told_by_its_class_name_and_parameter_count() -> None:
     deeper = towers.TensorTower()
     deeper.extra = torch.nn.Linear(2, 2)  # one class, two parameters more
     assert vit_identity(deeper) != vit_identity(tower)
-    assert vit_identity(functools.partial(tower)) != vit_identity(functools.partial(_VideoTower()))
     # Not the class's module, which trust_remote_code names after each node's folder or snapshot.
     renamed = type(
         "TensorTower", (towers.TensorTower,), {"__module__": "snapshot_0a1b2c", "__qualname__": "TensorTower"}
     )
     assert vit_identity(renamed()) == vit_identity(tower)
-    # Wrappers outside the tower and inside it (renaming its parameters) are seen through.
-    assert vit_identity(torch.compile(tower)) == vit_identity(tower)
+    # Wrappers inside the tower (renaming its parameters) do not count; those around it are seen
+    # through, as are partials and bound methods; a lambda tells no tower (its identity is not sent).
     wrapped = towers.TensorTower()
     wrapped.core = checkpoint_wrapper(wrapped.core)
     assert vit_identity(wrapped) == vit_identity(tower)
-    images = lambda p, g: tower(p, g)  # noqa: E731
-    videos = lambda p, g: tower(p, g)  # noqa: E731
-    assert vit_identity(images) != vit_identity(videos)  # functions by their lines
-    assert vit_identity(tower.forward) == vit_identity(towers.TensorTower().forward)
+    for around in (
+        torch.compile(tower),
+        functools.partial(tower),
+        tower.forward,
+        functools.partial(tower.forward),
+    ):
+        assert called_module(around) is tower
+    assert called_module(lambda p, g: tower(p, g)) is None
 
 
 def test_a_balancer_reads_each_towers_identity_once_whatever_calls_it() -> None:
@@ -220,8 +223,11 @@ def test_a_balancer_reads_each_towers_identity_once_whatever_calls_it() -> None:
             self.module = module
 
     with mock.patch.object(balancer_module, "vit_identity", side_effect=vit_identity) as read:
-        identities = {balancer._identity(Around(tower)) for _ in range(3)}
+        identities = {
+            balancer._identity(around) for around in (Around(tower), functools.partial(tower), tower)
+        }
         assert identities == {vit_identity(tower)} and read.call_count == 1
+        assert balancer._identity(lambda p, g: tower(p, g)) == 0  # not compared
         unhashable = _ComparedByValue()
         assert balancer._identity(unhashable) == balancer._identity(unhashable) == vit_identity(unhashable)
         assert balancer._sharded(unhashable) is False

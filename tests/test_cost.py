@@ -598,9 +598,13 @@ def test_calibrator_invalid_input() -> None:
         calibrator.observe([[4], [8]], [-1.0, 1.0])
     with pytest.raises(ValueError, match=r"milliseconds\[1\]=inf"):
         calibrator.observe([[4], [8]], [1.0, math.inf])
-    # Below a microsecond: its row's weight squared overflowed every later fit of the window.
-    with pytest.raises(ValueError, match=r"milliseconds\[1\]=1e-310 is invalid: expected a time of at least"):
-        calibrator.observe([[4], [8]], [1.0, 1e-310])
+    # Below a microsecond (what the balancer measures): such a row outweighs every measured one,
+    # and from about 1e-160 ms its weight squared overflowed every later fit of the window.
+    for below in (1e-310, 5e-4):
+        with pytest.raises(
+            ValueError, match=rf"milliseconds\[1\]={below!r} is invalid: expected a time of at least"
+        ):
+            calibrator.observe([[4], [8]], [1.0, below])
     with pytest.raises(ValueError, match="expected patch_counts as one sequence"):
         calibrator.observe([4, 8], [1.0, 1.0])
     # int() had fitted 1.5 patches as 1; bools among integers, and unsigned ones past int64, too.
@@ -814,6 +818,17 @@ def _set_row(column: str, value: float) -> Callable[[dict[str, Any]], None]:
         (_set_row("overhead", 2.0), r"\[0\]\[0\]=.* is invalid"),
         (_set_row("smallest", 1e9), r"\[0\]\[0\]=.* is invalid"),
         (_set_row("ms", math.nan), r"\[0\]\[0\]=.* is invalid"),
+        (
+            _set_row("ms", 1e-4),
+            r"\[0\]\[0\]=.* is invalid: expected a calibrator's row",
+        ),  # under a microsecond
+        (_set_row("windowed", -5.0), r"\[0\]\[0\]=.* is invalid"),
+        (_set_row("constant", 0.0), r"\[0\]\[0\]=.* is invalid"),  # no image
+        (lambda s: s.update(call_overhead_ms=math.inf), r"state\['call_overhead_ms'\]=inf is invalid"),
+        (
+            lambda s: s["model"].update(extra=1.0),
+            r"state\['model'\] holds \[.*'extra'.*\]: expected the keys",
+        ),
         (_set_row("quadratic", 1e200), r"sums too large to fit"),
         (_near_overflow((0, 0), (0, 1)), r"sums too large to fit"),
         (_near_overflow((0, 0), (1, 0)), r"sums too large to fit"),
@@ -835,6 +850,24 @@ def test_a_calibrator_state_no_calibrator_saved_is_refused_and_changes_nothing(
     with pytest.raises(ValueError, match=r"CostCalibrator\.load_state_dict: .*" + message):
         loading.load_state_dict(_edited(fitted.state_dict(), edit))
     assert loading.state_dict() == before
+
+
+def test_a_calibrator_takes_a_microsecond_and_zero_or_nan_for_not_measured() -> None:
+    calibrator = CostCalibrator(warmup_steps=0)
+    for milliseconds in ([1.0, 1e-3], [1.0, 0.0], [1.0, math.nan]):
+        calibrator.observe([[4], [8]], milliseconds)
+    assert [len(step.rows) for step in calibrator._steps] == [2, 1, 1]  # 0 and NaN: no row
+
+
+def test_a_windowed_calibrator_loads_its_own_fit_without_a_windowed_term() -> None:
+    """A calibrator fitting a windowed term whose fit chose none saves a model of window 0."""
+    fitted = CostCalibrator(window_patches=64, warmup_steps=0)
+    for counts, ms in _steps(13, 6):
+        fitted.observe(counts, ms)
+    assert fitted.fits > 0 and fitted.model.window_patches == 0
+    loaded = CostCalibrator(window_patches=64)
+    loaded.load_state_dict(fitted.state_dict())
+    assert loaded.state_dict() == fitted.state_dict()
 
 
 def test_a_calibrator_that_fitted_goes_back_to_its_initial_model_with_a_state_saved_before_a_fit() -> None:

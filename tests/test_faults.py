@@ -135,33 +135,35 @@ class _VideoTower(towers.TensorTower):
     """A tower of a class of its own: to the status gather, another ViT than the image tower."""
 
 
-def _towers_in_another_order(prepared: bool) -> list[tuple[str, str, float]] | None:
+def _towers_in_another_order(case: str) -> list[tuple[str, str, float]] | None:
     """Two towers, a balancer each, called in another order on rank 1 (videos first): each call
     paired rank 1's video tower with the others' image tower, and every rank got outputs of the
-    wrong tower (and its gradients) without a word."""
+    wrong tower (and its gradients) without a word. ``case``: planned in the call, given plans
+    made ahead, skipped with ``check_skipped_calls`` (the status gather follows), or of towers
+    whose outputs differ too (the status's details are gathered)."""
     group = subgroup(RANKS)
     rank = dist.get_rank()
     if rank >= RANKS:
         return None
     torch.manual_seed(0)
-    by_name = {"image": towers.TensorTower(), "video": _VideoTower()}
-    balancers = {name: ViTBalancer(ViTBalanceConfig(**APPLY), group) for name in by_name}
+    video = _VideoTower(out_dim=32) if case == "other_outputs" else _VideoTower()
+    by_name = {"image": towers.TensorTower(), "video": video}
+    config = {"trigger_threshold": 100.0, "check_skipped_calls": True} if case == "skipped_checked" else APPLY
+    balancers = {name: ViTBalancer(ViTBalanceConfig(**config), group) for name in by_name}
     pixels, grid = towers.make_batch(GRIDS[rank], seed=rank)
     outcomes = []
     for name in ("video", "image") if rank == 1 else ("image", "video"):
         balancer, tower = balancers[name], by_name[name]
-        ticket = balancer.prepare(pixels, grid, tower) if prepared else None
+        ticket = balancer.prepare(pixels, grid, tower) if case == "prepared" else None
         outcomes.append(_outcome(lambda: balancer(tower, pixels, grid, prepared=ticket)))  # noqa: B023
     _still_in_step(group, rank)
     return outcomes
 
 
-@pytest.mark.parametrize("prepared", [False, True], ids=["planned_in_the_call", "prepared"])
-def test_towers_called_in_another_order_on_one_rank_raise_on_every_rank(
-    multirank: Any, prepared: bool
-) -> None:
+@pytest.mark.parametrize("case", ["planned_in_the_call", "prepared", "skipped_checked", "other_outputs"])
+def test_towers_called_in_another_order_on_one_rank_raise_on_every_rank(multirank: Any, case: str) -> None:
     with multirank(POOL) as w:
-        per_rank = w.run(_towers_in_another_order, prepared)[:RANKS]
+        per_rank = w.run(_towers_in_another_order, case)[:RANKS]
     for call in range(2):
         outcomes = {(kind, message) for kind, message, _ in (calls[call] for calls in per_rank)}
         assert len(outcomes) == 1, per_rank
@@ -190,6 +192,10 @@ def test_a_vit_is_told_by_its_class_name_and_parameter_count() -> None:
     deeper = towers.TensorTower()
     deeper.extra = torch.nn.Linear(2, 2)  # one class, two parameters more
     assert vit_identity(deeper) != vit_identity(tower)
+    tied = towers.TensorTower()
+    tied.extra = torch.nn.Linear(64, 24, bias=False)
+    tied.extra.weight = tied.merger.weight  # a parameter shared by two modules counts once
+    assert vit_identity(tied) == vit_identity(tower)
     # Not the class's module, which trust_remote_code names after each node's folder or snapshot.
     renamed = type(
         "TensorTower", (towers.TensorTower,), {"__module__": "snapshot_0a1b2c", "__qualname__": "TensorTower"}
@@ -208,6 +214,15 @@ def test_a_vit_is_told_by_its_class_name_and_parameter_count() -> None:
     ):
         assert called_module(around) is tower
     assert called_module(lambda p, g: tower(p, g)) is None
+
+
+def test_a_tower_is_sharded_where_a_parameter_is_gathered_per_call() -> None:
+    from lightning_vit_balance.encoding import parameters_sharded
+
+    tower = towers.TensorTower()
+    assert not parameters_sharded(tower)
+    tower.merger.weight.ds_id = 7  # as ZeRO-3 marks a partitioned parameter
+    assert parameters_sharded(tower)
 
 
 def test_a_balancer_reads_each_towers_identity_once_whatever_calls_it() -> None:

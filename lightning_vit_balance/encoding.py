@@ -421,10 +421,12 @@ def by_ranks(texts: Iterable[tuple[int, str]]) -> list[str]:
     """``(rank, text)`` pairs as a message lists them: ``"rank r: text"``, the ranks that share a
     text named once before it (``"ranks [0, 1, 2]: text"``), in the order each text first came.
     On 512 ranks that fail alike (every ViT out of memory) the text is written once, not 512 times."""
-    return [
-        f"rank {ranks[0]}: {text}" if len(ranks) == 1 else f"ranks {ranks}: {text}"
-        for text, ranks in _ranks_by(texts).items()
-    ]
+    return [f"{_named(ranks)}: {text}" for text, ranks in _ranks_by(texts).items()]
+
+
+def _named(ranks: list[int]) -> str:
+    """``"rank r"`` for one rank, ``"ranks [r, s, ...]"`` for more, as messages name them."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 def raise_for_input(metadata: Sequence[RankMetadata], fingerprint_names: Sequence[str] = ()) -> int | None:
@@ -840,7 +842,7 @@ def raise_for_other_vits(report: StatusReport) -> None:
     towers = _ranks_by((rank, vit) for rank, vit in enumerate(report.vits) if vit)
     if len(towers) <= 1:
         return
-    held = "; ".join(f"ranks {ranks}" if len(ranks) > 1 else f"rank {ranks[0]}" for ranks in towers.values())
+    held = "; ".join(map(_named, towers.values()))
     raise ValueError(
         f"The balanced ViT call failed: the ranks called different ViTs in this call (one each: {held}; "
         "their classes or parameter counts differ): their calls are out of step, paired by their "

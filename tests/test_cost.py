@@ -28,7 +28,7 @@ from hf_models import (
 )
 
 from lightning_vit_balance import CostModel, ViTBalanceConfig
-from lightning_vit_balance.cost import CostCalibrator
+from lightning_vit_balance.cost import CostCalibrator, _median
 
 
 def test_default_is_the_seeds_l_squared_and_vectorised() -> None:
@@ -560,6 +560,43 @@ def test_calibrator_drops_outliers() -> None:
         calibrator.observe(counts, ms)
     assert calibrator.model.quadratic == pytest.approx(2e-6, rel=1e-9)
     assert calibrator.model.linear == pytest.approx(3e-3, rel=1e-9)
+
+
+@pytest.mark.parametrize("ranks", [2, 8])
+@pytest.mark.parametrize("faster", [10.0, 1e4])
+@pytest.mark.parametrize("step", [1, 9], ids=["before-the-first-fit", "after-it"])
+def test_calibrator_drops_a_time_too_fast_that_would_bend_the_fit(
+    ranks: int, faster: float, step: int
+) -> None:
+    # Weighted by 1/ms, such a row outweighs all others: without screens of its own the fit bent
+    # to it and the outlier screen dropped nothing (5 of these 8 cases ended far from the truth).
+    steps = _steps(11, 12, ranks=ranks)
+    steps[step][1][0] = max(steps[step][1][0] / faster, 1e-3)
+    calibrator = CostCalibrator(warmup_steps=0)
+    for counts, ms in steps:
+        calibrator.observe(counts, ms)
+    # Exact data on the rows kept: only float rounding separates the fit from the truth.
+    assert calibrator.model.quadratic == pytest.approx(2e-6, rel=1e-9)
+    assert calibrator.model.linear == pytest.approx(3e-3, rel=1e-9)
+    assert calibrator.call_overhead_ms == pytest.approx(2.0, rel=1e-9)
+
+
+def test_calibrators_median_is_numpys_to_the_bit() -> None:
+    rng = np.random.default_rng(14)
+    for size in (1, 2, 3, 8, 9, 1000, 1001):
+        values = rng.lognormal(0.0, 3.0, size)
+        assert _median(values) == float(np.median(values))
+
+
+def test_calibrator_keeps_a_speed_up_of_every_rank() -> None:
+    calibrator = CostCalibrator(warmup_steps=0, history=8)
+    for counts, ms in _steps(12, 4):
+        calibrator.observe(counts, ms)
+    faster = CostModel(quadratic=1e-6, linear=1.5e-3, constant=0.25)  # compiled: twice as fast
+    for counts, ms in _steps(13, 8, truth=faster, overhead=1.0):
+        calibrator.observe(counts, ms)
+    assert calibrator.model.quadratic == pytest.approx(1e-6, rel=1e-9)
+    assert calibrator.call_overhead_ms == pytest.approx(1.0, rel=1e-9)
 
 
 def test_calibrator_forgets_old_steps() -> None:

@@ -38,6 +38,7 @@ from lightning_vit_balance.config import (
     _check_int,
     _check_number,
     require_config,
+    require_flag,
     stable_digest,
 )
 
@@ -99,9 +100,10 @@ class CostModel:
                 only when :attr:`per_frame_attention` is set.
 
         Raises:
-            ValueError: ``frames`` has another shape or a value that is not a finite number > 0.
+            ValueError: ``patch_counts`` holds a value that is not a finite number >= 0, or
+                ``frames`` has another shape or a value that is not a finite number > 0.
         """
-        counts = np.asarray(patch_counts, dtype=np.float64)
+        counts = _patch_counts(patch_counts)
         # Patches that attend to each other: a temporal step's, or the whole item's.
         span = counts if frames is None or not self.per_frame_attention else counts / _steps(frames, counts)
         cost = (self.quadratic * span + self.linear) * counts + self.constant
@@ -139,6 +141,10 @@ class CostModel:
     @classmethod
     def from_config(cls, config: ViTBalanceConfig) -> CostModel:
         """The model described by a config's ``cost_*`` fields."""
+        if not isinstance(config, ViTBalanceConfig):
+            raise TypeError(
+                f"CostModel.from_config(config={config!r}) is invalid: expected a ViTBalanceConfig."
+            )
         return cls(
             quadratic=config.cost_quadratic,
             linear=config.cost_linear,
@@ -202,7 +208,7 @@ class CostModel:
         _check_widths(intermediate_size, mlp_ratio, patch_input_dim)
         kv_width = hidden_size if kv_size is None else kv_size
         mlp_width = intermediate_size if intermediate_size is not None else round(hidden_size * mlp_ratio)
-        mlp_mats = 3 if gated_mlp else 2
+        mlp_mats = 3 if require_flag("CostModel.from_vit_shape", "gated_mlp", gated_mlp) else 2
         projections = 2 * hidden_size**2 + 2 * hidden_size * kv_width
         per_layer_linear = 2.0 * (projections + mlp_mats * hidden_size * mlp_width)
         full_layers = depth - len(windowed_layers)
@@ -301,8 +307,8 @@ class CostModel:
             The best fit among all subsets of terms whose coefficients are all non-negative (the
             same floats on every machine, see :class:`CostCalibrator`).
         """
-        counts = np.asarray(patch_counts, dtype=np.float64)
-        times = np.asarray(seconds, dtype=np.float64)
+        counts = _floats("CostModel.fit", "patch_counts", patch_counts)
+        times = _floats("CostModel.fit", "seconds", seconds)
         if counts.ndim != 1 or counts.shape != times.shape or counts.size < 2:
             raise ValueError(
                 "CostModel.fit needs two 1-D sequences of the same length >= 2, got "
@@ -352,6 +358,23 @@ def _check_measurements(counts: np.ndarray, times: np.ndarray, window_patches: A
             f"CostModel.fit: window_patches={window_patches!r} is invalid: expected an int >= 0 (0: no "
             "windowed term)."
         )
+
+
+def _patch_counts(patch_counts: Any) -> np.ndarray:
+    """:meth:`CostModel.__call__`'s counts as float64, or a ValueError naming them."""
+    expected = "a number or an array-like of numbers >= 0 (patches per item)"
+    counts = _floats("CostModel", "patch_counts", patch_counts, expected)
+    if not np.isfinite(counts).all() or (counts < 0).any():
+        raise ValueError(f"CostModel: patch_counts={_short(patch_counts)} is invalid: expected {expected}.")
+    return counts
+
+
+def _floats(owner: str, name: str, values: Any, expected: str = "numbers") -> np.ndarray:
+    """``values`` as a float64 array, or a ValueError naming them (not NumPy's, naming a value)."""
+    try:
+        return np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{owner}: {name}={_short(values)} is invalid: expected {expected}.") from None
 
 
 def _steps(frames: Any, counts: np.ndarray) -> np.ndarray:

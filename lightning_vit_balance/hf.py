@@ -1191,6 +1191,11 @@ def encode_visual(
         ValueError: On every rank of the group, when some rank's input is invalid; on this rank,
             when ``output_layout`` is not the balancer's.
     """
+    for name, value, kind in (("balancer", balancer, ViTBalancer), ("prepared", prepared, PreparedPlan)):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(
+                f"encode_visual({name}={_describe(value)}) is invalid: expected a {kind.__name__} or None."
+            )
     layout = _visual_layout(balancer, output_layout)
     given = []
     for name, value in (("images", images), ("videos", videos)):

@@ -214,6 +214,8 @@ def release_host_group(host_group: dist.ProcessGroup | None) -> None:
     # Not held here past its release either (that would keep its sockets open).
     made = any(twin is host_group for _, twin in _TWINS)
     _TWINS[:] = [entry for entry in _TWINS if entry[1] is not host_group]
+    if host_group is not None and dist.is_available() and not isinstance(host_group, dist.ProcessGroup):
+        _refuse_release(host_group)  # no group at all, whether or not a world is up
     if host_group is None or not (dist.is_available() and dist.is_initialized()):
         return
     if not made:

@@ -248,11 +248,9 @@ class BalanceMetrics:
 
     def add(self, stats: BalanceStats) -> None:
         """Count one balanced call, in the window and since the start."""
-        if stats is None:
-            raise TypeError(
-                "BalanceMetrics.add(stats=None) is invalid: expected a BalanceStats (a balancer's "
-                "last_stats is None until its first call)."
-            )
+        if stats is None or not hasattr(stats, "applied"):
+            hint = " (a balancer's last_stats is None until its first call)" if stats is None else ""
+            raise TypeError(f"BalanceMetrics.add(stats={stats!r}) is invalid: expected a BalanceStats{hint}.")
         self.calls_total += 1
         if stats.applied:
             self.applied_total += 1

@@ -215,8 +215,7 @@ class RebalancePlan:
         ranks"). :meth:`arrivals_of_every_rank` gives them all at once.
         """
         if rank not in self._arrivals_of:
-            if not 0 <= rank < self.num_ranks:
-                raise IndexError(f"rank must be in [0, {self.num_ranks}) for this plan, got {rank!r}.")
+            self._check_rank(rank)
             dest, src, index = self._flat_images
             here = np.flatnonzero(dest == rank)  # ascending: (source rank, index) order
             self._arrivals_of[rank] = tuple(zip(src[here].tolist(), index[here].tolist()))
@@ -232,10 +231,15 @@ class RebalancePlan:
 
     def send_patches(self, rank: int) -> tuple[int, ...]:
         """``send_patches(r)[d]``: patches rank ``r`` sends to rank ``d`` (its own included)."""
+        self._check_rank(rank)  # a negative rank would index from the end: another rank's sends
         out = [0] * self.num_ranks
         for d, n in zip(self.destinations[rank], self.patch_counts[rank]):
             out[d] += n
         return tuple(out)
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.num_ranks:
+            raise IndexError(f"rank must be in [0, {self.num_ranks}) for this plan, got {rank!r}.")
 
     def receive_patches(self, rank: int) -> tuple[int, ...]:
         """``receive_patches(r)[s]``: patches rank ``r`` receives from rank ``s``."""

@@ -82,6 +82,25 @@ def test_invalid_coefficients(name: str, value: object) -> None:
         CostModel(**{name: value})  # type: ignore[arg-type]
 
 
+def test_counts_configs_and_flags_of_another_kind_are_named() -> None:
+    # Each had surfaced as NumPy's or Python's own error naming no argument, or passed silently.
+    for counts in ("x", [-4], [math.nan], [1, math.inf]):
+        with pytest.raises(
+            ValueError, match=r"CostModel: patch_counts=.* is invalid: expected a number or an array"
+        ):
+            CostModel()(counts)
+    assert CostModel()([0, 2]).tolist() == [0.0, 4.0]
+    for counts, seconds, name in ((["a", "b"], [1.0, 2.0], "patch_counts"), ([1, 2], ["x", 2.0], "seconds")):
+        with pytest.raises(ValueError, match=rf"CostModel.fit: {name}=.* is invalid: expected numbers"):
+            CostModel.fit(counts, seconds)
+    with pytest.raises(
+        TypeError, match=r"CostModel.from_config\(config=3\) is invalid: expected a ViTBalanceConfig"
+    ):
+        CostModel.from_config(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"from_vit_shape\(gated_mlp='y'\) is invalid: expected a bool"):
+        CostModel.from_vit_shape(hidden_size=8, depth=2, gated_mlp="y")  # type: ignore[arg-type]
+
+
 def test_invalid_window() -> None:
     with pytest.raises(ValueError, match=r"CostModel\.window_patches=-1"):
         CostModel(window_patches=-1)

@@ -1866,6 +1866,11 @@ def test_encode_visual_without_a_balancer_calls_the_vit_once() -> None:
     assert nothing[0].shape == (0, 24) and nothing[1].shape == (0,)
     with pytest.raises(TypeError, match=r"encode_visual\(images=a tensor"):
         encode_visual(vit, images[0])
+    for name, expected in (("balancer", "ViTBalancer"), ("prepared", "PreparedPlan")):
+        with pytest.raises(
+            TypeError, match=rf"encode_visual\({name}=an? int\) is invalid: expected a {expected}"
+        ):
+            encode_visual(vit, images, **{name: 3})  # had met an AttributeError of its own
     # Rows that do not match their grid, with a balancer that calls the ViT directly (one process,
     # or disabled): refused by name, as without one (they had reached the ViT as a grid object); a
     # tower whose config tells no width is not told "no rows were given" as well.

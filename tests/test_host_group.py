@@ -84,6 +84,13 @@ def test_the_endpoint_says_where_gloo_would_listen(
     assert endpoint == _gloo_endpoint()  # the same on every call: ranks compare these
 
 
+def test_releasing_what_is_no_group_is_refused_without_a_world_too() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match=r"release_host_group\(host_group=3\) is invalid: expected a twin"):
+        release_host_group(3)  # type: ignore[arg-type]
+    release_host_group(None)
+
+
 def test_a_group_across_hosts_with_a_rank_on_loopback_gets_no_twin() -> None:
     a, b = ("node-a", "boot-a", 1), ("node-b", "boot-b", 1)
     container = ("node-a", "boot-a", 2)  # another network namespace on node-a's machine

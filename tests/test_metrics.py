@@ -256,6 +256,10 @@ def test_a_missing_stats_is_named() -> None:
         TypeError, match=r"BalanceMetrics.add\(stats=None\) is invalid: expected a BalanceStats"
     ):
         BalanceMetrics().add(None)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"BalanceMetrics.add\(stats=3\) is invalid: expected a BalanceStats\.$"
+    ):
+        BalanceMetrics().add(3)  # type: ignore[arg-type]
 
 
 def test_a_window_that_add_could_not_have_summed_is_refused() -> None:

@@ -114,8 +114,9 @@ def _check_plan_invariants(counts: list[list[int]], config: ViTBalanceConfig) ->
         assert plan.send_patches(rank)[rank] == plan.receive_patches(rank)[rank]
     assert plan.arrivals_of_every_rank() == tuple(plan.arrivals(rank) for rank in range(plan.num_ranks))
     for outside in (-1, plan.num_ranks):
-        with pytest.raises(IndexError, match=f"rank must be in \\[0, {plan.num_ranks}\\)"):
-            plan.arrivals(outside)
+        for per_rank in (plan.arrivals, plan.send_patches, plan.receive_patches):
+            with pytest.raises(IndexError, match=f"rank must be in \\[0, {plan.num_ranks}\\)"):
+                per_rank(outside)
     assert recomputed_loads(plan) == plan.loads_after
     assert plan.makespan_after >= plan.lower_bound * (1 - 1e-12)
     assert plan.moved_patches >= plan.moved_patches_lower_bound - 1e-6

@@ -1191,19 +1191,10 @@ def encode_visual(
         ValueError: On every rank of the group, when some rank's input is invalid; on this rank,
             when ``output_layout`` is not the balancer's.
     """
-    for name, value, kind in (("balancer", balancer, ViTBalancer), ("prepared", prepared, PreparedPlan)):
-        if value is not None and not isinstance(value, kind):
-            raise TypeError(
-                f"encode_visual({name}={_describe(value)}) is invalid: expected a {kind.__name__} or None."
-            )
+    _check_visual_arguments(images, videos, balancer, prepared)
     layout = _visual_layout(balancer, output_layout)
     given = []
     for name, value in (("images", images), ("videos", videos)):
-        if value is not None and not (isinstance(value, (tuple, list)) and len(value) == 2):
-            raise TypeError(
-                f"encode_visual({name}={_describe(value)}) is invalid: expected (pixel_values, grid_thw) "
-                "or None."
-            )
         rows, grid = value if value is not None else (None, None)
         given.append((name, f"{name}[0]", rows, f"{name}[1]", grid))
     # With a plan made ahead, its grid rows: none is read back from the device.
@@ -1215,6 +1206,20 @@ def encode_visual(
     wanted = [parts.get(name) or _Part(name, (), 0, 0) for name in ("images", "videos")]
     image_output, video_output = _split(output, wanted, encoded, merge, vit, layout)
     return image_output, video_output
+
+
+def _check_visual_arguments(images: Any, videos: Any, balancer: Any, prepared: Any) -> None:
+    for name, value in (("images", images), ("videos", videos)):
+        if value is not None and not (isinstance(value, (tuple, list)) and len(value) == 2):
+            raise TypeError(
+                f"encode_visual({name}={_describe(value)}) is invalid: expected (pixel_values, grid_thw) "
+                "or None."
+            )
+    for name, value, kind in (("balancer", balancer, ViTBalancer), ("prepared", prepared, PreparedPlan)):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(
+                f"encode_visual({name}={_describe(value)}) is invalid: expected a {kind.__name__} or None."
+            )
 
 
 def _visual_layout(

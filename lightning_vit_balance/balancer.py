@@ -1757,10 +1757,26 @@ def balanced_encode(
     group: Any = None,
     config: ViTBalanceConfig | None = None,
 ) -> Any:
-    """One balanced call ``vit(pixel_values, grid_thw)``; see :class:`ViTBalancer`.
+    """One balanced call ``vit(pixel_values, grid_thw)``, by a :class:`ViTBalancer` made for it.
 
-    Without an initialised process group or with one rank it calls the ViT directly.
+    Without an initialised process group or with one rank it calls the ViT directly. Nothing
+    carries over from call to call: no online cost fit (``calibrate_cost`` warns and fits nothing,
+    as each fit needs the previous call's measured times), no ``last_stats``, no plan made ahead.
+    For those keep a ``ViTBalancer(config, group)`` and call it each step.
+
+    Args:
+        vit: The vision tower, called as ``vit(pixel_values, grid_thw)``.
+        pixel_values: ``[sum of patches, C]`` patch rows of this rank's images.
+        grid_thw: ``[n_images, 3]`` ``(t, h, w)`` of each image.
+        group: The data-parallel process group (default: the whole world).
+        config: Balancing settings (default: ``ViTBalanceConfig()``).
     """
+    if isinstance(config, ViTBalanceConfig) and config.calibrate_cost:
+        warn_at_user(
+            "balanced_encode(config=...calibrate_cost=True) fits nothing: each call makes its own "
+            "ViTBalancer, and a fit needs the previous call's measured times. Keep a "
+            "ViTBalancer(config, group) and call it each step."
+        )
     return ViTBalancer(config, group)(vit, pixel_values, grid_thw)
 
 

@@ -648,6 +648,8 @@ def test_single_process_calls_the_vit_directly() -> None:
     )
     assert stats.loads_before == (16.0**2 + 16.0**2,)
     empty = balanced_encode(tower, pixels[:0], grid[:0])
+    with pytest.warns(RuntimeWarning, match=r"calibrate_cost=True\) fits nothing: each call makes its own"):
+        balanced_encode(tower, pixels, grid, config=ViTBalanceConfig(calibrate_cost=True))
     assert (
         empty[0].shape == (0, 24) and empty[1].shape == (0,) and [d.shape for d in empty[2]] == [(0, 24)] * 3
     )

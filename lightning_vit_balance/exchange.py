@@ -61,6 +61,7 @@ __all__ = [
     "TripTimer",
     "ViTStatus",
     "all_to_all",
+    "backend_device_type",
     "backend_errors_explained",
     "collective_device",
     "current_group",
@@ -70,6 +71,7 @@ __all__ = [
     "forget_finished_gathers",
     "gather_host_values",
     "gather_metadata",
+    "gather_objects",
     "grid_rows",
     "grid_runs",
     "grid_steps",
@@ -231,7 +233,7 @@ def require_member(group: Any, argument: str) -> None:
     )
 
 
-def _backend_device_type(group: Any) -> str | None:
+def backend_device_type(group: Any) -> str | None:
     """The device type the group's backend carries for our tensors, or None when any will do."""
     backend = str(dist.get_backend(group)).lower()
     if ":" in backend:  # e.g. "cpu:gloo,cuda:nccl": several backends, each device type is carried
@@ -249,7 +251,7 @@ def collective_device(group: Any, preferred: torch.device | None) -> torch.devic
     NCCL communicates CUDA tensors of the current device and gloo's all_to_all CPU tensors; other
     backends take the preferred device (the device of ``pixel_values``).
     """
-    wanted = _backend_device_type(group)
+    wanted = backend_device_type(group)
     if wanted == "cuda":
         # Pixels on another device are reported by device_problem; the gather must still work.
         return torch.device("cuda", torch.cuda.current_device())
@@ -260,7 +262,7 @@ def collective_device(group: Any, preferred: torch.device | None) -> torch.devic
 
 def host_device(group: Any) -> torch.device:
     """Where small host-side values (status words) travel: CPU unless the backend carries only CUDA."""
-    if _backend_device_type(group) == "cuda":
+    if backend_device_type(group) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -286,7 +288,7 @@ def device_problem(group: Any, device: torch.device) -> tuple[int, ...] | None:
 
     The details are ``(have_device, want_device, have_index, want_index)``.
     """
-    wanted = _backend_device_type(group)
+    wanted = backend_device_type(group)
     code = DEVICE_TYPES.index(device.type) if device.type in DEVICE_TYPES else 3
     if device.type == "meta" or (wanted is not None and device.type != wanted):
         wanted_code = DEVICE_TYPES.index(wanted) if wanted in DEVICE_TYPES else 3
@@ -527,6 +529,14 @@ def gather_host_values(values: Sequence[int], group: Any) -> np.ndarray:
     """Every rank's ``values`` (ints, as many on every rank) as a ``[P, len(values)]`` array in
     rank order: one gather of host values over ``group`` (a gloo group, or its twin)."""
     return _gathered_array(torch.tensor(list(values), dtype=torch.int64), host_device(group), group)
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every process's picklable ``value`` over the whole world, in rank order: the agreement of
+    setup code (which twins to make, which failed), never a step's (it pickles, and syncs)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def sharded_grads_all_zero(params: Sequence[torch.Tensor]) -> list[bool]:

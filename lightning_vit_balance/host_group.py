@@ -54,9 +54,10 @@ from torch.distributed.constants import default_pg_timeout
 
 from lightning_vit_balance.callsite import warn_at_user
 from lightning_vit_balance.exchange import (
-    _backend_device_type,
+    backend_device_type,
     current_group,
     forget_finished_gathers,
+    gather_objects,
     require_member,
     start_row_gather,
 )
@@ -139,10 +140,10 @@ def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
     _TWINS[:] = [entry for entry in _TWINS if _live(entry[1])]
     if not _nccl_only(group):
         return None
-    world = dist.get_world_size()
-    ranks = tuple(range(world)) if group is None else tuple(dist.get_process_group_ranks(group))
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (_packed(ranks), _gloo_endpoint(), _room_for_twin(len(ranks))))
+    ranks = (
+        tuple(range(dist.get_world_size())) if group is None else tuple(dist.get_process_group_ranks(group))
+    )
+    gathered = gather_objects((_packed(ranks), _gloo_endpoint(), _room_for_twin(len(ranks))))
     endpoints = [endpoint for _, endpoint, _ in gathered]
     files = [open_files for _, _, open_files in gathered]
     candidates = _twin_ranks([tuple(packed) for packed, _, _ in gathered])
@@ -278,9 +279,9 @@ def _connected(
                     start_row_gather(torch.zeros(1, dtype=torch.int64), twin).wait()
         except RuntimeError as error:  # gloo's connectFullMesh (or the first gather), within `connect`
             errors[twin_ranks] = f"rank {dist.get_rank()}: {type(error).__name__}: {str(error)[:300]}"
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, errors)
-    failed = {twin: error for rank_errors in reversed(gathered) for twin, error in rank_errors.items()}
+    failed = {
+        twin: error for rank_errors in reversed(gather_objects(errors)) for twin, error in rank_errors.items()
+    }
     twins = {}
     for twin_ranks, twin in made.items():
         if not isinstance(twin, dist.ProcessGroup):  # this rank is not a member
@@ -315,7 +316,7 @@ def _packed(ranks: tuple[int, ...]) -> range | tuple[int, ...]:
 def _nccl_only(group: Any) -> bool:
     """Whether the group's backend carries CUDA tensors alone (NCCL), so that reading a host value
     gathered over it waits for the device."""
-    return _backend_device_type(group) == "cuda"
+    return backend_device_type(group) == "cuda"
 
 
 def _gloo_endpoint() -> _GlooEndpoint:

@@ -84,9 +84,9 @@ _LAZY_NAMES = {
 
 def __getattr__(name: str) -> Any:
     if name == "__version__":  # the installed distribution's, which ranks compare (see config.py)
-        from lightning_vit_balance.config import _package_version
+        from lightning_vit_balance.config import package_version
 
-        return _package_version()
+        return package_version()
     if name in _LAZY_NAMES:
         needed, extra = _EXTRAS.get(name, (None, None))
         if needed is not None and importlib.util.find_spec(needed) is None:

@@ -29,6 +29,9 @@ __all__ = [
     "SOLVERS",
     "ViTBalanceConfig",
     "add_vit_balance_args",
+    "check_int",
+    "check_number",
+    "package_version",
     "require_config",
     "require_flag",
     "setting_digest",
@@ -64,7 +67,7 @@ def require_flag(
     raise ValueError(f"{owner}({name}={value!r}) is invalid: expected {expected}.")
 
 
-def _check_number(
+def check_number(
     name: str,
     value: object,
     expected: str,
@@ -82,7 +85,7 @@ def _check_number(
         _fail(name, value, f"a finite number {expected}", owner)
 
 
-def _check_int(name: str, value: object, minimum: int, owner: str = "ViTBalanceConfig") -> None:
+def check_int(name: str, value: object, minimum: int, owner: str = "ViTBalanceConfig") -> None:
     """Raise unless ``value`` is an int (not a bool; NumPy's integers too) of at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         _fail(name, value, f"an int >= {minimum}", owner)
@@ -212,19 +215,19 @@ class ViTBalanceConfig:
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "a bool")
         if self.max_len_ratio is not None:
-            _check_number("max_len_ratio", self.max_len_ratio, ">= 1.0", lambda v: v >= 1.0)
-        _check_number("trigger_threshold", self.trigger_threshold, ">= 0", lambda v: v >= 0)
-        _check_number("refine_tolerance", self.refine_tolerance, ">= 0", lambda v: v >= 0)
-        _check_number("min_gain", self.min_gain, "in [0, 1)", lambda v: 0 <= v < 1)
-        _check_int("refine_iterations", self.refine_iterations, 0)
-        _check_int("gather_capacity", self.gather_capacity, 1)
+            check_number("max_len_ratio", self.max_len_ratio, ">= 1.0", lambda v: v >= 1.0)
+        check_number("trigger_threshold", self.trigger_threshold, ">= 0", lambda v: v >= 0)
+        check_number("refine_tolerance", self.refine_tolerance, ">= 0", lambda v: v >= 0)
+        check_number("min_gain", self.min_gain, "in [0, 1)", lambda v: 0 <= v < 1)
+        check_int("refine_iterations", self.refine_iterations, 0)
+        check_int("gather_capacity", self.gather_capacity, 1)
         if self.solver not in SOLVERS:
             _fail("solver", self.solver, f"one of {SOLVERS}")
         if self.empty_rank_forward not in EMPTY_RANK_POLICIES:
             _fail("empty_rank_forward", self.empty_rank_forward, f"one of {EMPTY_RANK_POLICIES}")
         for name in ("cost_quadratic", "cost_linear", "cost_constant", "cost_windowed"):
-            _check_number(name, getattr(self, name), ">= 0", lambda v: v >= 0)
-        _check_int("cost_window_patches", self.cost_window_patches, 0)
+            check_number(name, getattr(self, name), ">= 0", lambda v: v >= 0)
+        check_int("cost_window_patches", self.cost_window_patches, 0)
         if self.cost_windowed > 0 and self.cost_window_patches == 0:  # every windowed cost would be 0
             _fail("cost_window_patches", 0, "a window > 0 (patches) with cost_windowed > 0")
         if self.cost_quadratic + self.cost_linear + self.cost_constant + self.cost_windowed <= 0:
@@ -337,7 +340,7 @@ class ViTBalanceConfig:
         }
         if named.get("solver") == "seed":
             named["solver"] = "lpt"  # an alias: the same plans
-        named["package_version"] = _package_version()
+        named["package_version"] = package_version()
         named["package_sources"] = _package_sources()
         named.update(extra)
         return tuple((name, setting_digest(value)) for name, value in named.items())
@@ -370,7 +373,7 @@ def stable_digest(data: bytes) -> int:
 
 
 @lru_cache(maxsize=1)
-def _package_version() -> str:
+def package_version() -> str:
     try:
         return importlib.metadata.version("lightning-vit-balance")
     except importlib.metadata.PackageNotFoundError:

@@ -35,8 +35,8 @@ import numpy as np
 
 from lightning_vit_balance.config import (
     ViTBalanceConfig,
-    _check_int,
-    _check_number,
+    check_int,
+    check_number,
     require_config,
     require_flag,
     stable_digest,
@@ -75,11 +75,11 @@ class CostModel:
 
     def __post_init__(self) -> None:
         for name in ("quadratic", "linear", "constant", "windowed"):
-            _check_number(name, getattr(self, name), ">= 0", lambda v: v >= 0, owner="CostModel")
+            check_number(name, getattr(self, name), ">= 0", lambda v: v >= 0, owner="CostModel")
             # Plain floats (numpy's ``float64`` passes as a float): checkpoints of the model then
             # load with ``torch.load(weights_only=True)``.
             object.__setattr__(self, name, float(getattr(self, name)))
-        _check_int("window_patches", self.window_patches, 0, owner="CostModel")
+        check_int("window_patches", self.window_patches, 0, owner="CostModel")
         object.__setattr__(self, "window_patches", int(self.window_patches))
         if self.windowed > 0 and self.window_patches == 0:  # every windowed cost would be 0
             raise ValueError(
@@ -1051,12 +1051,12 @@ class CostCalibrator:
         self._model = self._initial
         self.window_patches = self._model.window_patches if window_patches is None else window_patches
         self.per_frame_attention = self._model.per_frame_attention
-        _check_int("window_patches", self.window_patches, 0, owner="CostCalibrator")
-        _check_int("history", history, 1, owner="CostCalibrator")
-        _check_int("warmup_steps", warmup_steps, 0, owner="CostCalibrator")
-        _check_int("min_rank_steps", min_rank_steps, 2, owner="CostCalibrator")
-        _check_number("min_spread", min_spread, ">= 1", lambda v: v >= 1, owner="CostCalibrator")
-        _check_number("outlier_factor", outlier_factor, "> 1", lambda v: v > 1, owner="CostCalibrator")
+        check_int("window_patches", self.window_patches, 0, owner="CostCalibrator")
+        check_int("history", history, 1, owner="CostCalibrator")
+        check_int("warmup_steps", warmup_steps, 0, owner="CostCalibrator")
+        check_int("min_rank_steps", min_rank_steps, 2, owner="CostCalibrator")
+        check_number("min_spread", min_spread, ">= 1", lambda v: v >= 1, owner="CostCalibrator")
+        check_number("outlier_factor", outlier_factor, "> 1", lambda v: v > 1, owner="CostCalibrator")
         self.window_patches = int(self.window_patches)
         self.history = int(history)
         self.warmup_steps = int(warmup_steps)

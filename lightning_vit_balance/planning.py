@@ -46,7 +46,7 @@ from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.solvers import Batch, canonical_solver, solve, tuning
 from lightning_vit_balance.solvers.batch import add_up, rank_loads
 
-__all__ = ["REASONS", "RebalancePlan", "plan_rebalance"]
+__all__ = ["REASONS", "RebalancePlan", "plan_rebalance", "positive_ints"]
 
 #: Every value :attr:`RebalancePlan.reason` takes, with its meaning. Stable: logged as metrics.
 REASONS: dict[str, str] = {
@@ -257,7 +257,7 @@ def _imbalance(loads: Sequence[float]) -> float:
 
 
 def _int_rows(values: Sequence[Sequence[int]], name: str, row_expected: str) -> list[tuple[Any, ...]]:
-    """``values`` as one tuple per rank, each entry checked later by :func:`_positive_ints`.
+    """``values`` as one tuple per rank, each entry checked later by :func:`positive_ints`.
 
     Raises ``ValueError`` naming ``name`` for anything but a sequence of sequences (a string is not
     a row); ``row_expected`` says what a row should be (``{r}`` is replaced by the rank).
@@ -279,7 +279,7 @@ _INT64_END = 2**63
 _TOTAL_END = 2**62
 
 
-def _positive_ints(
+def positive_ints(
     rows: Sequence[Sequence[Any]], name: str, item_expected: str
 ) -> tuple[tuple[int, ...], ...]:
     """The rows as plain ints, or a ``ValueError`` naming ``name[r][i]`` for the first bad entry."""
@@ -305,7 +305,7 @@ def _validate_patch_counts(patch_counts: Sequence[Sequence[int]]) -> tuple[tuple
         if sequence and not patch_counts:
             raise ValueError("patch_counts must have one entry per rank, got an empty sequence (0 ranks).")
         rows = _int_rows(patch_counts, "patch_counts", "a sequence of positive ints")
-    counts = _positive_ints(rows, "patch_counts", "a positive int (T*H*W)")
+    counts = positive_ints(rows, "patch_counts", "a positive int (T*H*W)")
     total = sum(map(sum, counts))
     if total >= _TOTAL_END:  # the plan's figures (moved and total patches) are int64 sums
         raise ValueError(f"patch_counts sum to {total}: expected a total below 2**62.")
@@ -326,7 +326,7 @@ def _validate_frames(frames: Sequence[Sequence[int]], counts: tuple[tuple[int, .
             f"frames[{r}] has {len(rows[r])} entries, patch_counts[{r}] has {len(counts[r])}: expected "
             "one T per image."
         )
-    flat = [*chain.from_iterable(_positive_ints(rows, "frames", "a positive int (temporal steps T)"))]
+    flat = [*chain.from_iterable(positive_ints(rows, "frames", "a positive int (temporal steps T)"))]
     if any(map(mod, chain.from_iterable(counts), flat)):  # rare: then find the first to name it
         r, i = next((r, i) for r, row in enumerate(rows) for i, t in enumerate(row) if counts[r][i] % t)
         raise ValueError(

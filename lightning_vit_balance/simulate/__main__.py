@@ -2,4 +2,6 @@
 
 from lightning_vit_balance.simulate.cli import main
 
+__all__: list[str] = []
+
 raise SystemExit(main())

@@ -11,7 +11,7 @@ from itertools import chain
 import numpy as np
 
 from lightning_vit_balance.config import ViTBalanceConfig
-from lightning_vit_balance.planning import RebalancePlan, _positive_ints, plan_rebalance
+from lightning_vit_balance.planning import RebalancePlan, plan_rebalance, positive_ints
 
 __all__ = ["DPResult", "draw_batches", "simulate"]
 
@@ -244,7 +244,7 @@ def simulate(
         raise ValueError(f"simulate needs samples and ranks, got {len(samples)} samples and ranks={ranks!r}.")
     # Each visual a positive int, named where the user put it: the draws would read 1.5 as 1, and
     # a bad count would be reported later as a position in a drawn batch instead.
-    _positive_ints(samples, "samples", _SAMPLE)
+    positive_ints(samples, "samples", _SAMPLE)
     if frames is not None:
         _check_frames(samples, frames)
     config = config if config is not None else ViTBalanceConfig()

@@ -27,6 +27,7 @@ from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.solvers import tuning
 
 __all__ = [
+    "Arrays",
     "Batch",
     "Destinations",
     "add_up",
@@ -44,7 +45,7 @@ Destinations = list[int] | np.ndarray
 
 
 @dataclass(frozen=True, eq=False)
-class _Arrays:
+class Arrays:
     """The batch's per-image lists as numpy arrays, for the vectorised variants."""
 
     home: np.ndarray  # [n] int64
@@ -93,7 +94,7 @@ class Batch:
     #: ``n``, the number of images.
     size: int
     #: The arrays, when :meth:`build` made them anyway (many images).
-    prebuilt: _Arrays | None = field(default=None, repr=False)
+    prebuilt: Arrays | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -123,7 +124,7 @@ class Batch:
         if len(patches) <= tuning.VECTORISE_ABOVE:
             return cls(counts, starts, patches, cost, _loads(cost, starts), len(counts), len(patches))
         home_array = np.repeat(np.arange(len(counts), dtype=np.int64), np.diff(starts))
-        arrays = _Arrays(
+        arrays = Arrays(
             home=home_array,
             patches=patch_array,
             cost=cost_array,
@@ -194,11 +195,11 @@ class Batch:
         return [bool(row) for row in self.counts]
 
     @cached_value
-    def arrays(self) -> _Arrays:
+    def arrays(self) -> Arrays:
         """The per-image lists as numpy arrays."""
         if self.prebuilt is not None:
             return self.prebuilt
-        return _Arrays(
+        return Arrays(
             home=np.array(self.home, dtype=np.int64),
             patches=np.array(self.patches, dtype=np.int64),
             cost=np.array(self.cost, dtype=np.float64),

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from lightning_vit_balance.solvers import tuning
-from lightning_vit_balance.solvers.batch import Batch, _Arrays, group_order
+from lightning_vit_balance.solvers.batch import Arrays, Batch, group_order
 
 __all__ = ["paired_exchanges"]
 
@@ -80,7 +80,7 @@ class _Pairs(NamedTuple):
 
 
 def _exchanges(
-    arrays: _Arrays, dest: np.ndarray, pair: _Pairs, num_ranks: int
+    arrays: Arrays, dest: np.ndarray, pair: _Pairs, num_ranks: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The selected exchange of every pair that has one (module docstring): the pairs' indices,
     the images sent and the images returned (``-1``: none, a move)."""
@@ -122,7 +122,7 @@ def _images_of(dest: np.ndarray, ranks: np.ndarray, num_ranks: int) -> np.ndarra
     return table
 
 
-def _rows_added(arrays: _Arrays, images: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+def _rows_added(arrays: Arrays, images: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     """Pixel rows each of ``images`` (``-1``: none, 0 rows) adds by going from ``src[i]`` to
     ``dst[i]``: its rows when it leaves its home, minus its rows when it comes home."""
     real = images >= 0

@@ -6,6 +6,44 @@ hard the solvers look and when they stop. Figures quoted are from ``make bench``
 
 from __future__ import annotations
 
+__all__ = [
+    "AIM",
+    "BEST_FIT_RECEIVERS",
+    "BRING_HOME_CANDIDATES_LEAN",
+    "BRING_HOME_PASSES",
+    "BRING_HOME_UP_TO",
+    "EPS",
+    "EXCHANGE_RECEIVERS",
+    "EXCHANGE_SIZE",
+    "FIT_FROM_PER_RANK",
+    "FIT_TRIES",
+    "GROUP_EXCHANGES_UP_TO",
+    "HOME_FIRST_FROM",
+    "HOME_FIRST_HEAPS_UP_TO_RANKS",
+    "LEAN_SLACK",
+    "PAIRED_ABOVE",
+    "PAIRED_FROM_PER_RANK",
+    "PAIRED_ROUNDS",
+    "PAIRED_ROUNDS_FEW",
+    "PAIRED_UP_TO",
+    "POLISH_ABOVE_PER_RANK",
+    "PYTHON_COSTS_UP_TO",
+    "REFINE_MIN_STEP",
+    "REFINE_UP_TO_ABOVE",
+    "RELABEL_ROUNDS",
+    "RELAX_WITHIN",
+    "REPAIR_FROM_WITHIN",
+    "REPAIR_LEFT_UP_TO",
+    "REPAIR_RANKS_UP_TO",
+    "REPAIR_STEPS",
+    "REPAIR_UP_TO",
+    "SHED_AIM",
+    "SLACK",
+    "SPLIT_SEARCH_FROM",
+    "SPLIT_SEARCH_UP_TO",
+    "VECTORISE_ABOVE",
+]
+
 #: Relative tolerance for "a rank is above the target" and "a plan is within the limit": loads
 #: are sums of floats, and the same total summed in a different order may differ in its last bits.
 EPS = 1e-9

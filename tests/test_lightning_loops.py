@@ -451,17 +451,21 @@ class _TwinNamingVLM(PlanAheadVLM):
         return super().training_step(batch, batch_idx)
 
 
-def _three_fits(out: str) -> list[dict[str, Any]]:
-    """Worker: three fits of one module with fresh Trainers (a sweep's loop), its group taken for
-    NCCL so that each fit makes a twin; the second fit raises at its second step, so it ends
-    without its teardown. Per fit: its twin, whether torch still holds any fit's twin, and the
-    process's open files, once the fit ended."""
+def _three_fits(out: str, new_modules: bool) -> list[dict[str, Any]]:
+    """Worker: three fits with fresh Trainers (a sweep's loop) of one module, or of a new module
+    each (``new_modules``, every one kept alive, as a sweep that keeps its trials' exceptions
+    does), the group taken for NCCL so that each fit makes a twin; the second fit raises at its
+    second step, so it ends without its teardown. Per fit: its twin, whether torch still holds
+    any fit's twin, and the process's open files, once the fit ended."""
     import os
 
-    model = _TwinNamingVLM(ViTBalanceConfig(plan_ahead=True))
+    kept = [_TwinNamingVLM(ViTBalanceConfig(plan_ahead=True))]
     fits: list[dict[str, Any]] = []
     with groups_taken_for_nccl(), launched_by_torchrun():
         for index in range(3):
+            if new_modules and index:
+                kept.append(_TwinNamingVLM(ViTBalanceConfig(plan_ahead=True)))
+            model = kept[-1]
             model.twin_names, model.fail_at = set(), 1 if index == 1 else None
             with contextlib.suppress(KeyError):
                 quiet_trainer(out, f"fit_{index}_{dist.get_rank()}", max_steps=2).fit(model)
@@ -472,14 +476,16 @@ def _three_fits(out: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(240)
-def test_each_fit_destroys_its_gloo_twin(tmp_path: Path, multirank: Any) -> None:
+@pytest.mark.parametrize("new_modules", [False, True], ids=["one-module", "a-module-per-fit"])
+def test_each_fit_destroys_its_gloo_twin(tmp_path: Path, multirank: Any, new_modules: bool) -> None:
     """A process running fit after fit holds no twin between them (each twin of 2 ranks held 5
     open files and gloo's threads until the process ended): its open files stay level. A fit that
-    raised keeps its twin until the next fit starts."""
+    raised keeps its twin until the next fit starts, also where its module is still referenced
+    (it had held it as long as the process kept the module)."""
     if not Path("/proc/self/fd").is_dir():
         pytest.skip("no /proc/self/fd to count open files in")
     with multirank(RANKS) as pool:
-        results = pool.run(_three_fits, str(tmp_path), timeout=200)
+        results = pool.run(_three_fits, str(tmp_path), new_modules, timeout=200)
     for fits in results:
         names = [fit["twins"] for fit in fits]
         assert all(len(twins) == 1 and twins[0] is not None for twins in names), fits

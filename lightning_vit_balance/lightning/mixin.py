@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler, _IndexBatchSamplerWrapper
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
@@ -399,6 +399,22 @@ def _allow_configs_in_checkpoints() -> None:
     torch.serialization.add_safe_globals([ViTBalanceConfig, CostModel])
 
 
+#: The modules' states that hold a gloo twin, weakly (see :func:`_release_interrupted_runs`).
+_TWIN_HOLDERS: weakref.WeakSet[_State] = weakref.WeakSet()
+
+
+def _release_interrupted_runs() -> None:
+    """Release the twins of runs whose Trainer raised: Lightning calls no module ``teardown``
+    after an exception, and a module kept alive (a sweep that keeps a failed trial's exception
+    holds it through the traceback) would hold its twin, ``P + 3`` open files and three threads,
+    for the life of the process (one per such trial). Runs of Fabric, which tells no status, are
+    left to :func:`~lightning_vit_balance.host_group.owned_host_group` (modules gone)."""
+    for holder in list(_TWIN_HOLDERS):
+        runner = holder.fit_key[0]() if holder.fit_key and holder.fit_key[0] is not None else None
+        if getattr(getattr(runner, "state", None), "status", None) == TrainerStatus.INTERRUPTED:
+            holder.release()
+
+
 class _State:
     """What the mixin keeps between calls. Never copied or pickled with the module.
 
@@ -477,6 +493,7 @@ class _State:
         carried to the next run's."""
         last_stats, carried = self.last_stats, self.balancer_state()
         release_host_group(self.host_group)
+        _TWIN_HOLDERS.discard(self)
         self.__init__()  # type: ignore[misc]
         self.last_stats, self.carried = last_stats, carried
 
@@ -788,7 +805,10 @@ class ViTBalanceMixin:
         state.group_size = size
         state.epoch_lengths = state.predict_lengths = None
         release_host_group(state.host_group)  # a run that ended without its teardown (an exception)
+        _release_interrupted_runs()
         state.host_group = owned_host_group(group, state) if group is not None else None
+        if state.host_group is not None:
+            _TWIN_HOLDERS.add(state)
         state.records = collections.deque(maxlen=KEPT_STATS)
         if state.carried is None:
             state.carried = state.balancer_state()

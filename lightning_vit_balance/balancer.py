@@ -19,6 +19,7 @@ embeddings, even with zero rows), because those exchanges are collectives too.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import gc
@@ -757,6 +758,30 @@ class ViTBalancer:
         self._skipped_mismatch = self._skipped_mismatch or previous._skipped_mismatch
         self._prepared_since_check = self._prepared_since_check or previous._prepared_since_check
         previous._skipped_mismatch = previous._prepared_since_check = False
+
+    def _go_on_from(self, previous: ViTBalancer) -> bool:
+        """Go on from ``previous``, a balancer of the same tower that this one stands in for, in
+        this process, with another configuration: from its cost fit as it stands (no warm-up again,
+        as where one balancer's ``config`` changes) and its clocks, so that its last call's measured
+        times reach this one's first gather (the fit and the stats). A checkpoint's state
+        (``load_state_dict``) restarts the warm-up and carries no clock: with a configuration new
+        at every step (a schedule), no call was ever fitted or reported. What ``previous`` left to
+        tell is :meth:`_take_pending`'s.
+
+        Returns:
+            False, taking nothing, where both fit and the fit's terms differ (another window or
+            per-frame attention): the fit cannot go on as it stands.
+        """
+        fitted = previous._calibrator
+        if fitted is not None and self._calibrator is not None:
+            if not _same_cost_terms(previous.config, self.config):
+                return False
+            self._calibrator = copy.deepcopy(fitted)
+        self._clock, self._trips, self._encoded = previous._clock, previous._trips, previous._encoded
+        self._loop, self._other_loops = previous._loop, previous._other_loops
+        previous._clock, previous._trips, previous._encoded = ViTClock(), TripClock(), _Encoded()
+        previous._other_loops = {}
+        return True
 
     def _call_before_forward(self, vit: Any) -> _Call | None:
         """The call :meth:`prepare` and :meth:`check_pending` gather in (on the host group, merge 1

@@ -2272,12 +2272,15 @@ class BalancedVisionTower:
         # None stands for whatever default group exists now (a sweep re-initialises it).
         key = (config, current_group(group), layout)
         if self._balancer is None or self._balancer_key != key:
-            previous = self._balancer
+            previous, previous_key = self._balancer, self._balancer_key
             carried = previous.state_dict() if previous is not None else self._carried
             host = gathers_on(self._host_group(group), group)
             self._balancer = ViTBalancer(config, group, output_layout=layout, host_group=host)
             if previous is not None:
                 self._balancer._take_pending(previous)
+                same_group = previous_key is not None and previous_key[1] is key[1]
+                if same_group and self._balancer._go_on_from(previous):  # the fit and clocks, live
+                    carried = None
             self._balancer_key, self._carried = key, None
             if carried:
                 source = "balance_vision_tower: the cost fit of the previous configuration"

@@ -3400,6 +3400,44 @@ def _calibrator_state(window_patches: int = 0) -> dict[str, Any]:
     return {"cost_calibrator": calibrator.state_dict()}
 
 
+def _calibrating_through_a_schedule(change_every_step: bool) -> dict[str, Any]:
+    """Worker: a calibrating drop-in over 12 training steps, its configuration changed before
+    every step or never; the fit's counters and each call's measured ViT times."""
+    model = tiny_model(FIT_FAMILY)
+    base = ViTBalanceConfig(**CONFIG, calibrate_cost=True)
+    handle = balance_vision_tower(model, base)
+    optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    rank, vit_ms = torch.distributed.get_rank(), []
+    for step in range(12):
+        if change_every_step:  # a schedule: a configuration not seen before at every step
+            handle.config = dataclasses.replace(base, trigger_threshold=1e-3 * step)
+        model(**fit_batch(step % FIT_STEPS, rank)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        vit_ms.append(list(handle.last_stats.vit_ms) if handle.last_stats is not None else None)
+    state = handle.state_dict()["cost_calibrator"]
+    return {"observed": state["steps_observed"], "rows": sum(map(len, state["history"])), "vit_ms": vit_ms}
+
+
+def test_a_configuration_schedule_keeps_the_cost_fit_and_the_measured_times(multirank: Any) -> None:
+    """A configuration new at every step had made a balancer that went on from the fit as from a
+    checkpoint: its warm-up started again and its clock was new, so no call was ever fitted or
+    reported (steps_observed 0). It now goes on as where the configuration never changes."""
+    with multirank(FIT_RANKS) as pool:
+        scheduled = pool.run(_calibrating_through_a_schedule, True)
+        steady = pool.run(_calibrating_through_a_schedule, False)
+    for got, expected in zip(scheduled, steady):
+        assert got["observed"] == expected["observed"] >= 8 and got["rows"] == expected["rows"] > 0, (
+            got,
+            expected,
+        )
+        measured = [ms is not None and len(ms) == FIT_RANKS and min(ms) >= 0 for ms in got["vit_ms"]]
+        assert measured == [
+            ms is not None and len(ms) == FIT_RANKS and min(ms) >= 0 for ms in expected["vit_ms"]
+        ]
+        assert sum(measured) >= 6, got
+
+
 def test_handle_state_round_trips_and_refuses_a_fit_of_other_terms() -> None:
     """``BalancedVisionTower.state_dict`` / ``load_state_dict`` without a process group: a loaded
     fit is what the next balancer starts from, also after the configuration changes; a fit of

@@ -507,6 +507,36 @@ def _without_a_group_on_two_ranks() -> Any:
     return module.last_vit_balance_stats
 
 
+def _calibrating_through_a_schedule(change_every_step: bool) -> dict[str, Any]:
+    """Worker: a calibrating module without a Trainer over 10 calls, its configuration changed
+    before every call or never; the fit's counters and the calls with measured ViT times."""
+    rank = dist.get_rank()
+    base = ViTBalanceConfig(calibrate_cost=True, trigger_threshold=0.0)
+    module = MixinFirst(base)
+    module.vit_balance_group = dist.group.WORLD
+    measured = 0
+    for step in range(10):
+        if change_every_step:  # a schedule: a configuration not seen before at every call
+            module.vit_balance_config = dataclasses.replace(base, min_gain=1e-4 * step)
+        module.encode_images(module.visual, *_images(1 + (step + rank) % 4, seed=step)).sum().backward()
+        measured += min(module.last_vit_balance_stats.vit_ms, default=-1.0) >= 0
+    state = module.vit_balance_state_dict()["cost_calibrator"]
+    return {
+        "observed": state["steps_observed"],
+        "rows": sum(map(len, state["history"])),
+        "measured": measured,
+    }
+
+
+def test_a_configuration_schedule_keeps_the_cost_fit_and_the_measured_times() -> None:
+    """A configuration new at every call made a balancer that went on from the fit as from a
+    checkpoint (its warm-up again, a new clock): no call was ever fitted or reported."""
+    with world(2) as w:
+        scheduled = w.run(_calibrating_through_a_schedule, True)
+        steady = w.run(_calibrating_through_a_schedule, False)
+    assert scheduled == steady and steady[0]["observed"] == steady[0]["measured"] == 9, (scheduled, steady)
+
+
 def test_explicit_group_balances_across_two_ranks() -> None:
     with world(2) as w:
         balanced = w.run(_two_rank_encode, True)

@@ -432,6 +432,8 @@ class _State:
         #: and output layout its calls took (a drop-in tower's and encode_images' in one step).
         self.balancer: ViTBalancer | None = None
         self.balancers: list[tuple[ViTBalanceConfig, OutputLayout | None, ViTBalancer]] = []
+        #: The tower the latest balancer was taken for, weakly (None: not known).
+        self.latest_tower: Callable[[], object] | None = None
         self.records: collections.deque[BalanceStats] = collections.deque(maxlen=KEPT_STATS)
         self.last_stats: BalanceStats | None = None
         self.ticket: PreparedPlan | None = None
@@ -627,7 +629,7 @@ class _ModuleTowerBalance(BalancedVisionTower):
     ) -> ViTBalancer:
         # The module's balancer (the one its plan-ahead hook prepared with), built with this
         # tower's output layout: the merge Muse Spark's or Kimi-K2.5's outputs are split by.
-        return self.module._vit_balance_balancer(config, group, layout)
+        return self.module._vit_balance_balancer(config, group, layout, self.tower)
 
     def prepare(self, batch: Mapping[str, Any]) -> PreparedPlan | None:
         # For the next forward, from wherever it is asked for (a Trainer's hook before the step).
@@ -856,7 +858,10 @@ class ViTBalanceMixin:
             self._vit_balance_keep_direct(vit, ((pixel_values, grid_thw),))
             return without_dropped(output, layout)
         return self._vit_balance_call(
-            settings, lambda balancer, ticket: balancer(vit, pixel_values, grid_thw, prepared=ticket), layout
+            settings,
+            lambda balancer, ticket: balancer(vit, pixel_values, grid_thw, prepared=ticket),
+            layout,
+            vit,
         )
 
     @eager
@@ -865,10 +870,11 @@ class ViTBalanceMixin:
         settings: tuple[ViTBalanceConfig, Any],
         encode: Callable[..., Any],
         layout: OutputLayout | None = None,
+        tower: object = None,
     ) -> Any:
         """``encode(balancer, prepared_plan)``, the balanced call of :meth:`encode_images` or
-        :meth:`encode_visual`, by the balancer of ``layout``: eager in a compiled module."""
-        balancer = self._vit_balance_balancer(*settings, layout)
+        :meth:`encode_visual` on ``tower``, by the balancer of ``layout``: eager in a compiled module."""
+        balancer = self._vit_balance_balancer(*settings, layout, tower)
         output = encode(balancer, self._vit_balance_take_ticket())
         if not in_backward_pass():  # a recomputation is its forward call again
             self._vit_balance_keep(balancer.last_stats)
@@ -930,13 +936,16 @@ class ViTBalanceMixin:
         )
 
     def _vit_balance_balancer(
-        self, config: ViTBalanceConfig, group: Any, layout: OutputLayout | None = None
+        self, config: ViTBalanceConfig, group: Any, layout: OutputLayout | None = None, tower: object = None
     ) -> ViTBalancer:
         """The module's balancer for this fit, configuration and output layout (its verbose lines
         go through ``rank_zero_info``), kept for the fit's later calls with them: a step may call
         towers of other layouts or configurations (a drop-in tower and :meth:`encode_images`), and
-        each balancer's clocks and cost fit go on from its own last call. One for a configuration or
-        layout not seen yet goes on from the latest one's cost fit (or a loaded checkpoint's).
+        each balancer's clocks and cost fit go on from its own last call. One for a configuration not
+        seen yet goes on from the latest one's cost fit and clocks where that one was taken for the
+        same ``tower`` (as one balancer whose configuration changes: a schedule of configurations
+        keeps fitting), else from its cost fit as saved (or a loaded checkpoint's): another tower's
+        clock would report that tower's time as this one's.
         ``layout``: a drop-in tower's (:attr:`BalancedVisionTower.output_layout`), or the one
         :meth:`encode_images` or :meth:`encode_visual` is given."""
         state = self._vit_balance_state_object()
@@ -948,15 +957,20 @@ class ViTBalanceMixin:
         balancer = state.kept_balancer(config, layout)
         if balancer is None:
             self._vit_balance_refuse_peer_fits(config)
-            carried = state.balancer_state()
+            latest, carried = state.balancer, state.balancer_state()
             balancer = ViTBalancer(
                 config, group, report=rank_zero_info, host_group=host, output_layout=layout
             )
+            known = tower is not None and state.latest_tower is not None
+            same_tower = latest is not None and known and state.latest_tower() is tower
+            if same_tower and balancer._go_on_from(latest):
+                carried = None
             state.keep_balancer(config, layout, balancer)
             state.carried = None
             if carried:
                 source = "ViTBalanceMixin: the saved balancer state (from a checkpoint or an earlier run)"
                 continue_fit(balancer.load_state_dict, carried, source, rank_zero_warn)
+        state.latest_tower = _ref(tower)
         balancer.measure_as(self._vit_balance_loop_name())
         return balancer
 
@@ -1289,7 +1303,8 @@ class ViTBalanceMixin:
         # step that encodes none works), named in the error of a call that encodes some.
         readable = isinstance(batch, Mapping)
         pixels, grid = rows_to_plan(batch if readable else {}, keys, towers)
-        balancer = self._vit_balance_balancer(*self._vit_balance_towers_settings(settings))
+        only = towers[0].tower if len(towers) == 1 else None  # the tower the plan is made for
+        balancer = self._vit_balance_balancer(*self._vit_balance_towers_settings(settings), only)
         made_from = f"the plan was made ahead from the batch's {key_names(keys)} (vit_balance_prepare_keys)"
         try:
             ticket = balancer.prepare(pixels, grid)
@@ -1466,6 +1481,7 @@ class ViTBalanceMixin:
             settings,
             lambda balancer, ticket: encode_visual(vit, images, videos, balancer=balancer, prepared=ticket),
             layout,
+            vit,
         )
 
     @property

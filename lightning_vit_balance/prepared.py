@@ -144,7 +144,7 @@ class PreparedPlan:
         if tuple(grid_thw.shape) != (len(grids), 3):
             return self._other_batch(
                 f"grid_thw has shape {tuple(grid_thw.shape)} while the prepared plan holds "
-                f"{len(grids)} images on this rank"
+                f"{len(grids)} image{'s' if len(grids) != 1 else ''} on this rank"
             )
         rows = sum(self.metadata[self.rank].patch_counts)
         # A rank without images sends no row and builds what it encodes in the plan's width and

@@ -1004,8 +1004,8 @@ class CostCalibrator:
     the fit), then rows off by more than ``outlier_factor`` times the median relative error (and
     by more than 5%); a screen that finds some drops them and refits, if ``min_rank_steps`` rows
     remain. A fit that gives every image the same cost (only ``c`` and ``o`` non-zero) is
-    rejected. Until a fit succeeds :attr:`model` is ``initial``; afterwards the
-    last successful fit, also while the window lacks data for a new one.
+    rejected. Until a fit succeeds :attr:`model` is ``initial``; afterwards the last successful
+    fit, also while the window lacks data for a new one.
 
     Determinism: patch sums are exact integers, every sum of floats is correctly rounded
     (:func:`math.fsum`; per-frame terms are one correctly rounded division and product per item,

@@ -498,11 +498,11 @@ class ViTBalancer:
     def __init__(
         self,
         config: ViTBalanceConfig | None = None,
-        group: Any = None,
+        group: dist.ProcessGroup | None = None,
         *,
         output_layout: OutputLayout | Mapping[str, str] | None = None,
         report: Callable[[str], None] | None = None,
-        host_group: Any = None,
+        host_group: dist.ProcessGroup | None = None,
     ) -> None:
         require_config("ViTBalancer", config)
         if report is not None and not callable(report):
@@ -1779,7 +1779,7 @@ def balanced_encode(
     pixel_values: torch.Tensor,
     grid_thw: torch.Tensor,
     *,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     config: ViTBalanceConfig | None = None,
 ) -> Any:
     """One balanced call ``vit(pixel_values, grid_thw)``, by a :class:`ViTBalancer` made for it.

@@ -1549,7 +1549,7 @@ class BalancedVisionTower:
         self,
         model: nn.Module,
         config: ViTBalanceConfig | None = None,
-        group: Any = None,
+        group: dist.ProcessGroup | None = None,
         *,
         evaluation: bool = False,
     ) -> None:
@@ -2809,7 +2809,11 @@ def _last_replaced(field: Any, hidden: torch.Tensor, replaced: torch.Tensor) -> 
 
 
 def balance_vision_tower(
-    model: nn.Module, config: ViTBalanceConfig | None = None, group: Any = None, *, evaluation: bool = False
+    model: nn.Module,
+    config: ViTBalanceConfig | None = None,
+    group: dist.ProcessGroup | None = None,
+    *,
+    evaluation: bool = False,
 ) -> BalancedVisionTower:
     """Balance the vision tower of a Hugging Face Qwen2-VL / 2.5-VL / 3-VL / 3.5 or GLM-4.xV model.
 

@@ -102,7 +102,7 @@ class _OpenFiles(NamedTuple):
     lazy: bool = False
 
 
-def make_host_group(group: Any = None) -> dist.ProcessGroup | None:
+def make_host_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
     """A gloo group over the ranks of an NCCL data-parallel ``group``, in the same order, for the
     balancer's small host-side gathers (``ViTBalancer(..., host_group=...)``): the metadata and
     status words then never go through a CUDA buffer, so neither planning ahead nor the status

@@ -208,7 +208,8 @@ class CostModel:
         _check_widths(intermediate_size, mlp_ratio, patch_input_dim)
         kv_width = hidden_size if kv_size is None else kv_size
         mlp_width = intermediate_size if intermediate_size is not None else round(hidden_size * mlp_ratio)
-        mlp_mats = 3 if require_flag("CostModel.from_vit_shape", "gated_mlp", gated_mlp) else 2
+        gated = bool(gated_mlp) if isinstance(gated_mlp, np.bool_) else gated_mlp  # as it took before
+        mlp_mats = 3 if require_flag("CostModel.from_vit_shape", "gated_mlp", gated) else 2
         projections = 2 * hidden_size**2 + 2 * hidden_size * kv_width
         per_layer_linear = 2.0 * (projections + mlp_mats * hidden_size * mlp_width)
         full_layers = depth - len(windowed_layers)
@@ -999,13 +1000,14 @@ class CostCalibrator:
     ignored). A fit needs ``min_rank_steps`` rows whose images span a patch count ratio
     ``max(l) / min(l) >= min_spread`` (with equal-sized images ``l**2`` and ``l`` cannot be told
     apart). Outliers: once a fit exists, a new step's rows more than ``outlier_factor`` times faster
-    (against that fit) than the step's median row never enter the window. Each fit then screens
-    the window twice: rows more than ``outlier_factor`` times faster than the median row (against
-    the fit), then rows off by more than ``outlier_factor`` times the median relative error (and
-    by more than 5%); a screen that finds some drops them and refits, if ``min_rank_steps`` rows
-    remain. A fit that gives every image the same cost (only ``c`` and ``o`` non-zero) is
-    rejected. Until a fit succeeds :attr:`model` is ``initial``; afterwards the last successful
-    fit, also while the window lacks data for a new one.
+    (against that fit) than the step's median row never enter the window, unless the step before
+    lost some so too (then all of this step's come in). Each fit then screens the window twice:
+    rows more than ``outlier_factor`` times faster than the median row (against the fit), then
+    rows off by more than ``outlier_factor`` times the median relative error (and by more than
+    5%); a screen that finds some drops them and refits, if ``min_rank_steps`` rows remain. A fit
+    that gives every image the same cost (only ``c`` and ``o`` non-zero) is rejected. Until a fit
+    succeeds :attr:`model` is ``initial``; afterwards the last successful fit, also while the
+    window lacks data for a new one.
 
     Determinism: patch sums are exact integers, every sum of floats is correctly rounded
     (:func:`math.fsum`; per-frame terms are one correctly rounded division and product per item,
@@ -1066,6 +1068,7 @@ class CostCalibrator:
         self._steps: collections.deque[_WindowStep] = collections.deque(maxlen=self.history)
         self._overhead = 0.0
         self._measured_steps = 0
+        self._screened_last = False  # whether the newest step lost rows far too fast
         self.steps_observed = 0
         self.fits = 0
 
@@ -1164,7 +1167,7 @@ class CostCalibrator:
         self._overhead = float(state["call_overhead_ms"]) if fitted else 0.0
         self._steps.clear()
         self._steps.extend(steps)
-        self._measured_steps = 0
+        self._measured_steps, self._screened_last = 0, False
         self.steps_observed = state["steps_observed"]
         self.fits = state["fits"]
 
@@ -1250,14 +1253,22 @@ class CostCalibrator:
 
     def _without_too_fast(self, rows: np.ndarray) -> np.ndarray:
         """A new step's rows less those too fast against the model in force, which has not seen
-        them: a row that bends a fit towards itself can look right against that fit."""
-        if not self.fits:
+        them: a row that bends a fit towards itself can look right against that fit. Only where
+        the step before lost none: an outlier is rare, while rows that look too fast step after
+        step are a change the fit must follow (a fit of the wrong shape for new image sizes, a
+        tower that got faster), so the next step's rows all come in (kept out every time, such
+        rows had left a fit 7-33x off for a whole window)."""
+        if not self.fits or self._screened_last:
+            self._screened_last = False
             return rows
         model = self._model
         terms = {"quadratic": model.quadratic, "linear": model.linear, "constant": model.constant}
         terms.update(windowed=model.windowed, overhead=self._overhead)
-        predicted = self._predict(terms, rows)
-        return rows[~self._too_fast(predicted, rows[:, _ROW.index("ms")], np.ones(len(rows), dtype=bool))]
+        fast = self._too_fast(
+            self._predict(terms, rows), rows[:, _ROW.index("ms")], np.ones(len(rows), dtype=bool)
+        )
+        self._screened_last = bool(fast.any())
+        return rows[~fast]
 
     def _far_off(self, predicted: np.ndarray, ms: np.ndarray, kept: np.ndarray) -> np.ndarray:
         """Rows off by more than ``outlier_factor`` times the median relative error, and by 5%."""

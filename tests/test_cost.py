@@ -99,6 +99,8 @@ def test_counts_configs_and_flags_of_another_kind_are_named() -> None:
         CostModel.from_config(3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"from_vit_shape\(gated_mlp='y'\) is invalid: expected a bool"):
         CostModel.from_vit_shape(hidden_size=8, depth=2, gated_mlp="y")  # type: ignore[arg-type]
+    gated = CostModel.from_vit_shape(hidden_size=8, depth=2, gated_mlp=np.bool_(True))  # type: ignore[arg-type]
+    assert gated == CostModel.from_vit_shape(hidden_size=8, depth=2, gated_mlp=True)
 
 
 def test_invalid_window() -> None:
@@ -598,6 +600,60 @@ def test_calibrator_drops_a_time_too_fast_that_would_bend_the_fit(
     assert calibrator.model.quadratic == pytest.approx(2e-6, rel=1e-9)
     assert calibrator.model.linear == pytest.approx(3e-3, rel=1e-9)
     assert calibrator.call_overhead_ms == pytest.approx(2.0, rel=1e-9)
+
+
+@pytest.mark.parametrize("ranks", [2, 8])
+@pytest.mark.parametrize(("fast", "slow"), [(1, 2), (9, 10), (3, 3)])
+def test_calibrator_drops_a_time_too_fast_and_one_too_slow_together(ranks: int, fast: int, slow: int) -> None:
+    # The too-fast screen first, and the outlier screen on the refit's predictions: in the other
+    # order, or on the bent fit's, most of these cases ended away from the truth.
+    steps = _steps(11, 12, ranks=ranks)
+    steps[fast][1][0] /= 100.0
+    steps[slow][1][ranks - 1] *= 10.0
+    calibrator = CostCalibrator(warmup_steps=0)
+    for counts, ms in steps:
+        calibrator.observe(counts, ms)
+    assert calibrator.model.quadratic == pytest.approx(2e-6, rel=1e-9)
+    assert calibrator.model.linear == pytest.approx(3e-3, rel=1e-9)
+
+
+def _one_large_image(seed: int, steps: int, truth: CostModel) -> list[tuple[list[list[int]], list[float]]]:
+    """Steps of 8 ranks: rank 0 one image of 3,000-4,000 patches, the others 2-5 small ones."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        counts = [[int(rng.integers(3000, 4000))]] + [
+            rng.integers(16, 400, rng.integers(2, 6)).tolist() for _ in range(7)
+        ]
+        out.append((counts, [float(np.sum(truth(np.array(c)))) + 2.0 for c in counts]))
+    return out
+
+
+def test_calibrator_keeps_every_row_of_exact_times_with_a_large_call_overhead() -> None:
+    calibrator = CostCalibrator(warmup_steps=0)
+    for counts, ms in _one_large_image(15, 20, TRUTH):
+        calibrator.observe(counts, [t + 58.0 for t in ms])  # 60 ms per call: the screens count it
+    assert [len(step.rows) for step in calibrator._steps] == [8] * 20
+    assert calibrator.call_overhead_ms == pytest.approx(60.0, rel=1e-9)
+
+
+def test_calibrator_follows_a_tower_that_got_cheaper_in_attention_within_a_few_steps() -> None:
+    # Against the fit in force, rank 0's large image looks far too fast step after step; kept out
+    # every time, it had left the fit 7-33x off for a whole window. One step's rows out at most,
+    # then all of the next step's come in.
+    before, after = (
+        CostModel(quadratic=2e-5, linear=1e-3, constant=0.5),
+        CostModel(quadratic=1e-6, linear=1e-3, constant=0.5),
+    )
+    calibrator = CostCalibrator(warmup_steps=0)
+    for counts, ms in _one_large_image(16, 20, before) + _one_large_image(17, 5, after):
+        calibrator.observe(counts, ms)
+
+    def large_over_small(model: CostModel) -> float:
+        return float(np.sum(model(np.array([3500]))) / np.sum(model(np.array([200] * 4))))
+
+    # Its window still holds the older steps: a fit between the two towers, near the new one's.
+    assert 0.5 < large_over_small(calibrator.model) / large_over_small(after) < 1.5
 
 
 def test_calibrators_median_is_numpys_to_the_bit() -> None:

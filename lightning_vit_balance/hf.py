@@ -2271,6 +2271,9 @@ class BalancedVisionTower:
         # The group itself, not its id: a destroyed group's id may come back as a new group's, and
         # None stands for whatever default group exists now (a sweep re-initialises it).
         key = (config, current_group(group), layout)
+        # Training and evaluation forwards measure apart (ViTBalancer.measure_as): every rank's
+        # model is in the same mode.
+        loop = "train" if self.base.training else "eval"
         if self._balancer is None or self._balancer_key != key:
             previous, previous_key = self._balancer, self._balancer_key
             carried = previous.state_dict() if previous is not None else self._carried
@@ -2279,15 +2282,13 @@ class BalancedVisionTower:
             if previous is not None:
                 self._balancer._take_pending(previous)
                 same_group = previous_key is not None and previous_key[1] is key[1]
-                if same_group and self._balancer._go_on_from(previous):  # the fit and clocks, live
+                if same_group and self._balancer._go_on_from(previous, loop):  # the fit and clocks, live
                     carried = None
             self._balancer_key, self._carried = key, None
             if carried:
                 source = "balance_vision_tower: the cost fit of the previous configuration"
                 continue_fit(self._balancer.load_state_dict, carried, source, warn_at_user)
-        # Training and evaluation forwards measure apart (ViTBalancer.measure_as): every rank's
-        # model is in the same mode.
-        self._balancer.measure_as("train" if self.base.training else "eval")
+        self._balancer.measure_as(loop)
         return self._balancer
 
     def _host_group(self, group: Any) -> Any:

@@ -28,7 +28,13 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Te
 from towers import CHANNELS, PerImageTower, TensorTower
 
 import lightning_vit_balance.prepared as prepared_module
-from lightning_vit_balance import ViTBalanceCallback, ViTBalanceConfig, ViTBalanceMixin, ViTBalancer
+from lightning_vit_balance import (
+    OutputLayout,
+    ViTBalanceCallback,
+    ViTBalanceConfig,
+    ViTBalanceMixin,
+    ViTBalancer,
+)
 from lightning_vit_balance.lightning.mixin import (
     _counts_its_batches,
     _loop_balances,
@@ -507,9 +513,10 @@ def _without_a_group_on_two_ranks() -> Any:
     return module.last_vit_balance_stats
 
 
-def _calibrating_through_a_schedule(change_every_step: bool) -> dict[str, Any]:
+def _calibrating_through_a_schedule(change_every_step: bool, ahead: bool) -> dict[str, Any]:
     """Worker: a calibrating module without a Trainer over 10 calls, its configuration changed
-    before every call or never; the fit's counters and the calls with measured ViT times."""
+    before every call or never, each call planned in it or ``ahead`` (``prepare_vit_balance``);
+    the fit's counters and the calls with measured ViT times."""
     rank = dist.get_rank()
     base = ViTBalanceConfig(calibrate_cost=True, trigger_threshold=0.0)
     module = MixinFirst(base)
@@ -518,7 +525,10 @@ def _calibrating_through_a_schedule(change_every_step: bool) -> dict[str, Any]:
     for step in range(10):
         if change_every_step:  # a schedule: a configuration not seen before at every call
             module.vit_balance_config = dataclasses.replace(base, min_gain=1e-4 * step)
-        module.encode_images(module.visual, *_images(1 + (step + rank) % 4, seed=step)).sum().backward()
+        pixel_values, grid = _images(1 + (step + rank) % 4, seed=step)
+        if ahead:
+            module.prepare_vit_balance({"pixel_values": pixel_values, "image_grid_thw": grid})
+        module.encode_images(module.visual, pixel_values, grid).sum().backward()
         measured += min(module.last_vit_balance_stats.vit_ms, default=-1.0) >= 0
     state = module.vit_balance_state_dict()["cost_calibrator"]
     return {
@@ -528,13 +538,72 @@ def _calibrating_through_a_schedule(change_every_step: bool) -> dict[str, Any]:
     }
 
 
+def _training_around_an_evaluation_of_its_own_configuration() -> str:
+    """Worker: 3 training calls with one configuration, 2 evaluation calls with another, 3 training
+    calls with the first again: per call, whether it reported measured ViT times."""
+    rank = dist.get_rank()
+    training = ViTBalanceConfig(calibrate_cost=True, trigger_threshold=0.0)
+    module = MixinFirst(training)
+    module.vit_balance_group, module.vit_balance_evaluation = dist.group.WORLD, True
+    log = []
+    for step, config in enumerate(
+        [training] * 3 + [dataclasses.replace(training, min_gain=1e-3)] * 2 + [training] * 3
+    ):
+        module.vit_balance_config = config
+        module.train(config is training)
+        with torch.set_grad_enabled(module.training):
+            output = module.encode_images(module.visual, *_images(1 + (step + rank) % 4, seed=step))
+            if module.training:
+                output.sum().backward()
+        mark = "T" if module.training else "V"
+        log.append(mark + str(int(min(module.last_vit_balance_stats.vit_ms, default=-1.0) >= 0)))
+    return " ".join(log)
+
+
+class _SleepingTower(CountingTower):
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.2)
+        return super().forward(pixel_values, grid_thw)
+
+
+def _two_towers_through_a_schedule() -> list[tuple[float, float]]:
+    """Worker: each step, a configuration not seen before, then a quick tower's call and a
+    sleeping tower's (another layout): per step, the largest ViT time each call reported."""
+    rank = dist.get_rank()
+    base = ViTBalanceConfig(calibrate_cost=True, trigger_threshold=0.0)
+    module = MixinFirst(base)
+    module.vit_balance_group, module.slow = dist.group.WORLD, _SleepingTower()
+    reported = []
+    for step in range(4):
+        module.vit_balance_config = dataclasses.replace(base, min_gain=1e-4 * step)
+        images = _images(1 + (step + rank) % 3, seed=step)
+        module.encode_images(module.visual, *images).sum().backward()
+        quick = max(module.last_vit_balance_stats.vit_ms, default=-1.0)
+        module.encode_images(module.slow, *images, output_layout=OutputLayout(merge_size=2)).sum().backward()
+        reported.append((quick, max(module.last_vit_balance_stats.vit_ms, default=-1.0)))
+    return reported
+
+
 def test_a_configuration_schedule_keeps_the_cost_fit_and_the_measured_times() -> None:
     """A configuration new at every call made a balancer that went on from the fit as from a
-    checkpoint (its warm-up again, a new clock): no call was ever fitted or reported."""
+    checkpoint (its warm-up again, a new clock): no call was ever fitted or reported, with plans
+    made in the call or ahead. A configuration of its own for evaluation leaves the training
+    calls' clock to the training balancer, and a tower never reports another tower's time."""
     with world(2) as w:
-        scheduled = w.run(_calibrating_through_a_schedule, True)
-        steady = w.run(_calibrating_through_a_schedule, False)
-    assert scheduled == steady and steady[0]["observed"] == steady[0]["measured"] == 9, (scheduled, steady)
+        runs = {ahead: w.run(_calibrating_through_a_schedule, True, ahead) for ahead in (False, True)}
+        steady = w.run(_calibrating_through_a_schedule, False, False)
+        around = w.run(_training_around_an_evaluation_of_its_own_configuration)
+        towers = w.run(_two_towers_through_a_schedule)
+    for scheduled in runs.values():
+        assert scheduled == steady and steady[0]["observed"] == steady[0]["measured"] == 9, (
+            scheduled,
+            steady,
+        )
+    assert around == ["T0 T1 T1 V0 V1 T1 T1 T1"] * 2, around
+    # Two towers through a schedule go on from no balancer (-1: not measured), never from the
+    # other tower's: the sleeping tower's 200 ms never shows as the quick one's.
+    for reports in towers:
+        assert all(quick < 100.0 and (slow < 0 or slow >= 200.0) for quick, slow in reports), reports
 
 
 def test_explicit_group_balances_across_two_ranks() -> None:

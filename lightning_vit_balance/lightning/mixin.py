@@ -432,8 +432,10 @@ class _State:
         #: and output layout its calls took (a drop-in tower's and encode_images' in one step).
         self.balancer: ViTBalancer | None = None
         self.balancers: list[tuple[ViTBalanceConfig, OutputLayout | None, ViTBalancer]] = []
-        #: The tower the latest balancer was taken for, weakly (None: not known).
+        #: The tower the latest balancer was taken for, and the one the latest plan made ahead
+        #: went to (encode_images, encode_visual), weakly (None: not known).
         self.latest_tower: Callable[[], object] | None = None
+        self.planned_tower: Callable[[], object] | None = None
         self.records: collections.deque[BalanceStats] = collections.deque(maxlen=KEPT_STATS)
         self.last_stats: BalanceStats | None = None
         self.ticket: PreparedPlan | None = None
@@ -875,7 +877,10 @@ class ViTBalanceMixin:
         """``encode(balancer, prepared_plan)``, the balanced call of :meth:`encode_images` or
         :meth:`encode_visual` on ``tower``, by the balancer of ``layout``: eager in a compiled module."""
         balancer = self._vit_balance_balancer(*settings, layout, tower)
-        output = encode(balancer, self._vit_balance_take_ticket())
+        ticket = self._vit_balance_take_ticket()
+        if ticket is not None:  # the tower the next plan made ahead is likely made for
+            self._vit_balance_state_object().planned_tower = _ref(tower)
+        output = encode(balancer, ticket)
         if not in_backward_pass():  # a recomputation is its forward call again
             self._vit_balance_keep(balancer.last_stats)
         return output
@@ -963,7 +968,7 @@ class ViTBalanceMixin:
             )
             known = tower is not None and state.latest_tower is not None
             same_tower = latest is not None and known and state.latest_tower() is tower
-            if same_tower and balancer._go_on_from(latest):
+            if same_tower and balancer._go_on_from(latest, self._vit_balance_loop_name()):
                 carried = None
             state.keep_balancer(config, layout, balancer)
             state.carried = None
@@ -1303,7 +1308,9 @@ class ViTBalanceMixin:
         # step that encodes none works), named in the error of a call that encodes some.
         readable = isinstance(batch, Mapping)
         pixels, grid = rows_to_plan(batch if readable else {}, keys, towers)
-        only = towers[0].tower if len(towers) == 1 else None  # the tower the plan is made for
+        # The tower the plan is made for: the drop-in's, or the one the last plan made ahead went to.
+        planned = state.planned_tower() if not towers and state.planned_tower is not None else None
+        only = towers[0].tower if len(towers) == 1 else planned
         balancer = self._vit_balance_balancer(*self._vit_balance_towers_settings(settings), only)
         made_from = f"the plan was made ahead from the batch's {key_names(keys)} (vit_balance_prepare_keys)"
         try:

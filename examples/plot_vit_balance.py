@@ -248,7 +248,11 @@ def drawn_run(path: str | Path) -> tuple[Metrics, list[Path]]:
     else:  # a file, the latest trainer_state.json, or find_metric_files' error for a path without logs
         metrics, others = _read_files(_latest_trainer_state(root) if runs else find_metric_files(root)), []
     if not metrics:
-        raise ValueError(f"no '{PREFIX}...' metrics under path={str(path)!r}; was ViTBalanceCallback used?")
+        raise ValueError(
+            f"no '{PREFIX}...' metrics under path={str(path)!r}: expected the logs of a run with "
+            "ViTBalanceCallback and balancing enabled (enabled=False records nothing: for a run "
+            "that moves nothing but logs, use trigger_threshold=1e9)"
+        )
     return {key: sorted(pairs) for key, pairs in metrics.items()}, others
 
 

@@ -432,6 +432,25 @@ def _plans_from_keys_that_do_not_fit() -> list[str]:
     return messages
 
 
+def _plan_made_ahead_with_settings_apart() -> tuple[str, list[str]]:
+    """A plan made ahead where rank 1's configuration differs: the error and its notes."""
+    rank = dist.get_rank()
+    module = MixinFirst(ViTBalanceConfig(trigger_threshold=0.3 if rank == 1 else 0.0))
+    module.vit_balance_group = dist.group.WORLD
+    pixel_values, grid = _images(3, seed=rank)
+    with pytest.raises(ValueError) as raised:
+        module.prepare_vit_balance({"pixel_values": pixel_values, "image_grid_thw": grid})
+    return str(raised.value), list(getattr(raised.value, "__notes__", []))
+
+
+def test_settings_apart_in_a_plan_made_ahead_are_not_blamed_on_the_batch() -> None:
+    """The note naming the batch's keys had followed an error about settings, pointing at the batch."""
+    with world(2) as w:
+        for message, notes in w.run(_plan_made_ahead_with_settings_apart, timeout=60):
+            assert "the balancing settings differ between ranks: trigger_threshold (ranks [1]" in message
+            assert notes == [], notes
+
+
 def test_plans_made_ahead_from_keys_that_do_not_fit_name_them() -> None:
     """Flat keys raised ``too many values to unpack``; a grid missing under its key said only that
     ``grid_thw is not a torch.Tensor``."""

@@ -33,7 +33,7 @@ from lightning_vit_balance.callsite import warn_at_user
 from lightning_vit_balance.config import ViTBalanceConfig, require_flag
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.eager import eager, eager_frame
-from lightning_vit_balance.encoding import parameters_sharded
+from lightning_vit_balance.encoding import INVALID_INPUT, parameters_sharded
 from lightning_vit_balance.exchange import current_group, gather_host_values, require_member
 from lightning_vit_balance.hf import (
     GRIDS_KEY,
@@ -1317,7 +1317,8 @@ class ViTBalanceMixin:
             ticket = balancer.prepare(pixels, grid)
         except ValueError as error:  # raised alike on every rank: each adds the same keys
             held = _some_keys(batch) if readable else f"a {type(batch).__name__}"
-            if hasattr(error, "add_note"):  # Python 3.11+
+            # Only where the batch is at fault: settings that differ between ranks are not its doing.
+            if str(error).startswith(INVALID_INPUT) and hasattr(error, "add_note"):  # Python 3.11+
                 error.add_note(f"{made_from[0].upper()}{made_from[1:]}. The batch on this rank holds {held}.")
             raise
         for tower in towers:  # their step grids (GLM-4.xV) from these rows, not read on the device
@@ -1330,10 +1331,11 @@ class ViTBalanceMixin:
             elif not any(key in batch for pair in keys for key in pair):
                 source = (
                     f"{source}; the batch holds none of them, only {_some_keys(batch)}, so it was planned "
-                    "without images (for the batch of one loader among several, plan_ahead=False and "
-                    "self.prepare_vit_balance(batch[key]) in on_before_batch_transfer; for one call over "
-                    "several loaders' batches, encode_visual's images and videos say, prepare one mapping "
-                    "holding the keys of each)"
+                    "without images (where the pixels sit deeper, under a key of their own (a nested "
+                    "dict, the batch of one loader among several): plan_ahead=False and "
+                    "self.prepare_vit_balance(batch[key]) in on_before_batch_transfer, or flatten the "
+                    "batch; for one call over several loaders' batches, encode_visual's images and "
+                    "videos say, prepare one mapping holding the keys of each)"
                 )
             ticket = dataclasses.replace(ticket, source=source)
         self._vit_balance_keep_ticket(ticket, readable and batch.get(GRIDS_KEY) is not None)

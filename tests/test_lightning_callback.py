@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from pathlib import Path
@@ -307,6 +308,45 @@ def test_a_module_without_the_mixin_gets_a_warning() -> None:
     )
     with pytest.warns(UserWarning, match="does not use ViTBalanceMixin"):
         trainer.fit(Plain([[]]))
+
+
+class _FailingAtBatch(ScriptedModule):
+    def __init__(self, script: list[list[BalanceStats]], fail_at: int | None) -> None:
+        super().__init__(script)
+        self.fail_at = fail_at
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == self.fail_at:
+            raise KeyError("a step that fails: the fit ends without on_train_end")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(("steps", "fail_at"), [(3, None), (12, 11)], ids=["at-the-end", "after-10-steps"])
+def test_a_fit_whose_steps_balance_nothing_is_told_once(steps: int, fail_at: int | None) -> None:
+    """A model never given to balance_vision_tower trained unbalanced without a word (the callback
+    logged nothing, and nothing said why); a fit whose steps make calls is not told."""
+    told = []
+    for script in ([[]] * steps, [[SKIPPED]] + [[]] * (steps - 1)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = L.Trainer(
+                accelerator="cpu",
+                devices=1,
+                max_epochs=1,
+                logger=RecordingLogger(),
+                callbacks=[ViTBalanceCallback()],
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                limit_val_batches=0,
+            )
+            with contextlib.suppress(KeyError):
+                trainer.fit(_FailingAtBatch(script, fail_at))
+        told.append(
+            [str(w.message) for w in caught if "no training step of _FailingAtBatch called" in str(w.message)]
+        )
+    assert len(told[0]) == 1 and "self.balance_vision_tower(model)" in told[0][0], told
+    assert told[1] == [], told
 
 
 class LoggingModule(ScriptedModule):

@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 __all__ = ["ViTBalanceCallback"]
 
 
+#: Optimizer steps after which a fit whose steps made no balanced call is told so (a text-only
+#: first step is no reason to warn; a whole epoch may be hours).
+NO_CALLS_TOLD_AFTER_STEPS = 10
+
+
 class ViTBalanceCallback(Callback):
     r"""Logs how ViT work was balanced across data-parallel ranks, per optimizer step.
 
@@ -155,6 +160,7 @@ class ViTBalanceCallback(Callback):
         )
         self.prog_bar = require_flag("ViTBalanceCallback", "prog_bar", prog_bar)
         self._warned_no_mixin = False
+        self._told_no_calls = False
         self._reset_totals()
 
     def _reset_totals(self) -> None:
@@ -246,6 +252,7 @@ class ViTBalanceCallback(Callback):
             )
         # A checkpoint being resumed restores the totals after this hook (`load_state_dict`).
         self._reset_totals()
+        self._told_no_calls = False
 
     @override
     def on_train_batch_start(
@@ -264,6 +271,8 @@ class ViTBalanceCallback(Callback):
             return
         # The optimizer step is over.
         self._publish_step(trainer, pl_module)
+        if trainer.global_step >= NO_CALLS_TOLD_AFTER_STEPS:
+            self._tell_no_calls(pl_module)
         if not self._should_log(trainer):
             return
         metrics = self.window_metrics()
@@ -272,6 +281,30 @@ class ViTBalanceCallback(Callback):
             # The step every `self.log` value of this batch is logged at (not yet advanced here).
             step = trainer.fit_loop.epoch_loop._batches_that_stepped
             trainer._logger_connector.log_metrics(metrics, step=step)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._tell_no_calls(pl_module)
+
+    def _tell_no_calls(self, pl_module: LightningModule) -> None:
+        """Warn once per fit where no training step made a ViT call through the mixin: a model
+        never given to ``balance_vision_tower`` (or a ViT called directly) trains unbalanced, and
+        nothing else would say so."""
+        if (
+            self._told_no_calls
+            or self.calls_total
+            or getattr(pl_module, "pop_vit_balance_stats", None) is None
+        ):
+            return
+        self._told_no_calls = True
+        rank_zero_warn(
+            f"ViTBalanceCallback: no training step of {type(pl_module).__name__} called a ViT through "
+            "ViTBalanceMixin, so nothing was balanced or logged. Give a Hugging Face model to "
+            "self.balance_vision_tower(model) (in __init__ or configure_model), or call "
+            "self.encode_images(vit, pixel_values, grid_thw) (self.encode_visual for images and "
+            "videos) where the step called the ViT. A fit on text alone has nothing to balance, and "
+            "one with ViTBalanceConfig(enabled=False) records nothing."
+        )
 
     @override
     def on_validation_batch_end(

@@ -759,7 +759,7 @@ class ViTBalancer:
         self._prepared_since_check = self._prepared_since_check or previous._prepared_since_check
         previous._skipped_mismatch = previous._prepared_since_check = False
 
-    def _go_on_from(self, previous: ViTBalancer, loop: str) -> bool:
+    def _go_on_from(self, previous: ViTBalancer, loop: str, every_loop: bool = False) -> bool:
         """Go on from ``previous``, a balancer of the same tower that this one stands in for, in
         this process, with another configuration, for ``loop``'s calls (:meth:`measure_as`): from
         its cost fit as it stands (no warm-up again, as where one balancer's ``config`` changes)
@@ -767,8 +767,9 @@ class ViTBalancer:
         first gather (the fit and the stats). A checkpoint's state (``load_state_dict``) restarts
         the warm-up and carries no clock: with a configuration new at every step (a schedule), no
         call was ever fitted or reported. ``previous`` keeps its other loops' clocks (its training
-        calls go on measured after an evaluation's configuration took its evaluation clocks). What
-        it left to tell is :meth:`_take_pending`'s.
+        calls go on measured after an evaluation's configuration took its evaluation clocks), but
+        with ``every_loop``, for a ``previous`` let go, where they all come along. What it left to
+        tell is :meth:`_take_pending`'s.
 
         Returns:
             False, taking nothing, where both fit and the fit's terms differ (another window or
@@ -780,11 +781,11 @@ class ViTBalancer:
                 return False
             self._calibrator = copy.deepcopy(fitted)
         self.measure_as(loop)
-        if loop == previous._loop:
-            self._clock, self._trips, self._encoded = previous._clock, previous._trips, previous._encoded
-            previous._clock, previous._trips, previous._encoded = ViTClock(), TripClock(), _Encoded()
-        elif loop in previous._other_loops:
-            self._clock, self._trips, self._encoded = previous._other_loops.pop(loop)
+        previous.measure_as(loop)  # its clocks of `loop` in hand (new ones where it had none)
+        self._clock, self._trips, self._encoded = previous._clock, previous._trips, previous._encoded
+        previous._clock, previous._trips, previous._encoded = ViTClock(), TripClock(), _Encoded()
+        if every_loop:
+            self._other_loops, previous._other_loops = previous._other_loops, {}
         return True
 
     def _call_before_forward(self, vit: Any) -> _Call | None:

@@ -2282,7 +2282,8 @@ class BalancedVisionTower:
             if previous is not None:
                 self._balancer._take_pending(previous)
                 same_group = previous_key is not None and previous_key[1] is key[1]
-                if same_group and self._balancer._go_on_from(previous, loop):  # the fit and clocks, live
+                # The previous balancer is let go: every loop's clocks come along.
+                if same_group and self._balancer._go_on_from(previous, loop, every_loop=True):
                     carried = None
             self._balancer_key, self._carried = key, None
             if carried:

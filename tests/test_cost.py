@@ -656,6 +656,27 @@ def test_calibrator_follows_a_tower_that_got_cheaper_in_attention_within_a_few_s
     assert 0.5 < large_over_small(calibrator.model) / large_over_small(after) < 1.5
 
 
+def test_calibrator_screens_new_rows_again_after_a_step_let_in() -> None:
+    # A step after one that lost a row lets every row in; screening goes on after it, also in a
+    # calibrator that loaded a state (the flag is not saved: it restarts with the warm-up).
+    steps = _steps(12, 16, ranks=8)
+    for step in (8, 9, 12, 15):
+        steps[step][1][0] /= 100.0
+    calibrator = CostCalibrator(warmup_steps=0)
+    for counts, ms in steps[:14]:
+        calibrator.observe(counts, ms)
+    assert [len(step.rows) for step in list(calibrator._steps)[8:14]] == [7, 8, 8, 8, 7, 8]
+    calibrator.observe(*steps[14])  # the step after 12 is let in whole; 13 was, so 14 is screened
+    assert calibrator._screened_last is False
+    state = calibrator.state_dict()
+    calibrator._screened_last = True  # as if step 14 had lost a row: a loaded state knows nothing of it
+    resumed = copy.deepcopy(calibrator)
+    resumed.load_state_dict(state)
+    for fitting in (calibrator, resumed):
+        fitting.observe(*steps[15])
+    assert len(resumed._steps[-1].rows) == 7 and len(calibrator._steps[-1].rows) == 8
+
+
 def test_calibrators_median_is_numpys_to_the_bit() -> None:
     rng = np.random.default_rng(14)
     for size in (1, 2, 3, 8, 9, 1000, 1001):

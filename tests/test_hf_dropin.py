@@ -3419,6 +3419,29 @@ def _calibrating_through_a_schedule(change_every_step: bool) -> dict[str, Any]:
     return {"observed": state["steps_observed"], "rows": sum(map(len, state["history"])), "vit_ms": vit_ms}
 
 
+def _training_around_an_evaluation_of_its_own_configuration() -> str:
+    """Worker: a drop-in balancing evaluation too, 3 training forwards with one configuration, 2
+    evaluation forwards with another, 3 training forwards with the first: per forward, whether it
+    reported measured ViT times."""
+    rank = torch.distributed.get_rank()
+    model = tiny_model(FIT_FAMILY)
+    training = ViTBalanceConfig(**CONFIG, calibrate_cost=True)
+    handle = balance_vision_tower(model, training, evaluation=True)
+    log = []
+    for step, config in enumerate(
+        [training] * 3 + [dataclasses.replace(training, min_gain=1e-3)] * 2 + [training] * 3
+    ):
+        handle.config = config
+        model.train(config is training)
+        with torch.set_grad_enabled(model.training):
+            output = model(**fit_batch(step % FIT_STEPS, rank))
+            if model.training:
+                output.loss.backward()
+        vit_ms = handle.last_stats.vit_ms
+        log.append(("T" if model.training else "V") + str(int(len(vit_ms) == FIT_RANKS and min(vit_ms) >= 0)))
+    return " ".join(log)
+
+
 def test_a_configuration_schedule_keeps_the_cost_fit_and_the_measured_times(multirank: Any) -> None:
     """A configuration new at every step had made a balancer that went on from the fit as from a
     checkpoint: its warm-up started again and its clock was new, so no call was ever fitted or
@@ -3426,6 +3449,10 @@ def test_a_configuration_schedule_keeps_the_cost_fit_and_the_measured_times(mult
     with multirank(FIT_RANKS) as pool:
         scheduled = pool.run(_calibrating_through_a_schedule, True)
         steady = pool.run(_calibrating_through_a_schedule, False)
+        around = pool.run(_training_around_an_evaluation_of_its_own_configuration)
+    # The handle lets its balancer go at each change: the training clock comes along through the
+    # evaluation (the first training forward after it had reported nothing).
+    assert around == ["T0 T1 T1 V0 V1 T1 T1 T1"] * FIT_RANKS, around
     for got, expected in zip(scheduled, steady):
         assert got["observed"] == expected["observed"] >= 8 and got["rows"] == expected["rows"] > 0, (
             got,

@@ -152,9 +152,11 @@ def _fit(
     script: list[list[BalanceStats]],
     callback: ViTBalanceCallback,
     module: ScriptedModule | None = None,
+    quiet: bool = True,
     **trainer_kwargs: Any,
 ) -> Any:
-    """Fit ``module`` (default ``ScriptedModule(script)``); ``trainer_kwargs`` override the defaults."""
+    """Fit ``module`` (default ``ScriptedModule(script)``), its warnings silenced where ``quiet``;
+    ``trainer_kwargs`` override the defaults."""
     logger = RecordingLogger()
     kwargs: dict[str, Any] = dict(
         accelerator="cpu",
@@ -172,7 +174,8 @@ def _fit(
     kwargs.update(trainer_kwargs)
     trainer = L.Trainer(**kwargs)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        if quiet:
+            warnings.simplefilter("ignore")
         trainer.fit(ScriptedModule(script) if module is None else module)
     return trainer, logger
 
@@ -327,26 +330,27 @@ def test_a_fit_whose_steps_balance_nothing_is_told_once(steps: int, fail_at: int
     logged nothing, and nothing said why); a fit whose steps make calls is not told."""
     told = []
     for script in ([[]] * steps, [[SKIPPED]] + [[]] * (steps - 1)):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trainer = L.Trainer(
-                accelerator="cpu",
-                devices=1,
-                max_epochs=1,
-                logger=RecordingLogger(),
-                callbacks=[ViTBalanceCallback()],
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                limit_val_batches=0,
-            )
-            with contextlib.suppress(KeyError):
-                trainer.fit(_FailingAtBatch(script, fail_at))
-        told.append(
-            [str(w.message) for w in caught if "no training step of _FailingAtBatch called" in str(w.message)]
-        )
+        told.append(_told_no_calls(script, ViTBalanceCallback(), _FailingAtBatch(script, fail_at)))
     assert len(told[0]) == 1 and "self.balance_vision_tower(model)" in told[0][0], told
     assert told[1] == [], told
+
+
+def _told_no_calls(
+    script: list[list[BalanceStats]], callback: ViTBalanceCallback, module: ScriptedModule | None = None
+) -> list[str]:
+    """The callback's warnings that the fit's steps made no balanced call (a KeyError ends the fit)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with contextlib.suppress(KeyError):
+            _fit(script, callback, module, quiet=False)
+    return [str(w.message) for w in caught if "called a ViT through ViTBalanceMixin" in str(w.message)]
+
+
+def test_a_fit_is_told_after_its_tenth_step_without_calls_and_each_fit_again() -> None:
+    callback = ViTBalanceCallback()
+    assert len(_told_no_calls([[]] * 10 + [[SKIPPED]], callback)) == 1  # told after step 10
+    assert len(_told_no_calls([[]] * 10 + [[SKIPPED]], callback)) == 1  # the next fit is told too
+    assert _told_no_calls([[]] * 9 + [[SKIPPED]] + [[]], ViTBalanceCallback()) == []  # a call by step 10
 
 
 class LoggingModule(ScriptedModule):

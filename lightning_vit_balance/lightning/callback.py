@@ -303,7 +303,8 @@ class ViTBalanceCallback(Callback):
             "self.balance_vision_tower(model) (in __init__ or configure_model), or call "
             "self.encode_images(vit, pixel_values, grid_thw) (self.encode_visual for images and "
             "videos) where the step called the ViT. A fit on text alone has nothing to balance, and "
-            "one with ViTBalanceConfig(enabled=False) records nothing."
+            "one with ViTBalanceConfig(enabled=False), or without a data-parallel group "
+            "(configure_vit_balance_group() returned None), records nothing."
         )
 
     @override

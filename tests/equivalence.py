@@ -11,7 +11,8 @@ stats for further checks by the calling test.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 from unittest import mock
 
@@ -29,6 +30,7 @@ __all__ = [
     "TOWERS",
     "CollectiveCounter",
     "CompiledSources",
+    "measured_around_an_evaluation",
     "probe_loss",
     "run_cases",
     "summed_grads",
@@ -119,6 +121,23 @@ def _model(name: str, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Modul
         torch.manual_seed(0)
         _MODELS[key] = TOWERS[name]().to(dtype=dtype, device=device)
     return _MODELS[key]
+
+
+def measured_around_an_evaluation(
+    training: ViTBalanceConfig, num_ranks: int, step: Callable[[int, ViTBalanceConfig, bool], Sequence[float]]
+) -> str:
+    """3 training steps with ``training``, 2 evaluation steps with a configuration of their own, 3
+    training steps with ``training`` again; ``step(index, config, training)`` sets ``config``, runs
+    one step (gradients on in training) and returns its stats' ``vit_ms``. Per step ``T`` or ``V``,
+    and 1 where every one of ``num_ranks`` ranks reported a measured ViT time."""
+    evaluation = dataclasses.replace(training, min_gain=1e-3)
+    marks = []
+    for index, config in enumerate([training] * 3 + [evaluation] * 2 + [training] * 3):
+        in_training = config is training
+        with torch.set_grad_enabled(in_training):
+            vit_ms = step(index, config, in_training)
+        marks.append(("T" if in_training else "V") + str(int(len(vit_ms) == num_ranks and min(vit_ms) >= 0)))
+    return " ".join(marks)
 
 
 def probe_loss(output: Any, seed: int, skip: tuple[str, ...] = ()) -> torch.Tensor:

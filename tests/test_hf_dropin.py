@@ -38,7 +38,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import lightning as L
-from equivalence import CollectiveCounter, CompiledSources
+from equivalence import CollectiveCounter, CompiledSources, measured_around_an_evaluation
 from hf_models import (
     CHANNELS,
     FAMILIES,
@@ -3420,26 +3420,21 @@ def _calibrating_through_a_schedule(change_every_step: bool) -> dict[str, Any]:
 
 
 def _training_around_an_evaluation_of_its_own_configuration() -> str:
-    """Worker: a drop-in balancing evaluation too, 3 training forwards with one configuration, 2
-    evaluation forwards with another, 3 training forwards with the first: per forward, whether it
-    reported measured ViT times."""
+    """Worker: a drop-in balancing evaluation too, through :func:`measured_around_an_evaluation`."""
     rank = torch.distributed.get_rank()
     model = tiny_model(FIT_FAMILY)
     training = ViTBalanceConfig(**CONFIG, calibrate_cost=True)
     handle = balance_vision_tower(model, training, evaluation=True)
-    log = []
-    for step, config in enumerate(
-        [training] * 3 + [dataclasses.replace(training, min_gain=1e-3)] * 2 + [training] * 3
-    ):
+
+    def step(index: int, config: ViTBalanceConfig, in_training: bool) -> tuple[float, ...]:
         handle.config = config
-        model.train(config is training)
-        with torch.set_grad_enabled(model.training):
-            output = model(**fit_batch(step % FIT_STEPS, rank))
-            if model.training:
-                output.loss.backward()
-        vit_ms = handle.last_stats.vit_ms
-        log.append(("T" if model.training else "V") + str(int(len(vit_ms) == FIT_RANKS and min(vit_ms) >= 0)))
-    return " ".join(log)
+        model.train(in_training)
+        output = model(**fit_batch(index % FIT_STEPS, rank))
+        if in_training:
+            output.loss.backward()
+        return handle.last_stats.vit_ms
+
+    return measured_around_an_evaluation(training, FIT_RANKS, step)
 
 
 def test_a_configuration_schedule_keeps_the_cost_fit_and_the_measured_times(multirank: Any) -> None:

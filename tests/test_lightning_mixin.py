@@ -19,6 +19,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from equivalence import measured_around_an_evaluation
 from lightning.pytorch.callbacks import BatchSizeFinder, EarlyStopping, LearningRateFinder, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer import setup as trainer_setup
@@ -558,25 +559,21 @@ def _calibrating_through_a_schedule(change_every_step: bool, ahead: bool) -> dic
 
 
 def _training_around_an_evaluation_of_its_own_configuration() -> str:
-    """Worker: 3 training calls with one configuration, 2 evaluation calls with another, 3 training
-    calls with the first again: per call, whether it reported measured ViT times."""
+    """Worker: a module balancing evaluation too, through :func:`measured_around_an_evaluation`."""
     rank = dist.get_rank()
     training = ViTBalanceConfig(calibrate_cost=True, trigger_threshold=0.0)
     module = MixinFirst(training)
     module.vit_balance_group, module.vit_balance_evaluation = dist.group.WORLD, True
-    log = []
-    for step, config in enumerate(
-        [training] * 3 + [dataclasses.replace(training, min_gain=1e-3)] * 2 + [training] * 3
-    ):
+
+    def step(index: int, config: ViTBalanceConfig, in_training: bool) -> tuple[float, ...]:
         module.vit_balance_config = config
-        module.train(config is training)
-        with torch.set_grad_enabled(module.training):
-            output = module.encode_images(module.visual, *_images(1 + (step + rank) % 4, seed=step))
-            if module.training:
-                output.sum().backward()
-        mark = "T" if module.training else "V"
-        log.append(mark + str(int(min(module.last_vit_balance_stats.vit_ms, default=-1.0) >= 0)))
-    return " ".join(log)
+        module.train(in_training)
+        output = module.encode_images(module.visual, *_images(1 + (index + rank) % 4, seed=index))
+        if in_training:
+            output.sum().backward()
+        return module.last_vit_balance_stats.vit_ms
+
+    return measured_around_an_evaluation(training, 2, step)
 
 
 class _SleepingTower(CountingTower):

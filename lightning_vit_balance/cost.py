@@ -380,19 +380,12 @@ def _floats(owner: str, name: str, values: Any, expected: str = "numbers") -> np
 
 def _steps(frames: Any, counts: np.ndarray) -> np.ndarray:
     """``frames`` as float64 temporal steps, one per entry of ``counts``; raises ValueError if not."""
-    try:
-        steps: np.ndarray | None = np.asarray(frames, dtype=np.float64)
-    except (TypeError, ValueError):  # ragged, or not numbers
-        steps = None
-    if (
-        steps is None
-        or steps.shape != counts.shape
-        or not (steps.min(initial=1.0) > 0 and math.isfinite(steps.max(initial=1.0)))
+    expected = f"the temporal steps T (finite, > 0) of each item, shaped like the patch counts {counts.shape}"
+    steps = _floats("CostModel", "frames", frames, expected)  # ragged, or not numbers: raised there
+    if steps.shape != counts.shape or not (
+        steps.min(initial=1.0) > 0 and math.isfinite(steps.max(initial=1.0))
     ):
-        raise ValueError(
-            f"CostModel: frames={_short(frames)} is invalid: expected the temporal steps T (finite, > 0) "
-            f"of each item, shaped like the patch counts {counts.shape}."
-        )
+        raise ValueError(f"CostModel: frames={_short(frames)} is invalid: expected {expected}.")
     return steps
 
 

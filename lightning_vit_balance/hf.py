@@ -2276,15 +2276,16 @@ class BalancedVisionTower:
         loop = "train" if self.base.training else "eval"
         if self._balancer is None or self._balancer_key != key:
             previous, previous_key = self._balancer, self._balancer_key
-            carried = previous.state_dict() if previous is not None else self._carried
             host = gathers_on(self._host_group(group), group)
             self._balancer = ViTBalancer(config, group, output_layout=layout, host_group=host)
+            carried = self._carried
             if previous is not None:
                 self._balancer._take_pending(previous)
                 same_group = previous_key is not None and previous_key[1] is key[1]
                 # The previous balancer is let go: every loop's clocks come along.
-                if same_group and self._balancer._go_on_from(previous, loop, every_loop=True):
-                    carried = None
+                live = same_group and self._balancer._go_on_from(previous, loop, every_loop=True)
+                # Its saved state (its window's rows as plain numbers) only where the fit goes on from it.
+                carried = None if live else previous.state_dict()
             self._balancer_key, self._carried = key, None
             if carried:
                 source = "balance_vision_tower: the cost fit of the previous configuration"

@@ -962,14 +962,15 @@ class ViTBalanceMixin:
         balancer = state.kept_balancer(config, layout)
         if balancer is None:
             self._vit_balance_refuse_peer_fits(config)
-            latest, carried = state.balancer, state.balancer_state()
+            latest = state.balancer
             balancer = ViTBalancer(
                 config, group, report=rank_zero_info, host_group=host, output_layout=layout
             )
             known = tower is not None and state.latest_tower is not None
             same_tower = latest is not None and known and state.latest_tower() is tower
-            if same_tower and balancer._go_on_from(latest, self._vit_balance_loop_name()):
-                carried = None
+            live = same_tower and balancer._go_on_from(latest, self._vit_balance_loop_name())
+            # The saved state (its window's rows as plain numbers) only where the fit goes on from it.
+            carried = None if live else state.balancer_state()
             state.keep_balancer(config, layout, balancer)
             state.carried = None
             if carried:

@@ -1027,6 +1027,11 @@ class CostCalibrator:
     Attributes:
         steps_observed: Calls of :meth:`observe`, warm-up included.
         fits: Successful fits so far.
+        last_error: How far the model in force was off on the newest measured step, before
+            refitting on it: the median over its rows of ``|predicted - ms| / ms``, the per-call
+            overhead included (``0.08``: a rank's time was typically predicted within 8%). Out of
+            sample, as the plan that step ran was made without its times. NaN before the first
+            fit, in the warm-up, and where the newest step measured no rank.
     """
 
     def __init__(
@@ -1064,6 +1069,7 @@ class CostCalibrator:
         self._screened_last = False  # whether the newest step lost rows far too fast
         self.steps_observed = 0
         self.fits = 0
+        self.last_error = math.nan
 
     @property
     def model(self) -> CostModel:
@@ -1112,12 +1118,16 @@ class CostCalibrator:
         """
         rows = self._rows(*_parse_step(patch_counts, milliseconds, frames))
         self.steps_observed += 1
+        self.last_error = math.nan
         if not len(rows):  # nothing measured (e.g. the first call): neither warm-up nor history
             return self._model
         self._measured_steps += 1
         if self._measured_steps <= self.warmup_steps:
             return self._model
-        self._steps.append(self._window_step(self._without_too_fast(rows)))
+        predicted = self._predict(self._terms_in_force(), rows) if self.fits else None
+        if predicted is not None:
+            self.last_error = _median(np.abs(predicted / rows[:, _ROW.index("ms")] - 1.0))
+        self._steps.append(self._window_step(self._without_too_fast(rows, predicted)))
         fitted = self._fit()
         if fitted is not None:
             self._model, self._overhead = fitted
@@ -1161,6 +1171,7 @@ class CostCalibrator:
         self._steps.clear()
         self._steps.extend(steps)
         self._measured_steps, self._screened_last = 0, False
+        self.last_error = math.nan
         self.steps_observed = state["steps_observed"]
         self.fits = state["fits"]
 
@@ -1244,24 +1255,27 @@ class CostCalibrator:
         ratios = ms / predicted
         return ratios * self.outlier_factor < _median(ratios[kept])
 
-    def _without_too_fast(self, rows: np.ndarray) -> np.ndarray:
+    def _without_too_fast(self, rows: np.ndarray, predicted: np.ndarray | None) -> np.ndarray:
         """A new step's rows less those too fast against the model in force, which has not seen
         them: a row that bends a fit towards itself can look right against that fit. Only where
         the step before lost none: an outlier is rare, while rows that look too fast step after
         step are a change the fit must follow (a fit of the wrong shape for new image sizes, a
         tower that got faster), so the next step's rows all come in (kept out every time, such
-        rows had left a fit 7-33x off for a whole window)."""
-        if not self.fits or self._screened_last:
+        rows had left a fit 7-33x off for a whole window). ``predicted``: the rows' times under
+        the model in force (None before a fit: nothing to screen against)."""
+        if predicted is None or self._screened_last:
             self._screened_last = False
             return rows
+        fast = self._too_fast(predicted, rows[:, _ROW.index("ms")], np.ones(len(rows), dtype=bool))
+        self._screened_last = bool(fast.any())
+        return rows[~fast]
+
+    def _terms_in_force(self) -> dict[str, float]:
+        """The terms of :attr:`model` and the per-call overhead, as :meth:`_predict` reads them."""
         model = self._model
         terms = {"quadratic": model.quadratic, "linear": model.linear, "constant": model.constant}
         terms.update(windowed=model.windowed, overhead=self._overhead)
-        fast = self._too_fast(
-            self._predict(terms, rows), rows[:, _ROW.index("ms")], np.ones(len(rows), dtype=bool)
-        )
-        self._screened_last = bool(fast.any())
-        return rows[~fast]
+        return terms
 
     def _far_off(self, predicted: np.ndarray, ms: np.ndarray, kept: np.ndarray) -> np.ndarray:
         """Rows off by more than ``outlier_factor`` times the median relative error, and by 5%."""

@@ -93,6 +93,9 @@ class _Window:
         self.vit_max = 0.0
         self.vit_mean = 0.0
         self.vit_per_rank: list[float] = []
+        self.cost_fits = -1  # the latest call's count of online cost fits (-1: not fitting)
+        self.cost_error_calls = 0  # calls whose cost_error is known
+        self.cost_error = 0.0  # their sum
 
     def add(self, stats: BalanceStats, per_rank_loads: bool | None) -> None:
         self.calls += 1
@@ -107,6 +110,8 @@ class _Window:
         for name, value in figures.items():
             self.totals[name] += value
         self._add_vit_ms(tuple(getattr(stats, "vit_ms", ())))
+        fits, error = getattr(stats, "cost_fits", -1), getattr(stats, "cost_error", math.nan)
+        self._add_cost_fit(int(fits), float(error))
         before, after = tuple(stats.loads_before), tuple(stats.loads_after)
         if not (len(before) <= PER_RANK_SERIES_UP_TO if per_rank_loads is None else per_rank_loads):
             # No series at this DP size or setting, nor any a restored window held (another run's).
@@ -132,6 +137,9 @@ class _Window:
             "vit_max": self.vit_max,
             "vit_mean": self.vit_mean,
             "vit_per_rank": list(self.vit_per_rank),
+            "cost_fits": self.cost_fits,
+            "cost_error_calls": self.cost_error_calls,
+            "cost_error": self.cost_error,
         }
 
     @classmethod
@@ -149,18 +157,24 @@ class _Window:
         window.vit_calls = _count(state["vit_calls"])
         window.vit_max, window.vit_mean = float(state["vit_max"]), float(state["vit_mean"])
         window.vit_per_rank = [float(v) for v in state["vit_per_rank"]]
+        # A window saved before the cost fit's figures were kept has none.
+        window.cost_fits = int(state.get("cost_fits", -1))
+        window.cost_error_calls = _count(state.get("cost_error_calls", 0))
+        window.cost_error = float(state.get("cost_error", 0.0))
         window._check_sums()
         return window
 
     def _check_sums(self) -> None:
         """Raise ValueError where the sums could not come from :meth:`add` (a corrupted or edited
         checkpoint): the window's figures would divide by zero or take the max of nothing."""
-        counts = (self.imbalance_calls, self.load_calls, self.vit_calls)
+        counts = (self.imbalance_calls, self.load_calls, self.vit_calls, self.cost_error_calls)
         series = [len(values) for values in self.loads.values()]
         if max(counts) > self.calls:
             raise ValueError(f"calls={self.calls} is fewer than the imbalance, load or vit calls {counts}")
         if (self.load_calls == 0 and any(series)) or len(set(series)) > 1:
             raise ValueError(f"load_calls={self.load_calls} does not match loads of {series} ranks")
+        if self.cost_fits < -1 or not math.isfinite(self.cost_error) or self.cost_error < 0:
+            raise ValueError(f"cost_fits={self.cost_fits}, cost_error={self.cost_error}: not a fit's figures")
         if (self.vit_calls > 0) != bool(self.vit_per_rank):
             raise ValueError(
                 f"vit_calls={self.vit_calls} does not match vit_per_rank of {len(self.vit_per_rank)} ranks"
@@ -178,6 +192,23 @@ class _Window:
         self.vit_max += max(known)
         self.vit_mean += sum(known) / len(known)
         self.vit_per_rank = [total + value for total, value in zip(self.vit_per_rank, vit_ms)]
+
+    def _add_cost_fit(self, fits: int, error: float) -> None:
+        """The online cost fit's figures of one call (``fits`` -1 where it does not fit online)."""
+        if fits < 0:
+            return
+        self.cost_fits = fits
+        if math.isfinite(error):
+            self.cost_error_calls += 1
+            self.cost_error += error
+
+    def _cost_fit_metrics(self) -> dict[str, float]:
+        metrics = {}
+        if self.cost_fits >= 0:
+            metrics[PREFIX + "cost_fits"] = float(self.cost_fits)
+        if self.cost_error_calls:
+            metrics[PREFIX + "cost_fit_error"] = self.cost_error / self.cost_error_calls
+        return metrics
 
     def _vit_metrics(self, per_rank: bool) -> dict[str, float]:
         if self.vit_calls == 0:
@@ -215,6 +246,7 @@ class _Window:
             else:
                 metrics[PREFIX + name] = self.totals[name]
         metrics.update(self._vit_metrics(per_rank=bool(self.loads)))
+        metrics.update(self._cost_fit_metrics())
         return metrics
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import random
 import warnings
 from typing import Any
@@ -42,7 +43,7 @@ def _calibrating_run() -> dict[str, Any] | None:
         return None
     rank, tower, balancer = setup
     draw = random.Random(1234 + rank)
-    models = []
+    models, fit_figures = [], []
     for step in range(STEPS):
         sides = [2 * draw.randint(1, 6) for _ in range(draw.randint(1, 3))]
         grids = [(1, side, 2 * draw.randint(1, 6)) for side in sides]
@@ -52,6 +53,12 @@ def _calibrating_run() -> dict[str, Any] | None:
         torch.testing.assert_close(out, tower(pixels, grid), rtol=1e-4, atol=1e-5)
         assert balancer._calibrator is not None
         models.append(balancer._calibrator.fingerprint())
+        stats = balancer.last_stats
+        assert stats is not None and stats.cost_model == balancer._calibrator.model
+        # NaN != NaN once pickled across ranks: None stands for it.
+        errors = (stats.cost_error, balancer._calibrator.last_error)
+        error, last = (None if math.isnan(e) else e for e in errors)
+        fit_figures.append((stats.cost_fits, error, last))
         # What the next call sends: the settings and the fit's state so far, as the config's own
         # fingerprint with the state as an extra setting says (the ranks compare it), and no batch
         # of a plan made ahead (this call gathered its own).
@@ -59,7 +66,8 @@ def _calibrating_run() -> dict[str, Any] | None:
         assert balancer._settings_fingerprint() == (*expected, ("previous_call_plan", 0))
     stats = balancer.last_stats
     assert stats is not None
-    return {"models": models, "fits": balancer._calibrator.fits, "vit_ms": stats.vit_ms}
+    fits = balancer._calibrator.fits
+    return {"models": models, "fits": fits, "vit_ms": stats.vit_ms, "fit_figures": fit_figures}
 
 
 def test_every_rank_fits_the_same_cost_model(multirank: Any) -> None:
@@ -69,6 +77,16 @@ def test_every_rank_fits_the_same_cost_model(multirank: Any) -> None:
     assert results[0]["fits"] > 0, "no fit after 16 steps of varied image sizes"
     assert results[0]["models"][-1] != results[0]["models"][0], "the model never left its initial value"
     assert len(results[0]["vit_ms"]) == RANKS and all(v >= 0 for v in results[0]["vit_ms"])
+    # Each call's stats tell the fit's progress and error, the same on every rank: fits counted
+    # up from 0, an error known once a fit has met a call's times.
+    figures = results[0]["fit_figures"]
+    assert all(r["fit_figures"] == figures for r in results), "ranks reported different fits"
+    fits = [count for count, _, _ in figures]
+    assert fits == sorted(fits) and fits[0] == 0 and fits[-1] == results[0]["fits"]
+    assert all(error is None for count, error, _ in figures if count == 0)
+    known = [error for _, error, _ in figures if error is not None]
+    assert known and all(error >= 0 for error in known)
+    assert all(error == last for _, error, last in figures)
 
 
 class _FailsOnRankOne(towers.TensorTower):

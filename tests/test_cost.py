@@ -528,6 +528,33 @@ def test_calibrator_recovers_coefficients_and_overhead() -> None:
     assert CostModel.from_config(model.to_config()) == model
 
 
+def test_calibrator_tells_how_far_its_model_was_off_before_refitting() -> None:
+    calibrator = CostCalibrator(warmup_steps=1)
+    steps = _steps(3, 6)
+    calibrator.observe(*steps[0])  # warm-up
+    assert math.isnan(calibrator.last_error)
+    calibrator.observe(*steps[1])  # 4 rows: too few to fit, so nothing to be off
+    calibrator.observe(*steps[2])
+    assert calibrator.fits == 0 and math.isnan(calibrator.last_error)
+    calibrator.observe(*steps[3])  # the first fit, on 12 exact rows
+    assert calibrator.fits == 1 and math.isnan(calibrator.last_error)
+    calibrator.observe(*steps[4])
+    assert calibrator.last_error < 1e-9  # exact data: the fit predicts it
+    # Every rank 25% slower, one rank 100% slower: the median of the ranks' errors against the
+    # model in force, its overhead included (0.2 = 1 - 1/1.25 is the error relative to the time).
+    counts, ms = steps[5]
+    slower = [m * 1.25 for m in ms[:-1]] + [ms[-1] * 2.0]
+    calibrator.observe(counts, slower)
+    assert calibrator.last_error == pytest.approx(0.2, rel=1e-9)
+    calibrator.observe(counts, [math.nan] * 4)  # a step that measured no rank
+    assert math.isnan(calibrator.last_error)
+    resumed = CostCalibrator(warmup_steps=0)
+    calibrator.observe(counts, ms)
+    resumed.load_state_dict(calibrator.state_dict())
+    # The refit took in the slower rows; a new process has measured nothing.
+    assert math.isfinite(calibrator.last_error) and math.isnan(resumed.last_error)
+
+
 def test_calibrator_fits_the_windowed_term() -> None:
     truth = CostModel(quadratic=1e-6, windowed=4e-5, window_patches=64, linear=1e-3)
     initial = CostModel(quadratic=1.0, window_patches=64)  # the window comes from the initial model

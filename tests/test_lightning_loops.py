@@ -125,6 +125,8 @@ def test_resuming_continues_training_and_the_cumulative_counts(resumed: dict[str
         assert row["vit_balance/applied_total"] == step + 1
         assert row["vit_balance/calls_total"] == CALLS_PER_STEP * (step + 1)
         assert row["vit_balance/skipped/no-gain"] == step + 1
+        # The online cost fit's progress reaches the logger: too few steps here for a fit.
+        assert row["vit_balance/cost_fits"] == 0 and "vit_balance/cost_fit_error" not in row
     # Measured ViT time trails by one call, of the same loop: each fit's first step, after its
     # sanity check, and step 2, after the first epoch's validation, report the training calls'
     # (or none), not validation's, whose ViT sleeps VALIDATION_VIT_S.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -69,6 +70,31 @@ def test_a_window_averages_its_calls_and_sums_their_traffic() -> None:
     assert (got["vit_balance/applied_total"], got["vit_balance/calls_total"]) == (1.0, 2.0)
     assert got["vit_balance/skipped/below-threshold"] == 1.0
     assert {f"vit_balance/skipped/{r}" for r in REASONS if r != "applied"} <= set(got)
+
+
+def test_the_online_cost_fit_is_logged_only_where_a_call_fits_online() -> None:
+    """``cost_fits`` is the latest call's count, ``cost_fit_error`` the mean over the calls whose
+    error is known (none before the first fit); neither key without ``calibrate_cost``."""
+    metrics = BalanceMetrics()
+    metrics.add(APPLIED)
+    assert not {"vit_balance/cost_fits", "vit_balance/cost_fit_error"} & set(metrics.metrics())
+    metrics.add(dataclasses.replace(SKIPPED, cost_fits=0))  # fitting online, not fitted yet
+    assert metrics.metrics()["vit_balance/cost_fits"] == 0.0
+    assert "vit_balance/cost_fit_error" not in metrics.metrics()
+    for fits, error in ((1, 0.25), (2, math.nan), (2, 0.05)):
+        metrics.add(dataclasses.replace(SKIPPED, cost_fits=fits, cost_error=error))
+    got = metrics.metrics()
+    assert got["vit_balance/cost_fits"] == 2.0
+    assert got["vit_balance/cost_fit_error"] == pytest.approx(0.15)
+    saved = json.loads(json.dumps(metrics.state_dict()))
+    resumed = BalanceMetrics()
+    resumed.load_state_dict(saved)
+    assert resumed.metrics() == got
+    # A window saved before these figures were kept: none, and the rest as saved.
+    for name in ("cost_fits", "cost_error_calls", "cost_error"):
+        del saved["window"][name]
+    resumed.load_state_dict(saved)
+    assert {k: v for k, v in got.items() if "/cost_fit" not in k} == resumed.metrics()
 
 
 def test_a_disabled_call_on_many_ranks_has_no_imbalance_to_average() -> None:
@@ -272,6 +298,9 @@ def test_a_window_that_add_could_not_have_summed_is_refused() -> None:
         {"vit_calls": 3, "vit_per_rank": []},
         {"calls": 0},
         {"loads": {"before": [1.0, 2.0], "after": [1.0]}},
+        {"cost_error_calls": 2},  # errors of more calls than the window's
+        {"cost_fits": -2},
+        {"cost_error": math.nan},
     ):
         broken = {**good, "window": {**good["window"], **change}}
         with pytest.raises(ValueError, match=r"BalanceMetrics.load_state_dict\(state_dict=.* is invalid"):

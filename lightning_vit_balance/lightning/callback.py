@@ -102,6 +102,13 @@ class ViTBalanceCallback(Callback):
                                                     record's calls: a rank slow step after step
                                                     is a slow device, which balancing by cost
                                                     cannot see
+        ``vit_balance/cost_fits``                   with ``calibrate_cost``: the online cost
+                                                    fit's successful fits so far (0: still the
+                                                    configuration's model)
+        ``vit_balance/cost_fit_error``              with ``calibrate_cost``, once fitted: the
+                                                    fitted model's median relative error on the
+                                                    ranks' measured ViT times, before it refits
+                                                    on them (0.05: within 5%), mean over calls
         ``vit_balance/applied_total``               calls that moved images since the fit started
         ``vit_balance/calls_total``                 calls since the fit started
         ``vit_balance/skipped/{reason}``            calls skipped for ``reason`` since the fit

@@ -477,6 +477,36 @@ def _three_fits(out: str, new_modules: bool) -> list[dict[str, Any]]:
     return fits
 
 
+def _a_trainer_reused_after_a_failure(out: str) -> dict[str, Any]:
+    """Worker: one Trainer fits a module that raises at its second step, then goes on with a new
+    module (kept alive, as the first is). Whether the failed fit's twin is still held once the
+    second fit ran, and the second's twin once it ended."""
+    failed, second = _TwinNamingVLM(ViTBalanceConfig(plan_ahead=True)), _TwinNamingVLM(ViTBalanceConfig())
+    failed.twin_names, failed.fail_at, second.twin_names = set(), 1, set()
+    with groups_taken_for_nccl(), launched_by_torchrun():
+        trainer = quiet_trainer(out, f"reused_{dist.get_rank()}", max_steps=2)
+        with contextlib.suppress(KeyError):
+            trainer.fit(failed)
+        trainer.fit(second)
+    held = dist.distributed_c10d._world.pg_names.values()
+    return {
+        name: [twin in held for twin in module.twin_names]
+        for name, module in (("failed", failed), ("second", second))
+    }
+
+
+@pytest.mark.timeout(240)
+def test_a_trainer_reused_after_a_failure_releases_the_failed_fits_twin(
+    tmp_path: Path, multirank: Any
+) -> None:
+    """A Trainer whose fit raised runs the next module's fit: its status is no longer
+    ``INTERRUPTED`` then, but it runs one module at a time, so the failed module's run has ended
+    and its twin goes (it had stayed held as long as that module lived)."""
+    with multirank(RANKS) as pool:
+        results = pool.run(_a_trainer_reused_after_a_failure, str(tmp_path), timeout=200)
+    assert all(r == {"failed": [False], "second": [False]} for r in results), results
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("new_modules", [False, True], ids=["one-module", "a-module-per-fit"])
 def test_each_fit_destroys_its_gloo_twin(tmp_path: Path, multirank: Any, new_modules: bool) -> None:

@@ -23,6 +23,7 @@ from equivalence import measured_around_an_evaluation
 from lightning.pytorch.callbacks import BatchSizeFinder, EarlyStopping, LearningRateFinder, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer import setup as trainer_setup
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning_fit_script import quiet_trainer
 from multirank import launched_by_torchrun, reinit_default_group, world
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
@@ -37,10 +38,14 @@ from lightning_vit_balance import (
     ViTBalancer,
 )
 from lightning_vit_balance.lightning.mixin import (
+    _TWIN_HOLDERS,
     _counts_its_batches,
     _loop_balances,
     _predict_balances,
     _PredictLengths,
+    _ref,
+    _release_ended_runs,
+    _State,
 )
 
 
@@ -1558,3 +1563,39 @@ def test_predict_balances_the_batches_every_rank_runs() -> None:
     )  # another run's
     trainer.num_predict_batches = [float("inf"), 2]
     assert not _predict_balances(trainer, gathered)  # a length Lightning does not know
+
+
+class _Runner:
+    """Stands for a Trainer (its status), a strategy or a wrapped module in a run key."""
+
+    def __init__(self, status: TrainerStatus = TrainerStatus.RUNNING) -> None:
+        self.state = types.SimpleNamespace(status=status)
+
+
+def test_a_reused_trainers_ended_run_lets_its_twin_go_and_a_nested_modules_keeps_it() -> None:
+    """As a run starts, the twins of runs that ended without their teardown go: a run the same
+    Trainer ran before (another wrapped module), or whose Trainer raised. A module nested in the
+    running one (Lightning attaches its Trainer to child LightningModules too) is in the same run:
+    releasing its twin would make each module's next call build its own again, call after call."""
+    trainer, strategy, fitted_before, fitting = _Runner(), _Runner(), _Runner(), _Runner()
+    interrupted = _Runner(TrainerStatus.INTERRUPTED)
+    keys = {
+        "starting": (trainer, strategy, fitting),
+        "nested": (trainer, strategy, fitting),
+        "before": (trainer, strategy, fitted_before),
+        "another_trainer": (_Runner(), strategy, fitted_before),
+        "raised": (interrupted, strategy, fitted_before),
+    }
+    states = {}
+    for name, objects in keys.items():
+        states[name] = _State()
+        states[name].fit_key = (*(_ref(o) for o in objects), None, None)
+        _TWIN_HOLDERS.add(states[name])
+    try:
+        _release_ended_runs(states["starting"], trainer)
+        held = {name for name, state in states.items() if state in _TWIN_HOLDERS}
+        assert held == {"starting", "nested", "another_trainer"}
+        assert states["before"].fit_key is None and states["nested"].fit_key is not None
+    finally:
+        for state in states.values():
+            _TWIN_HOLDERS.discard(state)

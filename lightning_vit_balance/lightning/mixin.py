@@ -399,19 +399,27 @@ def _allow_configs_in_checkpoints() -> None:
     torch.serialization.add_safe_globals([ViTBalanceConfig, CostModel])
 
 
-#: The modules' states that hold a gloo twin, weakly (see :func:`_release_interrupted_runs`).
+#: The modules' states that hold a gloo twin, weakly (see :func:`_release_ended_runs`).
 _TWIN_HOLDERS: weakref.WeakSet[_State] = weakref.WeakSet()
 
 
-def _release_interrupted_runs() -> None:
-    """Release the twins of runs whose Trainer raised: Lightning calls no module ``teardown``
-    after an exception, and a module kept alive (a sweep that keeps a failed trial's exception
-    holds it through the traceback) would hold its twin, ``P + 3`` open files and three threads,
-    for the life of the process (one per such trial). Runs of Fabric, which tells no status, are
-    left to :func:`~lightning_vit_balance.host_group.owned_host_group` (modules gone)."""
+def _release_ended_runs(starting: _State, trainer: object) -> None:
+    """Release the twins of runs that ended without their teardown, as ``starting``'s run (of
+    ``trainer``, None under Fabric) starts: those whose Trainer raised (Lightning calls no module
+    ``teardown`` after an exception) or now runs another run (a Trainer reused after a failure is
+    no longer ``INTERRUPTED``; a module nested in the one it runs, which Lightning attaches to the
+    same Trainer, runs in the same run and keeps its twin). A module kept alive (a sweep that keeps a failed
+    trial's exception holds it through the traceback) would otherwise hold its twin, ``P + 3`` open
+    files and three threads, for the life of the process (one per such trial). Runs of Fabric,
+    which tells no status, are left to :func:`~lightning_vit_balance.host_group.owned_host_group`
+    (modules gone)."""
     for holder in list(_TWIN_HOLDERS):
         runner = holder.fit_key[0]() if holder.fit_key and holder.fit_key[0] is not None else None
-        if getattr(getattr(runner, "state", None), "status", None) == TrainerStatus.INTERRUPTED:
+        if holder is starting or runner is None:
+            continue
+        # The runner, its strategy and the module it wraps (Lightning wraps anew at every run).
+        reused = runner is trainer and not _same_run(holder.fit_key[:3], (starting.fit_key or ())[:3])
+        if reused or getattr(getattr(runner, "state", None), "status", None) == TrainerStatus.INTERRUPTED:
             holder.release()
 
 
@@ -809,7 +817,7 @@ class ViTBalanceMixin:
         state.group_size = size
         state.epoch_lengths = state.predict_lengths = None
         release_host_group(state.host_group)  # a run that ended without its teardown (an exception)
-        _release_interrupted_runs()
+        _release_ended_runs(state, trainer)
         state.host_group = owned_host_group(group, state) if group is not None else None
         if state.host_group is not None:
             _TWIN_HOLDERS.add(state)

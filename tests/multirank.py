@@ -29,6 +29,8 @@ Usage::
   importing torch, and later transformers and Lightning, 6-11 s each on the test machine). A
   fork server, not a plain fork: the test process's own threads and state never reach the
   workers. They start with the environment the test process had when the first pool started.
+* A worker whose ranks must all fail alike returns what :func:`caught` kept of the error (or
+  ``"no error"``), so the test compares every rank's outcome.
 * Inside a worker, :func:`subgroup` gives the process group of the first ``k`` ranks, so one pool
   of 4 serves 2-, 3- and 4-rank tests (process start-up, not the tests, dominates the run time).
   Ranks outside it just return.
@@ -358,3 +360,24 @@ def close_all() -> None:
 
 
 atexit.register(close_all)
+
+
+class Caught:
+    """What :func:`caught` kept: ``message``, the error's text, or ``"no error"``."""
+
+    message = "no error"
+
+
+@contextlib.contextmanager
+def caught(*errors: type[BaseException]) -> Iterator[Caught]:
+    """Keep the text of an error of one of the ``errors`` types that the block raises::
+
+    with caught(ValueError) as outcome:
+        balancer(tower, pixels, grid)
+    return outcome.message  # "no error" where it raised none
+    """
+    outcome = Caught()
+    try:
+        yield outcome
+    except errors as error:
+        outcome.message = str(error)

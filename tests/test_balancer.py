@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import towers
 from equivalence import APPLIED_COLLECTIVES, CompiledSources, run_cases, summed_grads, tolerances
-from multirank import skip_without_fsdp2, subgroup
+from multirank import caught, skip_without_fsdp2, subgroup
 
 from lightning_vit_balance import (
     BalanceStats,
@@ -489,11 +489,9 @@ def _integer_outputs_of_a_window_tower() -> str | None:
         torch.testing.assert_close(out[key], direct[key], rtol=0, atol=0)
     # Same ops on the same rows in another batch: fp32 agrees to a few ulps.
     torch.testing.assert_close(out["embeds"], direct["embeds"], rtol=1e-4, atol=1e-5)
-    try:
+    with caught(ValueError) as outcome:
         balancer(_UnnamedIdsWindowTower(), pixels, grid)
-    except ValueError as error:
-        return str(error)
-    return "no error"
+    return outcome.message
 
 
 def test_integer_outputs_of_a_window_tower_are_not_taken_for_its_window_index(multirank: Any) -> None:
@@ -538,11 +536,9 @@ def _bad_inputs(bad_rank: int) -> list[str]:
     messages = []
     for bad_pixels, bad_grid in bad:
         args = (bad_pixels, bad_grid) if rank == bad_rank else (pixels, grid)
-        try:
+        with caught(ValueError) as outcome:
             balancer(tower, *args)
-            messages.append("no error")
-        except ValueError as error:
-            messages.append(str(error))
+        messages.append(outcome.message)
     # Still in step afterwards.
     out = balancer(tower, pixels, grid)
     torch.testing.assert_close(out[0], tower(pixels, grid)[0], rtol=1e-4, atol=1e-5)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import towers
-from multirank import subgroup
+from multirank import caught, subgroup
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint
 
@@ -447,11 +447,9 @@ def _calibrating_on_one_rank() -> str | None:
     if dist.get_rank() >= RANKS:
         return None
     balancer = ViTBalancer(ViTBalanceConfig(calibrate_cost=dist.get_rank() == 1), group)
-    try:
+    with caught(ValueError) as outcome:
         balancer(towers.TensorTower(), *towers.make_batch([(1, 2, 4)], seed=0))
-    except ValueError as error:
-        return str(error).splitlines()[0]
-    return "no error"
+    return outcome.message.splitlines()[0]
 
 
 def test_calibrate_cost_on_some_ranks_only_fails_on_every_rank(multirank: Any) -> None:
@@ -473,11 +471,9 @@ def _config_set_on_one_rank() -> str | None:
     balancer(tower, pixels, grid)
     if rank == 0:  # set between calls on one rank only: its gathers told no rank
         balancer.config = dataclasses.replace(balancer.config, trigger_threshold=100.0)
-    try:
+    with caught(ValueError) as outcome:
         balancer(tower, pixels, grid)
-    except ValueError as error:
-        return str(error)
-    return "no error"
+    return outcome.message
 
 
 def test_a_config_set_on_one_rank_fails_on_every_rank(multirank: Any) -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import towers
 from equivalence import APPLIED_COLLECTIVES, probe_loss, run_cases
-from multirank import subgroup
+from multirank import caught, subgroup
 
 from lightning_vit_balance import ViTBalanceConfig, ViTBalancer
 
@@ -177,11 +177,9 @@ def _grid_values_on_the_device() -> str:
     swapped = torch.tensor([[1, 8, 4]]) if dist.get_rank() == 1 else host_grid
     balancer(model, host_pixels.to("cuda"), swapped.to("cuda"), prepared=ticket)
     torch.cuda.synchronize()  # the comparison's event has completed: the next gather reads it
-    try:
+    with caught(ValueError) as outcome:
         balancer.prepare(host_pixels, host_grid, model)
-    except ValueError as error:
-        return str(error)
-    return "no error"
+    return outcome.message
 
 
 @needs_cuda

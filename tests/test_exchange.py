@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import towers
-from multirank import subgroup
+from multirank import caught, subgroup
 from test_faults import _vit_case as vit_case
 from test_many_ranks import _suite as many_ranks_suite
 
@@ -262,12 +262,9 @@ def _pixel_trip_backward_failing() -> str | None:
             raise RuntimeError("Connection closed by peer")
         return real(*args)
 
-    with mock.patch.object(exchange, "_exchange", side_effect=second_fails):
-        try:
-            out.sum().backward()
-        except RuntimeError as error:
-            return str(error)
-    return "no error"
+    with mock.patch.object(exchange, "_exchange", side_effect=second_fails), caught(RuntimeError) as outcome:
+        out.sum().backward()
+    return outcome.message
 
 
 def test_a_pixel_trips_backward_exchange_that_fails_tells_its_rank_why(multirank: Any) -> None:

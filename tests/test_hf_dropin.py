@@ -60,6 +60,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning_fit_script import quiet_trainer
 from multirank import (
     World,
+    caught,
     groups_taken_for_nccl,
     launched_by_torchrun,
     reinit_default_group,
@@ -355,11 +356,9 @@ def _outside_a_group() -> list[str]:
     handle = balance_vision_tower(tiny_model("qwen2_5_vl"))
     for make in (lambda: balance_vision_tower(tiny_model("qwen2_5_vl"), group=pair), handle.settings):
         handle.group = pair  # set after the handle was made, as a subclass's setting may be
-        try:
+        with caught(ValueError) as outcome:
             make()
-            messages.append("no error")
-        except ValueError as error:
-            messages.append(str(error))
+        messages.append(outcome.message)
     return messages
 
 
@@ -1675,7 +1674,7 @@ def _bad_input_on_rank_1(family: str, ahead: str | None, grid: str) -> str:
         prepared = tuple(batch.values())
     elif dist.get_rank() == 1 and grid in ("none", "4 columns"):
         batch["image_grid_thw"] = None if grid == "none" else torch.tensor([[1, 4, 4, 1]])
-    try:
+    with caught(ValueError) as outcome:
         if ahead == "prepare":
             handle.prepare(prepared)
         elif ahead == "collator":
@@ -1683,9 +1682,7 @@ def _bad_input_on_rank_1(family: str, ahead: str | None, grid: str) -> str:
         if dist.get_rank() == 1 and grid == "short rows":  # after the plan, which holds all of them
             batch = {**batch, "pixel_values": batch["pixel_values"][:-4]}
         model(**batch)
-    except ValueError as err:
-        return str(err)
-    return "no error"
+    return outcome.message
 
 
 @pytest.mark.parametrize(
@@ -3222,12 +3219,12 @@ def _last_evaluation_forward_reordered(out_dir: str, entry: str) -> str:
     arguments = _training_arguments(out_dir, 1, per_device_eval_batch_size=1, prediction_loss_only=True)
     trainer = LastReordered(model=handle.model, args=arguments, data_collator=handle.plan_ahead(_first))
     ViTBalanceTrainerCallback().attach(trainer)
-    with mock.patch.object(prepared_module, "_read_on_host", lambda tensor: False):
-        try:
-            trainer.evaluate(batches) if entry == "evaluate" else trainer.predict(batches)
-        except ValueError as error:
-            return str(error)
-    return "no error"
+    with (
+        mock.patch.object(prepared_module, "_read_on_host", lambda tensor: False),
+        caught(ValueError) as outcome,
+    ):
+        trainer.evaluate(batches) if entry == "evaluate" else trainer.predict(batches)
+    return outcome.message
 
 
 def _trains_as_the_plain_model(tmp_path: Path, plan_ahead: bool) -> list[dict[str, Any]]:

@@ -25,7 +25,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer import setup as trainer_setup
 from lightning.pytorch.trainer.states import TrainerStatus
 from lightning_fit_script import quiet_trainer
-from multirank import launched_by_torchrun, reinit_default_group, world
+from multirank import caught, launched_by_torchrun, reinit_default_group, world
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 from towers import CHANNELS, PerImageTower, TensorTower
 
@@ -1226,14 +1226,12 @@ def _reordered_last_batch(out: str, entry: str) -> str:
             use_distributed_sampler=True,
             **(fit_only if entry == "fit" else {}),
         )
-        try:
+        with caught(ValueError) as outcome:
             if entry == "fit":
                 trainer.fit(LastBatchReordered())
             else:
                 trainer.test(LastBatchReordered())
-        except ValueError as error:
-            return str(error)
-    return "no error"
+    return outcome.message
 
 
 def test_a_run_reports_its_last_calls_mismatch_when_it_ends(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import towers
 from equivalence import run_cases
-from multirank import groups_taken_for_nccl, skip_without_fsdp2, subgroup
+from multirank import caught, groups_taken_for_nccl, skip_without_fsdp2, subgroup
 from test_balancer import THRESHOLD_0, standard_cases
 
 from lightning_vit_balance import ViTBalanceConfig, ViTBalancer, make_host_group
@@ -440,31 +440,25 @@ def _values_compared_on_the_device() -> dict[str, Any] | None:
         assert ticket is not None and ticket.plan.applied
         swapped = torch.tensor([[1, 8, 4]]) if rank == 1 else grid  # same rows, other values
         balancer(tower, pixels, swapped, prepared=ticket)  # not readable here: it goes through
-        try:
+        with caught(ValueError) as outcome:
             balancer.prepare(pixels, grid, tower)
-            found = "no error"
-        except ValueError as error:
-            found = str(error)
+        found = outcome.message
         # Read once and forgotten: the next call works.
         torch.testing.assert_close(balancer(tower, pixels, grid), tower(pixels, grid), rtol=1e-4, atol=1e-5)
         # A loop's last call: no next gather reads it, check_pending does.
         balancer(tower, pixels, swapped, prepared=balancer.prepare(pixels, grid, tower))
-        try:
+        with caught(ValueError) as outcome:
             balancer.check_pending()
-            last = "no error"
-        except ValueError as error:
-            last = str(error)
+        last = outcome.message
         balancer.check_pending()  # nothing left
         # A balancer replaced (another configuration) hands its pending checks to the new one.
         balancer(tower, pixels, swapped, prepared=balancer.prepare(pixels, grid, tower))
         replacement = ViTBalancer(dataclasses.replace(balancer.config, min_gain=0.5), balancer.group)
         replacement._take_pending(balancer)
         balancer.check_pending()  # nothing left there: no gather
-        try:
+        with caught(ValueError) as outcome:
             replacement.check_pending()
-            moved = "no error"
-        except ValueError as error:
-            moved = str(error)
+        moved = outcome.message
     return {"found": found, "last": last, "moved": moved}
 
 
@@ -519,11 +513,9 @@ def _text_only_step_with_rows_the_vit_cannot_take() -> str | None:
     balancer = ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group)
     ticket = balancer.prepare(pixels, grid)
     assert ticket is not None and not ticket.holds_images
-    try:
+    with caught(RuntimeError) as outcome:
         balancer(tower, pixels, grid, prepared=ticket)
-    except RuntimeError as caught:
-        return str(caught)
-    return "no error"
+    return outcome.message
 
 
 def test_a_prepared_text_only_step_fails_every_rank_when_one_cannot_encode(multirank: Any) -> None:
@@ -570,11 +562,9 @@ def _bad_prepare() -> str | None:
     pixels, grid = towers.make_batch([(1, 4, 4)], seed=rank)
     if rank == 2:
         pixels = pixels[:-1]
-    try:
+    with caught(ValueError) as outcome:
         ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), group).prepare(pixels, grid)
-    except ValueError as error:
-        return str(error)
-    return "no error"
+    return outcome.message
 
 
 def test_bad_input_fails_in_prepare_on_every_rank(multirank: Any) -> None:
@@ -597,16 +587,14 @@ def _grid_the_vit_cannot_merge(
     unmerged = towers.TensorTower(merge=1)
     messages = []
     for tower in (setup.tower, setup.tower, unmerged):
-        try:
+        with caught(ValueError) as outcome:
             ticket = setup.balancer.prepare(setup.pixels, setup.grid)
             output = setup.balancer(tower, setup.pixels, setup.grid, prepared=ticket)
             # The call planned in the forward (with split_videos the tower attends within each
             # temporal step, unlike a direct call): the same ops on the same rows, equal.
             planned_in_the_call = setup.balancer(tower, setup.pixels, setup.grid)
             torch.testing.assert_close(output, planned_in_the_call, rtol=0, atol=0)
-            messages.append("no error")
-        except ValueError as error:
-            messages.append(str(error))
+        messages.append(outcome.message)
     return messages
 
 
@@ -663,11 +651,9 @@ def _merge_sizes_apart(divisible: bool, skipped: bool) -> str | None:
     tower = towers.TensorTower(merge=merge)
     ticket = setup.balancer.prepare(setup.pixels, setup.grid)
     assert ticket is not None and ticket.plan.applied is not skipped
-    try:
+    with caught(ValueError) as outcome:
         setup.balancer(tower, setup.pixels, setup.grid, prepared=ticket)
-    except ValueError as error:
-        return str(error)
-    return "no error"
+    return outcome.message
 
 
 @pytest.mark.parametrize(("divisible", "skipped"), [(True, False), (False, False), (False, True)])
@@ -730,20 +716,16 @@ def _with_host_group() -> dict[str, Any]:
         # Same ops on the same rows in another batch: fp32 agrees to a few ulps.
         torch.testing.assert_close(out, direct, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(prepared, direct, rtol=1e-4, atol=1e-5)
-    try:
+    with caught(ValueError) as outcome:
         # Every rank is refused before any collective (ranks 2 and 3 are not even in the pair).
         ViTBalancer(ViTBalanceConfig(**THRESHOLD_0), None, host_group=pair)(tower, pixels, grid)
-        refused = "no error"
-    except ValueError as error:
-        refused = str(error)
+    refused = outcome.message
     outside = []  # new_group's placeholder on the ranks it leaves out: refused as it is passed
     if rank >= 2:
         for make in (lambda: ViTBalancer(group=pair), lambda: make_host_group(pair)):
-            try:
+            with caught(ValueError) as outcome:
                 make()
-                outside.append("no error")
-            except ValueError as error:
-                outside.append(str(error))
+            outside.append(outcome.message)
     return {"applied": ticket.plan.applied, "refused": refused, "outside": outside}
 
 

@@ -24,6 +24,7 @@ import argparse
 import csv
 import json
 import math
+import statistics
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -297,6 +298,7 @@ def plot_dashboard(
     measured = _rank_series(metrics, "vit_ms")
     summary = {key: metrics.get(f"{PREFIX}vit_ms_{key}", []) for key in ("max", "mean", "slowest_rank")}
     summary["trips"] = _per_call(metrics, "trip_ms")
+    summary["cost_fit_error"] = metrics.get(f"{PREFIX}cost_fit_error", [])
     show_measured = bool(measured or summary["max"])
     panels = 3 + (1 if show_measured else 0) + (1 if timings else 0)
     fig, axes = plt.subplots(panels, 1, figsize=(10, 2.6 * panels + 0.6), sharex=False)
@@ -405,6 +407,7 @@ def _plot_measured(
     ax.set_title(
         "Measured ViT time per rank (vit_balance/vit_ms: each step shows the previous call)"
         + _most_often_slowest(summary["slowest_rank"])
+        + _cost_fit_off_by(summary["cost_fit_error"])
     )
     _legend(ax)
     ax.grid(alpha=0.3)
@@ -428,6 +431,18 @@ def _most_often_slowest(slowest_rank: Sequence[tuple[int, float]]) -> str:
         counts[int(value)] = counts.get(int(value), 0) + 1
     rank = max(sorted(counts), key=counts.__getitem__)
     return f"\nslowest most often: rank {rank} ({counts[rank]} of {len(slowest_rank)} records)"
+
+
+def _cost_fit_off_by(errors: Sequence[tuple[int, float]], last: int = 10) -> str:
+    """A title line, ``online cost fit off by x% (median of the last k records)``, from
+    ``vit_balance/cost_fit_error`` (``calibrate_cost``), or ``""`` without the series: whether the
+    plans follow the measured times."""
+    if not errors:
+        return ""
+    recent = [value for _, value in errors[-last:]]
+    return (
+        f"\nonline cost fit off by {statistics.median(recent):.0%} (median of the last {len(recent)} records)"
+    )
 
 
 def _png_path(text: str) -> Path:

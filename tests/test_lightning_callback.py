@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_vit_balance import ViTBalanceConfig, ViTBalanceMixin
 from lightning_vit_balance.balancer import BalanceStats
 from lightning_vit_balance.lightning.callback import ViTBalanceCallback
 from lightning_vit_balance.metrics import BalanceMetrics
@@ -344,6 +345,24 @@ def _told_no_calls(
         with contextlib.suppress(KeyError):
             _fit(script, callback, module, quiet=False)
     return [str(w.message) for w in caught if "called a ViT through ViTBalanceMixin" in str(w.message)]
+
+
+class _SwitchedOff(ViTBalanceMixin, ScriptedModule):
+    """Balancing switched off in the module's configuration: a comparison run."""
+
+    def __init__(self, script: list[list[BalanceStats]], config: ViTBalanceConfig | None) -> None:
+        super().__init__(script)
+        self.vit_balance_config = config
+
+
+def test_a_fit_with_balancing_switched_off_is_not_told() -> None:
+    """The README's comparison run (``enabled=False``) was told to call balance_vision_tower, which
+    it did; the module's default configuration (balancing on) is still told."""
+    off = _told_no_calls(
+        [[]] * 3, ViTBalanceCallback(), _SwitchedOff([[]] * 3, ViTBalanceConfig(enabled=False))
+    )
+    on = _told_no_calls([[]] * 3, ViTBalanceCallback(), _SwitchedOff([[]] * 3, None))
+    assert off == [] and len(on) == 1, (off, on)
 
 
 def test_a_fit_is_told_after_its_tenth_step_without_calls_and_each_fit_again() -> None:

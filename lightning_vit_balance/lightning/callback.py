@@ -26,6 +26,15 @@ __all__ = ["ViTBalanceCallback"]
 NO_CALLS_TOLD_AFTER_STEPS = 10
 
 
+def _switched_off(pl_module: LightningModule) -> bool:
+    """Whether the module's ``vit_balance_config`` (which its drop-in towers balance with too, where
+    it is set) says ``enabled=False``."""
+    resolve = getattr(pl_module, "resolved_vit_balance_config", None)
+    if resolve is None or getattr(pl_module, "vit_balance_config", None) is None:
+        return False  # the default, or the towers' own defaults: enabled
+    return not resolve().enabled
+
+
 class ViTBalanceCallback(Callback):
     r"""Logs how ViT work was balanced across data-parallel ranks, per optimizer step.
 
@@ -296,11 +305,13 @@ class ViTBalanceCallback(Callback):
     def _tell_no_calls(self, pl_module: LightningModule) -> None:
         """Warn once per fit where no training step made a ViT call through the mixin: a model
         never given to ``balance_vision_tower`` (or a ViT called directly) trains unbalanced, and
-        nothing else would say so."""
+        nothing else would say so. Not where the module's configuration switches balancing off
+        (``enabled=False``): a comparison run, which records nothing by design."""
         if (
             self._told_no_calls
             or self.calls_total
             or getattr(pl_module, "pop_vit_balance_stats", None) is None
+            or _switched_off(pl_module)
         ):
             return
         self._told_no_calls = True
@@ -310,8 +321,8 @@ class ViTBalanceCallback(Callback):
             "self.balance_vision_tower(model) (in __init__ or configure_model), or call "
             "self.encode_images(vit, pixel_values, grid_thw) (self.encode_visual for images and "
             "videos) where the step called the ViT. A fit on text alone has nothing to balance, and "
-            "one with ViTBalanceConfig(enabled=False), or without a data-parallel group "
-            "(configure_vit_balance_group() returned None), records nothing."
+            "one without a data-parallel group (configure_vit_balance_group() returned None) records "
+            "nothing."
         )
 
     @override

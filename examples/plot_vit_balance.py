@@ -337,12 +337,33 @@ def _plot_imbalance(ax: Any, metrics: Mapping[str, Sequence[tuple[int, float]]])
     if marks:
         ax.scatter(*zip(*marks), s=60, facecolors="none", edgecolors="black", label="applied", zorder=3)
     ax.set_ylabel("max/mean - 1")
-    ax.set_title("Imbalance of ViT load across ranks, per step")
+    ax.set_title("Imbalance of ViT load across ranks, per step" + _calls_told(metrics))
     # Headroom for the legend; a run without imbalance (one device) keeps a readable 0-0.1 axis.
     top = max((v for _, v in [*before, *after]), default=1.0)
     ax.set_ylim(0, max(top * 1.35, 0.1))
     ax.legend(loc="upper center", fontsize=8, ncol=3)
     ax.grid(alpha=0.3)
+
+
+def _calls_told(metrics: Mapping[str, Sequence[tuple[int, float]]]) -> str:
+    """A title line with the run's calls by outcome (``vit_balance/calls_total``, ``applied_total``
+    and ``skipped/{reason}`` at the last logged step), the most frequent skip first, or ``""``
+    without the counts: why the lines meet where nothing moved."""
+    totals = metrics.get(f"{PREFIX}calls_total", [])
+    if not totals:
+        return ""
+    applied = metrics.get(f"{PREFIX}applied_total", [(0, 0.0)])[-1][1]
+    skipped = {
+        key[len(f"{PREFIX}skipped/") :]: series[-1][1]
+        for key, series in metrics.items()
+        if key.startswith(f"{PREFIX}skipped/") and series and series[-1][1] > 0
+    }
+    reasons = ", ".join(
+        f"{reason} {count:.0f}" for reason, count in sorted(skipped.items(), key=lambda kv: -kv[1])
+    )
+    return f"\n{totals[-1][1]:.0f} calls: {applied:.0f} moved images" + (
+        f"; skipped: {reasons}" if reasons else ""
+    )
 
 
 def _plot_loads(axes: Sequence[Any], loads: Mapping[str, Mapping[int, list]]) -> None:

@@ -266,6 +266,22 @@ def test_dashboard_circles_every_step_where_images_moved(
     figure = _drawn_figure(monkeypatch, metrics, tmp_path / "dash.png")
     (circles,) = [c for ax in figure.axes for c in ax.collections if c.get_label() == "applied"]
     assert circles.get_offsets().tolist() == [[0.0, 0.5], [2.0, 0.7]]
+    assert figure.axes[0].get_title() == "Imbalance of ViT load across ranks, per step"
+    # With the counts since the start, the title says why the lines meet: the calls by outcome at
+    # the last logged step, the most frequent skip first.
+    counts = {
+        "vit_balance/calls_total": [(0, 2.0), (2, 9.0)],
+        "vit_balance/applied_total": [(0, 1.0), (2, 3.0)],
+        "vit_balance/skipped/below-threshold": [(0, 1.0), (2, 2.0)],
+        "vit_balance/skipped/no-gain": [(0, 0.0), (2, 4.0)],
+        "vit_balance/skipped/no-images": [(0, 0.0), (2, 0.0)],
+    }
+    figure = _drawn_figure(monkeypatch, {**metrics, **counts}, tmp_path / "counts.png")
+    assert (
+        figure.axes[0]
+        .get_title()
+        .endswith("\n9 calls: 3 moved images; skipped: no-gain 4, below-threshold 2")
+    )
 
 
 def test_dashboard_reads_a_hugging_face_output_directory(tmp_path: Path) -> None:

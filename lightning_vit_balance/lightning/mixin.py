@@ -407,12 +407,13 @@ def _release_ended_runs(starting: _State, trainer: object) -> None:
     """Release the twins of runs that ended without their teardown, as ``starting``'s run (of
     ``trainer``, None under Fabric) starts: those whose Trainer raised (Lightning calls no module
     ``teardown`` after an exception) or now runs another run (a Trainer reused after a failure is
-    no longer ``INTERRUPTED``; a module nested in the one it runs, which Lightning attaches to the
-    same Trainer, runs in the same run and keeps its twin). A module kept alive (a sweep that keeps a failed
-    trial's exception holds it through the traceback) would otherwise hold its twin, ``P + 3`` open
-    files and three threads, for the life of the process (one per such trial). Runs of Fabric,
-    which tells no status, are left to :func:`~lightning_vit_balance.host_group.owned_host_group`
-    (modules gone)."""
+    no longer ``INTERRUPTED``). A module nested in the running one, which Lightning attaches to
+    the same Trainer, is in the same run and keeps its twin.
+
+    A module kept alive (a sweep that keeps a failed trial's exception holds it through the
+    traceback) would otherwise hold its twin, ``P + 3`` open files and three threads, for the life
+    of the process (one per such trial). Runs of Fabric, which tells no status, are left to
+    :func:`~lightning_vit_balance.host_group.owned_host_group` (modules gone)."""
     for holder in list(_TWIN_HOLDERS):
         runner = holder.fit_key[0]() if holder.fit_key and holder.fit_key[0] is not None else None
         if holder is starting or runner is None:

@@ -15,6 +15,7 @@ import csv
 import io
 import json
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -475,6 +476,96 @@ def _three_fits(out: str, new_modules: bool) -> list[dict[str, Any]]:
             fits.append({"twins": sorted(model.twin_names), "files": len(os.listdir("/proc/self/fd"))})
             fits[-1]["held"] = [name in held for fit in fits for name in fit["twins"]]
     return fits
+
+
+class _HoldsANestedModule(TinyVLM):
+    """:class:`TinyVLM` holding another (``child``: a teacher, say) with the mixin, whose images call
+    it makes inside ``torch.utils.checkpoint``. Lightning attaches the Trainer to the child too,
+    but names the running hook on the Trainer's module only: the child's calls had all been made
+    directly, unseen by the callback, and a trainable child's recomputation in the backward pass
+    was balanced against its direct forward (a CheckpointError on the rows' count)."""
+
+    def __init__(self) -> None:
+        super().__init__(ViTBalanceConfig(trigger_threshold=0.0))
+        # Its plan_ahead cannot plan: the Trainer runs the batch hooks of its own module only.
+        self.child = TinyVLM(ViTBalanceConfig(trigger_threshold=0.0, plan_ahead=True))
+        self.twin_names: set[str | None] = set()
+
+    def step_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        pixels, grid = batch["pixel_values"], batch["image_grid_thw"]
+        child = checkpoint(self.child.encode_images, self.child.visual, pixels, grid, use_reentrant=False)
+        for module in (self, self.child):
+            twin = module._vit_balance_state_object().host_group
+            self.twin_names.add(None if twin is None else twin.group_name)
+        return super().step_loss(batch) + self.child.head(child).pow(2).mean()
+
+
+def _nested_fit(out: str) -> dict[str, Any]:
+    """Worker: a fit of :class:`_HoldsANestedModule`; its logged calls, the child's latest stats,
+    whether any twin is held after the fit, and rank 0's losses and weights."""
+    model = _HoldsANestedModule()
+    with groups_taken_for_nccl(), launched_by_torchrun(), warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        quiet_trainer(out, "nested", strategy="ddp", max_steps=STEPS).fit(model)
+    held = dist.distributed_c10d._world.pg_names.values()
+    stats = model.child.last_vit_balance_stats
+    return {
+        "child_applied": stats is not None and stats.applied,
+        "twins": sorted(name for name in model.twin_names if name is not None),
+        "held": any(name in held for name in model.twin_names),
+        "told": [str(w.message) for w in told if "which is nested in" in str(w.message)],
+        "weights": model.state_dict() if dist.get_rank() == 0 else None,
+    }
+
+
+def _nested_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Rank 0's loss per step and the final weights of :class:`_HoldsANestedModule`'s training in
+    one process, every call direct (DDP averages the ranks' gradients)."""
+    model = _HoldsANestedModule()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    rank0_losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        losses = []
+        for rank in range(RANKS):
+            sample = make_sample(step, rank)
+            images = model.visual(sample["pixel_values"], sample["image_grid_thw"])
+            videos = model.visual(sample["pixel_values_videos"], sample["video_grid_thw"])
+            child = model.child.visual(sample["pixel_values"], sample["image_grid_thw"])
+            loss = (
+                model.head(torch.cat([images, videos])).pow(2).mean() + model.child.head(child).pow(2).mean()
+            )
+            losses.append(loss)
+        rank0_losses.append(float(losses[0]))
+        (sum(losses) / RANKS).backward()
+        optimizer.step()
+    return rank0_losses, model.state_dict()
+
+
+@pytest.mark.timeout(240)
+def test_a_module_nested_in_the_trainers_balances_its_calls_in_the_step(
+    tmp_path: Path, multirank: Any
+) -> None:
+    """The child's calls are balanced in the step (and recomputed with their forward's plan), the
+    callback counts them with the module's (three calls a step), the training is the direct
+    calls', and the child's twin goes with the module's at the end of the fit."""
+    with multirank(RANKS) as pool:
+        results = pool.run(_nested_fit, str(tmp_path), timeout=200)
+    rows = _rows(tmp_path / "nested")
+    calls = _by_step(rows, "vit_balance/calls")
+    assert [row["vit_balance/calls"] for row in calls.values()] == [CALLS_PER_STEP + 1.0] * STEPS, calls
+    for r in results:
+        assert r["child_applied"] and len(r["twins"]) == 2 and not r["held"], r
+    told = results[0]["told"]  # rank 0 tells, once
+    assert len(told) == 1 and "TinyVLM, which is nested in _HoldsANestedModule" in told[0], told
+    losses, weights = _nested_reference()
+    logged = _by_step(rows, "train_loss")
+    torch.testing.assert_close(
+        torch.tensor([logged[s]["train_loss"] for s in range(STEPS)]), torch.tensor(losses), **TOLERANCE
+    )
+    torch.testing.assert_close(results[0]["weights"], weights, **TOLERANCE)
 
 
 def _a_trainer_reused_after_a_failure(out: str) -> dict[str, Any]:

@@ -466,6 +466,9 @@ class _State:
         #: Whether the mixin's on_before_batch_transfer ran for a loop's batch in this run.
         self.batch_hook_ran = False
         self.host_group: dist.ProcessGroup | None = None
+        #: Modules with the mixin nested in this one (a teacher) that balanced in this run: the
+        #: Trainer calls this module's hooks only, so it drains their records and releases them.
+        self.nested: weakref.WeakSet[ViTBalanceMixin] = weakref.WeakSet()
         #: A balancer state the next balancer starts from: a loaded checkpoint's, or the last
         #: run's (what a checkpoint saved between runs keeps).
         self.carried: Mapping[str, Any] | None = None
@@ -826,6 +829,9 @@ class ViTBalanceMixin:
         if state.carried is None:
             state.carried = state.balancer_state()
         state.forget_balancers()
+        running = self._vit_balance_running_module()
+        if running is not self:
+            running._vit_balance_state_object().nested.add(self)
 
     @eager_frame
     def encode_images(
@@ -1025,8 +1031,17 @@ class ViTBalanceMixin:
         """Whether the Trainer runs one of the loops' steps now (not another hook), or recomputes a
         training step's call in its backward pass (activation checkpointing, within the
         ``backward`` hook), which must be balanced as that call was."""
+        running = self._vit_balance_running_module()
         # A Lightning without that attribute: every call counts as the step's, as before the rule.
-        return getattr(self, "_current_fx_name", "training_step") in _STEP_HOOKS or in_backward_pass()
+        return getattr(running, "_current_fx_name", "training_step") in _STEP_HOOKS or in_backward_pass()
+
+    def _vit_balance_running_module(self) -> ViTBalanceMixin:
+        """The module whose hooks the Trainer runs: this one, or the one this module is nested in
+        (Lightning attaches its Trainer to child LightningModules, a teacher held by the trained
+        module, but names the running hook, and calls the hooks, on the Trainer's module only)."""
+        trainer, _ = self._vit_balance_runner()
+        running = getattr(getattr(trainer, "strategy", None), "lightning_module", None)
+        return running if isinstance(running, ViTBalanceMixin) else self
 
     def _vit_balance_take_ticket(self) -> PreparedPlan | None:
         """The plan prepared for this batch, once: the step's first balanced call uses it.
@@ -1078,6 +1093,17 @@ class ViTBalanceMixin:
         (an override that does not call ``super()``). False: look again at a later step (a
         validation step that takes ``dataloader_iter``, in the sanity check, gets no hook)."""
         if not self.resolved_vit_balance_config().plan_ahead:
+            return True
+        running = self._vit_balance_running_module()
+        if running is not self:
+            rank_zero_warn(
+                f"ViTBalanceConfig.plan_ahead=True in {type(self).__name__}, which is nested in "
+                f"{type(running).__name__}: Lightning runs the batch hooks of the Trainer's module only, "
+                f"so {type(self).__name__}'s calls plan in the forward. To plan them ahead, make them "
+                f"through {type(running).__name__}'s encode_images (with plan_ahead in its "
+                "configuration), e.g. self.encode_images(self.teacher.visual, pixel_values, grid_thw).",
+                category=UserWarning,
+            )
             return True
         datamodule = getattr(trainer, "datamodule", None)
         if is_overridden("on_before_batch_transfer", datamodule, parent=LightningDataModule):
@@ -1215,6 +1241,8 @@ class ViTBalanceMixin:
                 if self._vit_balance_run_ends(state):
                     self.check_vit_balance_pending()
             finally:
+                for nested in list(state.nested):  # the Trainer tears down its module only
+                    nested._vit_balance_state_object().release()
                 state.release()
         parent = getattr(super(), "teardown", None)
         if parent is not None:
@@ -1519,4 +1547,6 @@ class ViTBalanceMixin:
         state = self._vit_balance_state_object()
         records = list(state.records)
         state.records.clear()
+        for nested in list(state.nested):  # their calls are this step's too (a teacher's)
+            records += nested.pop_vit_balance_stats()
         return records

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import OrderedDict, namedtuple
 from types import SimpleNamespace
 from typing import Any
@@ -307,3 +308,92 @@ def test_transit_dtype_only_widens() -> None:
     assert transit_dtype([torch.bool]) == torch.uint8
     floats = torch.randn(5, 3).to(torch.bfloat16)
     assert torch.equal(unpack_rows(pack_rows(floats, torch.float32), 5, floats), floats)
+
+
+def test_a_layout_names_an_integer_output_so_it_is_never_taken_for_the_window_index() -> None:
+    """An integer output with a row per merged token that the layout names ``"merged"`` travels
+    bit for bit: taken for the window index, its values would be replaced by the regenerated index
+    without a word. It is no candidate either, so the one integer output left unnamed is the index
+    (counted as a second candidate, both would be reported as ambiguous)."""
+    layout = OutputLayout(kinds={"ids": "merged"})
+    (ids,) = classify_outputs(
+        [("ids", torch.arange(4))],
+        total_patches=16,
+        images=1,
+        merge_size=2,
+        has_window_index=True,
+        layout=layout,
+    )
+    assert (ids.kind, ids.problem) == ("merged", 0)
+    found = classify_outputs(
+        [("ids", torch.arange(4)), ("index", torch.arange(4))],
+        total_patches=16,
+        images=1,
+        merge_size=2,
+        has_window_index=True,
+        layout=layout,
+    )
+    assert [(c.kind, c.problem) for c in found] == [("merged", 0), ("window_index", 0)]
+
+
+def test_a_layout_path_takes_the_kind_of_its_nearest_named_ancestor() -> None:
+    """A layout that names a whole list and one of its entries otherwise means the entry's own
+    kind for everything below it: the list's would send the entry's bytes where it asked to drop
+    them (or drop what it asked to keep)."""
+    layout = OutputLayout({"2": "merged", "2.1": "drop"})
+    assert layout.kind_of("2.1.0") == "drop"
+    assert layout.kind_of("2.1") == "drop"
+    assert layout.kind_of("2.0") == "merged"
+    assert OutputLayout({"": "patch", "2": "merged"}).kind_of("2.1") == "merged"
+
+
+def test_the_towers_own_merge_size_wins_over_its_configs() -> None:
+    """A tower that sets ``spatial_merge_size`` itself (changed after its config was read) merges
+    by that size: the config's would cut its merged outputs at the wrong rows."""
+
+    class Tower(torch.nn.Module):
+        spatial_merge_size = 2
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = SimpleNamespace(spatial_merge_size=4)
+
+    assert merge_size_of(Tower()) == 2
+
+
+def test_nested_wrappers_are_unwrapped_to_the_tower() -> None:
+    """A tower under activation checkpointing under DDP is two wrappers deep: one level only would
+    find no merge size (1, its merged outputs then taken for rows per patch) and no
+    ``get_window_index``."""
+    from lightning_vit_balance.outputs import unwrap_module, window_index_fn
+
+    class Tower(torch.nn.Module):
+        spatial_merge_size = 2
+
+        def get_window_index(self, grid_thw: torch.Tensor) -> torch.Tensor:
+            return grid_thw
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self._checkpoint_wrapped_module = inner
+
+    class DataParallel(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = inner
+
+    tower = Tower()
+    wrapped = DataParallel(Checkpointed(tower))
+    assert unwrap_module(wrapped) is tower
+    assert merge_size_of(wrapped) == 2
+    assert window_index_fn(wrapped) is not None
+
+
+@pytest.mark.parametrize("merge_size", [True, False, 2.0, 0])
+def test_a_merge_size_that_is_not_a_positive_int_is_refused_naming_the_argument(merge_size: Any) -> None:
+    """``True`` is an int to Python, and would merge by 1 without a word: a flag passed in the
+    merge size's place (or a float read from a config) is refused where it is passed."""
+    expected = re.escape(f"OutputLayout.merge_size={merge_size!r} is invalid: expected an int >= 1")
+    with pytest.raises(ValueError, match=expected):
+        OutputLayout(merge_size=merge_size)

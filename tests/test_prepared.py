@@ -16,11 +16,11 @@ from equivalence import run_cases
 from multirank import caught, groups_taken_for_nccl, skip_without_fsdp2, subgroup
 from test_balancer import THRESHOLD_0, standard_cases
 
-from lightning_vit_balance import ViTBalanceConfig, ViTBalancer, make_host_group
+from lightning_vit_balance import ViTBalanceConfig, ViTBalancer, make_host_group, plan_rebalance
 from lightning_vit_balance import prepared as prepared_module
 from lightning_vit_balance.exchange import RankMetadata
 from lightning_vit_balance.host_group import _twin_ranks
-from lightning_vit_balance.prepared import grid_gcd
+from lightning_vit_balance.prepared import PreparedPlan, batch_digest, grid_gcd
 
 POOL = 4
 #: In the forward of a prepared applied call: the pixel trip, the status gather, the return trip.
@@ -686,6 +686,41 @@ def test_grid_gcd_divides_every_height_and_width_and_no_temporal_size() -> None:
     assert grid_gcd([rank((1, 3, 3), (1, 8, 8))]) == 1
     # Heights and widths alike: either side alone would give 8 or 6 here.
     assert grid_gcd([rank((1, 8, 16), (1, 16, 6))]) == 2 == grid_gcd([rank((1, 6, 8)), rank((1, 8, 8))])
+
+
+def _rank(*grids: tuple[int, int, int], channels: int = 3, dtype_code: int = 0) -> RankMetadata:
+    return RankMetadata(0, (), channels, dtype_code, False, grids)
+
+
+def test_the_batch_digest_tells_apart_batches_whose_grids_alone_are_alike() -> None:
+    """The digest is what fails every rank when one is given another call's plan: an image moved to
+    another rank (the same grid rows, flattened), or pixel rows of another dtype or width, is
+    another batch, which the plan's balanced batches would build wrong without an error."""
+    batch = [_rank((1, 4, 4), (1, 8, 8)), _rank((1, 2, 2))]
+    digest = batch_digest(batch)
+    assert batch_digest([_rank((1, 4, 4), (1, 8, 8)), _rank((1, 2, 2))]) == digest  # a value of the batch
+    moved = [_rank((1, 4, 4)), _rank((1, 8, 8), (1, 2, 2))]
+    assert batch_digest(moved) != digest
+    assert batch_digest([batch[0], _rank((1, 2, 2), dtype_code=1)]) != digest
+    assert batch_digest([batch[0], _rank((1, 2, 2), channels=6)]) != digest
+
+
+def test_a_prepared_plans_time_is_its_gather_and_its_plan() -> None:
+    """``BalanceStats.prepare_seconds`` reports what making the plan ahead cost on the host: both
+    its parts (binary fractions, so the sum is exact)."""
+    metadata = (_rank((1, 4, 4)),)
+    prepared = PreparedPlan(
+        plan=plan_rebalance([[16]], ViTBalanceConfig()),
+        metadata=metadata,
+        rank=0,
+        channels=3,
+        dtype=torch.float32,
+        pixels_require_grad=False,
+        gather_seconds=0.25,
+        plan_seconds=0.5,
+        collectives=1,
+    )
+    assert prepared.prepare_seconds == 0.75
 
 
 def test_prepare_without_a_process_group_returns_none() -> None:

@@ -54,9 +54,12 @@ def test_a_recomputation_recalls_its_calls_plan_or_raises_where_it_cannot_tell()
 
 
 def test_a_failed_calls_plans_are_forgotten_and_only_those() -> None:
-    grids = _metadata([[(1, 8, 8)], [(1, 2, 2)]])
-    applied = plan_rebalance([[64], [4]], ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))
-    skipped = plan_rebalance([[64], [4]], ViTBalanceConfig(trigger_threshold=5.0))
+    grids = _metadata([[(1, 8, 8), (1, 4, 4)], [(1, 2, 2)]])
+    applied = plan_rebalance([[64, 16], [4]], ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))
+    skipped = plan_rebalance([[64, 16], [4]], ViTBalanceConfig(trigger_threshold=5.0))
+    # Planned apart (one moves an image), so a recall among both raises: each step below tells
+    # which plans the memory still holds.
+    assert applied.applied and not skipped.applied
     memory = PlanMemory(size=2)
     memory.remember(grids, skipped)
     memory.remember(grids, applied)
@@ -67,6 +70,22 @@ def test_a_failed_calls_plans_are_forgotten_and_only_those() -> None:
     memory.remember(grids, skipped)  # a call that raised after its plan (in its ViT)
     memory.forget_since(mark)
     assert memory.remembered == mark and memory.recall(grids) is applied  # no other plan among them
+
+
+def test_forgetting_more_plans_than_the_memory_holds_leaves_it_empty_and_counted() -> None:
+    """A call that raised after more plans than the memory keeps (a memory of one, a call of two
+    towers) forgets what is left of them without an error of its own in place of the call's, and
+    the count goes back to its mark, so the next failed call forgets only its own plans."""
+    grids = _metadata([[(1, 8, 8), (1, 4, 4)], [(1, 2, 2)]])
+    plan = plan_rebalance([[64, 16], [4]], ViTBalanceConfig(trigger_threshold=0.0, min_gain=0.0))
+    memory = PlanMemory(size=1)
+    mark = memory.remembered
+    memory.remember(grids, plan)
+    memory.remember(grids, plan)
+    memory.forget_since(mark)
+    assert memory.remembered == mark
+    with pytest.raises(RuntimeError, match="none of the latest 1 calls had its images"):
+        memory.recall(grids)
 
 
 class _Probe(torch.autograd.Function):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from unittest import mock
 
 import numpy as np
@@ -588,3 +589,84 @@ def test_every_problem_has_one_template_and_named_fields() -> None:
         problem_details(InputProblem.GRID_VALUE, index=3)
     meta_grid = describe_problem(InputProblem.GRID_DEVICE, (2, 0, 0, 0))
     assert meta_grid.startswith("grid_thw is on a meta device")
+
+
+def test_route_cache_keeps_exactly_its_bound_of_plans_the_oldest_leaving_first() -> None:
+    """A step's calls and their recomputations find their routes made (a route made again costs
+    milliseconds of host time on hundreds of ranks); the bound keeps the cache from growing with
+    every step's plans, and it is the oldest plan that leaves."""
+    first = _plan()
+    second, third = dataclasses.replace(first), dataclasses.replace(first)
+    cache = RouteCache(plans=2)
+    route = cache.route(first, 0)
+    cache.route(second, 0)
+    with mock.patch.object(ExchangeRoute, "from_plan", side_effect=AssertionError("made again")):
+        assert cache.route(first, 0) is route  # two plans: both kept
+    cache.route(third, 0)  # found last, the first is the oldest still
+    assert cache.route(first, 0) is not route  # a third: the first made anew
+
+
+def test_route_cache_keeps_its_bound_of_output_signatures_the_oldest_leaving_first() -> None:
+    """Outputs whose trailing shape changes between calls make a return layout each: the newest
+    ones are found, the oldest is made again, and the cache does not grow with every shape."""
+    from lightning_vit_balance.routes import RETURN_SIGNATURES
+
+    plan, cache = _plan(), RouteCache()
+    signatures = [(("patch", "merged"), 2, (5, width)) for width in range(1, RETURN_SIGNATURES + 2)]
+    layouts = [cache.layout(plan, 0, signature) for signature in signatures]
+    with mock.patch.object(ReturnLayout, "from_route", side_effect=AssertionError("made again")):
+        for signature, layout in zip(signatures[1:], layouts[1:]):
+            assert cache.layout(plan, 0, signature) is layout
+    again = cache.layout(plan, 0, signatures[0])
+    assert again is not layouts[0] and again == layouts[0]
+
+
+def test_warming_a_plan_that_moves_nothing_makes_nothing() -> None:
+    """A step the plan skips costs nothing at all: no route, trip or layout is made for it."""
+    cache = RouteCache()
+    cache.layout(_plan(), 0, (("patch",), 2, (5,)))  # a last signature to make a layout for
+    skipped = dataclasses.replace(_plan(), applied=False)
+    with mock.patch.object(ExchangeRoute, "from_plan", side_effect=AssertionError("made for a skipped step")):
+        cache.warm(skipped, 0, homes=(True, False))
+
+
+def _one_rank_layout(rows: list[int]) -> ReturnLayout:
+    """Every output's ``rows`` sent to and received from the one rank itself, in order."""
+    return ReturnLayout((tuple((0, n) for n in rows),), (0,), (tuple(rows),), (0,), None)
+
+
+def test_a_real_output_carried_next_to_a_complex_one_comes_back_without_a_warning() -> None:
+    """A float64 output next to a complex128 one travels as complex values with a zero imaginary
+    part: read back as its real part, it is exact and silent, where torch's cast would warn at
+    every call (and fail a run that turns warnings into errors) that it discards the imaginary part."""
+    generator = torch.Generator().manual_seed(0)
+    real = torch.randn(3, 2, dtype=torch.float64, generator=generator)
+    leaves = [torch.complex(real, -real).requires_grad_(True), (real * 7).requires_grad_(True)]
+    transit = transit_dtype([leaf.dtype for leaf in leaves])
+    assert transit == torch.complex128
+    layout = _one_rank_layout([3, 3])
+    elements = [elements_per_row(leaf, transit) for leaf in leaves]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # pyproject ignores UserWarning otherwise
+        returned = unpack_return(pack_return(leaves, layout, transit), leaves, layout, elements)
+        assert [out.dtype for out in returned] == [torch.complex128, torch.float64]
+        assert all(torch.equal(out, leaf) for out, leaf in zip(returned, leaves))
+        (returned[0].real.sum() + (returned[1] * 2).sum()).backward()
+    assert leaves[1].grad is not None
+    assert torch.equal(leaves[1].grad, torch.full((3, 2), 2.0, dtype=torch.float64))
+
+
+def test_a_real_output_of_one_value_carried_as_complex_takes_an_in_place_change() -> None:
+    """The real part of a ``[1, 1]`` complex buffer is contiguous already, so its cast is a view
+    of the buffer: handed back as it is, autograd would refuse the direct call's in-place changes
+    (``image_embeds *= scale``) of the custom Function's output. It is a copy, whose gradient
+    reaches the ViT's output."""
+    leaves = [
+        torch.ones(1, 1, dtype=torch.complex128, requires_grad=True),
+        torch.ones(1, 1, dtype=torch.float64, requires_grad=True),
+    ]
+    layout = _one_rank_layout([1, 1])
+    out = unpack_return(pack_return(leaves, layout, torch.complex128), leaves, layout, [1, 1])
+    out[1].mul_(3)
+    out[1].sum().backward()
+    assert leaves[1].grad is not None and leaves[1].grad.tolist() == [[3.0]]

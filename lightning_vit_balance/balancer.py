@@ -167,7 +167,8 @@ class BalanceStats:
             them (the median relative error; ``0.05``: typically within 5%). NaN without
             ``calibrate_cost``, before the first fit, and where no time was measured.
         cost_model: With ``calibrate_cost``, the model the online fit plans with after this call
-            (``cost_model.to_config(config)`` pins it for a run without the fit); None without.
+            (``cost_model.to_config(config)``, ``config`` without ``calibrate_cost``, pins it for a
+            run without the fit); None without.
     """
 
     applied: bool

@@ -93,7 +93,7 @@ class _Window:
         self.vit_max = 0.0
         self.vit_mean = 0.0
         self.vit_per_rank: list[float] = []
-        self.cost_fits = -1  # the latest call's count of online cost fits (-1: not fitting)
+        self.cost_fits = -1  # the most online cost fits of a call's balancer (-1: none fits)
         self.cost_error_calls = 0  # calls whose cost_error is known
         self.cost_error = 0.0  # their sum
 
@@ -110,8 +110,7 @@ class _Window:
         for name, value in figures.items():
             self.totals[name] += value
         self._add_vit_ms(tuple(getattr(stats, "vit_ms", ())))
-        fits, error = getattr(stats, "cost_fits", -1), getattr(stats, "cost_error", math.nan)
-        self._add_cost_fit(int(fits), float(error))
+        self._add_cost_fit(int(stats.cost_fits), float(stats.cost_error))
         before, after = tuple(stats.loads_before), tuple(stats.loads_after)
         if not (len(before) <= PER_RANK_SERIES_UP_TO if per_rank_loads is None else per_rank_loads):
             # No series at this DP size or setting, nor any a restored window held (another run's).
@@ -194,10 +193,10 @@ class _Window:
         self.vit_per_rank = [total + value for total, value in zip(self.vit_per_rank, vit_ms)]
 
     def _add_cost_fit(self, fits: int, error: float) -> None:
-        """The online cost fit's figures of one call (``fits`` -1 where it does not fit online)."""
-        if fits < 0:
-            return
-        self.cost_fits = fits
+        """The online cost fit's figures of one call (``fits`` -1 where it does not fit online). The
+        most fits: one balancer's count only grows, and of several (a teacher's and a student's),
+        the record tells how far the furthest got."""
+        self.cost_fits = max(self.cost_fits, fits)
         if math.isfinite(error):
             self.cost_error_calls += 1
             self.cost_error += error

@@ -551,8 +551,11 @@ def test_calibrator_tells_how_far_its_model_was_off_before_refitting() -> None:
     resumed = CostCalibrator(warmup_steps=0)
     calibrator.observe(counts, ms)
     resumed.load_state_dict(calibrator.state_dict())
-    # The refit took in the slower rows; a new process has measured nothing.
+    # The refit took in the slower rows; a new process has measured nothing, also where the
+    # calibrator loaded into had measured a step of its own.
     assert math.isfinite(calibrator.last_error) and math.isnan(resumed.last_error)
+    calibrator.load_state_dict(calibrator.state_dict())
+    assert math.isnan(calibrator.last_error)
 
 
 def test_calibrator_fits_the_windowed_term() -> None:

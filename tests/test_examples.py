@@ -353,13 +353,13 @@ def test_dashboard_at_large_dp_sizes_draws_the_summaries(
     assert measured.get_title().endswith("slowest most often: rank 37 (3 of 4 records)")
     assert [t.get_text() for t in measured.get_legend().get_texts()] == ["slowest rank", "mean over ranks"]
     # With calibrate_cost, how far the online cost fit is off: the median of the last 10 records.
-    # 7 records 50% off, then 5 records 10% off: the last 10 hold 5 of each.
-    errors = {"vit_balance/cost_fit_error": [(s, 0.5 if s < 7 else 0.1) for s in range(12)]}
+    # 5 records 50% off, then 7 records 10% off: the last 10 hold 3 and 7 (mean 22%).
+    errors = {"vit_balance/cost_fit_error": [(s, 0.5 if s < 5 else 0.1) for s in range(12)]}
     figure = _drawn_figure(monkeypatch, {**metrics, **errors}, tmp_path / "fit.png")
     assert (
         figure.axes[3]
         .get_title()
-        .endswith("rank 37 (3 of 4 records)\nonline cost fit off by 30% (median of the last 10 records)")
+        .endswith("rank 37 (3 of 4 records)\nonline cost fit off by 10% (median of the last 10 records)")
     )
     # With per-rank series of many ranks, their lines are drawn but not named one by one.
     many = {f"vit_balance/vit_ms/rank_{r}": [(s, 40.0 + r / 10) for s in steps] for r in range(20)}

@@ -1424,6 +1424,37 @@ def test_checkpoints_carry_the_online_cost_fit() -> None:
     assert first["plain"] == {}
 
 
+class _WithATeacher(WorldGroup):
+    """A module holding another with the mixin (a teacher), whose checkpoint hooks Lightning does
+    not call."""
+
+    def __init__(self) -> None:
+        super().__init__(ViTBalanceConfig(calibrate_cost=True))
+        self.teacher = WorldGroup(ViTBalanceConfig(calibrate_cost=True))
+
+
+def test_checkpoints_carry_a_nested_modules_cost_fit_by_its_name() -> None:
+    """The teacher's online cost fit was left out of the Trainer's checkpoints, so a resumed fit
+    restarted it; saved by its name in the module, it goes on, and an entry no module here takes is
+    left behind with a warning."""
+    from lightning_vit_balance import CostCalibrator
+
+    calibrator = CostCalibrator(warmup_steps=0)
+    for step in range(4):
+        calibrator.observe([[16, 64 * (1 + step)], [4]], [1.0 + step, 0.1])
+    state = {"cost_calibrator": calibrator.state_dict()}
+    module = _WithATeacher()
+    module.teacher.load_vit_balance_state_dict(state)
+    checkpoint: dict[str, Any] = {}
+    module.on_save_checkpoint(checkpoint)
+    assert "vit_balance" not in checkpoint and checkpoint["vit_balance_nested"] == {"teacher": state}
+    resumed = _WithATeacher()
+    resumed.on_load_checkpoint(checkpoint)
+    assert resumed.teacher.vit_balance_state_dict() == state and resumed.vit_balance_state_dict() == {}
+    with pytest.warns(UserWarning, match="'vit_balance_nested' entry 'student' is not used"):
+        _WithATeacher().on_load_checkpoint({"vit_balance_nested": {"student": state}})
+
+
 def test_fabric_module_asks_fabrics_strategy_once() -> None:
     fabric = L.Fabric(accelerator="cpu", devices=1)
     module = MixinFirst()
@@ -1583,6 +1614,7 @@ def test_a_reused_trainers_ended_run_lets_its_twin_go_and_a_nested_modules_keeps
         "before": (trainer, strategy, fitted_before),
         "another_trainer": (_Runner(), strategy, fitted_before),
         "raised": (interrupted, strategy, fitted_before),
+        "no_runner": (None, None, None),  # a module given a group of its own, no Trainer or Fabric
     }
     states = {}
     for name, objects in keys.items():
@@ -1592,8 +1624,10 @@ def test_a_reused_trainers_ended_run_lets_its_twin_go_and_a_nested_modules_keeps
     try:
         _release_ended_runs(states["starting"], trainer)
         held = {name for name, state in states.items() if state in _TWIN_HOLDERS}
-        assert held == {"starting", "nested", "another_trainer"}
+        assert held == {"starting", "nested", "another_trainer", "no_runner"}
         assert states["before"].fit_key is None and states["nested"].fit_key is not None
+        _release_ended_runs(states["starting"], None)  # a Fabric run starting: no Trainer to compare
+        assert {name for name, state in states.items() if state in _TWIN_HOLDERS} == held
     finally:
         for state in states.values():
             _TWIN_HOLDERS.discard(state)

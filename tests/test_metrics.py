@@ -83,6 +83,10 @@ def test_the_online_cost_fit_is_logged_only_where_a_call_fits_online() -> None:
     assert "vit_balance/cost_fit_error" not in metrics.metrics()
     for fits, error in ((1, 0.25), (2, math.nan), (2, 0.05)):
         metrics.add(dataclasses.replace(SKIPPED, cost_fits=fits, cost_error=error))
+    # A call that does not fit online (another balancer's, a teacher's), and one of a balancer
+    # that has fitted less: the record tells the furthest fit.
+    metrics.add(APPLIED)
+    metrics.add(dataclasses.replace(SKIPPED, cost_fits=0))
     got = metrics.metrics()
     assert got["vit_balance/cost_fits"] == 2.0
     assert got["vit_balance/cost_fit_error"] == pytest.approx(0.15)
@@ -301,6 +305,7 @@ def test_a_window_that_add_could_not_have_summed_is_refused() -> None:
         {"cost_error_calls": 2},  # errors of more calls than the window's
         {"cost_fits": -2},
         {"cost_error": math.nan},
+        {"cost_error": -0.1},
     ):
         broken = {**good, "window": {**good["window"], **change}}
         with pytest.raises(ValueError, match=r"BalanceMetrics.load_state_dict\(state_dict=.* is invalid"):

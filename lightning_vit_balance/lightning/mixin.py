@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler, _IndexBatchSamplerWrapper
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -56,6 +56,9 @@ __all__ = ["ViTBalanceMixin"]
 
 #: Where a checkpoint keeps the balancer's state (:meth:`ViTBalancer.state_dict`).
 CHECKPOINT_KEY = "vit_balance"
+#: Where a checkpoint keeps the balancer states of modules with the mixin nested in the Trainer's
+#: (a teacher), by their names in it: Lightning calls the checkpoint hooks of its module only.
+NESTED_CHECKPOINT_KEY = "vit_balance_nested"
 #: Balancers a module keeps at once, one per configuration and output layout its calls take; past
 #: these the least recently used is let go (a configuration changed at every step, say).
 KEPT_BALANCERS = 4
@@ -466,12 +469,22 @@ class _State:
         #: Whether the mixin's on_before_batch_transfer ran for a loop's batch in this run.
         self.batch_hook_ran = False
         self.host_group: dist.ProcessGroup | None = None
-        #: Modules with the mixin nested in this one (a teacher) that balanced in this run: the
-        #: Trainer calls this module's hooks only, so it drains their records and releases them.
-        self.nested: weakref.WeakSet[ViTBalanceMixin] = weakref.WeakSet()
+        #: Modules with the mixin nested in this one (a teacher) that balanced in this run, weakly,
+        #: in the order of their first balanced calls (the same on every rank: the pending checks
+        #: are collectives): the Trainer calls this module's hooks only, so it drains their
+        #: records, checks and releases them.
+        self.nested: list[Callable[[], object]] = []
         #: A balancer state the next balancer starts from: a loaded checkpoint's, or the last
         #: run's (what a checkpoint saved between runs keeps).
         self.carried: Mapping[str, Any] | None = None
+
+    def add_nested(self, module: object) -> None:
+        if all(ref() is not module for ref in self.nested):
+            self.nested.append(weakref.ref(module))
+
+    def nested_modules(self) -> list[Any]:
+        """The live modules of :attr:`nested`, in their order."""
+        return [module for module in (ref() for ref in self.nested) if module is not None]
 
     def kept_balancer(self, config: ViTBalanceConfig, layout: OutputLayout | None) -> ViTBalancer | None:
         """The balancer kept for ``config`` and ``layout``, now the latest (it takes what the one
@@ -830,8 +843,8 @@ class ViTBalanceMixin:
             state.carried = state.balancer_state()
         state.forget_balancers()
         running = self._vit_balance_running_module()
-        if running is not self:
-            running._vit_balance_state_object().nested.add(self)
+        if running is not self and isinstance(running, ViTBalanceMixin):
+            running._vit_balance_state_object().add_nested(self)
 
     @eager_frame
     def encode_images(
@@ -1035,13 +1048,13 @@ class ViTBalanceMixin:
         # A Lightning without that attribute: every call counts as the step's, as before the rule.
         return getattr(running, "_current_fx_name", "training_step") in _STEP_HOOKS or in_backward_pass()
 
-    def _vit_balance_running_module(self) -> ViTBalanceMixin:
+    def _vit_balance_running_module(self) -> Any:
         """The module whose hooks the Trainer runs: this one, or the one this module is nested in
         (Lightning attaches its Trainer to child LightningModules, a teacher held by the trained
         module, but names the running hook, and calls the hooks, on the Trainer's module only)."""
         trainer, _ = self._vit_balance_runner()
         running = getattr(getattr(trainer, "strategy", None), "lightning_module", None)
-        return running if isinstance(running, ViTBalanceMixin) else self
+        return running if isinstance(running, LightningModule) else self
 
     def _vit_balance_take_ticket(self) -> PreparedPlan | None:
         """The plan prepared for this batch, once: the step's first balanced call uses it.
@@ -1100,8 +1113,9 @@ class ViTBalanceMixin:
                 f"ViTBalanceConfig.plan_ahead=True in {type(self).__name__}, which is nested in "
                 f"{type(running).__name__}: Lightning runs the batch hooks of the Trainer's module only, "
                 f"so {type(self).__name__}'s calls plan in the forward. To plan them ahead, make them "
-                f"through {type(running).__name__}'s encode_images (with plan_ahead in its "
-                "configuration), e.g. self.encode_images(self.teacher.visual, pixel_values, grid_thw).",
+                f"through the encode_images of {type(running).__name__} (with ViTBalanceMixin and "
+                "plan_ahead in its configuration), e.g. self.encode_images(self.teacher.visual, "
+                "pixel_values, grid_thw).",
                 category=UserWarning,
             )
             return True
@@ -1175,7 +1189,9 @@ class ViTBalanceMixin:
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the balancer's state in the checkpoint under ``"vit_balance"``: with
         ``calibrate_cost``, the online cost fit, so a fit resumed from it plans with the fitted
-        model from its first step. An override of the hook must call ``super().on_save_checkpoint``.
+        model from its first step. Modules with the mixin nested in this one (a teacher), whose
+        checkpoint hooks Lightning does not call, keep theirs under ``"vit_balance_nested"``, by
+        their names here. An override of the hook must call ``super().on_save_checkpoint``.
         """
         parent = getattr(super(), "on_save_checkpoint", None)
         if parent is not None:
@@ -1183,6 +1199,12 @@ class ViTBalanceMixin:
         saved = self.vit_balance_state_dict()
         if saved:
             checkpoint[CHECKPOINT_KEY] = saved
+        nested = {}
+        for name, module in self.named_modules():
+            if module is not self and isinstance(module, ViTBalanceMixin):
+                nested[name] = module.vit_balance_state_dict()
+        if any(nested.values()):
+            checkpoint[NESTED_CHECKPOINT_KEY] = {name: state for name, state in nested.items() if state}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Take the balancer's state from a checkpoint (see :meth:`on_save_checkpoint`); the run's
@@ -1195,6 +1217,14 @@ class ViTBalanceMixin:
         if saved is not None:
             source = f"The checkpoint's {CHECKPOINT_KEY!r} entry"
             continue_fit(self.load_vit_balance_state_dict, saved, source, rank_zero_warn)
+        modules = dict(self.named_modules())
+        for name, nested in dict(checkpoint.get(NESTED_CHECKPOINT_KEY) or {}).items():
+            source = f"The checkpoint's {NESTED_CHECKPOINT_KEY!r} entry {name!r}"
+            module = modules.get(name)
+            if not isinstance(module, ViTBalanceMixin) or module is self:
+                rank_zero_warn(f"{source} is not used (no module with ViTBalanceMixin of that name here).")
+                continue
+            continue_fit(module.load_vit_balance_state_dict, nested, source, rank_zero_warn)
 
     def vit_balance_state_dict(self) -> dict[str, Any]:
         """The balancer's state as plain values (with ``calibrate_cost``, the online cost fit; empty
@@ -1237,13 +1267,15 @@ class ViTBalanceMixin:
         """
         state = self.__dict__.get("_vit_balance_state")
         if state is not None:
+            # The Trainer tears down its module only: nested ones (a teacher) end with it.
+            modules = [*state.nested_modules(), self]
             try:
-                if self._vit_balance_run_ends(state):
-                    self.check_vit_balance_pending()
+                for module in modules:
+                    if module._vit_balance_run_ends(module._vit_balance_state_object()):
+                        module.check_vit_balance_pending()
             finally:
-                for nested in list(state.nested):  # the Trainer tears down its module only
-                    nested._vit_balance_state_object().release()
-                state.release()
+                for module in modules:
+                    module._vit_balance_state_object().release()
         parent = getattr(super(), "teardown", None)
         if parent is not None:
             parent(stage)
@@ -1547,6 +1579,6 @@ class ViTBalanceMixin:
         state = self._vit_balance_state_object()
         records = list(state.records)
         state.records.clear()
-        for nested in list(state.nested):  # their calls are this step's too (a teacher's)
+        for nested in state.nested_modules():  # their calls are this step's too (a teacher's)
             records += nested.pop_vit_balance_stats()
         return records

@@ -366,18 +366,34 @@ def _calls_told(metrics: Mapping[str, Sequence[tuple[int, float]]]) -> str:
     )
 
 
+def _relative_to_the_step(series: Mapping[int, list]) -> dict[int, list]:
+    """Each rank's load divided by the mean over ranks at its step: cost units mean nothing to a
+    reader, and change where the online cost fit (``calibrate_cost``) takes over from the
+    configuration's model (FLOPs, then milliseconds)."""
+    per_step: dict[int, list[float]] = {}
+    for pairs in series.values():
+        for step, value in pairs:
+            per_step.setdefault(step, []).append(value)
+    means = {step: sum(values) / len(values) for step, values in per_step.items()}
+    return {
+        rank: [(step, value / means[step]) for step, value in pairs if means[step] > 0]
+        for rank, pairs in series.items()
+    }
+
+
 def _plot_loads(axes: Sequence[Any], loads: Mapping[str, Mapping[int, list]]) -> None:
-    """Each rank's load without and with balancing, on one scale so the two panels compare."""
-    peak = max(
-        (value for series in loads.values() for pairs in series.values() for _, value in pairs), default=1.0
-    )
+    """Each rank's load without and with balancing, relative to the step's mean load, on one
+    scale so the two panels compare (1: the rank's fair share)."""
+    relative = {kind: _relative_to_the_step(series) for kind, series in loads.items()}
+    values = [value for series in relative.values() for pairs in series.values() for _, value in pairs]
+    peak = max(values, default=1.0)
     for ax, kind, label in ((axes[0], "before", "without balancing"), (axes[1], "after", "with balancing")):
-        series = loads[kind]
+        series = relative[kind]
         _plot_ranks(ax, series, lw=1.2)
         _legend(ax)
         ax.set_ylim(0, peak * 1.25)
-        ax.set_ylabel("ViT load (cost units)")
-        ax.set_title(f"ViT load per rank, {label}")
+        ax.set_ylabel("load / mean load")
+        ax.set_title(f"ViT load per rank relative to the step's mean, {label}")
         ax.grid(alpha=0.3)
         if not series:
             message = "no per-rank series in this log (log_per_rank_loads; off beyond 64 ranks by default)"

@@ -284,6 +284,25 @@ def test_dashboard_circles_every_step_where_images_moved(
     )
 
 
+def test_dashboard_draws_each_ranks_load_relative_to_its_steps_mean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cost units changed under the online fit (FLOPs of the configuration's model, then fitted
+    milliseconds), which left the loads after the first fit flat at the bottom of the panels."""
+    metrics = {
+        "vit_balance/imbalance_before": [(0, 0.5), (1, 0.5)],
+        "vit_balance/load_before/rank_0": [(0, 3.0e9), (1, 5.0)],
+        "vit_balance/load_before/rank_1": [(0, 1.0e9), (1, 15.0)],
+        "vit_balance/load_after/rank_0": [(0, 2.0e9), (1, 10.0)],
+        "vit_balance/load_after/rank_1": [(0, 2.0e9), (1, 10.0)],
+    }
+    figure = _drawn_figure(monkeypatch, metrics, tmp_path / "relative.png")
+    before, after = figure.axes[1:3]
+    assert [list(line.get_ydata()) for line in before.get_lines()] == [[1.5, 0.5], [0.5, 1.5]]
+    assert [list(line.get_ydata()) for line in after.get_lines()] == [[1.0, 1.0], [1.0, 1.0]]
+    assert before.get_ylabel() == "load / mean load"
+
+
 def test_dashboard_reads_a_hugging_face_output_directory(tmp_path: Path) -> None:
     """A Hugging Face ``Trainer``'s output directory with ``report_to="tensorboard"``: its events
     hold ``train/vit_balance/...`` (the reporting callbacks prefix training entries) when

@@ -109,7 +109,7 @@ class _Window:
             self.imbalance_calls += 1
         for name, value in figures.items():
             self.totals[name] += value
-        self._add_vit_ms(tuple(getattr(stats, "vit_ms", ())))
+        self._add_vit_ms(tuple(stats.vit_ms))
         self._add_cost_fit(int(stats.cost_fits), float(stats.cost_error))
         before, after = tuple(stats.loads_before), tuple(stats.loads_after)
         if not (len(before) <= PER_RANK_SERIES_UP_TO if per_rank_loads is None else per_rank_loads):

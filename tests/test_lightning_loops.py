@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -566,6 +567,56 @@ def test_a_module_nested_in_the_trainers_balances_its_calls_in_the_step(
         torch.tensor([logged[s]["train_loss"] for s in range(STEPS)]), torch.tensor(losses), **TOLERANCE
     )
     torch.testing.assert_close(results[0]["weights"], weights, **TOLERANCE)
+
+
+class _PlainParent(L.LightningModule):
+    """A Trainer's module without the mixin, holding one with it: nothing of the parent's would
+    drain, check or release the child's balancing, so the child's calls encode directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = TinyVLM(ViTBalanceConfig(trigger_threshold=0.0))
+        self.twins: set[str | None] = set()
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        twin = self.child._vit_balance_state_object().host_group
+        self.twins.add(None if twin is None else twin.group_name)
+        return self.child.step_loss(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return self.child.train_dataloader()
+
+
+def _plain_parent_fit(out: str) -> dict[str, Any]:
+    model = _PlainParent()
+    with groups_taken_for_nccl(), launched_by_torchrun(), warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        quiet_trainer(out, "plain_parent", strategy="ddp", max_steps=STEPS, callbacks=[]).fit(model)
+    twins = [name for name in model.twins if name is not None]
+    return {
+        "twins": twins,
+        "stats": model.child.last_vit_balance_stats,
+        "queued": len(model.child.pop_vit_balance_stats()),
+        "told": [str(w.message) for w in told if "does not use ViTBalanceMixin" in str(w.message)],
+    }
+
+
+@pytest.mark.timeout(240)
+def test_a_module_nested_in_one_without_the_mixin_encodes_directly_and_says_so(
+    tmp_path: Path, multirank: Any
+) -> None:
+    """Balanced there, the child's twins were held after every fit and its records never drained
+    (3 fits: 3 twins, 15 open files more)."""
+    with multirank(RANKS) as pool:
+        results = pool.run(_plain_parent_fit, str(tmp_path), timeout=200)
+    for r in results:
+        assert r["twins"] == [] and r["stats"] is None and r["queued"] == 0, r
+    told = results[0]["told"]
+    assert len(told) == 1 and "TinyVLM (with ViTBalanceMixin) is nested in _PlainParent" in told[0], told
+    assert results[1]["told"] == []  # rank 0 tells
 
 
 def _a_trainer_reused_after_a_failure(out: str) -> dict[str, Any]:

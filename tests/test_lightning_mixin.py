@@ -1431,6 +1431,7 @@ class _WithATeacher(WorldGroup):
     def __init__(self) -> None:
         super().__init__(ViTBalanceConfig(calibrate_cost=True))
         self.teacher = WorldGroup(ViTBalanceConfig(calibrate_cost=True))
+        self.second = WorldGroup(ViTBalanceConfig(calibrate_cost=True))
 
 
 def test_checkpoints_carry_a_nested_modules_cost_fit_by_its_name() -> None:
@@ -1443,16 +1444,70 @@ def test_checkpoints_carry_a_nested_modules_cost_fit_by_its_name() -> None:
     for step in range(4):
         calibrator.observe([[16, 64 * (1 + step)], [4]], [1.0 + step, 0.1])
     state = {"cost_calibrator": calibrator.state_dict()}
+    fresh: dict[str, Any] = {}
+    _WithATeacher().on_save_checkpoint(fresh)
+    assert fresh == {}  # nothing fitted anywhere: no entries
     module = _WithATeacher()
     module.teacher.load_vit_balance_state_dict(state)
+    module.load_vit_balance_state_dict(state)
     checkpoint: dict[str, Any] = {}
     module.on_save_checkpoint(checkpoint)
-    assert "vit_balance" not in checkpoint and checkpoint["vit_balance_nested"] == {"teacher": state}
+    # The module's own under its key; of the nested ones, only the one with a fit.
+    assert checkpoint == {"vit_balance": state, "vit_balance_nested": {"teacher": state}}
     resumed = _WithATeacher()
-    resumed.on_load_checkpoint(checkpoint)
-    assert resumed.teacher.vit_balance_state_dict() == state and resumed.vit_balance_state_dict() == {}
-    with pytest.warns(UserWarning, match="'vit_balance_nested' entry 'student' is not used"):
-        _WithATeacher().on_load_checkpoint({"vit_balance_nested": {"student": state}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every entry is taken
+        resumed.on_load_checkpoint(checkpoint)
+    assert resumed.teacher.vit_balance_state_dict() == state == resumed.vit_balance_state_dict()
+    assert resumed.second.vit_balance_state_dict() == {}
+    for name in ("student", ""):  # no such module, or the module itself (its entry is its own key)
+        with pytest.warns(UserWarning, match=f"'vit_balance_nested' entry '{name}' is not used"):
+            unused = _WithATeacher()
+            unused.on_load_checkpoint({"vit_balance_nested": {name: state}})
+        assert unused.vit_balance_state_dict() == {}
+
+
+def test_nested_modules_are_drained_and_checked_in_the_order_of_their_first_calls() -> None:
+    """Pending checks are collectives, and records feed the same metrics on every rank: the order
+    is that of the nested modules' first balanced calls (the same on every rank), not of their
+    addresses (a weak set's order, which differed between ranks), and the module's own come first
+    in the records and last in the checks."""
+    module = _WithATeacher()
+    state = module._vit_balance_state_object()
+    for nested in (module.second, module.teacher, module.second):
+        state.nested[nested] = None
+    for owner, stats in ((module, "own"), (module.teacher, "teacher"), (module.second, "second")):
+        owner._vit_balance_state_object().records.append(stats)  # type: ignore[arg-type]
+    assert module.pop_vit_balance_stats() == ["own", "second", "teacher"]
+    checked: list[str] = []
+    names = {id(module): "own", id(module.teacher): "teacher", id(module.second): "second"}
+    with (
+        mock.patch.object(WorldGroup, "_vit_balance_run_ends", return_value=True),
+        mock.patch.object(
+            WorldGroup, "check_vit_balance_pending", lambda self: checked.append(names[id(self)])
+        ),
+    ):
+        module.teardown("fit")
+    assert checked == ["second", "teacher", "own"]
+    assert list(module._vit_balance_state_object().nested) == []  # released: the next run registers anew
+
+
+def test_a_nested_module_takes_its_predict_batches_from_the_trainers_module() -> None:
+    """The Trainer's module gathers every rank's predict batches at the run's start (its
+    ``on_predict_start``, which Lightning calls on that module only): a nested teacher had none, so
+    it never balanced in predict."""
+    module = _WithATeacher()
+    lengths = object()
+    module._vit_balance_state_object().predict_lengths = lengths  # type: ignore[assignment]
+    trainer = mock.Mock(training=False, validating=False, predicting=True)
+    trainer.strategy.lightning_module = module
+    seen = []
+    with (
+        mock.patch.object(WorldGroup, "_vit_balance_runner", return_value=(trainer, None)),
+        mock.patch("lightning_vit_balance.lightning.mixin._loop_balances", lambda t, e, p: seen.append(p)),
+    ):
+        module.teacher._vit_balance_loop_balances(module.teacher.visual, ahead=True)
+    assert seen == [lengths]
 
 
 def test_fabric_module_asks_fabrics_strategy_once() -> None:

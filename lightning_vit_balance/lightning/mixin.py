@@ -456,6 +456,8 @@ class _State:
         #: Whether the batch the ticket was made from carried the drop-in's collator's grids.
         self.ticket_collated = False
         self.told_own_clock = False
+        #: Whether a call was told that the Trainer's module, this one's parent, lacks the mixin.
+        self.told_plain_parent = False
         #: Every rank's training epoch length, gathered at this fit's first balanced training call
         #: or plan (None before it): ranks whose epochs differ validate apart (see _own_clock).
         self.epoch_lengths: tuple[int, ...] | None = None
@@ -473,18 +475,10 @@ class _State:
         #: in the order of their first balanced calls (the same on every rank: the pending checks
         #: are collectives): the Trainer calls this module's hooks only, so it drains their
         #: records, checks and releases them.
-        self.nested: list[Callable[[], object]] = []
+        self.nested: weakref.WeakKeyDictionary[ViTBalanceMixin, None] = weakref.WeakKeyDictionary()
         #: A balancer state the next balancer starts from: a loaded checkpoint's, or the last
         #: run's (what a checkpoint saved between runs keeps).
         self.carried: Mapping[str, Any] | None = None
-
-    def add_nested(self, module: object) -> None:
-        if all(ref() is not module for ref in self.nested):
-            self.nested.append(weakref.ref(module))
-
-    def nested_modules(self) -> list[Any]:
-        """The live modules of :attr:`nested`, in their order."""
-        return [module for module in (ref() for ref in self.nested) if module is not None]
 
     def kept_balancer(self, config: ViTBalanceConfig, layout: OutputLayout | None) -> ViTBalancer | None:
         """The balancer kept for ``config`` and ``layout``, now the latest (it takes what the one
@@ -844,7 +838,7 @@ class ViTBalanceMixin:
         state.forget_balancers()
         running = self._vit_balance_running_module()
         if running is not self and isinstance(running, ViTBalanceMixin):
-            running._vit_balance_state_object().add_nested(self)
+            running._vit_balance_state_object().nested[self] = None
 
     @eager_frame
     def encode_images(
@@ -944,7 +938,10 @@ class ViTBalanceMixin:
         if trainer is not None:
             state = self._vit_balance_state_object()
             lengths = state.epoch_lengths
-            balances = _loop_balances(trainer, lengths, state.predict_lengths)
+            # A nested module's predict batches are its running module's, which gathered them.
+            running = self._vit_balance_running_module()
+            owner = running if isinstance(running, ViTBalanceMixin) else self
+            balances = _loop_balances(trainer, lengths, owner._vit_balance_state_object().predict_lengths)
             cause = _own_clock(trainer, lengths) if not balances and trainer.validating else None
             if cause is not None:
                 self._vit_balance_tell_own_clock(cause)
@@ -1045,8 +1042,25 @@ class ViTBalanceMixin:
         training step's call in its backward pass (activation checkpointing, within the
         ``backward`` hook), which must be balanced as that call was."""
         running = self._vit_balance_running_module()
+        if running is not self and not isinstance(running, ViTBalanceMixin):
+            self._vit_balance_tell_plain_parent(running)
+            return False
         # A Lightning without that attribute: every call counts as the step's, as before the rule.
         return getattr(running, "_current_fx_name", "training_step") in _STEP_HOOKS or in_backward_pass()
+
+    def _vit_balance_tell_plain_parent(self, running: Any) -> None:
+        """Nested in a Trainer's module without the mixin, a module's calls encode directly: that
+        module's hooks would neither drain, check nor release what this one's balancing holds."""
+        state = self._vit_balance_state_object()
+        if not state.told_plain_parent:
+            state.told_plain_parent = True
+            rank_zero_warn(
+                f"{type(self).__name__} (with ViTBalanceMixin) is nested in {type(running).__name__}, the "
+                f"Trainer's module, which does not use ViTBalanceMixin: {type(self).__name__}'s ViT calls "
+                f"encode directly, unbalanced. Mix ViTBalanceMixin into {type(running).__name__} to "
+                "balance them.",
+                category=UserWarning,
+            )
 
     def _vit_balance_running_module(self) -> Any:
         """The module whose hooks the Trainer runs: this one, or the one this module is nested in
@@ -1199,12 +1213,12 @@ class ViTBalanceMixin:
         saved = self.vit_balance_state_dict()
         if saved:
             checkpoint[CHECKPOINT_KEY] = saved
-        nested = {}
-        for name, module in self.named_modules():
-            if module is not self and isinstance(module, ViTBalanceMixin):
-                nested[name] = module.vit_balance_state_dict()
-        if any(nested.values()):
-            checkpoint[NESTED_CHECKPOINT_KEY] = {name: state for name, state in nested.items() if state}
+        mixed = (
+            (name, m) for name, m in self.named_modules() if isinstance(m, ViTBalanceMixin) and m is not self
+        )
+        nested = {name: state for name, module in mixed if (state := module.vit_balance_state_dict())}
+        if nested:
+            checkpoint[NESTED_CHECKPOINT_KEY] = nested
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Take the balancer's state from a checkpoint (see :meth:`on_save_checkpoint`); the run's
@@ -1268,7 +1282,7 @@ class ViTBalanceMixin:
         state = self.__dict__.get("_vit_balance_state")
         if state is not None:
             # The Trainer tears down its module only: nested ones (a teacher) end with it.
-            modules = [*state.nested_modules(), self]
+            modules = [*state.nested, self]
             try:
                 for module in modules:
                     if module._vit_balance_run_ends(module._vit_balance_state_object()):
@@ -1579,6 +1593,6 @@ class ViTBalanceMixin:
         state = self._vit_balance_state_object()
         records = list(state.records)
         state.records.clear()
-        for nested in state.nested_modules():  # their calls are this step's too (a teacher's)
+        for nested in list(state.nested):  # their calls are this step's too (a teacher's)
             records += nested.pop_vit_balance_stats()
         return records

@@ -238,7 +238,9 @@ def subgroup(size: int, backend: str | None = None) -> Any:
 def reinit_default_group(store: str) -> None:
     """In a worker: destroy every process group and initialise the default group again through the
     file ``store`` (the same path on every rank), as a sweep under one launcher does between trials.
-    The pool goes on over the new group; its subgroups are made again at their next use."""
+    The test then closes the pool (``World.close``), so that later tests start on a world of the
+    pool's own: a group made in such a world by a later test failed now and then in the full suite
+    (gloo's ``connectFullMesh``: "Connection closed by peer" between two of three ranks)."""
     import torch.distributed as dist
 
     rank, size = dist.get_rank(), dist.get_world_size()

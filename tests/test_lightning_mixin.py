@@ -360,6 +360,7 @@ def test_without_a_trainer_the_group_set_on_the_module_is_read_again(tmp_path: P
     group made again raised "not registered" on every rank."""
     with world(3) as w:
         results = w.run(_groups_set_anew, str(tmp_path / "store"), timeout=90)
+        w.close()  # its ranks are in a world of the test's own (see reinit_default_group)
     world_of_3 = ("applied", [0, 1, 2])
     seen = [calls for calls, _ in results]
     assert seen[0] == [world_of_3, ("applied", [0, 1]), world_of_3], results

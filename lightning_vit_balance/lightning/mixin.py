@@ -1583,7 +1583,8 @@ class ViTBalanceMixin:
         return self._vit_balance_state_object().last_stats
 
     def pop_vit_balance_stats(self) -> list[BalanceStats]:
-        """Return and forget the diagnostics of the balanced calls since the last pop, oldest first.
+        """Return and forget the diagnostics of the balanced calls since the last pop, oldest first
+        (then those of modules with the mixin nested in this one, a teacher's, module by module).
 
         Under a Trainer they are queued for :class:`ViTBalanceCallback` (only while one is
         attached); without one (Fabric), for the loop's own reader: ``for stats in

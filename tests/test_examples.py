@@ -301,6 +301,10 @@ def test_dashboard_draws_each_ranks_load_relative_to_its_steps_mean(
     assert [list(line.get_ydata()) for line in before.get_lines()] == [[1.5, 0.5], [0.5, 1.5]]
     assert [list(line.get_ydata()) for line in after.get_lines()] == [[1.0, 1.0], [1.0, 1.0]]
     assert before.get_ylabel() == "load / mean load"
+    # A step where no rank had images (a text-only step: every load 0) has no share to draw.
+    text_only = {key: [*series, (2, 0.0)] if "/load_" in key else series for key, series in metrics.items()}
+    figure = _drawn_figure(monkeypatch, text_only, tmp_path / "text_only.png")
+    assert [list(line.get_xdata()) for line in figure.axes[1].get_lines()] == [[0, 1], [0, 1]]
 
 
 def test_dashboard_reads_a_hugging_face_output_directory(tmp_path: Path) -> None:

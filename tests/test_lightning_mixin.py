@@ -1461,6 +1461,11 @@ def test_checkpoints_carry_a_nested_modules_cost_fit_by_its_name() -> None:
         resumed.on_load_checkpoint(checkpoint)
     assert resumed.teacher.vit_balance_state_dict() == state == resumed.vit_balance_state_dict()
     assert resumed.second.vit_balance_state_dict() == {}
+    # An entry that is no balancer's state is left behind, as the module's own would be.
+    with pytest.warns(UserWarning, match="'vit_balance_nested' entry 'teacher' is not used .*starts afresh"):
+        refused = _WithATeacher()
+        refused.on_load_checkpoint({"vit_balance_nested": {"teacher": {"format": 2}}})
+    assert refused.teacher.vit_balance_state_dict() == {}
     for name in ("student", ""):  # no such module, or the module itself (its entry is its own key)
         with pytest.warns(UserWarning, match=f"'vit_balance_nested' entry '{name}' is not used"):
             unused = _WithATeacher()

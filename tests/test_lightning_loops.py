@@ -16,6 +16,7 @@ import io
 import json
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,22 +95,31 @@ def resumed(tmp_path_factory: pytest.TempPathFactory, multirank: Any) -> dict[st
     }
 
 
-def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Rank 0's loss per step and the final weights of the same training in one process, unbalanced.
+def _direct_loss(model: TinyVLM, sample: dict[str, torch.Tensor]) -> torch.Tensor:
+    """:meth:`TinyVLM.step_loss` with every call direct."""
+    images = model.visual(sample["pixel_values"], sample["image_grid_thw"])
+    videos = model.visual(sample["pixel_values_videos"], sample["video_grid_thw"])
+    return model.head(torch.cat([images, videos])).pow(2).mean()
+
+
+SampleLoss = Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def _reference(
+    model: TinyVLM | None = None, loss_of: SampleLoss = _direct_loss
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Rank 0's loss per step and the final weights of the same training in one process, unbalanced:
+    ``model`` (a fresh :class:`TinyVLM`, which seeds itself: the fits' initial weights) trained on
+    every rank's samples, each sample's loss ``loss_of(model, sample)``.
 
     DDP averages the ranks' gradients: the gradient of the mean of the ranks' losses.
     """
-    model = TinyVLM()  # seeds itself: the fits' initial weights
+    model = TinyVLM() if model is None else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     rank0_losses = []
     for step in range(STEPS):
         optimizer.zero_grad()
-        losses = []
-        for rank in range(RANKS):
-            sample = make_sample(step, rank)
-            images = model.visual(sample["pixel_values"], sample["image_grid_thw"])
-            videos = model.visual(sample["pixel_values_videos"], sample["video_grid_thw"])
-            losses.append(model.head(torch.cat([images, videos])).pow(2).mean())
+        losses = [loss_of(model, make_sample(step, rank)) for rank in range(RANKS)]
         rank0_losses.append(float(losses[0]))
         (sum(losses) / RANKS).backward()
         optimizer.step()
@@ -521,28 +531,10 @@ def _nested_fit(out: str) -> dict[str, Any]:
     }
 
 
-def _nested_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Rank 0's loss per step and the final weights of :class:`_HoldsANestedModule`'s training in
-    one process, every call direct (DDP averages the ranks' gradients)."""
-    model = _HoldsANestedModule()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    rank0_losses = []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        losses = []
-        for rank in range(RANKS):
-            sample = make_sample(step, rank)
-            images = model.visual(sample["pixel_values"], sample["image_grid_thw"])
-            videos = model.visual(sample["pixel_values_videos"], sample["video_grid_thw"])
-            child = model.child.visual(sample["pixel_values"], sample["image_grid_thw"])
-            loss = (
-                model.head(torch.cat([images, videos])).pow(2).mean() + model.child.head(child).pow(2).mean()
-            )
-            losses.append(loss)
-        rank0_losses.append(float(losses[0]))
-        (sum(losses) / RANKS).backward()
-        optimizer.step()
-    return rank0_losses, model.state_dict()
+def _nested_loss(model: _HoldsANestedModule, sample: dict[str, torch.Tensor]) -> torch.Tensor:
+    """:meth:`_HoldsANestedModule.step_loss` with every call direct."""
+    child = model.child.visual(sample["pixel_values"], sample["image_grid_thw"])
+    return _direct_loss(model, sample) + model.child.head(child).pow(2).mean()
 
 
 @pytest.mark.timeout(240)
@@ -561,7 +553,7 @@ def test_a_module_nested_in_the_trainers_balances_its_calls_in_the_step(
         assert r["child_applied"] and len(r["twins"]) == 2 and not r["held"], r
     told = results[0]["told"]  # rank 0 tells, once
     assert len(told) == 1 and "TinyVLM, which is nested in _HoldsANestedModule" in told[0], told
-    losses, weights = _nested_reference()
+    losses, weights = _reference(_HoldsANestedModule(), _nested_loss)
     logged = _by_step(rows, "train_loss")
     torch.testing.assert_close(
         torch.tensor([logged[s]["train_loss"] for s in range(STEPS)]), torch.tensor(losses), **TOLERANCE

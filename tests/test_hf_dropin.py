@@ -3447,10 +3447,10 @@ def test_a_configuration_schedule_keeps_the_cost_fit_and_the_measured_times(mult
     # evaluation (the first training forward after it had reported nothing).
     assert around == ["T0 T1 T1 V0 V1 T1 T1 T1"] * FIT_RANKS, around
     for got, expected in zip(scheduled, steady):
-        assert got["observed"] == expected["observed"] >= 8 and got["rows"] == expected["rows"] > 0, (
-            got,
-            expected,
-        )
+        # Rows kept are not compared: the too-fast screen drops rows against a fit of wall-clock
+        # times, a count that varies from run to run; it drops from at most every other step.
+        assert got["observed"] == expected["observed"] >= 8, (got, expected)
+        assert got["rows"] > got["observed"] and expected["rows"] > expected["observed"], (got, expected)
         measured = [ms is not None and len(ms) == FIT_RANKS and min(ms) >= 0 for ms in got["vit_ms"]]
         assert measured == [
             ms is not None and len(ms) == FIT_RANKS and min(ms) >= 0 for ms in expected["vit_ms"]

@@ -616,11 +616,17 @@ def test_a_configuration_schedule_keeps_the_cost_fit_and_the_measured_times() ->
         steady = w.run(_calibrating_through_a_schedule, False, False)
         around = w.run(_training_around_an_evaluation_of_its_own_configuration)
         towers = w.run(_two_towers_through_a_schedule)
+    # The rows kept are not compared between runs: the too-fast screen drops a step's rows against
+    # a model fitted to wall-clock times, so how many it drops varies from run to run (CI saw 13
+    # against 14). It drops rows from at most every other step, so more than one row a step stays.
+    counters = [{key: r[key] for key in ("observed", "measured")} for r in steady]
     for scheduled in runs.values():
-        assert scheduled == steady and steady[0]["observed"] == steady[0]["measured"] == 9, (
+        assert [{key: r[key] for key in ("observed", "measured")} for r in scheduled] == counters, (
             scheduled,
             steady,
         )
+        assert all(r["rows"] > r["observed"] for r in scheduled + steady), (scheduled, steady)
+    assert counters == [{"observed": 9, "measured": 9}] * 2, counters
     assert around == ["T0 T1 T1 V0 V1 T1 T1 T1"] * 2, around
     # Two towers through a schedule go on from no balancer (-1: not measured), never from the
     # other tower's: the sleeping tower's 200 ms never shows as the quick one's.

@@ -108,12 +108,16 @@ class RecordingLogger(Logger):
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         self.calls.append((dict(metrics), step))
 
-    def vit_balance_calls(self) -> list[tuple[dict[str, float], int | None]]:
+    def vit_balance_calls(self, loop: str | None = None) -> list[tuple[dict[str, float], int | None]]:
+        """The callback's records of training steps, or (``loop``: ``"val"``, ``"test"``) of an
+        evaluation loop's, which come with the epoch as Lightning logs its loops' values."""
         out = []
         for metrics, step in self.calls:
             ours = {k: v for k, v in metrics.items() if k.startswith("vit_balance/")}
-            if ours:
-                assert ours == metrics, "the callback logs its own records, nothing else mixed in"
+            loops = {k.split("/")[1] for k in ours if k.split("/")[1] in ("val", "test")}
+            if ours and loops == ({loop} if loop else set()):
+                assert set(metrics) - set(ours) == ({"epoch"} if loop else set()), "nothing else mixed in"
+                assert all(k.startswith(f"vit_balance/{loop}/") for k in ours) if loop else True
                 out.append((ours, step))
         return out
 
@@ -138,6 +142,12 @@ class ScriptedModule(L.LightningModule):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         # Calls made while validating must never reach the training metrics.
         self.queue.append(NO_GAIN)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.queue.extend([APPLIED_B, SKIPPED][: batch_idx + 1])
+
+    def test_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(2, 2)))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -229,11 +239,69 @@ def test_exact_dicts_per_optimizer_step_with_several_calls() -> None:
     script = [[APPLIED_A, SKIPPED], [], [APPLIED_B]]
     trainer, logger = _fit(script, ViTBalanceCallback(), limit_val_batches=1, val_check_interval=1)
     logged = logger.vit_balance_calls()
-    # A batch without ViT calls logs nothing; the validation-time records are dropped.
+    # A batch without ViT calls logs nothing; the validation-time records are not training's.
     assert [step for _, step in logged] == [0, 2]
     _assert_logged(logged[0][0], _expected([APPLIED_A, SKIPPED], 1, 2, {"below-threshold": 1}))
     _assert_logged(logged[1][0], _expected([APPLIED_B], 2, 3, {"below-threshold": 1}))
     assert "vit_balance/imbalance_before" not in trainer.progress_bar_metrics
+
+
+def _under(loop: str, expected: dict[str, float]) -> dict[str, float]:
+    return {key.replace("vit_balance/", f"vit_balance/{loop}/", 1): value for key, value in expected.items()}
+
+
+class _LoggingItsValidation(ScriptedModule):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        super().validation_step(batch, batch_idx)
+        self.log("val_marker", 1.0)  # Lightning's own on_epoch value, logged at the loop's end
+
+
+def test_each_evaluation_loop_is_logged_once_under_its_name_and_never_its_sanity_check() -> None:
+    """Validation and test calls had been dropped. Each loop now logs its calls once at its end,
+    where Lightning logs its ``on_epoch`` values (the step it ran after, with the epoch), under
+    ``vit_balance/val/`` or ``vit_balance/test/``, its counts its own; a sanity check logs none."""
+    script = [[APPLIED_A], [SKIPPED], [APPLIED_B]]
+    module = _LoggingItsValidation(script)
+    trainer, logger = _fit(
+        script,
+        ViTBalanceCallback(),
+        module,
+        limit_val_batches=1,
+        val_check_interval=1,
+        num_sanity_val_steps=1,
+    )
+    validations = logger.vit_balance_calls("val")
+    lightnings = [step for metrics, step in logger.calls if "val_marker" in metrics]
+    # One record per validation, none for the sanity check, at Lightning's own steps.
+    assert len(validations) == 3 and [step for _, step in validations] == lightnings, (
+        validations,
+        lightnings,
+    )
+    for record, _ in validations:
+        _assert_logged(record, _under("val", _expected([NO_GAIN], 0, 1, {"no-gain": 1})))
+    assert float(trainer.callback_metrics["vit_balance/val/calls"]) == 1.0
+    # Training's records and counts leave the validations' out.
+    assert logger.vit_balance_calls()[-1][0]["vit_balance/calls_total"] == 3.0
+    [(tested, _)] = _test_records(trainer, ScriptedModule(script))
+    _assert_logged(
+        tested, _under("test", _expected([APPLIED_B, APPLIED_B, SKIPPED], 2, 3, {"below-threshold": 1}))
+    )
+
+
+def _test_records(trainer: L.Trainer, module: ScriptedModule) -> list[tuple[dict[str, float], int | None]]:
+    logger = RecordingLogger()
+    tester = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        callbacks=trainer.callbacks[:1],
+        enable_progress_bar=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tester.test(module)
+    assert float(tester.callback_metrics["vit_balance/test/calls_total"]) == 3.0
+    return logger.vit_balance_calls("test")
 
 
 def test_gradient_accumulation_aggregates_the_micro_batches_of_a_step() -> None:

@@ -282,6 +282,13 @@ def test_validation_on_a_distributed_sampler_balances_with_exact_outputs(resumed
     for row in rows.values():
         assert row["val_balanced"] == 1.0  # every validation call of both ranks was balanced
         assert row["val_max_error"] < 1e-5  # fp32 rounding of a different batch composition
+    # The callback logs each validation's balanced calls at the same steps: both batches, with the
+    # validation's own counts and ViT time (each of its calls sleeps VALIDATION_VIT_S).
+    logged = _by_step(resumed["rows"], "vit_balance/val/calls")
+    assert sorted(logged) == [1, 3], logged
+    for row in logged.values():
+        assert row["vit_balance/val/calls"] == row["vit_balance/val/calls_total"] == 2.0, row
+        assert row["vit_balance/val/vit_ms_max"] >= 1000 * VALIDATION_VIT_S, row
 
 
 @pytest.mark.timeout(240)

@@ -26,6 +26,11 @@ __all__ = ["ViTBalanceCallback"]
 NO_CALLS_TOLD_AFTER_STEPS = 10
 
 
+def _under(loop: str, metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` keyed under an evaluation loop's name: ``vit_balance/val/calls``..."""
+    return {f"{PREFIX}{loop}/{key.removeprefix(PREFIX)}": value for key, value in metrics.items()}
+
+
 def _switched_off(pl_module: LightningModule) -> bool:
     """Whether the module's ``vit_balance_config`` (which its drop-in towers balance with too, where
     it is set) says ``enabled=False``."""
@@ -44,11 +49,16 @@ class ViTBalanceCallback(Callback):
     call per forward) records for every call during training (several per step with images and
     videos, or gradient accumulation), aggregates the calls of each step and logs them through
     every logger of the Trainer (CSV, TensorBoard, W&B...) at the Trainer's logging cadence. Only
-    metrics are logged: nothing here changes training. Calls made outside training batches
-    (validation, test, predict) are not logged.
+    metrics are logged: nothing here changes training. Balanced calls of a validation or test loop
+    (not its sanity check) are logged once per loop, where Lightning logs the loop's
+    ``on_epoch`` values: the same keys under ``vit_balance/val/`` and ``vit_balance/test/``
+    (``vit_balance/val/vit_ms_max``), aggregating every call of the loop, with ``calls_total`` and
+    ``skipped/{reason}`` counting that loop's calls. Predict calls are not logged (Lightning's
+    predict loop logs nothing).
 
     Every optimizer step's values also go to ``trainer.callback_metrics`` on every rank, as
-    ``self.log(..., on_step=True)`` would put them, so other callbacks can watch them::
+    ``self.log(..., on_step=True)`` would put them (and each evaluation loop's at its end), so
+    other callbacks can watch them::
 
         ModelCheckpoint(monitor="vit_balance/imbalance_after", mode="min")
         EarlyStopping(monitor="vit_balance/imbalance_after", mode="min", check_on_train_epoch_end=True)
@@ -178,6 +188,8 @@ class ViTBalanceCallback(Callback):
         self._warned_no_mixin = False
         self._told_no_calls = False
         self._reset_totals()
+        # Each running evaluation loop's calls (the loop's own counts: nothing checkpointed).
+        self._evaluation: dict[str, BalanceMetrics] = {}
 
     def _reset_totals(self) -> None:
         # The interval since the last logged step, with the counts since the fit started; and the
@@ -244,10 +256,7 @@ class ViTBalanceCallback(Callback):
         if not window:
             return
         metrics = {**window, **self._interval.total_metrics()}
-        # CPU float64 scalars: exact counts, and no device copy per metric and step. Monitors
-        # (ModelCheckpoint, EarlyStopping) compare them on any device.
-        values = torch.tensor(list(metrics.values()), dtype=torch.float64)
-        trainer.callback_metrics.update(zip(metrics, values.unbind()))
+        _to_callback_metrics(trainer, metrics)
         if self.prog_bar:
             for key in (PREFIX + "imbalance_before", PREFIX + "imbalance_after"):
                 if key in metrics:  # unknown where balancing is disabled on many ranks
@@ -325,6 +334,26 @@ class ViTBalanceCallback(Callback):
             "nothing."
         )
 
+    def _evaluation_batch_end(self, trainer: Trainer, pl_module: LightningModule, loop: str) -> None:
+        metrics = self._evaluation.setdefault(loop, BalanceMetrics(self.log_per_rank_loads))
+        for stats in self._drain(pl_module):
+            metrics.add(stats)
+
+    def _evaluation_end(self, trainer: Trainer, loop: str) -> None:
+        """Log a finished evaluation loop's calls, once, as Lightning logs its ``on_epoch`` values:
+        at the training step it ran after, with the epoch."""
+        metrics = self._evaluation.pop(loop, None)
+        if metrics is None or trainer.sanity_checking:  # Lightning logs no sanity check's values
+            return
+        figures = _under(loop, metrics.metrics())
+        _to_callback_metrics(trainer, figures)
+        if self.log_every_n_steps != 0:
+            trainer._logger_connector.log_metrics(figures)
+
+    @override
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._evaluation.pop("val", None)  # a loop interrupted before its end logs nothing
+
     @override
     def on_validation_batch_end(
         self,
@@ -335,7 +364,15 @@ class ViTBalanceCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._drain(pl_module)
+        self._evaluation_batch_end(trainer, pl_module, "val")
+
+    @override
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._evaluation_end(trainer, "val")
+
+    @override
+    def on_test_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._evaluation.pop("test", None)
 
     @override
     def on_test_batch_end(
@@ -347,7 +384,11 @@ class ViTBalanceCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._drain(pl_module)
+        self._evaluation_batch_end(trainer, pl_module, "test")
+
+    @override
+    def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._evaluation_end(trainer, "test")
 
     @override
     def on_predict_batch_end(
@@ -368,3 +409,12 @@ class ViTBalanceCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._interval.load_state_dict(state_dict)
+
+
+def _to_callback_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
+    """Put ``metrics`` in ``trainer.callback_metrics``: CPU float64 scalars, so counts stay exact
+    and no metric is copied to a device. Monitors (ModelCheckpoint, EarlyStopping) compare them on
+    any device."""
+    if metrics:
+        values = torch.tensor(list(metrics.values()), dtype=torch.float64)
+        trainer.callback_metrics.update(zip(metrics, values.unbind()))

@@ -38,9 +38,12 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
     imbalance before and after, loads and measured ViT milliseconds per rank, images, patches and
     bytes moved, time spent, and the counts since training started. They go into ``logs`` (printed
     by the progress callback, seen by the callbacks after this one) and the Trainer's
-    ``state.log_history`` (``trainer_state.json``). Reporting integrations (``report_to``: W&B,
-    TensorBoard, MLflow...) run before callbacks passed to the Trainer; to have them log the
-    metrics too, add the callback with :meth:`attach` instead::
+    ``state.log_history`` (``trainer_state.json``). An evaluation's log (``trainer.evaluate()``, in
+    training or alone) gets its balanced forwards' figures under its own prefix
+    (``eval_vit_balance/vit_ms_max``, and so in the dict ``evaluate`` returns), with ``calls_total``
+    and ``skipped/{reason}`` counting that evaluation's forwards alone. Reporting integrations
+    (``report_to``: W&B, TensorBoard, MLflow...) run before callbacks passed to the Trainer; to
+    have them log the metrics too, add the callback with :meth:`attach` instead::
 
         ViTBalanceTrainerCallback().attach(trainer)
 
@@ -94,6 +97,7 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         if held is None:
             trainer.add_callback(self)
             held = self
+            self._keep_stats_of(getattr(trainer, "model", None))  # added after on_init_end
         if not any(isinstance(callback, _MetricsFirst) for callback in handler.callbacks):
             # The callbacks run in list order: first of all. A Trainer that restores callback
             # states replaces this callback by a copy at the end; the helper finds that one.
@@ -109,7 +113,14 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
     def on_init_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._handle = _handle_of(kwargs.get("model"), required=False)
+        self._keep_stats_of(kwargs.get("model"))
+
+    def _keep_stats_of(self, model: Any) -> None:
+        """Read ``model``'s handle from here on: its forwards' stats are kept from now, so an
+        evaluation before any training logs its forwards too."""
+        self._handle = _handle_of(model, required=False)
+        if self._handle is not None:
+            self._handle.pop_stats()
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -157,6 +168,8 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._check_pending(kwargs.get("model"))
+        if self._handle is not None:
+            self._handle.pop_stats()  # a prediction logs nothing: not the next evaluation's forwards
 
     def _check_pending(self, model: Any) -> None:
         # Every rank evaluates and predicts (the Trainer's loaders pad), so every rank checks. The
@@ -196,17 +209,28 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         self.publish(state, logs)
 
     def publish(self, state: TrainerState, logs: dict[str, Any] | None) -> None:
-        """Put the window's metrics into a training log (one with ``"loss"``) and the log history's
-        entry of it, and start the next window; nothing when the window has no calls."""
-        if logs is None or "loss" not in logs:
+        """Put the window's metrics into a training log (one with ``"loss"``) and start the next
+        window, or an evaluation's forwards into its log (one with ``{prefix}_runtime``); and into
+        the log history's entry of that log. Nothing when there were no calls."""
+        if logs is None:
             return
-        metrics = self.metrics.metrics()
-        self.metrics.reset_window()
+        if "loss" in logs:
+            metrics, marker = self.metrics.metrics(), "loss"
+            self.metrics.reset_window()
+        else:
+            prefix = _evaluation_prefix(logs)
+            if prefix is None or self._handle is None:
+                return
+            evaluation = BalanceMetrics(self.log_per_rank_loads)
+            for stats in self._handle.pop_stats():  # the evaluation's: training's went at its steps' ends
+                evaluation.add(stats)
+            metrics = {f"{prefix}_{key}": value for key, value in evaluation.metrics().items()}
+            marker = f"{prefix}_runtime"
         if not metrics:
             return
         logs.update(metrics)
         latest = state.log_history[-1] if state.log_history else None
-        if isinstance(latest, dict) and latest.get("step") == state.global_step and "loss" in latest:
+        if isinstance(latest, dict) and latest.get("step") == state.global_step and marker in latest:
             latest.update(metrics)
 
 
@@ -224,6 +248,13 @@ class _MetricsFirst(TrainerCallback):
             if isinstance(callback, ViTBalanceTrainerCallback):
                 callback.publish(state, logs)
                 return
+
+
+def _evaluation_prefix(logs: dict[str, Any]) -> str | None:
+    """The metric prefix of an evaluation's log (``eval``, ``eval_{dataset}``, or the
+    ``metric_key_prefix`` given): the Trainer puts ``{prefix}_runtime`` in each; None for others."""
+    prefixes = [key.removesuffix("_runtime") for key in logs if key.endswith("_runtime")]
+    return prefixes[0] if len(prefixes) == 1 and prefixes[0] != "train" else None
 
 
 def _quiet(message: str) -> None:

@@ -3228,6 +3228,21 @@ def _last_evaluation_forward_reordered(out_dir: str, entry: str) -> str:
     return outcome.message
 
 
+def _evaluation_logged(out_dir: str) -> dict[str, float]:
+    """``trainer.evaluate()`` alone, of a drop-in that balances evaluation (two forwards a rank):
+    the ``vit_balance`` figures of the dict it returns."""
+    from transformers import Trainer
+
+    set_launcher_variables(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    size = torch.distributed.get_world_size()
+    handle = balance_vision_tower(tiny_model(FIT_FAMILY), ViTBalanceConfig(**CONFIG), evaluation=True)
+    batches = [fit_batch(step, r) for step in (0, 2) for r in range(size)]
+    arguments = _training_arguments(out_dir, 1, per_device_eval_batch_size=1, prediction_loss_only=True)
+    trainer = Trainer(model=handle.model, args=arguments, data_collator=_first)
+    ViTBalanceTrainerCallback().attach(trainer)
+    return {key: value for key, value in trainer.evaluate(batches).items() if "vit_balance" in key}
+
+
 def _trains_as_the_plain_model(tmp_path: Path, plan_ahead: bool) -> list[dict[str, Any]]:
     """:func:`_hf_trainer_fit` on a pool of its own (accelerate's state and the launcher's variables
     are process-wide), each rank's losses checked against the plain model's; the results. With
@@ -3240,6 +3255,18 @@ def _trains_as_the_plain_model(tmp_path: Path, plan_ahead: bool) -> list[dict[st
             told = pool.run(_last_evaluation_forward_reordered, str(tmp_path / entry), entry, timeout=120)
             expected = "rank 1: an earlier call given a prepared plan passed a grid_thw"
             assert all(expected in message for message in told), (entry, told)
+        if not plan_ahead:  # the evaluation's forwards, in the dict evaluate() returns
+            evaluated = pool.run(_evaluation_logged, str(tmp_path / "evaluate"), timeout=120)
+            assert all(key.startswith("eval_vit_balance/") for key in evaluated[0]), evaluated
+            # The plans' figures are the same on each rank; timings and bytes are each rank's own.
+            own = ("_ms", "bytes_sent", "bytes_received")
+            plans = [{k: v for k, v in e.items() if not k.endswith(own)} for e in evaluated]
+            assert plans[0] == plans[1] and plans[0]["eval_vit_balance/applied"] > 0, evaluated
+            assert plans[0]["eval_vit_balance/calls"] == plans[0]["eval_vit_balance/calls_total"] == 2.0
+            sent, received = (
+                evaluated[r][f"eval_vit_balance/bytes_{w}"] for r, w in ((0, "sent"), (1, "received"))
+            )
+            assert sent == received > 0, evaluated
     finally:
         pool.close(kill=True)
     expected = _reference(tiny_model(FIT_FAMILY))
@@ -3588,6 +3615,42 @@ def test_trainer_callback_logs_every_forward_of_a_step_in_training_logs_only() -
     later = {"loss": 1.5}
     callback.on_log(None, state, control, logs=later)  # type: ignore[arg-type]
     assert later == {"loss": 1.5}  # no forward since the last log
+
+
+def test_trainer_callback_logs_an_evaluations_forwards_under_its_prefix() -> None:
+    """An evaluation's log (``{prefix}_runtime`` in it: ``evaluate()``, in training or alone) gets
+    its forwards under its prefix, counted alone, in the log and its history entry; they had been
+    dropped. A prediction's forwards go to no log, and the run's summary (``train_runtime``) gets
+    nothing."""
+    from test_metrics import APPLIED, SKIPPED
+    from transformers import TrainerState
+    from transformers.trainer_callback import TrainerControl
+
+    model = tiny_model(FIT_FAMILY)
+    handle = balance_vision_tower(model)
+    queued: list[Any] = []
+    handle.pop_stats = lambda: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
+    callback, state, control = ViTBalanceTrainerCallback(), TrainerState(), TrainerControl()
+    callback.on_init_end(None, state, control, model=model)  # type: ignore[arg-type]
+    queued[:] = [APPLIED, SKIPPED]  # evaluate() before any training
+    logs = {"eval_loss": 1.0, "eval_runtime": 0.5}
+    state.log_history.append({**logs, "step": 0})
+    callback.on_log(None, state, control, logs=logs)  # type: ignore[arg-type]
+    assert (logs["eval_vit_balance/calls"], logs["eval_vit_balance/applied"]) == (2.0, 0.5), logs
+    assert logs["eval_vit_balance/calls_total"] == 2.0 and state.log_history[-1] == {**logs, "step": 0}
+    assert logs["eval_vit_balance/vit_ms_max"] == pytest.approx((30.0 + 20.0) / 2)
+    queued[:] = [APPLIED]
+    callback.on_predict(None, state, control, model=model)  # type: ignore[arg-type]
+    queued.append(SKIPPED)  # one dataset of several: evaluate()'s own prefix
+    named = {"eval_photos_loss": 1.0, "eval_photos_runtime": 0.1}
+    callback.on_log(None, state, control, logs=named)  # type: ignore[arg-type]
+    assert named["eval_photos_vit_balance/calls_total"] == 1.0 and all(
+        k.startswith("eval_photos_") for k in named
+    )
+    queued.append(APPLIED)
+    summary = {"train_runtime": 1.0, "train_loss": 2.0}
+    callback.on_log(None, state, control, logs=summary)  # type: ignore[arg-type]
+    assert summary == {"train_runtime": 1.0, "train_loss": 2.0}
 
 
 def test_trainer_callback_goes_on_from_the_resumed_state_or_says_why_not() -> None:

@@ -845,7 +845,8 @@ class ViTBalancer:
                 self._calibrator.load_state_dict(fitted.state_dict())
             except ValueError as error:
                 warn_at_user(
-                    f"ViTBalancer.config: the cost fit so far is not used ({error}); it starts afresh."
+                    f"ViTBalancer.config: the cost fit so far is not used ({error}); it starts afresh.",
+                    every_rank=False,
                 )
 
     @property
@@ -1007,7 +1008,8 @@ class ViTBalancer:
             warn_at_user(
                 "ViTBalanceConfig.overlap_pixel_trip=True: the ViT's parameters are sharded (FSDP, "
                 "ZeRO-3), so each of its calls gathers them and every rank must call it as often as "
-                "the others; its balanced calls encode in one ViT call, without the overlap."
+                "the others; its balanced calls encode in one ViT call, without the overlap.",
+                every_rank=False,
             )
         return False
 
@@ -1827,7 +1829,8 @@ def balanced_encode(
         warn_at_user(
             "balanced_encode(config=...calibrate_cost=True) fits nothing: each call makes its own "
             "ViTBalancer, and a fit needs the previous call's measured times. Keep a "
-            "ViTBalancer(config, group) and call it each step."
+            "ViTBalancer(config, group) and call it each step.",
+            every_rank=False,
         )
     return ViTBalancer(config, group)(vit, pixel_values, grid_thw)
 

@@ -57,7 +57,24 @@ def _user_stacklevel(frame: FrameType) -> int:
     return level
 
 
-def warn_at_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
+def _global_rank() -> int:
+    """This process's rank in the default process group; before one exists, the launcher's
+    ``RANK`` (0 without one). Read from ``sys.modules``: nothing is imported for a warning."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        return distributed.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def warn_at_user(message: str, category: type[Warning] = RuntimeWarning, *, every_rank: bool = True) -> None:
     """``warnings.warn(message, category)`` at the user's line (see :func:`_user_stacklevel`): level
-    1 is the caller's frame, one below this function's."""
+    1 is the caller's frame, one below this function's.
+
+    ``every_rank=False`` for a warning every rank decides alike (a configuration, a model's
+    structure): global rank 0 alone says it, so 512 ranks print one line, not 512."""
+    if not every_rank and _global_rank() != 0:
+        return
     warnings.warn(message, category, stacklevel=_user_stacklevel(sys._getframe(1)) + 1)

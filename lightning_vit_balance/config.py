@@ -265,7 +265,8 @@ class ViTBalanceConfig:
         if unknown:
             warn_at_user(
                 f"ViTBalanceConfig: the loaded configuration's fields {unknown} are unknown to this "
-                "version of lightning-vit-balance and left out (dropping_unknown_fields)."
+                "version of lightning-vit-balance and left out (dropping_unknown_fields).",
+                every_rank=False,
             )
         for name, field in fields.items():
             # Frozen: set through object, then validate as __init__ does.

@@ -629,7 +629,8 @@ def _warn_leaves_too_late(base: nn.Module, leaves: Sequence[nn.Module]) -> None:
         "of images then gather its parameters a different number of times (gloo aborts, NCCL hangs). "
         "Call balance_vision_tower before deepspeed.initialize (Hugging Face's Trainer and Lightning's "
         "DeepSpeed strategy initialize after it), or mark them with deepspeed.utils.set_z3_leaf_modules "
-        "before it."
+        "before it.",
+        every_rank=False,
     )
 
 
@@ -1788,7 +1789,8 @@ class BalancedVisionTower:
                     f"{_dropped_text(dropped)}. To change a setting and keep the rest, start from the "
                     "default, as in dataclasses.replace(handle.default_config(), plan_ahead=True) (in a "
                     "LightningModule, as self.vit_balance_config; in a YAML configuration, add "
-                    f"{values}). Said once."
+                    f"{values}). Said once.",
+                    every_rank=False,
                 )
         return config
 

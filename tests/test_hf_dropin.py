@@ -2046,6 +2046,26 @@ def test_a_configuration_that_drops_the_towers_defaults_is_told_once() -> None:
         later.settings()
 
 
+def _told_of_a_configuration_dropping_the_defaults() -> int:
+    """Worker, or here: how many warnings a configuration that drops the tower's defaults gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        balance_vision_tower(tiny_model("qwen2_5_vl"), config=ViTBalanceConfig(plan_ahead=True)).settings()
+    return sum("replaces the drop-in's default whole" in str(w.message) for w in caught)
+
+
+def test_a_warning_every_rank_decides_alike_is_said_by_rank_zero_alone(
+    multirank: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Said on every rank, a configuration's warning was 512 lines at 512 ranks. Global rank 0
+    says it: the process group's, or before one exists the launcher's ``RANK``."""
+    with multirank(2) as pool:
+        assert pool.run(_told_of_a_configuration_dropping_the_defaults) == [1, 0]
+    for rank, told in (("1", 0), ("0", 1), ("not a rank", 1)):
+        monkeypatch.setenv("RANK", rank)
+        assert _told_of_a_configuration_dropping_the_defaults() == told, rank
+
+
 class _TowerModule(ViTBalanceMixin, L.LightningModule):
     def __init__(self) -> None:
         super().__init__()

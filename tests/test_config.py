@@ -176,3 +176,33 @@ def test_numpy_scalars_are_taken_as_python_numbers() -> None:
         ViTBalanceConfig(max_len_ratio=np.float32(0.5))
     with pytest.raises(ValueError, match=r"refine_iterations=np.True_ is invalid|refine_iterations=True"):
         ViTBalanceConfig(refine_iterations=np.bool_(True))
+
+
+def test_a_bool_is_not_taken_for_an_int_setting() -> None:
+    """``True`` is an ``int`` to Python, not a number of refinements: refused by name."""
+    with pytest.raises(ValueError, match=r"ViTBalanceConfig\.refine_iterations=True is invalid"):
+        ViTBalanceConfig(refine_iterations=True)
+
+
+def test_the_seeds_flags_take_their_bounds() -> None:
+    """``--dp-balance-max-len-ratio-vit 1`` and ``--dp-balance-trigger-threshold-vit 0`` are the
+    smallest valid values (>= 1 and >= 0), not usage errors."""
+    import argparse
+
+    from lightning_vit_balance import add_vit_balance_args
+
+    parser = add_vit_balance_args(argparse.ArgumentParser())
+    args = ["--dp-balance-max-len-ratio-vit", "1", "--dp-balance-trigger-threshold-vit", "0"]
+    config = ViTBalanceConfig.from_args(parser.parse_args(args))
+    assert (config.max_len_ratio, config.trigger_threshold) == (1.0, 0.0)
+
+
+def test_an_unpickled_config_is_validated() -> None:
+    """Unpickling runs ``__init__``'s checks: a state holding an invalid value raises, naming it."""
+    import pickle
+
+    state = dict(vars(ViTBalanceConfig()), min_gain=1.5)
+    config = ViTBalanceConfig.__new__(ViTBalanceConfig)
+    with pytest.raises(ValueError, match=r"ViTBalanceConfig\.min_gain=1\.5 is invalid"):
+        config.__setstate__(state)
+    assert pickle.loads(pickle.dumps(ViTBalanceConfig(min_gain=0.5))).min_gain == 0.5

@@ -1195,3 +1195,90 @@ def test_calibrator_rejects_bad_frames() -> None:
     with pytest.raises(ValueError, match="expected frames as one sequence"):
         calibrator.observe([[4], [8]], [1.0, 1.0], [1, 2])
     assert calibrator.steps_observed == 0
+
+
+def test_a_windowed_cost_model_without_a_window_is_rejected() -> None:
+    """``CostModel(windowed>0, window_patches=0)`` is refused: every windowed cost would be 0
+    (a dropped check let it through, pricing windowed attention at nothing)."""
+    with pytest.raises(ValueError, match=r"CostModel\.window_patches=0 is invalid with windowed=2\.0"):
+        CostModel(windowed=2.0)
+    assert CostModel(windowed=0.0, window_patches=0).windowed == 0.0
+
+
+def _exact_times(counts: list[list[int]], truth: CostModel = TRUTH, overhead: float = 2.0) -> list[float]:
+    return [float(np.sum(truth(np.array(c)))) + overhead for c in counts]
+
+
+def test_calibrator_reads_the_spread_from_every_rank_s_smallest_image() -> None:
+    """The spread rule compares the largest image with the smallest of all, not with each rank's
+    largest: every rank's largest image here is 512 patches, yet the images span 32 to 512, so a
+    fit is made (one that read the ranks' largest images twice never fitted)."""
+    calibrator = CostCalibrator(warmup_steps=0, min_rank_steps=4)
+    counts = [[512, 32], [512, 64, 100], [512], [512, 200, 48]]
+    calibrator.observe(counts, _exact_times(counts))
+    assert calibrator.fits == 1
+    assert calibrator.model.quadratic == pytest.approx(2e-6, rel=1e-6)
+
+
+def test_calibrator_fits_at_a_spread_of_exactly_min_spread() -> None:
+    """``max(l) / min(l) >= min_spread`` allows a fit: images of 100 to 200 patches span exactly 2
+    (a strict comparison never fitted them)."""
+    calibrator = CostCalibrator(warmup_steps=0, min_rank_steps=4, min_spread=2.0)
+    counts = [[100, 150], [200], [100, 100, 200], [150, 150, 150]]
+    calibrator.observe(counts, _exact_times(counts))
+    assert calibrator.fits == 1
+    assert calibrator.model.quadratic == pytest.approx(2e-6, rel=1e-6)
+    assert calibrator.model.linear == pytest.approx(3e-3, rel=1e-6)
+
+
+def test_calibrator_drops_an_outlier_that_leaves_exactly_min_rank_steps_rows() -> None:
+    """A screen's refit needs ``min_rank_steps`` rows left, not more: 12 rows with one stalled
+    rank and ``min_rank_steps=11`` fit without it, on the truth (keeping it bent the fit)."""
+    steps = _steps(4, 3)
+    steps[2][1][1] *= 10.0  # one rank stalled for a step
+    calibrator = CostCalibrator(warmup_steps=0, min_rank_steps=11)
+    for counts, ms in steps:
+        calibrator.observe(counts, ms)
+    assert calibrator.fits == 1
+    assert calibrator.model.quadratic == pytest.approx(2e-6, rel=1e-9)
+    assert calibrator.model.linear == pytest.approx(3e-3, rel=1e-9)
+
+
+def test_calibrator_keeps_rows_off_by_less_than_five_percent_however_exact_the_rest() -> None:
+    """The outlier screen drops a row only when it is off by more than 5% too: three rows 2% slow
+    among exact ones are kept, so the fit equals a calibrator's whose screens never drop anything
+    (without the 5% floor, ``outlier_factor`` times a near-zero median error dropped them)."""
+    steps = _steps(4, 4)
+    for step, rank in ((1, 0), (2, 2), (3, 3)):
+        steps[step][1][rank] *= 1.02
+    calibrator = CostCalibrator(warmup_steps=0)
+    unscreened = CostCalibrator(warmup_steps=0, outlier_factor=1e9)
+    for counts, ms in steps:
+        calibrator.observe(counts, ms)
+        unscreened.observe(counts, ms)
+    assert calibrator.fits == unscreened.fits == 2
+    assert calibrator.fingerprint() == unscreened.fingerprint()
+    assert calibrator.call_overhead_ms == unscreened.call_overhead_ms
+
+
+def test_a_vision_config_without_temporal_patches_prices_one_frame_per_patch() -> None:
+    """A SigLIP-style config (``num_channels``, no ``temporal_patch_size``) has pixel rows of
+    ``channels * patch**2``: its temporal patch size reads as 1, and ``from_vit`` prices the patch
+    embedding from that (a default of 2 doubled it)."""
+    from lightning_vit_balance.cost import pixel_row_factors
+
+    class SiglipLike:
+        model_type = "siglip_vision_model"
+        hidden_size = 32
+        num_hidden_layers = 2
+        intermediate_size = 64
+        num_channels = 3
+        patch_size = 16
+
+    class Tower:
+        config = SiglipLike()
+
+    assert pixel_row_factors(SiglipLike()) == {"in_channels": 3, "temporal_patch_size": 1, "patch_size": 16}
+    assert CostModel.from_vit(Tower()) == CostModel.from_vit_shape(
+        hidden_size=32, depth=2, intermediate_size=64, patch_input_dim=3 * 16 * 16
+    )

@@ -545,6 +545,8 @@ def test_plans_do_not_depend_on_the_python_versions_float_sum(
             [[2**62 - 1, 2**62 - 1], [4]],
             r"patch_counts sum to 9223372036854775810: expected a total below 2\*\*62",
         ),
+        # The bound itself is out: a total of exactly 2**62.
+        ([[2**61, 2**61], []], r"patch_counts sum to 4611686018427387904: expected a total below 2\*\*62"),
         ([5], r"patch_counts\[0\]=5"),
     ],
 )
@@ -1095,3 +1097,66 @@ def test_arguments_of_another_kind_are_named() -> None:
         plan_rebalance([[4], [1]], cost_model=3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"CostModel.to_config\(config='x'\) is invalid"):
         CostModel().to_config("x")  # type: ignore[arg-type]
+
+
+def test_the_lpt_solver_applies_a_plan_that_gains_less_than_min_gain() -> None:
+    """``min_gain`` is the locality solver's skip rule: the seed's LPT applies any plan that lowers
+    the makespan, here by 0.35% (reading ``min_gain`` for it too skipped it as ``"no-gain"``)."""
+    counts = [[12], [1, 12, 12]]
+    plan = plan_rebalance(counts, ViTBalanceConfig(solver="lpt"))
+    assert (plan.applied, plan.reason) == (True, "applied")
+    assert plan.makespan_after == 288.0 < plan.makespan_before == 289.0
+    assert plan_rebalance(counts, ViTBalanceConfig()).reason == "no-gain"  # min_gain 0.02
+
+
+def test_a_cost_model_that_prices_every_image_at_zero_plans_without_dividing_by_zero() -> None:
+    """Loads that are all 0 have imbalance 0 (not a division by a mean of 0): the step skips."""
+    free = CostModel(quadratic=0.0)
+    plan = plan_rebalance([[3, 5], [4]], cost_model=free)
+    assert (plan.reason, plan.imbalance_before, plan.imbalance_after) == ("below-threshold", 0.0, 0.0)
+    forced = plan_rebalance([[3, 5], [4]], ViTBalanceConfig(trigger_threshold=0.0), cost_model=free)
+    assert (forced.applied, forced.reason) == (False, "no-gain")
+
+
+def test_the_pigeonhole_bound_of_many_images_counts_the_k_plus_one_cheapest() -> None:
+    """The numpy variant of the pigeonhole bound (many images) is the Python one: of 601 equal
+    images on two ranks some rank encodes 301, so no plan is below 301 (one image short, 300,
+    left the bound at the mean, 300.5)."""
+    batch = Batch.build(((1,) * 301, (1,) * 300), CostModel(quadratic=0.0, linear=1.0))
+    assert batch.prebuilt is not None
+    assert (batch.lower_bound, batch.tight_bound) == (300.5, 301.0)
+
+
+def test_shed_and_place_never_takes_a_receiving_rank_above_the_cap() -> None:
+    """An image that finds no room stays home; where its home has received another rank's image,
+    the placement starts again with it kept home, so no receiving rank ends above the cap (one
+    pass alone sent rank 2's 16 patches to rank 0: 45 patches against a cap of 31.5)."""
+    batch = Batch.build(_validate_patch_counts([[14, 15], [12, 11], [16, 17, 1]]), CostModel())
+    cap = batch.cap(1.1)
+    dest = shed_and_place(batch, batch.lower_bound * (1.0 + tuning.SHED_AIM), cap)
+    receivers = {d for k, d in enumerate(dest) if d != batch.home[k]}
+    held = [sum(n for n, d in zip(batch.patches, dest) if d == r) for r in range(batch.num_ranks)]
+    assert all(held[r] <= cap for r in receivers)
+    assert dest == [0, 0, 1, 1, 2, 2, 2]
+
+
+def test_an_image_of_exactly_the_cap_is_not_pinned() -> None:
+    """Only an image larger than the cap fits nowhere: one of exactly ``cap`` patches fits on an
+    empty rank (``patches + grow <= cap``), so it is not kept home as pinned."""
+    batch = Batch.build(((4, 4), ()), CostModel())
+    assert batch.pinned(batch.cap(1.0)) == [False, False]
+    assert batch.pinned(3.9) == [True, True]
+
+
+def test_a_cost_that_overflows_float64_is_refused_on_the_plain_python_path() -> None:
+    """Few images are costed in plain Python floats; a cost that overflows to inf there raises, as
+    the array path does, instead of planning on infinite loads."""
+    with pytest.raises(ValueError, match=r"got inf \(a patch count, or a cost coefficient, too large"):
+        plan_rebalance([[10**6], [1]], cost_model=CostModel(quadratic=1e300))
+
+
+def test_the_lpt_solver_balances_when_the_largest_image_equals_the_mean_load() -> None:
+    """The seed skips only when one image costs more than the mean load: 4 of a mean 4 is planned
+    (LPT: 6 -> 4), not skipped as ``"single-image-dominates"``."""
+    plan = plan_rebalance([[2, 1, 1], [1, 1]], SEED_FORCED)
+    assert (plan.reason, plan.loads_after) == ("applied", (4.0, 4.0))

@@ -210,6 +210,8 @@ def find_metric_files(path: str | Path) -> list[Path]:
 
 #: Hugging Face's reporting callbacks (TensorBoard, W&B) log a training entry ``key`` as ``train/key``.
 HF_TRAIN_PREFIX = "train/"
+#: ``ViTBalanceCallback``'s records of a validation or test loop: not drawn.
+EVALUATION_PREFIXES = (PREFIX + "val/", PREFIX + "test/")
 
 
 def _read_files(files: Sequence[Path]) -> Metrics:
@@ -225,7 +227,10 @@ def _read_files(files: Sequence[Path]) -> Metrics:
             ) from error
         for key, pairs in part.items():
             name = key.removeprefix(HF_TRAIN_PREFIX) if key.startswith(HF_TRAIN_PREFIX + PREFIX) else key
-            if name.startswith(PREFIX):
+            # Training's series alone: a validation's or test's (ViTBalanceCallback's
+            # vit_balance/val/..., vit_balance/test/...) is no training step, and a run of
+            # trainer.test() or trainer.validate() alone has nothing to draw.
+            if name.startswith(PREFIX) and not name.startswith(EVALUATION_PREFIXES):
                 metrics.setdefault(name, []).extend(pairs)
     return metrics
 

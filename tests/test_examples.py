@@ -192,6 +192,19 @@ def test_dashboard_draws_the_latest_of_several_runs(
     _write_csv(tmp_path / "logs" / "version_2" / "metrics.csv", [{"step": 0, "test_loss": 1.0}])
     metrics = plot_vit_balance.load_metrics(tmp_path / "logs")
     assert [s for s, _ in metrics["vit_balance/imbalance_before"]] == [0, 1, 2]
+    # Nor one of trainer.test() or trainer.validate() alone, whose ViTBalanceCallback logs the
+    # loop's calls under vit_balance/test/ or vit_balance/val/: no training step to draw.
+    for version, loop in (("version_3", "test"), ("version_4", "val")):
+        (tmp_path / "logs" / version).mkdir()
+        evaluated = {
+            f"vit_balance/{loop}/{key.removeprefix('vit_balance/')}": value
+            for key, value in _metric_rows(1)[0].items()
+            if key.startswith("vit_balance/")
+        }
+        _write_csv(tmp_path / "logs" / version / "metrics.csv", [{"step": 0, "epoch": 0, **evaluated}])
+    metrics = plot_vit_balance.load_metrics(tmp_path / "logs")
+    assert [s for s, _ in metrics["vit_balance/imbalance_before"]] == [0, 1, 2]
+    assert not [key for key in metrics if key.startswith(("vit_balance/val/", "vit_balance/test/"))]
 
 
 def test_dashboard_reads_a_fabric_csv_log(tmp_path: Path) -> None:

@@ -589,6 +589,16 @@ class ViTBalancer:
         self._clock, self._trips, self._encoded = kept
         self._loop = loop
 
+    def forget_loop(self, loop: str) -> None:
+        """Forget ``loop``'s clocks (see :meth:`measure_as`): its next call reports none of the
+        figures of the calls before, as a loop's first call. For a loop run again apart (an
+        evaluation of another dataset, a prediction, then an evaluation): its first call would
+        report the last run's last call as its own. Call it on every rank alike."""
+        if loop == self._loop:
+            self._clock, self._trips, self._encoded = ViTClock(), TripClock(), _Encoded()
+        else:
+            self._other_loops.pop(loop, None)
+
     # -- entry point -------------------------------------------------------------------------
 
     @eager

@@ -57,16 +57,26 @@ def _user_stacklevel(frame: FrameType) -> int:
     return level
 
 
+#: Where launchers put a process's rank before its process group exists, read in Lightning's
+#: order (``rank_zero_only``): torchrun's, then Lightning's own launcher's, SLURM's and LSF's.
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+
+
 def _global_rank() -> int:
-    """This process's rank in the default process group; before one exists, the launcher's
-    ``RANK`` (0 without one). Read from ``sys.modules``: nothing is imported for a warning."""
+    """This process's rank in the default process group; before one exists, the launcher's (see
+    :data:`_RANK_VARIABLES`; 0 without one). Read from ``sys.modules``: nothing is imported for a
+    warning."""
     distributed = sys.modules.get("torch.distributed")
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
         return distributed.get_rank()
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
+    for name in _RANK_VARIABLES:
+        value = os.environ.get(name)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
 
 
 def warn_at_user(message: str, category: type[Warning] = RuntimeWarning, *, every_rank: bool = True) -> None:

@@ -256,6 +256,8 @@ _PREPARE_KEYS: tuple[tuple[str, str], ...] = tuple((pixels, grid) for _, pixels,
 _Dummy = tuple[torch.Tensor, torch.Tensor]
 #: The base model's method that encodes and projects each modality (transformers 5).
 _FEATURE_METHODS = {"images": "get_image_features", "videos": "get_video_features"}
+#: The loop an eval-mode forward measures as (``ViTBalancer.measure_as``); training's is "train".
+_EVALUATION_LOOP = "eval"
 #: The batch key under which :meth:`BalancedVisionTower.plan_ahead`'s collator hands the model's
 #: forward the batch's grids as collated, on the host.
 GRIDS_KEY = "vit_balance_grids"
@@ -1994,6 +1996,14 @@ class BalancedVisionTower:
         if self._balancer is not None:
             self._balancer.check_pending()
 
+    def end_evaluation(self) -> None:
+        """Forget the evaluation forwards' clocks: the next evaluation's (or prediction's) first
+        forward reports none of this one's ViT times as its own (a dataset's evaluation after
+        another's, an evaluation after a prediction). Call it on every rank alike where an
+        evaluation or a prediction ends; ``ViTBalanceTrainerCallback`` does."""
+        if self._balancer is not None:
+            self._balancer.forget_loop(_EVALUATION_LOOP)
+
     def remove(self) -> None:
         """Undo :func:`balance_vision_tower`: the patched instance attributes go (or the ones found
         at install time come back). Calling it again does nothing."""
@@ -2275,7 +2285,7 @@ class BalancedVisionTower:
         key = (config, current_group(group), layout)
         # Training and evaluation forwards measure apart (ViTBalancer.measure_as): every rank's
         # model is in the same mode.
-        loop = "train" if self.base.training else "eval"
+        loop = "train" if self.base.training else _EVALUATION_LOOP
         if self._balancer is None or self._balancer_key != key:
             previous, previous_key = self._balancer, self._balancer_key
             host = gathers_on(self._host_group(group), group)
@@ -2291,7 +2301,8 @@ class BalancedVisionTower:
             self._balancer_key, self._carried = key, None
             if carried:
                 source = "balance_vision_tower: the cost fit of the previous configuration"
-                continue_fit(self._balancer.load_state_dict, carried, source, warn_at_user)
+                on_rank_zero = functools.partial(warn_at_user, every_rank=False)  # every rank carries alike
+                continue_fit(self._balancer.load_state_dict, carried, source, on_rank_zero)
         self._balancer.measure_as(loop)
         return self._balancer
 

@@ -58,7 +58,9 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
 
     **End of a loop.** When training, an evaluation or a prediction ends, every rank reports what
     the loop's last forward given a plan made ahead left for a next gather
-    (:meth:`BalancedVisionTower.check_pending`). When training ends, the handle also lets go of its
+    (:meth:`BalancedVisionTower.check_pending`); an evaluation or a prediction also forgets its
+    clocks (:meth:`BalancedVisionTower.end_evaluation`), so the next one's ``vit_ms`` figures are
+    its own forwards'. When training ends, the handle also lets go of its
     gloo twin (:meth:`BalancedVisionTower.release`): a process that trains model after model (a
     hyperparameter search's trials) holds none per run.
 
@@ -162,22 +164,26 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._check_pending(kwargs.get("model"))  # the evaluation's last forward, in training or not
+        self._end_evaluation(kwargs.get("model"))  # its log has its figures already
 
     def on_predict(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._check_pending(kwargs.get("model"))
-        if self._handle is not None:
-            self._handle.pop_stats()  # a prediction logs nothing: not the next evaluation's forwards
+        handle = self._end_evaluation(kwargs.get("model"))
+        if handle is not None:
+            handle.pop_stats()  # a prediction logs nothing: not the next evaluation's forwards
 
-    def _check_pending(self, model: Any) -> None:
+    def _end_evaluation(self, model: Any) -> BalancedVisionTower | None:
+        """At an evaluation's or a prediction's end, check its last forward and forget its clocks,
+        so the next one reports its own forwards alone; the handle."""
         # Every rank evaluates and predicts (the Trainer's loaders pad), so every rank checks. The
         # Trainer's model names the handle: a callback added after the Trainer's start (attach,
         # add_callback) saw no on_init_end, and evaluate may run before any training.
         handle = _handle_of(model, required=False) or self._handle
         if handle is not None:
             handle.check_pending()
+            handle.end_evaluation()
+        return handle
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -252,9 +258,13 @@ class _MetricsFirst(TrainerCallback):
 
 def _evaluation_prefix(logs: dict[str, Any]) -> str | None:
     """The metric prefix of an evaluation's log (``eval``, ``eval_{dataset}``, or the
-    ``metric_key_prefix`` given): the Trainer puts ``{prefix}_runtime`` in each; None for others."""
-    prefixes = [key.removesuffix("_runtime") for key in logs if key.endswith("_runtime")]
-    return prefixes[0] if len(prefixes) == 1 and prefixes[0] != "train" else None
+    ``metric_key_prefix`` given): the Trainer's speed figures, ``{prefix}_runtime`` with
+    ``{prefix}_samples_per_second``, are in each (a ``compute_metrics`` key ending in ``_runtime``
+    is not); None for other logs (the run's summary has ``train_runtime``)."""
+    speed = "_samples_per_second"
+    prefixes = [key.removesuffix(speed) for key in logs if key.endswith(speed) and key != "train" + speed]
+    found = [prefix for prefix in prefixes if f"{prefix}_runtime" in logs]
+    return found[0] if len(found) == 1 else None
 
 
 def _quiet(message: str) -> None:

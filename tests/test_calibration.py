@@ -142,7 +142,8 @@ def test_no_figure_of_a_failed_call_reaches_the_fit(multirank: Any, skipped: boo
 
 def _loops_measured_apart() -> dict[str, Any] | None:
     """Training calls, then evaluation calls whose ViT takes 200 ms more (``measure_as("eval")``),
-    then training again: the ViT times each call reports, and the cost fits the ranks made."""
+    then training again, then evaluation again after ``forget_loop("eval")`` (and after it again,
+    in the loop): the ViT times each call reports, and the cost fits the ranks made."""
     import time
 
     setup = _calibrating()
@@ -150,11 +151,22 @@ def _loops_measured_apart() -> dict[str, Any] | None:
         return None
     rank, tower, balancer = setup
     pixels, grid = towers.make_batch([[(1, 8, 8), (1, 8, 8)], [(1, 2, 2)], [(1, 4, 4)]][rank], seed=rank)
-    reported: dict[str, list[tuple[float, ...]]] = {"train": [], "eval": [], "train again": []}
-    for loop, calls in (("train", 2), ("eval", 2), ("train again", 2)):
+    loops = (
+        ("train", 2),
+        ("eval", 2),
+        ("train again", 2),
+        ("eval forgotten", 2),
+        ("eval forgotten in it", 1),
+    )
+    reported: dict[str, list[tuple[float, ...]]] = {loop: [] for loop, _ in loops}
+    for loop, calls in loops:
+        if loop.startswith("eval forgotten"):
+            balancer.forget_loop("eval")  # another loop's first, then the loop's own
         balancer.measure_as(loop.split()[0])
         slow = (
-            tower.register_forward_pre_hook(lambda module, args: time.sleep(0.2)) if loop == "eval" else None
+            tower.register_forward_pre_hook(lambda module, args: time.sleep(0.2))
+            if loop.startswith("eval")
+            else None
         )
         for _ in range(calls):
             balancer(tower, pixels, grid)
@@ -181,6 +193,11 @@ def test_each_loop_reports_its_own_measured_times(multirank: Any) -> None:
         # The last training call's before the evaluation, then the first one's after it: a wall
         # clock, so with room for a loaded machine.
         assert all(0.0 <= ms < 100.0 for ms in again[0] + again[1]), r
+        # Forgotten, the evaluation's clocks go: its next first call reports none of the last
+        # evaluation's 200 ms (then its own), and so does a call after forgetting mid-loop.
+        forgotten = r["reported"]["eval forgotten"]
+        assert forgotten[0] == (-1.0,) * RANKS and all(ms >= 200.0 for ms in forgotten[1]), r
+        assert r["reported"]["eval forgotten in it"] == [(-1.0,) * RANKS], r
 
 
 def _observed_with_plans_made_a_batch_ahead(checkpointed: bool) -> dict[str, Any] | None:

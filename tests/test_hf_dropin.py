@@ -2058,12 +2058,19 @@ def test_a_warning_every_rank_decides_alike_is_said_by_rank_zero_alone(
     multirank: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Said on every rank, a configuration's warning was 512 lines at 512 ranks. Global rank 0
-    says it: the process group's, or before one exists the launcher's ``RANK``."""
+    says it: the process group's, or before one exists the launcher's (``RANK``, then the
+    variables Lightning reads)."""
     with multirank(2) as pool:
         assert pool.run(_told_of_a_configuration_dropping_the_defaults) == [1, 0]
     for rank, told in (("1", 0), ("0", 1), ("not a rank", 1)):
         monkeypatch.setenv("RANK", rank)
         assert _told_of_a_configuration_dropping_the_defaults() == told, rank
+    # Lightning's own launcher sets LOCAL_RANK alone (SLURM its SLURM_PROCID), as Lightning reads.
+    monkeypatch.delenv("RANK")
+    for variable in ("LOCAL_RANK", "SLURM_PROCID"):
+        monkeypatch.setenv(variable, "1")
+        assert _told_of_a_configuration_dropping_the_defaults() == 0, variable
+        monkeypatch.delenv(variable)
 
 
 class _TowerModule(ViTBalanceMixin, L.LightningModule):
@@ -3248,9 +3255,10 @@ def _last_evaluation_forward_reordered(out_dir: str, entry: str) -> str:
     return outcome.message
 
 
-def _evaluation_logged(out_dir: str) -> dict[str, float]:
-    """``trainer.evaluate()`` alone, of a drop-in that balances evaluation (two forwards a rank):
-    the ``vit_balance`` figures of the dict it returns."""
+def _evaluation_logged(out_dir: str) -> tuple[dict[str, float], list[tuple[float, ...]]]:
+    """``trainer.predict()``, then ``trainer.evaluate()``, of a drop-in that balances evaluation
+    (two forwards a rank each): the ``vit_balance`` figures of the dict ``evaluate`` returns, and
+    the ViT times its forwards reported."""
     from transformers import Trainer
 
     set_launcher_variables(MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
@@ -3260,7 +3268,17 @@ def _evaluation_logged(out_dir: str) -> dict[str, float]:
     arguments = _training_arguments(out_dir, 1, per_device_eval_batch_size=1, prediction_loss_only=True)
     trainer = Trainer(model=handle.model, args=arguments, data_collator=_first)
     ViTBalanceTrainerCallback().attach(trainer)
-    return {key: value for key, value in trainer.evaluate(batches).items() if "vit_balance" in key}
+    trainer.predict(batches)
+    popped, pop = [], handle.pop_stats
+
+    def pop_and_keep() -> list[Any]:
+        stats = pop()
+        popped.extend(stats)
+        return stats
+
+    handle.pop_stats = pop_and_keep  # type: ignore[method-assign]
+    figures = {key: value for key, value in trainer.evaluate(batches).items() if "vit_balance" in key}
+    return figures, [stats.vit_ms for stats in popped]
 
 
 def _trains_as_the_plain_model(tmp_path: Path, plan_ahead: bool) -> list[dict[str, Any]]:
@@ -3276,7 +3294,7 @@ def _trains_as_the_plain_model(tmp_path: Path, plan_ahead: bool) -> list[dict[st
             expected = "rank 1: an earlier call given a prepared plan passed a grid_thw"
             assert all(expected in message for message in told), (entry, told)
         if not plan_ahead:  # the evaluation's forwards, in the dict evaluate() returns
-            evaluated = pool.run(_evaluation_logged, str(tmp_path / "evaluate"), timeout=120)
+            evaluated, reported = zip(*pool.run(_evaluation_logged, str(tmp_path / "evaluate"), timeout=120))
             assert all(key.startswith("eval_vit_balance/") for key in evaluated[0]), evaluated
             # The plans' figures are the same on each rank; timings and bytes are each rank's own.
             own = ("_ms", "bytes_sent", "bytes_received")
@@ -3287,6 +3305,10 @@ def _trains_as_the_plain_model(tmp_path: Path, plan_ahead: bool) -> list[dict[st
                 evaluated[r][f"eval_vit_balance/bytes_{w}"] for r, w in ((0, "sent"), (1, "received"))
             )
             assert sent == received > 0, evaluated
+            # Its first forward reports no ViT time: not the prediction's last forward's, its clocks
+            # forgotten at the prediction's end; its second, the first's.
+            for times in reported:
+                assert times[0] == (-1.0,) * FIT_RANKS and min(times[1]) > 0, reported
     finally:
         pool.close(kill=True)
     expected = _reference(tiny_model(FIT_FAMILY))
@@ -3638,10 +3660,11 @@ def test_trainer_callback_logs_every_forward_of_a_step_in_training_logs_only() -
 
 
 def test_trainer_callback_logs_an_evaluations_forwards_under_its_prefix() -> None:
-    """An evaluation's log (``{prefix}_runtime`` in it: ``evaluate()``, in training or alone) gets
-    its forwards under its prefix, counted alone, in the log and its history entry; they had been
-    dropped. A prediction's forwards go to no log, and the run's summary (``train_runtime``) gets
-    nothing."""
+    """An evaluation's log (the Trainer's ``{prefix}_runtime`` and ``{prefix}_samples_per_second``
+    in it: ``evaluate()``, in training or alone) gets its forwards under its prefix, counted alone,
+    in the log and its history entry; they had been dropped. A ``compute_metrics`` figure ending
+    in ``_runtime`` does not hide the prefix; a prediction's forwards go to no log, and the run's
+    summary (``train_runtime``) gets nothing."""
     from test_metrics import APPLIED, SKIPPED
     from transformers import TrainerState
     from transformers.trainer_callback import TrainerControl
@@ -3653,7 +3676,7 @@ def test_trainer_callback_logs_an_evaluations_forwards_under_its_prefix() -> Non
     callback, state, control = ViTBalanceTrainerCallback(), TrainerState(), TrainerControl()
     callback.on_init_end(None, state, control, model=model)  # type: ignore[arg-type]
     queued[:] = [APPLIED, SKIPPED]  # evaluate() before any training
-    logs = {"eval_loss": 1.0, "eval_runtime": 0.5}
+    logs = {"eval_loss": 1.0, "eval_model_runtime": 3.0, "eval_runtime": 0.5, "eval_samples_per_second": 8.0}
     state.log_history.append({**logs, "step": 0})
     callback.on_log(None, state, control, logs=logs)  # type: ignore[arg-type]
     assert (logs["eval_vit_balance/calls"], logs["eval_vit_balance/applied"]) == (2.0, 0.5), logs
@@ -3662,15 +3685,15 @@ def test_trainer_callback_logs_an_evaluations_forwards_under_its_prefix() -> Non
     queued[:] = [APPLIED]
     callback.on_predict(None, state, control, model=model)  # type: ignore[arg-type]
     queued.append(SKIPPED)  # one dataset of several: evaluate()'s own prefix
-    named = {"eval_photos_loss": 1.0, "eval_photos_runtime": 0.1}
+    named = {"eval_photos_loss": 1.0, "eval_photos_runtime": 0.1, "eval_photos_samples_per_second": 9.0}
     callback.on_log(None, state, control, logs=named)  # type: ignore[arg-type]
     assert named["eval_photos_vit_balance/calls_total"] == 1.0 and all(
         k.startswith("eval_photos_") for k in named
     )
     queued.append(APPLIED)
-    summary = {"train_runtime": 1.0, "train_loss": 2.0}
+    summary = {"train_runtime": 1.0, "train_samples_per_second": 4.0, "train_loss": 2.0}
     callback.on_log(None, state, control, logs=summary)  # type: ignore[arg-type]
-    assert summary == {"train_runtime": 1.0, "train_loss": 2.0}
+    assert summary == {"train_runtime": 1.0, "train_samples_per_second": 4.0, "train_loss": 2.0}
 
 
 def test_trainer_callback_goes_on_from_the_resumed_state_or_says_why_not() -> None:

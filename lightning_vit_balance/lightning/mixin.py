@@ -738,6 +738,7 @@ class ViTBalanceMixin:
                 "balances nothing. "
                 f"List ViTBalanceMixin first: class {cls.__name__}(ViTBalanceMixin, LightningModule).",
                 UserWarning,
+                every_rank=False,
             )
 
     def _vit_balance_state_object(self) -> _State:

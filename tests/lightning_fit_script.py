@@ -293,13 +293,13 @@ def predict_from_checkpoint(ckpt_path: str, out_dir: str) -> None:
     config = model.vit_balance_config
     loaded = {"type": type(config).__name__, "fields": dataclasses.asdict(config)}
     (Path(out_dir) / "loaded.json").write_text(json.dumps(loaded))
-    writer = PredictionFiles(out_dir)
+    writer, balance = PredictionFiles(out_dir), ViTBalanceCallback()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=RANKS,
         strategy="ddp",
         logger=False,
-        callbacks=[writer],
+        callbacks=[writer, balance],
         enable_progress_bar=False,
         enable_model_summary=False,
     )
@@ -309,17 +309,22 @@ def predict_from_checkpoint(ckpt_path: str, out_dir: str) -> None:
         )
         for k, count in enumerate(PREDICT_SAMPLES)
     ]
-    writer.run = "off"
-    trainer.predict(model, loaders[1], return_predictions=False)  # vit_balance_predict is off by default
-    writer.run = "first"
+
+    def predict(run: str, **data: Any) -> None:
+        """One predict run; each rank saves the callback's ``last_predict_metrics`` of it as
+        ``{run}_metrics_rank_{r}.json``."""
+        writer.run = run
+        trainer.predict(model, return_predictions=False, **data)
+        saved = Path(out_dir) / f"{run}_metrics_rank_{trainer.global_rank}.json"
+        saved.write_text(json.dumps(balance.last_predict_metrics))
+
+    predict("off", dataloaders=loaders[1])  # vit_balance_predict is off by default
     model.vit_balance_predict = True
-    trainer.predict(model, loaders, return_predictions=False)
-    writer.run = "second"
+    predict("first", dataloaders=loaders)
     model.vit_balance_config = dataclasses.replace(config, plan_ahead=True)
     model.vit_balance_prepare_keys = (("pixel_values", "image_grid_thw"),)  # its steps encode images only
-    trainer.predict(model, loaders[1], return_predictions=False)
-    writer.run = "datamodule"
-    trainer.predict(model, datamodule=BatchHookData(loaders[1]), return_predictions=False)
+    predict("second", dataloaders=loaders[1])
+    predict("datamodule", datamodule=BatchHookData(loaders[1]))
 
 
 class BatchHookData(L.LightningDataModule):

@@ -149,6 +149,12 @@ class ScriptedModule(L.LightningModule):
     def test_dataloader(self) -> Any:
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(2, 2)))
 
+    def predict_step(self, batch: Any, batch_idx: int) -> None:
+        self.queue.extend(self.script[batch_idx])
+
+    def predict_dataloader(self) -> Any:
+        return self.train_dataloader()
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -302,6 +308,29 @@ def _test_records(trainer: L.Trainer, module: ScriptedModule) -> list[tuple[dict
         tester.test(module)
     assert float(tester.callback_metrics["vit_balance/test/calls_total"]) == 3.0
     return logger.vit_balance_calls("test")
+
+
+def test_a_predict_runs_figures_are_kept_and_said_in_a_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Lightning's predict loop logs nothing, and its calls had been dropped: the run's figures are
+    ``last_predict_metrics`` (``vit_balance/predict/...``, that run's calls alone) and a line."""
+    script = [[APPLIED_A, SKIPPED], [], [APPLIED_B]]
+    callback = ViTBalanceCallback()
+    predictor = L.Trainer(accelerator="cpu", devices=1, callbacks=[callback], enable_progress_bar=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        predictor.predict(ScriptedModule(script))
+        _assert_logged(
+            callback.last_predict_metrics,
+            _under("predict", _expected([APPLIED_A, SKIPPED, APPLIED_B], 2, 3, {"below-threshold": 1})),
+        )
+        said = [r.getMessage() for r in caplog.records if "ViTBalanceCallback: predict" in r.getMessage()]
+        imbalance = (APPLIED_A.imbalance_before + SKIPPED.imbalance_before + APPLIED_B.imbalance_before) / 3
+        assert said == [
+            f"ViTBalanceCallback: predict: 2 of 3 calls moved images; load imbalance {imbalance:.3f}"
+            f" -> {(0 + SKIPPED.imbalance_after + 0) / 3:.3f}."
+        ], said
+        predictor.predict(ScriptedModule([[], [], []]))  # a run without balanced calls: nothing
+    assert callback.last_predict_metrics == {}
 
 
 def test_gradient_accumulation_aggregates_the_micro_batches_of_a_step() -> None:

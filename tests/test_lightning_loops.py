@@ -345,6 +345,13 @@ def test_fresh_processes_load_the_checkpoint_and_predict_uneven_data_balancing_w
         assert {k: sorted(v) for k, v in seen.items()} == {
             k: list(range(PREDICT_SAMPLES[k])) for k in loader_ids
         }
+        # ViTBalanceCallback's figures of the run count its balanced calls (none: no figures).
+        balanced = 0 if run == "off" else sum(PREDICT_SAMPLES[k] // RANKS for k in loader_ids)
+        for rank in range(RANKS):
+            figures = json.loads((tmp_path / f"{run}_metrics_rank_{rank}.json").read_text())
+            expected = {"calls_total": balanced, "applied_total": balanced} if balanced else {}
+            got = {key.removeprefix("vit_balance/predict/"): figures[key] for key in figures}
+            assert {key: got[key] for key in expected} == expected and bool(got) == bool(balanced), (run, got)
 
 
 def _checkpoint_holding(config_state: dict[str, Any]) -> io.BytesIO:

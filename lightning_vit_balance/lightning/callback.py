@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_vit_balance.config import require_flag
@@ -53,8 +53,9 @@ class ViTBalanceCallback(Callback):
     (not its sanity check) are logged once per loop, where Lightning logs the loop's
     ``on_epoch`` values: the same keys under ``vit_balance/val/`` and ``vit_balance/test/``
     (``vit_balance/val/vit_ms_max``), aggregating every call of the loop, with ``calls_total`` and
-    ``skipped/{reason}`` counting that loop's calls. Predict calls are not logged (Lightning's
-    predict loop logs nothing).
+    ``skipped/{reason}`` counting that loop's calls. Lightning's predict loop logs nothing: a
+    predict run's figures (the same keys under ``vit_balance/predict/``) are
+    :attr:`last_predict_metrics`, and rank 0 prints a line of them at its end.
 
     Every optimizer step's values also go to ``trainer.callback_metrics`` on every rank, as
     ``self.log(..., on_step=True)`` would put them (and each evaluation loop's at its end), so
@@ -190,6 +191,9 @@ class ViTBalanceCallback(Callback):
         self._reset_totals()
         # Each running evaluation loop's calls (the loop's own counts: nothing checkpointed).
         self._evaluation: dict[str, BalanceMetrics] = {}
+        self.last_predict_metrics: dict[str, float] = {}
+        """The latest predict run's figures, keyed ``vit_balance/predict/...`` (empty before one, or
+        where its calls encoded directly); the same on every rank but the bytes and timings."""
 
     def _reset_totals(self) -> None:
         # The interval since the last logged step, with the counts since the fit started; and the
@@ -391,6 +395,10 @@ class ViTBalanceCallback(Callback):
         self._evaluation_end(trainer, "test")
 
     @override
+    def on_predict_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._evaluation.pop("predict", None)
+
+    @override
     def on_predict_batch_end(
         self,
         trainer: Trainer,
@@ -400,7 +408,14 @@ class ViTBalanceCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._drain(pl_module)
+        self._evaluation_batch_end(trainer, pl_module, "predict")
+
+    @override
+    def on_predict_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        metrics = self._evaluation.pop("predict", None)
+        self.last_predict_metrics = _under("predict", metrics.metrics()) if metrics is not None else {}
+        if self.last_predict_metrics:
+            rank_zero_info(_predict_line(self.last_predict_metrics))
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -418,3 +433,17 @@ def _to_callback_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
     if metrics:
         values = torch.tensor(list(metrics.values()), dtype=torch.float64)
         trainer.callback_metrics.update(zip(metrics, values.unbind()))
+
+
+def _predict_line(metrics: dict[str, float]) -> str:
+    """A predict run's figures in a line (``vit_balance/predict/...`` keys; those a run lacks, left
+    out: the ``vit_ms`` ones before a second call, the imbalances without images)."""
+    figure = {key.removeprefix(PREFIX + "predict/"): value for key, value in metrics.items()}
+    parts = [f"{int(figure['applied_total'])} of {int(figure['calls_total'])} calls moved images"]
+    if "imbalance_before" in figure:
+        parts.append(f"load imbalance {figure['imbalance_before']:.3f} -> {figure['imbalance_after']:.3f}")
+    if "vit_ms_max" in figure:
+        parts.append(
+            f"slowest rank's ViT {figure['vit_ms_max']:.1f} ms a call (mean {figure['vit_ms_mean']:.1f})"
+        )
+    return "ViTBalanceCallback: predict: " + "; ".join(parts) + "."

@@ -193,7 +193,8 @@ class ViTBalanceCallback(Callback):
         self._evaluation: dict[str, BalanceMetrics] = {}
         self.last_predict_metrics: dict[str, float] = {}
         """The latest predict run's figures, keyed ``vit_balance/predict/...`` (empty before one, or
-        where its calls encoded directly); the same on every rank but the bytes and timings."""
+        where its calls encoded directly); the same on every rank but the bytes and timings. Under
+        ``ddp_spawn`` the ranks' copies of the callback hold them, not the launching process's."""
 
     def _reset_totals(self) -> None:
         # The interval since the last logged step, with the counts since the fit started; and the

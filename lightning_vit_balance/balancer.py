@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_vit_balance.callsite import warn_at_user
+from lightning_vit_balance.callsite import warn_at_user, warn_on_rank_zero
 from lightning_vit_balance.config import ViTBalanceConfig, require_config, setting_digest
 from lightning_vit_balance.cost import CostCalibrator, CostModel
 from lightning_vit_balance.eager import eager
@@ -290,6 +290,15 @@ class _Encoded:
     counts: tuple[tuple[int, ...], ...] | None = None
     frames: tuple[tuple[int, ...], ...] | None = None
     batch: int = 0
+
+
+#: A loop's clocks and what they pay for (:meth:`ViTBalancer.measure_as`).
+_LoopClocks = tuple[ViTClock, TripClock, _Encoded]
+
+
+def _fresh_clocks() -> _LoopClocks:
+    """A loop's clocks before its first call: its first call reports no figures."""
+    return ViTClock(), TripClock(), _Encoded()
 
 
 def _collector_paused(method: Callable[_Params, _Result]) -> Callable[_Params, _Result]:
@@ -548,13 +557,12 @@ class ViTBalancer:
         self._plan_memory = PlanMemory()
         # Routes, trips and return layouts of recent plans: made once per plan, ahead where it is.
         self._routes = RouteCache()
-        # What every rank encoded in the previous call: what its measured ViT time paid for.
-        self._encoded = _Encoded()
-        self._clock = ViTClock()
-        self._trips = TripClock()
+        # This loop's clocks, and what every rank encoded in the previous call: what its measured
+        # ViT time paid for.
+        self._clock, self._trips, self._encoded = _fresh_clocks()
         # The loop the clocks and encoded counts above measure, and the other loops' (measure_as).
         self._loop = ""
-        self._other_loops: dict[str, tuple[ViTClock, TripClock, _Encoded]] = {}
+        self._other_loops: dict[str, _LoopClocks] = {}
         # Prepared calls' grids on a device, compared there; read at the next metadata gather.
         self._grid_checks = DeviceGridChecks()
         # A prepared call the plan skipped whose input did not match the plan: told at the next gather.
@@ -585,7 +593,7 @@ class ViTBalancer:
         self._other_loops[self._loop] = (self._clock, self._trips, self._encoded)
         kept = self._other_loops.pop(loop, None)
         if kept is None:
-            kept = (ViTClock(), TripClock(), _Encoded())
+            kept = _fresh_clocks()
         self._clock, self._trips, self._encoded = kept
         self._loop = loop
 
@@ -595,7 +603,7 @@ class ViTBalancer:
         evaluation of another dataset, a prediction, then an evaluation): its first call would
         report the last run's last call as its own. Call it on every rank alike."""
         if loop == self._loop:
-            self._clock, self._trips, self._encoded = ViTClock(), TripClock(), _Encoded()
+            self._clock, self._trips, self._encoded = _fresh_clocks()
         else:
             self._other_loops.pop(loop, None)
 
@@ -805,7 +813,7 @@ class ViTBalancer:
         self.measure_as(loop)
         previous.measure_as(loop)  # its clocks of `loop` in hand (new ones where it had none)
         self._clock, self._trips, self._encoded = previous._clock, previous._trips, previous._encoded
-        previous._clock, previous._trips, previous._encoded = ViTClock(), TripClock(), _Encoded()
+        previous._clock, previous._trips, previous._encoded = _fresh_clocks()
         if every_loop:
             self._other_loops, previous._other_loops = previous._other_loops, {}
         return True
@@ -854,9 +862,8 @@ class ViTBalancer:
             try:
                 self._calibrator.load_state_dict(fitted.state_dict())
             except ValueError as error:
-                warn_at_user(
+                warn_on_rank_zero(
                     f"ViTBalancer.config: the cost fit so far is not used ({error}); it starts afresh.",
-                    every_rank=False,
                 )
 
     @property
@@ -1015,11 +1022,10 @@ class ViTBalancer:
             return True
         if not self._warned_sharded_overlap:
             self._warned_sharded_overlap = True
-            warn_at_user(
+            warn_on_rank_zero(
                 "ViTBalanceConfig.overlap_pixel_trip=True: the ViT's parameters are sharded (FSDP, "
                 "ZeRO-3), so each of its calls gathers them and every rank must call it as often as "
                 "the others; its balanced calls encode in one ViT call, without the overlap.",
-                every_rank=False,
             )
         return False
 
@@ -1836,11 +1842,10 @@ def balanced_encode(
         config: Balancing settings (default: ``ViTBalanceConfig()``).
     """
     if isinstance(config, ViTBalanceConfig) and config.calibrate_cost:
-        warn_at_user(
+        warn_on_rank_zero(
             "balanced_encode(config=...calibrate_cost=True) fits nothing: each call makes its own "
             "ViTBalancer, and a fit needs the previous call's measured times. Keep a "
             "ViTBalancer(config, group) and call it each step.",
-            every_rank=False,
         )
     return ViTBalancer(config, group)(vit, pixel_values, grid_thw)
 

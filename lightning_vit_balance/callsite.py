@@ -14,7 +14,7 @@ import sys
 import warnings
 from types import FrameType
 
-__all__ = ["warn_at_user"]
+__all__ = ["warn_at_user", "warn_on_rank_zero"]
 
 #: Libraries whose frames lie between the user's code and the package's: read from ``sys.modules``
 #: only, so nothing is imported for a warning.
@@ -79,12 +79,14 @@ def _global_rank() -> int:
     return 0
 
 
-def warn_at_user(message: str, category: type[Warning] = RuntimeWarning, *, every_rank: bool = True) -> None:
+def warn_at_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
     """``warnings.warn(message, category)`` at the user's line (see :func:`_user_stacklevel`): level
-    1 is the caller's frame, one below this function's.
-
-    ``every_rank=False`` for a warning every rank decides alike (a configuration, a model's
-    structure): global rank 0 alone says it, so 512 ranks print one line, not 512."""
-    if not every_rank and _global_rank() != 0:
-        return
+    1 is the caller's frame, one below this function's."""
     warnings.warn(message, category, stacklevel=_user_stacklevel(sys._getframe(1)) + 1)
+
+
+def warn_on_rank_zero(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """:func:`warn_at_user` on global rank 0 alone (see :func:`_global_rank`), for a warning every
+    rank decides alike (a configuration, a model's structure): 512 ranks print one line, not 512."""
+    if _global_rank() == 0:
+        warn_at_user(message, category)

@@ -22,7 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from lightning_vit_balance.callsite import warn_at_user
+from lightning_vit_balance.callsite import warn_on_rank_zero
 
 __all__ = [
     "EMPTY_RANK_POLICIES",
@@ -263,10 +263,9 @@ class ViTBalanceConfig:
                 "to leave those fields out."
             )
         if unknown:
-            warn_at_user(
+            warn_on_rank_zero(
                 f"ViTBalanceConfig: the loaded configuration's fields {unknown} are unknown to this "
                 "version of lightning-vit-balance and left out (dropping_unknown_fields).",
-                every_rank=False,
             )
         for name, field in fields.items():
             # Frozen: set through object, then validate as __init__ does.

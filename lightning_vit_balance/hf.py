@@ -211,7 +211,7 @@ from lightning_vit_balance.balancer import (
     checked_state,
     refuse_in_a_loader_worker,
 )
-from lightning_vit_balance.callsite import warn_at_user
+from lightning_vit_balance.callsite import warn_at_user, warn_on_rank_zero
 from lightning_vit_balance.config import ViTBalanceConfig, require_config, require_flag
 from lightning_vit_balance.cost import CostModel, pixel_row_factors
 from lightning_vit_balance.eager import eager, eager_frame
@@ -624,7 +624,7 @@ def _warn_leaves_too_late(base: nn.Module, leaves: Sequence[nn.Module]) -> None:
         return
     if not any(hasattr(m, "ds_id") for m in leaves) or all(getattr(m, _ZERO3_LEAF, False) for m in leaves):
         return
-    warn_at_user(
+    warn_on_rank_zero(
         f"balance_vision_tower: a DeepSpeed ZeRO-3 engine has registered {type(base).__name__}'s modules "
         "already, so the drop-in cannot make its tower's blocks (and an image-only model's projection) "
         "ZeRO-3 leaves. This model calls a submodule once per image: ranks holding different numbers "
@@ -632,7 +632,6 @@ def _warn_leaves_too_late(base: nn.Module, leaves: Sequence[nn.Module]) -> None:
         "Call balance_vision_tower before deepspeed.initialize (Hugging Face's Trainer and Lightning's "
         "DeepSpeed strategy initialize after it), or mark them with deepspeed.utils.set_z3_leaf_modules "
         "before it.",
-        every_rank=False,
     )
 
 
@@ -1785,14 +1784,13 @@ class BalancedVisionTower:
                     f"{name}: {str(value).lower() if isinstance(value, bool) else value}"
                     for name, value in dropped.items()
                 )
-                warn_at_user(
+                warn_on_rank_zero(
                     f"balance_vision_tower: the configuration given for {type(self.model).__name__}'s "
                     f"tower replaces the drop-in's default whole, and keeps ViTBalanceConfig()'s "
                     f"{_dropped_text(dropped)}. To change a setting and keep the rest, start from the "
                     "default, as in dataclasses.replace(handle.default_config(), plan_ahead=True) (in a "
                     "LightningModule, as self.vit_balance_config; in a YAML configuration, add "
                     f"{values}). Said once.",
-                    every_rank=False,
                 )
         return config
 
@@ -2301,8 +2299,7 @@ class BalancedVisionTower:
             self._balancer_key, self._carried = key, None
             if carried:
                 source = "balance_vision_tower: the cost fit of the previous configuration"
-                on_rank_zero = functools.partial(warn_at_user, every_rank=False)  # every rank carries alike
-                continue_fit(self._balancer.load_state_dict, carried, source, on_rank_zero)
+                continue_fit(self._balancer.load_state_dict, carried, source, warn_on_rank_zero)
         self._balancer.measure_as(loop)
         return self._balancer
 

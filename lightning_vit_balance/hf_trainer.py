@@ -75,6 +75,9 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
             "ViTBalanceTrainerCallback", "log_per_rank_loads", log_per_rank_loads, optional=True
         )
         self.metrics = BalanceMetrics(self.log_per_rank_loads)
+        # The running evaluation's forwards, read at each of its steps: the handle keeps the latest
+        # KEPT_STATS alone, fewer than an evaluation's forwards.
+        self._evaluation = BalanceMetrics(self.log_per_rank_loads)
         self._handle: BalancedVisionTower | None = None
 
     def attach(self, trainer: Any) -> ViTBalanceTrainerCallback:
@@ -160,6 +163,7 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
                 self._handle.check_pending()  # the last step's forward: no later gather reads it
             finally:
                 self._handle.release()  # the gloo twin: a process running trial after trial holds none
+                self._handle.pop_stats()  # release stops keeping; an evaluate() after training reads on
 
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -169,21 +173,34 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
     def on_predict(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        handle = self._end_evaluation(kwargs.get("model"))
-        if handle is not None:
-            handle.pop_stats()  # a prediction logs nothing: not the next evaluation's forwards
+        self._end_evaluation(kwargs.get("model"))  # a prediction logs nothing
 
-    def _end_evaluation(self, model: Any) -> BalancedVisionTower | None:
-        """At an evaluation's or a prediction's end, check its last forward and forget its clocks,
-        so the next one reports its own forwards alone; the handle."""
+    def on_prediction_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._handle is None:  # added with add_callback after the Trainer's start: from now on
+            self._keep_stats_of(kwargs.get("model"))
+        self._read_evaluation()
+
+    def _read_evaluation(self) -> BalanceMetrics:
+        """The running evaluation's (or prediction's) forwards, with those since its last step."""
+        if self._handle is not None:
+            for stats in self._handle.pop_stats():  # training's went at its steps' ends
+                self._evaluation.add(stats)
+        return self._evaluation
+
+    def _end_evaluation(self, model: Any) -> None:
+        """At an evaluation's or a prediction's end, check its last forward and forget its clocks
+        and forwards, so the next one reports its own forwards alone."""
         # Every rank evaluates and predicts (the Trainer's loaders pad), so every rank checks. The
         # Trainer's model names the handle: a callback added after the Trainer's start (attach,
         # add_callback) saw no on_init_end, and evaluate may run before any training.
         handle = _handle_of(model, required=False) or self._handle
+        self._evaluation = BalanceMetrics(self.log_per_rank_loads)  # what no log took (a prediction's)
         if handle is not None:
             handle.check_pending()
             handle.end_evaluation()
-        return handle
+            handle.pop_stats()
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -227,9 +244,8 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
             prefix = _evaluation_prefix(logs)
             if prefix is None or self._handle is None:
                 return
-            evaluation = BalanceMetrics(self.log_per_rank_loads)
-            for stats in self._handle.pop_stats():  # the evaluation's: training's went at its steps' ends
-                evaluation.add(stats)
+            evaluation = self._read_evaluation()
+            self._evaluation = BalanceMetrics(self.log_per_rank_loads)
             metrics = {f"{prefix}_{key}": value for key, value in evaluation.metrics().items()}
             marker = f"{prefix}_runtime"
         if not metrics:

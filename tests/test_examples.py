@@ -415,6 +415,53 @@ def test_dashboard_at_large_dp_sizes_draws_the_summaries(
     assert list(measured.get_lines()[-1].get_ydata()) == [0.0, 4.5, 3.5, 4.0]
 
 
+def test_dashboard_readers_skip_what_is_no_point_and_find_the_latest_checkpoint(tmp_path: Path) -> None:
+    """A CSV cell ``nan`` and a history entry without a step are no points (not a NaN drawn, nor a
+    KeyError); the latest ``trainer_state.json`` is the one at the highest step (``checkpoint-10``
+    sorts before ``checkpoint-9`` by name), and a state whose ``global_step`` is not a number
+    counts as step 0, not a TypeError."""
+    _write_csv(
+        tmp_path / "metrics.csv",
+        [{"step": 0, "vit_balance/calls": "nan"}, {"step": 1, "vit_balance/calls": 2}],
+    )
+    assert plot_vit_balance.read_csv(tmp_path / "metrics.csv") == {"vit_balance/calls": [(1, 2.0)]}
+    out = tmp_path / "out"
+    for step, global_step in ((9, 9), (10, 10), (11, None)):
+        history = [{"vit_balance/calls": 1.0}, {"vit_balance/calls": float(step), "step": step}]
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        state = {"global_step": global_step, "log_history": history}
+        (out / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps(state))
+    assert plot_vit_balance.load_metrics(out) == {"vit_balance/calls": [(10, 10.0)]}
+
+
+def test_dashboard_edges_of_its_panels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One device (imbalance 0 throughout) keeps a 0-0.1 axis, not an empty 0-0 one; 16 ranks are
+    still named one by one; trips of 0 ms (nothing moved) are not drawn; the rank slowest most
+    often, in a tie, is the lowest, not the first seen."""
+    steps = range(2)
+    metrics = {
+        "vit_balance/imbalance_before": [(s, 0.0) for s in steps],
+        "vit_balance/imbalance_after": [(s, 0.0) for s in steps],
+        "vit_balance/vit_ms_max": [(s, 50.0) for s in steps],
+        "vit_balance/vit_ms_slowest_rank": [(0, 9.0), (1, 3.0)],
+        "vit_balance/calls": [(s, 1.0) for s in steps],
+        "vit_balance/trip_ms": [(s, 0.0) for s in steps],
+        **{f"vit_balance/vit_ms/rank_{r}": [(s, 40.0) for s in steps] for r in range(16)},
+    }
+    figure = _drawn_figure(monkeypatch, metrics, tmp_path / "edges.png")
+    assert figure.axes[0].get_ylim() == pytest.approx((0.0, 0.1))
+    names = [t.get_text() for t in figure.axes[3].get_legend().get_texts()]
+    assert names == [f"rank {r}" for r in range(16)] + ["slowest rank"], names
+    assert figure.axes[3].get_title().endswith("slowest most often: rank 3 (1 of 2 records)")
+
+
+def test_dashboard_writes_an_upper_case_png_name(tmp_path: Path) -> None:
+    """``-o dash.PNG`` is a PNG file (as matplotlib takes it), not a usage error."""
+    _write_csv(tmp_path / "metrics.csv", _metric_rows(2))
+    out = plot_vit_balance.main([str(tmp_path / "metrics.csv"), "-o", str(tmp_path / "dash.PNG")])
+    assert out == tmp_path / "dash.PNG" and out.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_dashboard_errors_name_the_path(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"no metrics\.csv"):
         plot_vit_balance.load_metrics(tmp_path)

@@ -3696,6 +3696,39 @@ def test_trainer_callback_logs_an_evaluations_forwards_under_its_prefix() -> Non
     assert summary == {"train_runtime": 1.0, "train_samples_per_second": 4.0, "train_loss": 2.0}
 
 
+def test_trainer_callback_counts_every_forward_of_an_evaluation_also_after_training() -> None:
+    """An evaluation's log counts all its forwards: more than the handle keeps between reads
+    (``KEPT_STATS``: they are read at each prediction step), and in an ``evaluate()`` after
+    ``train()`` too (whose end lets the handle's reader go: 1024 and nothing had been logged); an
+    evaluation whose log has no evaluation prefix (``metric_key_prefix="train"``) leaves none of
+    its forwards to the next one's."""
+    from test_metrics import APPLIED
+    from transformers import TrainerState
+    from transformers.trainer_callback import TrainerControl
+
+    from lightning_vit_balance.hf import KEPT_STATS
+
+    model = tiny_model(FIT_FAMILY)
+    handle = balance_vision_tower(model)
+    callback, state, control = ViTBalanceTrainerCallback(), TrainerState(), TrainerControl()
+    callback.on_init_end(None, state, control, model=model)  # type: ignore[arg-type]
+
+    def evaluate(forwards: int, prefix: str = "eval") -> Any:
+        for _ in range(forwards):
+            handle._count(APPLIED, None)  # what a balanced forward keeps
+            callback.on_prediction_step(None, state, control, model=model)  # type: ignore[arg-type]
+        logs = {f"{prefix}_loss": 1.0, f"{prefix}_runtime": 0.5, f"{prefix}_samples_per_second": 8.0}
+        callback.on_log(None, state, control, logs=logs, model=model)  # type: ignore[arg-type]
+        callback.on_evaluate(None, state, control, model=model)  # type: ignore[arg-type]
+        return logs.get(f"{prefix}_vit_balance/calls_total")
+
+    assert evaluate(KEPT_STATS + 5) == KEPT_STATS + 5
+    callback.on_train_begin(None, state, control, model=model)  # type: ignore[arg-type]
+    callback.on_train_end(None, state, control, model=model)  # type: ignore[arg-type]
+    assert evaluate(3) == 3
+    assert evaluate(5, prefix="train") is None and evaluate(3) == 3
+
+
 def test_trainer_callback_goes_on_from_the_resumed_state_or_says_why_not() -> None:
     """``ViTBalanceTrainerCallback.on_train_begin`` with a resumed ``TrainerState``: a state the
     handle can go on from is loaded, one of other terms warns and changes nothing, and a model
@@ -3733,6 +3766,97 @@ def test_trainer_callback_goes_on_from_the_resumed_state_or_says_why_not() -> No
     cause = r"must hold one vision tower.*several vision towers.*outside the model"
     with pytest.raises(ValueError, match=cause):
         callback.on_train_begin(None, TrainerState(), None, model=pair)  # type: ignore[arg-type]
+
+
+def test_trainer_callback_resumes_the_first_of_several_saved_states_on_rank_zero_alone() -> None:
+    """Several callbacks of this class save a list under one name in ``stateful_callbacks``: the
+    first entry is ours (a list had been read as no state, and the counts restarted); a state that
+    cannot be used is told by the main process alone (every rank decides alike)."""
+    from transformers import TrainerState
+
+    model = tiny_model(FIT_FAMILY)
+    balance_vision_tower(model)
+    callback = ViTBalanceTrainerCallback()
+
+    def saved(calls: int) -> dict[str, Any]:
+        counts = {"applied_total": 0, "calls_total": calls, "skipped_total": {}}
+        return {"args": {}, "attributes": {"balancer_state": {}, "metric_counts": counts}}
+
+    entries = {"ViTBalanceTrainerCallback": [saved(7), saved(2)]}
+    state = TrainerState(stateful_callbacks=entries, global_step=5)
+    callback.on_train_begin(None, state, None, model=model)  # type: ignore[arg-type]
+    assert callback.metrics.calls_total == 7
+    broken = {"ViTBalanceTrainerCallback": {"attributes": {"metric_counts": {"calls_total": 1}}}}
+    other_rank = TrainerState(stateful_callbacks=broken, global_step=5, is_world_process_zero=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        callback.on_train_begin(None, other_rank, None, model=model)  # type: ignore[arg-type]
+    assert not [w for w in caught if "metric counts are not used" in str(w.message)]
+    assert callback.metrics.calls_total == 0
+
+
+def test_trainer_callback_publishes_only_what_it_can_tell_apart() -> None:
+    """An evaluation's log needs the handle (none: the log is left as it is, not an AttributeError),
+    keeps ``log_per_rank_loads=False``, names one prefix (two evaluations' speed figures: nothing), and its
+    history entry is the one at the current step; ``logs=None`` is no log."""
+    from test_metrics import APPLIED
+    from transformers import TrainerState
+    from transformers.trainer_callback import TrainerControl
+
+    control = TrainerControl()
+    unbalanced = ViTBalanceTrainerCallback()
+    unbalanced.on_init_end(None, TrainerState(), control, model=tiny_model(FIT_FAMILY))  # type: ignore[arg-type]
+    speed = {"eval_runtime": 0.5, "eval_samples_per_second": 8.0}
+    logs = {"eval_loss": 1.0, **speed}
+    unbalanced.on_log(None, TrainerState(), control, logs=logs)  # type: ignore[arg-type]
+    assert logs == {"eval_loss": 1.0, **speed}
+
+    model = tiny_model(FIT_FAMILY)
+    handle = balance_vision_tower(model)
+    queued: list[Any] = []
+    handle.pop_stats = lambda: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
+    callback, state = ViTBalanceTrainerCallback(log_per_rank_loads=False), TrainerState()
+    callback.on_init_end(None, state, control, model=model)  # type: ignore[arg-type]
+    callback.on_log(None, state, control, logs=None)  # type: ignore[arg-type]
+    queued[:] = [APPLIED]
+    two = {f"eval_{name}_{figure}": 0.1 for name in "ab" for figure in ("runtime", "samples_per_second")}
+    told = dict(two)
+    callback.on_log(None, state, control, logs=told)  # type: ignore[arg-type]
+    assert told == two
+    state.global_step = 3
+    earlier = {"eval_loss": 1.0, **speed, "step": 2}
+    state.log_history.append(dict(earlier))
+    logs = {"eval_loss": 1.0, **speed}
+    callback.on_log(None, state, control, logs=logs)  # type: ignore[arg-type]
+    assert logs["eval_vit_balance/calls"] == 1.0 and not [k for k in logs if "/rank_" in k], logs
+    assert state.log_history[-1] == earlier  # another step's entry: not this log's
+
+
+def test_trainer_callback_ends_training_releasing_the_handle_and_checks_an_evaluations_model() -> None:
+    """``on_train_end`` lets go of the gloo twin even where the pending check raises; an evaluation
+    checks the handle of the Trainer's model, which a callback added after the Trainer's start
+    (``add_callback``: no ``on_init_end``) did not hold."""
+    from transformers import TrainerState
+    from transformers.trainer_callback import TrainerControl
+
+    model = tiny_model(FIT_FAMILY)
+    handle = balance_vision_tower(model)
+    done: list[str] = []
+
+    def mismatch() -> None:
+        done.append("check_pending")
+        raise ValueError("a grid differed from its plan")
+
+    handle.check_pending = mismatch  # type: ignore[method-assign]
+    handle.release = lambda: done.append("release")  # type: ignore[method-assign]
+    state, control = TrainerState(), TrainerControl()
+    with pytest.raises(ValueError, match="differed"):
+        ViTBalanceTrainerCallback().on_evaluate(None, state, control, model=model)  # type: ignore[arg-type]
+    callback = ViTBalanceTrainerCallback()
+    callback.on_init_end(None, state, control, model=model)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="differed"):
+        callback.on_train_end(None, state, control)  # type: ignore[arg-type]
+    assert done[-2:] == ["check_pending", "release"], done
 
 
 def test_mixin_handle_state_is_the_modules_checkpoint_state() -> None:

@@ -114,10 +114,14 @@ class RecordingLogger(Logger):
         out = []
         for metrics, step in self.calls:
             ours = {k: v for k, v in metrics.items() if k.startswith("vit_balance/")}
-            loops = {k.split("/")[1] for k in ours if k.split("/")[1] in ("val", "test")}
-            if ours and loops == ({loop} if loop else set()):
-                assert set(metrics) - set(ours) == ({"epoch"} if loop else set()), "nothing else mixed in"
-                assert all(k.startswith(f"vit_balance/{loop}/") for k in ours) if loop else True
+            if not ours:
+                continue
+            # Each record is one loop's alone: training's, or every key under one evaluation's.
+            loops = {k.split("/")[1] if k.split("/")[1] in ("val", "test") else None for k in ours}
+            assert len(loops) == 1, f"a record mixes loops: {sorted(ours)}"
+            [of] = loops
+            assert set(metrics) - set(ours) == ({"epoch"} if of else set()), "nothing else mixed in"
+            if of == loop:
                 out.append((ours, step))
         return out
 
@@ -580,3 +584,125 @@ def test_measured_vit_milliseconds_are_logged_per_rank_max_and_mean() -> None:
     assert ViTBalanceCallback().log_per_rank_loads is None  # per-rank series up to 64 ranks
     _, quiet = _fit([[first]], ViTBalanceCallback(log_per_rank_loads=False))
     assert not any("vit_ms/rank_" in key for key in quiet.vit_balance_calls()[0][0])
+
+
+def test_evaluation_records_follow_the_callbacks_options() -> None:
+    """``log_per_rank_loads=False`` drops the rank series of the evaluation loops' records too, and
+    ``log_every_n_steps=0`` (never log) sends them to no logger, only to ``callback_metrics``."""
+    script = [[APPLIED_A]]
+    _, logger = _fit(script, ViTBalanceCallback(log_per_rank_loads=False), limit_val_batches=1)
+    [(record, _)] = logger.vit_balance_calls("val")
+    assert record["vit_balance/val/calls"] == 1.0 and not [k for k in record if "/rank_" in k], record
+    trainer, logger = _fit(script, ViTBalanceCallback(log_every_n_steps=0), limit_val_batches=1)
+    assert logger.vit_balance_calls("val") == [] and logger.vit_balance_calls() == []
+    assert float(trainer.callback_metrics["vit_balance/val/calls"]) == 1.0
+
+
+class _PredictingModule(ScriptedModule):
+    def predict_step(self, batch: Any, batch_idx: int) -> None:
+        self.queue.append(APPLIED_B)
+
+    def predict_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(1, 2)))
+
+
+def test_an_evaluation_after_a_fit_keeps_its_counts_and_needs_no_logger() -> None:
+    """``trainer.validate`` without a logger, with the fit's callback: no ``Trainer that has no
+    logger`` error (that is for fits), and the fit's counts (checkpointed) are not reset; the
+    calls of a prediction before it reach no loop's record."""
+    callback = ViTBalanceCallback()
+    _fit([[APPLIED_A]], callback)
+    module = _PredictingModule([[APPLIED_A]])
+    evaluator = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, callbacks=[callback], enable_progress_bar=False
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        evaluator.predict(module)
+        evaluator.validate(module)
+    assert float(evaluator.callback_metrics["vit_balance/val/calls"]) == 1.0  # NO_GAIN alone
+    assert float(evaluator.callback_metrics["vit_balance/val/applied_total"]) == 0.0
+    assert callback.calls_total == 1
+
+
+class _FailingValidation(ScriptedModule):
+    fail = True
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if self.fail and batch_idx == 1:
+            raise KeyError("a validation that fails: its loop never ends")
+        super().validation_step(batch, batch_idx)
+
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(2, 2)))
+
+
+def test_a_validation_interrupted_before_its_end_leaves_nothing_to_the_next() -> None:
+    """The calls of a validation that never reached its end are not added to the next one's."""
+    callback = ViTBalanceCallback()
+    module = _FailingValidation([[APPLIED_A]])
+    logger = RecordingLogger()
+    validator = L.Trainer(
+        accelerator="cpu", devices=1, logger=logger, callbacks=[callback], enable_progress_bar=False
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with contextlib.suppress(KeyError):
+            validator.validate(module)
+        module.fail = False
+        validator.validate(module)
+    [(record, _)] = logger.vit_balance_calls("val")
+    assert record["vit_balance/val/calls"] == 2.0, record
+
+
+def test_the_progress_bar_skips_an_imbalance_no_call_of_the_step_knew() -> None:
+    """``prog_bar=True`` on a step whose calls were all disabled on many ranks (imbalance NaN, left
+    out of the record): no KeyError, and nothing shown for it."""
+    disabled = BalanceStats.of_direct_call(
+        ViTBalanceConfig(enabled=False), None, reason="disabled", num_ranks=2
+    )
+    trainer, _ = _fit([[disabled]], ViTBalanceCallback(prog_bar=True))
+    assert float(trainer.callback_metrics["vit_balance/calls"]) == 1.0
+    assert "vit_balance/imbalance_before" not in trainer.progress_bar_metrics
+
+
+def test_a_resumed_fit_counts_on_in_callback_metrics(tmp_path: Path) -> None:
+    """A fit resumed from a checkpoint counts on in ``callback_metrics`` as in its logged records
+    (a monitor of ``calls_total`` had seen the count restart from the resume)."""
+    script = [[APPLIED_A], [SKIPPED]]
+    trainer, _ = _fit(script, ViTBalanceCallback())
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    logger = RecordingLogger()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        logger=logger,
+        callbacks=[ViTBalanceCallback()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(ScriptedModule(script), ckpt_path=tmp_path / "last.ckpt")
+    assert logger.vit_balance_calls()[-1][0]["vit_balance/calls_total"] == 4.0
+    assert float(trainer.callback_metrics["vit_balance/calls_total"]) == 4.0
+
+
+def test_a_module_without_the_mixin_is_warned_once() -> None:
+    class Plain(ScriptedModule):
+        pop_vit_balance_stats = None  # type: ignore[assignment]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit([[]] * 3, ViTBalanceCallback(), Plain([[]] * 3), quiet=False)
+    assert len([w for w in caught if "does not use ViTBalanceMixin" in str(w.message)]) == 1
+
+
+def test_a_trainer_without_a_logger_is_refused_at_any_logging_cadence() -> None:
+    """Not only the Trainer's own cadence (``None``): every this many steps needs a logger too."""
+    with pytest.raises(MisconfigurationException, match=r"Trainer that has no logger"):
+        _fit([[APPLIED_A]], ViTBalanceCallback(log_every_n_steps=2), logger=False)

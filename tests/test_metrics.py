@@ -227,6 +227,10 @@ def test_a_restored_window_of_another_dp_size_starts_new_per_rank_series() -> No
         {"applied_total": 1, "calls_total": 2},
         {"applied_total": -1, "calls_total": 2, "skipped_total": {}},
         {"applied_total": 1, "calls_total": 2, "skipped_total": {}, "window": {"calls": 1}},
+        # A window of no field at all is not one state_dict gives (None alone means "none saved").
+        {"applied_total": 1, "calls_total": 2, "skipped_total": {}, "window": {}},
+        # JSON's true is no count (int(True) == 1 would have passed for one).
+        {"applied_total": True, "calls_total": 2, "skipped_total": {}},
     ],
 )
 def test_counts_of_another_shape_are_refused(state: dict[str, Any]) -> None:
@@ -301,6 +305,7 @@ def test_a_window_that_add_could_not_have_summed_is_refused() -> None:
         {"load_calls": 0},  # sums of loads over no call
         {"vit_calls": 3, "vit_per_rank": []},
         {"calls": 0},
+        {"vit_calls": 0},  # per-rank ViT sums of no call: the next call would add to them
         {"loads": {"before": [1.0, 2.0], "after": [1.0]}},
         {"cost_error_calls": 2},  # errors of more calls than the window's
         {"cost_fits": -2},
@@ -313,3 +318,55 @@ def test_a_window_that_add_could_not_have_summed_is_refused() -> None:
     restored = BalanceMetrics()
     restored.load_state_dict(good)
     assert restored.metrics() == metrics.metrics()
+
+
+def test_a_rank_measured_at_zero_milliseconds_is_a_measurement() -> None:
+    """A rank whose ViT took under a microsecond (nothing to encode) reports 0 ms: a time, not the
+    -1 of a rank without one; the call's ViT figures count it rather than being dropped whole."""
+    metrics = BalanceMetrics()
+    metrics.add(_stats(False, (1.0, 1.0), (1.0, 1.0), vit_ms=(12.0, 0.0)))
+    got = metrics.metrics()
+    assert (got["vit_balance/vit_ms_max"], got["vit_balance/vit_ms_mean"]) == (12.0, 6.0), got
+    assert (got["vit_balance/vit_ms/rank_0"], got["vit_balance/vit_ms/rank_1"]) == (12.0, 0.0)
+
+
+def test_an_infinite_cost_fit_error_is_left_out_and_the_window_still_resumes() -> None:
+    """A fit's error against a measured 0 ms is infinite: counted, it made ``cost_fit_error`` inf
+    and the window's checkpoint one ``load_state_dict`` refuses (a non-finite error sum)."""
+    metrics = BalanceMetrics()
+    for error in (math.inf, 0.1):
+        metrics.add(dataclasses.replace(SKIPPED, cost_fits=1, cost_error=error))
+    assert metrics.metrics()["vit_balance/cost_fit_error"] == pytest.approx(0.1)
+    resumed = BalanceMetrics()
+    resumed.load_state_dict(json.loads(json.dumps(metrics.state_dict())))
+    assert resumed.metrics() == metrics.metrics()
+
+
+def test_a_window_of_calls_without_patches_moved_none_of_them() -> None:
+    """Text-only calls alone (no patch anywhere): the moved fraction is 0, not a division by zero
+    or a made-up 1."""
+    no_load = {"loads_before": (0.0, 0.0), "loads_after": (0.0, 0.0), "num_images": 0, "total_patches": 0}
+    metrics = BalanceMetrics()
+    metrics.add(_stats(False, (1.0, 1.0), (1.0, 1.0), reason="no-images", **no_load))
+    assert metrics.metrics()["vit_balance/moved_patch_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("unknown", ["imbalance_before", "imbalance_after"])
+def test_a_call_with_either_imbalance_unknown_stays_out_of_both_means(unknown: str) -> None:
+    """One NaN side is as unknown as two: averaged in, it made the window's mean NaN."""
+    metrics = BalanceMetrics()
+    metrics.add(dataclasses.replace(SKIPPED, **{unknown: math.nan}))
+    metrics.add(APPLIED)
+    got = metrics.metrics()
+    assert got["vit_balance/imbalance_before"] == pytest.approx(0.8), got
+    assert got["vit_balance/imbalance_after"] == pytest.approx(0.0), got
+
+
+def test_counts_loaded_into_a_used_instance_replace_its_own() -> None:
+    """``load_state_dict`` replaces every count: a reason the state does not hold (saved by a
+    version without it) starts at 0, not at the count the instance had before loading."""
+    metrics = BalanceMetrics()
+    metrics.add(dataclasses.replace(SKIPPED, reason="no-gain"))
+    metrics.load_state_dict({"applied_total": 1, "calls_total": 1, "skipped_total": {}})
+    assert metrics.total_metrics()["vit_balance/skipped/no-gain"] == 0.0
+    assert metrics.calls_total == 1

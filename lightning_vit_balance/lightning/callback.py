@@ -339,7 +339,14 @@ class ViTBalanceCallback(Callback):
             "nothing."
         )
 
-    def _evaluation_batch_end(self, trainer: Trainer, pl_module: LightningModule, loop: str) -> None:
+    def _evaluation_start(self, pl_module: LightningModule, loop: str) -> None:
+        """Start ``loop``'s record afresh: a run of it interrupted before its end (an exception in a
+        batch) logs nothing, and its calls, recorded or still queued, are none of this run's."""
+        self._evaluation.pop(loop, None)
+        self._drain(pl_module)
+
+    def _evaluation_batch_end(self, pl_module: LightningModule, loop: str) -> None:
+        """Add the batch's calls to the running ``loop``'s (``val``, ``test``, ``predict``) record."""
         metrics = self._evaluation.setdefault(loop, BalanceMetrics(self.log_per_rank_loads))
         for stats in self._drain(pl_module):
             metrics.add(stats)
@@ -357,7 +364,7 @@ class ViTBalanceCallback(Callback):
 
     @override
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._evaluation.pop("val", None)  # a loop interrupted before its end logs nothing
+        self._evaluation_start(pl_module, "val")
 
     @override
     def on_validation_batch_end(
@@ -369,7 +376,7 @@ class ViTBalanceCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._evaluation_batch_end(trainer, pl_module, "val")
+        self._evaluation_batch_end(pl_module, "val")
 
     @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -377,7 +384,7 @@ class ViTBalanceCallback(Callback):
 
     @override
     def on_test_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._evaluation.pop("test", None)
+        self._evaluation_start(pl_module, "test")
 
     @override
     def on_test_batch_end(
@@ -389,7 +396,7 @@ class ViTBalanceCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._evaluation_batch_end(trainer, pl_module, "test")
+        self._evaluation_batch_end(pl_module, "test")
 
     @override
     def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -397,7 +404,7 @@ class ViTBalanceCallback(Callback):
 
     @override
     def on_predict_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._evaluation.pop("predict", None)
+        self._evaluation_start(pl_module, "predict")
 
     @override
     def on_predict_batch_end(
@@ -409,7 +416,7 @@ class ViTBalanceCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._evaluation_batch_end(trainer, pl_module, "predict")
+        self._evaluation_batch_end(pl_module, "predict")
 
     @override
     def on_predict_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -29,7 +29,7 @@ from lightning_vit_balance.balancer import (
     checked_state,
     refuse_in_a_loader_worker,
 )
-from lightning_vit_balance.callsite import warn_at_user
+from lightning_vit_balance.callsite import warn_on_rank_zero
 from lightning_vit_balance.config import ViTBalanceConfig, require_flag
 from lightning_vit_balance.cost import CostModel
 from lightning_vit_balance.eager import eager, eager_frame
@@ -730,7 +730,7 @@ class ViTBalanceMixin:
         _allow_configs_in_checkpoints()
         shadowed = _shadowed_hooks(cls)
         if shadowed:
-            warn_at_user(
+            warn_on_rank_zero(
                 f"{cls.__qualname__} lists LightningModule before ViTBalanceMixin in its bases, so "
                 f"LightningModule's {', '.join(shadowed)} run instead of the mixin's: plan_ahead plans "
                 "nothing, checkpoints lose the calibrate_cost fit, a fit's end keeps its gloo twin, a "
@@ -738,7 +738,6 @@ class ViTBalanceMixin:
                 "balances nothing. "
                 f"List ViTBalanceMixin first: class {cls.__name__}(ViTBalanceMixin, LightningModule).",
                 UserWarning,
-                every_rank=False,
             )
 
     def _vit_balance_state_object(self) -> _State:

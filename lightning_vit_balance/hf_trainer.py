@@ -233,7 +233,7 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
 
     def publish(self, state: TrainerState, logs: dict[str, Any] | None) -> None:
         """Put the window's metrics into a training log (one with ``"loss"``) and start the next
-        window, or an evaluation's forwards into its log (one with ``{prefix}_runtime``); and into
+        window, or an evaluation's forwards into its log (see :func:`_evaluation_prefix`); and into
         the log history's entry of that log. Nothing when there were no calls."""
         if logs is None:
             return

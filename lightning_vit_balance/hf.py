@@ -1676,7 +1676,8 @@ class BalancedVisionTower:
         #: The group (the default group itself for None) the twin was made for, or _NO_GROUP.
         self._twin_of: Any = _NO_GROUP
         #: Stats kept for :meth:`pop_stats`, once it was called (None: nobody reads them).
-        self._kept: collections.deque[BalanceStats] | None = None
+        # Each kept forward's stats, with whether it was a training forward (pop_stats).
+        self._kept: collections.deque[tuple[bool, BalanceStats]] | None = None
         if hasattr(self, "_late_touch"):  # a reset, not the first: its hooks go
             self._release_late_touch()
         #: ``generate()``'s calls for dummy items after the first forward's embeddings (``late_call``).
@@ -1749,16 +1750,28 @@ class BalancedVisionTower:
             return
         self._count(direct_call_stats(config, parts), None)
 
-    def pop_stats(self) -> list[BalanceStats]:
+    def pop_stats(self, *, training: bool | None = None) -> list[BalanceStats]:
         """Return and forget the stats of the balanced forwards since the previous call, oldest
         first (for :class:`~lightning_vit_balance.BalanceMetrics`).
 
         Forwards are kept from the first call on (a reader that drains them), the latest
         :data:`KEPT_STATS` at most; the first call returns an empty list.
+
+        Args:
+            training: ``True``: only the training forwards' (the model in train mode), ``False``:
+                only the others' (evaluation, prediction); the rest stay kept for their reader (an
+                evaluation run from a callback before a training step's figures were read).
+                ``None`` (default): all.
+
+        Raises:
+            ValueError: If ``training`` is neither a bool nor None.
         """
+        training = require_flag("BalancedVisionTower.pop_stats", "training", training, optional=True)
         kept = list(self._kept) if self._kept is not None else []
-        self._kept = collections.deque(maxlen=KEPT_STATS)
-        return kept
+        taken = [stats for was_training, stats in kept if training is None or was_training == training]
+        left = [entry for entry in kept if training is not None and entry[0] != training]
+        self._kept = collections.deque(left, maxlen=KEPT_STATS)
+        return taken
 
     def _effective_config(self) -> ViTBalanceConfig:
         """What balances: :attr:`config`, or :meth:`default_config` where it is None."""
@@ -2378,7 +2391,7 @@ class BalancedVisionTower:
         self.last_stats = stats
         self.record(stats)
         if self._kept is not None:
-            self._kept.append(stats)
+            self._kept.append((self.base.training, stats))
         self._note_text_only(stats.reason)
 
     def _count_failed(self, balancer: ViTBalancer) -> None:

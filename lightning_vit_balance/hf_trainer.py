@@ -185,7 +185,8 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
     def _read_evaluation(self) -> BalanceMetrics:
         """The running evaluation's (or prediction's) forwards, with those since its last step."""
         if self._handle is not None:
-            for stats in self._handle.pop_stats():  # training's went at its steps' ends
+            # Training's stay for their step's end: a callback ahead of this one may evaluate there.
+            for stats in self._handle.pop_stats(training=False):
                 self._evaluation.add(stats)
         return self._evaluation
 
@@ -200,7 +201,7 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         if handle is not None:
             handle.check_pending()
             handle.end_evaluation()
-            handle.pop_stats()
+            handle.pop_stats(training=False)
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -218,7 +219,7 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self._handle is not None:
-            for stats in self._handle.pop_stats():  # every micro-batch of the step
+            for stats in self._handle.pop_stats(training=True):  # every micro-batch of the step
                 self.metrics.add(stats)
 
     def on_log(

@@ -3271,8 +3271,8 @@ def _evaluation_logged(out_dir: str) -> tuple[dict[str, float], list[tuple[float
     trainer.predict(batches)
     popped, pop = [], handle.pop_stats
 
-    def pop_and_keep() -> list[Any]:
-        stats = pop()
+    def pop_and_keep(**which: Any) -> list[Any]:
+        stats = pop(**which)
         popped.extend(stats)
         return stats
 
@@ -3600,7 +3600,7 @@ def test_trainer_callback_counts_a_fresh_run_from_zero() -> None:
     model = tiny_model(FIT_FAMILY)
     handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG, calibrate_cost=True))
     queued: list[Any] = []
-    handle.pop_stats = lambda: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
+    handle.pop_stats = lambda **_: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
     callback, control = ViTBalanceTrainerCallback(), TrainerControl()
     totals = []
     for resumed_at in (0, 0, 2):
@@ -3637,7 +3637,7 @@ def test_trainer_callback_logs_every_forward_of_a_step_in_training_logs_only() -
     model = tiny_model(FIT_FAMILY)
     handle = balance_vision_tower(model)
     queued: list[Any] = []
-    handle.pop_stats = lambda: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
+    handle.pop_stats = lambda **_: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
     callback, state, control = ViTBalanceTrainerCallback(), TrainerState(), TrainerControl()
     callback.on_train_begin(None, state, control, model=model)  # type: ignore[arg-type]
     for step, forwards in enumerate([[APPLIED, SKIPPED], [SKIPPED]], start=1):
@@ -3672,7 +3672,7 @@ def test_trainer_callback_logs_an_evaluations_forwards_under_its_prefix() -> Non
     model = tiny_model(FIT_FAMILY)
     handle = balance_vision_tower(model)
     queued: list[Any] = []
-    handle.pop_stats = lambda: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
+    handle.pop_stats = lambda **_: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
     callback, state, control = ViTBalanceTrainerCallback(), TrainerState(), TrainerControl()
     callback.on_init_end(None, state, control, model=model)  # type: ignore[arg-type]
     queued[:] = [APPLIED, SKIPPED]  # evaluate() before any training
@@ -3714,6 +3714,7 @@ def test_trainer_callback_counts_every_forward_of_an_evaluation_also_after_train
     callback.on_init_end(None, state, control, model=model)  # type: ignore[arg-type]
 
     def evaluate(forwards: int, prefix: str = "eval") -> Any:
+        model.eval()  # as the Trainer's evaluation loop puts it
         for _ in range(forwards):
             handle._count(APPLIED, None)  # what a balanced forward keeps
             callback.on_prediction_step(None, state, control, model=model)  # type: ignore[arg-type]
@@ -3727,6 +3728,46 @@ def test_trainer_callback_counts_every_forward_of_an_evaluation_also_after_train
     callback.on_train_end(None, state, control, model=model)  # type: ignore[arg-type]
     assert evaluate(3) == 3
     assert evaluate(5, prefix="train") is None and evaluate(3) == 3
+
+
+def test_an_evaluation_a_callback_runs_before_the_steps_figures_are_read_keeps_both_apart() -> None:
+    """A callback ahead of this one (``attach`` adds it after those given) that evaluates or
+    predicts in ``on_step_end``: its evaluation's first step had taken the training step's
+    forwards as its own (or the prediction's end dropped them). Each forward now goes to its loop:
+    the handle keeps whether it was a training forward (``pop_stats(training=...)``)."""
+    from test_metrics import APPLIED, SKIPPED
+    from transformers import TrainerState
+    from transformers.trainer_callback import TrainerControl
+
+    model = tiny_model(FIT_FAMILY)
+    handle = balance_vision_tower(model)
+    callback, state, control = ViTBalanceTrainerCallback(), TrainerState(), TrainerControl()
+    callback.on_train_begin(None, state, control, model=model)  # type: ignore[arg-type]
+    for entry in ("evaluate", "predict"):
+        callback.on_step_begin(None, state, control)  # type: ignore[arg-type]
+        model.train()
+        for _ in range(2):  # two micro-batches of the step
+            handle._count(APPLIED, None)
+        model.eval()  # the other callback's evaluation or prediction, one forward
+        handle._count(SKIPPED, None)
+        callback.on_prediction_step(None, state, control, model=model)  # type: ignore[arg-type]
+        logs = {"user_loss": 1.0, "user_runtime": 0.1, "user_samples_per_second": 9.0}
+        if entry == "evaluate":
+            callback.on_log(None, state, control, logs=logs)  # type: ignore[arg-type]
+            assert logs["user_vit_balance/calls_total"] == 1.0, logs
+            callback.on_evaluate(None, state, control, model=model)  # type: ignore[arg-type]
+        else:
+            callback.on_predict(None, state, control, model=model)  # type: ignore[arg-type]
+        model.train()
+        callback.on_step_end(None, state, control)  # type: ignore[arg-type]
+        training = {"loss": 1.0}
+        callback.on_log(None, state, control, logs=training)  # type: ignore[arg-type]
+        assert (training["vit_balance/calls"], training["vit_balance/applied"]) == (2.0, 1.0), (
+            entry,
+            training,
+        )
+    with pytest.raises(ValueError, match=r"pop_stats\(training='yes'\) is invalid: expected a bool or None"):
+        handle.pop_stats(training="yes")  # type: ignore[arg-type]
 
 
 def test_trainer_callback_goes_on_from_the_resumed_state_or_says_why_not() -> None:
@@ -3814,7 +3855,7 @@ def test_trainer_callback_publishes_only_what_it_can_tell_apart() -> None:
     model = tiny_model(FIT_FAMILY)
     handle = balance_vision_tower(model)
     queued: list[Any] = []
-    handle.pop_stats = lambda: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
+    handle.pop_stats = lambda **_: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
     callback, state = ViTBalanceTrainerCallback(log_per_rank_loads=False), TrainerState()
     callback.on_init_end(None, state, control, model=model)  # type: ignore[arg-type]
     callback.on_log(None, state, control, logs=None)  # type: ignore[arg-type]

@@ -79,6 +79,7 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
         # KEPT_STATS alone, fewer than an evaluation's forwards.
         self._evaluation = BalanceMetrics(self.log_per_rank_loads)
         self._handle: BalancedVisionTower | None = None
+        self._handle_sought = False  # whether the model was searched for one (a walk of its modules)
 
     def attach(self, trainer: Any) -> ViTBalanceTrainerCallback:
         """Add this callback to ``trainer`` (unless it holds one already), with its metrics put in
@@ -123,14 +124,14 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
     def _keep_stats_of(self, model: Any) -> None:
         """Read ``model``'s handle from here on: its forwards' stats are kept from now, so an
         evaluation before any training logs its forwards too."""
-        self._handle = _handle_of(model, required=False)
+        self._handle, self._handle_sought = _handle_of(model, required=False), True
         if self._handle is not None:
             self._handle.pop_stats()
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._handle = _handle_of(kwargs.get("model"), required=True)
+        self._handle, self._handle_sought = _handle_of(kwargs.get("model"), required=True), True
         self._handle.pop_stats()  # from here on the handle keeps each forward's stats for us
         saved = _resumed_attributes(state.stateful_callbacks, type(self).__name__)
         warn = warn_at_user if state.is_world_process_zero else _quiet
@@ -178,7 +179,7 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
     def on_prediction_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self._handle is None:  # added with add_callback after the Trainer's start: from now on
+        if not self._handle_sought:  # added with add_callback after the Trainer's start: from now on
             self._keep_stats_of(kwargs.get("model"))
         self._read_evaluation()
 
@@ -206,8 +207,11 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        # Forwards between steps are not training's; an evaluation between them is over (one that
+        # raised and was caught left its forwards here: none of the next one's).
+        self._evaluation = BalanceMetrics(self.log_per_rank_loads)
         if self._handle is not None:
-            self._handle.pop_stats()  # forwards between steps (evaluation) are not training's
+            self._handle.pop_stats()
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -3734,7 +3734,8 @@ def test_an_evaluation_a_callback_runs_before_the_steps_figures_are_read_keeps_b
     """A callback ahead of this one (``attach`` adds it after those given) that evaluates or
     predicts in ``on_step_end``: its evaluation's first step had taken the training step's
     forwards as its own (or the prediction's end dropped them). Each forward now goes to its loop:
-    the handle keeps whether it was a training forward (``pop_stats(training=...)``)."""
+    the handle keeps whether it was a training forward (``pop_stats(training=...)``). An evaluation
+    that raised leaves none of its forwards to the next one."""
     from test_metrics import APPLIED, SKIPPED
     from transformers import TrainerState
     from transformers.trainer_callback import TrainerControl
@@ -3743,6 +3744,9 @@ def test_an_evaluation_a_callback_runs_before_the_steps_figures_are_read_keeps_b
     handle = balance_vision_tower(model)
     callback, state, control = ViTBalanceTrainerCallback(), TrainerState(), TrainerControl()
     callback.on_train_begin(None, state, control, model=model)  # type: ignore[arg-type]
+    model.eval()  # an evaluation that raised (and was caught) after its first step: no log, no end
+    handle._count(SKIPPED, None)
+    callback.on_prediction_step(None, state, control, model=model)  # type: ignore[arg-type]
     for entry in ("evaluate", "predict"):
         callback.on_step_begin(None, state, control)  # type: ignore[arg-type]
         model.train()

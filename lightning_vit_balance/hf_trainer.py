@@ -121,18 +121,18 @@ class ViTBalanceTrainerCallback(TrainerCallback, ExportableState):
     ) -> None:
         self._keep_stats_of(kwargs.get("model"))
 
-    def _keep_stats_of(self, model: Any) -> None:
-        """Read ``model``'s handle from here on: its forwards' stats are kept from now, so an
-        evaluation before any training logs its forwards too."""
-        self._handle, self._handle_sought = _handle_of(model, required=False), True
+    def _keep_stats_of(self, model: Any, required: bool = False) -> None:
+        """Read ``model``'s handle from here on: its forwards' stats are kept from now (so an
+        evaluation before any training logs its forwards too), for this callback to read."""
+        self._handle, self._handle_sought = _handle_of(model, required=required), True
         if self._handle is not None:
             self._handle.pop_stats()
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._handle, self._handle_sought = _handle_of(kwargs.get("model"), required=True), True
-        self._handle.pop_stats()  # from here on the handle keeps each forward's stats for us
+        self._keep_stats_of(kwargs.get("model"), required=True)
+        assert self._handle is not None  # required: _handle_of raised otherwise
         saved = _resumed_attributes(state.stateful_callbacks, type(self).__name__)
         warn = warn_at_user if state.is_world_process_zero else _quiet
         # A fresh run's state holds this callback's own state of a moment ago (the last run's, with

@@ -3588,6 +3588,16 @@ def test_trainer_callback_attaches_once_to_a_hugging_face_trainer() -> None:
         ViTBalanceTrainerCallback(log_per_rank_loads="false")
 
 
+def _scripted_stats(config: ViTBalanceConfig | None = None) -> tuple[nn.Module, list[Any]]:
+    """A tiny model given to ``balance_vision_tower`` (``config``) whose handle's ``pop_stats`` hands
+    out, and forgets, what the test puts in the returned queue (whatever ``training`` asks)."""
+    model = tiny_model(FIT_FAMILY)
+    handle = balance_vision_tower(model, config)
+    queued: list[Any] = []
+    handle.pop_stats = lambda **_: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
+    return model, queued
+
+
 def test_trainer_callback_counts_a_fresh_run_from_zero() -> None:
     """One callback for several runs (a hyperparameter search's trials reuse theirs): a fresh run's
     ``TrainerState`` holds the callback's own counts of a moment ago, and the second run logged
@@ -3597,10 +3607,7 @@ def test_trainer_callback_counts_a_fresh_run_from_zero() -> None:
     from transformers import TrainerState
     from transformers.trainer_callback import TrainerControl
 
-    model = tiny_model(FIT_FAMILY)
-    handle = balance_vision_tower(model, ViTBalanceConfig(**CONFIG, calibrate_cost=True))
-    queued: list[Any] = []
-    handle.pop_stats = lambda **_: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
+    model, queued = _scripted_stats(ViTBalanceConfig(**CONFIG, calibrate_cost=True))
     callback, control = ViTBalanceTrainerCallback(), TrainerControl()
     totals = []
     for resumed_at in (0, 0, 2):
@@ -3621,7 +3628,7 @@ def test_trainer_callback_counts_a_fresh_run_from_zero() -> None:
     # The next trial's new model starts its cost fit afresh, not from the last trial's handle.
     trial = balance_vision_tower(tiny_model(FIT_FAMILY), ViTBalanceConfig(**CONFIG, calibrate_cost=True))
     fresh_fit = trial.state_dict()
-    handle.load_state_dict(_calibrator_state())
+    BalancedVisionTower.of(model).load_state_dict(_calibrator_state())
     callback.on_train_begin(None, TrainerState(stateful_callbacks=[callback]), control, model=trial.base)  # type: ignore[arg-type]
     assert trial.state_dict() == fresh_fit
 
@@ -3634,10 +3641,7 @@ def test_trainer_callback_logs_every_forward_of_a_step_in_training_logs_only() -
     from transformers import TrainerState
     from transformers.trainer_callback import TrainerControl
 
-    model = tiny_model(FIT_FAMILY)
-    handle = balance_vision_tower(model)
-    queued: list[Any] = []
-    handle.pop_stats = lambda **_: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
+    model, queued = _scripted_stats()
     callback, state, control = ViTBalanceTrainerCallback(), TrainerState(), TrainerControl()
     callback.on_train_begin(None, state, control, model=model)  # type: ignore[arg-type]
     for step, forwards in enumerate([[APPLIED, SKIPPED], [SKIPPED]], start=1):
@@ -3669,10 +3673,7 @@ def test_trainer_callback_logs_an_evaluations_forwards_under_its_prefix() -> Non
     from transformers import TrainerState
     from transformers.trainer_callback import TrainerControl
 
-    model = tiny_model(FIT_FAMILY)
-    handle = balance_vision_tower(model)
-    queued: list[Any] = []
-    handle.pop_stats = lambda **_: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
+    model, queued = _scripted_stats()
     callback, state, control = ViTBalanceTrainerCallback(), TrainerState(), TrainerControl()
     callback.on_init_end(None, state, control, model=model)  # type: ignore[arg-type]
     queued[:] = [APPLIED, SKIPPED]  # evaluate() before any training
@@ -3856,10 +3857,7 @@ def test_trainer_callback_publishes_only_what_it_can_tell_apart() -> None:
     unbalanced.on_log(None, TrainerState(), control, logs=logs)  # type: ignore[arg-type]
     assert logs == {"eval_loss": 1.0, **speed}
 
-    model = tiny_model(FIT_FAMILY)
-    handle = balance_vision_tower(model)
-    queued: list[Any] = []
-    handle.pop_stats = lambda **_: [queued.pop(0) for _ in range(len(queued))]  # type: ignore[method-assign]
+    model, queued = _scripted_stats()
     callback, state = ViTBalanceTrainerCallback(log_per_rank_loads=False), TrainerState()
     callback.on_init_end(None, state, control, model=model)  # type: ignore[arg-type]
     callback.on_log(None, state, control, logs=None)  # type: ignore[arg-type]
